@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what Chimera needs to build and test on Debian 12 / Ubuntu 22.04+ (idempotent).
+# System packages come from the distribution; Python packages (fixture and golden generation) go into .venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+PKGS=(build-essential cmake ninja-build pkg-config git
+      nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev
+      libgtest-dev libgmock-dev libbenchmark-dev python3 python3-venv)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+
+# Python venv for the scripts that regenerate fixtures and goldens (not needed to build or test).
+if [ "${CHIMERA_SETUP_PYTHON:-0}" = "1" ]; then
+  if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+  .venv/bin/pip install -q -r scripts/requirements.txt
+fi
+echo "setup: done"

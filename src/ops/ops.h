@@ -1,0 +1,146 @@
+// Backend-neutral entry points of every Nemotron-H operation.
+//
+// Each function checks shapes and dtypes once (an ErrorKind::kRuntime error naming the op and the tensor
+// on mismatch), then dispatches on ctx.device to the CPU reference (backends/cpu) or, later, CUDA.
+// Conventions:
+//   * Activations are F32 on the CPU backend (the reference computes everything in fp32).
+//   * Weights may be F32, BF16 or F16 (converted on the fly, fp32 accumulation).
+//   * Linear weights are [out_features, in_features]: y = x @ W^T (+ b).
+//   * Batched ops take a packed token batch: rows of all sequences back to back, with
+//     cu_seqlens [num_seqs + 1] (cu_seqlens[0] = 0) giving each sequence's row range, and per-sequence
+//     state slots (a slot id < 0 means "pad: skip this sequence").
+//   * Fused ops (add + RMSNorm, gated RMSNorm, router top-k, MoE) are first-class ops, not hidden
+//     optimisations, so each has a CPU reference the CUDA version is tested against.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "core/tensor.h"
+
+namespace chimera::ops {
+
+struct Context {
+  Device device = Device::kCpu;
+  void* stream = nullptr;  // cudaStream_t on the CUDA backend
+};
+
+// ---- embedding, norms ------------------------------------------------------------------------------
+// out: [T, D] f32; table: [V, D]; ids: T token ids (each must be in [0, V): out of range -> kInvalidInput).
+void embedding(const Context& ctx, const Tensor& out, const Tensor& table, std::span<const int32_t> ids);
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)); x, out: [T, D]; weight: [D]. out may alias x.
+void rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
+
+// residual += x (in place), then out = rms_norm(residual). residual, x, out: [T, D]; weight [D].
+void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
+                  const Tensor& weight, float eps);
+
+// Gated grouped RMSNorm (model-spec 3.3, norm_before_gate = false):
+//   u = y * silu(z); per group of D/n_groups channels: u *= rsqrt(mean(u^2) + eps); out = weight * u
+// y, z, out: [T, D]; weight: [D]; D % n_groups == 0.
+void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z,
+                    const Tensor& weight, int64_t n_groups, float eps);
+
+// ---- dense -----------------------------------------------------------------------------------------
+// out: [T, out_features] f32; x: [T, in_features] f32; weight: [out_features, in_features] (F32/BF16/F16);
+// bias: [out_features] or an undefined Tensor.
+void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+            const Tensor& bias = Tensor());
+
+// x = relu(x)^2 in place (any shape).
+void relu2(const Context& ctx, const Tensor& x);
+
+// out = down(relu(up(x))^2). x: [T, D]; up: [I, D]; down: [D, I]; out: [T, D].
+void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
+               const Tensor& down_proj);
+
+// ---- Mamba-2 ---------------------------------------------------------------------------------------
+// Depthwise causal conv1d over a packed batch, SiLU fused when `silu`.
+//   x, out: [T, C]; weight: [C, K] (or the checkpoint's [C, 1, K]); bias: [C] or undefined;
+//   conv_state: [num_slots, C, K-1]: the K-1 inputs preceding each sequence's first new token (zeros for a
+//   fresh sequence); on return holds the last K-1 inputs (older ones kept when a sequence has < K-1 tokens).
+//   cu_seqlens: [num_seqs + 1]; slots: [num_seqs].
+void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+                   const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> cu_seqlens,
+                   std::span<const int32_t> slots, bool silu);
+
+// Single-step update for a batch of sequences (one token each). x, out: [B, C]; slots: [B].
+void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+                          const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> slots,
+                          bool silu);
+
+// Parameters shared by the SSD scan and the selective state update.
+struct SsmParams {
+  Tensor A_log;    // [H]   A = -exp(A_log)
+  Tensor D;        // [H]   skip connection
+  Tensor dt_bias;  // [H]   dt = softplus(dt_raw + dt_bias), clamped to [dt_min, dt_max]
+  float dt_min = 0.0f;
+  float dt_max = 1.0f / 0.0f;  // +inf: the (0, inf) default of time_step_limit is a no-op
+};
+
+// Chunked SSD prefill (model-spec 3.4) over a packed batch, with initial states read from and final states
+// written to ssm_state slots. x: [T, H, P]; dt_raw: [T, H]; B, C: [T, G, N]; y: [T, H, P];
+// ssm_state: [num_slots, H, P, N] f32. Head h uses group h / (H / G).
+void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
+                    const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
+                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size);
+
+// The plain per-token recurrence (model-spec 3.3): the test oracle for ssd_chunk_scan, same contract.
+void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
+                    const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
+                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots);
+
+// Decode: one token per sequence (model-spec 3.5). x, y: [B, H, P]; dt_raw: [B, H]; B, C: [B, G, N];
+// slots: [B] (slot < 0: skipped, y left untouched).
+void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
+                            const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
+                            std::span<const int32_t> slots);
+
+// ---- attention -------------------------------------------------------------------------------------
+// A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim].
+struct KvCacheView {
+  Tensor k;
+  Tensor v;
+};
+
+// Causal GQA attention over a packed batch with a paged KV cache, no positional encoding.
+// Appends this step's k, v at positions context_lens[s] .. context_lens[s] + n_s - 1 of each sequence, then
+// each new query at position context_lens[s] + i attends to positions [0, context_lens[s] + i].
+//   q, out: [T, Qh, hd]; k, v: [T, KVh, hd]; cu_seqlens: [S + 1]; context_lens: [S] tokens already cached;
+//   block_tables: [S, max_blocks_per_seq] I32 (row s lists sequence s's blocks in order).
+//   scale: usually 1/sqrt(hd). Query head j uses kv head j / (Qh / KVh).
+void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+               const KvCacheView& cache, std::span<const int32_t> cu_seqlens,
+               std::span<const int32_t> context_lens, const Tensor& block_tables, float scale);
+
+// ---- MoE -------------------------------------------------------------------------------------------
+struct RouterParams {
+  int64_t top_k = 1;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+};
+
+// DeepSeek-V3 "noaux_tc" sigmoid router (model-spec 6.1) from fp32 router logits.
+//   logits: [T, E] f32; correction_bias: [E]; topk_ids: [T, k] I32; topk_weights: [T, k] f32.
+//   Selection uses sigmoid(logits) + bias, weights are the unbiased sigmoid scores, renormalised
+//   (w / (sum + 1e-20)) when norm_topk_prob, times routed_scaling_factor. Output order: by descending
+//   biased score; ties broken toward the lower expert index.
+void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
+                 const Tensor& correction_bias, const RouterParams& p);
+
+// Routed experts: out[t] = sum_j w[t, j] * down_e(relu(up_e(x[t]))^2), e = topk_ids[t, j].
+//   x: [T, Din]; out: [T, Din]; up[e]: [I, Din]; down[e]: [Din, I]; up.size() == down.size() == E.
+//   Accumulation in fp32 (HF eager adds experts in increasing expert index order).
+void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                 const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
+
+// ---- small helpers used by the model ---------------------------------------------------------------
+// out = a + b (elementwise, same shape). out may alias a or b.
+void add(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
+// Copies columns [col_begin, col_begin + out.dim(1)) of a [T, W] matrix into out [T, w].
+void copy_columns(const Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin);
+
+}  // namespace chimera::ops

@@ -1,0 +1,58 @@
+// Hugging Face `tokenizer.json` byte-level BPE, written from the format (no tokenizers library):
+// normalizer, pre-tokenizer (Split with a Unicode regex + ByteLevel), BPE model with merges, added and
+// special tokens, ByteLevel decoder. encode()/decode() equal HF tokenizers on the committed goldens.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace chimera {
+
+class Tokenizer {
+ public:
+  // Errors (kInvalidInput) name the file and the JSON field.
+  static Tokenizer load(const std::filesystem::path& tokenizer_json);
+  static Tokenizer from_json(const std::string& json_text, const std::string& source);
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
+
+  // add_special_tokens: apply the post-processor's template (e.g. prepend BOS) as HF does.
+  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
+  // Invalid UTF-8 produced by byte tokens is replaced by U+FFFD (as HF's lossy decode); never throws
+  // for ids in range; ids out of range -> kInvalidInput.
+  std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
+
+  int64_t vocab_size() const;  // model vocab + added tokens (max id + 1)
+  std::optional<int32_t> token_to_id(std::string_view token) const;
+  std::string id_to_token(int32_t id) const;
+  bool is_special(int32_t id) const;
+
+ private:
+  struct Impl;
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Streaming detokenization: feed ids as they are generated, get back the text that is complete so far.
+// Never splits a UTF-8 character; bytes of an unfinished character are held until it completes.
+class StreamingDecoder {
+ public:
+  explicit StreamingDecoder(const Tokenizer& tok, bool skip_special_tokens = false);
+  std::string feed(int32_t id);  // newly completed text (possibly empty)
+  std::string flush();           // whatever is left (invalid bytes become U+FFFD)
+
+ private:
+  const Tokenizer& tok_;
+  bool skip_special_;
+  std::vector<int32_t> ids_;
+  size_t emitted_bytes_ = 0;  // bytes of decode(ids_) already returned
+};
+
+}  // namespace chimera
