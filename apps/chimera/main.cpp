@@ -1,2 +1,55 @@
-// Placeholder until the CLI lands (this commit only sets up the build).
-int main() { return 0; }
+// chimera: inference for Nemotron-H / Nemotron 3 hybrid Mamba-2 / attention / MoE models.
+// Exit status: 0 success, 1 runtime error, 2 bad usage or bad input (flags, files, configs, tensors).
+#include <cstdio>
+#include <exception>
+
+#include <fmt/core.h>
+
+#include "commands.h"
+#include "core/error.h"
+#include "core/parallel.h"
+
+int main(int argc, char** argv) {
+  using namespace chimera;
+  CLI::App app{"chimera: an inference engine for Nemotron-H hybrid Mamba-2 / attention / MoE models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "chimera 0.1.0");
+  int threads = 0;
+  app.add_option("--threads", threads, "CPU threads for the reference backend (default: all cores)")
+      ->check(CLI::NonNegativeNumber);
+
+  cli::GenerateOptions gen;
+  cli::InfoOptions info;
+  CLI::App* g = app.add_subcommand("generate", "Generate text from a prompt, streaming it as it is produced");
+  cli::add_generate(*g, gen);
+  CLI::App* i = app.add_subcommand("info", "Show a model's layer plan, parameter counts and memory needs");
+  cli::add_info(*i, info);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return 2;
+  }
+  if (threads > 0) set_num_threads(threads);
+
+  try {
+    if (g->parsed()) return cli::run_generate(gen);
+    if (i->parsed()) return cli::run_info(info);
+  } catch (const Error& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "\nchimera: error: {}\n", e.what());
+    return e.exit_code();
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "\nchimera: internal error: {}\n", e.what());
+    return 1;
+  }
+  return 2;
+}

@@ -1,0 +1,39 @@
+// The chimera CLI's subcommands. Each registers its flags on a CLI11 subcommand and runs from a plain options
+// struct (flags -> one validated options value -> run; no getenv deep in code).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "runtime/sampler.h"
+
+namespace chimera::cli {
+
+struct GenerateOptions {
+  std::string model_dir;
+  std::string prompt;
+  std::string prompt_ids;  // "1,2,3"
+  std::string device = "cpu";
+  std::string logits_out;
+  SamplingParams sampling;
+  int32_t max_model_len = 4096;
+  bool no_special_tokens = false;
+  bool quiet = false;  // no stats on stderr
+};
+
+struct InfoOptions {
+  std::string model_dir;
+};
+
+void add_generate(CLI::App& app, GenerateOptions& opt);
+void add_info(CLI::App& app, InfoOptions& opt);
+int run_generate(const GenerateOptions& opt);
+int run_info(const InfoOptions& opt);
+
+// The model bundled with the source tree (used when -m is not given).
+std::string default_model_dir();
+
+}  // namespace chimera::cli

@@ -1,0 +1,136 @@
+// chimera generate: tokenize, run the engine, stream the text, optionally dump every logits row.
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+
+#include <fmt/core.h>
+
+#include "commands.h"
+#include "core/error.h"
+#include "io/npy.h"
+#include "model_loading.h"
+#include "runtime/engine.h"
+
+namespace chimera::cli {
+
+void add_generate(CLI::App& app, GenerateOptions& o) {
+  o.model_dir = default_model_dir();
+  app.add_option("-m,--model", o.model_dir, "Model directory (config.json, *.safetensors, tokenizer.json)")
+      ->capture_default_str();
+  app.add_option("-p,--prompt", o.prompt, "Prompt text");
+  app.add_option("--prompt-ids", o.prompt_ids, "Prompt as comma-separated token ids instead of text");
+  app.add_option("-n,--max-tokens", o.sampling.max_new_tokens, "Maximum number of tokens to generate")
+      ->capture_default_str();
+  app.add_option("--temperature", o.sampling.temperature, "Sampling temperature (0 = greedy)")->capture_default_str();
+  app.add_option("--top-k", o.sampling.top_k, "Keep the k most likely tokens (0 = off)")->capture_default_str();
+  app.add_option("--top-p", o.sampling.top_p, "Nucleus sampling mass (1 = off)")->capture_default_str();
+  app.add_option("--seed", o.sampling.seed, "Random seed for sampling")->capture_default_str();
+  app.add_flag("--ignore-eos", o.sampling.ignore_eos, "Keep generating past end-of-sequence tokens");
+  app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--max-model-len", o.max_model_len, "Maximum tokens per sequence (prompt + output)")
+      ->capture_default_str();
+  app.add_option("--logits-out", o.logits_out,
+                 "Write float32 logits of every prompt position and every generated step to FILE.npy");
+  app.add_flag("--no-special-tokens", o.no_special_tokens, "Do not add the tokenizer's special tokens (BOS)");
+  app.add_flag("-q,--quiet", o.quiet, "No statistics on stderr");
+}
+
+namespace {
+std::vector<int32_t> parse_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const auto b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+    if (b == std::string::npos) invalid_input("--prompt-ids: empty entry in '{}'", text);
+    item = item.substr(b, e - b + 1);
+    try {
+      size_t used = 0;
+      const long long v = std::stoll(item, &used);
+      if (used != item.size() || v < 0 || v > INT32_MAX) throw std::invalid_argument(item);
+      ids.push_back(static_cast<int32_t>(v));
+    } catch (const std::exception&) {
+      invalid_input("--prompt-ids: '{}' is not a token id", item);
+    }
+  }
+  if (ids.empty()) invalid_input("--prompt-ids: no ids given");
+  return ids;
+}
+}  // namespace
+
+int run_generate(const GenerateOptions& o) {
+  if (o.device == "cuda") {
+    invalid_input("--device cuda: the GPU engine is not built yet in this version of chimera; use --device cpu");
+  }
+  if (o.prompt.empty() == o.prompt_ids.empty()) invalid_input("give exactly one of --prompt and --prompt-ids");
+  o.sampling.validate();
+  if (o.max_model_len < 1) invalid_input("--max-model-len must be >= 1, got {}", o.max_model_len);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  LoadedModel m = load_model_dir(o.model_dir);
+  std::vector<int32_t> prompt;
+  if (!o.prompt_ids.empty()) {
+    prompt = parse_ids(o.prompt_ids);
+  } else {
+    if (!m.tokenizer) invalid_input("{}: no tokenizer.json; pass the prompt as --prompt-ids", o.model_dir);
+    prompt = m.tokenizer->encode(o.prompt, !o.no_special_tokens);
+    if (prompt.empty()) invalid_input("--prompt: the prompt encodes to no tokens");
+  }
+  const auto t_loaded = std::chrono::steady_clock::now();
+
+  EngineConfig ec;
+  ec.cache.max_seqs = 1;
+  ec.cache.max_model_len = std::max<int32_t>(o.max_model_len, static_cast<int32_t>(prompt.size()) + 1);
+  ec.scheduler.max_num_seqs = 1;
+  ec.return_prompt_logits = !o.logits_out.empty();
+  Engine engine(*m.model, ops::Context{}, ec);
+  std::vector<float> logit_rows;
+  if (!o.logits_out.empty()) {
+    engine.on_logits = [&](int32_t, std::span<const float> row) {
+      logit_rows.insert(logit_rows.end(), row.begin(), row.end());
+    };
+  }
+  engine.add_request(prompt, o.sampling);
+
+  std::optional<StreamingDecoder> stream;
+  if (m.tokenizer) {
+    stream.emplace(*m.tokenizer, /*skip_special_tokens=*/true);
+    if (!o.prompt.empty()) fmt::print("{}", o.prompt);
+  }
+  int32_t generated = 0;
+  std::chrono::steady_clock::time_point t_first{};
+  while (engine.has_unfinished()) {
+    for (const TokenEvent& ev : engine.step()) {
+      if (ev.token < 0) continue;
+      if (generated++ == 0) t_first = std::chrono::steady_clock::now();
+      if (stream) {
+        fmt::print("{}", stream->feed(ev.token));
+      } else {
+        fmt::print("{}{}", generated > 1 ? "," : "", ev.token);
+      }
+      std::fflush(stdout);
+    }
+  }
+  if (stream) fmt::print("{}", stream->flush());
+  fmt::print("\n");
+  std::fflush(stdout);
+  const auto t_end = std::chrono::steady_clock::now();
+
+  if (!o.logits_out.empty()) {
+    const int64_t V = m.config.vocab_size;
+    const int64_t rows = static_cast<int64_t>(logit_rows.size()) / V;
+    write_npy(o.logits_out, Tensor::from_f32({rows, V}, logit_rows));
+  }
+  if (!o.quiet) {
+    using ms = std::chrono::duration<double, std::milli>;
+    const double load_ms = ms(t_loaded - t0).count();
+    const double ttft = generated ? ms(t_first - t_loaded).count() : 0.0;
+    const double decode_ms = generated > 1 ? ms(t_end - t_first).count() : 0.0;
+    fmt::print(stderr, "[chimera] prompt {} tokens, generated {} | load {:.0f} ms, first token {:.1f} ms{}\n",
+               prompt.size(), generated, load_ms, ttft,
+               generated > 1 ? fmt::format(", decode {:.1f} tok/s", (generated - 1) / (decode_ms / 1000.0)) : "");
+  }
+  return 0;
+}
+
+}  // namespace chimera::cli

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# First command of the README: install, build, and generate text with the bundled default model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/build.sh
+./build/chimera generate -m models/nemotron-h-tiny -p "${1:-The capital of France is}" -n "${2:-48}" "${@:3}"

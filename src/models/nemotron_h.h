@@ -1,0 +1,93 @@
+// Nemotron-H / Nemotron 3 (model_type "nemotron_h"): weights by checkpoint name, and the forward step.
+// Reads like transformers' modeling_nemotron_h.py: embeddings -> [norm -> mixer -> residual add] per layer
+// -> norm_f -> lm_head, with the mixer chosen by the layer pattern (M Mamba-2, * attention, - MLP, E MoE).
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "io/model_config.h"
+#include "io/safetensors.h"
+#include "ops/ops.h"
+#include "runtime/batch.h"
+#include "runtime/state_cache.h"
+
+namespace chimera {
+
+// Member names equal the checkpoint keys under `backbone.layers.{i}.mixer.` (style.md: loading is a name table).
+struct MambaWeights {
+  Tensor in_proj;          // [2*Di + 2*G*N + H, D]
+  Tensor in_proj_bias;     // [2*Di + 2*G*N + H] when use_bias
+  Tensor conv1d_weight;    // [Cd, K] (checkpoint [Cd, 1, K])
+  Tensor conv1d_bias;      // [Cd] when use_conv_bias
+  ops::SsmParams ssm;      // A_log, D, dt_bias as F32 [H]; time_step_limit
+  Tensor norm;             // [Di] gated grouped RMSNorm weight
+  Tensor out_proj;         // [D, Di]
+  Tensor out_proj_bias;    // [D] when use_bias
+};
+
+struct AttentionWeights {
+  Tensor q_proj;  // [Qh*hd, D]
+  Tensor k_proj;  // [KVh*hd, D]
+  Tensor v_proj;  // [KVh*hd, D]
+  Tensor o_proj;  // [D, Qh*hd]
+};
+
+struct MlpWeights {
+  Tensor up_proj;    // [I, D]
+  Tensor down_proj;  // [D, I]
+};
+
+struct MoeWeights {
+  Tensor gate;                     // [E, D] router
+  Tensor e_score_correction_bias;  // [E] F32
+  std::vector<Tensor> experts_up;    // E x [I_moe, Lat|D]  (views into a fused [E, I, Lat|D] when HF-named)
+  std::vector<Tensor> experts_down;  // E x [Lat|D, I_moe]
+  MlpWeights shared_experts;       // [I_sh, D], [D, I_sh]
+  Tensor fc1_latent_proj;          // [Lat, D] when moe_latent_size
+  Tensor fc2_latent_proj;          // [D, Lat]
+};
+
+struct LayerWeights {
+  LayerKind kind;
+  Tensor norm;  // [D] pre-mixer RMSNorm
+  MambaWeights mamba;
+  AttentionWeights attention;
+  MlpWeights mlp;
+  MoeWeights moe;
+};
+
+class NemotronH {
+ public:
+  // Binds every tensor of the checkpoint by name, checking it against the config's shape. Accepts NVIDIA's
+  // published naming (backbone.*, backbone.embeddings or backbone.embedding, one tensor per expert) and
+  // transformers' in-memory naming (model.*, fused experts). Missing, unexpected and mis-shaped tensors
+  // are kInvalidInput errors naming the tensor (and the file). mtp.* tensors are kept in mtp_tensors().
+  static NemotronH load(const ModelConfig& config, const Checkpoint& checkpoint);
+
+  const ModelConfig& config() const { return config_; }
+  const std::map<std::string, Tensor>& mtp_tensors() const { return mtp_; }
+  // Parameter count per layer kind name ("embeddings", "mamba", ..., "lm_head").
+  std::map<std::string, int64_t> parameter_counts() const;
+
+  // One forward step: returns fp32 logits [batch.logit_rows.size(), vocab_size].
+  Tensor forward(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const;
+
+ private:
+  NemotronH() = default;
+  void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const Tensor& conv_state,
+                   const Tensor& ssm_state, const Tensor& x, const Tensor& out) const;
+  void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
+                       const ops::KvCacheView& kv, const Tensor& x, const Tensor& out) const;
+  void moe_mixer(const ops::Context& ctx, const LayerWeights& w, const Tensor& x, const Tensor& out) const;
+
+  ModelConfig config_;
+  Tensor embeddings_;  // [V, D]
+  std::vector<LayerWeights> layers_;
+  Tensor norm_f_;   // [D]
+  Tensor lm_head_;  // [V, D]
+  std::map<std::string, Tensor> mtp_;
+};
+
+}  // namespace chimera

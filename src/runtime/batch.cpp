@@ -1,0 +1,30 @@
+#include "runtime/batch.h"
+
+#include "core/error.h"
+
+namespace chimera {
+
+void StepBatch::validate() const {
+  const size_t s = context_lens.size();
+  CHIMERA_CHECK(cu_seqlens.size() == s + 1, "cu_seqlens has {} entries for {} sequences", cu_seqlens.size(), s);
+  CHIMERA_CHECK(state_slots.size() == s, "state_slots has {} entries for {} sequences", state_slots.size(), s);
+  CHIMERA_CHECK(cu_seqlens.front() == 0 && cu_seqlens.back() == num_tokens(), "cu_seqlens must span [0, {}]",
+                num_tokens());
+  CHIMERA_CHECK(num_prefill_seqs >= 0 && static_cast<size_t>(num_prefill_seqs) <= s, "num_prefill_seqs {}",
+                num_prefill_seqs);
+  for (size_t i = 0; i < s; ++i) {
+    const int32_t n = cu_seqlens[i + 1] - cu_seqlens[i];
+    CHIMERA_CHECK(n >= 1, "sequence {} has {} new tokens", i, n);
+    if (static_cast<int32_t>(i) >= num_prefill_seqs) {
+      CHIMERA_CHECK(n == 1, "decode sequence {} has {} new tokens", i, n);
+    }
+  }
+  if (s > 0) {
+    CHIMERA_CHECK(block_tables.ndim() == 2 && block_tables.dim(0) == static_cast<int64_t>(s) &&
+                      block_tables.dtype() == DType::kI32,
+                  "block_tables must be I32 [{}, max_blocks], got {}", s, block_tables.describe());
+  }
+  for (int32_t r : logit_rows) CHIMERA_CHECK(r >= 0 && r < num_tokens(), "logit row {} out of range", r);
+}
+
+}  // namespace chimera

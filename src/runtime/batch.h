@@ -1,0 +1,38 @@
+// StepBatch: the one description of a forward step, the same for every backend, prefill and decode
+// (design.md "One batch description for every backend"). Plain data: the scheduler builds it, the model
+// reads it, nothing else is needed to run a step.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace chimera {
+
+struct StepBatch {
+  // Packed token ids of all sequences of the step: prefill sequences first, then decode sequences.
+  std::vector<int32_t> token_ids;
+  // Per sequence s: rows [cu_seqlens[s], cu_seqlens[s+1]) of the packed tokens. Size num_seqs + 1.
+  std::vector<int32_t> cu_seqlens{0};
+  // Tokens of sequence s already in its context (cached) before this step.
+  std::vector<int32_t> context_lens;
+  // Mamba state slot of sequence s (conv + SSM state of every Mamba layer).
+  std::vector<int32_t> state_slots;
+  // KV block table: [num_seqs, max_blocks_per_seq] I32 host tensor; row s lists sequence s's blocks.
+  Tensor block_tables;
+  // The first num_prefill_seqs sequences run the prefill kernels (chunked scan, varlen conv); the rest
+  // are decode sequences with exactly one new token (selective state update, conv update).
+  int32_t num_prefill_seqs = 0;
+  // Packed rows whose logits the step returns, in this order (the last row of each sequence when
+  // generating; every row when scoring a prompt).
+  std::vector<int32_t> logit_rows;
+
+  int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
+  int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
+  int32_t num_prefill_tokens() const { return cu_seqlens[static_cast<size_t>(num_prefill_seqs)]; }
+  // Checks internal consistency (sizes, monotone offsets, decode sequences of one token); kRuntime on error.
+  void validate() const;
+};
+
+}  // namespace chimera

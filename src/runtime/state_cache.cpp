@@ -1,0 +1,98 @@
+#include "runtime/state_cache.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace chimera {
+
+StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes) : sizes_(sizes) {
+  if (sizes_.max_seqs < 1) invalid_input("max sequences must be >= 1, got {}", sizes_.max_seqs);
+  if (sizes_.max_model_len < 1) invalid_input("max model length must be >= 1, got {}", sizes_.max_model_len);
+  if (sizes_.block_size < 1) invalid_input("KV block size must be >= 1, got {}", sizes_.block_size);
+  if (sizes_.num_blocks <= 0) sizes_.num_blocks = sizes_.max_seqs * blocks_per_seq();
+
+  const size_t n = config.layers.size();
+  state_.conv.resize(n);
+  state_.ssm.resize(n);
+  state_.kv.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (config.layers[i]) {
+      case LayerKind::kMamba:
+        state_.conv[i] = Tensor::zeros(DType::kF32, {sizes_.max_seqs, config.conv_dim(), config.conv_kernel - 1});
+        state_.ssm[i] = Tensor::zeros(
+            DType::kF32, {sizes_.max_seqs, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size});
+        break;
+      case LayerKind::kAttention: {
+        const Shape kv_shape{sizes_.num_blocks, sizes_.block_size, config.num_key_value_heads, config.head_dim};
+        state_.kv[i] = ops::KvCacheView{Tensor::zeros(DType::kF32, kv_shape), Tensor::zeros(DType::kF32, kv_shape)};
+        break;
+      }
+      case LayerKind::kMlp:
+      case LayerKind::kMoe: break;
+    }
+  }
+  for (int32_t s = sizes_.max_seqs - 1; s >= 0; --s) free_slots_.push_back(s);
+  for (int32_t b = sizes_.num_blocks - 1; b >= 0; --b) free_blocks_.push_back(b);
+}
+
+int32_t StateCache::allocate_slot() {
+  if (free_slots_.empty()) return -1;
+  const int32_t slot = free_slots_.back();
+  free_slots_.pop_back();
+  for (size_t i = 0; i < state_.conv.size(); ++i) {
+    if (!state_.conv[i]) continue;
+    Tensor c = state_.conv[i].select(slot), s = state_.ssm[i].select(slot);
+    std::memset(c.data(), 0, c.nbytes());
+    std::memset(s.data(), 0, s.nbytes());
+  }
+  return slot;
+}
+
+void StateCache::release_slot(int32_t slot) {
+  CHIMERA_CHECK(slot >= 0 && slot < sizes_.max_seqs, "release of slot {}", slot);
+  CHIMERA_CHECK(std::find(free_slots_.begin(), free_slots_.end(), slot) == free_slots_.end(),
+                "slot {} released twice", slot);
+  free_slots_.push_back(slot);
+}
+
+bool StateCache::reserve_blocks(std::vector<int32_t>& blocks, int32_t num_tokens) {
+  const int32_t need = (num_tokens + sizes_.block_size - 1) / sizes_.block_size;
+  const int32_t more = need - static_cast<int32_t>(blocks.size());
+  if (more <= 0) return true;
+  if (more > free_blocks() || need > blocks_per_seq()) return false;
+  for (int32_t i = 0; i < more; ++i) {
+    blocks.push_back(free_blocks_.back());
+    free_blocks_.pop_back();
+  }
+  return true;
+}
+
+void StateCache::release_blocks(std::vector<int32_t>& blocks) {
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) free_blocks_.push_back(*it);
+  blocks.clear();
+}
+
+size_t StateCache::bytes() const {
+  size_t b = 0;
+  for (size_t i = 0; i < state_.conv.size(); ++i) {
+    if (state_.conv[i]) b += state_.conv[i].nbytes() + state_.ssm[i].nbytes();
+    if (state_.kv[i].k) b += state_.kv[i].k.nbytes() + state_.kv[i].v.nbytes();
+  }
+  return b;
+}
+
+size_t StateCache::mamba_state_bytes_per_seq(const ModelConfig& c) {
+  size_t per_layer = static_cast<size_t>(c.conv_dim() * (c.conv_kernel - 1) +
+                                         c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size) *
+                     4;
+  return per_layer * static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kMamba));
+}
+
+size_t StateCache::kv_bytes_per_token(const ModelConfig& c) {
+  const size_t per_layer = static_cast<size_t>(2 * c.num_key_value_heads * c.head_dim) * 4;
+  return per_layer * static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kAttention));
+}
+
+}  // namespace chimera

@@ -1,0 +1,64 @@
+// Per-sequence state that lives outside the model (design.md "State lives outside the model"):
+//   * Mamba state slots: per Mamba layer a conv state [slots, conv_dim, conv_kernel - 1] and an SSM state
+//     [slots, mamba_num_heads, mamba_head_dim, ssm_state_size], fp32. A sequence owns one slot id across
+//     all Mamba layers.
+//   * Paged KV cache: per attention layer K and V blocks [num_blocks, block_size, num_key_value_heads,
+//     head_dim], handed out in blocks and addressed through per-sequence block tables.
+// The runtime allocates and frees; the model only reads and writes through slot ids and block tables.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "io/model_config.h"
+#include "ops/ops.h"
+
+namespace chimera {
+
+// What one forward step sees of the caches; indexed by layer (entries of other layer kinds are empty).
+struct ModelState {
+  std::vector<Tensor> conv;             // Mamba layers: [slots, Cd, K-1] f32
+  std::vector<Tensor> ssm;              // Mamba layers: [slots, H, P, N] f32
+  std::vector<ops::KvCacheView> kv;     // attention layers
+};
+
+struct CacheSizes {
+  int32_t max_seqs = 8;        // Mamba state slots
+  int32_t max_model_len = 4096;  // tokens per sequence (prompt + generated)
+  int32_t block_size = 16;     // KV tokens per block
+  // KV blocks in the pool; 0 = enough for max_seqs sequences of max_model_len tokens.
+  int32_t num_blocks = 0;
+};
+
+class StateCache {
+ public:
+  StateCache(const ModelConfig& config, const CacheSizes& sizes);
+
+  const CacheSizes& sizes() const { return sizes_; }
+  int32_t blocks_per_seq() const { return (sizes_.max_model_len + sizes_.block_size - 1) / sizes_.block_size; }
+
+  // A fresh Mamba slot, zeroed in every layer (a new sequence starts from zero state). -1 when none is free.
+  int32_t allocate_slot();
+  void release_slot(int32_t slot);
+  int32_t free_slots() const { return static_cast<int32_t>(free_slots_.size()); }
+
+  // Grows `blocks` so that it covers `num_tokens` tokens. False (and nothing taken) if the pool is short.
+  bool reserve_blocks(std::vector<int32_t>& blocks, int32_t num_tokens);
+  void release_blocks(std::vector<int32_t>& blocks);
+  int32_t free_blocks() const { return static_cast<int32_t>(free_blocks_.size()); }
+
+  ModelState& state() { return state_; }
+  // Bytes held by all caches (for `chimera info` and memory planning).
+  size_t bytes() const;
+  // Bytes of Mamba state per sequence and of KV per token, from the config alone.
+  static size_t mamba_state_bytes_per_seq(const ModelConfig& config);
+  static size_t kv_bytes_per_token(const ModelConfig& config);
+
+ private:
+  CacheSizes sizes_;
+  ModelState state_;
+  std::vector<int32_t> free_slots_;   // a stack; lowest ids handed out first
+  std::vector<int32_t> free_blocks_;  // likewise
+};
+
+}  // namespace chimera
