@@ -87,12 +87,23 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const fs::path& path) {
   f->data_ = header + header_len;
   const uint64_t data_size = size - 8 - header_len;
 
+  // nlohmann keeps the last of duplicate keys silently; a header naming a tensor twice is corrupt.
+  std::set<std::string> seen;
+  std::string duplicate;
+  const json::parser_callback_t note_keys = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1 && !seen.insert(parsed.get<std::string>()).second &&
+        duplicate.empty()) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
   json h;
   try {
-    h = json::parse(header, header + header_len);
+    h = json::parse(header, header + header_len, note_keys);
   } catch (const json::parse_error& e) {
     invalid_input("{}: header is not valid JSON: {}", p, e.what());
   }
+  if (!duplicate.empty()) invalid_input("{}: tensor '{}' appears twice in the header", p, duplicate);
   if (!h.is_object()) invalid_input("{}: header must be a JSON object, got {}", p, h.type_name());
 
   for (const auto& [name, v] : h.items()) {
