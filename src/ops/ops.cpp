@@ -74,7 +74,8 @@ class Check {
     std::unordered_set<int32_t> seen;
     for (size_t s = 0; s < slots.size(); ++s) {
       if (slots[s] < 0) continue;
-      if (slots[s] >= num_slots) fail("slot {} of sequence {} is out of range for {} state slots", slots[s], s, num_slots);
+      if (slots[s] >= num_slots)
+        fail("slot {} of sequence {} is out of range for {} state slots", slots[s], s, num_slots);
       if (!seen.insert(slots[s]).second) fail("slot {} is used by more than one sequence", slots[s]);
     }
   }
@@ -108,8 +109,8 @@ void check_ssm_params(const Check& c, const SsmParams& p, int64_t H, const Tenso
 
 // Shared by the scan, the recurrence and the decode update: x [T, H, P], dt_raw [T, H], B, C [T, G, N],
 // y [T, H, P], ssm_state [slots, H, P, N].
-void check_ssm(const Check& c, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
-               const Tensor& C, const SsmParams& p, const Tensor& ssm_state) {
+void check_ssm(const Check& c, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
+               const SsmParams& p, const Tensor& ssm_state) {
   c.f32("x", x, 3);
   c.f32("y", y, 3);
   c.f32("dt_raw", dt_raw, 2);
@@ -121,7 +122,8 @@ void check_ssm(const Check& c, const Tensor& y, const Tensor& x, const Tensor& d
   c.shape("dt_raw", dt_raw, {T, H}, "x", x);
   c.shape("B", B, {T, G, N}, "x", x);
   c.shape("C", C, B.shape(), "B", B);
-  if (G <= 0 || H % G != 0) c.fail("B {} has {} groups, which do not divide the {} heads of x {}", B.describe(), G, H, x.describe());
+  if (G <= 0 || H % G != 0)
+    c.fail("B {} has {} groups, which do not divide the {} heads of x {}", B.describe(), G, H, x.describe());
   c.shape("ssm_state", ssm_state, {ssm_state.dim(0), H, P, N}, "x", x);
   c.no_alias("y", y, "ssm_state", ssm_state);
   check_ssm_params(c, p, H, x);
@@ -176,8 +178,8 @@ void rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tens
   c.dispatch([&] { cpu::rms_norm(out, x, weight, eps); });
 }
 
-void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
-                  const Tensor& weight, float eps) {
+void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x, const Tensor& weight,
+                  float eps) {
   const Check c(ctx, "add_rms_norm");
   c.f32("x", x, 2);
   c.f32("residual", residual, 2);
@@ -226,8 +228,7 @@ void relu2(const Context& ctx, const Tensor& x) {
   c.dispatch([&] { cpu::relu2(x); });
 }
 
-void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
-               const Tensor& down_proj) {
+void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj, const Tensor& down_proj) {
   const Check c(ctx, "relu2_mlp");
   c.f32("x", x, 2);
   c.f32("out", out, 2);
@@ -281,8 +282,8 @@ void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const 
   c.dispatch([&] { cpu::ssm_recurrence(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots); });
 }
 
-void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
-                            const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
+void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
+                            const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
                             std::span<const int32_t> slots) {
   const Check c(ctx, "selective_state_update");
   check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
@@ -294,8 +295,8 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
 // ---- attention -------------------------------------------------------------------------------------
 
 void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
-               const KvCacheView& cache, std::span<const int32_t> cu_seqlens,
-               std::span<const int32_t> context_lens, const Tensor& block_tables, float scale) {
+               const KvCacheView& cache, std::span<const int32_t> cu_seqlens, std::span<const int32_t> context_lens,
+               const Tensor& block_tables, float scale) {
   const Check c(ctx, "attention");
   c.f32("q", q, 3);
   c.f32("k", k, 3);
@@ -305,7 +306,8 @@ void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Ten
   c.shape("out", out, q.shape(), "q", q);
   c.shape("k", k, {T, KVh, hd}, "q", q);
   c.shape("v", v, k.shape(), "k", k);
-  if (KVh <= 0 || Qh % KVh != 0) c.fail("k {} has {} heads, which do not divide the {} heads of q {}", k.describe(), KVh, Qh, q.describe());
+  if (KVh <= 0 || Qh % KVh != 0)
+    c.fail("k {} has {} heads, which do not divide the {} heads of q {}", k.describe(), KVh, Qh, q.describe());
   c.f32("cache.k", cache.k, 4);
   c.f32("cache.v", cache.v, 4);
   const int64_t num_blocks = cache.k.dim(0), block_size = cache.k.dim(1);
@@ -329,7 +331,8 @@ void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Ten
     }
     for (int64_t b = 0; b < (end + block_size - 1) / block_size; ++b) {
       const int32_t id = block_tables.i32()[static_cast<int64_t>(s) * max_blocks + b];
-      if (id < 0 || id >= num_blocks) c.fail("block_tables[{}, {}] = {} is out of range for {} blocks", s, b, id, num_blocks);
+      if (id < 0 || id >= num_blocks)
+        c.fail("block_tables[{}, {}] = {} is out of range for {} blocks", s, b, id, num_blocks);
     }
   }
   c.dispatch([&] { cpu::attention(out, q, k, v, cache, cu_seqlens, context_lens, block_tables, scale); });
@@ -345,7 +348,8 @@ void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_
   c.weight("correction_bias", correction_bias, 1);
   c.shape("correction_bias", correction_bias, {E}, "logits", logits);
   if (p.n_group < 1 || E % p.n_group != 0) c.fail("n_group {} does not divide the {} experts", p.n_group, E);
-  if (p.topk_group < 1 || p.topk_group > p.n_group) c.fail("topk_group {} is not in [1, n_group = {}]", p.topk_group, p.n_group);
+  if (p.topk_group < 1 || p.topk_group > p.n_group)
+    c.fail("topk_group {} is not in [1, n_group = {}]", p.topk_group, p.n_group);
   if (p.top_k < 1 || p.top_k > p.topk_group * (E / p.n_group)) {
     c.fail("top_k {} is not in [1, {}] (topk_group {} groups of {} experts)", p.top_k, p.topk_group * (E / p.n_group),
            p.topk_group, E / p.n_group);

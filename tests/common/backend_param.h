@@ -3,10 +3,10 @@
 // until the CUDA backend exists; when it does, SetUp stops skipping and ctx() hands the ops a CUDA context.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <string>
 #include <utility>
-
-#include <gtest/gtest.h>
 
 #include "core/dtype.h"
 #include "core/error.h"

@@ -64,8 +64,8 @@ void run_steps(const ops::Context& ctx, test::Rng& rng, const AttnCase& c, const
   std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), rng.engine());
-  Tensor tables = Tensor::from_i32({int64_t(S), max_blocks},
-                                   std::span<const int32_t>(ids.data(), size_t(int64_t(S) * max_blocks)));
+  Tensor tables =
+      Tensor::from_i32({int64_t(S), max_blocks}, std::span<const int32_t>(ids.data(), size_t(int64_t(S) * max_blocks)));
   ops::KvCacheView cache{Tensor::empty(DType::kF32, {num_blocks, block_size, c.KVh, c.hd}),
                          Tensor::empty(DType::kF32, {num_blocks, block_size, c.KVh, c.hd})};
   test::poison(cache.k);
@@ -146,9 +146,9 @@ TEST_P(OpsAttention, BadShapesThrowNamingTheOp) {
       [&] { ops::attention(ctx(), out, q, kv2, kv2, cache2, cu, std::vector<int32_t>{2}, tables, 1.0f); },
       ErrorKind::kRuntime, "ops::attention: sequence 0 needs 5 positions"));
   const Tensor bad_tables = Tensor::from_i32({1, 1}, std::vector<int32_t>{2});
-  EXPECT_TRUE(test::throws_error(
-      [&] { ops::attention(ctx(), out, q, kv2, kv2, cache2, cu, ctx_lens, bad_tables, 1.0f); }, ErrorKind::kRuntime,
-      "ops::attention: block_tables[0, 0] = 2 is out of range for 2 blocks"));
+  EXPECT_TRUE(
+      test::throws_error([&] { ops::attention(ctx(), out, q, kv2, kv2, cache2, cu, ctx_lens, bad_tables, 1.0f); },
+                         ErrorKind::kRuntime, "ops::attention: block_tables[0, 0] = 2 is out of range for 2 blocks"));
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(OpsAttention);

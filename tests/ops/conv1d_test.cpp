@@ -57,7 +57,8 @@ TEST_P(OpsConv1d, PackedBatchWithSlotsMatchesNaive) {
           SCOPED_TRACE(::testing::Message() << "K=" << K << " C=" << C << " silu=" << silu << " w=" << dtype_name(wt));
           const Tensor x = rng.normal_tensor({T, C});
           // The checkpoint layout [C, 1, K] for bf16, [C, K] for f32: both accepted.
-          const Tensor w = test::cast_to(rng.normal_tensor(wt == DType::kBF16 ? Shape{C, 1, K} : Shape{C, K}, 0.5f), wt);
+          const Tensor w =
+              test::cast_to(rng.normal_tensor(wt == DType::kBF16 ? Shape{C, 1, K} : Shape{C, K}, 0.5f), wt);
           const Tensor bias = rng.normal_tensor({C});
           const Tensor state0 = rng.normal_tensor({num_slots, C, K - 1});
           Tensor out = Tensor::empty(DType::kF32, {T, C}), want = Tensor::empty(DType::kF32, {T, C});
@@ -101,8 +102,8 @@ TEST_P(OpsConv1d, SplitInTwoCallsEqualsOneCall) {
     test::poison(parts);
     Tensor s_whole = state0.clone(), s_parts = state0.clone();
     ops::causal_conv1d(ctx(), whole, x, w, bias, s_whole, std::vector<int32_t>{0, n}, slot, true);
-    ops::causal_conv1d(ctx(), parts.rows(0, split), x.rows(0, split), w, bias, s_parts,
-                       std::vector<int32_t>{0, split}, slot, true);
+    ops::causal_conv1d(ctx(), parts.rows(0, split), x.rows(0, split), w, bias, s_parts, std::vector<int32_t>{0, split},
+                       slot, true);
     ops::causal_conv1d(ctx(), parts.rows(split, n), x.rows(split, n), w, bias, s_parts,
                        std::vector<int32_t>{0, n - split}, slot, true);
     EXPECT_TRUE(test::bit_equal(parts, whole)) << "split " << split;
@@ -136,16 +137,22 @@ TEST_P(OpsConv1d, BadShapesThrowNamingTheOp) {
   Tensor state = Tensor::zeros(DType::kF32, {2, 8, 3});
   const std::vector<int32_t> cu = {0, 4}, slot = {0};
   EXPECT_TRUE(test::throws_error(
-      [&] { ops::causal_conv1d(ctx(), out, x, w, Tensor(), Tensor::zeros(DType::kF32, {2, 8, 4}), cu, slot, true); },
+      [&] {
+        ops::causal_conv1d(ctx(), out, x, w, Tensor(), Tensor::zeros(DType::kF32, {2, 8, 4}), cu, slot, true);
+      },
       ErrorKind::kRuntime, "ops::causal_conv1d: conv_state F32[2, 8, 4] does not match weight F32[8, 4]"));
   EXPECT_TRUE(test::throws_error(
-      [&] { ops::causal_conv1d(ctx(), out, x, w, Tensor(), state, std::vector<int32_t>{0, 3}, slot, true); },
+      [&] {
+        ops::causal_conv1d(ctx(), out, x, w, Tensor(), state, std::vector<int32_t>{0, 3}, slot, true);
+      },
       ErrorKind::kRuntime, "ops::causal_conv1d: cu_seqlens ends at 3 but the batch has 4 rows"));
   EXPECT_TRUE(test::throws_error(
       [&] { ops::causal_conv1d(ctx(), out, x, w, Tensor(), state, cu, std::vector<int32_t>{2}, true); },
       ErrorKind::kRuntime, "ops::causal_conv1d: slot 2 of sequence 0 is out of range for 2 state slots"));
   EXPECT_TRUE(test::throws_error(
-      [&] { ops::causal_conv1d_update(ctx(), out, x, w, Tensor(), state, std::vector<int32_t>{0, 1, 1, -1}, true); },
+      [&] {
+        ops::causal_conv1d_update(ctx(), out, x, w, Tensor(), state, std::vector<int32_t>{0, 1, 1, -1}, true);
+      },
       ErrorKind::kRuntime, "ops::causal_conv1d_update: slot 1 is used by more than one sequence"));
 }
 

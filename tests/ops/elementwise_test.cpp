@@ -21,8 +21,11 @@ TEST_P(OpsElementwise, AddMatchesNaiveAndMayAlias) {
   Tensor acc = a.clone();
   ops::add(ctx(), acc, acc, b);
   EXPECT_TRUE(test::bit_equal(acc, want));
-  EXPECT_TRUE(test::throws_error([&] { ops::add(ctx(), out, a, Tensor::zeros(DType::kF32, {17, 32})); },
-                                 ErrorKind::kRuntime, "ops::add: b F32[17, 32] does not match a F32[17, 33]"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::add(ctx(), out, a, Tensor::zeros(DType::kF32, {17, 32}));
+      },
+      ErrorKind::kRuntime, "ops::add: b F32[17, 32] does not match a F32[17, 33]"));
 }
 
 TEST_P(OpsElementwise, CopyColumns) {
@@ -44,12 +47,18 @@ CHIMERA_INSTANTIATE_BACKENDS(OpsElementwise);
 TEST(OpsDispatch, CudaContextIsNotBuiltYet) {
   static float buf[8] = {};
   const Tensor a = Tensor::wrap(buf, DType::kF32, {8}, nullptr, Device::kCuda);
-  EXPECT_TRUE(test::throws_error([&] { ops::add(ops::Context{Device::kCuda, nullptr}, a, a, a); },
-                                 ErrorKind::kRuntime, "ops::add: the CUDA backend is not built yet"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::add(ops::Context{Device::kCuda, nullptr}, a, a, a);
+      },
+      ErrorKind::kRuntime, "ops::add: the CUDA backend is not built yet"));
   // A host tensor handed to a CUDA context is caught before dispatch.
   const Tensor h = Tensor::zeros(DType::kF32, {8});
-  EXPECT_TRUE(test::throws_error([&] { ops::add(ops::Context{Device::kCuda, nullptr}, a, h, a); },
-                                 ErrorKind::kRuntime, "ops::add: a F32[8] is on the CPU but the context is CUDA"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::add(ops::Context{Device::kCuda, nullptr}, a, h, a);
+      },
+      ErrorKind::kRuntime, "ops::add: a F32[8] is on the CPU but the context is CUDA"));
 }
 
 }  // namespace

@@ -40,8 +40,8 @@ TEST_P(OpsLinear, MatchesNaiveForEveryWeightDtype) {
       for (int64_t T : {1, 3, 17, 111}) {
         for (int64_t in : {33, 500}) {
           for (int64_t out_f : {1, 7, 65}) {
-            SCOPED_TRACE(::testing::Message() << dtype_name(wt) << " bias=" << with_bias << " T=" << T
-                                              << " in=" << in << " out=" << out_f);
+            SCOPED_TRACE(::testing::Message()
+                         << dtype_name(wt) << " bias=" << with_bias << " T=" << T << " in=" << in << " out=" << out_f);
             const Tensor x = rng.normal_tensor({T, in});
             const Tensor w = test::cast_to(rng.normal_tensor({out_f, in}, 0.1f), wt);
             const Tensor b = with_bias ? test::cast_to(rng.normal_tensor({out_f}), wt) : Tensor();
@@ -82,8 +82,11 @@ TEST_P(OpsLinear, BadShapesThrowNamingTheOp) {
   Tensor y_bad = Tensor::empty(DType::kF32, {5, 63});
   EXPECT_TRUE(test::throws_error([&] { ops::linear(ctx(), y_bad, x32, w); }, ErrorKind::kRuntime,
                                  "ops::linear: out F32[5, 63]"));
-  EXPECT_TRUE(test::throws_error([&] { ops::linear(ctx(), y, x32, Tensor::zeros(DType::kI32, {64, 32})); },
-                                 ErrorKind::kRuntime, "ops::linear: weight I32[64, 32] must be F32, BF16 or F16"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::linear(ctx(), y, x32, Tensor::zeros(DType::kI32, {64, 32}));
+      },
+      ErrorKind::kRuntime, "ops::linear: weight I32[64, 32] must be F32, BF16 or F16"));
 }
 
 TEST_P(OpsLinear, Relu2InPlace) {

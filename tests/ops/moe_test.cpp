@@ -128,12 +128,21 @@ TEST_P(OpsRouter, BiasOnlyAffectsSelection) {
 TEST_P(OpsRouter, BadParamsThrowNamingTheOp) {
   const Tensor logits = Tensor::zeros(DType::kF32, {2, 12}), bias = Tensor::zeros(DType::kF32, {12});
   Tensor ids = Tensor::empty(DType::kI32, {2, 4}), w = Tensor::empty(DType::kF32, {2, 4});
-  EXPECT_TRUE(test::throws_error([&] { ops::router_topk(ctx(), ids, w, logits, bias, {4, 5, 1, true, 1.0f}); },
-                                 ErrorKind::kRuntime, "ops::router_topk: n_group 5 does not divide the 12 experts"));
-  EXPECT_TRUE(test::throws_error([&] { ops::router_topk(ctx(), ids, w, logits, bias, {4, 4, 1, true, 1.0f}); },
-                                 ErrorKind::kRuntime, "ops::router_topk: top_k 4 is not in [1, 3]"));
-  EXPECT_TRUE(test::throws_error([&] { ops::router_topk(ctx(), ids, w, logits, bias, {3, 1, 1, true, 1.0f}); },
-                                 ErrorKind::kRuntime, "ops::router_topk: topk_ids I32[2, 4] does not match logits"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::router_topk(ctx(), ids, w, logits, bias, {4, 5, 1, true, 1.0f});
+      },
+      ErrorKind::kRuntime, "ops::router_topk: n_group 5 does not divide the 12 experts"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::router_topk(ctx(), ids, w, logits, bias, {4, 4, 1, true, 1.0f});
+      },
+      ErrorKind::kRuntime, "ops::router_topk: top_k 4 is not in [1, 3]"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::router_topk(ctx(), ids, w, logits, bias, {3, 1, 1, true, 1.0f});
+      },
+      ErrorKind::kRuntime, "ops::router_topk: topk_ids I32[2, 4] does not match logits"));
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(OpsRouter);
@@ -189,8 +198,8 @@ TEST_P(OpsMoe, ExpertsMatchNaivePerTokenLoop) {
       Tensor out = Tensor::empty(DType::kF32, {T, Din});
       test::poison(out);
       ops::moe_experts(ctx(), out, x, ids, w, up, down);
-      EXPECT_TRUE(test::nmse_close(out, naive_experts(x, ids, w, up, down), test::kF32ReductionNmse,
-                                   test::kF32Reduction));
+      EXPECT_TRUE(
+          test::nmse_close(out, naive_experts(x, ids, w, up, down), test::kF32ReductionNmse, test::kF32Reduction));
     }
   }
 }
@@ -205,8 +214,8 @@ TEST_P(OpsMoe, BadExpertsThrowNamingTheOp) {
                                  "ops::moe_experts: down_proj[1] BF16[8, 5] does not match up_proj[1] BF16[4, 8]"));
   const std::vector<Tensor> down_ok = {down[0], down[0]};
   const Tensor bad_ids = Tensor::from_i32({2, 1}, std::vector<int32_t>{0, 2});
-  EXPECT_TRUE(test::throws_error([&] { ops::moe_experts(ctx(), out, x, bad_ids, w, up, down_ok); },
-                                 ErrorKind::kRuntime, "ops::moe_experts: topk_ids[1] = 2 is out of range for 2 experts"));
+  EXPECT_TRUE(test::throws_error([&] { ops::moe_experts(ctx(), out, x, bad_ids, w, up, down_ok); }, ErrorKind::kRuntime,
+                                 "ops::moe_experts: topk_ids[1] = 2 is out of range for 2 experts"));
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(OpsMoe);

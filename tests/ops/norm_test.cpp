@@ -126,11 +126,13 @@ TEST_P(OpsNorm, BadShapesThrowNamingTheOp) {
   Tensor out = Tensor::empty(DType::kF32, {3, 8});
   EXPECT_TRUE(test::throws_error([&] { ops::rms_norm(ctx(), out, x, Tensor::zeros(DType::kF32, {7}), 1e-5f); },
                                  ErrorKind::kRuntime, "ops::rms_norm: weight F32[7] does not match x F32[3, 8]"));
+  EXPECT_TRUE(
+      test::throws_error([&] { ops::gated_rms_norm(ctx(), out, x, x, Tensor::zeros(DType::kF32, {8}), 3, 1e-5f); },
+                         ErrorKind::kRuntime, "ops::gated_rms_norm: n_groups 3"));
   EXPECT_TRUE(test::throws_error(
-      [&] { ops::gated_rms_norm(ctx(), out, x, x, Tensor::zeros(DType::kF32, {8}), 3, 1e-5f); },
-      ErrorKind::kRuntime, "ops::gated_rms_norm: n_groups 3"));
-  EXPECT_TRUE(test::throws_error(
-      [&] { ops::rms_norm(ctx(), out, Tensor::zeros(DType::kBF16, {3, 8}), Tensor::zeros(DType::kF32, {8}), 1e-5f); },
+      [&] {
+        ops::rms_norm(ctx(), out, Tensor::zeros(DType::kBF16, {3, 8}), Tensor::zeros(DType::kF32, {8}), 1e-5f);
+      },
       ErrorKind::kRuntime, "ops::rms_norm: x BF16[3, 8] must be F32"));
 }
 

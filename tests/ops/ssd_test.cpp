@@ -127,8 +127,8 @@ TEST_P(OpsSsd, ChunkScanMatchesRecurrence) {
           SCOPED_TRACE(::testing::Message() << "seqs=" << lens.size() << " H=" << c.H << " P=" << c.P << " G=" << c.G
                                             << " N=" << c.N << " chunk=" << chunk << " fresh=" << fresh);
           SsmInputs in = make_inputs(rng, cu.back(), c);
-          const Tensor state0 = fresh ? Tensor::zeros(DType::kF32, {8, c.H, c.P, c.N})
-                                      : rng.normal_tensor({8, c.H, c.P, c.N});
+          const Tensor state0 =
+              fresh ? Tensor::zeros(DType::kF32, {8, c.H, c.P, c.N}) : rng.normal_tensor({8, c.H, c.P, c.N});
           Tensor y = Tensor::empty(DType::kF32, in.x.shape()), want = Tensor::empty(DType::kF32, in.x.shape());
           test::poison(y);
           test::poison(want);
@@ -240,9 +240,9 @@ TEST_P(OpsSsd, BadShapesThrowNamingTheOp) {
   EXPECT_TRUE(test::throws_error(
       [&] { ops::ssd_chunk_scan(ctx(), y, in.x, in.dt_raw, B3, B3, in.p, state, cu, slot, 4); }, ErrorKind::kRuntime,
       "ops::ssd_chunk_scan: B F32[6, 3, 16] has 3 groups, which do not divide the 4 heads of x F32[6, 4, 8]"));
-  EXPECT_TRUE(test::throws_error(
-      [&] { ops::ssd_chunk_scan(ctx(), y, in.x, in.dt_raw, in.B, in.C, in.p, state, cu, slot, 0); },
-      ErrorKind::kRuntime, "ops::ssd_chunk_scan: chunk_size 0 must be positive"));
+  EXPECT_TRUE(
+      test::throws_error([&] { ops::ssd_chunk_scan(ctx(), y, in.x, in.dt_raw, in.B, in.C, in.p, state, cu, slot, 0); },
+                         ErrorKind::kRuntime, "ops::ssd_chunk_scan: chunk_size 0 must be positive"));
   Tensor bad_state = Tensor::zeros(DType::kF32, {2, 4, 8, 15});
   EXPECT_TRUE(test::throws_error(
       [&] { ops::ssm_recurrence(ctx(), y, in.x, in.dt_raw, in.B, in.C, in.p, bad_state, cu, slot); },
@@ -250,7 +250,9 @@ TEST_P(OpsSsd, BadShapesThrowNamingTheOp) {
   ops::SsmParams p = in.p;
   p.D = Tensor::zeros(DType::kF32, {3});
   EXPECT_TRUE(test::throws_error(
-      [&] { ops::selective_state_update(ctx(), y, in.x, in.dt_raw, in.B, in.C, p, state, std::vector<int32_t>(6, -1)); },
+      [&] {
+        ops::selective_state_update(ctx(), y, in.x, in.dt_raw, in.B, in.C, p, state, std::vector<int32_t>(6, -1));
+      },
       ErrorKind::kRuntime, "ops::selective_state_update: D F32[3] does not match x"));
 }
 

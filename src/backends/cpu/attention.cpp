@@ -12,8 +12,8 @@
 namespace chimera::cpu {
 
 void attention(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v, const ops::KvCacheView& cache,
-               std::span<const int32_t> cu_seqlens, std::span<const int32_t> context_lens,
-               const Tensor& block_tables, float scale) {
+               std::span<const int32_t> cu_seqlens, std::span<const int32_t> context_lens, const Tensor& block_tables,
+               float scale) {
   const int64_t Qh = q.dim(1), hd = q.dim(2), KVh = k.dim(1);
   const int64_t block_size = cache.k.dim(1), max_blocks = block_tables.dim(1);
   const int64_t S = static_cast<int64_t>(context_lens.size());
@@ -39,7 +39,8 @@ void attention(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor
   const int64_t T = q.dim(0);
   std::vector<int64_t> row_seq(static_cast<size_t>(T), -1);
   for (int64_t s = 0; s < S; ++s) {
-    for (int64_t t = cu_seqlens[static_cast<size_t>(s)]; t < cu_seqlens[static_cast<size_t>(s) + 1]; ++t) row_seq[t] = s;
+    for (int64_t t = cu_seqlens[static_cast<size_t>(s)]; t < cu_seqlens[static_cast<size_t>(s) + 1]; ++t)
+      row_seq[t] = s;
   }
   parallel_for(T * Qh, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;

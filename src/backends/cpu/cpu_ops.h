@@ -32,13 +32,12 @@ void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, cons
 void ssm_recurrence(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
                     const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
                     std::span<const int32_t> slots);
-void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
-                            const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
-                            std::span<const int32_t> slots);
+void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
+                            const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> slots);
 
 void attention(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v, const ops::KvCacheView& cache,
-               std::span<const int32_t> cu_seqlens, std::span<const int32_t> context_lens,
-               const Tensor& block_tables, float scale);
+               std::span<const int32_t> cu_seqlens, std::span<const int32_t> context_lens, const Tensor& block_tables,
+               float scale);
 
 void router_topk(const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
                  const Tensor& correction_bias, const ops::RouterParams& p);

@@ -9,7 +9,7 @@
 namespace chimera::cpu {
 namespace {
 
-constexpr int kLanes = 8;       // independent partial sums per dot product (vectorisable, fixed order)
+constexpr int kLanes = 8;         // independent partial sums per dot product (vectorisable, fixed order)
 constexpr int64_t kRowBlock = 4;  // weight rows converted together and reused for every token
 
 // NR dot products of one token row x against NR converted weight rows w (row stride `in`).

@@ -20,9 +20,7 @@ struct SsmDims {
   int64_t heads_per_group() const { return H / G; }
 };
 
-SsmDims ssm_dims(const Tensor& x, const Tensor& B) {
-  return {x.dim(0), x.dim(1), x.dim(2), B.dim(1), B.dim(2)};
-}
+SsmDims ssm_dims(const Tensor& x, const Tensor& B) { return {x.dim(0), x.dim(1), x.dim(2), B.dim(1), B.dim(2)}; }
 
 // dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max), all fp32.
 inline float discretize_dt(float raw, float bias, const ops::SsmParams& p) {
@@ -200,16 +198,15 @@ void ssm_recurrence(const Tensor& y, const Tensor& x, const Tensor& dt_raw, cons
       float* S = ssm_state.f32() + (slot * H + h) * P * N;
       for (int64_t t = cu_seqlens[static_cast<size_t>(s)]; t < cu_seqlens[static_cast<size_t>(s) + 1]; ++t) {
         const float dt = discretize_dt(dt_raw.f32()[t * H + h], dt_bias[h], p);
-        recurrence_step(S, x.f32() + (t * H + h) * P, B.f32() + (t * G + g) * N, C.f32() + (t * G + g) * N, dt,
-                        A[h], Dskip[h], P, N, y.f32() + (t * H + h) * P);
+        recurrence_step(S, x.f32() + (t * H + h) * P, B.f32() + (t * G + g) * N, C.f32() + (t * G + g) * N, dt, A[h],
+                        Dskip[h], P, N, y.f32() + (t * H + h) * P);
       }
     }
   });
 }
 
-void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
-                            const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
-                            std::span<const int32_t> slots) {
+void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
+                            const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> slots) {
   const SsmDims d = ssm_dims(x, B);
   const int64_t H = d.H, P = d.P, G = d.G, N = d.N, hpg = d.heads_per_group();
   const std::vector<float> A = ssm_a(p), Dskip = to_f32_vector(p.D), dt_bias = to_f32_vector(p.dt_bias);
@@ -220,9 +217,8 @@ void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_r
       const int32_t slot = slots[static_cast<size_t>(b)];
       if (slot < 0) continue;
       const float dt = discretize_dt(dt_raw.f32()[b * H + h], dt_bias[h], p);
-      recurrence_step(ssm_state.f32() + (slot * H + h) * P * N, x.f32() + (b * H + h) * P,
-                      B.f32() + (b * G + g) * N, C.f32() + (b * G + g) * N, dt, A[h], Dskip[h], P, N,
-                      y.f32() + (b * H + h) * P);
+      recurrence_step(ssm_state.f32() + (slot * H + h) * P * N, x.f32() + (b * H + h) * P, B.f32() + (b * G + g) * N,
+                      C.f32() + (b * G + g) * N, dt, A[h], Dskip[h], P, N, y.f32() + (b * H + h) * P);
     }
   });
 }
