@@ -60,7 +60,8 @@ void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Ten
 //   x, out: [T, C]; weight: [C, K] (or the checkpoint's [C, 1, K]); bias: [C] or undefined;
 //   conv_state: [num_slots, C, K-1]: the K-1 inputs preceding each sequence's first new token (zeros for a
 //   fresh sequence); on return holds the last K-1 inputs (older ones kept when a sequence has < K-1 tokens).
-//   cu_seqlens: [num_seqs + 1]; slots: [num_seqs].
+//   cu_seqlens: [num_seqs + 1]; slots: [num_seqs]. A pad sequence (slot < 0) is skipped: its out rows and
+//   all state are left untouched. Non-negative slots must be distinct.
 void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
                    const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> cu_seqlens,
                    std::span<const int32_t> slots, bool silu);
@@ -81,7 +82,8 @@ struct SsmParams {
 
 // Chunked SSD prefill (model-spec 3.4) over a packed batch, with initial states read from and final states
 // written to ssm_state slots. x: [T, H, P]; dt_raw: [T, H]; B, C: [T, G, N]; y: [T, H, P];
-// ssm_state: [num_slots, H, P, N] f32. Head h uses group h / (H / G).
+// ssm_state: [num_slots, H, P, N] f32. Head h uses group h / (H / G). The chunk grid restarts at each
+// sequence start. A pad sequence (slot < 0) is skipped: its y rows are left untouched.
 void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                     const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
                     std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size);
@@ -92,7 +94,8 @@ void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const 
                     std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots);
 
 // Decode: one token per sequence (model-spec 3.5). x, y: [B, H, P]; dt_raw: [B, H]; B, C: [B, G, N];
-// slots: [B] (slot < 0: skipped, y left untouched).
+// slots: [B] (slot < 0: skipped, y left untouched). dt is clamped to [dt_min, dt_max] as in the prefill, so a
+// one-token ssd_chunk_scan and this update agree (HF's decode kernel ignores the limit; a no-op for (0, inf)).
 void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                             const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
                             std::span<const int32_t> slots);

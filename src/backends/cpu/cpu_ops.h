@@ -1,0 +1,50 @@
+// CPU reference backend: the ground truth every other backend is tested against (style.md 2).
+// Same contracts as ops/ops.h; shapes, dtypes and devices are already validated by the entry points there,
+// so these functions trust their arguments. All math in fp32; activations F32; weights F32/BF16/F16.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "ops/ops.h"
+
+namespace chimera::cpu {
+
+void embedding(const Tensor& out, const Tensor& table, std::span<const int32_t> ids);
+void rms_norm(const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
+void add_rms_norm(const Tensor& residual, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
+void gated_rms_norm(const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight, int64_t n_groups,
+                    float eps);
+
+void linear(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias);
+void relu2(const Tensor& x);
+void relu2_mlp(const Tensor& out, const Tensor& x, const Tensor& up_proj, const Tensor& down_proj);
+
+void causal_conv1d(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                   const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
+                   bool silu);
+void causal_conv1d_update(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                          const Tensor& conv_state, std::span<const int32_t> slots, bool silu);
+
+void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
+                    const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
+                    std::span<const int32_t> slots, int64_t chunk_size);
+void ssm_recurrence(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
+                    const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
+                    std::span<const int32_t> slots);
+void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
+                            const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> slots);
+
+void attention(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v, const ops::KvCacheView& cache,
+               std::span<const int32_t> cu_seqlens, std::span<const int32_t> context_lens, const Tensor& block_tables,
+               float scale);
+
+void router_topk(const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
+                 const Tensor& correction_bias, const ops::RouterParams& p);
+void moe_experts(const Tensor& out, const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
+                 std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
+
+void add(const Tensor& out, const Tensor& a, const Tensor& b);
+void copy_columns(const Tensor& out, const Tensor& in, int64_t col_begin);
+
+}  // namespace chimera::cpu

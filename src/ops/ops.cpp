@@ -1,0 +1,416 @@
+// Backend-neutral entry points: validate shapes, dtypes and devices once, then dispatch on ctx.device.
+// Errors are ErrorKind::kRuntime (a caller bug) and name the op and the tensors, e.g.
+//   "ops::linear: weight BF16[64, 32] does not match x F32[5, 31]"
+// except out-of-range token ids in embedding, which are bad user input (kInvalidInput).
+#include "ops/ops.h"
+
+#include <string>
+#include <unordered_set>
+
+#include "backends/cpu/cpu_ops.h"
+#include "core/error.h"
+
+namespace chimera::ops {
+namespace {
+
+const char* device_name(Device d) { return d == Device::kCpu ? "CPU" : "CUDA"; }
+
+// Validation helpers bound to one op name and context.
+class Check {
+ public:
+  Check(const Context& ctx, const char* op) : ctx_(ctx), op_(op) {}
+
+  template <typename... Args>
+  [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) const {
+    runtime_error("ops::{}: {}", op_, fmt::format(f, std::forward<Args>(args)...));
+  }
+
+  // A defined tensor on the context's device.
+  void present(const char* name, const Tensor& t) const {
+    if (!t) fail("{} is undefined", name);
+    if (t.device() != ctx_.device) {
+      fail("{} {} is on the {} but the context is {}", name, t.describe(), device_name(t.device()),
+           device_name(ctx_.device));
+    }
+  }
+  // An F32 activation of the given rank.
+  void f32(const char* name, const Tensor& t, int rank) const {
+    present(name, t);
+    if (t.dtype() != DType::kF32) fail("{} {} must be F32", name, t.describe());
+    if (rank >= 0 && t.ndim() != rank) fail("{} {} must have {} dimensions", name, t.describe(), rank);
+  }
+  void i32(const char* name, const Tensor& t, int rank) const {
+    present(name, t);
+    if (t.dtype() != DType::kI32 || t.ndim() != rank) fail("{} {} must be a {}-D I32 tensor", name, t.describe(), rank);
+  }
+  // A weight in F32, BF16 or F16 of the given rank.
+  void weight(const char* name, const Tensor& t, int rank) const {
+    present(name, t);
+    if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16 && t.dtype() != DType::kF16) {
+      fail("{} {} must be F32, BF16 or F16", name, t.describe());
+    }
+    if (t.ndim() != rank) fail("{} {} must have {} dimensions", name, t.describe(), rank);
+  }
+  // `t` must have exactly `shape`, else "<name> <t> does not match <other_name> <other>".
+  void shape(const char* name, const Tensor& t, const Shape& want, const char* other_name, const Tensor& other) const {
+    if (t.shape() != want) fail("{} {} does not match {} {}", name, t.describe(), other_name, other.describe());
+  }
+  void no_alias(const char* a_name, const Tensor& a, const char* b_name, const Tensor& b) const {
+    const auto* pa = static_cast<const char*>(a.data());
+    const auto* pb = static_cast<const char*>(b.data());
+    if (pa < pb + b.nbytes() && pb < pa + a.nbytes()) fail("{} must not overlap {}", a_name, b_name);
+  }
+  // cu_seqlens [num_seqs + 1]: starts at 0, non-decreasing, ends at T.
+  void seqlens(std::span<const int32_t> cu, size_t num_seqs, int64_t T) const {
+    if (cu.size() != num_seqs + 1) fail("cu_seqlens has {} entries for {} sequences", cu.size(), num_seqs);
+    if (cu[0] != 0) fail("cu_seqlens[0] = {}, expected 0", cu[0]);
+    for (size_t s = 0; s < num_seqs; ++s) {
+      if (cu[s + 1] < cu[s]) fail("cu_seqlens is decreasing at {} ({} -> {})", s, cu[s], cu[s + 1]);
+    }
+    if (cu[num_seqs] != T) fail("cu_seqlens ends at {} but the batch has {} rows", cu[num_seqs], T);
+  }
+  // slots: each < num_slots; non-negative slots distinct (two sequences must not share a state).
+  void slots(std::span<const int32_t> slots, int64_t num_slots) const {
+    std::unordered_set<int32_t> seen;
+    for (size_t s = 0; s < slots.size(); ++s) {
+      if (slots[s] < 0) continue;
+      if (slots[s] >= num_slots)
+        fail("slot {} of sequence {} is out of range for {} state slots", slots[s], s, num_slots);
+      if (!seen.insert(slots[s]).second) fail("slot {} is used by more than one sequence", slots[s]);
+    }
+  }
+
+  template <typename CpuFn>
+  void dispatch(CpuFn&& cpu_fn) const {
+    switch (ctx_.device) {
+      case Device::kCpu:
+        cpu_fn();
+        return;
+      case Device::kCuda:
+        runtime_error("ops::{}: the CUDA backend is not built yet", op_);
+    }
+    runtime_error("ops::{}: unknown device", op_);
+  }
+
+ private:
+  const Context& ctx_;
+  const char* op_;
+};
+
+void check_ssm_params(const Check& c, const SsmParams& p, int64_t H, const Tensor& x) {
+  c.weight("A_log", p.A_log, 1);
+  c.weight("D", p.D, 1);
+  c.weight("dt_bias", p.dt_bias, 1);
+  c.shape("A_log", p.A_log, {H}, "x", x);
+  c.shape("D", p.D, {H}, "x", x);
+  c.shape("dt_bias", p.dt_bias, {H}, "x", x);
+  if (!(p.dt_min <= p.dt_max)) c.fail("dt limits [{}, {}] are empty", p.dt_min, p.dt_max);
+}
+
+// Shared by the scan, the recurrence and the decode update: x [T, H, P], dt_raw [T, H], B, C [T, G, N],
+// y [T, H, P], ssm_state [slots, H, P, N].
+void check_ssm(const Check& c, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
+               const SsmParams& p, const Tensor& ssm_state) {
+  c.f32("x", x, 3);
+  c.f32("y", y, 3);
+  c.f32("dt_raw", dt_raw, 2);
+  c.f32("B", B, 3);
+  c.f32("C", C, 3);
+  c.f32("ssm_state", ssm_state, 4);
+  const int64_t T = x.dim(0), H = x.dim(1), P = x.dim(2), G = B.dim(1), N = B.dim(2);
+  c.shape("y", y, x.shape(), "x", x);
+  c.shape("dt_raw", dt_raw, {T, H}, "x", x);
+  c.shape("B", B, {T, G, N}, "x", x);
+  c.shape("C", C, B.shape(), "B", B);
+  if (G <= 0 || H % G != 0)
+    c.fail("B {} has {} groups, which do not divide the {} heads of x {}", B.describe(), G, H, x.describe());
+  c.shape("ssm_state", ssm_state, {ssm_state.dim(0), H, P, N}, "x", x);
+  c.no_alias("y", y, "ssm_state", ssm_state);
+  check_ssm_params(c, p, H, x);
+}
+
+void check_conv(const Check& c, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                const Tensor& conv_state) {
+  c.f32("x", x, 2);
+  c.f32("out", out, 2);
+  c.shape("out", out, x.shape(), "x", x);
+  c.present("weight", weight);
+  c.weight("weight", weight, weight.ndim() == 3 ? 3 : 2);
+  const int64_t C = x.dim(1);
+  const int64_t K = weight.dim(-1);
+  if (weight.dim(0) != C || (weight.ndim() == 3 && weight.dim(1) != 1) || K < 1) {
+    c.fail("weight {} does not match x {} (expected [{}, K] or [{}, 1, K])", weight.describe(), x.describe(), C, C);
+  }
+  if (bias) {
+    c.weight("bias", bias, 1);
+    c.shape("bias", bias, {C}, "x", x);
+  }
+  c.f32("conv_state", conv_state, 3);
+  c.shape("conv_state", conv_state, {conv_state.dim(0), C, K - 1}, "weight", weight);
+  c.no_alias("out", out, "conv_state", conv_state);
+}
+
+}  // namespace
+
+// ---- embedding, norms ------------------------------------------------------------------------------
+
+void embedding(const Context& ctx, const Tensor& out, const Tensor& table, std::span<const int32_t> ids) {
+  const Check c(ctx, "embedding");
+  c.weight("table", table, 2);
+  c.f32("out", out, 2);
+  const int64_t V = table.dim(0), D = table.dim(1);
+  c.shape("out", out, {static_cast<int64_t>(ids.size()), D}, "table", table);
+  for (size_t t = 0; t < ids.size(); ++t) {
+    if (ids[t] < 0 || ids[t] >= V) {
+      invalid_input("ops::embedding: token id {} at position {} is out of range for vocab size {}", ids[t], t, V);
+    }
+  }
+  c.dispatch([&] { cpu::embedding(out, table, ids); });
+}
+
+void rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps) {
+  const Check c(ctx, "rms_norm");
+  c.f32("x", x, 2);
+  c.f32("out", out, 2);
+  c.shape("out", out, x.shape(), "x", x);
+  c.weight("weight", weight, 1);
+  c.shape("weight", weight, {x.dim(1)}, "x", x);
+  c.dispatch([&] { cpu::rms_norm(out, x, weight, eps); });
+}
+
+void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x, const Tensor& weight,
+                  float eps) {
+  const Check c(ctx, "add_rms_norm");
+  c.f32("x", x, 2);
+  c.f32("residual", residual, 2);
+  c.f32("out", out, 2);
+  c.shape("residual", residual, x.shape(), "x", x);
+  c.shape("out", out, x.shape(), "x", x);
+  c.weight("weight", weight, 1);
+  c.shape("weight", weight, {x.dim(1)}, "x", x);
+  c.dispatch([&] { cpu::add_rms_norm(residual, out, x, weight, eps); });
+}
+
+void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
+                    int64_t n_groups, float eps) {
+  const Check c(ctx, "gated_rms_norm");
+  c.f32("y", y, 2);
+  c.f32("z", z, 2);
+  c.f32("out", out, 2);
+  c.shape("z", z, y.shape(), "y", y);
+  c.shape("out", out, y.shape(), "y", y);
+  c.weight("weight", weight, 1);
+  c.shape("weight", weight, {y.dim(1)}, "y", y);
+  if (n_groups <= 0 || y.dim(1) % n_groups != 0) c.fail("n_groups {} does not divide y {}", n_groups, y.describe());
+  c.dispatch([&] { cpu::gated_rms_norm(out, y, z, weight, n_groups, eps); });
+}
+
+// ---- dense -----------------------------------------------------------------------------------------
+
+void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  const Check c(ctx, "linear");
+  c.f32("x", x, 2);
+  c.weight("weight", weight, 2);
+  c.shape("weight", weight, {weight.dim(0), x.dim(1)}, "x", x);
+  c.f32("out", out, 2);
+  c.shape("out", out, {x.dim(0), weight.dim(0)}, "x @ weight^T with weight", weight);
+  if (bias) {
+    c.weight("bias", bias, 1);
+    c.shape("bias", bias, {weight.dim(0)}, "weight", weight);
+  }
+  c.no_alias("out", out, "x", x);
+  c.dispatch([&] { cpu::linear(out, x, weight, bias); });
+}
+
+void relu2(const Context& ctx, const Tensor& x) {
+  const Check c(ctx, "relu2");
+  c.f32("x", x, -1);
+  c.dispatch([&] { cpu::relu2(x); });
+}
+
+void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj, const Tensor& down_proj) {
+  const Check c(ctx, "relu2_mlp");
+  c.f32("x", x, 2);
+  c.f32("out", out, 2);
+  c.shape("out", out, x.shape(), "x", x);
+  c.weight("up_proj", up_proj, 2);
+  c.shape("up_proj", up_proj, {up_proj.dim(0), x.dim(1)}, "x", x);
+  c.weight("down_proj", down_proj, 2);
+  c.shape("down_proj", down_proj, {x.dim(1), up_proj.dim(0)}, "up_proj", up_proj);
+  c.dispatch([&] { cpu::relu2_mlp(out, x, up_proj, down_proj); });
+}
+
+// ---- Mamba-2 ---------------------------------------------------------------------------------------
+
+void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                   const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
+                   bool silu) {
+  const Check c(ctx, "causal_conv1d");
+  check_conv(c, out, x, weight, bias, conv_state);
+  c.seqlens(cu_seqlens, slots.size(), x.dim(0));
+  c.slots(slots, conv_state.dim(0));
+  c.dispatch([&] { cpu::causal_conv1d(out, x, weight, bias, conv_state, cu_seqlens, slots, silu); });
+}
+
+void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+                          const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> slots, bool silu) {
+  const Check c(ctx, "causal_conv1d_update");
+  check_conv(c, out, x, weight, bias, conv_state);
+  if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
+  c.slots(slots, conv_state.dim(0));
+  c.dispatch([&] { cpu::causal_conv1d_update(out, x, weight, bias, conv_state, slots, silu); });
+}
+
+void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
+                    const Tensor& C, const SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
+                    std::span<const int32_t> slots, int64_t chunk_size) {
+  const Check c(ctx, "ssd_chunk_scan");
+  check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
+  if (chunk_size <= 0) c.fail("chunk_size {} must be positive", chunk_size);
+  c.seqlens(cu_seqlens, slots.size(), x.dim(0));
+  c.slots(slots, ssm_state.dim(0));
+  c.dispatch([&] { cpu::ssd_chunk_scan(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots, chunk_size); });
+}
+
+void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
+                    const Tensor& C, const SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
+                    std::span<const int32_t> slots) {
+  const Check c(ctx, "ssm_recurrence");
+  check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
+  c.seqlens(cu_seqlens, slots.size(), x.dim(0));
+  c.slots(slots, ssm_state.dim(0));
+  c.dispatch([&] { cpu::ssm_recurrence(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots); });
+}
+
+void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
+                            const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
+                            std::span<const int32_t> slots) {
+  const Check c(ctx, "selective_state_update");
+  check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
+  if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
+  c.slots(slots, ssm_state.dim(0));
+  c.dispatch([&] { cpu::selective_state_update(y, x, dt_raw, B, C, p, ssm_state, slots); });
+}
+
+// ---- attention -------------------------------------------------------------------------------------
+
+void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+               const KvCacheView& cache, std::span<const int32_t> cu_seqlens, std::span<const int32_t> context_lens,
+               const Tensor& block_tables, float scale) {
+  const Check c(ctx, "attention");
+  c.f32("q", q, 3);
+  c.f32("k", k, 3);
+  c.f32("v", v, 3);
+  c.f32("out", out, 3);
+  const int64_t T = q.dim(0), Qh = q.dim(1), hd = q.dim(2), KVh = k.dim(1);
+  c.shape("out", out, q.shape(), "q", q);
+  c.shape("k", k, {T, KVh, hd}, "q", q);
+  c.shape("v", v, k.shape(), "k", k);
+  if (KVh <= 0 || Qh % KVh != 0)
+    c.fail("k {} has {} heads, which do not divide the {} heads of q {}", k.describe(), KVh, Qh, q.describe());
+  c.f32("cache.k", cache.k, 4);
+  c.f32("cache.v", cache.v, 4);
+  const int64_t num_blocks = cache.k.dim(0), block_size = cache.k.dim(1);
+  c.shape("cache.k", cache.k, {num_blocks, block_size, KVh, hd}, "k", k);
+  c.shape("cache.v", cache.v, cache.k.shape(), "cache.k", cache.k);
+  c.no_alias("out", out, "cache.k", cache.k);
+  c.no_alias("out", out, "cache.v", cache.v);
+  const size_t S = context_lens.size();
+  c.seqlens(cu_seqlens, S, T);
+  c.i32("block_tables", block_tables, 2);
+  if (block_tables.dim(0) != static_cast<int64_t>(S)) {
+    c.fail("block_tables {} has a row count other than the {} sequences", block_tables.describe(), S);
+  }
+  const int64_t max_blocks = block_tables.dim(1);
+  for (size_t s = 0; s < S; ++s) {
+    const int64_t end = int64_t{context_lens[s]} + cu_seqlens[s + 1] - cu_seqlens[s];
+    if (context_lens[s] < 0) c.fail("context_lens[{}] = {} is negative", s, context_lens[s]);
+    if (end > max_blocks * block_size) {
+      c.fail("sequence {} needs {} positions but block_tables {} with block size {} holds {}", s, end,
+             block_tables.describe(), block_size, max_blocks * block_size);
+    }
+    for (int64_t b = 0; b < (end + block_size - 1) / block_size; ++b) {
+      const int32_t id = block_tables.i32()[static_cast<int64_t>(s) * max_blocks + b];
+      if (id < 0 || id >= num_blocks)
+        c.fail("block_tables[{}, {}] = {} is out of range for {} blocks", s, b, id, num_blocks);
+    }
+  }
+  c.dispatch([&] { cpu::attention(out, q, k, v, cache, cu_seqlens, context_lens, block_tables, scale); });
+}
+
+// ---- MoE -------------------------------------------------------------------------------------------
+
+void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
+                 const Tensor& correction_bias, const RouterParams& p) {
+  const Check c(ctx, "router_topk");
+  c.f32("logits", logits, 2);
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  c.weight("correction_bias", correction_bias, 1);
+  c.shape("correction_bias", correction_bias, {E}, "logits", logits);
+  if (p.n_group < 1 || E % p.n_group != 0) c.fail("n_group {} does not divide the {} experts", p.n_group, E);
+  if (p.topk_group < 1 || p.topk_group > p.n_group)
+    c.fail("topk_group {} is not in [1, n_group = {}]", p.topk_group, p.n_group);
+  if (p.top_k < 1 || p.top_k > p.topk_group * (E / p.n_group)) {
+    c.fail("top_k {} is not in [1, {}] (topk_group {} groups of {} experts)", p.top_k, p.topk_group * (E / p.n_group),
+           p.topk_group, E / p.n_group);
+  }
+  c.i32("topk_ids", topk_ids, 2);
+  c.shape("topk_ids", topk_ids, {T, p.top_k}, "logits", logits);
+  c.f32("topk_weights", topk_weights, 2);
+  c.shape("topk_weights", topk_weights, {T, p.top_k}, "logits", logits);
+  c.dispatch([&] { cpu::router_topk(topk_ids, topk_weights, logits, correction_bias, p); });
+}
+
+void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                 const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
+  const Check c(ctx, "moe_experts");
+  c.f32("x", x, 2);
+  c.f32("out", out, 2);
+  c.shape("out", out, x.shape(), "x", x);
+  c.no_alias("out", out, "x", x);
+  const int64_t T = x.dim(0), Din = x.dim(1);
+  c.i32("topk_ids", topk_ids, 2);
+  c.shape("topk_ids", topk_ids, {T, topk_ids.dim(1)}, "x", x);
+  c.f32("topk_weights", topk_weights, 2);
+  c.shape("topk_weights", topk_weights, topk_ids.shape(), "topk_ids", topk_ids);
+  const size_t E = up_proj.size();
+  if (E == 0 || down_proj.size() != E) c.fail("{} up_proj and {} down_proj experts", up_proj.size(), down_proj.size());
+  for (size_t e = 0; e < E; ++e) {
+    c.weight("up_proj[e]", up_proj[e], 2);
+    c.weight("down_proj[e]", down_proj[e], 2);
+    if (up_proj[e].dim(1) != Din) c.fail("up_proj[{}] {} does not match x {}", e, up_proj[e].describe(), x.describe());
+    if (down_proj[e].shape() != Shape{Din, up_proj[e].dim(0)}) {
+      c.fail("down_proj[{}] {} does not match up_proj[{}] {}", e, down_proj[e].describe(), e, up_proj[e].describe());
+    }
+  }
+  for (int64_t i = 0; i < topk_ids.numel(); ++i) {
+    const int32_t id = topk_ids.i32()[i];
+    if (id < 0 || static_cast<size_t>(id) >= E) c.fail("topk_ids[{}] = {} is out of range for {} experts", i, id, E);
+  }
+  c.dispatch([&] { cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj); });
+}
+
+// ---- small helpers ---------------------------------------------------------------------------------
+
+void add(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
+  const Check c(ctx, "add");
+  c.f32("a", a, -1);
+  c.f32("b", b, -1);
+  c.f32("out", out, -1);
+  c.shape("b", b, a.shape(), "a", a);
+  c.shape("out", out, a.shape(), "a", a);
+  c.dispatch([&] { cpu::add(out, a, b); });
+}
+
+void copy_columns(const Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin) {
+  const Check c(ctx, "copy_columns");
+  c.f32("in", in, 2);
+  c.f32("out", out, 2);
+  if (out.dim(0) != in.dim(0) || col_begin < 0 || col_begin + out.dim(1) > in.dim(1)) {
+    c.fail("out {} does not match columns [{}, {}) of in {}", out.describe(), col_begin, col_begin + out.dim(1),
+           in.describe());
+  }
+  c.dispatch([&] { cpu::copy_columns(out, in, col_begin); });
+}
+
+}  // namespace chimera::ops
