@@ -110,11 +110,20 @@ uint8_t f32_to_f8e4m3(float f) {
   return sign | best;
 }
 
+// Checkpoint tensors are not guaranteed to be aligned to their dtype (safetensors data starts at 8 + header
+// length): element reads go through memcpy, which compiles to a plain load.
+template <typename T>
+static T load_unaligned(const void* data, size_t i) {
+  T v;
+  std::memcpy(&v, static_cast<const char*>(data) + i * sizeof(T), sizeof(T));
+  return v;
+}
+
 float load_as_f32(const void* data, DType t, size_t i) {
   switch (t) {
-    case DType::kF32: return static_cast<const float*>(data)[i];
-    case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(data)[i]);
-    case DType::kF16: return f16_to_f32(static_cast<const uint16_t*>(data)[i]);
+    case DType::kF32: return load_unaligned<float>(data, i);
+    case DType::kBF16: return bf16_to_f32(load_unaligned<uint16_t>(data, i));
+    case DType::kF16: return f16_to_f32(load_unaligned<uint16_t>(data, i));
     case DType::kF8E4M3: return f8e4m3_to_f32(static_cast<const uint8_t*>(data)[i]);
     default: runtime_error("load_as_f32: dtype {} is not a float type", dtype_name(t));
   }
@@ -123,11 +132,9 @@ float load_as_f32(const void* data, DType t, size_t i) {
 void convert_to_f32(const void* src, DType t, float* dst, size_t n) {
   switch (t) {
     case DType::kF32: std::memcpy(dst, src, n * 4); return;
-    case DType::kBF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+    case DType::kBF16:
+      for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(load_unaligned<uint16_t>(src, i));
       return;
-    }
     default:
       for (size_t i = 0; i < n; ++i) dst[i] = load_as_f32(src, t, i);
   }
