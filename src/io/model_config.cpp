@@ -208,8 +208,11 @@ class Fields {
 
   float to_float(const json& v, const std::string& field) const {
     if (v.is_number()) return v.get<float>();
-    if (v.is_string()) {
-      const std::string s = v.get<std::string>();
+    // transformers 5.x's config serialiser writes non-finite floats as {"__float__": "Infinity"}.
+    const json* str = &v;
+    if (v.is_object() && v.size() == 1 && v.contains("__float__")) str = &v.at("__float__");
+    if (str->is_string()) {
+      const std::string s = str->get<std::string>();
       if (s == "Infinity") return std::numeric_limits<float>::infinity();
       if (s == "-Infinity") return -std::numeric_limits<float>::infinity();
       if (s == "NaN") return std::numeric_limits<float>::quiet_NaN();

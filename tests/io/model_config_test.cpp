@@ -217,6 +217,12 @@ TEST(ModelConfig, TimeStepLimitWithInfinityAndNull) {
   const ModelConfig d = parse(j);
   EXPECT_FLOAT_EQ(d.time_step_limit_min, 0.1f);
   EXPECT_TRUE(std::isinf(d.time_step_limit_max));
+  // transformers 5.x's own config serialiser writes the infinity as {"__float__": "Infinity"}.
+  j["time_step_limit"] = json::array({0.0, json{{"__float__", "Infinity"}}});
+  const ModelConfig e = parse(j);
+  EXPECT_TRUE(std::isinf(e.time_step_limit_max) && e.time_step_limit_max > 0);
+  j["time_step_limit"] = json::array({0.0, json{{"__float__", "big"}}});
+  EXPECT_INVALID(parse(j), "cfg.json", "'time_step_limit'", "a number");
   j["time_step_limit"] = json::array({0.1});
   EXPECT_INVALID(parse(j), "cfg.json", "'time_step_limit'", "[min, max]");
 }
