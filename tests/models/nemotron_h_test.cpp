@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -67,9 +68,10 @@ LoadedFixture load_model(const fs::path& dir) {
   return l;
 }
 
-// Per row: max |got - ref| <= kModelLogitsRelToMax * max |ref|.
+// Per row: max |got - ref| <= kModelLogitsRelToMax * max |ref|. `worst_ratio` (if given) receives the largest
+// max|got - ref| / max|ref| over the rows, so the margin to the bound can be reported.
 ::testing::AssertionResult logits_match(const std::vector<float>& got, const Tensor& ref, int64_t rows,
-                                        int64_t vocab) {
+                                        int64_t vocab, double* worst_ratio = nullptr) {
   if (static_cast<int64_t>(got.size()) != rows * vocab) {
     return ::testing::AssertionFailure() << "got " << got.size() / vocab << " rows, want " << rows;
   }
@@ -86,6 +88,7 @@ LoadedFixture load_model(const fs::path& dir) {
         worst = v;
       }
     }
+    if (worst_ratio) *worst_ratio = std::max(*worst_ratio, max_err / std::max(max_ref, 1e-30));
     if (!(max_err <= test::kModelLogitsRelToMax * max_ref)) {
       return ::testing::AssertionFailure() << "row " << r << ": max |logit - ref| = " << max_err << " at token "
                                            << worst << " (got " << g[worst] << ", want " << w[worst]
@@ -131,6 +134,7 @@ TEST_P(TransformersParity, GreedyAndLogitsMatchTransformers) {
   const Fixture f = load_fixture(GetParam());
   LoadedFixture l = load_model(f.dir);
   const int64_t V = l.config.vocab_size;
+  double worst = 0.0;
   for (size_t p = 0; p < f.prompts.size(); ++p) {
     SCOPED_TRACE(fmt::format("{} prompt {} ({} tokens)", f.name, p, f.prompts[p].size()));
     const Tensor ref = read_npy(f.dir / fmt::format("logits_{}.npy", p));
@@ -142,8 +146,10 @@ TEST_P(TransformersParity, GreedyAndLogitsMatchTransformers) {
     // Rows: every prompt position and every generated step but the last (whose token is never fed back).
     const int64_t rows = static_cast<int64_t>(f.prompts[p].size()) + n_new - 1;
     ASSERT_EQ(ref.dim(1), V);
-    EXPECT_TRUE(logits_match(r.logits, ref, rows, V));
+    EXPECT_TRUE(logits_match(r.logits, ref, rows, V, &worst));
   }
+  std::printf("[ parity   ] %s: worst max|logit - ref| / max|ref| = %.2e (bound %.0e)\n", f.name.c_str(), worst,
+              test::kModelLogitsRelToMax);
 }
 
 TEST_P(TransformersParity, ChunkedPrefillMatchesTransformers) {
@@ -218,7 +224,7 @@ TEST_P(TransformersParity, BatchOfPromptsEqualsEachAlone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, TransformersParity, ::testing::ValuesIn(fixture_names()),
-                         [](const auto& info) { return info.param; });
+                         [](const auto& param_info) { return param_info.param; });
 
 TEST(TransformersFixtures, AllFixtureKindsArePresent) {
   // The fixtures must cover: all four layer kinds, a LatentMoE Super-like model, a legacy dense config.
