@@ -9,7 +9,9 @@ namespace chimera::tok {
 
 namespace {
 
-constexpr const char* kOnigSpace = "\\s\\x{85}";
+// Unicode White_Space spelled out: PCRE2's UCP \\s also matches U+180E, which Oniguruma's does not.
+constexpr const char* kOnigSpace =
+    "\\t\\n\\x0B\\f\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}";
 constexpr const char* kOnigWord = "\\p{L}\\p{M}\\p{N}\\p{Pc}";
 constexpr const char* kOnigHex = "0-9a-fA-F";
 

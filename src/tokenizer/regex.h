@@ -1,7 +1,7 @@
 // PCRE2 wrapper that gives HF tokenizers' Oniguruma patterns their Oniguruma meaning.
 // Compiled with PCRE2_UTF | PCRE2_UCP (Unicode \d, \p{..}) and JIT when available. Oniguruma differs from
 // PCRE2 in a few classes, which translate_oniguruma() rewrites:
-//   \s  Oniguruma: White_Space (includes U+0085); PCRE2 UCP: \p{Z} and \t\n\v\f\r  -> add \x{85}
+//   \s  Oniguruma: Unicode White_Space; PCRE2 10.42 UCP also matches U+180E -> spelled out as a list
 //   \w  Oniguruma: Letter | Mark | Number | Connector_Punctuation; PCRE2 10.42: \p{L}\p{N}_
 //   \h  Oniguruma: hex digit; PCRE2: horizontal space
 //   ^ $ Oniguruma (Ruby syntax) anchors match at line boundaries -> PCRE2_MULTILINE
