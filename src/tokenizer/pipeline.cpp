@@ -315,8 +315,7 @@ PreTokenizer parse_pre_tokenizer(const json& j, const Where& w) {
 
 // ---- post-processors -------------------------------------------------------------------------------
 
-PostProcessor parse_post_processor(const json& j, const Where& w,
-                                   const std::function<std::optional<int32_t>(const std::string&)>& lookup) {
+PostProcessor parse_post_processor(const json& j, const Where& w) {
   PostProcessor out;
   if (j.is_null()) return out;
   const std::string type = type_of(j, w);
@@ -324,7 +323,7 @@ PostProcessor parse_post_processor(const json& j, const Where& w,
   if (type == "Sequence") {
     const json& arr = get_array(j, "processors", w);
     for (size_t i = 0; i < arr.size(); ++i) {
-      PostProcessor p = parse_post_processor(arr[i], w.at("processors").index(i), lookup);
+      PostProcessor p = parse_post_processor(arr[i], w.at("processors").index(i));
       out.before.insert(out.before.begin(), p.before.begin(), p.before.end());
       out.after.insert(out.after.end(), p.after.begin(), p.after.end());
     }
@@ -376,7 +375,6 @@ PostProcessor parse_post_processor(const json& j, const Where& w,
     out.after.push_back(token("sep"));
     return out;
   }
-  (void)lookup;
   unsupported(w, "post_processor", type, "null, Sequence, TemplateProcessing, ByteLevel, BertProcessing, "
                                          "RobertaProcessing");
 }

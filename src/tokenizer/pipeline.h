@@ -40,8 +40,6 @@ struct PostProcessor {
 Normalizer parse_normalizer(const nlohmann::json& j, const Where& w);
 PreTokenizer parse_pre_tokenizer(const nlohmann::json& j, const Where& w);
 Decoder parse_decoder(const nlohmann::json& j, const Where& w);
-// Token ids for special tokens named by Bert/Roberta processors are resolved with `lookup`.
-PostProcessor parse_post_processor(const nlohmann::json& j, const Where& w,
-                                   const std::function<std::optional<int32_t>(const std::string&)>& lookup);
+PostProcessor parse_post_processor(const nlohmann::json& j, const Where& w);
 
 }  // namespace chimera::tok

@@ -245,13 +245,7 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
   impl->max_id = impl->model->max_id();
 
   impl->parse_added_tokens(root);
-  Impl* raw = impl.get();
-  impl->post = tok::parse_post_processor(field("post_processor"), top.at("post_processor"),
-                                         [raw](const std::string& t) -> std::optional<int32_t> {
-                                           auto it = raw->added_by_content.find(t);
-                                           if (it != raw->added_by_content.end()) return it->second;
-                                           return raw->model->token_to_id(t);
-                                         });
+  impl->post = tok::parse_post_processor(field("post_processor"), top.at("post_processor"));
   for (auto ids : {&impl->post.before, &impl->post.after}) {
     for (int32_t id : *ids) {
       if (id < 0 || id > impl->max_id) {

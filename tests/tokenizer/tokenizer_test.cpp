@@ -139,6 +139,18 @@ TEST_P(TokenizerGolden, EncodesLargeTextQuickly) {
   }
 }
 
+TEST_P(TokenizerGolden, RandomIdsAndTextNeverCrash) {
+  auto rng = test::Rng::for_test();
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<int32_t> ids(static_cast<size_t>(rng.integer(0, 40)));
+    for (auto& id : ids) id = static_cast<int32_t>(rng.integer(0, tok_->vocab_size() - 1));
+    const std::string text = tok_->decode(ids, trial % 2 == 0);
+    EXPECT_TRUE(valid_utf8(text));
+    // Byte-level decode output is valid UTF-8, so it re-encodes.
+    EXPECT_NO_THROW(tok_->encode(text, true));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Tokenizer, TokenizerGolden,
                          ::testing::Values("gpt2_style", "nemotron_style", "llama3_style", "llama2_style"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
