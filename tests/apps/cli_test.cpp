@@ -2,6 +2,7 @@
 // output and --logits-out, on the bundled default model and on broken copies of it.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -110,8 +111,12 @@ TEST_F(Cli, GeneratesTextFromTheBundledModel) {
 }
 
 TEST_F(Cli, LogitsOutHasARowPerPromptPositionAndStep) {
+  // Without a tokenizer.json the CLI prints the generated ids, comma-separated.
+  const fs::path d = copy_model();
+  fs::remove(d / "tokenizer.json");
   const fs::path f = tmp_ / "l.npy";
-  auto r = run_cli("generate --prompt-ids 1,100,200,300,400 -n 6 --ignore-eos -q --logits-out " + f.string());
+  auto r = run_cli("generate -m " + d.string() + " --prompt-ids 1,100,200,300,400 -n 6 --ignore-eos -q --logits-out " +
+                   f.string());
   ASSERT_EQ(r.status, 0) << r.out;
   const Tensor t = read_npy(f);
   ASSERT_EQ(t.ndim(), 2);
@@ -123,6 +128,11 @@ TEST_F(Cli, LogitsOutHasARowPerPromptPositionAndStep) {
   const float* row = t.f32() + 4 * t.dim(1);
   for (int64_t v = 1; v < t.dim(1); ++v) best = row[v] > row[best] ? v : best;
   EXPECT_EQ(printed.substr(0, printed.find(',')), std::to_string(best)) << r.out;
+  EXPECT_EQ(std::count(printed.begin(), printed.end(), ','), 5) << r.out;
+  // A text prompt needs the tokenizer: without it the CLI says so and exits 2.
+  r = run_cli("generate -m " + d.string() + " -p hello");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("no tokenizer.json"), std::string::npos) << r.out;
 }
 
 TEST_F(Cli, InfoShowsPlanParamsAndMemory) {

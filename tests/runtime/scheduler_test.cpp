@@ -61,10 +61,12 @@ TEST(Scheduler, PrefillsThenDecodesWithinBudget) {
 
   // Finishing sequence 0 frees its slot and blocks for the waiting one.
   const int32_t blocks_before = cache.free_blocks();
+  const int32_t slot0 = sched.get(0).slot;
   sched.get(0).finish = FinishReason::kStop;
   auto done = sched.collect_finished();
   ASSERT_EQ(done.size(), 1u);
   EXPECT_EQ(done[0].id, 0);
+  EXPECT_EQ(done[0].slot, -1);  // no longer owns it
   EXPECT_EQ(cache.free_slots(), 1);
   EXPECT_GT(cache.free_blocks(), blocks_before);
   sched.get(1).num_computed = 6;
@@ -73,7 +75,7 @@ TEST(Scheduler, PrefillsThenDecodesWithinBudget) {
   ASSERT_EQ(c.decode.size(), 1u);
   ASSERT_EQ(c.prefill.size(), 1u);
   EXPECT_EQ(c.prefill[0].seq_id, 2);
-  EXPECT_EQ(sched.get(2).slot, done[0].slot);  // the freed slot is reused
+  EXPECT_EQ(sched.get(2).slot, slot0);  // the freed slot is reused
 }
 
 TEST(Scheduler, RejectsPromptsLongerThanTheModelLength) {
