@@ -1,29 +1,15 @@
-// Errors: one exception type carrying the category that decides the process exit status.
-//   kInvalidInput -> exit 2 (bad usage, bad file, bad config, bad tensor)
-//   kRuntime      -> exit 1 (something failed while running valid input)
-// Exceptions rather than Status returns: the CPU reference path is deep (loader -> model -> ops) and every
-// failure is fatal for the request, so unwinding to the CLI / request boundary is the simple, honest shape.
+// Formatted errors (fmt, format strings checked at compile time). The Error type itself is in error_base.h,
+// which CUDA translation units include instead: nvcc cannot compile fmt's consteval format checks.
 #pragma once
 
-#include <stdexcept>
 #include <string>
 #include <utility>
 
 #include <fmt/format.h>
 
+#include "core/error_base.h"
+
 namespace chimera {
-
-enum class ErrorKind { kInvalidInput, kRuntime };
-
-class Error : public std::runtime_error {
- public:
-  Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
-  ErrorKind kind() const { return kind_; }
-  int exit_code() const { return kind_ == ErrorKind::kInvalidInput ? 2 : 1; }
-
- private:
-  ErrorKind kind_;
-};
 
 // invalid_input("{}: tensor '{}' has shape {}, expected {}", file, name, a, b)
 template <typename... Args>

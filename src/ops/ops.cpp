@@ -8,6 +8,13 @@
 #include <unordered_set>
 
 #include "backends/cpu/cpu_ops.h"
+#ifdef CHIMERA_HAVE_CUDA
+#include "backends/cuda/cuda_ops.h"
+#define CHIMERA_CUDA_CALL(call) call
+#else
+// A build without CUDA: a CUDA context fails loudly (its tensors could not exist in the first place).
+#define CHIMERA_CUDA_CALL(call) ::chimera::runtime_error("this build of chimera has no CUDA backend")
+#endif
 #include "core/error.h"
 
 namespace chimera::ops {
@@ -33,10 +40,13 @@ class Check {
            device_name(ctx_.device));
     }
   }
-  // An F32 activation of the given rank.
+  // An activation of the given rank: F32 on the CPU reference; F32, BF16 or F16 on CUDA.
   void f32(const char* name, const Tensor& t, int rank) const {
     present(name, t);
-    if (t.dtype() != DType::kF32) fail("{} {} must be F32", name, t.describe());
+    if (ctx_.device == Device::kCpu && t.dtype() != DType::kF32) fail("{} {} must be F32", name, t.describe());
+    if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16 && t.dtype() != DType::kF16) {
+      fail("{} {} must be F32, BF16 or F16", name, t.describe());
+    }
     if (rank >= 0 && t.ndim() != rank) fail("{} {} must have {} dimensions", name, t.describe(), rank);
   }
   void i32(const char* name, const Tensor& t, int rank) const {
@@ -80,14 +90,15 @@ class Check {
     }
   }
 
-  template <typename CpuFn>
-  void dispatch(CpuFn&& cpu_fn) const {
+  template <typename CpuFn, typename CudaFn>
+  void dispatch(CpuFn&& cpu_fn, CudaFn&& cuda_fn) const {
     switch (ctx_.device) {
       case Device::kCpu:
         cpu_fn();
         return;
       case Device::kCuda:
-        runtime_error("ops::{}: the CUDA backend is not built yet", op_);
+        cuda_fn();
+        return;
     }
     runtime_error("ops::{}: unknown device", op_);
   }
@@ -165,7 +176,7 @@ void embedding(const Context& ctx, const Tensor& out, const Tensor& table, std::
       invalid_input("ops::embedding: token id {} at position {} is out of range for vocab size {}", ids[t], t, V);
     }
   }
-  c.dispatch([&] { cpu::embedding(out, table, ids); });
+  c.dispatch([&] { cpu::embedding(out, table, ids); }, [&] { CHIMERA_CUDA_CALL(cuda::embedding(ctx, out, table, ids)); });
 }
 
 void rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps) {
@@ -175,7 +186,7 @@ void rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tens
   c.shape("out", out, x.shape(), "x", x);
   c.weight("weight", weight, 1);
   c.shape("weight", weight, {x.dim(1)}, "x", x);
-  c.dispatch([&] { cpu::rms_norm(out, x, weight, eps); });
+  c.dispatch([&] { cpu::rms_norm(out, x, weight, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::rms_norm(ctx, out, x, weight, eps)); });
 }
 
 void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x, const Tensor& weight,
@@ -188,7 +199,7 @@ void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out,
   c.shape("out", out, x.shape(), "x", x);
   c.weight("weight", weight, 1);
   c.shape("weight", weight, {x.dim(1)}, "x", x);
-  c.dispatch([&] { cpu::add_rms_norm(residual, out, x, weight, eps); });
+  c.dispatch([&] { cpu::add_rms_norm(residual, out, x, weight, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::add_rms_norm(ctx, residual, out, x, weight, eps)); });
 }
 
 void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
@@ -202,7 +213,7 @@ void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, cons
   c.weight("weight", weight, 1);
   c.shape("weight", weight, {y.dim(1)}, "y", y);
   if (n_groups <= 0 || y.dim(1) % n_groups != 0) c.fail("n_groups {} does not divide y {}", n_groups, y.describe());
-  c.dispatch([&] { cpu::gated_rms_norm(out, y, z, weight, n_groups, eps); });
+  c.dispatch([&] { cpu::gated_rms_norm(out, y, z, weight, n_groups, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::gated_rms_norm(ctx, out, y, z, weight, n_groups, eps)); });
 }
 
 // ---- dense -----------------------------------------------------------------------------------------
@@ -219,13 +230,13 @@ void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor
     c.shape("bias", bias, {weight.dim(0)}, "weight", weight);
   }
   c.no_alias("out", out, "x", x);
-  c.dispatch([&] { cpu::linear(out, x, weight, bias); });
+  c.dispatch([&] { cpu::linear(out, x, weight, bias); }, [&] { CHIMERA_CUDA_CALL(cuda::linear(ctx, out, x, weight, bias)); });
 }
 
 void relu2(const Context& ctx, const Tensor& x) {
   const Check c(ctx, "relu2");
   c.f32("x", x, -1);
-  c.dispatch([&] { cpu::relu2(x); });
+  c.dispatch([&] { cpu::relu2(x); }, [&] { CHIMERA_CUDA_CALL(cuda::relu2(ctx, x)); });
 }
 
 void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj, const Tensor& down_proj) {
@@ -237,7 +248,7 @@ void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Ten
   c.shape("up_proj", up_proj, {up_proj.dim(0), x.dim(1)}, "x", x);
   c.weight("down_proj", down_proj, 2);
   c.shape("down_proj", down_proj, {x.dim(1), up_proj.dim(0)}, "up_proj", up_proj);
-  c.dispatch([&] { cpu::relu2_mlp(out, x, up_proj, down_proj); });
+  c.dispatch([&] { cpu::relu2_mlp(out, x, up_proj, down_proj); }, [&] { CHIMERA_CUDA_CALL(cuda::relu2_mlp(ctx, out, x, up_proj, down_proj)); });
 }
 
 // ---- Mamba-2 ---------------------------------------------------------------------------------------
@@ -249,7 +260,7 @@ void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const
   check_conv(c, out, x, weight, bias, conv_state);
   c.seqlens(cu_seqlens, slots.size(), x.dim(0));
   c.slots(slots, conv_state.dim(0));
-  c.dispatch([&] { cpu::causal_conv1d(out, x, weight, bias, conv_state, cu_seqlens, slots, silu); });
+  c.dispatch([&] { cpu::causal_conv1d(out, x, weight, bias, conv_state, cu_seqlens, slots, silu); }, [&] { CHIMERA_CUDA_CALL(cuda::causal_conv1d(ctx, out, x, weight, bias, conv_state, cu_seqlens, slots, silu)); });
 }
 
 void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
@@ -258,7 +269,7 @@ void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x
   check_conv(c, out, x, weight, bias, conv_state);
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
   c.slots(slots, conv_state.dim(0));
-  c.dispatch([&] { cpu::causal_conv1d_update(out, x, weight, bias, conv_state, slots, silu); });
+  c.dispatch([&] { cpu::causal_conv1d_update(out, x, weight, bias, conv_state, slots, silu); }, [&] { CHIMERA_CUDA_CALL(cuda::causal_conv1d_update(ctx, out, x, weight, bias, conv_state, slots, silu)); });
 }
 
 void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
@@ -269,7 +280,7 @@ void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const 
   if (chunk_size <= 0) c.fail("chunk_size {} must be positive", chunk_size);
   c.seqlens(cu_seqlens, slots.size(), x.dim(0));
   c.slots(slots, ssm_state.dim(0));
-  c.dispatch([&] { cpu::ssd_chunk_scan(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots, chunk_size); });
+  c.dispatch([&] { cpu::ssd_chunk_scan(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots, chunk_size); }, [&] { CHIMERA_CUDA_CALL(cuda::ssd_chunk_scan(ctx, y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots, chunk_size)); });
 }
 
 void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
@@ -279,7 +290,7 @@ void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const 
   check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
   c.seqlens(cu_seqlens, slots.size(), x.dim(0));
   c.slots(slots, ssm_state.dim(0));
-  c.dispatch([&] { cpu::ssm_recurrence(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots); });
+  c.dispatch([&] { cpu::ssm_recurrence(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots); }, [&] { CHIMERA_CUDA_CALL(cuda::ssm_recurrence(ctx, y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots)); });
 }
 
 void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
@@ -289,7 +300,7 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
   check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
   c.slots(slots, ssm_state.dim(0));
-  c.dispatch([&] { cpu::selective_state_update(y, x, dt_raw, B, C, p, ssm_state, slots); });
+  c.dispatch([&] { cpu::selective_state_update(y, x, dt_raw, B, C, p, ssm_state, slots); }, [&] { CHIMERA_CUDA_CALL(cuda::selective_state_update(ctx, y, x, dt_raw, B, C, p, ssm_state, slots)); });
 }
 
 // ---- attention -------------------------------------------------------------------------------------
@@ -329,13 +340,14 @@ void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Ten
       c.fail("sequence {} needs {} positions but block_tables {} with block size {} holds {}", s, end,
              block_tables.describe(), block_size, max_blocks * block_size);
     }
-    for (int64_t b = 0; b < (end + block_size - 1) / block_size; ++b) {
+    // Block ids are checked where they are readable: on the host (device tables are the runtime's job).
+    for (int64_t b = 0; block_tables.device() == Device::kCpu && b < (end + block_size - 1) / block_size; ++b) {
       const int32_t id = block_tables.i32()[static_cast<int64_t>(s) * max_blocks + b];
       if (id < 0 || id >= num_blocks)
         c.fail("block_tables[{}, {}] = {} is out of range for {} blocks", s, b, id, num_blocks);
     }
   }
-  c.dispatch([&] { cpu::attention(out, q, k, v, cache, cu_seqlens, context_lens, block_tables, scale); });
+  c.dispatch([&] { cpu::attention(out, q, k, v, cache, cu_seqlens, context_lens, block_tables, scale); }, [&] { CHIMERA_CUDA_CALL(cuda::attention(ctx, out, q, k, v, cache, cu_seqlens, context_lens, block_tables, scale)); });
 }
 
 // ---- MoE -------------------------------------------------------------------------------------------
@@ -358,7 +370,7 @@ void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_
   c.shape("topk_ids", topk_ids, {T, p.top_k}, "logits", logits);
   c.f32("topk_weights", topk_weights, 2);
   c.shape("topk_weights", topk_weights, {T, p.top_k}, "logits", logits);
-  c.dispatch([&] { cpu::router_topk(topk_ids, topk_weights, logits, correction_bias, p); });
+  c.dispatch([&] { cpu::router_topk(topk_ids, topk_weights, logits, correction_bias, p); }, [&] { CHIMERA_CUDA_CALL(cuda::router_topk(ctx, topk_ids, topk_weights, logits, correction_bias, p)); });
 }
 
 void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
@@ -383,11 +395,11 @@ void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const T
       c.fail("down_proj[{}] {} does not match up_proj[{}] {}", e, down_proj[e].describe(), e, up_proj[e].describe());
     }
   }
-  for (int64_t i = 0; i < topk_ids.numel(); ++i) {
+  for (int64_t i = 0; topk_ids.device() == Device::kCpu && i < topk_ids.numel(); ++i) {
     const int32_t id = topk_ids.i32()[i];
     if (id < 0 || static_cast<size_t>(id) >= E) c.fail("topk_ids[{}] = {} is out of range for {} experts", i, id, E);
   }
-  c.dispatch([&] { cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj); });
+  c.dispatch([&] { cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj); }, [&] { CHIMERA_CUDA_CALL(cuda::moe_experts(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj)); });
 }
 
 // ---- small helpers ---------------------------------------------------------------------------------
@@ -399,7 +411,7 @@ void add(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b
   c.f32("out", out, -1);
   c.shape("b", b, a.shape(), "a", a);
   c.shape("out", out, a.shape(), "a", a);
-  c.dispatch([&] { cpu::add(out, a, b); });
+  c.dispatch([&] { cpu::add(out, a, b); }, [&] { CHIMERA_CUDA_CALL(cuda::add(ctx, out, a, b)); });
 }
 
 void copy_columns(const Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin) {
@@ -410,7 +422,7 @@ void copy_columns(const Context& ctx, const Tensor& out, const Tensor& in, int64
     c.fail("out {} does not match columns [{}, {}) of in {}", out.describe(), col_begin, col_begin + out.dim(1),
            in.describe());
   }
-  c.dispatch([&] { cpu::copy_columns(out, in, col_begin); });
+  c.dispatch([&] { cpu::copy_columns(out, in, col_begin); }, [&] { CHIMERA_CUDA_CALL(cuda::copy_columns(ctx, out, in, col_begin)); });
 }
 
 }  // namespace chimera::ops

@@ -1,0 +1,62 @@
+// CUDA backend: the same contracts as ops/ops.h, entered from the validating entry points in ops/ops.cpp.
+// Each function is the adapter between Tensors and a kernel launcher: it reads shapes and pointers into the
+// op's plain params struct, picks the template instance from the dtypes (loudly failing on unsupported
+// ones) and launches on ctx.stream. Host-side metadata (cu_seqlens, slots, context_lens) is uploaded to
+// device scratch with a stream-ordered copy.
+// Activations on CUDA may be F32, BF16 or F16 (one dtype per call); accumulation is always fp32.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "ops/ops.h"
+
+namespace chimera::cuda {
+
+// norm/ (norm_ops.cu)
+void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, std::span<const int32_t> ids);
+void rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
+void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
+                  const Tensor& weight, float eps);
+void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
+                    int64_t n_groups, float eps);
+// norm/ (elementwise.cu)
+void relu2(const ops::Context& ctx, const Tensor& x);
+void add(const ops::Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
+void copy_columns(const ops::Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin);
+
+// gemm/ (linear.cu: cuBLASLt)
+void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias);
+void relu2_mlp(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
+               const Tensor& down_proj);
+
+// mamba/ (conv1d.cu)
+void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                   const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
+                   bool silu);
+void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+                          const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> slots, bool silu);
+// mamba/ (selective_state_update.cu)
+void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
+                            const Tensor& B, const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
+                            std::span<const int32_t> slots);
+// mamba/ (ssd_*.cu)
+void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
+                    const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
+                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size);
+void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
+                    const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
+                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots);
+
+// attention/ (attention.cu)
+void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+               const ops::KvCacheView& cache, std::span<const int32_t> cu_seqlens,
+               std::span<const int32_t> context_lens, const Tensor& block_tables, float scale);
+
+// moe/ (router.cu, experts.cu)
+void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
+                 const Tensor& correction_bias, const ops::RouterParams& p);
+void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                 const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
+
+}  // namespace chimera::cuda

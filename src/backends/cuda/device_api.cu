@@ -1,0 +1,185 @@
+// Device services on CUDA: a caching allocator (size-bucketed free lists, so steady-state steps never call
+// cudaMalloc), host <-> device copies with dtype conversion on the host, device discovery.
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/device_api.h"
+
+namespace chimera::device {
+namespace {
+
+// Blocks are rounded up to 512 bytes (small) or 2 MiB (large) and kept in a free list per rounded size.
+class CachingAllocator {
+ public:
+  void* allocate(size_t bytes) {
+    const size_t size = round(bytes);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(size);
+      if (it != free_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        cached_ -= size;
+        in_use_ += size;
+        return p;
+      }
+    }
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, size);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      release_cached();
+      err = cudaMalloc(&p, size);
+    }
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      throw_runtime(str_cat("out of GPU memory: needed ", size, " bytes, ", free_b, " free of ", total_b, " (",
+                            in_use_, " in use by chimera)"));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    in_use_ += size;
+    return p;
+  }
+
+  void release(void* p, size_t bytes) {
+    const size_t size = round(bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    free_[size].push_back(p);
+    in_use_ -= size;
+    cached_ += size;
+  }
+
+  void release_cached() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [size, list] : free_) {
+      for (void* p : list) cudaFree(p);
+      cached_ -= size * list.size();
+      list.clear();
+    }
+  }
+
+  std::pair<size_t, size_t> stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {in_use_, cached_};
+  }
+
+ private:
+  static size_t round(size_t b) {
+    b = b ? b : 1;
+    if (b <= (1u << 20)) return (b + 511) / 512 * 512;
+    return (b + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+  }
+  std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;
+  size_t in_use_ = 0, cached_ = 0;
+};
+
+CachingAllocator& allocator() {
+  static auto* a = new CachingAllocator();  // never destroyed: tensors may outlive static destruction order
+  return *a;
+}
+
+}  // namespace
+
+bool cuda_available() {
+  static const bool available = [] {
+    int n = 0;
+    const cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return n > 0;
+  }();
+  return available;
+}
+
+std::string describe_cuda() {
+  if (!cuda_available()) return "no CUDA device is available (cudaGetDeviceCount found none)";
+  int dev = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceProp p{};
+  cudaGetDeviceProperties(&p, dev);
+  return str_cat(p.name, ", sm_", p.major, p.minor, ", ", p.multiProcessorCount, " SMs, ",
+                 static_cast<double>(p.totalGlobalMem) / (1u << 30), " GiB");
+}
+
+Tensor empty(Device device, DType dtype, Shape shape) {
+  if (device == Device::kCpu) return Tensor::empty(dtype, std::move(shape));
+  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  void* p = allocator().allocate(bytes);
+  std::shared_ptr<void> owner(p, [bytes](void* q) { allocator().release(q, bytes); });
+  return Tensor::wrap(p, dtype, std::move(shape), std::move(owner), Device::kCuda);
+}
+
+void copy(const Tensor& dst, const Tensor& src) {
+  if (dst.nbytes() != src.nbytes() || dst.dtype() != src.dtype()) {
+    throw_runtime(str_cat("device::copy ", dst.describe(), " <- ", src.describe()));
+  }
+  if (src.nbytes() == 0) return;
+  CHIMERA_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault), "device::copy");
+}
+
+Tensor to_device(const Tensor& t, Device device, DType dtype) {
+  Tensor src = t;
+  if (dtype != t.dtype()) {
+    Tensor host_f32 = to_host_f32(t);
+    src = Tensor::empty(dtype, t.shape());
+    convert_from_f32(host_f32.f32(), dtype, src.data(), static_cast<size_t>(t.numel()));
+  }
+  Tensor out = empty(device, dtype, t.shape());
+  copy(out, src);
+  return out;
+}
+
+Tensor to_host(const Tensor& t) {
+  Tensor out = Tensor::empty(t.dtype(), t.shape());
+  copy(out, t);
+  return out;
+}
+
+Tensor to_host_f32(const Tensor& t) {
+  Tensor h = t.device() == Device::kCpu ? t : to_host(t);
+  return h.dtype() == DType::kF32 ? (t.device() == Device::kCpu ? h.clone() : h) : h.to_f32();
+}
+
+void synchronize(Device device) {
+  if (device == Device::kCuda) CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "device::synchronize");
+}
+
+std::pair<size_t, size_t> cuda_memory_stats() { return allocator().stats(); }
+
+}  // namespace chimera::device
+
+namespace chimera::cuda {
+
+void* upload_scratch(const void* host, size_t bytes, cudaStream_t stream, int slot) {
+  // A few independent buffers per thread so one op can upload several arrays.
+  constexpr int kSlots = 8;
+  struct Scratch {
+    void* ptr[kSlots] = {};
+    size_t cap[kSlots] = {};
+  };
+  thread_local Scratch s;
+  if (slot < 0 || slot >= kSlots) throw_runtime(str_cat("upload_scratch: slot ", slot, " out of range"));
+  if (bytes == 0) return nullptr;
+  if (s.cap[slot] < bytes) {
+    // The old buffer may still be read by queued work: wait for the stream before freeing it.
+    if (s.ptr[slot]) {
+      CHIMERA_CUDA_CHECK(cudaStreamSynchronize(stream), "upload_scratch");
+      CHIMERA_CUDA_CHECK(cudaFree(s.ptr[slot]), "upload_scratch");
+    }
+    const size_t cap = std::max<size_t>(bytes, 4096) * 2;
+    CHIMERA_CUDA_CHECK(cudaMalloc(&s.ptr[slot], cap), "upload_scratch");
+    s.cap[slot] = cap;
+  }
+  // Pageable source: cudaMemcpyAsync returns once the source is staged, so the host array may go away.
+  CHIMERA_CUDA_CHECK(cudaMemcpyAsync(s.ptr[slot], host, bytes, cudaMemcpyHostToDevice, stream), "upload_scratch");
+  return s.ptr[slot];
+}
+
+}  // namespace chimera::cuda

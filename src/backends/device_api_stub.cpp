@@ -1,0 +1,52 @@
+// Device services of a build without CUDA: everything stays on the host.
+#include <cstring>
+
+#include "backends/device_api.h"
+#include "core/error.h"
+
+namespace chimera::device {
+
+bool cuda_available() { return false; }
+std::string describe_cuda() { return "this build of chimera has no CUDA backend (nvcc was not found)"; }
+
+static void no_cuda(Device d) {
+  if (d == Device::kCuda) runtime_error("this build of chimera has no CUDA backend");
+}
+
+Tensor empty(Device device, DType dtype, Shape shape) {
+  no_cuda(device);
+  return Tensor::empty(dtype, std::move(shape));
+}
+
+Tensor to_device(const Tensor& t, Device device, DType dtype) {
+  no_cuda(device);
+  no_cuda(t.device());
+  if (dtype == t.dtype()) return t.clone();
+  Tensor f = t.to_f32();
+  Tensor out = Tensor::empty(dtype, t.shape());
+  convert_from_f32(f.f32(), dtype, out.data(), static_cast<size_t>(t.numel()));
+  return out;
+}
+
+Tensor to_host(const Tensor& t) {
+  no_cuda(t.device());
+  return t.clone();
+}
+
+Tensor to_host_f32(const Tensor& t) {
+  no_cuda(t.device());
+  return t.to_f32();
+}
+
+void copy(const Tensor& dst, const Tensor& src) {
+  no_cuda(dst.device());
+  no_cuda(src.device());
+  CHIMERA_CHECK(dst.nbytes() == src.nbytes() && dst.dtype() == src.dtype(), "copy {} <- {}", dst.describe(),
+                src.describe());
+  std::memcpy(dst.data(), src.data(), src.nbytes());
+}
+
+void synchronize(Device device) { no_cuda(device); }
+std::pair<size_t, size_t> cuda_memory_stats() { return {0, 0}; }
+
+}  // namespace chimera::device
