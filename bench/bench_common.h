@@ -1,0 +1,46 @@
+// The kernel benchmark harness (a separate binary, never a test): CUDA-event timing of a launch sequence,
+// and one report line per case with time, achieved bandwidth or FLOP rate, and the ratio to the machine's
+// measured ceiling (anchors.md: 4.2 TB/s device copy, ~790 TFLOP/s dense bf16).
+//
+//   CHIMERA_BENCH(ssu_fp32_state) { ... ctx.run("selective_state_update", shape, bytes, flops, [&] { launch(); }); }
+//
+// Output (stdout), one line per case, parsed by bench/peers/*.py and docs/perf.md tables:
+//   BENCH kernel=<name> shape=<text> us=<median> gbps=<x> tflops=<y> floor_ratio=<r>
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace chimera::bench {
+
+inline constexpr double kCopyBandwidthGBs = 4200.0;  // measured device-to-device copy, read + write
+inline constexpr double kBf16PeakTflops = 790.0;      // measured dense bf16
+
+struct Context {
+  int warmup = 5;
+  int iters = 50;
+  // Times fn (a sequence of launches on the default stream) and prints the report line. bytes: bytes that
+  // must move (read + write); flops: useful floating-point operations. Either may be 0.
+  // Returns the median time in microseconds.
+  double run(const std::string& kernel, const std::string& shape, double bytes, double flops,
+             const std::function<void()>& fn) const;
+};
+
+using BenchFn = void (*)(const Context&);
+struct Registration {
+  Registration(const char* name, BenchFn fn);
+};
+struct Case {
+  std::string name;
+  BenchFn fn;
+};
+std::vector<Case>& registry();
+
+#define CHIMERA_BENCH(name)                                                             \
+  static void chimera_bench_##name(const ::chimera::bench::Context&);                   \
+  static const ::chimera::bench::Registration chimera_bench_reg_##name(#name,           \
+                                                                       chimera_bench_##name); \
+  static void chimera_bench_##name(const ::chimera::bench::Context& ctx)
+
+}  // namespace chimera::bench
