@@ -60,26 +60,28 @@ class WeightTable {
 
   void finish() const {
     if (!missing_.empty()) {
-      std::string list;
-      for (size_t i = 0; i < missing_.size() && i < 12; ++i) list += (i ? ", " : "") + missing_[i];
-      if (missing_.size() > 12) list += fmt::format(", ... ({} in all)", missing_.size());
       invalid_input("{}: checkpoint is missing {} tensor(s) the config needs: {}", ckpt_.dir().string(),
-                    missing_.size(), list);
+                    missing_.size(), name_list(missing_));
     }
     std::vector<std::string> extra;
     for (const auto& [c, name] : canonical_) {
       if (!consumed_.count(c)) extra.push_back(name);
     }
     if (!extra.empty()) {
-      std::string list;
-      for (size_t i = 0; i < extra.size() && i < 12; ++i) list += (i ? ", " : "") + extra[i];
-      if (extra.size() > 12) list += fmt::format(", ... ({} in all)", extra.size());
       invalid_input("{}: checkpoint has {} unexpected tensor(s) for this config: {}", ckpt_.dir().string(),
-                    extra.size(), list);
+                    extra.size(), name_list(extra));
     }
   }
 
  private:
+  // "a, b, c" for the first dozen names, then how many there are in all.
+  static std::string name_list(const std::vector<std::string>& names) {
+    std::string list;
+    for (size_t i = 0; i < names.size() && i < 12; ++i) list += (i ? ", " : "") + names[i];
+    if (names.size() > 12) list += fmt::format(", ... ({} in all)", names.size());
+    return list;
+  }
+
   const Checkpoint& ckpt_;
   std::map<std::string, std::string> canonical_;
   std::set<std::string> consumed_;
