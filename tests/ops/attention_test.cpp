@@ -26,27 +26,53 @@ Tensor rounded(const Tensor& f32, DType dtype) {
   return dtype == DType::kF32 ? f32 : test::cast_to(f32, dtype).to_f32();
 }
 
+// Standard normal values, seeded from the test's Rng (fresh per case). Box-Muller over splitmix64, several
+// times faster than std::normal_distribution: the CUDA cases need tens of millions of inputs.
+Tensor normal_tensor(test::Rng& rng, Shape shape) {
+  Tensor t = Tensor::empty(DType::kF32, std::move(shape));
+  uint64_t state = rng.engine()();
+  auto next = [&state] {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  float* p = t.f32();
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; i += 2) {
+    const uint64_t r = next();
+    const double u1 = (double(r >> 40) + 1.0) / 16777217.0, u2 = double(r & 0xFFFFFF) / 16777216.0;
+    const double rad = std::sqrt(-2.0 * std::log(u1)), th = 6.283185307179586 * u2;
+    p[i] = float(rad * std::cos(th));
+    if (i + 1 < n) p[i + 1] = float(rad * std::sin(th));
+  }
+  return t;
+}
+
 // Naive attention of one query row at position `pos` over positions [0, pos] of k, v [L, KVh, hd], in double.
 //   q: [Qh, hd] (the row); out: [Qh, hd].
 void naive_row(const float* q, const Tensor& k, const Tensor& v, int64_t pos, int64_t Qh, float scale, float* out) {
   const int64_t KVh = k.dim(1), hd = k.dim(2);
-  std::vector<double> s(static_cast<size_t>(pos + 1));
+  const float* kp = k.f32();
+  const float* vp = v.f32();
+  std::vector<double> s(static_cast<size_t>(pos + 1)), acc(static_cast<size_t>(hd));
   for (int64_t j = 0; j < Qh; ++j) {
     const int64_t kh = j / (Qh / KVh);
     for (int64_t u = 0; u <= pos; ++u) {
       double d = 0;
-      const float* kr = k.f32() + (u * KVh + kh) * hd;
+      const float* kr = kp + (u * KVh + kh) * hd;
       for (int64_t e = 0; e < hd; ++e) d += double(q[j * hd + e]) * kr[e];
       s[u] = d * scale;
     }
     const double m = *std::max_element(s.begin(), s.end());
     double sum = 0;
     for (double& x : s) sum += (x = std::exp(x - m));
-    for (int64_t e = 0; e < hd; ++e) {
-      double acc = 0;
-      for (int64_t u = 0; u <= pos; ++u) acc += s[u] * v.f32()[(u * KVh + kh) * hd + e];
-      out[j * hd + e] = float(acc / sum);
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t u = 0; u <= pos; ++u) {
+      const float* vr = vp + (u * KVh + kh) * hd;
+      for (int64_t e = 0; e < hd; ++e) acc[e] += s[u] * vr[e];
     }
+    for (int64_t e = 0; e < hd; ++e) out[j * hd + e] = float(acc[e] / sum);
   }
 }
 
@@ -72,14 +98,20 @@ PagedLayout make_layout(test::Rng& rng, const std::vector<int32_t>& lens, int64_
 class OpsAttention : public BackendTest {
  protected:
   struct Seqs {
-    std::vector<Tensor> q, k, v;  // per sequence, host F32 already rounded to the dtype under test
+    // Per sequence, host F32 already rounded to the dtype under test: k, v at positions [0, n); q at
+    // positions [q_first, n) (decode cases only need the last query).
+    std::vector<Tensor> q, k, v;
+    std::vector<int64_t> q_first;
   };
-  Seqs make_seqs(test::Rng& rng, const AttnCase& c, const std::vector<int32_t>& lens, DType dtype) const {
+  Seqs make_seqs(test::Rng& rng, const AttnCase& c, const std::vector<int32_t>& lens, DType dtype,
+                 const std::vector<int32_t>& q_first = {}) const {
     Seqs d;
-    for (int32_t n : lens) {
-      d.q.push_back(rounded(rng.normal_tensor({n, c.Qh, c.hd}), dtype));
-      d.k.push_back(rounded(rng.normal_tensor({n, c.KVh, c.hd}), dtype));
-      d.v.push_back(rounded(rng.normal_tensor({n, c.KVh, c.hd}), dtype));
+    for (size_t s = 0; s < lens.size(); ++s) {
+      const int32_t n = lens[s], q0 = q_first.empty() ? 0 : q_first[s];
+      d.q_first.push_back(q0);
+      d.q.push_back(rounded(normal_tensor(rng, {n - q0, c.Qh, c.hd}), dtype));
+      d.k.push_back(rounded(normal_tensor(rng, {n, c.KVh, c.hd}), dtype));
+      d.v.push_back(rounded(normal_tensor(rng, {n, c.KVh, c.hd}), dtype));
     }
     return d;
   }
@@ -100,8 +132,8 @@ class OpsAttention : public BackendTest {
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t r = rows[size_t(i)], s = row_seq[size_t(r)], pos = row_pos[size_t(r)];
         std::copy_n(all.f32() + r * width, width, got.f32() + i * width);
-        naive_row(d.q[size_t(s)].f32() + pos * width, d.k[size_t(s)], d.v[size_t(s)], pos, c.Qh, scale,
-                  want.f32() + i * width);
+        const float* qrow = d.q[size_t(s)].f32() + (pos - d.q_first[size_t(s)]) * width;
+        naive_row(qrow, d.k[size_t(s)], d.v[size_t(s)], pos, c.Qh, scale, want.f32() + i * width);
       }
     });
     if (dtype == DType::kF32) {
@@ -181,7 +213,7 @@ class OpsAttention : public BackendTest {
     const size_t S = ctx_lens.size();
     std::vector<int32_t> lens(S);
     for (size_t s = 0; s < S; ++s) lens[s] = ctx_lens[s] + 1;
-    const Seqs d = make_seqs(rng, c, lens, dtype);
+    const Seqs d = make_seqs(rng, c, lens, dtype, ctx_lens);
     const PagedLayout l = make_layout(rng, lens, block_size);
     Tensor hk = Tensor::empty(DType::kF32, {l.num_blocks, block_size, c.KVh, c.hd});
     Tensor hv = Tensor::empty(DType::kF32, hk.shape());
@@ -201,7 +233,7 @@ class OpsAttention : public BackendTest {
     std::vector<int32_t> cu = {0};
     std::vector<int64_t> row_seq(S), row_pos(S);
     for (size_t s = 0; s < S; ++s) {
-      std::copy_n(d.q[s].select(ctx_lens[s]).f32(), c.Qh * c.hd, qs.select(int64_t(s)).f32());
+      std::copy_n(d.q[s].select(0).f32(), c.Qh * c.hd, qs.select(int64_t(s)).f32());
       std::copy_n(d.k[s].select(ctx_lens[s]).f32(), c.KVh * c.hd, ks.select(int64_t(s)).f32());
       std::copy_n(d.v[s].select(ctx_lens[s]).f32(), c.KVh * c.hd, vs.select(int64_t(s)).f32());
       cu.push_back(cu.back() + 1);
