@@ -364,7 +364,7 @@ std::vector<int64_t> spread_rows(int64_t T, int64_t n) {
 }
 
 test::Tolerance tolerance_for(DType x_dtype) {
-  return x_dtype == DType::kF32 ? test::kF32Reduction : test::kBF16Elementwise;
+  return x_dtype == DType::kF32 ? test::kF32Reduction : test::kBF16Reduction;
 }
 double nmse_for(DType x_dtype) { return x_dtype == DType::kF32 ? test::kF32ReductionNmse : test::kBF16ReductionNmse; }
 
@@ -390,7 +390,7 @@ TEST_P(OpsMoe, TensorCorePathMatchesTheCpuReference) {
       const Tensor x = round_to(rng.normal_tensor({T, Din}), dt);
       const Tensor got = run_on(x, dt, ids, w, d_up, d_down);
       const Tensor want = cpu_reference_rows(x, ids, w, up, down, all_rows(T));
-      EXPECT_TRUE(test::nmse_close(got, want, test::kBF16ReductionNmse, test::kBF16Elementwise));
+      EXPECT_TRUE(test::nmse_close(got, want, test::kBF16ReductionNmse, test::kBF16Reduction));
       // Deterministic: a second run gives the same bits.
       EXPECT_TRUE(test::bit_equal(run_on(x, dt, ids, w, d_up, d_down), got));
     }
@@ -419,6 +419,7 @@ TEST_P(OpsMoe, SixteenBitActivationsWithOddSizesOrMixedWeights) {
       random_routing(rng, T, E, k, 2.5f, ids, w);
       const Tensor x = round_to(rng.normal_tensor({T, c.Din}), c.x);
       const Tensor got = run(x, c.x, ids, w, up, down);
+      // h stays fp32 on this path: only the output is rounded, so the tight bf16 elementwise bound holds.
       EXPECT_TRUE(test::nmse_close(got, cpu_reference_rows(x, ids, w, up, down, all_rows(T)),
                                    test::kBF16ReductionNmse, test::kBF16Elementwise));
     }
