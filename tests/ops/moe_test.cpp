@@ -1,4 +1,6 @@
-// Router (noaux_tc sigmoid top-k) and routed experts against naive per-token loops.
+// Router (noaux_tc sigmoid top-k) and routed experts against naive per-token loops; on CUDA also against the
+// CPU reference at the Nemotron shapes (routing choices bit-exact, weights fp32-elementwise, expert outputs by
+// the reduction rows of tests/common/tolerances.h).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -11,6 +13,35 @@ namespace chimera {
 namespace {
 
 using test::BackendTest;
+
+// Backend plumbing that also works in a CUDA build on a machine without a GPU (the Cpu instances never touch
+// the device API there): inputs moved to the backend, poisoned outputs, results brought back to the host.
+class MoeBackendTest : public BackendTest {
+ protected:
+  Tensor in(const Tensor& host) const { return on_cuda() ? on_backend(host) : host; }
+  Tensor in(const Tensor& host, DType dtype) const {
+    if (on_cuda()) return on_backend(host, dtype);
+    return host.dtype() == dtype ? host : test::cast_to(host.to_f32(), dtype);
+  }
+  Tensor out(DType dtype, Shape shape) const {
+    if (on_cuda()) return output(dtype, std::move(shape));
+    Tensor t = Tensor::empty(dtype, std::move(shape));
+    test::poison(t);
+    return t;
+  }
+  static Tensor host(const Tensor& t) { return t.device() == Device::kCuda ? device::to_host(t) : t; }
+  static Tensor host_f32(const Tensor& t) { return t.device() == Device::kCuda ? device::to_host_f32(t) : t.to_f32(); }
+};
+
+// The CPU reference router (itself checked against naive_router below).
+void cpu_router(const Tensor& logits, const Tensor& bias, const ops::RouterParams& p, Tensor& ids, Tensor& w) {
+  ids = Tensor::empty(DType::kI32, {logits.dim(0), p.top_k});
+  w = Tensor::empty(DType::kF32, {logits.dim(0), p.top_k});
+  ops::router_topk(ops::Context{}, ids, w, logits, bias, p);
+}
+
+// Values rounded through a 16-bit dtype (what a BF16 / F16 activation holds).
+Tensor round_to(const Tensor& f32, DType dtype) { return dtype == DType::kF32 ? f32 : test::cast_to(f32, dtype).to_f32(); }
 
 // Naive router following HF NemotronHMoE.route_tokens_to_experts, with ties resolved toward lower indices.
 void naive_router(const Tensor& logits, const Tensor& bias, const ops::RouterParams& p, Tensor& ids, Tensor& w) {
@@ -49,14 +80,14 @@ void naive_router(const Tensor& logits, const Tensor& bias, const ops::RouterPar
   }
 }
 
-class OpsRouter : public BackendTest {
+class OpsRouter : public MoeBackendTest {
  protected:
+  // Routes on the backend under test (outputs poisoned first); ids and w come back as host tensors.
   void route(const Tensor& logits, const Tensor& bias, const ops::RouterParams& p, Tensor& ids, Tensor& w) {
-    ids = Tensor::empty(DType::kI32, {logits.dim(0), p.top_k});
-    w = Tensor::empty(DType::kF32, {logits.dim(0), p.top_k});
-    test::poison(ids);
-    test::poison(w);
-    ops::router_topk(ctx(), ids, w, logits, bias, p);
+    Tensor d_ids = out(DType::kI32, {logits.dim(0), p.top_k}), d_w = out(DType::kF32, {logits.dim(0), p.top_k});
+    ops::router_topk(ctx(), d_ids, d_w, in(logits), in(bias), p);
+    ids = host(d_ids);
+    w = host_f32(d_w);
   }
 };
 
@@ -126,8 +157,8 @@ TEST_P(OpsRouter, BiasOnlyAffectsSelection) {
 }
 
 TEST_P(OpsRouter, BadParamsThrowNamingTheOp) {
-  const Tensor logits = Tensor::zeros(DType::kF32, {2, 12}), bias = Tensor::zeros(DType::kF32, {12});
-  Tensor ids = Tensor::empty(DType::kI32, {2, 4}), w = Tensor::empty(DType::kF32, {2, 4});
+  const Tensor logits = in(Tensor::zeros(DType::kF32, {2, 12})), bias = in(Tensor::zeros(DType::kF32, {12}));
+  Tensor ids = out(DType::kI32, {2, 4}), w = out(DType::kF32, {2, 4});
   EXPECT_TRUE(test::throws_error(
       [&] {
         ops::router_topk(ctx(), ids, w, logits, bias, {4, 5, 1, true, 1.0f});
@@ -143,6 +174,70 @@ TEST_P(OpsRouter, BadParamsThrowNamingTheOp) {
         ops::router_topk(ctx(), ids, w, logits, bias, {3, 1, 1, true, 1.0f});
       },
       ErrorKind::kRuntime, "ops::router_topk: topk_ids I32[2, 4] does not match logits"));
+}
+
+// Random routing at the model shapes and the awkward token counts. CUDA is compared with the CPU reference
+// (choices bit-exact) at every size; the CPU instance with the naive oracle at the smaller ones.
+struct RouterCase {
+  int64_t E, k, n_group, topk_group;
+  float scale;
+};
+constexpr RouterCase kRouterCases[] = {{8, 2, 1, 1, 1.0f},   {128, 6, 1, 1, 2.5f},  {512, 22, 1, 1, 5.0f},
+                                       {512, 8, 1, 1, 1.0f}, {100, 7, 1, 1, 1.0f},  {256, 32, 1, 1, 1.0f},
+                                       {33, 5, 1, 1, 1.0f},  {256, 8, 8, 4, 2.5f},  {128, 6, 2, 1, 1.0f},
+                                       {512, 22, 8, 2, 5.0f}};
+
+void expect_routes_match(const Tensor& ids, const Tensor& w, const Tensor& want_ids, const Tensor& want_w) {
+  EXPECT_TRUE(test::bit_equal(ids, want_ids));
+  EXPECT_ALL_CLOSE(w, want_w, test::kF32Elementwise);
+}
+
+TEST_P(OpsRouter, ModelShapesMatchTheReference) {
+  auto rng = test::Rng::for_test();
+  for (const RouterCase& c : kRouterCases) {
+    for (int64_t T : {1, 3, 17, 111, 989, 4099}) {
+      if (!on_cuda() && T > 111) continue;
+      SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " n_group=" << c.n_group << " T=" << T);
+      const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+      const Tensor logits = rng.normal_tensor({T, c.E}, 2.0f), bias = rng.normal_tensor({c.E}, 0.05f);
+      Tensor ids, w, want_ids, want_w;
+      route(logits, bias, p, ids, w);
+      if (on_cuda()) {
+        cpu_router(logits, bias, p, want_ids, want_w);
+      } else {
+        want_ids = Tensor::empty(DType::kI32, ids.shape());
+        want_w = Tensor::empty(DType::kF32, w.shape());
+        naive_router(logits, bias, p, want_ids, want_w);
+      }
+      expect_routes_match(ids, w, want_ids, want_w);
+    }
+  }
+}
+
+TEST_P(OpsRouter, QuantizedScoresTieExactlyAtScale) {
+  // Logits and bias on coarse grids: most biased scores tie exactly with others; every tie goes to the lower
+  // expert index, and the output stays sorted by (score desc, index asc).
+  auto rng = test::Rng::for_test();
+  for (const RouterCase& c : kRouterCases) {
+    const int64_t T = on_cuda() ? 989 : 17;
+    SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " n_group=" << c.n_group);
+    Tensor logits = Tensor::empty(DType::kF32, {T, c.E}), bias = Tensor::empty(DType::kF32, {c.E});
+    for (int64_t i = 0; i < logits.numel(); ++i) logits.f32()[i] = 0.5f * static_cast<float>(rng.integer(-4, 4));
+    for (int64_t e = 0; e < c.E; ++e) bias.f32()[e] = 0.125f * static_cast<float>(rng.integer(0, 2));
+    const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+    Tensor ids, w, want_ids, want_w;
+    route(logits, bias, p, ids, w);
+    if (on_cuda()) {
+      cpu_router(logits, bias, p, want_ids, want_w);
+    } else {
+      // The naive oracle sums group scores in double: near-equal float group sums may order differently.
+      if (c.n_group > 1) continue;
+      want_ids = Tensor::empty(DType::kI32, ids.shape());
+      want_w = Tensor::empty(DType::kF32, w.shape());
+      naive_router(logits, bias, p, want_ids, want_w);
+    }
+    expect_routes_match(ids, w, want_ids, want_w);
+  }
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(OpsRouter);
@@ -177,7 +272,37 @@ Tensor naive_experts(const Tensor& x, const Tensor& ids, const Tensor& w, const 
   return out;
 }
 
-class OpsMoe : public BackendTest {};
+class OpsMoe : public MoeBackendTest {
+ public:
+  // Runs the op on the backend under test: x converted to x_dtype there, expert weights as given (host tensors
+  // or views, moved to the backend one by one unless `device_up` / `device_down` are given). Returns host f32.
+  Tensor run(const Tensor& x, DType x_dtype, const Tensor& ids, const Tensor& w, const std::vector<Tensor>& up,
+             const std::vector<Tensor>& down) {
+    std::vector<Tensor> d_up, d_down;
+    for (size_t e = 0; e < up.size(); ++e) {
+      d_up.push_back(in(up[e]));
+      d_down.push_back(in(down[e]));
+    }
+    return run_on(x, x_dtype, ids, w, d_up, d_down);
+  }
+  Tensor run_on(const Tensor& x, DType x_dtype, const Tensor& ids, const Tensor& w, const std::vector<Tensor>& d_up,
+                const std::vector<Tensor>& d_down) {
+    Tensor o = out(x_dtype, x.shape());
+    ops::moe_experts(ctx(), o, in(x, x_dtype), in(ids), in(w), d_up, d_down);
+    return host_f32(o);
+  }
+};
+
+// Routing for the expert tests: the CPU reference router on random logits (distinct experts per token).
+void random_routing(test::Rng& rng, int64_t T, int64_t E, int64_t k, float scale, Tensor& ids, Tensor& w) {
+  cpu_router(rng.normal_tensor({T, E}), rng.normal_tensor({E}, 0.1f), {k, 1, 1, true, scale}, ids, w);
+}
+
+// Weights with std 1/sqrt(fan_in) (outputs of order 1), uniform for speed at the model shapes.
+Tensor init_weight(test::Rng& rng, Shape shape, DType dtype) {
+  const float a = std::sqrt(3.0f / static_cast<float>(shape.back()));
+  return test::cast_to(rng.uniform_tensor(std::move(shape), -a, a), dtype);
+}
 
 TEST_P(OpsMoe, ExpertsMatchNaivePerTokenLoop) {
   auto rng = test::Rng::for_test();
@@ -191,30 +316,178 @@ TEST_P(OpsMoe, ExpertsMatchNaivePerTokenLoop) {
         down.push_back(test::cast_to(rng.normal_tensor({Din, I}, 0.2f), wt));
       }
       // Distinct experts per token via the router (expert 6 may go unused: fine).
-      const Tensor logits = rng.normal_tensor({T, E}), bias = rng.normal_tensor({E}, 0.1f);
-      Tensor ids = Tensor::empty(DType::kI32, {T, k}), w = Tensor::empty(DType::kF32, {T, k});
-      ops::router_topk(ctx(), ids, w, logits, bias, {k, 1, 1, true, 2.5f});
+      Tensor ids, w;
+      random_routing(rng, T, E, k, 2.5f, ids, w);
       const Tensor x = rng.normal_tensor({T, Din});
-      Tensor out = Tensor::empty(DType::kF32, {T, Din});
-      test::poison(out);
-      ops::moe_experts(ctx(), out, x, ids, w, up, down);
+      const Tensor got = run(x, DType::kF32, ids, w, up, down);
       EXPECT_TRUE(
-          test::nmse_close(out, naive_experts(x, ids, w, up, down), test::kF32ReductionNmse, test::kF32Reduction));
+          test::nmse_close(got, naive_experts(x, ids, w, up, down), test::kF32ReductionNmse, test::kF32Reduction));
     }
   }
 }
 
+// ---- CUDA: 16-bit activations, the tensor-core path, the model shapes -------------------------------------
+
+// The CPU reference (fp32 on the same rounded inputs) for the rows `sample` of a batch.
+Tensor cpu_reference_rows(const Tensor& x_rounded, const Tensor& ids, const Tensor& w, const std::vector<Tensor>& up,
+                          const std::vector<Tensor>& down, const std::vector<int64_t>& sample) {
+  const int64_t n = static_cast<int64_t>(sample.size()), Din = x_rounded.dim(1), k = ids.dim(1);
+  Tensor xs = Tensor::empty(DType::kF32, {n, Din}), is = Tensor::empty(DType::kI32, {n, k});
+  Tensor ws = Tensor::empty(DType::kF32, {n, k}), o = Tensor::empty(DType::kF32, {n, Din});
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy_n(x_rounded.f32() + sample[r] * Din, Din, xs.f32() + r * Din);
+    std::copy_n(ids.i32() + sample[r] * k, k, is.i32() + r * k);
+    std::copy_n(w.f32() + sample[r] * k, k, ws.f32() + r * k);
+  }
+  ops::moe_experts(ops::Context{}, o, xs, is, ws, up, down);
+  return o;
+}
+
+Tensor pick_rows(const Tensor& f32, const std::vector<int64_t>& sample) {
+  const int64_t D = f32.dim(1);
+  Tensor o = Tensor::empty(DType::kF32, {static_cast<int64_t>(sample.size()), D});
+  for (size_t r = 0; r < sample.size(); ++r) std::copy_n(f32.f32() + sample[r] * D, D, o.f32() + r * D);
+  return o;
+}
+
+std::vector<int64_t> all_rows(int64_t T) {
+  std::vector<int64_t> v(static_cast<size_t>(T));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+// Up to n rows spread over [0, T), first and last included.
+std::vector<int64_t> spread_rows(int64_t T, int64_t n) {
+  if (T <= n) return all_rows(T);
+  std::vector<int64_t> v;
+  for (int64_t i = 0; i < n; ++i) v.push_back(i * (T - 1) / (n - 1));
+  return v;
+}
+
+test::Tolerance tolerance_for(DType x_dtype) {
+  return x_dtype == DType::kF32 ? test::kF32Reduction : test::kBF16Reduction;
+}
+double nmse_for(DType x_dtype) { return x_dtype == DType::kF32 ? test::kF32ReductionNmse : test::kBF16ReductionNmse; }
+
+TEST_P(OpsMoe, TensorCorePathMatchesTheCpuReference) {
+  if (!on_cuda()) GTEST_SKIP() << "16-bit activations are a CUDA feature (the CPU reference is F32)";
+  auto rng = test::Rng::for_test();
+  // Din 72 and I 200 leave K and N tails for both tile shapes; the experts are views into one fused tensor.
+  const int64_t E = 8, k = 2, Din = 72, I = 200;
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    const Tensor up_fused = init_weight(rng, {E, I, Din}, dt), down_fused = init_weight(rng, {E, Din, I}, dt);
+    const Tensor d_up_fused = in(up_fused), d_down_fused = in(down_fused);
+    std::vector<Tensor> up, down, d_up, d_down;
+    for (int64_t e = 0; e < E; ++e) {
+      up.push_back(up_fused.select(e));
+      down.push_back(down_fused.select(e));
+      d_up.push_back(d_up_fused.select(e));
+      d_down.push_back(d_down_fused.select(e));
+    }
+    for (int64_t T : {1, 3, 17, 111, 989, 4099}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " T=" << T);
+      Tensor ids, w;
+      random_routing(rng, T, E, k, 2.5f, ids, w);
+      const Tensor x = round_to(rng.normal_tensor({T, Din}), dt);
+      const Tensor got = run_on(x, dt, ids, w, d_up, d_down);
+      const Tensor want = cpu_reference_rows(x, ids, w, up, down, all_rows(T));
+      EXPECT_TRUE(test::nmse_close(got, want, test::kBF16ReductionNmse, test::kBF16Reduction));
+      // Deterministic: a second run gives the same bits.
+      EXPECT_TRUE(test::bit_equal(run_on(x, dt, ids, w, d_up, d_down), got));
+    }
+  }
+}
+
+TEST_P(OpsMoe, SixteenBitActivationsWithOddSizesOrMixedWeights) {
+  if (!on_cuda()) GTEST_SKIP() << "16-bit activations are a CUDA feature (the CPU reference is F32)";
+  auto rng = test::Rng::for_test();
+  struct Case {
+    int64_t Din, I;
+    DType x, w;
+  };
+  // Odd sizes or a weight dtype unlike x: the fp32 SIMT path with 16-bit input and output.
+  for (Case c : {Case{33, 20, DType::kBF16, DType::kBF16}, Case{64, 48, DType::kBF16, DType::kF32},
+                 Case{40, 24, DType::kF16, DType::kBF16}}) {
+    for (int64_t T : {1, 17, 111}) {
+      SCOPED_TRACE(::testing::Message() << "x " << dtype_name(c.x) << " w " << dtype_name(c.w) << " T=" << T);
+      const int64_t E = 6, k = 3;
+      std::vector<Tensor> up, down;
+      for (int64_t e = 0; e < E; ++e) {
+        up.push_back(init_weight(rng, {c.I, c.Din}, c.w));
+        down.push_back(init_weight(rng, {c.Din, c.I}, c.w));
+      }
+      Tensor ids, w;
+      random_routing(rng, T, E, k, 2.5f, ids, w);
+      const Tensor x = round_to(rng.normal_tensor({T, c.Din}), c.x);
+      const Tensor got = run(x, c.x, ids, w, up, down);
+      // h stays fp32 on this path: only the output is rounded, so the tight bf16 elementwise bound holds.
+      EXPECT_TRUE(test::nmse_close(got, cpu_reference_rows(x, ids, w, up, down, all_rows(T)),
+                                   test::kBF16ReductionNmse, test::kBF16Elementwise));
+    }
+  }
+}
+
+// Model shapes: E experts of [I, Din] / [Din, I]; `distinct` weight pairs are cycled over the E expert slots (the
+// kernels see E separate pointers) so the test stays fast; the CPU reference runs on up to 8 of the tokens.
+void model_shape_case(OpsMoe& t, DType x_dtype, int64_t E, int64_t k, int64_t Din, int64_t I, float scale,
+                      std::initializer_list<int64_t> tokens) {
+  auto rng = test::Rng::for_test();
+  constexpr int64_t kDistinct = 4;
+  std::vector<Tensor> pool_up, pool_down, d_pool_up, d_pool_down;
+  for (int64_t i = 0; i < kDistinct; ++i) {
+    pool_up.push_back(init_weight(rng, {I, Din}, DType::kBF16));
+    pool_down.push_back(init_weight(rng, {Din, I}, DType::kBF16));
+    d_pool_up.push_back(device::to_device(pool_up.back(), Device::kCuda));
+    d_pool_down.push_back(device::to_device(pool_down.back(), Device::kCuda));
+  }
+  std::vector<Tensor> up, down, d_up, d_down;
+  for (int64_t e = 0; e < E; ++e) {
+    up.push_back(pool_up[e % kDistinct]);
+    down.push_back(pool_down[e % kDistinct]);
+    d_up.push_back(d_pool_up[e % kDistinct]);
+    d_down.push_back(d_pool_down[e % kDistinct]);
+  }
+  for (int64_t T : tokens) {
+    SCOPED_TRACE(::testing::Message() << "x " << dtype_name(x_dtype) << " E=" << E << " T=" << T);
+    Tensor ids, w;
+    random_routing(rng, T, E, k, scale, ids, w);
+    const Tensor x = round_to(rng.normal_tensor({T, Din}), x_dtype);
+    const Tensor got = t.run_on(x, x_dtype, ids, w, d_up, d_down);
+    const std::vector<int64_t> sample = spread_rows(T, 8);
+    EXPECT_TRUE(test::nmse_close(pick_rows(got, sample), cpu_reference_rows(x, ids, w, up, down, sample),
+                                 nmse_for(x_dtype), tolerance_for(x_dtype)));
+  }
+}
+
+TEST_P(OpsMoe, NanoShapesBf16) {
+  if (!on_cuda()) GTEST_SKIP() << "model shapes run on CUDA only (the CPU reference is checked on small ones)";
+  model_shape_case(*this, DType::kBF16, 128, 6, 2688, 1856, 2.5f, {1, 17, 111, 989});
+}
+
+TEST_P(OpsMoe, NanoShapesF32Activations) {
+  if (!on_cuda()) GTEST_SKIP() << "model shapes run on CUDA only (the CPU reference is checked on small ones)";
+  model_shape_case(*this, DType::kF32, 128, 6, 2688, 1856, 2.5f, {1, 17, 111, 989});
+}
+
+TEST_P(OpsMoe, SuperLatentShapesBf16) {
+  if (!on_cuda()) GTEST_SKIP() << "model shapes run on CUDA only (the CPU reference is checked on small ones)";
+  model_shape_case(*this, DType::kBF16, 512, 22, 1024, 2688, 5.0f, {1, 64, 257});
+}
+
 TEST_P(OpsMoe, BadExpertsThrowNamingTheOp) {
-  const Tensor x = Tensor::zeros(DType::kF32, {2, 8});
-  Tensor out = Tensor::empty(DType::kF32, {2, 8});
-  const std::vector<Tensor> up = {Tensor::zeros(DType::kBF16, {4, 8}), Tensor::zeros(DType::kBF16, {4, 8})};
-  const std::vector<Tensor> down = {Tensor::zeros(DType::kBF16, {8, 4}), Tensor::zeros(DType::kBF16, {8, 5})};
-  const Tensor ids = Tensor::from_i32({2, 1}, std::vector<int32_t>{0, 1}), w = Tensor::zeros(DType::kF32, {2, 1});
-  EXPECT_TRUE(test::throws_error([&] { ops::moe_experts(ctx(), out, x, ids, w, up, down); }, ErrorKind::kRuntime,
+  const Tensor x = in(Tensor::zeros(DType::kF32, {2, 8}));
+  Tensor o = out(DType::kF32, {2, 8});
+  const std::vector<Tensor> up = {in(Tensor::zeros(DType::kBF16, {4, 8})), in(Tensor::zeros(DType::kBF16, {4, 8}))};
+  const std::vector<Tensor> down = {in(Tensor::zeros(DType::kBF16, {8, 4})), in(Tensor::zeros(DType::kBF16, {8, 5}))};
+  const Tensor ids = in(Tensor::from_i32({2, 1}, std::vector<int32_t>{0, 1}));
+  const Tensor w = in(Tensor::zeros(DType::kF32, {2, 1}));
+  EXPECT_TRUE(test::throws_error([&] { ops::moe_experts(ctx(), o, x, ids, w, up, down); }, ErrorKind::kRuntime,
                                  "ops::moe_experts: down_proj[1] BF16[8, 5] does not match up_proj[1] BF16[4, 8]"));
+  // Expert ids are range-checked on the host only (a device check would need a synchronisation; the CUDA
+  // kernels skip out-of-range ids).
+  if (on_cuda()) return;
   const std::vector<Tensor> down_ok = {down[0], down[0]};
   const Tensor bad_ids = Tensor::from_i32({2, 1}, std::vector<int32_t>{0, 2});
-  EXPECT_TRUE(test::throws_error([&] { ops::moe_experts(ctx(), out, x, bad_ids, w, up, down_ok); }, ErrorKind::kRuntime,
+  EXPECT_TRUE(test::throws_error([&] { ops::moe_experts(ctx(), o, x, bad_ids, w, up, down_ok); }, ErrorKind::kRuntime,
                                  "ops::moe_experts: topk_ids[1] = 2 is out of range for 2 experts"));
 }
 

@@ -1,0 +1,132 @@
+// MoE kernel benchmarks at the Nemotron 3 shapes (model-spec 9): the fused router (Super E=512 / top-22, Nano
+// E=128 / top-6) and the routed experts (permute + grouped up GEMM + relu2 + grouped down GEMM + combine).
+// Each case times the public op (ops::router_topk / ops::moe_experts), host validation and launches included.
+//
+// Bytes and flops (the floors):
+//   router:  reads logits [T, E] f32 + bias, writes ids and weights [T, k] -> latency-bound below ~1k tokens
+//   experts: the expert weights actually touched (distinct routed experts x 2 x I x D x 2 bytes, counted from
+//            the routing of the run) + x + out;
+//            flops = 2 GEMMs x 2 x (T * k) x I x D. GB/s counts the weight stream (what decode is bound by).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backends/device_api.h"
+#include "bench/bench_common.h"
+#include "ops/ops.h"
+
+namespace chimera::bench {
+namespace {
+
+// Deterministic pseudo-random fill on the device (weights of several GB are not worth generating on the host).
+__global__ void fill_uniform_kernel(__nv_bfloat16* p, int64_t n, float scale, uint32_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed ^ static_cast<uint32_t>(i >> 32) * 40503u;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    const float u = static_cast<float>(h) * (1.0f / 4294967296.0f) * 2.0f - 1.0f;
+    p[i] = __float2bfloat16(u * scale);
+  }
+}
+__global__ void fill_normalish_kernel(float* p, int64_t n, float scale, uint32_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = 0.0f;
+    for (uint32_t j = 0; j < 4; ++j) {  // sum of 4 uniforms: close enough to a normal for routing
+      uint32_t h = (static_cast<uint32_t>(i) * 4u + j) * 2654435761u ^ seed;
+      h ^= h >> 15;
+      h *= 2246822519u;
+      h ^= h >> 13;
+      s += static_cast<float>(h) * (1.0f / 4294967296.0f) - 0.5f;
+    }
+    p[i] = s * scale * 1.7320508f;
+  }
+}
+
+Tensor random_bf16(Shape shape, float scale, uint32_t seed) {
+  Tensor t = device::empty(Device::kCuda, DType::kBF16, std::move(shape));
+  fill_uniform_kernel<<<1024, 256>>>(t.data_as<__nv_bfloat16>(), t.numel(), scale, seed);
+  return t;
+}
+Tensor random_f32(Shape shape, float scale, uint32_t seed) {
+  Tensor t = device::empty(Device::kCuda, DType::kF32, std::move(shape));
+  fill_normalish_kernel<<<1024, 256>>>(t.data_as<float>(), t.numel(), scale, seed);
+  return t;
+}
+Tensor to_dtype(const Tensor& f32, DType dtype) {
+  return dtype == DType::kF32 ? f32 : device::to_device(device::to_host(f32), Device::kCuda, dtype);
+}
+
+std::string router_shape(int64_t E, int64_t k, int64_t T) {
+  return "E=" + std::to_string(E) + " k=" + std::to_string(k) + " T=" + std::to_string(T);
+}
+
+void bench_router(const Context& ctx, int64_t E, int64_t k, float scale) {
+  const ops::Context c{Device::kCuda, nullptr};
+  const Tensor bias = random_f32({E}, 0.05f, 7);
+  for (int64_t T : {1, 16, 64, 256, 1024, 4096}) {
+    const Tensor logits = random_f32({T, E}, 2.0f, static_cast<uint32_t>(T));
+    Tensor ids = device::empty(Device::kCuda, DType::kI32, {T, k});
+    Tensor w = device::empty(Device::kCuda, DType::kF32, {T, k});
+    const double bytes = static_cast<double>(T * E * 4 + E * 4 + T * k * 8);
+    ctx.run("router_topk", router_shape(E, k, T), bytes, 0.0,
+            [&] { ops::router_topk(c, ids, w, logits, bias, {k, 1, 1, true, scale}); });
+  }
+}
+
+CHIMERA_BENCH(moe_router_super) { bench_router(ctx, 512, 22, 5.0f); }
+CHIMERA_BENCH(moe_router_nano) { bench_router(ctx, 128, 6, 2.5f); }
+
+// Routed experts; the same routing for every timed call.
+void bench_experts(const Context& ctx, const char* model, int64_t E, int64_t k, int64_t D, int64_t I, float scale,
+                   DType x_dtype, std::initializer_list<int64_t> tokens) {
+  const ops::Context c{Device::kCuda, nullptr};
+  const Tensor up_fused = random_bf16({E, I, D}, 1.7320508f / std::sqrt(static_cast<float>(D)), 11);
+  const Tensor down_fused = random_bf16({E, D, I}, 1.7320508f / std::sqrt(static_cast<float>(I)), 13);
+  std::vector<Tensor> up, down;
+  for (int64_t e = 0; e < E; ++e) {
+    up.push_back(up_fused.select(e));
+    down.push_back(down_fused.select(e));
+  }
+  const Tensor bias = random_f32({E}, 0.05f, 17);
+  for (int64_t T : tokens) {
+    const Tensor logits = random_f32({T, E}, 2.0f, static_cast<uint32_t>(100 + T));
+    Tensor ids = device::empty(Device::kCuda, DType::kI32, {T, k});
+    Tensor w = device::empty(Device::kCuda, DType::kF32, {T, k});
+    ops::router_topk(c, ids, w, logits, bias, {k, 1, 1, true, scale});
+    const Tensor x = to_dtype(random_f32({T, D}, 1.0f, static_cast<uint32_t>(200 + T)), x_dtype);
+    Tensor out = device::empty(Device::kCuda, x_dtype, {T, D});
+    const Tensor host_ids = device::to_host(ids);
+    const std::set<int32_t> touched(host_ids.i32(), host_ids.i32() + host_ids.numel());
+    const double weight_bytes = static_cast<double>(touched.size()) * 2.0 * static_cast<double>(I * D) * 2.0;
+    const double act_bytes = 2.0 * static_cast<double>(T * D * dtype_size(x_dtype));
+    const double flops = 2.0 * 2.0 * static_cast<double>(T * k) * static_cast<double>(I * D);
+    const std::string shape = std::string(model) + " E=" + std::to_string(E) + " k=" + std::to_string(k) +
+                              " D=" + std::to_string(D) + " I=" + std::to_string(I) + " T=" + std::to_string(T) +
+                              " x=" + std::string(dtype_name(x_dtype));
+    ctx.run("moe_experts", shape, weight_bytes + act_bytes, flops,
+            [&] { ops::moe_experts(c, out, x, ids, w, up, down); });
+  }
+}
+
+CHIMERA_BENCH(moe_experts_nano) {
+  bench_experts(ctx, "nano", 128, 6, 2688, 1856, 2.5f, DType::kBF16, {1, 64, 1024});
+}
+CHIMERA_BENCH(moe_experts_super) {
+  bench_experts(ctx, "super", 512, 22, 1024, 2688, 5.0f, DType::kBF16, {1, 64, 1024});
+}
+// The fp32-activation path (SIMT, bf16 weights), decode sizes only.
+CHIMERA_BENCH(moe_experts_nano_f32x) {
+  bench_experts(ctx, "nano", 128, 6, 2688, 1856, 2.5f, DType::kF32, {1, 64});
+}
+
+}  // namespace
+}  // namespace chimera::bench

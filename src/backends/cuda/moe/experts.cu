@@ -1,0 +1,175 @@
+// ops::moe_experts on CUDA (model-spec 6.2): permutation -> grouped up GEMM (+relu2) -> grouped down GEMM
+// (x routing weight) -> combine, four launches on ctx.stream with no host synchronisation (the tile counts live
+// on the device; the grids are sized by an upper bound and surplus blocks exit at once).
+//
+// Paths: bf16 / f16 activations with expert weights of the same dtype, K and N multiples of 8 and 16-byte aligned
+// weights -> tensor cores (grouped_gemm_mma.cu); anything else, fp32 activations in particular -> fp32 SIMT
+// (grouped_gemm_simt.cu). Why not CUTLASS or cuBLAS grouped GEMM: see docs/moe_cuda.md.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/cuda_ops.h"
+#include "backends/cuda/moe/moe_kernels.h"
+#include "backends/device_api.h"
+
+namespace chimera::cuda {
+namespace {
+
+// Device copies of the per-expert weight pointer arrays ([up_0..up_E-1, down_0..down_E-1]), cached by their
+// values: a model calls with the same weights every step, so after the first call per layer there is no
+// host-to-device copy. The cache holds pointer values only, so a freed and re-allocated weight is still right.
+class PointerTables {
+ public:
+  const void* const* get(std::span<const Tensor> up, std::span<const Tensor> down) {
+    std::vector<const void*> key;
+    key.reserve(up.size() + down.size());
+    for (const Tensor& t : up) key.push_back(t.data());
+    for (const Tensor& t : down) key.push_back(t.data());
+    uint64_t h = 1469598103934665603ull;
+    for (const void* p : key) h = (h ^ reinterpret_cast<uintptr_t>(p)) * 1099511628211ull;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto range = tables_.equal_range(h);
+    for (auto it = range.first; it != range.second; ++it) {
+      if (it->second.host == key) return it->second.device;
+    }
+    if (tables_.size() >= kMaxTables) clear();
+    void* dev = nullptr;
+    const size_t bytes = key.size() * sizeof(void*);
+    CHIMERA_CUDA_CHECK(cudaMalloc(&dev, bytes), "ops::moe_experts");
+    CHIMERA_CUDA_CHECK(cudaMemcpy(dev, key.data(), bytes, cudaMemcpyHostToDevice), "ops::moe_experts");
+    Entry e{std::move(key), static_cast<const void* const*>(dev)};
+    return tables_.emplace(h, std::move(e))->second.device;
+  }
+
+ private:
+  static constexpr size_t kMaxTables = 4096;
+  struct Entry {
+    std::vector<const void*> host;
+    const void* const* device;
+  };
+  void clear() {
+    // Queued kernels may still read the old tables.
+    CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "ops::moe_experts");
+    for (auto& [h, e] : tables_) cudaFree(const_cast<void**>(e.device));
+    tables_.clear();
+  }
+  std::mutex mu_;
+  std::unordered_multimap<uint64_t, Entry> tables_;
+};
+
+PointerTables& pointer_tables() {
+  static auto* t = new PointerTables();  // never destroyed: may be used during static destruction
+  return *t;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                 const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
+  const int64_t T = x.dim(0), Din = x.dim(1), k = topk_ids.dim(1);
+  const int E = static_cast<int>(up_proj.size());
+  const int64_t I = up_proj[0].dim(0);
+  const DType wt = up_proj[0].dtype();
+  if (topk_weights.dtype() != DType::kF32) {
+    throw_runtime(str_cat("ops::moe_experts: topk_weights ", topk_weights.describe(), " must be F32 on CUDA"));
+  }
+  if (out.dtype() != x.dtype()) {
+    throw_runtime(str_cat("ops::moe_experts: out ", out.describe(), " must have the dtype of x ", x.describe(),
+                          " on CUDA"));
+  }
+  if (E > moe::kPermuteMaxExperts || k > 32) {
+    throw_runtime(str_cat("ops::moe_experts: ", E, " experts / top-", k, " is not supported on CUDA (supported: E <= ",
+                          moe::kPermuteMaxExperts, ", k <= 32)"));
+  }
+  bool weights_aligned = true;
+  for (int e = 0; e < E; ++e) {
+    if (up_proj[e].dim(0) != I || up_proj[e].dtype() != wt || down_proj[e].dtype() != wt) {
+      throw_runtime(str_cat("ops::moe_experts: expert ", e, " up ", up_proj[e].describe(), " down ",
+                            down_proj[e].describe(), " differs from expert 0 up ", up_proj[0].describe(),
+                            " (CUDA needs one intermediate size and one weight dtype for all experts)"));
+    }
+    weights_aligned = weights_aligned && aligned16(up_proj[e].data()) && aligned16(down_proj[e].data());
+  }
+  if (T == 0) return;
+  const int64_t P = T * k;
+  if (P > (int64_t{1} << 30) || P * std::max(Din, I) > (int64_t{1} << 40)) {
+    throw_runtime(str_cat("ops::moe_experts: ", T, " tokens x top-", k, " is too large"));
+  }
+  cudaStream_t stream = as_stream(ctx.stream);
+
+  const bool mma = (x.dtype() == DType::kBF16 || x.dtype() == DType::kF16) && wt == x.dtype() && Din % 8 == 0 &&
+                   I % 8 == 0 && weights_aligned && aligned16(x.data());
+  // Few rows per active expert (decode): the small tile (BT = 16, BN = 64) gives more blocks per expert.
+  const int64_t active_bound = std::min<int64_t>(E, P);
+  const moe::MmaTile tile = P <= 24 * active_bound ? moe::MmaTile::kSmall : moe::MmaTile::kLarge;
+  const int tile_rows = mma ? moe::mma_tile_rows(tile) : moe::kSimtTileRows;
+  const int64_t max_items = (P + tile_rows - 1) / tile_rows + active_bound;
+
+  // Workspace from the caching allocator; stream-ordered reuse makes freeing it at return safe.
+  Tensor meta = device::empty(Device::kCuda, DType::kI32, {P + 8 + 4 * max_items});
+  Tensor h = device::empty(Device::kCuda, mma ? x.dtype() : DType::kF32, {P, I});
+  Tensor y = device::empty(Device::kCuda, DType::kF32, {P, Din});
+  int32_t* sorted_pair = meta.data_as<int32_t>();
+  int32_t* n_items = sorted_pair + P;
+  // items start 16-byte aligned: P + 4 ints, rounded up
+  int4* items = reinterpret_cast<int4*>(meta.data_as<int32_t>() + ((P + 4 + 3) / 4) * 4);
+
+  moe::PermuteParams pp{};
+  pp.topk_ids = topk_ids.data_as<int32_t>();
+  pp.P = static_cast<int>(P);
+  pp.E = E;
+  pp.tile_rows = tile_rows;
+  pp.sorted_pair = sorted_pair;
+  pp.items = items;
+  pp.n_items = n_items;
+  moe::launch_moe_permute(pp, stream);
+
+  const void* const* tables = pointer_tables().get(up_proj, down_proj);
+  moe::GemmParams g{};
+  g.sorted_pair = sorted_pair;
+  g.items = items;
+  g.n_items = n_items;
+  g.topk_weights = topk_weights.data_as<float>();
+  g.top_k = static_cast<int>(k);
+  g.max_items = static_cast<int>(max_items);
+
+  moe::GemmParams up = g;
+  up.weights = tables;
+  up.x = x.data();
+  up.out = h.data();
+  up.N = static_cast<int>(I);
+  up.K = static_cast<int>(Din);
+  moe::GemmParams down = g;
+  down.weights = tables + E;
+  down.x = h.data();
+  down.out = y.data();
+  down.N = static_cast<int>(Din);
+  down.K = static_cast<int>(I);
+  if (mma) {
+    moe::launch_moe_gemm_mma(up, x.dtype(), tile, true, stream);
+    moe::launch_moe_gemm_mma(down, x.dtype(), tile, false, stream);
+  } else {
+    moe::launch_moe_gemm_simt(up, x.dtype(), wt, true, stream);
+    moe::launch_moe_gemm_simt(down, DType::kF32, wt, false, stream);
+  }
+
+  moe::CombineParams cp{};
+  cp.y = y.data_as<float>();
+  cp.topk_ids = topk_ids.data_as<int32_t>();
+  cp.out = out.data();
+  cp.T = static_cast<int>(T);
+  cp.k = static_cast<int>(k);
+  cp.D = static_cast<int>(Din);
+  cp.E = E;
+  cp.out_dtype = out.dtype();
+  moe::launch_moe_combine(cp, stream);
+}
+
+}  // namespace chimera::cuda

@@ -1,0 +1,79 @@
+// MoE kernel launchers (router top-k, pair permutation, grouped expert GEMMs, combine) and their params structs.
+// Kernels take no framework types: plain pointers, sizes and dtype codes; the Tensor adapters live in router.cu
+// and experts.cu. Included by .cu files only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace chimera::cuda::moe {
+
+// ---- router (router.cu) -------------------------------------------------------------------------------
+struct RouterParams {
+  const void* logits;       // [T, E] f32 / bf16 / f16 (logits_dtype)
+  const void* bias;         // [E] correction bias, f32 / bf16 / f16 (bias_dtype)
+  int32_t* topk_ids;        // [T, k]
+  float* topk_weights;      // [T, k]
+  int T, E, k;              // E <= 512, k <= 32
+  int n_group, topk_group;  // group-limited routing when n_group > 1 (E % n_group == 0)
+  bool norm_topk_prob;
+  float routed_scaling_factor;
+  DType logits_dtype, bias_dtype;
+};
+void launch_router_topk(const RouterParams& p, cudaStream_t stream);
+
+// ---- grouped expert GEMMs -----------------------------------------------------------------------------
+// The (token, choice) pairs are numbered pair = t * top_k + j (P = T * top_k). The permutation orders them by
+// expert (stably: increasing pair id within an expert); "permuted row" r is the r-th pair in that order.
+// A work item is a tile of up to BT permuted rows of one expert: {expert, first permuted row, rows, 0}.
+struct PermuteParams {
+  const int32_t* topk_ids;  // [P]; ids outside [0, E) are skipped (they contribute nothing)
+  int P, E, tile_rows;      // tile_rows = the GEMM's BT
+  int32_t* sorted_pair;     // [P] out: pair ids in permuted order (entries past the valid pairs unused)
+  int4* items;              // [max_items] out
+  int32_t* n_items;         // [1] out
+};
+inline constexpr int kPermuteMaxExperts = 512;
+void launch_moe_permute(const PermuteParams& p, cudaStream_t stream);
+
+// One grouped GEMM: for every work item (expert e, rows r0..r0+rows) and output tile [n0, n0 + BN):
+//   up   :  h[r, n] = relu(sum_k x[token(r), k] * W_e[n, k])^2          x: [T, K], h: [P, N]
+//   down :  y[pair(r), n] = w[pair(r)] * sum_k h[r, k] * W_e[n, k]     h: [P, K], y: [P, N] f32
+// W_e: [N, K] row-major (nn.Linear layout), one pointer per expert; token(r) = pair(r) / top_k.
+struct GemmParams {
+  const void* const* weights;  // [E] device array of expert weight pointers
+  const void* x;               // up: x rows gathered by token; down: h in permuted order
+  void* out;                   // up: h [P, N]; down: y [P, N] f32, row = pair id
+  const int32_t* sorted_pair;  // [P]
+  const int4* items;           // work items
+  const int32_t* n_items;      // [1]
+  const float* topk_weights;   // [P] (down only)
+  int N, K, top_k;
+  int n_tiles;                 // ceil(N / BN), set by the launcher
+  int max_items;               // grid = n_tiles * max_items; items past *n_items exit at once
+};
+
+// Tensor-core path (mma.sync m16n8k16, bf16 or f16 activations and weights, fp32 accumulate); requires
+// K % 8 == 0, N % 8 == 0 and 16-byte aligned rows. Two tile shapes: kSmall for few rows per expert (decode).
+enum class MmaTile { kSmall, kLarge };
+int mma_tile_rows(MmaTile tile);  // the BT of the tile shape
+void launch_moe_gemm_mma(GemmParams p, DType dtype, MmaTile tile, bool up, cudaStream_t stream);
+
+// fp32 SIMT path: any activation / weight dtype (converted to fp32 on load); h is fp32 here.
+inline constexpr int kSimtTileRows = 16;
+void launch_moe_gemm_simt(GemmParams p, DType x_dtype, DType w_dtype, bool up, cudaStream_t stream);
+
+// Combine: out[t, :] = sum over the token's pairs, in increasing expert order, of y[t * k + j, :].
+struct CombineParams {
+  const float* y;           // [P, D] f32, row = pair id (already scaled by the routing weight)
+  const int32_t* topk_ids;  // [T, k]
+  void* out;                // [T, D] (out_dtype)
+  int T, k, D, E;
+  DType out_dtype;
+};
+void launch_moe_combine(const CombineParams& p, cudaStream_t stream);
+
+}  // namespace chimera::cuda::moe

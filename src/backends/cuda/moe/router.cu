@@ -1,0 +1,272 @@
+// Fused DeepSeek-V3 "noaux_tc" sigmoid router (model-spec 6.1) in one launch: sigmoid, + correction bias for
+// selection only, optional group-limited masking, top-k on the biased scores (ties toward the lower expert
+// index), gather of the unbiased scores, w / (sum + 1e-20) when norm_topk_prob, times routed_scaling_factor.
+// Output sorted by descending biased score, exactly like the CPU reference (backends/cpu/moe.cpp).
+//
+// Design (seed document, section 5.2, adapted): one warp per token, 4 tokens per 128-thread block. Each lane
+// holds E/32 candidates (16 for the 512-expert Super router) as 64-bit keys: the biased score made
+// integer-orderable (CUB's TwiddleIn) in the high word, 0xFFFF - expert in the low word, so a larger key is
+// "higher score, then lower index". A lane sorts its candidates once (register bitonic network); each of the
+// k rounds then takes the warp maximum with two 32-bit redux.sync.max (sm_80+; the value word, then the index
+// word among the lanes that hold that value) and the winning lane shifts its sorted list by one. The seed's
+// block-per-token layout (16 warps loading, 4 warps reducing 128 experts each, one warp merging 88
+// candidates) needs two k-round phases on the critical path; one warp with 16 sorted candidates per lane
+// needs one, and the whole block of 4 tokens stays in registers. E = 512 / k = 22 is its own template
+// instance (fully unrolled rounds), the seed's specialisation.
+//
+// Bit-exactness with the CPU: the CPU computes 1 / (1 + std::exp(-x)) in float (glibc expf, < 0.51 ulp). CUDA's
+// expf is up to 2 ulp off, which would break exact ties and near-ties; exp is therefore taken in double and
+// rounded (the correctly rounded expf except for inputs within 2^-28 ulp of a rounding boundary), then the
+// same IEEE add and divide (nvcc's default -prec-div=true).
+#include <cstdint>
+
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/cuda_ops.h"
+#include "backends/cuda/moe/moe_kernels.h"
+
+namespace chimera::cuda {
+namespace moe {
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ float load_float(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kBF16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::kF16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+// v[s] = row[s * 32 + lane] as fp32 (0 past E). One dtype branch around the whole row, so that the sigmoid
+// below exists once per slot: with the dtype switch inside each element load the compiler duplicated the
+// sigmoid into every (logits dtype x bias dtype) path, a 9x larger kernel whose instruction fetches dominated
+// the single-warp latency (first H200 run: 17.6 us at E=512 / T=1 against 9.5 us at E=128).
+template <int NPER>
+__device__ __forceinline__ void load_row(const void* base, DType dt, int64_t offset, int lane, int E,
+                                         float (&v)[NPER]) {
+  if (dt == DType::kBF16) {
+    const auto* q = static_cast<const __nv_bfloat16*>(base) + offset;
+#pragma unroll
+    for (int s = 0; s < NPER; ++s) v[s] = s * 32 + lane < E ? __bfloat162float(q[s * 32 + lane]) : 0.0f;
+  } else if (dt == DType::kF16) {
+    const auto* q = static_cast<const __half*>(base) + offset;
+#pragma unroll
+    for (int s = 0; s < NPER; ++s) v[s] = s * 32 + lane < E ? __half2float(q[s * 32 + lane]) : 0.0f;
+  } else {
+    const auto* q = static_cast<const float*>(base) + offset;
+#pragma unroll
+    for (int s = 0; s < NPER; ++s) v[s] = s * 32 + lane < E ? q[s * 32 + lane] : 0.0f;
+  }
+}
+
+// 1 / (1 + exp(-x)) with exp correctly rounded to float (see the header comment).
+__device__ __forceinline__ float sigmoid_ref(float x) {
+  const float e = static_cast<float>(exp(-static_cast<double>(x)));
+  return 1.0f / (1.0f + e);
+}
+
+// Float -> unsigned with the same order (CUB TwiddleIn); -0.0 is folded onto +0.0 because the CPU's float
+// comparison treats them as equal (the tie then goes to the lower index, as the index word decides).
+__device__ __forceinline__ uint32_t orderable(float v) {
+  if (v == 0.0f) v = 0.0f;
+  const uint32_t u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ uint64_t make_key(float v, int e) {
+  return (static_cast<uint64_t>(orderable(v)) << 32) | static_cast<uint32_t>(0xFFFF - e);
+}
+
+// Descending bitonic sort of N (a power of two) register keys; all indices are compile-time constants.
+template <int N>
+__device__ __forceinline__ void sort_desc(uint64_t (&key)[N]) {
+#pragma unroll
+  for (int size = 2; size <= N; size <<= 1) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const bool desc = (i & size) == 0;
+          const uint64_t a = key[i], b = key[j];
+          const bool swap = desc ? a < b : a > b;
+          key[i] = swap ? b : a;
+          key[j] = swap ? a : b;
+        }
+      }
+    }
+  }
+}
+
+// Group-limited routing (HF: group score = sum of the top-2 biased scores of a group; keep the topk_group best
+// groups, ties toward the lower group; mask the rest to -inf). Slow path: the warp's biased scores go through
+// shared memory, one lane per group. smem: [E] scores, [n_group] group scores, [n_group] keep flags.
+template <int NPER>
+__device__ void mask_groups(const RouterParams& p, float (&choice)[NPER], float* s_choice, float* s_group,
+                            int* s_keep, int lane) {
+  const float kNegInf = -__int_as_float(0x7f800000);
+  const int per_group = p.E / p.n_group;
+#pragma unroll
+  for (int s = 0; s < NPER; ++s) {
+    const int e = s * 32 + lane;
+    if (e < p.E) s_choice[e] = choice[s];
+  }
+  __syncwarp();
+  for (int g = lane; g < p.n_group; g += 32) {
+    float a = kNegInf, b = kNegInf;
+    for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
+      const float c = s_choice[e];
+      if (c > a) {
+        b = a;
+        a = c;
+      } else if (c > b) {
+        b = c;
+      }
+    }
+    s_group[g] = per_group >= 2 ? a + b : a;
+  }
+  __syncwarp();
+  for (int g = lane; g < p.n_group; g += 32) {
+    const float mine = s_group[g];
+    int rank = 0;
+    for (int o = 0; o < p.n_group; ++o) {
+      const float other = s_group[o];
+      rank += (other > mine || (other == mine && o < g)) ? 1 : 0;
+    }
+    s_keep[g] = rank < p.topk_group ? 1 : 0;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int s = 0; s < NPER; ++s) {
+    const int e = s * 32 + lane;
+    if (e < p.E && !s_keep[e / per_group]) choice[s] = kNegInf;
+  }
+}
+
+// One warp per token. NPER: candidates per lane (E <= 32 * NPER, a power of two); KFIX: the compile-time k
+// (0 = runtime p.k); kGroups: the group-limited slow path.
+template <int NPER, int KFIX, bool kGroups>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) router_topk_kernel(const RouterParams p) {
+  extern __shared__ float router_smem[];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int t = static_cast<int>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (t >= p.T) return;  // whole warps only; no block-wide barrier below
+  const int k = KFIX > 0 ? KFIX : p.k;
+  const int64_t row = static_cast<int64_t>(t) * p.E;
+
+  // Step 1: load, sigmoid, + bias (the bias only affects selection). Lane l holds experts s * 32 + l.
+  float choice[NPER], bias[NPER];
+  load_row<NPER>(p.logits, p.logits_dtype, row, lane, p.E, choice);
+  load_row<NPER>(p.bias, p.bias_dtype, 0, lane, p.E, bias);
+#pragma unroll
+  for (int s = 0; s < NPER; ++s) choice[s] = s * 32 + lane < p.E ? sigmoid_ref(choice[s]) + bias[s] : 0.0f;
+  if constexpr (kGroups) {
+    float* s_choice = router_smem + warp * (p.E + 2 * p.n_group);
+    float* s_group = s_choice + p.E;
+    int* s_keep = reinterpret_cast<int*>(s_group + p.n_group);
+    mask_groups<NPER>(p, choice, s_choice, s_group, s_keep, lane);
+  }
+
+  // Step 2: per-lane sorted keys; padding keys are 0, below every real key (even a masked -inf one).
+  uint64_t key[NPER];
+#pragma unroll
+  for (int s = 0; s < NPER; ++s) {
+    const int e = s * 32 + lane;
+    key[s] = e < p.E ? make_key(choice[s], e) : 0ull;
+  }
+  sort_desc<NPER>(key);
+
+  // Step 3: k rounds of warp arg-max; lane r keeps the r-th winner.
+  int my_expert = -1;
+#pragma unroll(KFIX > 0 ? KFIX : 1)
+  for (int r = 0; r < k; ++r) {
+    const uint32_t hi = static_cast<uint32_t>(key[0] >> 32), lo = static_cast<uint32_t>(key[0]);
+    const uint32_t vmax = __reduce_max_sync(kFull, hi);
+    const uint32_t lmax = __reduce_max_sync(kFull, hi == vmax ? lo : 0u);
+    if (lane == r) my_expert = 0xFFFF - static_cast<int>(lmax);
+    if (hi == vmax && lo == lmax) {
+#pragma unroll
+      for (int s = 0; s + 1 < NPER; ++s) key[s] = key[s + 1];
+      key[NPER - 1] = 0ull;
+    }
+  }
+
+  // Step 4: unbiased scores of the winners, normalise, scale, one coalesced store per output row.
+  const float logit = lane < k ? load_float(p.logits, p.logits_dtype, row + my_expert) : 0.0f;
+  const float score = lane < k ? sigmoid_ref(logit) : 0.0f;
+  float sum = score;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kFull, sum, o);
+  if (lane < k) {
+    const float w = p.norm_topk_prob ? score / (sum + 1e-20f) : score;
+    p.topk_ids[static_cast<int64_t>(t) * k + lane] = my_expert;
+    p.topk_weights[static_cast<int64_t>(t) * k + lane] = w * p.routed_scaling_factor;
+  }
+}
+
+template <int NPER, int KFIX, bool kGroups>
+void launch_router(const RouterParams& p, cudaStream_t stream) {
+  const int blocks = ceil_div(p.T, kWarpsPerBlock);
+  const size_t smem = kGroups ? sizeof(float) * kWarpsPerBlock * (p.E + 2 * p.n_group) : 0;
+  router_topk_kernel<NPER, KFIX, kGroups><<<blocks, kWarpsPerBlock * 32, smem, stream>>>(p);
+  CHIMERA_LAUNCH_CHECK("ops::router_topk");
+}
+
+template <int NPER>
+void launch_router_nper(const RouterParams& p, cudaStream_t stream) {
+  if (p.n_group > 1) {
+    launch_router<NPER, 0, true>(p, stream);
+  } else {
+    launch_router<NPER, 0, false>(p, stream);
+  }
+}
+
+}  // namespace
+
+void launch_router_topk(const RouterParams& p, cudaStream_t stream) {
+  if (p.T == 0) return;
+  if (p.E < 1 || p.E > 512 || p.k < 1 || p.k > 32 || p.k > p.E) {
+    throw_runtime(str_cat("ops::router_topk: ", p.E, " experts / top-", p.k,
+                          " is not supported on CUDA (supported: E <= 512, k <= min(32, E))"));
+  }
+  // The Nemotron 3 Super router: 512 experts, top-22, one group (seed 5.2).
+  if (p.E == 512 && p.k == 22 && p.n_group == 1) return launch_router<16, 22, false>(p, stream);
+  const int nper = (p.E + 31) / 32;
+  if (nper <= 1) return launch_router_nper<1>(p, stream);
+  if (nper <= 2) return launch_router_nper<2>(p, stream);
+  if (nper <= 4) return launch_router_nper<4>(p, stream);
+  if (nper <= 8) return launch_router_nper<8>(p, stream);
+  return launch_router_nper<16>(p, stream);
+}
+
+}  // namespace moe
+
+void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
+                 const Tensor& correction_bias, const ops::RouterParams& p) {
+  if (topk_weights.dtype() != DType::kF32) {
+    throw_runtime(str_cat("ops::router_topk: topk_weights ", topk_weights.describe(), " must be F32 on CUDA"));
+  }
+  moe::RouterParams k{};
+  k.logits = logits.data();
+  k.bias = correction_bias.data();
+  k.topk_ids = topk_ids.data_as<int32_t>();
+  k.topk_weights = topk_weights.data_as<float>();
+  k.T = static_cast<int>(logits.dim(0));
+  k.E = static_cast<int>(logits.dim(1));
+  k.k = static_cast<int>(p.top_k);
+  k.n_group = static_cast<int>(p.n_group);
+  k.topk_group = static_cast<int>(p.topk_group);
+  k.norm_topk_prob = p.norm_topk_prob;
+  k.routed_scaling_factor = p.routed_scaling_factor;
+  k.logits_dtype = logits.dtype();
+  k.bias_dtype = correction_bias.dtype();
+  moe::launch_router_topk(k, as_stream(ctx.stream));
+}
+
+}  // namespace chimera::cuda
