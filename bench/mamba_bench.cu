@@ -75,7 +75,7 @@ std::string ssu_shape(const SsuModel& m, int batch, DType state) {
 
 // rows_per_warp < 0: through ops:: instead of the launcher.
 void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
-               const std::string& kernel) {
+               const std::string& kernel, bool plain = false) {
   const DType act = DType::kBF16;
   const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
   const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
@@ -105,6 +105,7 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   p.dt_min = 0.0f, p.dt_max = std::numeric_limits<float>::infinity();
   p.batch = batch, p.H = m.H, p.P = m.P, p.N = m.N, p.G = m.G;
   p.rows_per_warp = std::max(rows_per_warp, 0);
+  p.plain_state_access = plain;
   int call = 0;
   const ops::Context octx{Device::kCuda, nullptr};
   ctx.run(kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, 0.0, [&] {
@@ -127,12 +128,13 @@ CHIMERA_BENCH(mamba_ssu) {
   }
 }
 
-// Row tilings of the fast kernel and the ops:: path, for tuning the occupancy rule.
+// Row tilings of the fast kernel, plain (not cache-streaming) state access, and the ops:: path.
 CHIMERA_BENCH(mamba_ssu_variants) {
   for (DType sd : {DType::kF32, DType::kBF16}) {
     for (int batch : {1, 8, 64, 256}) {
       for (int rows : {4, 8, 16}) bench_ssu(ctx, kSuper, batch, sd, rows, "ssu-rpw" + std::to_string(rows));
     }
+    for (int batch : {64, 256}) bench_ssu(ctx, kSuper, batch, sd, 0, "ssu-plain", true);
     bench_ssu(ctx, kSuper, 64, sd, -1, "ssu-op");
   }
 }

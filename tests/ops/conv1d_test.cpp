@@ -143,15 +143,25 @@ TEST_P(OpsConv1d, PackedBatchWithSlotsMatchesNaive) {
 TEST_P(OpsConv1d, NoBiasMatchesNaive) {
   auto rng = test::Rng::for_test();
   const std::vector<int32_t> cu = {0, 3, 20}, slots = {1, 0};
-  const Tensor xh = rng.normal_tensor({20, 33}), wh = rng.normal_tensor({33, 4}), sh = rng.normal_tensor({2, 33, 3});
-  const Tensor x = on_backend(xh), w = on_backend(wh), state = on_backend(sh);
-  Tensor want_state = sh.clone();
-  const Tensor out = output(DType::kF32, {20, 33});
-  Tensor want = Tensor::empty(DType::kF32, {20, 33});
-  ops::causal_conv1d(ctx(), out, x, w, Tensor(), state, cu, slots, true);
-  naive_conv(want, xh, wh, Tensor(), want_state, cu, slots, true);
-  EXPECT_ALL_CLOSE(host_f32(out), want, test::kF32Elementwise);
-  EXPECT_ALL_CLOSE(host_f32(state), want_state, test::kF32Elementwise);
+  for (int64_t C : {33, 264}) {  // element-wise and vector paths
+    SCOPED_TRACE(::testing::Message() << "C=" << C);
+    const Tensor xh = rng.normal_tensor({20, C}), wh = rng.normal_tensor({C, 4}), sh = rng.normal_tensor({2, C, 3});
+    const Tensor x = on_backend(xh), w = on_backend(wh), state = on_backend(sh);
+    Tensor want_state = sh.clone();
+    const Tensor out = output(DType::kF32, {20, C});
+    Tensor want = Tensor::empty(DType::kF32, {20, C});
+    ops::causal_conv1d(ctx(), out, x, w, Tensor(), state, cu, slots, true);
+    naive_conv(want, xh, wh, Tensor(), want_state, cu, slots, true);
+    EXPECT_ALL_CLOSE(host_f32(out), want, test::kF32Elementwise);
+    EXPECT_ALL_CLOSE(host_f32(state), want_state, test::kF32Elementwise);
+    // The update without bias.
+    const Tensor out_u = output(DType::kF32, {2, C});
+    ops::causal_conv1d_update(ctx(), out_u, x.rows(0, 2), w, Tensor(), state, slots, false);
+    Tensor want_u = Tensor::empty(DType::kF32, {2, C});
+    naive_conv(want_u, xh.rows(0, 2), wh, Tensor(), want_state, {0, 1, 2}, slots, false);
+    EXPECT_ALL_CLOSE(host_f32(out_u), want_u, test::kF32Elementwise);
+    EXPECT_ALL_CLOSE(host_f32(state), want_state, test::kF32Elementwise);
+  }
 }
 
 // The awkward token counts of the issue, one sequence each and all packed together, K = 4, vector path

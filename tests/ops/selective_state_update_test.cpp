@@ -202,7 +202,7 @@ TEST_P(OpsSelectiveStateUpdate, Bf16ActivationsEveryStateDtype) {
   if (!on_cuda()) GTEST_SKIP() << "bf16 activations are CUDA-only (the CPU reference is F32)";
   auto rng = test::Rng::for_test();
   for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
-    for (int64_t batch : {1, 17}) check_random(rng, {128, 64, 8, 128}, batch, DType::kBF16, sd);
+    for (int64_t batch : {1, 9}) check_random(rng, {128, 64, 8, 128}, batch, DType::kBF16, sd);
     if (sd == DType::kBF16) check_random(rng, {64, 64, 8, 128}, 64, DType::kBF16, sd);  // Nano, batch 64
     check_random(rng, {5, 64, 1, 64}, 7, DType::kBF16, sd);   // N = 64 fast path, odd heads
     check_random(rng, {2, 13, 2, 256}, 3, DType::kBF16, sd);  // N = 256, P not a multiple of the row tile
@@ -251,8 +251,8 @@ TEST_P(OpsSelectiveStateUpdate, CudaRejectsMixedActivationDtypes) {
 }
 
 #ifdef CHIMERA_HAVE_CUDA
-// The fast kernel's row tilings (4, 8, 16 rows per warp; 0 = the occupancy rule) compute every element the
-// same way: identical bits, for an fp32 and a bf16 state.
+// The fast kernel's row tilings (4, 8, 16 rows per warp; 0 = the occupancy rule) and state access variants
+// compute every element the same way: identical bits, for an fp32 and a bf16 state.
 TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
@@ -279,6 +279,7 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
       p.dt_min = 0.0f, p.dt_max = INFINITY;
       p.batch = int(batch), p.H = int(s.H), p.P = int(s.P), p.N = int(s.N), p.G = int(s.G);
       p.rows_per_warp = rows;
+      p.plain_state_access = rows == 8;  // the benchmark-only plain loads / stores compute the same bits
       cuda::launch_selective_state_update(p, nullptr);
       device::synchronize(Device::kCuda);
       const Tensor hy = device::to_host(y), hs = device::to_host(state);

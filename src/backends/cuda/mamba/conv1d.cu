@@ -7,8 +7,10 @@
 // flight). The window slides along time in registers. The K-1 inputs left of a lane's first token are the
 // last K-1 tokens of the time lane before it: a warp shuffle up by 8 lanes, four 32-bit words per 16-byte
 // pack (seed 8.1). Only time lane 0 reads its left inputs from memory: the previous tile's rows (L1/L2 hits)
-// or, at the sequence start, the conv state. Weights and bias go through the read-only cache (seed 8.2);
-// two outputs per step with independent FMA chains (seed 8.3); SiLU with __expf / __frcp_rn (seed 8.4).
+// or, at the sequence start, the conv state, issued while the tile's own loads are in flight. Weights and
+// bias go through the read-only cache, as 16-byte vectors when they are in the activation dtype (seed 8.2);
+// two outputs per step with independent FMA chains (seed 8.3); SiLU with __expf and an approximate divide
+// (seed 8.4). Grid: channel blocks fastest, so concurrently running blocks stream whole token rows.
 //
 // Final state: the tile at the sequence start, time lane 0, writes the last K-1 inputs of the sequence into
 // the slot after reading the old state into registers itself, so no other block touches that slot (slots
@@ -21,7 +23,6 @@ namespace chimera::cuda {
 namespace conv {
 
 using mamba::load_elem;
-using mamba::load_param;
 using mamba::Pack;
 using mamba::silu_fast;
 using mamba::store_elem;
@@ -34,22 +35,23 @@ constexpr int kThreads = kWarps * 32;
 static_assert(kRows * kTimeLanes == kConv1dTileRows, "a tile is the time lanes' tokens");
 static_assert(kTimeLanes * kChanLanes == 32, "a warp is time lanes x channel lanes");
 
-// grid (n_tiles, ceil(C / (kWarps * kChanLanes * E))); see the file comment.
+// grid (ceil(C / (kWarps * kChanLanes * E)), n_tiles): channel blocks fastest, so the blocks in flight
+// together read whole token rows (contiguous memory). See the file comment for the rest.
 template <typename T, int K, bool kVec>
-__global__ void __launch_bounds__(kThreads) causal_conv1d_kernel(const Conv1dParams p) {
+__global__ void __launch_bounds__(kThreads, 4) causal_conv1d_kernel(const Conv1dParams p) {
   constexpr int E = kVec ? 16 / static_cast<int>(sizeof(T)) : 1;
   using XPack = Pack<T, E>;
-  const Conv1dTile tile = p.tiles[blockIdx.x];
+  const Conv1dTile tile = p.tiles[blockIdx.y];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tc = lane / kChanLanes, cl = lane % kChanLanes;
   const int64_t C = p.C;
-  const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * (kWarps * kChanLanes) + warp * kChanLanes + cl) * E;
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * (kWarps * kChanLanes) + warp * kChanLanes + cl) * E;
   const bool chan_ok = c0 < C;  // the vector path has C % E == 0: a pack is all in or all out
   const int t_first = tile.t0 + tc * kRows;
   const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(tile.row_begin) * C + c0;
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(tile.row_begin) * C + c0;
 
-  // 1. This lane's tokens: kRows independent vector loads.
+  // 1. This lane's tokens: kRows independent vector loads, all issued before any use.
   XPack xr[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -59,31 +61,21 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_kernel(const Conv1dPar
       xr[r].zero();
     }
   }
-  // 2. Taps and bias through the read-only cache.
+  // 2. Taps and bias (L1 / L2 hits), then time lane 0's left inputs (the previous tile's rows, or the conv
+  //    state at the sequence start): both in flight while the tokens above still are.
   float w[E][K], bias[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int64_t c = chan_ok ? c0 + e : 0;
-#pragma unroll
-    for (int j = 0; j < K; ++j) w[e][j] = load_param(p.weight, p.weight_dtype, c * K + j);
-    bias[e] = p.bias != nullptr ? load_param(p.bias, p.bias_dtype, c) : 0.0f;
-  }
-  // 3. The K-1 inputs left of t_first: from the time lane before (shuffle), or from memory for time lane 0.
+  mamba::load_taps<T, E, K>(p.weight, p.weight_dtype, p.bias, p.bias_dtype, p.taps_vec, chan_ok ? c0 : 0, w, bias);
   float halo[K - 1][E];
 #pragma unroll
   for (int i = 0; i < K - 1; ++i) {
-    const XPack v = xr[kRows - (K - 1) + i].shfl_up(kChanLanes);
 #pragma unroll
-    for (int e = 0; e < E; ++e) halo[i][e] = v.get(e);
+    for (int e = 0; e < E; ++e) halo[i][e] = 0.0f;
   }
-  if (tc == 0) {
+  if (tc == 0 && chan_ok) {
 #pragma unroll
     for (int i = 0; i < K - 1; ++i) {
       const int t = tile.t0 - (K - 1) + i;  // < 0: still in the conv state
-      if (!chan_ok) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) halo[i][e] = 0.0f;
-      } else if (t >= 0) {
+      if (t >= 0) {
         XPack v;
         v.load(x + static_cast<int64_t>(t) * C);
 #pragma unroll
@@ -94,6 +86,15 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_kernel(const Conv1dPar
           halo[i][e] = load_elem(p.conv_state, p.state_dtype, (tile.slot * C + c0 + e) * (K - 1) + (K - 1) + t);
         }
       }
+    }
+  }
+  // 3. Other time lanes: the last K-1 tokens of the time lane before, by warp shuffle (seed 8.1).
+#pragma unroll
+  for (int i = 0; i < K - 1; ++i) {
+    const XPack v = xr[kRows - (K - 1) + i].shfl_up(kChanLanes);
+    if (tc != 0) {
+#pragma unroll
+      for (int e = 0; e < E; ++e) halo[i][e] = v.get(e);
     }
   }
   // hist(i) = input at t_first - (K-1) + i.
@@ -155,12 +156,18 @@ void launch_typed(const Conv1dParams& p, cudaStream_t stream) {
   constexpr int E = 16 / static_cast<int>(sizeof(T));
   const bool vec = mamba::aligned16(p.x) && mamba::aligned16(p.out) && p.C % E == 0;
   const int per_block = kWarps * kChanLanes * (vec ? E : 1);
-  const dim3 grid(static_cast<unsigned>(p.n_tiles), static_cast<unsigned>(ceil_div(p.C, per_block)));
-  if (grid.y > 65535) throw_runtime(str_cat("ops::causal_conv1d: ", p.C, " channels is too many"));
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.C, per_block)), static_cast<unsigned>(p.n_tiles));
+  if (p.n_tiles > 65535) {
+    throw_runtime(str_cat("ops::causal_conv1d: ", p.n_tiles, " tiles of ", kConv1dTileRows,
+                          " tokens exceed 65535 (split the batch)"));
+  }
+  Conv1dParams q = p;
+  q.taps_vec = vec && mamba::aligned16(p.weight) && p.weight_dtype == p.act &&
+               (p.bias == nullptr || (mamba::aligned16(p.bias) && p.bias_dtype == p.act));
   if (vec) {
-    causal_conv1d_kernel<T, K, true><<<grid, kThreads, 0, stream>>>(p);
+    causal_conv1d_kernel<T, K, true><<<grid, kThreads, 0, stream>>>(q);
   } else {
-    causal_conv1d_kernel<T, K, false><<<grid, kThreads, 0, stream>>>(p);
+    causal_conv1d_kernel<T, K, false><<<grid, kThreads, 0, stream>>>(q);
   }
 }
 

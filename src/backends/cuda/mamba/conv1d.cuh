@@ -33,6 +33,8 @@ struct Conv1dParams {
   int64_t C = 0;
   int K = 0;
   bool silu = true;
+  // Set by the launchers: weight (and bias) in the activation dtype and 16-byte aligned -> vector tap loads.
+  bool taps_vec = false;
   // prefill
   const Conv1dTile* tiles = nullptr;  // [n_tiles] device
   int n_tiles = 0;
@@ -44,8 +46,9 @@ struct Conv1dParams {
 // Tiles of a packed batch: every non-pad, non-empty sequence cut into kConv1dTileRows-token tiles.
 std::vector<Conv1dTile> conv1d_tiles(std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots);
 
-// Prefill over p.tiles. K in {2, 3, 4}; 16-byte vector path when x / out are 16-byte aligned and C is a
-// multiple of the vector width, else element-wise. out must not overlap x (tiles read their left neighbours).
+// Prefill over p.tiles (at most 65535 tiles: ~2M tokens per call). K in {2, 3, 4}; 16-byte vector path when
+// x / out are 16-byte aligned and C is a multiple of the vector width, else element-wise. out must not
+// overlap x (tiles read their left neighbours).
 void launch_causal_conv1d(const Conv1dParams& p, cudaStream_t stream);
 // Decode update over p.slots (p.batch rows). K in {2, 3, 4}. out may alias x.
 void launch_causal_conv1d_update(const Conv1dParams& p, cudaStream_t stream);

@@ -1,9 +1,10 @@
 // causal_conv1d_update: one new token per slot (decode), conv1d.cuh for the math.
 //   x, out [batch, C] act dtype; conv_state [num_slots, C, K-1] state dtype, shifted left by one in place.
-// Fast kernel: a thread per (row, E = 16 / sizeof(act) channels): one 16-byte x load, the E * (K-1) state
-// elements of those channels (contiguous: one to three 16-byte or 8-byte accesses), the same FMA order as the
-// prefill kernel (so a one-token prefill and the update agree bit for bit), one 16-byte store of out and the
-// shifted state written back. Portable kernel (unaligned views, C not a multiple of E): a thread per element.
+// Fast kernel: a thread per (R rows, E = 16 / sizeof(act) channels). The R slot ids and the R 16-byte x loads
+// go out first (x does not depend on the slot), the taps once for all R rows (16-byte vectors when they are
+// in the activation dtype), then the E * (K-1) state elements of each row (contiguous: 16- or 8-byte
+// accesses). The FMA order is the prefill kernel's, so a one-token prefill and the update agree bit for bit.
+// Portable kernel (unaligned views, C not a multiple of E): a thread per element.
 #include "backends/cuda/mamba/conv1d.cuh"
 #include "backends/cuda/mamba/mamba_common.cuh"
 
@@ -18,36 +19,63 @@ using mamba::store_elem;
 
 constexpr int kThreads = 128;
 
-// grid (ceil(C / (E * kThreads)), batch).
+// Rows per thread: 4, or 2 when the state is wider than the activations (register budget).
+template <typename T, typename S>
+constexpr int kRowsPerThread = sizeof(S) > sizeof(T) ? 2 : 4;
+
+// grid (ceil(C / (E * kThreads)), ceil(batch / R)).
 template <typename T, typename S, int K>
 __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Conv1dParams p) {
   constexpr int E = 16 / static_cast<int>(sizeof(T));
-  const int b = blockIdx.y;
-  const int slot = p.slots[b];
+  constexpr int R = kRowsPerThread<T, S>;
+  const int64_t C = p.C;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * E;
-  if (slot < 0 || c0 >= p.C) return;
-  Pack<T, E> xv;
-  xv.load(static_cast<const T*>(p.x) + b * p.C + c0);
-  S* st_ptr = static_cast<S*>(p.conv_state) + (slot * p.C + c0) * (K - 1);
-  Pack<S, E*(K - 1)> st, next;
-  st.load(st_ptr);
-  next.zero();
-  Pack<T, E> o;
-  o.zero();
+  if (c0 >= C) return;
+  const int b0 = blockIdx.y * R;
+  int slot[R];
+  Pack<T, E> xv[R];
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int64_t c = c0 + e;
-    float acc = p.bias != nullptr ? load_param(p.bias, p.bias_dtype, c) : 0.0f;
-#pragma unroll
-    for (int j = 0; j < K - 1; ++j) acc = __fmaf_rn(load_param(p.weight, p.weight_dtype, c * K + j), st.get(e * (K - 1) + j), acc);
-    acc = __fmaf_rn(load_param(p.weight, p.weight_dtype, c * K + K - 1), xv.get(e), acc);
-    o.set(e, p.silu ? silu_fast(acc) : acc);
-#pragma unroll
-    for (int j = 0; j + 1 < K - 1; ++j) next.set(e * (K - 1) + j, st.get(e * (K - 1) + j + 1));
-    next.set(e * (K - 1) + K - 2, xv.get(e));
+  for (int r = 0; r < R; ++r) {
+    const bool row = b0 + r < p.batch;
+    slot[r] = row ? p.slots[b0 + r] : -1;
+    if (row) {
+      xv[r].load(static_cast<const T*>(p.x) + (b0 + r) * C + c0);
+    } else {
+      xv[r].zero();
+    }
   }
-  next.store(st_ptr);
-  o.store(static_cast<T*>(p.out) + b * p.C + c0);
+  float w[E][K], bias[E];
+  mamba::load_taps<T, E, K>(p.weight, p.weight_dtype, p.bias, p.bias_dtype, p.taps_vec, c0, w, bias);
+  Pack<S, E*(K - 1)> st[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (slot[r] >= 0) {
+      st[r].load(static_cast<const S*>(p.conv_state) + (slot[r] * C + c0) * (K - 1));
+    } else {
+      st[r].zero();
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (slot[r] < 0) continue;  // pad (or past the batch): row and state untouched
+    Pack<S, E*(K - 1)> next;
+    next.zero();
+    Pack<T, E> o;
+    o.zero();
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      float acc = bias[e];
+#pragma unroll
+      for (int j = 0; j < K - 1; ++j) acc = __fmaf_rn(w[e][j], st[r].get(e * (K - 1) + j), acc);
+      acc = __fmaf_rn(w[e][K - 1], xv[r].get(e), acc);
+      o.set(e, p.silu ? silu_fast(acc) : acc);
+#pragma unroll
+      for (int j = 0; j + 1 < K - 1; ++j) next.set(e * (K - 1) + j, st[r].get(e * (K - 1) + j + 1));
+      next.set(e * (K - 1) + K - 2, xv[r].get(e));
+    }
+    next.store(static_cast<S*>(p.conv_state) + (slot[r] * C + c0) * (K - 1));
+    o.store(static_cast<T*>(p.out) + (b0 + r) * C + c0);
+  }
 }
 
 // grid (ceil(C / kThreads), batch); every access element-wise in its runtime dtype.
@@ -79,9 +107,14 @@ void launch_k(const Conv1dParams& p, cudaStream_t stream) {
     const bool vec = mamba::aligned16(p.x) && mamba::aligned16(p.out) && mamba::aligned16(p.conv_state) &&
                      p.C % E == 0;
     if (vec) {
-      const dim3 grid(static_cast<unsigned>(ceil_div(p.C, E * kThreads)), static_cast<unsigned>(p.batch));
-      CHIMERA_DISPATCH_FLOAT(p.state_dtype, "ops::causal_conv1d_update conv_state", S,
-                             causal_conv1d_update_kernel<T, S, K><<<grid, kThreads, 0, stream>>>(p));
+      Conv1dParams q = p;
+      q.taps_vec = mamba::aligned16(p.weight) && p.weight_dtype == p.act &&
+                   (p.bias == nullptr || (mamba::aligned16(p.bias) && p.bias_dtype == p.act));
+      CHIMERA_DISPATCH_FLOAT(p.state_dtype, "ops::causal_conv1d_update conv_state", S, {
+        const dim3 grid(static_cast<unsigned>(ceil_div(p.C, E * kThreads)),
+                        static_cast<unsigned>(ceil_div(p.batch, kRowsPerThread<T, S>)));
+        causal_conv1d_update_kernel<T, S, K><<<grid, kThreads, 0, stream>>>(q);
+      });
     } else {
       const dim3 grid(static_cast<unsigned>(ceil_div(p.C, kThreads)), static_cast<unsigned>(p.batch));
       causal_conv1d_update_portable_kernel<K><<<grid, kThreads, 0, stream>>>(p);

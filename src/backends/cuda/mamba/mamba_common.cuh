@@ -168,8 +168,10 @@ __device__ __forceinline__ void store_elem(void* p, DType t, int64_t i, float v)
 }
 
 // ---- scalar math ----------------------------------------------------------------------------------
-// SiLU with the SFU exponential and reciprocal (seed 8.4): ~2 ulp, far inside the fp32 elementwise bound.
-__device__ __forceinline__ float silu_fast(float v) { return v * __frcp_rn(1.0f + __expf(-v)); }
+// SiLU with the SFU exponential and an approximate divide (seed 8.4; __fdividef is MUFU.RCP + FMUL, whereas
+// __frcp_rn is the correctly rounded reciprocal with its refinement sequence): a few ulp, far inside the fp32
+// elementwise bound. For v < -88, 1 + e^-v is +inf and the result is -0 (the true value is below 1e-37).
+__device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 
 // dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max) with softplus(v) = v for v > 20 (the CPU reference,
 // mamba_ssm and HF); accurate expf / log1pf: dt feeds every state element of the head.
@@ -179,6 +181,45 @@ __device__ __forceinline__ float discretize_dt(float v, float dt_min, float dt_m
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Conv taps and bias of E consecutive channels c0.. (weight [C, K], bias [C] or null), as fp32, through the
+// read-only cache (seed 8.2). vec: weight / bias are in the activation dtype T and 16-byte aligned, and E > 1:
+// then E * K taps are E * K * sizeof(T) = 16 * K contiguous bytes, one vector load each 16 bytes.
+template <typename T, int E, int K>
+__device__ __forceinline__ void load_taps(const void* weight, DType weight_dtype, const void* bias, DType bias_dtype,
+                                          bool vec, int64_t c0, float (&w)[E][K], float (&b)[E]) {
+  if constexpr (E > 1) {
+    if (vec) {
+      Pack<T, E * K> wp;
+      const uint4* q = reinterpret_cast<const uint4*>(static_cast<const T*>(weight) + c0 * K);
+#pragma unroll
+      for (int k = 0; k < Pack<T, E * K>::kWords / 4; ++k) {
+        const uint4 v = __ldg(q + k);
+        wp.w[4 * k] = v.x, wp.w[4 * k + 1] = v.y, wp.w[4 * k + 2] = v.z, wp.w[4 * k + 3] = v.w;
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+#pragma unroll
+        for (int j = 0; j < K; ++j) w[e][j] = wp.get(e * K + j);
+      }
+      Pack<T, E> bp;
+      bp.zero();
+      if (bias != nullptr) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(bias) + c0));
+        bp.w[0] = v.x, bp.w[1] = v.y, bp.w[2] = v.z, bp.w[3] = v.w;
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) b[e] = bp.get(e);
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[e][j] = load_param(weight, weight_dtype, (c0 + e) * K + j);
+    b[e] = bias != nullptr ? load_param(bias, bias_dtype, c0 + e) : 0.0f;
+  }
+}
 
 // Multiprocessors of the current device (cached per process; the engine uses one device).
 int num_sms();

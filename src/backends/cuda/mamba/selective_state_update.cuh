@@ -32,6 +32,8 @@ struct SsuParams {
   // Rows of P per warp in the fast kernel: 0 picks by occupancy (the seed's dim tiling for small batches);
   // 4, 8 or 16 force one (benchmarks).
   int rows_per_warp = 0;
+  // Plain loads / stores of the state instead of the cache-streaming ones (benchmarks).
+  bool plain_state_access = false;
 };
 
 // Launches the update on `stream`. Fast path: N in {64, 128, 256} with a 16-byte aligned state (16-byte

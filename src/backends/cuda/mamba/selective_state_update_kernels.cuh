@@ -2,14 +2,16 @@
 // state element type S; included by the per-dtype instantiation files only.
 //
 // Fast kernel (the seed's "simple" kernel, 6.4.1, with its dim-tiled grid for small batches):
-//   grid (ceil(P / rows_per_block), batch, H), 4 warps. A state row S[p, :] is N contiguous elements; a group
+//   grid (ceil(P / rows_per_block), H, batch), 4 warps (heads of one slot are adjacent in memory, so blocks
+//   dispatched together stream through contiguous state). A state row S[p, :] is N contiguous elements; a group
 //   of kLanesPerRow lanes covers one row with 16-byte vectors (fp32 N=128: 32 lanes x 4 floats; bf16 N=128:
 //   16 lanes x 8 bf16, two rows per warp pass). Each warp owns kRowsPerWarp consecutive rows and issues all
 //   their state loads before the first use (kRowsPerWarp / kRowsPerPass independent 16-byte loads in flight
 //   per lane), then updates, writes back (streaming stores: the state is touched once per step) and reduces
 //   y over the row's lanes with xor shuffles. dt, dA and D are per-head scalars; B, C come from L1/L2.
-//   kRowsPerWarp = 16 gives one block per (b, h) at P = 64; 4 splits the head over P/16 blocks so small
-//   batches still fill the 132 SMs (the seed's tiling rule: tile when batch * H < 2 * SMs).
+//   Rows per warp: about 2 KB of state per warp (fp32 N=128: 4 rows, bf16: 8; measured best on the H200 at
+//   batch 64 and 256, see bench/mamba_notes.md), halved while the grid would leave SMs idle (the seed's
+//   dim-tiling rule: tile when there are fewer than 2 blocks per SM).
 // Portable kernel: any P, N, alignment: a warp per row, lanes stride over N.
 #pragma once
 
@@ -55,13 +57,14 @@ __device__ __forceinline__ HeadScalars head_scalars(const SsuParams& p, int b, i
 }
 
 // state: [num_slots, H, P, N] S; see the file comment for the mapping.
-template <typename S, int N, int kRowsPerWarp>
-__global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const SsuParams p) {
+// kStream: cache-streaming hints on the state loads and stores (default; the plain variant is a benchmark).
+template <typename S, int N, int kRowsPerWarp, bool kStream>
+__device__ __forceinline__ void selective_state_update_body(const SsuParams& p) {
   using L = Layout<S, N>;
   static_assert(kRowsPerWarp % L::kRowsPerPass == 0, "rows per warp must be whole passes");
   constexpr int kPasses = kRowsPerWarp / L::kRowsPerPass;
   constexpr int kE = L::kElemsPerLane;
-  const int b = blockIdx.y, h = blockIdx.z;
+  const int h = blockIdx.y, b = blockIdx.z;
   const int slot = p.slots[b];
   if (slot < 0) return;  // pad: y and state untouched
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const 
 #pragma unroll
     for (int v = 0; v < L::kVecsPerLane; ++v) {
       if (row < p.P) {
-        st[i][v].template load<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        st[i][v].template load<kStream>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       } else {
         st[i][v].zero();
       }
@@ -119,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const 
         acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
       }
       if (row < p.P) {
-        st[i][v].template store<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        st[i][v].template store<kStream>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       }
     }
 #pragma unroll
@@ -128,10 +131,19 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const 
   }
 }
 
-// Portable: grid (ceil(P / kWarps), batch, H); warp w of block x handles row x * kWarps + w.
+template <typename S, int N, int kRowsPerWarp>
+__global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const SsuParams p) {
+  if (p.plain_state_access) {
+    selective_state_update_body<S, N, kRowsPerWarp, false>(p);
+  } else {
+    selective_state_update_body<S, N, kRowsPerWarp, true>(p);
+  }
+}
+
+// Portable: grid (ceil(P / kWarps), H, batch); warp w of block x handles row x * kWarps + w.
 template <typename S>
 __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kernel(const SsuParams p) {
-  const int b = blockIdx.y, h = blockIdx.z;
+  const int h = blockIdx.y, b = blockIdx.z;
   const int slot = p.slots[b];
   const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (slot < 0 || row >= p.P) return;  // warp-uniform
@@ -154,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kern
 
 template <typename S, int N, int kRowsPerWarp>
 void launch_fast(const SsuParams& p, cudaStream_t stream) {
-  const dim3 grid(ceil_div(p.P, kWarps * kRowsPerWarp), p.batch, p.H);
+  const dim3 grid(ceil_div(p.P, kWarps * kRowsPerWarp), p.H, p.batch);
   selective_state_update_kernel<S, N, kRowsPerWarp><<<grid, kThreads, 0, stream>>>(p);
 }
 
@@ -162,9 +174,11 @@ template <typename S, int N>
 void launch_fast_rows(const SsuParams& p, cudaStream_t stream) {
   int rows = p.rows_per_warp;
   if (rows == 0) {
-    // The seed's rule: a block per (b, h) while that fills the machine twice over, else tile the dim.
-    const int64_t blocks = static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kWarps * 16);
-    rows = blocks >= 2 * static_cast<int64_t>(mamba::num_sms()) ? 16 : 4;
+    // ~2 KB of state per warp (a power of two in [4, 16]), halved while there are < 2 blocks per SM.
+    rows = 4;
+    while (rows < 16 && 2 * rows * N * static_cast<int>(sizeof(S)) <= 2048) rows *= 2;
+    const int64_t sms = mamba::num_sms();
+    while (rows > 4 && static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kWarps * rows) < 2 * sms) rows /= 2;
   }
   switch (rows) {
     case 16:
@@ -194,7 +208,7 @@ void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream
   } else if (fast && p.N == 256) {
     ssu::launch_fast_rows<S, 256>(p, stream);
   } else {
-    const dim3 grid(ceil_div(p.P, ssu::kWarps), p.batch, p.H);
+    const dim3 grid(ceil_div(p.P, ssu::kWarps), p.H, p.batch);
     ssu::selective_state_update_portable_kernel<S><<<grid, ssu::kThreads, 0, stream>>>(p);
   }
   CHIMERA_LAUNCH_CHECK("ops::selective_state_update");
