@@ -53,7 +53,8 @@ echo "CUDA OK: $(grep -E 'OK \] .*/Cuda' "$OUT/tests.log" | sed -E 's/.*\] ([^ ]
 el tested
 
 SMALL='OpsConv1d.PackedBatchWithSlotsMatchesNaive/Cuda:OpsConv1d.UnalignedViewsMatchNaive/Cuda'
-SMALL+=':OpsConv1d.UpdateEqualsOneTokenConv/Cuda:OpsConv1d.SplitInTwoCallsEqualsOneCall/Cuda'
+SMALL+=':OpsConv1d.UpdateEqualsOneTokenConv/Cuda:OpsConv1d.SplitInTwoCallsEqualsOneCall/Cuda:OpsConv1d.NoBiasMatchesNaive/Cuda'
+SMALL+=':OpsConv1d.UpdateBatchesMatchNaive/Cuda'
 SMALL+=':OpsSelectiveStateUpdate.OddShapesMatchNaive/Cuda:OpsSelectiveStateUpdate.MisalignedStateViewMatchesNaive/Cuda'
 SMALL+=':OpsSelectiveStateUpdate.EveryRowTilingGivesTheSameBits/Cuda'
 if [ "$(left 120)" -gt 10 ]; then
