@@ -1,5 +1,8 @@
-// causal_conv1d / causal_conv1d_update: packed batches with per-slot state, against a naive loop.
+// causal_conv1d / causal_conv1d_update: packed batches with per-slot state, against a naive loop, on every
+// backend; CUDA-only cases for bf16 activations, bf16 / f16 conv state and the vector / portable kernel paths.
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 #include "common/backend_param.h"
@@ -11,22 +14,24 @@ namespace {
 using test::BackendTest;
 
 // Naive oracle: per sequence, history = conv_state[slot] (K-1 columns) ++ new inputs; double accumulation.
-// Updates `state` (a host copy) and writes `out` rows; pad sequences are skipped.
+// Updates `state` (a host F32 copy) and writes `out` rows (host F32); pad sequences are skipped.
 void naive_conv(Tensor& out, const Tensor& x, const Tensor& w_any, const Tensor& bias, Tensor& state,
                 const std::vector<int32_t>& cu, const std::vector<int32_t>& slots, bool silu) {
   const int64_t C = x.dim(1);
   const Tensor w = w_any.to_f32();
+  const Tensor b = bias ? bias.to_f32() : Tensor();
   const int64_t K = w.numel() / C;
+  std::vector<double> hist;
   for (size_t s = 0; s < slots.size(); ++s) {
     if (slots[s] < 0) continue;
     const int64_t n = cu[s + 1] - cu[s];
     for (int64_t c = 0; c < C; ++c) {
-      std::vector<double> hist;
+      hist.clear();
       float* st = state.f32() + (slots[s] * C + c) * (K - 1);
       for (int64_t j = 0; j < K - 1; ++j) hist.push_back(st[j]);
       for (int64_t t = 0; t < n; ++t) hist.push_back(x.f32()[(cu[s] + t) * C + c]);
       for (int64_t t = 0; t < n; ++t) {
-        double acc = bias ? bias.f32()[c] : 0.0;
+        double acc = b ? b.f32()[c] : 0.0;
         for (int64_t j = 0; j < K; ++j) acc += double(w.f32()[c * K + j]) * hist[size_t(t + j)];
         out.f32()[(cu[s] + t) * C + c] = float(silu ? acc / (1.0 + std::exp(-acc)) : acc);
       }
@@ -41,7 +46,81 @@ std::vector<int32_t> cu_from(const std::vector<int32_t>& lens) {
   return cu;
 }
 
-class OpsConv1d : public BackendTest {};
+// A host F32 copy rounded through `dtype` (what a tensor of that dtype holds).
+Tensor rounded(const Tensor& f32, DType dtype) { return test::cast_to(f32, dtype).to_f32(); }
+
+// A random batch: n_seqs sequences of lengths in [0, max_len], every fifth a pad, slots a permutation of a
+// larger slot range (so some slots are unused).
+struct RandomBatch {
+  std::vector<int32_t> lens, slots, cu;
+  int64_t num_slots = 0;
+};
+RandomBatch random_batch(test::Rng& rng, int n_seqs, int max_len) {
+  RandomBatch rb;
+  rb.num_slots = n_seqs + 3;
+  std::vector<int32_t> perm(static_cast<size_t>(rb.num_slots));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng.engine());
+  for (int s = 0; s < n_seqs; ++s) {
+    rb.lens.push_back(static_cast<int32_t>(rng.integer(0, max_len)));
+    rb.slots.push_back(s % 5 == 4 ? -1 : perm[static_cast<size_t>(s)]);
+  }
+  rb.cu = cu_from(rb.lens);
+  return rb;
+}
+
+class OpsConv1d : public BackendTest {
+ protected:
+  // Runs causal_conv1d on the backend under test with x in `act`, the state in `state_dtype`, and checks
+  // out and the final state against the naive oracle fed the same rounded values. Unused and pad slots
+  // must keep their bits.
+  void check_prefill(test::Rng& rng, const std::vector<int32_t>& cu, const std::vector<int32_t>& slots,
+                     int64_t num_slots, int64_t C, int64_t K, DType act, DType state_dtype, DType wt, bool silu) {
+    const int64_t T = cu.back();
+    const Tensor x = on_backend(rng.normal_tensor({T, C}), act);
+    const Tensor w = on_backend(test::cast_to(rng.normal_tensor({C, 1, K}, 0.5f), wt));
+    const Tensor bias = on_backend(test::cast_to(rng.normal_tensor({C}), wt));
+    const Tensor state = on_backend(rng.normal_tensor({num_slots, C, K - 1}), state_dtype);
+    const Tensor state0 = host_f32(state);
+    const Tensor out = output(act, {T, C});
+    ops::causal_conv1d(ctx(), out, x, w, bias, state, cu, slots, silu);
+
+    Tensor want = Tensor::empty(DType::kF32, {T, C}), want_state = state0.clone();
+    test::poison(want);
+    naive_conv(want, host_f32(x), host_f32(w), host_f32(bias), want_state, cu, slots, silu);
+    const test::Tolerance tol = act == DType::kF32 ? test::kF32Elementwise : test::kBF16Elementwise;
+    EXPECT_ALL_CLOSE(host_f32(out), want, tol);  // pad rows stay poisoned on both sides
+    // The state holds copies of inputs: exact after rounding to its dtype.
+    EXPECT_TRUE(test::bit_equal(host_f32(state), rounded(want_state, state_dtype)));
+    const Tensor got_state = host_f32(state);
+    for (int64_t s = 0; s < num_slots; ++s) {
+      const auto it = std::find(slots.begin(), slots.end(), static_cast<int32_t>(s));
+      if (it == slots.end() || cu[size_t(it - slots.begin()) + 1] == cu[size_t(it - slots.begin())]) {
+        EXPECT_TRUE(test::bit_equal(got_state.select(s), state0.select(s))) << "untouched slot " << s;
+      }
+    }
+  }
+
+  void check_update(test::Rng& rng, const std::vector<int32_t>& slots, int64_t num_slots, int64_t C, int64_t K,
+                    DType act, DType state_dtype, DType wt) {
+    const int64_t Bn = static_cast<int64_t>(slots.size());
+    const Tensor x = on_backend(rng.normal_tensor({Bn, C}), act);
+    const Tensor w = on_backend(test::cast_to(rng.normal_tensor({C, K}, 0.5f), wt));
+    const Tensor bias = on_backend(test::cast_to(rng.normal_tensor({C}), wt));
+    const Tensor state = on_backend(rng.normal_tensor({num_slots, C, K - 1}), state_dtype);
+    const Tensor state0 = host_f32(state);
+    const Tensor out = output(act, {Bn, C});
+    ops::causal_conv1d_update(ctx(), out, x, w, bias, state, slots, true);
+
+    Tensor want = Tensor::empty(DType::kF32, {Bn, C}), want_state = state0.clone();
+    test::poison(want);
+    naive_conv(want, host_f32(x), host_f32(w), host_f32(bias), want_state, cu_from(std::vector<int32_t>(Bn, 1)),
+               slots, true);
+    const test::Tolerance tol = act == DType::kF32 ? test::kF32Elementwise : test::kBF16Elementwise;
+    EXPECT_ALL_CLOSE(host_f32(out), want, tol);
+    EXPECT_TRUE(test::bit_equal(host_f32(state), rounded(want_state, state_dtype)));
+  }
+};
 
 TEST_P(OpsConv1d, PackedBatchWithSlotsMatchesNaive) {
   auto rng = test::Rng::for_test();
@@ -49,28 +128,12 @@ TEST_P(OpsConv1d, PackedBatchWithSlotsMatchesNaive) {
   const std::vector<int32_t> lens = {17, 1, 2, 5, 0, 13};
   const std::vector<int32_t> slots = {5, 0, 3, -1, 6, 2};
   const auto cu = cu_from(lens);
-  const int64_t T = cu.back(), num_slots = 8;
-  for (int64_t K : {4, 2}) {
+  for (int64_t K : {4, 3, 2}) {
     for (int64_t C : {33, 500}) {
       for (bool silu : {true, false}) {
         for (DType wt : {DType::kF32, DType::kBF16}) {
           SCOPED_TRACE(::testing::Message() << "K=" << K << " C=" << C << " silu=" << silu << " w=" << dtype_name(wt));
-          const Tensor x = rng.normal_tensor({T, C});
-          // The checkpoint layout [C, 1, K] for bf16, [C, K] for f32: both accepted.
-          const Tensor w =
-              test::cast_to(rng.normal_tensor(wt == DType::kBF16 ? Shape{C, 1, K} : Shape{C, K}, 0.5f), wt);
-          const Tensor bias = rng.normal_tensor({C});
-          const Tensor state0 = rng.normal_tensor({num_slots, C, K - 1});
-          Tensor out = Tensor::empty(DType::kF32, {T, C}), want = Tensor::empty(DType::kF32, {T, C});
-          test::poison(out);
-          test::poison(want);
-          Tensor state = state0.clone(), want_state = state0.clone();
-          ops::causal_conv1d(ctx(), out, x, w, bias, state, cu, slots, silu);
-          naive_conv(want, x, w, bias, want_state, cu, slots, silu);
-          EXPECT_ALL_CLOSE(out, want, test::kF32Elementwise);  // pad rows stay poisoned on both sides
-          EXPECT_ALL_CLOSE(state, want_state, test::kF32Elementwise);
-          // Untouched slots (1, 4, 7, and the empty sequence's 6) are bit-identical.
-          for (int64_t s : {1, 4, 6, 7}) EXPECT_TRUE(test::bit_equal(state.select(s), state0.select(s))) << s;
+          check_prefill(rng, cu, slots, 8, C, K, DType::kF32, DType::kF32, wt, silu);
         }
       }
     }
@@ -80,67 +143,203 @@ TEST_P(OpsConv1d, PackedBatchWithSlotsMatchesNaive) {
 TEST_P(OpsConv1d, NoBiasMatchesNaive) {
   auto rng = test::Rng::for_test();
   const std::vector<int32_t> cu = {0, 3, 20}, slots = {1, 0};
-  const Tensor x = rng.normal_tensor({20, 33}), w = rng.normal_tensor({33, 4});
-  Tensor state = rng.normal_tensor({2, 33, 3}), want_state = state.clone();
-  Tensor out = Tensor::empty(DType::kF32, {20, 33}), want = Tensor::empty(DType::kF32, {20, 33});
-  ops::causal_conv1d(ctx(), out, x, w, Tensor(), state, cu, slots, true);
-  naive_conv(want, x, w, Tensor(), want_state, cu, slots, true);
-  EXPECT_ALL_CLOSE(out, want, test::kF32Elementwise);
-  EXPECT_ALL_CLOSE(state, want_state, test::kF32Elementwise);
+  for (int64_t C : {33, 264}) {  // element-wise and vector paths
+    SCOPED_TRACE(::testing::Message() << "C=" << C);
+    const Tensor xh = rng.normal_tensor({20, C}), wh = rng.normal_tensor({C, 4}), sh = rng.normal_tensor({2, C, 3});
+    const Tensor x = on_backend(xh), w = on_backend(wh), state = on_backend(sh);
+    Tensor want_state = sh.clone();
+    const Tensor out = output(DType::kF32, {20, C});
+    Tensor want = Tensor::empty(DType::kF32, {20, C});
+    ops::causal_conv1d(ctx(), out, x, w, Tensor(), state, cu, slots, true);
+    naive_conv(want, xh, wh, Tensor(), want_state, cu, slots, true);
+    EXPECT_ALL_CLOSE(host_f32(out), want, test::kF32Elementwise);
+    EXPECT_ALL_CLOSE(host_f32(state), want_state, test::kF32Elementwise);
+    // The update without bias.
+    const Tensor out_u = output(DType::kF32, {2, C});
+    ops::causal_conv1d_update(ctx(), out_u, x.rows(0, 2), w, Tensor(), state, slots, false);
+    Tensor want_u = Tensor::empty(DType::kF32, {2, C});
+    naive_conv(want_u, xh.rows(0, 2), wh, Tensor(), want_state, {0, 1, 2}, slots, false);
+    EXPECT_ALL_CLOSE(host_f32(out_u), want_u, test::kF32Elementwise);
+    EXPECT_ALL_CLOSE(host_f32(state), want_state, test::kF32Elementwise);
+  }
+}
+
+// The awkward token counts of the issue, one sequence each and all packed together, K = 4, vector path
+// (C = 264 is a multiple of the 16-byte vector for f32 and bf16).
+TEST_P(OpsConv1d, AwkwardTokenCountsMatchNaive) {
+  auto rng = test::Rng::for_test();
+  const std::vector<int32_t> counts = {1, 3, 17, 111, 989, 4099};
+  for (int32_t n : counts) {
+    SCOPED_TRACE(::testing::Message() << "tokens=" << n);
+    check_prefill(rng, {0, n}, {1}, 3, 264, 4, DType::kF32, DType::kF32, DType::kF32, true);
+  }
+  SCOPED_TRACE("all packed");
+  check_prefill(rng, cu_from(counts), {4, 0, 7, 2, 5, 1}, 8, 264, 4, DType::kF32, DType::kF32, DType::kBF16, true);
 }
 
 TEST_P(OpsConv1d, SplitInTwoCallsEqualsOneCall) {
   auto rng = test::Rng::for_test();
-  const int64_t C = 33, K = 4;
-  for (int32_t split : {1, 2, 9, 22}) {
-    const int32_t n = 23;
-    const Tensor x = rng.normal_tensor({n, C}), w = rng.normal_tensor({C, K}), bias = rng.normal_tensor({C});
-    const Tensor state0 = rng.normal_tensor({3, C, K - 1});
-    const std::vector<int32_t> slot = {2};
-    Tensor whole = Tensor::empty(DType::kF32, {n, C}), parts = Tensor::empty(DType::kF32, {n, C});
-    test::poison(whole);
-    test::poison(parts);
-    Tensor s_whole = state0.clone(), s_parts = state0.clone();
-    ops::causal_conv1d(ctx(), whole, x, w, bias, s_whole, std::vector<int32_t>{0, n}, slot, true);
-    ops::causal_conv1d(ctx(), parts.rows(0, split), x.rows(0, split), w, bias, s_parts, std::vector<int32_t>{0, split},
-                       slot, true);
-    ops::causal_conv1d(ctx(), parts.rows(split, n), x.rows(split, n), w, bias, s_parts,
-                       std::vector<int32_t>{0, n - split}, slot, true);
-    EXPECT_TRUE(test::bit_equal(parts, whole)) << "split " << split;
-    EXPECT_TRUE(test::bit_equal(s_parts, s_whole)) << "split " << split;
+  const int64_t K = 4;
+  // C = 33: element-wise path; C = 264: 16-byte vector path. f32 activations and state everywhere; on CUDA
+  // also bf16 activations with an f32 state (the state holds the bf16 inputs exactly).
+  for (DType act : {DType::kF32, DType::kBF16}) {
+    if (act != DType::kF32 && !on_cuda()) continue;
+    for (int64_t C : {33, 264}) {
+      for (int32_t split : {1, 2, 9, 22, 33, 64}) {
+        SCOPED_TRACE(::testing::Message() << "act=" << dtype_name(act) << " C=" << C << " split=" << split);
+        const int32_t n = 71;
+        const Tensor x = on_backend(rng.normal_tensor({n, C}), act);
+        const Tensor w = on_backend(rng.normal_tensor({C, K})), bias = on_backend(rng.normal_tensor({C}));
+        const Tensor state0 = rng.normal_tensor({3, C, K - 1});
+        const std::vector<int32_t> slot = {2};
+        const Tensor whole = output(act, {n, C}), parts = output(act, {n, C});
+        const Tensor s_whole = on_backend(state0), s_parts = on_backend(state0);
+        ops::causal_conv1d(ctx(), whole, x, w, bias, s_whole, std::vector<int32_t>{0, n}, slot, true);
+        ops::causal_conv1d(ctx(), parts.rows(0, split), x.rows(0, split), w, bias, s_parts,
+                           std::vector<int32_t>{0, split}, slot, true);
+        ops::causal_conv1d(ctx(), parts.rows(split, n), x.rows(split, n), w, bias, s_parts,
+                           std::vector<int32_t>{0, n - split}, slot, true);
+        EXPECT_TRUE(test::bit_equal(device::to_host(parts), device::to_host(whole)));
+        EXPECT_TRUE(test::bit_equal(host_f32(s_parts), host_f32(s_whole)));
+      }
+    }
   }
 }
 
 TEST_P(OpsConv1d, UpdateEqualsOneTokenConv) {
   auto rng = test::Rng::for_test();
-  for (int64_t K : {2, 4}) {
-    const int64_t C = 500, Bn = 5;
-    const std::vector<int32_t> slots = {4, -1, 0, 6, 2};
-    const Tensor x = rng.normal_tensor({Bn, C}), w = rng.normal_tensor({C, 1, K}), bias = rng.normal_tensor({C});
-    const Tensor state0 = rng.normal_tensor({7, C, K - 1});
-    Tensor out_u = Tensor::empty(DType::kF32, {Bn, C}), out_c = Tensor::empty(DType::kF32, {Bn, C});
-    test::poison(out_u);
-    test::poison(out_c);
-    Tensor s_u = state0.clone(), s_c = state0.clone();
-    ops::causal_conv1d_update(ctx(), out_u, x, w, bias, s_u, slots, true);
-    ops::causal_conv1d(ctx(), out_c, x, w, bias, s_c, cu_from(std::vector<int32_t>(Bn, 1)), slots, true);
-    EXPECT_TRUE(test::bit_equal(out_u, out_c));
-    EXPECT_TRUE(test::bit_equal(s_u, s_c));
-    EXPECT_TRUE(std::isnan(out_u.f32()[1 * C]));  // the pad row is left untouched
+  for (int64_t K : {2, 3, 4}) {
+    for (int64_t C : {500, 33}) {
+      SCOPED_TRACE(::testing::Message() << "K=" << K << " C=" << C);
+      const int64_t Bn = 5;
+      const std::vector<int32_t> slots = {4, -1, 0, 6, 2};
+      const Tensor x = on_backend(rng.normal_tensor({Bn, C})), w = on_backend(rng.normal_tensor({C, 1, K}));
+      const Tensor bias = on_backend(rng.normal_tensor({C}));
+      const Tensor state0 = rng.normal_tensor({7, C, K - 1});
+      const Tensor out_u = output(DType::kF32, {Bn, C}), out_c = output(DType::kF32, {Bn, C});
+      const Tensor s_u = on_backend(state0), s_c = on_backend(state0);
+      ops::causal_conv1d_update(ctx(), out_u, x, w, bias, s_u, slots, true);
+      ops::causal_conv1d(ctx(), out_c, x, w, bias, s_c, cu_from(std::vector<int32_t>(Bn, 1)), slots, true);
+      const Tensor hu = host_f32(out_u);
+      EXPECT_TRUE(test::bit_equal(hu, host_f32(out_c)));
+      EXPECT_TRUE(test::bit_equal(host_f32(s_u), host_f32(s_c)));
+      EXPECT_TRUE(std::isnan(hu.f32()[1 * C]));  // the pad row is left untouched
+    }
   }
 }
 
+TEST_P(OpsConv1d, UpdateBatchesMatchNaive) {
+  auto rng = test::Rng::for_test();
+  for (int n : {1, 3, 64}) {
+    const RandomBatch rb = random_batch(rng, n, 1);
+    for (int64_t C : {264, 2688}) {
+      SCOPED_TRACE(::testing::Message() << "batch=" << n << " C=" << C);
+      check_update(rng, rb.slots, rb.num_slots, C, 4, DType::kF32, DType::kF32, DType::kBF16);
+    }
+  }
+}
+
+// Views whose data pointer is not 16-byte aligned take the element-wise kernels on CUDA.
+TEST_P(OpsConv1d, UnalignedViewsMatchNaive) {
+  auto rng = test::Rng::for_test();
+  const int64_t C = 264, K = 4, T = 45;
+  const std::vector<int32_t> cu = {0, 40, 45}, slots = {2, 0};
+  auto shifted = [&](const Tensor& host) {  // the same values one element into a bigger buffer
+    Tensor big = Tensor::empty(DType::kF32, {host.numel() + 1});
+    std::copy_n(host.f32(), host.numel(), big.f32() + 1);
+    return on_backend(big).rows(1, host.numel() + 1).reshape(host.shape());
+  };
+  const Tensor xh = rng.normal_tensor({T, C}), wh = rng.normal_tensor({C, K}), bh = rng.normal_tensor({C});
+  const Tensor sh = rng.normal_tensor({3, C, K - 1});
+  const Tensor x = shifted(xh), state = shifted(sh), w = on_backend(wh), bias = on_backend(bh);
+  const Tensor out = output(DType::kF32, {T, C});
+  ops::causal_conv1d(ctx(), out, x, w, bias, state, cu, slots, true);
+  Tensor want = Tensor::empty(DType::kF32, {T, C}), want_state = sh.clone();
+  naive_conv(want, xh, wh, bh, want_state, cu, slots, true);
+  EXPECT_ALL_CLOSE(host_f32(out), want, test::kF32Elementwise);
+  EXPECT_ALL_CLOSE(host_f32(state), want_state, test::kF32Elementwise);
+
+  // The update with a misaligned state.
+  const Tensor xu = shifted(xh.rows(0, 2)), out_u = output(DType::kF32, {2, C});
+  ops::causal_conv1d_update(ctx(), out_u, xu, w, bias, state, slots, true);
+  Tensor want_u = Tensor::empty(DType::kF32, {2, C});
+  naive_conv(want_u, xh.rows(0, 2), wh, bh, want_state, {0, 1, 2}, slots, true);
+  EXPECT_ALL_CLOSE(host_f32(out_u), want_u, test::kF32Elementwise);
+  EXPECT_ALL_CLOSE(host_f32(state), want_state, test::kF32Elementwise);
+}
+
+// ---- CUDA only: bf16 / f16 activations, bf16 / f16 conv state, model shapes --------------------------
+
+TEST_P(OpsConv1d, Bf16ActivationsEveryStateDtype) {
+  if (!on_cuda()) GTEST_SKIP() << "bf16 activations are CUDA-only (the CPU reference is F32)";
+  auto rng = test::Rng::for_test();
+  for (int n_seqs : {1, 7, 64}) {
+    // Lengths up to 70 (40 for 64 sequences): sequences shorter than K-1, inside one 32-token tile and
+    // crossing tiles. Hidden-size-like widths 4480 and 2688 (multiples of 8 but not of 256).
+    const RandomBatch rb = random_batch(rng, n_seqs, n_seqs == 64 ? 40 : 70);
+    const int64_t C = n_seqs == 64 ? 2688 : 4480;
+    for (DType state_dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      SCOPED_TRACE(::testing::Message() << "seqs=" << n_seqs << " C=" << C << " state=" << dtype_name(state_dtype));
+      check_prefill(rng, rb.cu, rb.slots, rb.num_slots, C, 4, DType::kBF16, state_dtype, DType::kBF16, true);
+    }
+  }
+  SCOPED_TRACE("f16 activations, K=3, C=500 (element-wise path)");
+  const RandomBatch rb = random_batch(rng, 9, 50);
+  check_prefill(rng, rb.cu, rb.slots, rb.num_slots, 500, 3, DType::kF16, DType::kBF16, DType::kF32, false);
+}
+
+TEST_P(OpsConv1d, Bf16LongPromptsAtModelWidths) {
+  if (!on_cuda()) GTEST_SKIP() << "bf16 activations are CUDA-only";
+  auto rng = test::Rng::for_test();
+  // Nano conv_dim 6144 and Super 10240; prompts crossing many tiles with a non-zero initial state.
+  check_prefill(rng, {0, 989, 1100}, {3, 0}, 4, 6144, 4, DType::kBF16, DType::kF32, DType::kBF16, true);
+  check_prefill(rng, {0, 111, 128, 457}, {1, -1, 2}, 3, 10240, 4, DType::kBF16, DType::kBF16, DType::kBF16, true);
+}
+
+TEST_P(OpsConv1d, UpdateBf16EveryStateDtype) {
+  if (!on_cuda()) GTEST_SKIP() << "bf16 activations are CUDA-only";
+  auto rng = test::Rng::for_test();
+  for (int n : {1, 5, 64}) {
+    const RandomBatch rb = random_batch(rng, n, 1);
+    for (DType state_dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (int64_t C : {6144, 10240}) {
+        SCOPED_TRACE(::testing::Message() << "batch=" << n << " C=" << C << " state=" << dtype_name(state_dtype));
+        check_update(rng, rb.slots, rb.num_slots, C, 4, DType::kBF16, state_dtype, DType::kBF16);
+      }
+    }
+  }
+  SCOPED_TRACE("f32 activations, f16 state, K=2; element-wise path (C = 66)");
+  check_update(rng, {2, -1, 0}, 4, 66, 2, DType::kF32, DType::kF16, DType::kF32);
+}
+
+TEST_P(OpsConv1d, CudaRejectsWhatItDoesNotSupport) {
+  if (!on_cuda()) GTEST_SKIP() << "CUDA dispatch limits";
+  const Tensor x = on_backend(Tensor::zeros(DType::kF32, {4, 8}));
+  const Tensor out16 = output(DType::kBF16, {4, 8});
+  const Tensor state = on_backend(Tensor::zeros(DType::kF32, {2, 8, 3}));
+  const Tensor w = on_backend(Tensor::zeros(DType::kF32, {8, 4}));
+  const std::vector<int32_t> cu = {0, 4}, slot = {0};
+  EXPECT_TRUE(test::throws_error([&] { ops::causal_conv1d(ctx(), out16, x, w, Tensor(), state, cu, slot, true); },
+                                 ErrorKind::kRuntime, "must share one dtype on CUDA"));
+  EXPECT_TRUE(test::throws_error([&] { ops::causal_conv1d(ctx(), x, x, w, Tensor(), state, cu, slot, true); },
+                                 ErrorKind::kRuntime, "ops::causal_conv1d: out must not overlap x on CUDA"));
+  const Tensor w5 = on_backend(Tensor::zeros(DType::kF32, {8, 5}));
+  const Tensor state4 = on_backend(Tensor::zeros(DType::kF32, {2, 8, 4}));
+  const Tensor out = output(DType::kF32, {4, 8});
+  EXPECT_TRUE(test::throws_error([&] { ops::causal_conv1d(ctx(), out, x, w5, Tensor(), state4, cu, slot, true); },
+                                 ErrorKind::kRuntime, "conv_kernel 5 is not supported on CUDA (2, 3, 4)"));
+}
+
 TEST_P(OpsConv1d, BadShapesThrowNamingTheOp) {
-  const Tensor x = Tensor::zeros(DType::kF32, {4, 8});
-  Tensor out = Tensor::empty(DType::kF32, {4, 8});
-  const Tensor w = Tensor::zeros(DType::kF32, {8, 4});
-  Tensor state = Tensor::zeros(DType::kF32, {2, 8, 3});
+  const Tensor x = on_backend(Tensor::zeros(DType::kF32, {4, 8}));
+  const Tensor out = output(DType::kF32, {4, 8});
+  const Tensor w = on_backend(Tensor::zeros(DType::kF32, {8, 4}));
+  const Tensor state = on_backend(Tensor::zeros(DType::kF32, {2, 8, 3}));
+  const Tensor state4 = on_backend(Tensor::zeros(DType::kF32, {2, 8, 4}));
   const std::vector<int32_t> cu = {0, 4}, slot = {0};
   EXPECT_TRUE(test::throws_error(
-      [&] {
-        ops::causal_conv1d(ctx(), out, x, w, Tensor(), Tensor::zeros(DType::kF32, {2, 8, 4}), cu, slot, true);
-      },
-      ErrorKind::kRuntime, "ops::causal_conv1d: conv_state F32[2, 8, 4] does not match weight F32[8, 4]"));
+      [&] { ops::causal_conv1d(ctx(), out, x, w, Tensor(), state4, cu, slot, true); }, ErrorKind::kRuntime,
+      "ops::causal_conv1d: conv_state F32[2, 8, 4] does not match weight F32[8, 4]"));
   EXPECT_TRUE(test::throws_error(
       [&] {
         ops::causal_conv1d(ctx(), out, x, w, Tensor(), state, std::vector<int32_t>{0, 3}, slot, true);

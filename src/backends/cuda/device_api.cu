@@ -122,7 +122,8 @@ void copy(const Tensor& dst, const Tensor& src) {
     throw_runtime(str_cat("device::copy ", dst.describe(), " <- ", src.describe()));
   }
   if (src.nbytes() == 0) return;
-  if (dst.device() == Device::kCpu && src.device() == Device::kCpu) {  // no driver needed (CPU-only machines)
+  // Host to host needs no CUDA (and must work in a CUDA build on a machine without a GPU: the Cpu test instances).
+  if (dst.device() == Device::kCpu && src.device() == Device::kCpu) {
     std::memcpy(dst.data(), src.data(), src.nbytes());
     return;
   }

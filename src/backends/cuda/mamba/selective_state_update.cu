@@ -1,15 +1,64 @@
-// Placeholder until the CUDA kernels of this family land: every entry fails loudly with the op's name.
+// ops::selective_state_update on CUDA: Tensors -> SsuParams, slots to the device, dispatch on the state dtype.
+// Kernels: selective_state_update_kernels.cuh (instantiated per state dtype in selective_state_update_*.cu).
 #include "backends/cuda/cuda_ops.h"
-#include "core/error_base.h"
+#include "backends/cuda/mamba/mamba_common.cuh"
+#include "backends/cuda/mamba/selective_state_update.cuh"
 
 namespace chimera::cuda {
-namespace {
-[[noreturn]] void not_yet(const char* op) { throw_runtime(str_cat("ops::", op, ": no CUDA kernel yet")); }
-}  // namespace
 
-void selective_state_update(const ops::Context&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                            const Tensor&, const ops::SsmParams&, const Tensor&, std::span<const int32_t>) {
-  not_yet("selective_state_update");
+namespace mamba {
+int num_sms() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), "mamba::num_sms");
+    CHIMERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "mamba::num_sms");
+    return sms;
+  }();
+  return n;
+}
+}  // namespace mamba
+
+void launch_selective_state_update(const SsuParams& p, cudaStream_t stream) {
+  CHIMERA_DISPATCH_FLOAT(p.state_dtype, "ops::selective_state_update ssm_state", S,
+                         launch_selective_state_update_typed<S>(p, stream));
+}
+
+void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
+                            const Tensor& B, const Tensor& C, const ops::SsmParams& sp, const Tensor& ssm_state,
+                            std::span<const int32_t> slots) {
+  // One activation dtype per call (the state and the [H] parameters may differ).
+  for (const Tensor* t : {&y, &dt_raw, &B, &C}) {
+    if (t->dtype() != x.dtype()) {
+      throw_runtime(str_cat("ops::selective_state_update: activations must share one dtype on CUDA (x ",
+                            x.describe(), ", got ", t->describe(), ")"));
+    }
+  }
+  const cudaStream_t stream = as_stream(ctx.stream);
+  SsuParams p;
+  p.x = x.data();
+  p.dt_raw = dt_raw.data();
+  p.B = B.data();
+  p.C = C.data();
+  p.y = y.data();
+  p.state = ssm_state.data();
+  p.A_log = sp.A_log.data();
+  p.D = sp.D.data();
+  p.dt_bias = sp.dt_bias.data();
+  p.act = x.dtype();
+  p.state_dtype = ssm_state.dtype();
+  p.a_log_dtype = sp.A_log.dtype();
+  p.d_dtype = sp.D.dtype();
+  p.dt_bias_dtype = sp.dt_bias.dtype();
+  p.dt_min = sp.dt_min;
+  p.dt_max = sp.dt_max;
+  p.batch = static_cast<int>(x.dim(0));
+  p.H = static_cast<int>(x.dim(1));
+  p.P = static_cast<int>(x.dim(2));
+  p.G = static_cast<int>(B.dim(1));
+  p.N = static_cast<int>(B.dim(2));
+  if (p.batch == 0) return;
+  p.slots = static_cast<const int32_t*>(upload_scratch(slots.data(), slots.size_bytes(), stream, 0));
+  launch_selective_state_update(p, stream);
 }
 
 }  // namespace chimera::cuda

@@ -1,0 +1,221 @@
+// Mamba kernels at Nemotron 3 Nano / Super shapes (model-spec 9): the selective state update (decode) and the
+// causal conv1d (prefill and decode update). Bytes are the ones that must move (state read + write, inputs
+// read, outputs written), so floor_ratio is the achieved fraction of the measured 4.2 TB/s copy bandwidth.
+//
+// The launchers are called directly with device-resident metadata (slots, tiles), as the engine's CUDA graphs
+// will; "-op" cases go through ops:: (host metadata uploaded every call) for comparison. Small working sets
+// would sit in the 60 MB L2 between iterations, so each case rotates over enough disjoint state slots /
+// activation buffers to move >= 256 MB per cycle (peers/mamba_peers.py flushes L2 instead).
+// Shape strings are shared with peers/mamba_peers.py.
+#include <algorithm>
+#include <limits>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/mamba/conv1d.cuh"
+#include "backends/cuda/mamba/selective_state_update.cuh"
+#include "backends/device_api.h"
+#include "bench/bench_common.h"
+#include "core/tensor.h"
+#include "ops/ops.h"
+
+namespace chimera::bench {
+namespace {
+
+constexpr double kRotateBytes = 256.0 * (1 << 20);
+
+// Uniform [lo, hi) from a hash of the index, generated on the device (states reach 1 GB).
+template <typename T>
+__global__ void fill_uniform_kernel(T* p, int64_t n, float lo, float hi, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t z = seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(i);  // splitmix64
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    p[i] = cuda::from_float<T>(lo + (hi - lo) * static_cast<float>(z >> 40) * (1.0f / (1 << 24)));
+  }
+}
+
+Tensor random_device(DType dtype, Shape shape, float lo, float hi, uint64_t seed) {
+  Tensor t = device::empty(Device::kCuda, dtype, std::move(shape));
+  CHIMERA_DISPATCH_FLOAT(dtype, "bench random_device", T, {
+    fill_uniform_kernel<T><<<1024, 256>>>(static_cast<T*>(t.data()), t.numel(), lo, hi, seed);
+  });
+  CHIMERA_LAUNCH_CHECK("bench random_device");
+  return t;
+}
+
+Tensor device_i32(const std::vector<int32_t>& v) {
+  return device::to_device(Tensor::from_i32({static_cast<int64_t>(v.size())}, v), Device::kCuda);
+}
+
+int rotation_sets(double bytes_per_call) {
+  return std::clamp(static_cast<int>(kRotateBytes / bytes_per_call) + 1, 1, 512);
+}
+
+const char* dname(DType d) { return d == DType::kF32 ? "f32" : d == DType::kBF16 ? "bf16" : "f16"; }
+
+// ---- selective state update ---------------------------------------------------------------------------
+struct SsuModel {
+  const char* name;
+  int H, P, N, G;
+};
+constexpr SsuModel kNano{"nano", 64, 64, 128, 8};
+constexpr SsuModel kSuper{"super", 128, 64, 128, 8};
+
+std::string ssu_shape(const SsuModel& m, int batch, DType state) {
+  return std::string(m.name) + "_H" + std::to_string(m.H) + "_P" + std::to_string(m.P) + "_N" +
+         std::to_string(m.N) + "_G" + std::to_string(m.G) + "_b" + std::to_string(batch) + "_state-" + dname(state) +
+         "_act-bf16";
+}
+
+// rows_per_warp < 0: through ops:: instead of the launcher.
+void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
+               const std::string& kernel, bool plain = false) {
+  const DType act = DType::kBF16;
+  const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
+  const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
+  const int sets = rotation_sets(state_bytes + act_bytes);
+  const int64_t num_slots = static_cast<int64_t>(sets) * batch;
+  const Tensor state = random_device(state_dtype, {num_slots, m.H, m.P, m.N}, -1.0f, 1.0f, 1);
+  const Tensor x = random_device(act, {batch, m.H, m.P}, -1.0f, 1.0f, 2);
+  const Tensor dt = random_device(act, {batch, m.H}, -3.0f, 0.0f, 3);
+  const Tensor B = random_device(act, {batch, m.G, m.N}, -1.0f, 1.0f, 4);
+  const Tensor C = random_device(act, {batch, m.G, m.N}, -1.0f, 1.0f, 5);
+  const Tensor y = device::empty(Device::kCuda, act, {batch, m.H, m.P});
+  ops::SsmParams sp;
+  sp.A_log = random_device(DType::kF32, {m.H}, 0.0f, 2.0f, 6);
+  sp.D = random_device(DType::kF32, {m.H}, -1.0f, 1.0f, 7);
+  sp.dt_bias = random_device(DType::kF32, {m.H}, -2.0f, 0.0f, 8);
+  // Set s uses slots s * batch .. s * batch + batch - 1, shuffled within the set.
+  std::vector<int32_t> all(static_cast<size_t>(num_slots));
+  std::iota(all.begin(), all.end(), 0);
+  std::mt19937 gen(9);  // host shuffle of the slot ids
+  for (int s = 0; s < sets; ++s) std::shuffle(all.begin() + s * batch, all.begin() + (s + 1) * batch, gen);
+  const Tensor slots = device_i32(all);
+
+  cuda::SsuParams p;
+  p.x = x.data(), p.dt_raw = dt.data(), p.B = B.data(), p.C = C.data(), p.y = y.data(), p.state = state.data();
+  p.A_log = sp.A_log.data(), p.D = sp.D.data(), p.dt_bias = sp.dt_bias.data();
+  p.act = act, p.state_dtype = state_dtype;
+  p.dt_min = 0.0f, p.dt_max = std::numeric_limits<float>::infinity();
+  p.batch = batch, p.H = m.H, p.P = m.P, p.N = m.N, p.G = m.G;
+  p.rows_per_warp = std::max(rows_per_warp, 0);
+  p.plain_state_access = plain;
+  int call = 0;
+  const ops::Context octx{Device::kCuda, nullptr};
+  ctx.run(kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, 0.0, [&] {
+    const int set = call++ % sets;
+    if (rows_per_warp < 0) {
+      const std::span<const int32_t> host(all.data() + static_cast<size_t>(set) * batch, static_cast<size_t>(batch));
+      ops::selective_state_update(octx, y, x, dt, B, C, sp, state, host);
+    } else {
+      p.slots = slots.i32() + static_cast<int64_t>(set) * batch;
+      cuda::launch_selective_state_update(p, nullptr);
+    }
+  });
+}
+
+CHIMERA_BENCH(mamba_ssu) {
+  for (const SsuModel* m : {&kSuper, &kNano}) {
+    for (DType sd : {DType::kF32, DType::kBF16}) {
+      for (int batch : {1, 8, 64, 256}) bench_ssu(ctx, *m, batch, sd, 0, "ssu");
+    }
+  }
+}
+
+// Row tilings of the fast kernel, plain (not cache-streaming) state access, and the ops:: path.
+CHIMERA_BENCH(mamba_ssu_variants) {
+  for (DType sd : {DType::kF32, DType::kBF16}) {
+    for (int batch : {1, 8, 64, 256}) {
+      for (int rows : {4, 8, 16}) bench_ssu(ctx, kSuper, batch, sd, rows, "ssu-rpw" + std::to_string(rows));
+    }
+    for (int batch : {64, 256}) bench_ssu(ctx, kSuper, batch, sd, 0, "ssu-plain", true);
+    bench_ssu(ctx, kSuper, 64, sd, -1, "ssu-op");
+  }
+}
+
+// ---- causal conv1d -------------------------------------------------------------------------------------
+constexpr int kConvDim = 10240;  // Super: Di + 2 * G * N
+constexpr int kConvK = 4;
+
+void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len) {
+  const DType act = DType::kBF16;
+  const int64_t T = static_cast<int64_t>(n_seqs) * seq_len, C = kConvDim;
+  const double bytes = 2.0 * T * C * dtype_size(act) + 2.0 * n_seqs * C * (kConvK - 1) * dtype_size(act) +
+                       C * (kConvK + 1) * 2.0;
+  const int sets = rotation_sets(bytes);
+  const Tensor x = random_device(act, {sets * T, C}, -1.0f, 1.0f, 11);
+  const Tensor out = device::empty(Device::kCuda, act, {sets * T, C});
+  const Tensor w = random_device(DType::kBF16, {C, 1, kConvK}, -0.5f, 0.5f, 12);
+  const Tensor bias = random_device(DType::kBF16, {C}, -0.5f, 0.5f, 13);
+  const Tensor state = random_device(act, {static_cast<int64_t>(sets) * n_seqs, C, kConvK - 1}, -1.0f, 1.0f, 14);
+  // One tile list per set (rows of set s start at s * T, slots at s * n_seqs).
+  std::vector<Tensor> tiles;
+  int n_tiles = 0;
+  for (int s = 0; s < sets; ++s) {
+    std::vector<int32_t> cu = {0}, slots;
+    for (int i = 0; i < n_seqs; ++i) cu.push_back(cu.back() + seq_len), slots.push_back(s * n_seqs + i);
+    std::vector<cuda::Conv1dTile> t = cuda::conv1d_tiles(cu, slots);
+    std::vector<int32_t> flat;
+    for (const cuda::Conv1dTile& tile : t) {
+      flat.insert(flat.end(), {tile.row_begin + static_cast<int32_t>(s * T), tile.len, tile.t0, tile.slot});
+    }
+    n_tiles = static_cast<int>(t.size());
+    const Tensor d = device_i32(flat);
+    tiles.push_back(d);
+  }
+  cuda::Conv1dParams p;
+  p.x = x.data(), p.out = out.data(), p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
+  p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
+  p.C = C, p.K = kConvK, p.silu = true, p.n_tiles = n_tiles;
+  int call = 0;
+  const std::string shape = "super_C" + std::to_string(C) + "_K4_T" + std::to_string(T) + "_seqs" +
+                            std::to_string(n_seqs) + "_act-bf16";
+  ctx.run("conv1d-prefill", shape, bytes, 0.0, [&] {
+    p.tiles = reinterpret_cast<const cuda::Conv1dTile*>(tiles[static_cast<size_t>(call++ % sets)].data());
+    cuda::launch_causal_conv1d(p, nullptr);
+  });
+}
+
+void bench_conv_update(const Context& ctx, int batch) {
+  const DType act = DType::kBF16;
+  const int64_t C = kConvDim;
+  const double bytes = 2.0 * batch * C * dtype_size(act) + 2.0 * batch * C * (kConvK - 1) * dtype_size(act) +
+                       C * (kConvK + 1) * 2.0;
+  const int sets = rotation_sets(bytes);
+  const Tensor x = random_device(act, {static_cast<int64_t>(sets) * batch, C}, -1.0f, 1.0f, 21);
+  const Tensor out = device::empty(Device::kCuda, act, {static_cast<int64_t>(sets) * batch, C});
+  const Tensor w = random_device(DType::kBF16, {C, 1, kConvK}, -0.5f, 0.5f, 22);
+  const Tensor bias = random_device(DType::kBF16, {C}, -0.5f, 0.5f, 23);
+  const Tensor state = random_device(act, {static_cast<int64_t>(sets) * batch, C, kConvK - 1}, -1.0f, 1.0f, 24);
+  std::vector<int32_t> all(static_cast<size_t>(sets) * batch);
+  std::iota(all.begin(), all.end(), 0);
+  const Tensor slots = device_i32(all);
+  cuda::Conv1dParams p;
+  p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
+  p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
+  p.C = C, p.K = kConvK, p.silu = true, p.batch = batch;
+  int call = 0;
+  const std::string shape = "super_C" + std::to_string(C) + "_K4_b" + std::to_string(batch) + "_act-bf16";
+  ctx.run("conv1d-update", shape, bytes, 0.0, [&] {
+    const int64_t set = call++ % sets;
+    p.x = static_cast<const char*>(x.data()) + set * batch * C * dtype_size(act);
+    p.out = static_cast<char*>(out.data()) + set * batch * C * dtype_size(act);
+    p.slots = slots.i32() + set * batch;
+    cuda::launch_causal_conv1d_update(p, nullptr);
+  });
+}
+
+CHIMERA_BENCH(mamba_conv1d) {
+  for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens);
+  bench_conv_prefill(ctx, 8, 1024);
+  for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch);
+}
+
+}  // namespace
+}  // namespace chimera::bench

@@ -1,0 +1,48 @@
+// Mamba-2 decode step, the selective state update (model-spec 3.5; seed section 6), for a batch of state
+// slots. Per sequence b and head h (group g = h / (H / G)):
+//   dt = clamp(softplus(dt_raw[b, h] + dt_bias[h]), dt_min, dt_max);  dA = exp(dt * -exp(A_log[h]))
+//   S[p, n] = S[p, n] * dA + dt * x[b, h, p] * B[b, g, n]            (state read once, written once)
+//   y[b, h, p] = sum_n S[p, n] * C[b, g, n] + D[h] * x[b, h, p]
+// Memory-bound: the state read + write is nearly all the traffic. Math in fp32 whatever the storage dtypes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace chimera::cuda {
+
+struct SsuParams {
+  const void* x;       // [batch, H, P]   act dtype
+  const void* dt_raw;  // [batch, H]      act dtype
+  const void* B;       // [batch, G, N]   act dtype
+  const void* C;       // [batch, G, N]   act dtype
+  void* y;             // [batch, H, P]   act dtype
+  void* state;         // [num_slots, H, P, N] state dtype, updated in place
+  const int32_t* slots;  // [batch] device; slot < 0: skipped (y rows and state untouched)
+  const void* A_log;     // [H] a_log_dtype
+  const void* D;         // [H] d_dtype
+  const void* dt_bias;   // [H] dt_bias_dtype
+  DType act = DType::kF32, state_dtype = DType::kF32;
+  DType a_log_dtype = DType::kF32, d_dtype = DType::kF32, dt_bias_dtype = DType::kF32;
+  float dt_min = 0.0f, dt_max = 0.0f;
+  int batch = 0, H = 0, P = 0, N = 0, G = 0;
+  // Rows of P per warp in the fast kernel: 0 picks by occupancy (the seed's dim tiling for small batches);
+  // 4, 8 or 16 force one (benchmarks).
+  int rows_per_warp = 0;
+  // Plain loads / stores of the state instead of the cache-streaming ones (benchmarks).
+  bool plain_state_access = false;
+};
+
+// Launches the update on `stream`. Fast path: N in {64, 128, 256} with a 16-byte aligned state (16-byte
+// vector state access, one row segment per lane group, shuffle reduction); otherwise a portable warp-per-row
+// kernel. Throws (naming ops::selective_state_update) on unsupported dtypes or launch errors.
+void launch_selective_state_update(const SsuParams& p, cudaStream_t stream);
+
+// Per state dtype (explicit instantiations in selective_state_update_{f32,bf16,f16}.cu).
+template <typename S>
+void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream);
+
+}  // namespace chimera::cuda

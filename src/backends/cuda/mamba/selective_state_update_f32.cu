@@ -1,0 +1,7 @@
+// Explicit instantiation of the selective state update kernels for f32 state (a file per state dtype so the
+// build parallelises).
+#include "backends/cuda/mamba/selective_state_update_kernels.cuh"
+
+namespace chimera::cuda {
+template void launch_selective_state_update_typed<float>(const SsuParams&, cudaStream_t);
+}  // namespace chimera::cuda

@@ -1,0 +1,300 @@
+// selective_state_update (the Mamba-2 decode step, model-spec 3.5) against a naive double oracle on every
+// backend: odd and model head shapes, batches of 1 to 64 with pads and permuted slots, dt limits, misaligned
+// state views; CUDA only: bf16 activations with f32 / bf16 / f16 state.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "common/backend_param.h"
+#include "common/compare.h"
+#ifdef CHIMERA_HAVE_CUDA
+#include "backends/cuda/mamba/selective_state_update.cuh"
+#endif
+
+namespace chimera {
+namespace {
+
+using test::BackendTest;
+
+struct SsuShape {
+  int64_t H, P, G, N;
+};
+
+struct SsuInputs {
+  Tensor x, dt_raw, B, C;  // host F32: [batch, H, P], [batch, H], [batch, G, N], [batch, G, N]
+  ops::SsmParams p;        // host F32 [H] each
+};
+
+SsuInputs make_inputs(test::Rng& rng, int64_t batch, const SsuShape& s) {
+  SsuInputs in;
+  in.x = rng.normal_tensor({batch, s.H, s.P});
+  in.dt_raw = rng.normal_tensor({batch, s.H});
+  in.B = rng.normal_tensor({batch, s.G, s.N}, 0.5f);
+  in.C = rng.normal_tensor({batch, s.G, s.N}, 0.5f);
+  in.p.A_log = rng.uniform_tensor({s.H}, 0.0f, 2.5f);  // A in [-12, -1]
+  in.p.D = rng.normal_tensor({s.H});
+  in.p.dt_bias = rng.uniform_tensor({s.H}, -4.0f, 1.0f);
+  return in;
+}
+
+// A large random state without the cost of a normal distribution per element: uniform in [-2, 2].
+Tensor random_state(test::Rng& rng, Shape shape) {
+  Tensor t = Tensor::empty(DType::kF32, std::move(shape));
+  uint64_t z = rng.engine()();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    z ^= z << 13, z ^= z >> 7, z ^= z << 17;  // xorshift64
+    t.f32()[i] = static_cast<float>(static_cast<int64_t>(z >> 40) - (int64_t{1} << 23)) * (2.0f / (1 << 23));
+  }
+  return t;
+}
+
+// Naive decode step in double (model-spec 3.5 with the dt clamp of ops.h) on host F32 tensors; `state` is
+// updated in place, pad rows of y are not written.
+void naive_ssu(Tensor& y, const SsuInputs& in, Tensor& state, const std::vector<int32_t>& slots) {
+  const int64_t H = in.x.dim(1), P = in.x.dim(2), G = in.B.dim(1), N = in.B.dim(2);
+  for (size_t b = 0; b < slots.size(); ++b) {
+    if (slots[b] < 0) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / (H / G);
+      const double v = double(in.dt_raw.f32()[b * H + h]) + in.p.dt_bias.f32()[h];
+      double dt = v > 20.0 ? v : std::log1p(std::exp(v));
+      dt = std::clamp(dt, double(in.p.dt_min), double(in.p.dt_max));
+      const double dA = std::exp(dt * -std::exp(double(in.p.A_log.f32()[h])));
+      const float* Bv = in.B.f32() + (b * G + g) * N;
+      const float* Cv = in.C.f32() + (b * G + g) * N;
+      for (int64_t p = 0; p < P; ++p) {
+        const double xv = in.x.f32()[(b * H + h) * P + p];
+        float* st = state.f32() + ((slots[b] * H + h) * P + p) * N;
+        double acc = 0;
+        for (int64_t n = 0; n < N; ++n) {
+          const double s = st[n] * dA + dt * xv * Bv[n];
+          st[n] = float(s);
+          acc += s * Cv[n];
+        }
+        y.f32()[(b * H + h) * P + p] = float(acc + in.p.D.f32()[h] * xv);
+      }
+    }
+  }
+}
+
+// Slots for a batch: a permutation of batch + 3 slots, every fifth sequence a pad.
+std::vector<int32_t> batch_slots(test::Rng& rng, int64_t batch, int64_t num_slots) {
+  std::vector<int32_t> perm(static_cast<size_t>(num_slots));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng.engine());
+  std::vector<int32_t> slots;
+  for (int64_t b = 0; b < batch; ++b) slots.push_back(b % 5 == 4 ? -1 : perm[size_t(b)]);
+  return slots;
+}
+
+class OpsSelectiveStateUpdate : public BackendTest {
+ protected:
+  // One decode step on the backend under test (activations in `act`, state in `state_dtype`, state given as
+  // a device view `state` holding `state0`), checked against the oracle fed the same rounded inputs.
+  void check_step(const SsuInputs& in, const std::vector<int32_t>& slots, const Tensor& state, DType act) {
+    const DType sd = state.dtype();
+    const Tensor x = on_backend(in.x, act), dt = on_backend(in.dt_raw, act);
+    const Tensor B = on_backend(in.B, act), C = on_backend(in.C, act);
+    ops::SsmParams p = in.p;
+    p.A_log = on_backend(in.p.A_log);
+    p.D = on_backend(in.p.D);
+    p.dt_bias = on_backend(in.p.dt_bias);
+    const Tensor state0 = host_f32(state);
+    const Tensor y = output(act, in.x.shape());
+    ops::selective_state_update(ctx(), y, x, dt, B, C, p, state, slots);
+
+    SsuInputs rin = in;  // the oracle sees the rounded activations
+    rin.x = host_f32(x), rin.dt_raw = host_f32(dt), rin.B = host_f32(B), rin.C = host_f32(C);
+    Tensor want = Tensor::empty(DType::kF32, in.x.shape()), want_state = state0.clone();
+    naive_ssu(want, rin, want_state, slots);
+
+    Tensor got = host_f32(y);
+    const int64_t row = in.x.dim(1) * in.x.dim(2);
+    for (size_t b = 0; b < slots.size(); ++b) {  // pad rows untouched, then excluded from the comparison
+      if (slots[b] >= 0) continue;
+      for (int64_t i = int64_t(b) * row; i < int64_t(b + 1) * row; ++i) {
+        ASSERT_TRUE(std::isnan(got.f32()[i])) << "pad row element " << i << " was written";
+        got.f32()[i] = want.f32()[i] = 0.0f;
+      }
+    }
+    const bool f32_act = act == DType::kF32;
+    EXPECT_TRUE(test::nmse_close(got, want, f32_act ? test::kF32ReductionNmse : test::kBF16ReductionNmse,
+                                 f32_act ? test::kF32Reduction : test::kBF16Elementwise));
+    const Tensor got_state = host_f32(state);
+    EXPECT_TRUE(test::nmse_close(got_state, want_state,
+                                 sd == DType::kF32 ? test::kF32ReductionNmse : test::kBF16ReductionNmse,
+                                 sd == DType::kF32 ? test::kF32Reduction : test::kBF16Elementwise));
+    for (int64_t s = 0; s < state.dim(0); ++s) {  // slots no sequence uses keep their bits
+      if (std::find(slots.begin(), slots.end(), static_cast<int32_t>(s)) == slots.end()) {
+        ASSERT_TRUE(test::bit_equal(got_state.select(s), state0.select(s))) << "slot " << s;
+      }
+    }
+  }
+
+  void check_random(test::Rng& rng, const SsuShape& s, int64_t batch, DType act, DType state_dtype) {
+    SCOPED_TRACE(::testing::Message() << "H=" << s.H << " P=" << s.P << " G=" << s.G << " N=" << s.N
+                                      << " batch=" << batch << " act=" << dtype_name(act)
+                                      << " state=" << dtype_name(state_dtype));
+    const SsuInputs in = make_inputs(rng, batch, s);
+    const int64_t num_slots = batch + 3;
+    const Tensor state = on_backend(random_state(rng, {num_slots, s.H, s.P, s.N}), state_dtype);
+    check_step(in, batch_slots(rng, batch, num_slots), state, act);
+  }
+};
+
+// Odd shapes (portable kernel for N not in {64, 128, 256}), odd head counts, a single group, P = 80.
+TEST_P(OpsSelectiveStateUpdate, OddShapesMatchNaive) {
+  auto rng = test::Rng::for_test();
+  const SsuShape shapes[] = {{3, 5, 1, 7}, {4, 8, 2, 16}, {8, 4, 8, 3}, {6, 16, 2, 32},
+                             {5, 64, 1, 64}, {3, 80, 3, 128}, {2, 13, 2, 256}};
+  for (const SsuShape& s : shapes) {
+    for (int64_t batch : {1, 3, 17}) check_random(rng, s, batch, DType::kF32, DType::kF32);
+  }
+}
+
+// Nemotron 3 Nano (H = 64) and Super (H = 128) heads: P = 64, N = 128, G = 8 (and G = 1, 2).
+TEST_P(OpsSelectiveStateUpdate, ModelHeadShapesMatchNaive) {
+  auto rng = test::Rng::for_test();
+  check_random(rng, {64, 64, 8, 128}, 1, DType::kF32, DType::kF32);
+  check_random(rng, {64, 64, 8, 128}, 9, DType::kF32, DType::kF32);
+  check_random(rng, {128, 64, 8, 128}, 3, DType::kF32, DType::kF32);
+  check_random(rng, {128, 64, 2, 128}, 2, DType::kF32, DType::kF32);
+  check_random(rng, {64, 64, 1, 128}, 2, DType::kF32, DType::kF32);
+  if (on_cuda()) {  // the full batch on the GPU only (the host oracle is the slow part)
+    check_random(rng, {64, 64, 8, 128}, 64, DType::kF32, DType::kF32);
+  }
+}
+
+TEST_P(OpsSelectiveStateUpdate, DtLimitsClamp) {
+  auto rng = test::Rng::for_test();
+  SsuInputs in = make_inputs(rng, 6, {4, 64, 2, 128});
+  in.p.dt_min = 0.02f;
+  in.p.dt_max = 0.08f;
+  const Tensor state = on_backend(random_state(rng, {8, 4, 64, 128}));
+  check_step(in, {7, 0, 3, -1, 5, 2}, state, DType::kF32);
+}
+
+// Ten decode steps in a row on the same slots: errors must not accumulate beyond fp32 rounding.
+TEST_P(OpsSelectiveStateUpdate, RepeatedStepsMatchNaive) {
+  auto rng = test::Rng::for_test();
+  const SsuShape s{8, 64, 2, 128};
+  const std::vector<int32_t> slots = {3, 1, -1, 0};
+  const Tensor state = on_backend(random_state(rng, {5, s.H, s.P, s.N}));
+  for (int step = 0; step < 10; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    check_step(make_inputs(rng, 4, s), slots, state, DType::kF32);
+  }
+}
+
+// A state view that is not 16-byte aligned (CUDA: the portable kernel) gives the same results.
+TEST_P(OpsSelectiveStateUpdate, MisalignedStateViewMatchesNaive) {
+  auto rng = test::Rng::for_test();
+  const SsuShape s{4, 64, 2, 128};
+  const Tensor host = random_state(rng, {4 * s.H * s.P * s.N + 1});
+  const Tensor state = on_backend(host).rows(1, host.numel()).reshape({4, s.H, s.P, s.N});
+  check_step(make_inputs(rng, 3, s), {2, 0, -1}, state, DType::kF32);
+}
+
+// ---- CUDA only ---------------------------------------------------------------------------------------
+
+TEST_P(OpsSelectiveStateUpdate, Bf16ActivationsEveryStateDtype) {
+  if (!on_cuda()) GTEST_SKIP() << "bf16 activations are CUDA-only (the CPU reference is F32)";
+  auto rng = test::Rng::for_test();
+  for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (int64_t batch : {1, 9}) check_random(rng, {128, 64, 8, 128}, batch, DType::kBF16, sd);
+    if (sd == DType::kBF16) check_random(rng, {64, 64, 8, 128}, 64, DType::kBF16, sd);  // Nano, batch 64
+    check_random(rng, {5, 64, 1, 64}, 7, DType::kBF16, sd);   // N = 64 fast path, odd heads
+    check_random(rng, {2, 13, 2, 256}, 3, DType::kBF16, sd);  // N = 256, P not a multiple of the row tile
+    check_random(rng, {3, 5, 1, 7}, 4, DType::kF16, sd);      // portable kernel, f16 activations
+  }
+}
+
+// Parameters (A_log, D, dt_bias) in bf16.
+TEST_P(OpsSelectiveStateUpdate, Bf16ParametersMatchNaive) {
+  if (!on_cuda()) GTEST_SKIP() << "parameter dtypes other than F32 are exercised on CUDA";
+  auto rng = test::Rng::for_test();
+  SsuInputs in = make_inputs(rng, 5, {16, 64, 4, 128});
+  for (Tensor* t : {&in.p.A_log, &in.p.D, &in.p.dt_bias}) *t = test::cast_to(*t, DType::kBF16).to_f32();
+  ops::SsmParams p = in.p;
+  p.A_log = test::cast_to(in.p.A_log, DType::kBF16);
+  p.D = test::cast_to(in.p.D, DType::kBF16);
+  p.dt_bias = test::cast_to(in.p.dt_bias, DType::kBF16);
+  const Tensor state = on_backend(random_state(rng, {6, 16, 64, 128}));
+  const Tensor state0 = host_f32(state);
+  const std::vector<int32_t> slots = {4, 0, 5, 2, -1};
+  const Tensor x = on_backend(in.x), dt = on_backend(in.dt_raw), B = on_backend(in.B), C = on_backend(in.C);
+  p.A_log = on_backend(p.A_log), p.D = on_backend(p.D), p.dt_bias = on_backend(p.dt_bias);
+  const Tensor y = output(DType::kF32, in.x.shape());
+  ops::selective_state_update(ctx(), y, x, dt, B, C, p, state, slots);
+  Tensor want = Tensor::empty(DType::kF32, in.x.shape()), want_state = state0.clone();
+  test::poison(want);
+  naive_ssu(want, in, want_state, slots);
+  const Tensor got = host_f32(y);
+  for (int64_t i = 4 * 16 * 64; i < 5 * 16 * 64; ++i) got.f32()[i] = want.f32()[i] = 0.0f;  // the pad row
+  EXPECT_TRUE(test::nmse_close(got, want, test::kF32ReductionNmse, test::kF32Reduction));
+  EXPECT_TRUE(test::nmse_close(host_f32(state), want_state, test::kF32ReductionNmse, test::kF32Reduction));
+}
+
+TEST_P(OpsSelectiveStateUpdate, CudaRejectsMixedActivationDtypes) {
+  if (!on_cuda()) GTEST_SKIP() << "CUDA dispatch limits";
+  auto rng = test::Rng::for_test();
+  const SsuInputs in = make_inputs(rng, 2, {4, 8, 2, 16});
+  ops::SsmParams p = in.p;
+  p.A_log = on_backend(in.p.A_log), p.D = on_backend(in.p.D), p.dt_bias = on_backend(in.p.dt_bias);
+  const Tensor x = on_backend(in.x, DType::kBF16), dt = on_backend(in.dt_raw, DType::kBF16);
+  const Tensor B = on_backend(in.B), C = on_backend(in.C, DType::kBF16);
+  const Tensor y = output(DType::kBF16, in.x.shape()), state = on_backend(random_state(rng, {2, 4, 8, 16}));
+  EXPECT_TRUE(test::throws_error(
+      [&] { ops::selective_state_update(ctx(), y, x, dt, B, C, p, state, std::vector<int32_t>{0, 1}); },
+      ErrorKind::kRuntime, "ops::selective_state_update: activations must share one dtype on CUDA"));
+}
+
+#ifdef CHIMERA_HAVE_CUDA
+// The fast kernel's row tilings (4, 8, 16 rows per warp; 0 = the occupancy rule) and state access variants
+// compute every element the same way: identical bits, for an fp32 and a bf16 state.
+TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  const SsuShape s{16, 64, 8, 128};
+  const int64_t batch = 5;
+  const SsuInputs in = make_inputs(rng, batch, s);
+  const Tensor x = on_backend(in.x, DType::kBF16), dt = on_backend(in.dt_raw, DType::kBF16);
+  const Tensor B = on_backend(in.B, DType::kBF16), C = on_backend(in.C, DType::kBF16);
+  const Tensor A_log = on_backend(in.p.A_log), D = on_backend(in.p.D), dt_bias = on_backend(in.p.dt_bias);
+  const std::vector<int32_t> slot_ids = {6, 0, -1, 3, 5};
+  const Tensor slots = on_backend(Tensor::from_i32({batch}, slot_ids));
+  const Tensor state0 = random_state(rng, {7, s.H, s.P, s.N});
+  for (DType sd : {DType::kF32, DType::kBF16}) {
+    Tensor ref_y, ref_state;
+    for (int rows : {0, 4, 8, 16}) {
+      SCOPED_TRACE(::testing::Message() << "state=" << dtype_name(sd) << " rows_per_warp=" << rows);
+      const Tensor state = on_backend(state0, sd);
+      const Tensor y = output(DType::kBF16, in.x.shape());
+      cuda::SsuParams p;
+      p.x = x.data(), p.dt_raw = dt.data(), p.B = B.data(), p.C = C.data(), p.y = y.data();
+      p.state = state.data(), p.slots = slots.i32();
+      p.A_log = A_log.data(), p.D = D.data(), p.dt_bias = dt_bias.data();
+      p.act = DType::kBF16, p.state_dtype = sd;
+      p.dt_min = 0.0f, p.dt_max = INFINITY;
+      p.batch = int(batch), p.H = int(s.H), p.P = int(s.P), p.N = int(s.N), p.G = int(s.G);
+      p.rows_per_warp = rows;
+      p.plain_state_access = rows == 8;  // the benchmark-only plain loads / stores compute the same bits
+      cuda::launch_selective_state_update(p, nullptr);
+      device::synchronize(Device::kCuda);
+      const Tensor hy = device::to_host(y), hs = device::to_host(state);
+      if (rows == 0) {
+        ref_y = hy, ref_state = hs;
+      } else {
+        EXPECT_TRUE(test::bit_equal(hy, ref_y));
+        EXPECT_TRUE(test::bit_equal(hs, ref_state));
+      }
+    }
+  }
+}
+#endif
+
+CHIMERA_INSTANTIATE_BACKENDS(OpsSelectiveStateUpdate);
+
+}  // namespace
+}  // namespace chimera
