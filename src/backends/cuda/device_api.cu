@@ -1,5 +1,6 @@
 // Device services on CUDA: a caching allocator (size-bucketed free lists, so steady-state steps never call
 // cudaMalloc), host <-> device copies with dtype conversion on the host, device discovery.
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -121,6 +122,11 @@ void copy(const Tensor& dst, const Tensor& src) {
     throw_runtime(str_cat("device::copy ", dst.describe(), " <- ", src.describe()));
   }
   if (src.nbytes() == 0) return;
+  // Host to host needs no CUDA runtime (a CUDA build on a machine without a GPU still runs the CPU backend).
+  if (dst.device() == Device::kCpu && src.device() == Device::kCpu) {
+    std::memcpy(dst.data(), src.data(), src.nbytes());
+    return;
+  }
   CHIMERA_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault), "device::copy");
 }
 
