@@ -24,7 +24,7 @@ class OpsElementwise : public BackendTest {
 TEST_P(OpsElementwise, AddMatchesNaiveAndMayAlias) {
   auto rng = test::Rng::for_test();
   std::vector<Shape> shapes = {{17, 33}};
-  if (on_cuda()) shapes.insert(shapes.end(), {{1, 8191}, {4099, 2688}, {3, 5, 7}});
+  if (on_cuda()) shapes.insert(shapes.end(), {{1, 8191}, {4099, 333}, {3, 5, 7}});
   for (DType act : act_dtypes()) {
     for (const Shape& shape : shapes) {
       SCOPED_TRACE(::testing::Message() << shape_str(shape) << " " << dtype_name(act));
@@ -62,7 +62,7 @@ TEST_P(OpsElementwise, CopyColumns) {
   };
   std::vector<Case> cases = {{3, 500, 389, 111}};
   // The Mamba in_proj split of Nano (z | xBC | dt of 4096 | 6144 | 64 columns) at awkward token counts.
-  if (on_cuda()) cases.insert(cases.end(), {{1, 10304, 0, 4096}, {989, 10304, 4096, 6144}, {17, 10304, 10240, 64}});
+  if (on_cuda()) cases.insert(cases.end(), {{1, 10304, 0, 4096}, {333, 10304, 4096, 6144}, {17, 10304, 10240, 64}});
   for (DType act : act_dtypes()) {
     for (const Case& k : cases) {
       SCOPED_TRACE(::testing::Message() << "T=" << k.T << " W=" << k.W << " begin=" << k.begin << " "

@@ -1,6 +1,7 @@
 // linear, relu2, relu2_mlp against naive loops on every backend; the 4096x4096 bf16 speed check. On CUDA the
 // activations take the weight's dtype (cuBLASLt runs one dtype per GEMM; the engine converts weights at
 // load), fp32 must match without TF32, and the model's projection shapes run at awkward token counts.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <vector>
@@ -97,8 +98,8 @@ TEST_P(OpsLinear, ModelShapes) {
   struct Case {
     int64_t T, in, out;
   };
-  const Case cases[] = {{1, 2688, 10304}, {3, 4480, 257},   {17, 4096, 1024},
-                        {111, 8192, 96},  {989, 2688, 512}, {4099, 1024, 1536}};
+  const Case cases[] = {{1, 2688, 4096}, {3, 4480, 257},   {17, 4096, 1024},
+                        {111, 8192, 96}, {989, 2688, 512}, {4099, 1024, 1536}};
   for (DType act : {DType::kF32, DType::kBF16}) {
     for (const Case& k : cases) {
       SCOPED_TRACE(::testing::Message() << dtype_name(act) << " T=" << k.T << " in=" << k.in << " out=" << k.out);
@@ -163,7 +164,7 @@ TEST_P(OpsLinear, Relu2InPlace) {
   auto rng = test::Rng::for_test();
   for (DType act :
        on_cuda() ? std::vector<DType>{DType::kF32, DType::kBF16, DType::kF16} : std::vector<DType>{DType::kF32}) {
-    for (const Shape& shape : {Shape{3, 5, 7}, Shape{4099, 1856}}) {
+    for (const Shape& shape : {Shape{3, 5, 7}, Shape{4099, 257}}) {
       SCOPED_TRACE(::testing::Message() << shape_str(shape) << " " << dtype_name(act));
       const Tensor x = rounded(rng.normal_tensor(shape), act);
       Tensor y = on_backend(x, act);
@@ -173,6 +174,9 @@ TEST_P(OpsLinear, Relu2InPlace) {
   }
 }
 
+// The oracle rounds where the activation dtype rounds (the [T, I] intermediate after the up GEMM and after
+// relu2, as HF does in bf16), so the comparison sees only accumulation order and the final rounding.
+// Large shapes check a sample of rows.
 TEST_P(OpsLinear, Relu2MlpMatchesNaive) {
   auto rng = test::Rng::for_test();
   struct Case {
@@ -190,7 +194,11 @@ TEST_P(OpsLinear, Relu2MlpMatchesNaive) {
       const Tensor down = test::cast_to(rng.normal_tensor({k.D, k.I}, s_down), wt);
       Tensor out = output(act, {k.T, k.D});
       ops::relu2_mlp(ctx(), out, on_backend(x, act), on_backend(up), on_backend(down));
-      EXPECT_TRUE(close(host_f32(out), naive_linear(naive_relu2(naive_linear(x, up)), down), act));
+      std::vector<int64_t> rows;
+      for (int64_t t = 0; t < std::min<int64_t>(k.T, 4); ++t) rows.push_back(t);
+      if (k.T > 4) rows.insert(rows.end(), {k.T - 1, rng.integer(0, k.T - 1), rng.integer(0, k.T - 1)});
+      const Tensor h = rounded(naive_relu2(rounded(naive_linear(x, up, Tensor(), rows), act)), act);
+      EXPECT_TRUE(close(gather_rows(host_f32(out), rows), naive_linear(h, down), act));
     }
   }
 }

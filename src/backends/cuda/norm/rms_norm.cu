@@ -4,8 +4,8 @@
 
 namespace chimera::cuda::norm {
 
-void launch_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream) {
-  launch_row_norm<NormMode::kPlain>(p, act, weight, stream, "ops::rms_norm");
+void launch_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, int vecs_per_thread) {
+  launch_row_norm<NormMode::kPlain>(p, act, weight, stream, "ops::rms_norm", vecs_per_thread);
 }
 
 }  // namespace chimera::cuda::norm

@@ -139,14 +139,13 @@ __global__ void row_norm_kernel(const RowNormParams p) {
   }
 }
 
-inline constexpr int kVecsPerThread = 4;
 inline constexpr int kMaxThreads = 1024;
 inline constexpr int kSmallRowBlock = 128;  // threads per block when several rows share a block
 
-// Threads per row for n_vec vector groups: a power of two up to a warp, else a multiple of 32 (0: too long
-// for the register cache).
-inline int threads_per_row(int n_vec) {
-  const int need = std::max(1, ceil_div(n_vec, kVecsPerThread));
+// Threads per row for n_vec vector groups held `vecs` per thread: a power of two up to a warp, else a
+// multiple of 32 (0: too long for the register cache).
+inline int threads_per_row(int n_vec, int vecs) {
+  const int need = std::max(1, ceil_div(n_vec, vecs));
   if (need <= 32) {
     int t = 1;
     while (t < need) t *= 2;
@@ -156,17 +155,33 @@ inline int threads_per_row(int n_vec) {
   return t <= kMaxThreads ? t : 0;
 }
 
+template <NormMode kMode, typename T, typename W, int N, int kVecs>
+void launch_cached(const RowNormParams& p, int tpr, cudaStream_t stream) {
+  const int rpb = tpr <= 32 ? kSmallRowBlock / tpr : 1;
+  const dim3 block(static_cast<unsigned>(tpr), static_cast<unsigned>(rpb));
+  row_norm_kernel<kMode, T, W, N, kVecs><<<static_cast<unsigned>(ceil_div(p.rows, rpb)), block, 0, stream>>>(p);
+}
+
+// vecs_per_thread: 2 or 4 vector groups cached per thread, 0 = automatic. Two (twice the threads per row,
+// half the registers) is the default for rows of up to 2048 groups (hidden 16384 in bf16): full occupancy
+// and more, shorter blocks, which keeps the last wave of a mid-sized batch from running a third empty.
+// Single-element accesses (odd sizes) always cache four.
 template <NormMode kMode, typename T, typename W, int N>
-void launch_row_norm_n(const RowNormParams& p, cudaStream_t stream, const char* op) {
+void launch_row_norm_n(const RowNormParams& p, int vecs_per_thread, cudaStream_t stream, const char* op) {
   const int n_vec = p.row_len / N;
-  const int tpr = threads_per_row(n_vec);
+  int vecs = vecs_per_thread != 0 ? vecs_per_thread : (n_vec <= 2 * kMaxThreads ? 2 : 4);
+  if (N == 1 || (vecs != 2 && vecs != 4)) vecs = 4;
+  const int tpr = threads_per_row(n_vec, vecs);
   if (tpr == 0) {
     row_norm_kernel<kMode, T, W, N, 0><<<static_cast<unsigned>(p.rows), kMaxThreads, 0, stream>>>(p);
+  } else if constexpr (N > 1) {
+    if (vecs == 2) {
+      launch_cached<kMode, T, W, N, 2>(p, tpr, stream);
+    } else {
+      launch_cached<kMode, T, W, N, 4>(p, tpr, stream);
+    }
   } else {
-    const int rpb = tpr <= 32 ? kSmallRowBlock / tpr : 1;
-    const dim3 block(static_cast<unsigned>(tpr), static_cast<unsigned>(rpb));
-    row_norm_kernel<kMode, T, W, N, kVecsPerThread>
-        <<<static_cast<unsigned>(ceil_div(p.rows, rpb)), block, 0, stream>>>(p);
+    launch_cached<kMode, T, W, N, 4>(p, tpr, stream);
   }
   CHIMERA_LAUNCH_CHECK(op);
 }
@@ -174,7 +189,8 @@ void launch_row_norm_n(const RowNormParams& p, cudaStream_t stream, const char* 
 // Picks the element and weight types and the vector width (16-byte accesses when the row length and every
 // pointer allow them, else one element per access).
 template <NormMode kMode>
-void launch_row_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, const char* op) {
+void launch_row_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, const char* op,
+                     int vecs_per_thread) {
   if (p.rows == 0 || p.row_len == 0) return;
   if (p.rows > 0x7fffffffLL) throw_runtime(str_cat(op, ": ", p.rows, " rows exceed one launch"));
   const bool aligned = vec_aligned({p.out, p.x, p.z, p.residual, p.weight});
@@ -182,17 +198,19 @@ void launch_row_norm(const RowNormParams& p, DType act, DType weight, cudaStream
     CHIMERA_DISPATCH_FLOAT(weight, str_cat(op, " weight"), W, {
       constexpr int kN = vec_width<T>();
       if (aligned && p.row_len % kN == 0) {
-        launch_row_norm_n<kMode, T, W, kN>(p, stream, op);
+        launch_row_norm_n<kMode, T, W, kN>(p, vecs_per_thread, stream, op);
       } else {
-        launch_row_norm_n<kMode, T, W, 1>(p, stream, op);
+        launch_row_norm_n<kMode, T, W, 1>(p, vecs_per_thread, stream, op);
       }
     });
   });
 }
 
 // Explicit instances live in rms_norm.cu, add_rms_norm.cu and gated_rms_norm.cu so the build parallelises.
-void launch_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream);
-void launch_add_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream);
-void launch_gated_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream);
+// vecs_per_thread (0: automatic) is exposed for the benchmarks.
+void launch_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, int vecs_per_thread = 0);
+void launch_add_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, int vecs_per_thread = 0);
+void launch_gated_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream,
+                           int vecs_per_thread = 0);
 
 }  // namespace chimera::cuda::norm

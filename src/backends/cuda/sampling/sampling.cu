@@ -109,6 +109,29 @@ __device__ void block_argmax(float& v, int& i, Shared& sh) {
   }
 }
 
+// Calls f(value, index, valid) for the row in steps of four consecutive elements per thread (one 16-byte load when
+// the row allows it), with a trip count that is the same for every thread of the block.
+template <typename F>
+__device__ __forceinline__ void for_each4(const float* l, int V, F&& f) {
+  const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(l) % 16 == 0;
+  for (int base = 0; base < V; base += 4 * kThreads) {
+    const int i = base + 4 * static_cast<int>(threadIdx.x);
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (vec && i < V) {
+      const float4 q = __ldg(reinterpret_cast<const float4*>(l + i));
+      v[0] = q.x;
+      v[1] = q.y;
+      v[2] = q.z;
+      v[3] = q.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = i + e < V ? l[i + e] : 0.0f;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f(v[e], i + e, i + e < V);
+  }
+}
+
 enum class Crit { kCountAtLeast, kMassAtLeast, kMassAbove };
 
 struct Selection {
@@ -132,16 +155,12 @@ __device__ Selection select(const float* l, int V, float mx, float t, uint32_t m
       (&sh.count[0][0])[i] = 0;
     }
     __syncthreads();
-    // Warp-uniform trip count, so every lane reaches the warp intrinsics.
-    for (int i0 = 0; i0 < V; i0 += kThreads) {
-      const int i = i0 + tid;
+    // One element per lane and step, every lane of the warp at every step (the warp intrinsics need them).
+    auto visit = [&](float v, int, bool valid) {
       int d = kBuckets;  // not taking part
-      float v = 0.0f;
-      if (i < V) {
-        v = l[i];
-        const uint32_t key = key_of(v);
-        if ((key & mask) == prefix && key >= min_key) d = static_cast<int>((key >> shift) & 0xffu);
-      }
+      const uint32_t key = key_of(v);
+      if (valid && (key & mask) == prefix && key >= min_key) d = static_cast<int>((key >> shift) & 0xffu);
+      if (!__any_sync(0xffffffffu, d < kBuckets)) return;  // most steps after the first pass or a top-k
       const unsigned peers = __match_any_sync(0xffffffffu, d);
       const bool leader = lane == __ffs(peers) - 1;
       if constexpr (kMass) {
@@ -151,7 +170,8 @@ __device__ Selection select(const float* l, int V, float mx, float t, uint32_t m
         if (leader && d < kBuckets) sh.mass[warp][d] += (static_cast<unsigned long long>(hi) << 20) + lo;
       }
       if (leader && d < kBuckets) sh.count[warp][d] += __popc(peers);
-    }
+    };
+    for_each4(l, V, visit);
     __syncthreads();
     for (int b = tid; b < kBuckets; b += kThreads) {
       unsigned long long m = 0;
@@ -264,14 +284,13 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) 
   const int tid = threadIdx.x;
 
   float best = -INFINITY;
-  int best_i = V;  // "none yet": loses every tie against a real index
-  for (int i = tid; i < V; i += kThreads) {
-    const float v = l[i];
-    if (v > best || best_i == V) {
+  int best_i = V;                                    // "none yet": loses every tie against a real index
+  for_each4(l, V, [&](float v, int i, bool valid) {  // each thread visits its indices in increasing order
+    if (valid && (v > best || best_i == V)) {
       best = v;
       best_i = i;
     }
-  }
+  });
   block_argmax(best, best_i, sh);
   if (row.temperature == 0.0f || row.top_k == 1) {
     if (tid == 0) p.out_ids[r] = best_i;
