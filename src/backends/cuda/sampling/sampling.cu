@@ -170,6 +170,7 @@ __device__ Selection select(const float* l, int V, float mx, float t, uint32_t m
         if (leader && d < kBuckets) sh.mass[warp][d] += (static_cast<unsigned long long>(hi) << 20) + lo;
       }
       if (leader && d < kBuckets) sh.count[warp][d] += __popc(peers);
+      __syncwarp();  // the next step's leader of this digit may be another lane: order the shared updates
     };
     for_each4(l, V, visit);
     __syncthreads();
@@ -284,13 +285,14 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) 
   const int tid = threadIdx.x;
 
   float best = -INFINITY;
-  int best_i = V;                                    // "none yet": loses every tie against a real index
-  for_each4(l, V, [&](float v, int i, bool valid) {  // each thread visits its indices in increasing order
-    if (valid && (v > best || best_i == V)) {
+  int best_i = V;  // "none yet": loses every tie against a real index
+  for (int i = tid; i < V; i += kThreads) {
+    const float v = l[i];
+    if (v > best || best_i == V) {
       best = v;
       best_i = i;
     }
-  });
+  }
   block_argmax(best, best_i, sh);
   if (row.temperature == 0.0f || row.top_k == 1) {
     if (tid == 0) p.out_ids[r] = best_i;
