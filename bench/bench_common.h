@@ -25,6 +25,11 @@ struct Context {
   // Returns the median time in microseconds.
   double run(const std::string& kernel, const std::string& shape, double bytes, double flops,
              const std::function<void()>& fn) const;
+  // As run(), for an fn that issues `launches` launches of the kernel back to back (a CUDA graph replay,
+  // say): bytes and flops are per launch and the line reports the time per launch, so the host's launch
+  // overhead between synchronised iterations is not counted (device time of a kernel in a stream).
+  double run_launches(const std::string& kernel, const std::string& shape, double bytes, double flops, int launches,
+                      const std::function<void()>& fn) const;
 };
 
 using BenchFn = void (*)(const Context&);

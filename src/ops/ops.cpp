@@ -4,6 +4,7 @@
 // except out-of-range token ids in embedding, which are bad user input (kInvalidInput).
 #include "ops/ops.h"
 
+#include <cmath>
 #include <string>
 #include <unordered_set>
 
@@ -400,6 +401,28 @@ void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const T
     if (id < 0 || static_cast<size_t>(id) >= E) c.fail("topk_ids[{}] = {} is out of range for {} experts", i, id, E);
   }
   c.dispatch([&] { cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj); }, [&] { CHIMERA_CUDA_CALL(cuda::moe_experts(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj)); });
+}
+
+// ---- sampling --------------------------------------------------------------------------------------
+
+void sample_tokens(const Context& ctx, const Tensor& out_ids, const Tensor& logits, std::span<const SamplingRow> rows) {
+  const Check c(ctx, "sample_tokens");
+  c.present("logits", logits);
+  if (logits.dtype() != DType::kF32 || logits.ndim() != 2) c.fail("logits {} must be a 2-D F32 tensor", logits.describe());
+  const int64_t R = logits.dim(0);
+  c.i32("out_ids", out_ids, 1);
+  c.shape("out_ids", out_ids, {R}, "logits", logits);
+  if (static_cast<int64_t>(rows.size()) != R) c.fail("{} sampling rows for logits {}", rows.size(), logits.describe());
+  if (R > 0 && logits.dim(1) == 0) c.fail("logits {} has an empty vocabulary", logits.describe());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const SamplingRow& p = rows[r];
+    if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
+      c.fail("row {}: temperature {} must be a finite number >= 0", r, p.temperature);
+    if (p.top_k < 0) c.fail("row {}: top_k {} must be >= 0", r, p.top_k);
+    if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) c.fail("row {}: top_p {} must be in (0, 1]", r, p.top_p);
+  }
+  c.dispatch([&] { cpu::sample_tokens(out_ids, logits, rows); },
+             [&] { CHIMERA_CUDA_CALL(cuda::sample_tokens(ctx, out_ids, logits, rows)); });
 }
 
 // ---- small helpers ---------------------------------------------------------------------------------

@@ -140,6 +140,23 @@ void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_
 void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 
+// ---- sampling --------------------------------------------------------------------------------------
+// Per-row sampling parameters: temperature 0 (or top_k 1) is greedy; top_k 0 and top_p 1 are off.
+struct SamplingRow {
+  float temperature = 0.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  uint64_t step = 0;  // index of the token being generated in its sequence: the uniform is counter_uniform(seed, step)
+};
+
+// One token id per row of fp32 logits. out_ids: [R] I32; logits: [R, V] F32; rows: R parameter sets.
+// Greedy: argmax, ties -> lowest id. Otherwise the candidates in descending logit order (ties: lower id
+// first), cut to the first top_k, softmax at the temperature, cut to the smallest prefix whose mass reaches
+// top_p (at least one token), then inverse-CDF sampling of u = counter_uniform(seed, step) over that prefix.
+// Invalid parameters (temperature < 0 or not finite, top_k < 0, top_p outside (0, 1]) -> kRuntime.
+void sample_tokens(const Context& ctx, const Tensor& out_ids, const Tensor& logits, std::span<const SamplingRow> rows);
+
 // ---- small helpers used by the model ---------------------------------------------------------------
 // out = a + b (elementwise, same shape). out may alias a or b.
 void add(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <span>
 
+#include "core/counter_rng.h"  // counter_uniform(seed, step): the same uniform on every backend
+
 namespace chimera {
 
 struct SamplingParams {
@@ -17,9 +19,6 @@ struct SamplingParams {
   // kInvalidInput naming the flag on bad values (negative temperature, top_p outside (0, 1], ...).
   void validate() const;
 };
-
-// Uniform double in [0, 1) from (seed, step): splitmix64 of the pair. Same function on every backend.
-double counter_uniform(uint64_t seed, uint64_t step);
 
 // Samples one token id from fp32 logits. `step`: index of the token being generated in its sequence.
 int32_t sample_token(std::span<const float> logits, const SamplingParams& params, uint64_t step);

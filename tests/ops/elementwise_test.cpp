@@ -1,4 +1,6 @@
-// add, copy_columns, and the dispatch of a CUDA context while the CUDA backend is not built.
+// add, copy_columns (on CUDA also bf16 / f16 and model shapes), and the dispatch checks of a CUDA context.
+#include <vector>
+
 #include "common/backend_param.h"
 #include "common/compare.h"
 
@@ -7,60 +9,107 @@ namespace {
 
 using test::BackendTest;
 
-class OpsElementwise : public BackendTest {};
+// F32 values as they are after a round trip through `dtype`.
+Tensor rounded(const Tensor& f32, DType dtype) {
+  return test::cast_to(f32, dtype).to_f32();
+}
+
+class OpsElementwise : public BackendTest {
+ protected:
+  std::vector<DType> act_dtypes() const {
+    return on_cuda() ? std::vector<DType>{DType::kF32, DType::kBF16, DType::kF16} : std::vector<DType>{DType::kF32};
+  }
+};
 
 TEST_P(OpsElementwise, AddMatchesNaiveAndMayAlias) {
   auto rng = test::Rng::for_test();
-  const Tensor a = rng.normal_tensor({17, 33}), b = rng.normal_tensor({17, 33});
-  Tensor want = Tensor::empty(DType::kF32, {17, 33});
-  for (int64_t i = 0; i < a.numel(); ++i) want.f32()[i] = a.f32()[i] + b.f32()[i];
-  Tensor out = Tensor::empty(DType::kF32, {17, 33});
-  test::poison(out);
-  ops::add(ctx(), out, a, b);
-  EXPECT_TRUE(test::bit_equal(out, want));
-  Tensor acc = a.clone();
-  ops::add(ctx(), acc, acc, b);
-  EXPECT_TRUE(test::bit_equal(acc, want));
+  std::vector<Shape> shapes = {{17, 33}};
+  if (on_cuda()) shapes.insert(shapes.end(), {{1, 8191}, {4099, 333}, {3, 5, 7}});
+  for (DType act : act_dtypes()) {
+    for (const Shape& shape : shapes) {
+      SCOPED_TRACE(::testing::Message() << shape_str(shape) << " " << dtype_name(act));
+      const Tensor a = rounded(rng.normal_tensor(shape), act), b = rounded(rng.normal_tensor(shape), act);
+      Tensor want = Tensor::empty(DType::kF32, shape);
+      for (int64_t i = 0; i < a.numel(); ++i) want.f32()[i] = a.f32()[i] + b.f32()[i];
+      want = rounded(want, act);  // one fp32 add, one rounding
+      Tensor out = output(act, shape);
+      const Tensor da = on_backend(a, act), db = on_backend(b, act);
+      ops::add(ctx(), out, da, db);
+      EXPECT_TRUE(test::bit_equal(host_f32(out), want));
+      Tensor acc = on_backend(a, act);
+      ops::add(ctx(), acc, acc, db);
+      EXPECT_TRUE(test::bit_equal(host_f32(acc), want));
+    }
+  }
+  const Tensor a = on_backend(rng.normal_tensor({17, 33}));
+  Tensor out = output(DType::kF32, {17, 33});
   EXPECT_TRUE(test::throws_error(
       [&] {
-        ops::add(ctx(), out, a, Tensor::zeros(DType::kF32, {17, 32}));
+        ops::add(ctx(), out, a, on_backend(Tensor::zeros(DType::kF32, {17, 32})));
       },
       ErrorKind::kRuntime, "ops::add: b F32[17, 32] does not match a F32[17, 33]"));
+  if (on_cuda()) {
+    EXPECT_TRUE(test::throws_error([&] { ops::add(ctx(), out, a, on_backend(a, DType::kBF16)); }, ErrorKind::kRuntime,
+                                   "ops::add: the activations of one call must share a dtype on CUDA, got a F32[17, "
+                                   "33], b BF16[17, 33], out F32[17, 33]"));
+  }
 }
 
 TEST_P(OpsElementwise, CopyColumns) {
   auto rng = test::Rng::for_test();
-  const Tensor in = rng.normal_tensor({3, 500});
-  Tensor out = Tensor::empty(DType::kF32, {3, 111});
-  test::poison(out);
-  ops::copy_columns(ctx(), out, in, 389);
-  for (int64_t t = 0; t < 3; ++t) {
-    for (int64_t c = 0; c < 111; ++c) ASSERT_EQ(out.f32()[t * 111 + c], in.f32()[t * 500 + 389 + c]);
+  struct Case {
+    int64_t T, W, begin, w;
+  };
+  std::vector<Case> cases = {{3, 500, 389, 111}};
+  // The Mamba in_proj split of Nano (z | xBC | dt of 4096 | 6144 | 64 columns) at awkward token counts.
+  if (on_cuda()) cases.insert(cases.end(), {{1, 10304, 0, 4096}, {333, 10304, 4096, 6144}, {17, 10304, 10240, 64}});
+  for (DType act : act_dtypes()) {
+    for (const Case& k : cases) {
+      SCOPED_TRACE(::testing::Message() << "T=" << k.T << " W=" << k.W << " begin=" << k.begin << " "
+                                        << dtype_name(act));
+      const Tensor in = rounded(rng.normal_tensor({k.T, k.W}), act);
+      Tensor out = output(act, {k.T, k.w});
+      ops::copy_columns(ctx(), out, on_backend(in, act), k.begin);
+      const Tensor got = host_f32(out);
+      for (int64_t t = 0; t < k.T; ++t) {
+        for (int64_t c = 0; c < k.w; ++c) ASSERT_EQ(got.f32()[t * k.w + c], in.f32()[t * k.W + k.begin + c]);
+      }
+    }
   }
+  const Tensor in = on_backend(rng.normal_tensor({3, 500}));
+  Tensor out = output(DType::kF32, {3, 111});
   EXPECT_TRUE(test::throws_error([&] { ops::copy_columns(ctx(), out, in, 390); }, ErrorKind::kRuntime,
                                  "ops::copy_columns: out F32[3, 111] does not match columns [390, 501)"));
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(OpsElementwise);
 
-// Until the CUDA backend exists, a CUDA context is a clear runtime error naming the op.
 TEST(OpsDispatch, DeviceMismatchIsCaughtBeforeDispatch) {
   // A "CUDA" tensor that is really host memory: never dereferenced, the checks stop the call first.
   static float buf[8] = {};
   const Tensor a = Tensor::wrap(buf, DType::kF32, {8}, nullptr, Device::kCuda);
   const Tensor h = Tensor::zeros(DType::kF32, {8});
-  EXPECT_TRUE(test::throws_error([&] { ops::add(ops::Context{Device::kCuda, nullptr}, a, h, a); }, ErrorKind::kRuntime,
-                                 "ops::add: a F32[8] is on the CPU but the context is CUDA"));
-  EXPECT_TRUE(test::throws_error([&] { ops::add(ops::Context{Device::kCpu, nullptr}, h, a, h); }, ErrorKind::kRuntime,
-                                 "ops::add: a F32[8] is on the CUDA but the context is CPU"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::add(ops::Context{Device::kCuda, nullptr}, a, h, a);
+      },
+      ErrorKind::kRuntime, "ops::add: a F32[8] is on the CPU but the context is CUDA"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::add(ops::Context{Device::kCpu, nullptr}, h, a, h);
+      },
+      ErrorKind::kRuntime, "ops::add: a F32[8] is on the CUDA but the context is CPU"));
 }
 
 #ifndef CHIMERA_HAVE_CUDA
 TEST(OpsDispatch, CudaContextFailsWithoutACudaBuild) {
   static float buf[8] = {};
   const Tensor a = Tensor::wrap(buf, DType::kF32, {8}, nullptr, Device::kCuda);
-  EXPECT_TRUE(test::throws_error([&] { ops::add(ops::Context{Device::kCuda, nullptr}, a, a, a); }, ErrorKind::kRuntime,
-                                 "this build of chimera has no CUDA backend"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::add(ops::Context{Device::kCuda, nullptr}, a, a, a);
+      },
+      ErrorKind::kRuntime, "this build of chimera has no CUDA backend"));
 }
 #endif
 

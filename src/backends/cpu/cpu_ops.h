@@ -44,6 +44,10 @@ void router_topk(const Tensor& topk_ids, const Tensor& topk_weights, const Tenso
 void moe_experts(const Tensor& out, const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                  std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 
+// Sampling (sampling.cpp): sample_row is the whole algorithm for one row, also used by runtime's sample_token.
+int32_t sample_row(std::span<const float> logits, const ops::SamplingRow& p);
+void sample_tokens(const Tensor& out_ids, const Tensor& logits, std::span<const ops::SamplingRow> rows);
+
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void copy_columns(const Tensor& out, const Tensor& in, int64_t col_begin);
 

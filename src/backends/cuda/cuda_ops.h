@@ -59,4 +59,8 @@ void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& 
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 
+// sampling/ (sampling.cu)
+void sample_tokens(const ops::Context& ctx, const Tensor& out_ids, const Tensor& logits,
+                   std::span<const ops::SamplingRow> rows);
+
 }  // namespace chimera::cuda

@@ -1,13 +1,201 @@
-// Placeholder until the CUDA kernels of this family land: every entry fails loudly with the op's name.
+// Dense layers through cuBLASLt: y[T, out] = x[T, in] @ W[out, in]^T (+ b), and relu2_mlp.
+//
+// Row-major y = x W^T is column-major y^T = W x^T: cuBLASLt's A is W seen column-major as [in, out] (ld in)
+// with TRANSA = T, its B is x seen column-major as [in, T] (ld in), and D is y^T as [out, T] (ld out).
+// The bias is cuBLASLt's BIAS epilogue (a vector over D's rows = out features, in D's dtype).
+// Types: BF16 / F16 in and out with fp32 accumulation (CUBLAS_COMPUTE_32F); F32 with CUBLAS_COMPUTE_32F,
+// never TF32 (the fp32 path must match the CPU reference to 1e-10 normalised MSE).
+// One activation dtype per call, and the weight in that dtype (the engine converts weights at load time):
+// a mismatch fails loudly naming both rather than converting a whole weight on every call.
+//
+// Per thread (cuBLASLt handles and descriptors are not shared across threads): one handle, one 32 MiB
+// workspace (NVIDIA's recommendation for Hopper), and a plan cache keyed by (T, in, out, dtype, bias,
+// pointer alignments) holding the descriptors and the algorithm the heuristic chose the first time.
+// The workspace is shared by every call of the thread: calls from one thread on two concurrently running
+// streams would race on it (the engine runs one stream per thread).
+#include <cublasLt.h>
+
+#include <cstring>
+#include <unordered_map>
+
 #include "backends/cuda/cuda_ops.h"
-#include "core/error_base.h"
+#include "backends/cuda/cuda_vec.cuh"
+#include "backends/device_api.h"
 
 namespace chimera::cuda {
 namespace {
-[[noreturn]] void not_yet(const char* op) { throw_runtime(str_cat("ops::", op, ": no CUDA kernel yet")); }
+
+#define CHIMERA_CUBLAS_CHECK(expr, op)                                                                                \
+  do {                                                                                                                \
+    const cublasStatus_t chimera_st_ = (expr);                                                                        \
+    if (chimera_st_ != CUBLAS_STATUS_SUCCESS) {                                                                       \
+      ::chimera::throw_runtime(::chimera::str_cat((op), ": ", #expr, " failed: ", cublasLtGetStatusName(chimera_st_), \
+                                                  " (", cublasLtGetStatusString(chimera_st_), ")"));                  \
+    }                                                                                                                 \
+  } while (0)
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+cudaDataType_t cuda_type(DType d) {
+  switch (d) {
+    case DType::kF32: return CUDA_R_32F;
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kF16: return CUDA_R_16F;
+    default: throw_runtime(str_cat("ops::linear: dtype ", dtype_name(d), " is not supported on CUDA (F32, BF16, F16)"));
+  }
+}
+
+// Largest power of two (<= 256) dividing the address: what cuBLASLt's alignment preferences ask for.
+uint32_t alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  if (a == 0) return 256;
+  uint32_t al = 1;
+  while (al < 256 && a % (al * 2) == 0) al *= 2;
+  return al;
+}
+
+struct PlanKey {
+  int64_t tokens, in, out;
+  DType dtype;
+  bool bias;
+  uint32_t align_w, align_x, align_y, align_b;
+  bool operator==(const PlanKey&) const = default;
+};
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    size_t h = 1469598103934665603ull;
+    auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    mix(static_cast<uint64_t>(k.tokens));
+    mix(static_cast<uint64_t>(k.in));
+    mix(static_cast<uint64_t>(k.out));
+    mix(static_cast<uint64_t>(k.dtype) | (uint64_t{k.bias} << 8));
+    mix((uint64_t{k.align_w} << 32) | k.align_x);
+    mix((uint64_t{k.align_y} << 32) | k.align_b);
+    return h;
+  }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+// Per-thread cuBLASLt state; never destroyed (thread-exit destructors may run after the CUDA context is gone).
+struct LtState {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
+};
+
+LtState& lt_state() {
+  thread_local LtState* s = [] {
+    auto* st = new LtState();
+    CHIMERA_CUBLAS_CHECK(cublasLtCreate(&st->handle), "ops::linear");
+    CHIMERA_CUDA_CHECK(cudaMalloc(&st->workspace, kWorkspaceBytes), "ops::linear workspace");
+    return st;
+  }();
+  return *s;
+}
+
+const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias) {
+  auto it = st.plans.find(k);
+  if (it != st.plans.end()) return it->second;
+  const char* op = "ops::linear";
+  const cudaDataType_t t = cuda_type(k.dtype);
+  Plan p;
+  CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), op);
+  const cublasOperation_t trans_w = CUBLAS_OP_T, trans_x = CUBLAS_OP_N;
+  CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof(trans_w)),
+                       op);
+  CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_x, sizeof(trans_x)),
+                       op);
+  if (k.bias) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), op);
+    CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
+                         op);
+  }
+  const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
+  CHIMERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.w, t, u(k.in), u(k.out), k.in), op);
+  CHIMERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.x, t, u(k.in), u(k.tokens), k.in), op);
+  CHIMERA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.y, t, u(k.out), u(k.tokens), k.out), op);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  CHIMERA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref), op);
+  const size_t ws = kWorkspaceBytes;
+  CHIMERA_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), op);
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, k.align_w},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, k.align_x},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, k.align_y},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, k.align_y}};
+  for (const auto& [attr, value] : aligns) {
+    CHIMERA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)), op);
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st_h =
+      cublasLtMatmulAlgoGetHeuristic(st.handle, p.desc, p.w, p.x, p.y, p.y, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st_h != CUBLAS_STATUS_SUCCESS || found == 0) {
+    throw_runtime(str_cat(op, ": cuBLASLt has no algorithm for x ", dtype_name(k.dtype), "[", k.tokens, ", ", k.in,
+                          "] @ weight^T [", k.out, ", ", k.in, "]", k.bias ? " + bias" : "", " (alignments w ",
+                          k.align_w, ", x ", k.align_x, ", y ", k.align_y, "): ", cublasLtGetStatusName(st_h)));
+  }
+  p.algo = result.algo;
+  return st.plans.emplace(k, p).first->second;
+}
+
 }  // namespace
 
-void linear(const ops::Context&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) { not_yet("linear"); }
-void relu2_mlp(const ops::Context&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) { not_yet("relu2_mlp"); }
+void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  const char* op = "ops::linear";
+  require_same_dtype(op, {{"x", &x}, {"out", &out}});
+  if (weight.dtype() != x.dtype()) {
+    throw_runtime(str_cat(op, ": weight ", weight.describe(), " must have the activation dtype of x ", x.describe(),
+                          " on CUDA (convert weights once at load time)"));
+  }
+  if (bias && bias.dtype() != x.dtype()) {
+    throw_runtime(
+        str_cat(op, ": bias ", bias.describe(), " must have the activation dtype of x ", x.describe(), " on CUDA"));
+  }
+  const int64_t T = x.dim(0), in = x.dim(1), n_out = weight.dim(0);
+  if (T == 0 || n_out == 0) return;
+  if (in == 0) throw_runtime(str_cat(op, ": in_features 0 (x ", x.describe(), ") is not supported on CUDA"));
+  LtState& st = lt_state();
+  const PlanKey key{T,
+                    in,
+                    n_out,
+                    x.dtype(),
+                    static_cast<bool>(bias),
+                    alignment(weight.data()),
+                    alignment(x.data()),
+                    alignment(out.data()),
+                    bias ? alignment(bias.data()) : 256u};
+  const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
+  if (bias) {
+    const void* b = bias.data();
+    CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)),
+                         op);
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  CHIMERA_CUBLAS_CHECK(
+      cublasLtMatmul(st.handle, plan.desc, &alpha, weight.data(), plan.w, x.data(), plan.x, &beta, out.data(), plan.y,
+                     out.data(), plan.y, &plan.algo, st.workspace, kWorkspaceBytes, as_stream(ctx.stream)),
+      op);
+}
+
+// down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel; the [T, I] intermediate is in the
+// activation dtype (as in HF, where the MLP runs in the model dtype).
+void relu2_mlp(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
+               const Tensor& down_proj) {
+  const Tensor h = device::empty(Device::kCuda, x.dtype(), {x.dim(0), up_proj.dim(0)});
+  cuda::linear(ctx, h, x, up_proj, Tensor());
+  cuda::relu2(ctx, h);
+  cuda::linear(ctx, out, h, down_proj, Tensor());
+}
 
 }  // namespace chimera::cuda

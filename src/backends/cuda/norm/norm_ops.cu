@@ -1,19 +1,112 @@
-// Placeholder until the CUDA kernels of this family land: every entry fails loudly with the op's name.
+// CUDA embedding and the RMSNorm family: Tensor -> params adapters (the kernels are in row_norm.cuh).
+// Shapes and devices were validated by ops/ops.cpp; here: one activation dtype per call, sizes that fit
+// the kernels' index types, and the host token ids uploaded to device scratch.
+#include <limits>
+
 #include "backends/cuda/cuda_ops.h"
-#include "core/error_base.h"
+#include "backends/cuda/cuda_vec.cuh"
+#include "backends/cuda/norm/row_norm.cuh"
 
 namespace chimera::cuda {
 namespace {
-[[noreturn]] void not_yet(const char* op) { throw_runtime(str_cat("ops::", op, ": no CUDA kernel yet")); }
+
+constexpr int kIdsScratchSlot = 0;
+
+int checked_int(const char* op, const char* what, int64_t v) {
+  if (v > std::numeric_limits<int>::max()) throw_runtime(str_cat(op, ": ", what, " ", v, " exceeds 2^31 - 1"));
+  return static_cast<int>(v);
+}
+
+// ---- embedding -------------------------------------------------------------------------------------
+
+struct EmbeddingParams {
+  void* out;           // [T, D] TOut
+  const void* table;   // [V, D] TIn
+  const int32_t* ids;  // [T] device, validated in [0, V) on the host
+  int64_t tokens;
+  int hidden;
+};
+
+// One block per token; N elements per access (16-byte groups when D and the pointers allow).
+template <typename TIn, typename TOut, int N>
+__global__ void embedding_kernel(const EmbeddingParams p) {
+  const int64_t t = blockIdx.x;
+  const TIn* src = static_cast<const TIn*>(p.table) + static_cast<size_t>(p.ids[t]) * static_cast<size_t>(p.hidden);
+  TOut* dst = static_cast<TOut*>(p.out) + static_cast<size_t>(t) * static_cast<size_t>(p.hidden);
+  for (int i = static_cast<int>(threadIdx.x); i < p.hidden / N; i += static_cast<int>(blockDim.x)) {
+    float v[N];
+    load_f32<TIn, N>(src + static_cast<size_t>(i) * N, v);
+    store_f32<TOut, N>(dst + static_cast<size_t>(i) * N, v);
+  }
+}
+
+template <typename TIn, typename TOut, int N>
+void launch_embedding(const EmbeddingParams& p, cudaStream_t stream) {
+  const int threads = std::min(256, std::max(32, ceil_div(p.hidden / N, 32) * 32));
+  embedding_kernel<TIn, TOut, N><<<static_cast<unsigned>(p.tokens), threads, 0, stream>>>(p);
+  CHIMERA_LAUNCH_CHECK("ops::embedding");
+}
+
 }  // namespace
 
-void embedding(const ops::Context&, const Tensor&, const Tensor&, std::span<const int32_t>) { not_yet("embedding"); }
-void rms_norm(const ops::Context&, const Tensor&, const Tensor&, const Tensor&, float) { not_yet("rms_norm"); }
-void add_rms_norm(const ops::Context&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, float) {
-  not_yet("add_rms_norm");
+void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, std::span<const int32_t> ids) {
+  const char* op = "ops::embedding";
+  if (ids.empty() || out.dim(1) == 0) return;
+  const cudaStream_t stream = as_stream(ctx.stream);
+  EmbeddingParams p{out.data(), table.data(), nullptr, static_cast<int64_t>(ids.size()),
+                    checked_int(op, "hidden size", table.dim(1))};
+  checked_int(op, "token count", p.tokens);
+  p.ids = static_cast<const int32_t*>(upload_scratch(ids.data(), ids.size_bytes(), stream, kIdsScratchSlot));
+  constexpr int kN = 8;  // 16 bytes of bf16, two 16-byte accesses of f32
+  const bool vec = vec_aligned({p.out, p.table}) && p.hidden % kN == 0;
+  CHIMERA_DISPATCH_FLOAT(table.dtype(), "ops::embedding table", TIn, {
+    CHIMERA_DISPATCH_FLOAT(out.dtype(), "ops::embedding out", TOut, {
+      if (vec) {
+        launch_embedding<TIn, TOut, kN>(p, stream);
+      } else {
+        launch_embedding<TIn, TOut, 1>(p, stream);
+      }
+    });
+  });
 }
-void gated_rms_norm(const ops::Context&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, float) {
-  not_yet("gated_rms_norm");
+
+// ---- RMSNorm family ----------------------------------------------------------------------------------
+
+void rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps) {
+  const char* op = "ops::rms_norm";
+  require_same_dtype(op, {{"x", &x}, {"out", &out}});
+  const norm::RowNormParams p{
+      out.data(), x.data(), nullptr, nullptr, weight.data(), x.dim(0), checked_int(op, "hidden size", x.dim(1)),
+      1,          eps};
+  norm::launch_rms_norm(p, x.dtype(), weight.dtype(), as_stream(ctx.stream));
+}
+
+void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
+                  const Tensor& weight, float eps) {
+  const char* op = "ops::add_rms_norm";
+  require_same_dtype(op, {{"x", &x}, {"residual", &residual}, {"out", &out}});
+  const norm::RowNormParams p{
+      out.data(), x.data(), nullptr, residual.data(), weight.data(), x.dim(0), checked_int(op, "hidden size", x.dim(1)),
+      1,          eps};
+  norm::launch_add_rms_norm(p, x.dtype(), weight.dtype(), as_stream(ctx.stream));
+}
+
+void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
+                    int64_t n_groups, float eps) {
+  const char* op = "ops::gated_rms_norm";
+  require_same_dtype(op, {{"y", &y}, {"z", &z}, {"out", &out}});
+  // Each (token, group) pair is one row of D / n_groups contiguous channels; group g uses weight row g.
+  const int64_t group_size = y.dim(1) / n_groups;
+  const norm::RowNormParams p{out.data(),
+                              y.data(),
+                              z.data(),
+                              nullptr,
+                              weight.data(),
+                              y.dim(0) * n_groups,
+                              checked_int(op, "group size", group_size),
+                              checked_int(op, "n_groups", n_groups),
+                              eps};
+  norm::launch_gated_rms_norm(p, y.dtype(), weight.dtype(), as_stream(ctx.stream));
 }
 
 }  // namespace chimera::cuda

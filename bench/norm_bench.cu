@@ -1,0 +1,253 @@
+// Benchmarks of the norm / dense / sampling family at Nemotron 3 Nano and Super shapes (model-spec 9):
+// add + RMSNorm and RMSNorm (hidden 2688 / 4096 / 8192, 1..16384 tokens), gated RMSNorm (Mamba Di and
+// groups), embedding, linear (in_proj / out_proj / lm_head, 1 / 64 / 4096 tokens) and sampling.
+// Each case goes through the ops:: entry point (validation + launch, what the engine calls). Inputs are
+// random, never zeros; buffer sets rotate so that a case's working set (>= 256 MiB when it can) is not
+// served from the 50 MB L2 between iterations. bench/peers/norm_peers.py prints the same shapes for PyTorch.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/norm/row_norm.cuh"
+#include "backends/device_api.h"
+#include "bench/bench_common.h"
+#include "ops/ops.h"
+
+namespace chimera::bench {
+namespace {
+
+constexpr double kRotateBytes = 256.0 * (1 << 20);
+
+template <typename T>
+__global__ void fill_kernel(T* p, int64_t n, uint64_t seed, float lo, float hi) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t x = (static_cast<uint64_t>(i) + 1) * 0x9e3779b97f4a7c15ull ^ seed;
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 29;
+    const float u = static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+    p[i] = cuda::from_float<T>(lo + (hi - lo) * u);
+  }
+}
+
+// A device tensor of uniform values in [lo, hi).
+Tensor random(DType dtype, Shape shape, float lo = -1.0f, float hi = 1.0f) {
+  static uint64_t seed = 1;
+  Tensor t = device::empty(Device::kCuda, dtype, std::move(shape));
+  const int64_t n = t.numel();
+  const int blocks = static_cast<int>(std::min<int64_t>(4096, (n + 255) / 256));
+  CHIMERA_DISPATCH_FLOAT(dtype, "bench fill", T, {
+    if (n > 0) fill_kernel<T><<<blocks, 256>>>(t.data_as<T>(), n, ++seed * 0x2545f4914f6cdd1dull, lo, hi);
+  });
+  return t;
+}
+
+// How many copies of a working set of `bytes` to rotate through.
+int rotations(double bytes) {
+  return static_cast<int>(std::clamp(kRotateBytes / std::max(bytes, 1.0), 1.0, 8.0));
+}
+
+std::string tokens_hidden(int64_t T, int64_t D) {
+  return "T=" + std::to_string(T) + " D=" + std::to_string(D) + " bf16";
+}
+
+const int64_t kNormTokens[] = {1, 16, 64, 256, 1024, 4096, 16384};
+const int64_t kNormHidden[] = {2688, 4096, 8192};
+constexpr int kGraphLaunches = 20;
+
+// Device time per launch: kGraphLaunches calls of op(stream, i) captured in one CUDA graph and replayed,
+// reported as kernel "<name>-graph": what a kernel costs inside a captured decode step, without the host's
+// per-call launch overhead that run() includes.
+void run_graph(const Context& ctx, const std::string& kernel, const std::string& shape, double bytes,
+               const std::function<void(cudaStream_t, int)>& op, double flops = 0) {
+  const char* what = "bench graph";
+  cudaStream_t s;
+  CHIMERA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), what);
+  op(s, 0);  // first use (plans, scratch) outside the capture
+  CHIMERA_CUDA_CHECK(cudaStreamSynchronize(s), what);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHIMERA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), what);
+  for (int i = 0; i < kGraphLaunches; ++i) op(s, i);
+  CHIMERA_CUDA_CHECK(cudaStreamEndCapture(s, &graph), what);
+  CHIMERA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0), what);
+  ctx.run_launches(kernel + "-graph", shape, bytes, flops, kGraphLaunches, [&] { cudaGraphLaunch(exec, nullptr); });
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+CHIMERA_BENCH(add_rms_norm_bf16) {
+  const ops::Context c{Device::kCuda, nullptr};
+  for (int64_t D : kNormHidden) {
+    const Tensor w = random(DType::kBF16, {D}, 0.5f, 1.5f);
+    for (int64_t T : kNormTokens) {
+      const double bytes = 4.0 * T * D * 2 + D * 2.0;  // read x, residual; write residual, out
+      struct Set {
+        Tensor x, res, out;
+      };
+      std::vector<Set> sets;
+      for (int i = 0; i < rotations(bytes); ++i) {
+        sets.push_back({random(DType::kBF16, {T, D}), random(DType::kBF16, {T, D}), random(DType::kBF16, {T, D})});
+      }
+      size_t k = 0;
+      const std::string shape = tokens_hidden(T, D);
+      ctx.run("add_rms_norm", shape, bytes, 0, [&] {
+        const Set& s = sets[k++ % sets.size()];
+        ops::add_rms_norm(c, s.res, s.out, s.x, w, 1e-5f);
+      });
+      // The default launch (2 vector groups per thread) and the 4-per-thread variant, on device time.
+      for (int vecs : {0, 4}) {
+        run_graph(ctx, vecs == 0 ? "add_rms_norm" : "add_rms_norm-v4", shape, bytes, [&](cudaStream_t st, int i) {
+          const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+          const cuda::norm::RowNormParams p{s.out.data(),        s.x.data(), nullptr, s.res.data(), w.data(), T,
+                                            static_cast<int>(D), 1,          1e-5f};
+          cuda::norm::launch_add_rms_norm(p, DType::kBF16, DType::kBF16, st, vecs);
+        });
+      }
+    }
+  }
+}
+
+CHIMERA_BENCH(rms_norm_bf16) {
+  const ops::Context c{Device::kCuda, nullptr};
+  for (int64_t D : kNormHidden) {
+    const Tensor w = random(DType::kBF16, {D}, 0.5f, 1.5f);
+    for (int64_t T : kNormTokens) {
+      const double bytes = 2.0 * T * D * 2 + D * 2.0;
+      std::vector<std::pair<Tensor, Tensor>> sets;
+      for (int i = 0; i < rotations(bytes); ++i)
+        sets.emplace_back(random(DType::kBF16, {T, D}), random(DType::kBF16, {T, D}));
+      size_t k = 0;
+      const std::string shape = tokens_hidden(T, D);
+      ctx.run("rms_norm", shape, bytes, 0, [&] {
+        const auto& s = sets[k++ % sets.size()];
+        ops::rms_norm(c, s.second, s.first, w, 1e-5f);
+      });
+      for (int vecs : {0, 4}) {
+        run_graph(ctx, vecs == 0 ? "rms_norm" : "rms_norm-v4", shape, bytes, [&](cudaStream_t st, int i) {
+          const auto& s = sets[static_cast<size_t>(i) % sets.size()];
+          const cuda::norm::RowNormParams p{
+              s.second.data(), s.first.data(), nullptr, nullptr, w.data(), T, static_cast<int>(D), 1, 1e-5f};
+          cuda::norm::launch_rms_norm(p, DType::kBF16, DType::kBF16, st, vecs);
+        });
+      }
+    }
+  }
+}
+
+// Mamba gated norm: Nano Di = 4096, Super Di = 8192, 8 groups each (model-spec 3.1).
+CHIMERA_BENCH(gated_rms_norm_bf16) {
+  const ops::Context c{Device::kCuda, nullptr};
+  const std::pair<const char*, int64_t> models[] = {{"nano", 4096}, {"super", 8192}};
+  for (const auto& [name, Di] : models) {
+    const int64_t G = 8;
+    const Tensor w = random(DType::kBF16, {Di}, 0.5f, 1.5f);
+    for (int64_t T : {int64_t{1}, int64_t{64}, int64_t{1024}, int64_t{8192}}) {
+      const double bytes = 3.0 * T * Di * 2 + Di * 2.0;
+      struct Set {
+        Tensor y, z, out;
+      };
+      std::vector<Set> sets;
+      for (int i = 0; i < rotations(bytes); ++i) {
+        sets.push_back({random(DType::kBF16, {T, Di}), random(DType::kBF16, {T, Di}), random(DType::kBF16, {T, Di})});
+      }
+      size_t k = 0;
+      const std::string shape = "T=" + std::to_string(T) + " Di=" + std::to_string(Di) + " G=8 bf16 (" + name + ")";
+      ctx.run("gated_rms_norm", shape, bytes, 0, [&] {
+        const Set& s = sets[k++ % sets.size()];
+        ops::gated_rms_norm(c, s.out, s.y, s.z, w, G, 1e-5f);
+      });
+      run_graph(ctx, "gated_rms_norm", shape, bytes, [&](cudaStream_t st, int i) {
+        const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+        ops::gated_rms_norm(ops::Context{Device::kCuda, st}, s.out, s.y, s.z, w, G, 1e-5f);
+      });
+    }
+  }
+}
+
+CHIMERA_BENCH(embedding_bf16) {
+  const ops::Context c{Device::kCuda, nullptr};
+  for (int64_t D : {int64_t{2688}, int64_t{4096}}) {
+    const Tensor table = random(DType::kBF16, {131072, D});
+    for (int64_t T : {int64_t{1}, int64_t{64}, int64_t{4096}}) {
+      std::vector<int32_t> ids(static_cast<size_t>(T));
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 2654435761u) % 131072);
+      Tensor out = random(DType::kBF16, {T, D});
+      ctx.run("embedding", tokens_hidden(T, D) + " V=131072", 2.0 * T * D * 2, 0,
+              [&] { ops::embedding(c, out, table, ids); });
+    }
+  }
+}
+
+// The projections of Nano (D 2688, Di 4096, in_proj 10304 rows) and Super (D 4096, Di 8192, 18560 rows),
+// and the 131072-row lm_head.
+CHIMERA_BENCH(linear_bf16) {
+  const ops::Context c{Device::kCuda, nullptr};
+  struct Proj {
+    const char* name;
+    int64_t in, out;
+  };
+  const Proj projs[] = {{"nano_in_proj", 2688, 10304},  {"nano_out_proj", 4096, 2688},
+                        {"nano_lm_head", 2688, 131072}, {"super_in_proj", 4096, 18560},
+                        {"super_out_proj", 8192, 4096}, {"super_lm_head", 4096, 131072}};
+  for (const Proj& p : projs) {
+    for (int64_t T : {int64_t{1}, int64_t{64}, int64_t{4096}}) {
+      const double bytes = 2.0 * (p.out * p.in + T * p.in + T * p.out);
+      const double flops = 2.0 * T * p.in * p.out;
+      struct Set {
+        Tensor x, w, y;
+      };
+      std::vector<Set> sets;
+      const float ws = 1.0f / std::sqrt(static_cast<float>(p.in));
+      for (int i = 0; i < rotations(bytes); ++i) {
+        sets.push_back({random(DType::kBF16, {T, p.in}), random(DType::kBF16, {p.out, p.in}, -ws, ws),
+                        random(DType::kBF16, {T, p.out})});
+      }
+      size_t k = 0;
+      const std::string shape = "T=" + std::to_string(T) + " in=" + std::to_string(p.in) +
+                                " out=" + std::to_string(p.out) + " bf16 (" + p.name + ")";
+      ctx.run("linear", shape, bytes, flops, [&] {
+        const Set& s = sets[k++ % sets.size()];
+        ops::linear(c, s.y, s.x, s.w);
+      });
+      if (T <= 64) {  // launch-bound sizes: also the device time inside a graph
+        run_graph(
+            ctx, "linear", shape, bytes,
+            [&](cudaStream_t st, int i) {
+              const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+              ops::linear(ops::Context{Device::kCuda, st}, s.y, s.x, s.w);
+            },
+            flops);
+      }
+    }
+  }
+}
+
+// Sampling over the 131072-token vocabulary: greedy, and temperature + top-k 50 + top-p 0.9.
+CHIMERA_BENCH(sample_tokens) {
+  const ops::Context c{Device::kCuda, nullptr};
+  const int64_t V = 131072;
+  for (int64_t R : {int64_t{1}, int64_t{64}, int64_t{256}}) {
+    const Tensor logits = random(DType::kF32, {R, V}, -8.0f, 8.0f);
+    Tensor ids = device::empty(Device::kCuda, DType::kI32, {R});
+    for (const bool greedy : {true, false}) {
+      std::vector<ops::SamplingRow> rows(static_cast<size_t>(R));
+      for (size_t r = 0; r < rows.size(); ++r) {
+        rows[r] = greedy ? ops::SamplingRow{} : ops::SamplingRow{0.8f, 50, 0.9f, 7, r};
+      }
+      const std::string shape = "R=" + std::to_string(R) + " V=131072 f32 " + (greedy ? "greedy" : "t0.8_k50_p0.9");
+      ctx.run("sample_tokens", shape, 4.0 * R * V, 0, [&] { ops::sample_tokens(c, ids, logits, rows); });
+    }
+  }
+}
+
+}  // namespace
+}  // namespace chimera::bench

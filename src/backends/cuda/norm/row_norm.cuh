@@ -1,0 +1,216 @@
+// The RMSNorm family as one row-normalisation kernel (model-spec 2.2 and 3.3):
+//   kPlain: out = w * x * rsqrt(mean(x^2) + eps)
+//   kAdd:   residual += x (stored in the activation dtype), out = rms_norm(residual as stored); ONE pass:
+//           x and residual are read once, residual and out written once, the row held in fp32 registers.
+//   kGated: u = y * silu(z) (gate first, norm_before_gate = false), then RMSNorm of each group of
+//           D / n_groups channels: a "row" here is one (token, group) pair, weight row = group.
+// Rounding: fp32 math in registers and one rounding at each store (vLLM / TRT-LLM fused kernels). HF rounds
+// the normalised value to bf16 before the weight multiply; the difference is within a bf16 ulp.
+//
+// Layout: a row is row_len contiguous elements; blockDim.x threads share a row (a power of two <= 32 with
+// blockDim.y rows per block, or a multiple of 32 with one row per block); each thread holds up to kVecs
+// groups of N elements (16-byte accesses when N = 16 / sizeof(T)). kVecs == 0: rows too long for the register
+// cache: the second pass re-reads (L2-resident) inputs instead.
+#pragma once
+
+#include <algorithm>
+
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/cuda_vec.cuh"
+
+namespace chimera::cuda::norm {
+
+enum class NormMode { kPlain, kAdd, kGated };
+
+struct RowNormParams {
+  void* out;           // [rows, row_len] T
+  const void* x;       // [rows, row_len] T: x (kPlain, kAdd) or y (kGated)
+  const void* z;       // [rows, row_len] T: the gate (kGated), else null
+  void* residual;      // [rows, row_len] T, updated in place (kAdd), else null
+  const void* weight;  // [weight_rows, row_len] W; row r uses weight row r % weight_rows
+  int64_t rows;
+  int row_len;
+  int weight_rows;  // 1, or n_groups (kGated)
+  float eps;
+};
+
+__device__ __forceinline__ float silu_f32(float v) {
+  return v / (1.0f + expf(-v));
+}
+
+// Sum over the blockDim.x threads of one row; every thread of the block must call it.
+__device__ __forceinline__ float row_sum(float v) {
+  if (blockDim.x <= 32) {
+    for (int off = static_cast<int>(blockDim.x) / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+  }
+  __shared__ float partial[32];
+  __shared__ float total;
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int n_warps = static_cast<int>(blockDim.x) / 32;
+    float s = lane < n_warps ? partial[lane] : 0.0f;
+    for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+// The pre-norm value of elements [e, e + N) of a row: x (kPlain), residual + x rounded to T and written back
+// (kAdd, when `first`; afterwards re-read from residual), y * silu(z) (kGated).
+template <NormMode kMode, typename T, int N>
+__device__ __forceinline__ void row_value(const RowNormParams& p, size_t e, bool first, float (&v)[N]) {
+  if constexpr (kMode == NormMode::kPlain) {
+    load_f32<T, N>(static_cast<const T*>(p.x) + e, v);
+  } else if constexpr (kMode == NormMode::kAdd) {
+    T* res = static_cast<T*>(p.residual) + e;
+    load_f32<T, N, false>(res, v);
+    if (first) {
+      float xv[N];
+      load_f32<T, N>(static_cast<const T*>(p.x) + e, xv);
+#pragma unroll
+      for (int j = 0; j < N; ++j) v[j] = round_to<T>(v[j] + xv[j]);
+      store_f32<T, N>(res, v);
+    }
+  } else {
+    float zv[N];
+    load_f32<T, N>(static_cast<const T*>(p.x) + e, v);
+    load_f32<T, N>(static_cast<const T*>(p.z) + e, zv);
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] *= silu_f32(zv[j]);
+  }
+}
+
+template <typename T, typename W, int N>
+__device__ __forceinline__ void row_store(const RowNormParams& p, size_t e, size_t w_off, float inv,
+                                          const float (&v)[N]) {
+  float w[N], o[N];
+  load_f32<W, N>(static_cast<const W*>(p.weight) + w_off, w);
+#pragma unroll
+  for (int j = 0; j < N; ++j) o[j] = w[j] * (v[j] * inv);
+  store_f32<T, N>(static_cast<T*>(p.out) + e, o);
+}
+
+template <NormMode kMode, typename T, typename W, int N, int kVecs>
+__global__ void row_norm_kernel(const RowNormParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool active = row < p.rows;
+  const int n_vec = p.row_len / N;
+  const size_t base = static_cast<size_t>(active ? row : 0) * static_cast<size_t>(p.row_len);
+  const size_t w_base = static_cast<size_t>(active ? row % p.weight_rows : 0) * static_cast<size_t>(p.row_len);
+  float ss = 0.0f;
+  if constexpr (kVecs > 0) {
+    float v[kVecs][N];
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+      if (active && i < n_vec) {
+        row_value<kMode, T, N>(p, base + static_cast<size_t>(i) * N, true, v[k]);
+#pragma unroll
+        for (int j = 0; j < N; ++j) ss += v[k][j] * v[k][j];
+      }
+    }
+    const float inv = 1.0f / sqrtf(row_sum(ss) / static_cast<float>(p.row_len) + p.eps);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+      if (active && i < n_vec) {
+        row_store<T, W, N>(p, base + static_cast<size_t>(i) * N, w_base + static_cast<size_t>(i) * N, inv, v[k]);
+      }
+    }
+  } else {
+    for (int i = static_cast<int>(threadIdx.x); active && i < n_vec; i += static_cast<int>(blockDim.x)) {
+      float v[N];
+      row_value<kMode, T, N>(p, base + static_cast<size_t>(i) * N, true, v);
+#pragma unroll
+      for (int j = 0; j < N; ++j) ss += v[j] * v[j];
+    }
+    const float inv = 1.0f / sqrtf(row_sum(ss) / static_cast<float>(p.row_len) + p.eps);
+    // Each thread re-reads only the elements it wrote itself (kAdd), so no barrier is needed.
+    for (int i = static_cast<int>(threadIdx.x); active && i < n_vec; i += static_cast<int>(blockDim.x)) {
+      float v[N];
+      row_value<kMode, T, N>(p, base + static_cast<size_t>(i) * N, false, v);
+      row_store<T, W, N>(p, base + static_cast<size_t>(i) * N, w_base + static_cast<size_t>(i) * N, inv, v);
+    }
+  }
+}
+
+inline constexpr int kMaxThreads = 1024;
+inline constexpr int kSmallRowBlock = 128;  // threads per block when several rows share a block
+
+// Threads per row for n_vec vector groups held `vecs` per thread: a power of two up to a warp, else a
+// multiple of 32 (0: too long for the register cache).
+inline int threads_per_row(int n_vec, int vecs) {
+  const int need = std::max(1, ceil_div(n_vec, vecs));
+  if (need <= 32) {
+    int t = 1;
+    while (t < need) t *= 2;
+    return t;
+  }
+  const int t = ceil_div(need, 32) * 32;
+  return t <= kMaxThreads ? t : 0;
+}
+
+template <NormMode kMode, typename T, typename W, int N, int kVecs>
+void launch_cached(const RowNormParams& p, int tpr, cudaStream_t stream) {
+  const int rpb = tpr <= 32 ? kSmallRowBlock / tpr : 1;
+  const dim3 block(static_cast<unsigned>(tpr), static_cast<unsigned>(rpb));
+  row_norm_kernel<kMode, T, W, N, kVecs><<<static_cast<unsigned>(ceil_div(p.rows, rpb)), block, 0, stream>>>(p);
+}
+
+// vecs_per_thread: 2 or 4 vector groups cached per thread, 0 = automatic. Two (twice the threads per row,
+// half the registers) is the default for rows of up to 2048 groups (hidden 16384 in bf16): full occupancy
+// and more, shorter blocks, which keeps the last wave of a mid-sized batch from running a third empty.
+// Single-element accesses (odd sizes) always cache four.
+template <NormMode kMode, typename T, typename W, int N>
+void launch_row_norm_n(const RowNormParams& p, int vecs_per_thread, cudaStream_t stream, const char* op) {
+  const int n_vec = p.row_len / N;
+  int vecs = vecs_per_thread != 0 ? vecs_per_thread : (n_vec <= 2 * kMaxThreads ? 2 : 4);
+  if (N == 1 || (vecs != 2 && vecs != 4)) vecs = 4;
+  const int tpr = threads_per_row(n_vec, vecs);
+  if (tpr == 0) {
+    row_norm_kernel<kMode, T, W, N, 0><<<static_cast<unsigned>(p.rows), kMaxThreads, 0, stream>>>(p);
+  } else if constexpr (N > 1) {
+    if (vecs == 2) {
+      launch_cached<kMode, T, W, N, 2>(p, tpr, stream);
+    } else {
+      launch_cached<kMode, T, W, N, 4>(p, tpr, stream);
+    }
+  } else {
+    launch_cached<kMode, T, W, N, 4>(p, tpr, stream);
+  }
+  CHIMERA_LAUNCH_CHECK(op);
+}
+
+// Picks the element and weight types and the vector width (16-byte accesses when the row length and every
+// pointer allow them, else one element per access).
+template <NormMode kMode>
+void launch_row_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, const char* op,
+                     int vecs_per_thread) {
+  if (p.rows == 0 || p.row_len == 0) return;
+  if (p.rows > 0x7fffffffLL) throw_runtime(str_cat(op, ": ", p.rows, " rows exceed one launch"));
+  const bool aligned = vec_aligned({p.out, p.x, p.z, p.residual, p.weight});
+  CHIMERA_DISPATCH_FLOAT(act, str_cat(op, " activations"), T, {
+    CHIMERA_DISPATCH_FLOAT(weight, str_cat(op, " weight"), W, {
+      constexpr int kN = vec_width<T>();
+      if (aligned && p.row_len % kN == 0) {
+        launch_row_norm_n<kMode, T, W, kN>(p, vecs_per_thread, stream, op);
+      } else {
+        launch_row_norm_n<kMode, T, W, 1>(p, vecs_per_thread, stream, op);
+      }
+    });
+  });
+}
+
+// Explicit instances live in rms_norm.cu, add_rms_norm.cu and gated_rms_norm.cu so the build parallelises.
+// vecs_per_thread (0: automatic) is exposed for the benchmarks.
+void launch_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, int vecs_per_thread = 0);
+void launch_add_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, int vecs_per_thread = 0);
+void launch_gated_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream,
+                           int vecs_per_thread = 0);
+
+}  // namespace chimera::cuda::norm
