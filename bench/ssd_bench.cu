@@ -1,0 +1,97 @@
+// SSD chunked-scan prefill (ops::ssd_chunk_scan) at Nemotron 3 Nano (H = 64) and Super (H = 128) shapes:
+// P = 64, N = 128, G = 8, chunk 128, bf16 activations, fp32 state, one sequence of 1K / 8K / 32K tokens
+// (plus a packed batch). The whole op is timed: host plan + upload, the five launches.
+//
+// FLOPs are the useful FLOPs of the chunked algorithm as mamba_ssm computes it (full chunk tiles), per chunk:
+//   H * (2 Q P N [chunk state] + 2 Q P N [C . S_in] + 2 Q Q P [(C.B * L) . x]) + G * 2 Q Q N [C . B]
+// (anchors.md: ~213 GFLOP at 32K tokens with 128 heads). Bytes: x, dt, B, C read, y written, the state read
+// and written once. The peer numbers come from bench/peers/ssd_peers.py with the same shape text.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/device_api.h"
+#include "bench/bench_common.h"
+#include "ops/ops.h"
+
+namespace chimera::bench {
+namespace {
+
+constexpr int64_t kP = 64, kN = 128, kG = 8, kChunk = 128;
+
+// Uniform values in [lo, hi) from a counter hash (no host RNG for hundreds of millions of elements).
+template <typename T>
+__global__ void fill_uniform_kernel(T* p, size_t n, uint32_t seed, float lo, float hi) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 0x9E3779B1u ^ seed ^ static_cast<uint32_t>(i >> 32) * 0x85EBCA77u;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    h ^= h >> 16;
+    const float u = static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+    p[i] = cuda::from_float<T>(lo + (hi - lo) * u);
+  }
+}
+
+Tensor uniform(DType dtype, Shape shape, uint32_t seed, float lo, float hi) {
+  Tensor t = device::empty(Device::kCuda, dtype, std::move(shape));
+  const size_t n = static_cast<size_t>(t.numel());
+  if (dtype == DType::kBF16) {
+    fill_uniform_kernel<<<1024, 256>>>(t.data_as<__nv_bfloat16>(), n, seed, lo, hi);
+  } else {
+    fill_uniform_kernel<<<1024, 256>>>(t.data_as<float>(), n, seed, lo, hi);
+  }
+  device::synchronize(Device::kCuda);
+  return t;
+}
+
+void prefill(const Context& ctx, const char* model, int64_t H, const std::vector<int32_t>& lens) {
+  std::vector<int32_t> cu = {0}, slots;
+  for (int32_t n : lens) {
+    cu.push_back(cu.back() + n);
+    slots.push_back(static_cast<int32_t>(slots.size()));
+  }
+  const int64_t T = cu.back(), S = static_cast<int64_t>(lens.size());
+  const Tensor x = uniform(DType::kBF16, {T, H, kP}, 1, -1.0f, 1.0f);
+  const Tensor dt = uniform(DType::kBF16, {T, H}, 2, -1.0f, 1.0f);
+  const Tensor B = uniform(DType::kBF16, {T, kG, kN}, 3, -0.5f, 0.5f);
+  const Tensor C = uniform(DType::kBF16, {T, kG, kN}, 4, -0.5f, 0.5f);
+  const Tensor y = device::empty(Device::kCuda, DType::kBF16, {T, H, kP});
+  const Tensor state = uniform(DType::kF32, {S, H, kP, kN}, 5, -0.5f, 0.5f);
+  ops::SsmParams p;
+  p.A_log = uniform(DType::kF32, {H}, 6, 0.0f, 2.5f);
+  p.D = uniform(DType::kF32, {H}, 7, -1.0f, 1.0f);
+  p.dt_bias = uniform(DType::kF32, {H}, 8, -4.0f, -1.0f);
+
+  double flops = 0.0;
+  for (int32_t n : lens) {
+    const double chunks = static_cast<double>((n + kChunk - 1) / kChunk), Q = kChunk;
+    flops += chunks * (static_cast<double>(H) * (4.0 * Q * kP * kN + 2.0 * Q * Q * kP) + kG * 2.0 * Q * Q * kN);
+  }
+  const double bytes = 2.0 * (2.0 * T * H * kP + T * H + 2.0 * T * kG * kN) + 2.0 * 4.0 * S * H * kP * kN;
+  std::string shape = "T=" + std::to_string(T) + " H=" + std::to_string(H) + " P=64 N=128 G=8 Q=128 bf16";
+  if (S > 1) shape = "seqs=" + std::to_string(S) + "x" + std::to_string(lens[0]) + " " + shape;
+  const ops::Context octx{Device::kCuda, nullptr};
+  ctx.run(std::string("ssd_chunk_scan-") + model, shape, bytes, flops,
+          [&] { ops::ssd_chunk_scan(octx, y, x, dt, B, C, p, state, cu, slots, kChunk); });
+}
+
+}  // namespace
+
+CHIMERA_BENCH(ssd_prefill_nano) {
+  for (int32_t T : {1024, 8192, 32768}) prefill(ctx, "nano", 64, {T});
+}
+
+CHIMERA_BENCH(ssd_prefill_super) {
+  for (int32_t T : {1024, 8192, 32768}) prefill(ctx, "super", 128, {T});
+}
+
+// A packed batch: 16 prompts of 512 tokens, Super heads.
+CHIMERA_BENCH(ssd_prefill_super_batch) { prefill(ctx, "super", 128, std::vector<int32_t>(16, 512)); }
+
+}  // namespace chimera::bench
