@@ -8,11 +8,13 @@
 // and written once. The peer numbers come from bench/peers/ssd_peers.py with the same shape text.
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/mamba/ssd_kernels.cuh"
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
 #include "ops/ops.h"
@@ -50,35 +52,74 @@ Tensor uniform(DType dtype, Shape shape, uint32_t seed, float lo, float hi) {
   return t;
 }
 
-void prefill(const Context& ctx, const char* model, int64_t H, const std::vector<int32_t>& lens) {
+// One prefill problem: S sequences packed back to back, bf16 activations, fp32 state, random inputs.
+struct Problem {
   std::vector<int32_t> cu = {0}, slots;
-  for (int32_t n : lens) {
-    cu.push_back(cu.back() + n);
-    slots.push_back(static_cast<int32_t>(slots.size()));
-  }
-  const int64_t T = cu.back(), S = static_cast<int64_t>(lens.size());
-  const Tensor x = uniform(DType::kBF16, {T, H, kP}, 1, -1.0f, 1.0f);
-  const Tensor dt = uniform(DType::kBF16, {T, H}, 2, -1.0f, 1.0f);
-  const Tensor B = uniform(DType::kBF16, {T, kG, kN}, 3, -0.5f, 0.5f);
-  const Tensor C = uniform(DType::kBF16, {T, kG, kN}, 4, -0.5f, 0.5f);
-  const Tensor y = device::empty(Device::kCuda, DType::kBF16, {T, H, kP});
-  const Tensor state = uniform(DType::kF32, {S, H, kP, kN}, 5, -0.5f, 0.5f);
+  int64_t T = 0, H = 0, S = 0;
+  Tensor x, dt, B, C, y, state;
   ops::SsmParams p;
-  p.A_log = uniform(DType::kF32, {H}, 6, 0.0f, 2.5f);
-  p.D = uniform(DType::kF32, {H}, 7, -1.0f, 1.0f);
-  p.dt_bias = uniform(DType::kF32, {H}, 8, -4.0f, -1.0f);
+  double flops = 0.0, bytes = 0.0;
+  std::string shape;
 
-  double flops = 0.0;
-  for (int32_t n : lens) {
-    const double chunks = static_cast<double>((n + kChunk - 1) / kChunk), Q = kChunk;
-    flops += chunks * (static_cast<double>(H) * (4.0 * Q * kP * kN + 2.0 * Q * Q * kP) + kG * 2.0 * Q * Q * kN);
+  Problem(int64_t heads, const std::vector<int32_t>& lens) : H(heads) {
+    for (int32_t n : lens) {
+      cu.push_back(cu.back() + n);
+      slots.push_back(static_cast<int32_t>(slots.size()));
+    }
+    T = cu.back();
+    S = static_cast<int64_t>(lens.size());
+    x = uniform(DType::kBF16, {T, H, kP}, 1, -1.0f, 1.0f);
+    dt = uniform(DType::kBF16, {T, H}, 2, -1.0f, 1.0f);
+    B = uniform(DType::kBF16, {T, kG, kN}, 3, -0.5f, 0.5f);
+    C = uniform(DType::kBF16, {T, kG, kN}, 4, -0.5f, 0.5f);
+    y = device::empty(Device::kCuda, DType::kBF16, {T, H, kP});
+    state = uniform(DType::kF32, {S, H, kP, kN}, 5, -0.5f, 0.5f);
+    p.A_log = uniform(DType::kF32, {H}, 6, 0.0f, 2.5f);
+    p.D = uniform(DType::kF32, {H}, 7, -1.0f, 1.0f);
+    p.dt_bias = uniform(DType::kF32, {H}, 8, -4.0f, -1.0f);
+    for (int32_t n : lens) {
+      const double chunks = static_cast<double>((n + kChunk - 1) / kChunk), Q = kChunk;
+      flops += chunks * (static_cast<double>(H) * (4.0 * Q * kP * kN + 2.0 * Q * Q * kP) + kG * 2.0 * Q * Q * kN);
+    }
+    bytes = 2.0 * (2.0 * T * H * kP + T * H + 2.0 * T * kG * kN) + 2.0 * 4.0 * S * H * kP * kN;
+    shape = "T=" + std::to_string(T) + " H=" + std::to_string(H) + " P=64 N=128 G=8 Q=128 bf16";
+    if (S > 1) shape = "seqs=" + std::to_string(S) + "x" + std::to_string(lens[0]) + " " + shape;
   }
-  const double bytes = 2.0 * (2.0 * T * H * kP + T * H + 2.0 * T * kG * kN) + 2.0 * 4.0 * S * H * kP * kN;
-  std::string shape = "T=" + std::to_string(T) + " H=" + std::to_string(H) + " P=64 N=128 G=8 Q=128 bf16";
-  if (S > 1) shape = "seqs=" + std::to_string(S) + "x" + std::to_string(lens[0]) + " " + shape;
+  cuda::SsdRunner runner(int superchunk) const {
+    return cuda::SsdRunner(y, x, dt, B, C, p, state, cu, slots, kChunk, nullptr, superchunk);
+  }
+};
+
+void prefill(const Context& ctx, const char* model, int64_t H, const std::vector<int32_t>& lens) {
+  const Problem pr(H, lens);
   const ops::Context octx{Device::kCuda, nullptr};
-  ctx.run(std::string("ssd_chunk_scan-") + model, shape, bytes, flops,
-          [&] { ops::ssd_chunk_scan(octx, y, x, dt, B, C, p, state, cu, slots, kChunk); });
+  ctx.run(std::string("ssd_chunk_scan-") + model, pr.shape, pr.bytes, pr.flops, [&] {
+    ops::ssd_chunk_scan(octx, pr.y, pr.x, pr.dt, pr.B, pr.C, pr.p, pr.state, pr.cu, pr.slots, kChunk);
+  });
+}
+
+// Where the time goes: each stage alone, for superchunks of 1, 2, 4, 8 chunks and the picked one (M=auto).
+// Stage FLOPs: chunk_state 2 Q P N per chunk and head; chunk_scan the rest plus the state steps it repeats
+// inside superchunks ((M - 1) / M of chunk_state's). Stage bytes: what the stage must move at least.
+void stages(const Context& ctx, const char* model, int64_t H, int32_t T) {
+  const Problem pr(H, {T});
+  const double chunks = static_cast<double>((T + kChunk - 1) / kChunk), Q = kChunk;
+  const double state_flops = chunks * H * 2.0 * Q * kP * kN;
+  for (int m : {1, 2, 4, 8, 0}) {
+    const cuda::SsdRunner r = pr.runner(m);
+    const std::string shape = pr.shape + " M=" + (m ? std::to_string(m) : "auto(" + std::to_string(r.superchunk()) + ")");
+    const double supers = std::ceil(chunks / r.superchunk());
+    const double state_bytes = supers * H * kP * kN * 4.0;
+    const std::string k = std::string("ssd_stage-") + model;
+    r.prepare();
+    ctx.run(k + "-cumsum", shape, T * H * (2.0 + 8.0), 0.0, [&] { r.chunk_cumsum(); });
+    ctx.run(k + "-chunk_state", shape, 2.0 * T * (H * kP + kG * kN) + state_bytes, state_flops,
+            [&] { r.chunk_state(); });
+    ctx.run(k + "-state_passing", shape, 3.0 * state_bytes, 0.0, [&] { r.state_passing(); });
+    ctx.run(k + "-chunk_scan", shape, 2.0 * T * (2.0 * H * kP + 2.0 * kG * kN) + state_bytes,
+            pr.flops - state_flops * (1.0 / r.superchunk()), [&] { r.chunk_scan(); });
+    ctx.run(k + "-all", shape, pr.bytes, pr.flops, [&] { r.run(); });
+  }
 }
 
 }  // namespace
@@ -93,5 +134,10 @@ CHIMERA_BENCH(ssd_prefill_super) {
 
 // A packed batch: 16 prompts of 512 tokens, Super heads.
 CHIMERA_BENCH(ssd_prefill_super_batch) { prefill(ctx, "super", 128, std::vector<int32_t>(16, 512)); }
+
+CHIMERA_BENCH(ssd_stages) {
+  stages(ctx, "super", 128, 32768);
+  stages(ctx, "nano", 64, 8192);
+}
 
 }  // namespace chimera::bench

@@ -97,8 +97,11 @@ def ssd_torch(x, dt, A, B, C, D, dt_bias, init):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--budget", type=float, default=150.0, help="seconds for the whole script")
+    ap.add_argument("--budget", type=float, default=170.0, help="seconds for the whole script")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--ready", help="file to create once every peer is compiled / autotuned (warm)")
+    ap.add_argument("--go", help="file to wait for before timing (so nothing else runs on the GPU meanwhile)")
+    ap.add_argument("--stop", help="file whose presence stops further warm-ups (the GPU is about to be timed)")
     args = ap.parse_args()
     t_start = time.time()
     left = lambda: args.budget - (time.time() - t_start)  # noqa: E731
@@ -112,53 +115,68 @@ def main():
 
     cases = [(T, H, model) for model, H in (("nano", 64), ("super", 128)) for T in (1024, 8192, 32768)]
     shape_of = lambda T, H: f"T={T} H={H} P=64 N=128 G=8 Q=128 bf16"  # noqa: E731
-    # Phase 1: mamba_ssm's Triton kernels and torch eager on every shape.
-    checked = False
-    for T, H, model in cases:
-        shape = shape_of(T, H)
-        flops, nbytes = flops_bytes(T, H)
-        x, dt, A, B, C, D, dt_bias, init = inputs(T, H)
-        with torch.no_grad():
-            if mamba_chunk_scan_combined is not None and left() > 0:
-                fn = lambda: mamba_chunk_scan_combined(x, dt, A, B, C, Q, D=D, dt_bias=dt_bias,  # noqa: E731
-                                                       initial_states=init, dt_softplus=True,
-                                                       return_final_states=True)
-                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                report(f"ssd_chunk_scan-{model}-mamba-triton", shape, ms * 1e3, flops, nbytes)
-                if not checked:  # the torch peer computes the same function
-                    y_ref, s_ref = fn()
-                    y_t, s_t = ssd_torch(x, dt, A, B, C, D, dt_bias, init)
+
+    def mamba(x, dt, A, B, C, D, dt_bias, init):
+        return mamba_chunk_scan_combined(x, dt, A, B, C, Q, D=D, dt_bias=dt_bias, initial_states=init,
+                                         dt_softplus=True, return_final_states=True)
+    compiled = None if args.no_compile else torch.compile(ssd_torch, dynamic=False)
+    go = lambda: args.go is None or pathlib.Path(args.go).exists()  # noqa: E731
+    stop = lambda: go() or (args.stop is not None and pathlib.Path(args.stop).exists())  # noqa: E731
+
+    # Warm-up: Triton autotuning and first calls, the torch check, then torch.compile (largest shapes first)
+    # while the budget lasts and the timing phase has not been called.
+    warm_compiled = set()
+    with torch.no_grad():
+        for i, (T, H, model) in enumerate(cases):
+            args_ = inputs(T, H)
+            if mamba_chunk_scan_combined is not None and not stop():
+                t0 = time.time()
+                y_ref, s_ref = mamba(*args_)
+                torch.cuda.synchronize()
+                print(f"peers: mamba_ssm warm-up {shape_of(T, H)}: {time.time() - t0:.1f} s", flush=True)
+                if i == 0:  # the torch peer computes the same function
+                    y_t, s_t = ssd_torch(*args_)
                     err = ((y_t.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
                     serr = ((s_t - s_ref).norm() / s_ref.norm()).item()
-                    print(f"peers: torch vs mamba_ssm at {shape}: rel err y {err:.2e}, final state {serr:.2e}")
-                    checked = True
-            if left() > 0:
-                ms = triton.testing.do_bench(lambda: ssd_torch(x, dt, A, B, C, D, dt_bias, init), warmup=3, rep=20,
-                                             return_mode="median")
-                report(f"ssd_chunk_scan-{model}-torch-eager", shape, ms * 1e3, flops, nbytes)
-        del x, dt, B, C, init
+                    print(f"peers: torch vs mamba_ssm at {shape_of(T, H)}: rel err y {err:.2e}, final state {serr:.2e}",
+                          flush=True)
+            del args_
         torch.cuda.empty_cache()
-    # Phase 2: torch.compile (one compilation per shape), largest shapes first, while the budget lasts.
-    if args.no_compile:
-        return
-    compiled = torch.compile(ssd_torch, dynamic=False)
-    for T, H, model in sorted(cases, key=lambda c: (-c[0], -c[1])):
-        shape = shape_of(T, H)
-        if left() < 40:
-            print(f"peers: torch.compile skipped for {shape} (budget)", flush=True)
-            continue
-        flops, nbytes = flops_bytes(T, H)
-        x, dt, A, B, C, D, dt_bias, init = inputs(T, H)
-        with torch.no_grad():
+        for T, H, model in sorted(cases, key=lambda c: (-c[0], -c[1])):
+            if compiled is None or stop() or left() < 60:
+                break
             t0 = time.time()
-            compiled(x, dt, A, B, C, D, dt_bias, init)
+            compiled(*inputs(T, H))
             torch.cuda.synchronize()
-            ms = triton.testing.do_bench(lambda: compiled(x, dt, A, B, C, D, dt_bias, init), warmup=3, rep=20,
-                                         return_mode="median")
-            report(f"ssd_chunk_scan-{model}-torch-compile", shape, ms * 1e3, flops, nbytes)
-            print(f"peers: torch.compile warm-up for {shape} took {time.time() - t0:.1f} s", flush=True)
-        del x, dt, B, C, init
-        torch.cuda.empty_cache()
+            warm_compiled.add((T, H))
+            print(f"peers: torch.compile warm-up {shape_of(T, H)}: {time.time() - t0:.1f} s", flush=True)
+            torch.cuda.empty_cache()
+    if args.ready:
+        pathlib.Path(args.ready).touch()
+    while not go() and left() > 0:
+        time.sleep(0.2)
+
+    # Timing, alone on the GPU.
+    with torch.no_grad():
+        for T, H, model in cases:
+            if left() < 5:
+                print(f"peers: out of budget before {shape_of(T, H)}", flush=True)
+                break
+            shape = shape_of(T, H)
+            flops, nbytes = flops_bytes(T, H)
+            a = inputs(T, H)
+            if mamba_chunk_scan_combined is not None:
+                ms = triton.testing.do_bench(lambda: mamba(*a), warmup=25, rep=100, return_mode="median")
+                report(f"ssd_chunk_scan-{model}-mamba-triton", shape, ms * 1e3, flops, nbytes)
+            ms = triton.testing.do_bench(lambda: ssd_torch(*a), warmup=3, rep=20, return_mode="median")
+            report(f"ssd_chunk_scan-{model}-torch-eager", shape, ms * 1e3, flops, nbytes)
+            if (T, H) in warm_compiled:
+                ms = triton.testing.do_bench(lambda: compiled(*a), warmup=3, rep=20, return_mode="median")
+                report(f"ssd_chunk_scan-{model}-torch-compile", shape, ms * 1e3, flops, nbytes)
+            elif compiled is not None:
+                print(f"peers: torch.compile not timed at {shape} (not compiled within the budget)", flush=True)
+            del a
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

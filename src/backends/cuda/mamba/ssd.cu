@@ -1,6 +1,6 @@
-// The CUDA adapters of ops::ssd_chunk_scan and ops::ssm_recurrence: plan the chunk grid of the packed batch
-// on the host, upload it, take an fp32 workspace, pick the kernel instances from the dtypes and launch the
-// stages of ssd_kernels.cuh on ctx.stream.
+// The CUDA adapters of ops::ssd_chunk_scan (SsdRunner) and ops::ssm_recurrence: plan the chunk grid of the
+// packed batch on the host, upload it, take an fp32 workspace, pick the kernel instances from the dtypes and
+// launch the stages of ssd_kernels.cuh on ctx.stream.
 //
 // Path choice: bf16 / f16 activations at P = 64, N = 128, chunk 128 with 16-byte aligned rows run the
 // tensor-core stages (ssd_mma.cu); everything else (F32 activations, other shapes) the portable fp32 ones.
@@ -67,8 +67,9 @@ class Workspace {
     size_ += (floats + 3) / 4 * 4;
     return offsets_.size() - 1;
   }
-  void allocate() {
+  Tensor allocate() {
     buf_ = device::empty(Device::kCuda, DType::kF32, {static_cast<int64_t>(std::max<size_t>(size_, 4))});
+    return buf_;
   }
   float* at(size_t i) const { return buf_.data_as<float>() + offsets_[i]; }
 
@@ -125,46 +126,36 @@ int pick_superchunk(std::span<const int32_t> cu, std::span<const int32_t> slots,
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
 
-template <typename T, typename S>
-void run_ssd(const ops::Context& ctx, const SsdParams& p, bool use_mma) {
-  const cudaStream_t stream = as_stream(ctx.stream);
-  launch_ssd_chunk_cumsum<T>(p, stream);
-  if constexpr (!std::is_same_v<T, float>) {
-    if (use_mma) {
-      launch_ssd_chunk_state_mma<T>(p, stream);
-      launch_ssd_state_passing<S>(p, stream);
-      launch_ssd_chunk_scan_mma<T>(p, stream);
-      return;
-    }
-  }
-  launch_ssd_chunk_state_portable<T>(p, stream);
-  launch_ssd_state_passing<S>(p, stream);
-  launch_ssd_chunk_scan_portable<T>(p, stream);
-}
-
 }  // namespace
 
-void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
-                    const Tensor& C, const ops::SsmParams& sp, const Tensor& ssm_state,
-                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size) {
+SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
+                     const ops::SsmParams& sp, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
+                     std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, int superchunk)
+    : act_(x.dtype()), state_(ssm_state.dtype()), A_log_(sp.A_log.data()), D_(sp.D.data()),
+      dt_bias_(sp.dt_bias.data()), stream_(stream) {
   constexpr const char* kOp = "ops::ssd_chunk_scan";
   check_one_dtype(kOp, y, x, dt_raw, B, C);
+  a_type_ = param_type(sp.A_log, kOp, "A_log");
+  d_type_ = param_type(sp.D, kOp, "D");
+  b_type_ = param_type(sp.dt_bias, kOp, "dt_bias");
   const int64_t T = x.dim(0), H = x.dim(1), P = x.dim(2), G = B.dim(1), N = B.dim(2);
-  if (T > INT32_MAX / 2 || chunk_size > INT32_MAX / 2) throw_runtime(str_cat(kOp, ": ", T, " rows is too many"));
-  const bool use_mma = x.dtype() != DType::kF32 && P == kSsdMmaHeadDim && N == kSsdMmaStateSize &&
-                       chunk_size == kSsdMmaChunk && aligned16(x) && aligned16(B) && aligned16(C) &&
-                       aligned16(y);
-  const int superchunk = use_mma ? pick_superchunk(cu_seqlens, slots, chunk_size, H) : 1;
-  const Plan plan = make_plan(cu_seqlens, slots, chunk_size, superchunk);
-  if (plan.n_chunks() == 0) return;  // every sequence is a pad or empty
+  if (T > INT32_MAX / 2 || chunk_size > INT32_MAX / 2) {
+    throw_runtime(str_cat(kOp, ": ", T, " rows or chunk_size ", chunk_size, " is too large"));
+  }
+  use_mma_ = x.dtype() != DType::kF32 && P == kSsdMmaHeadDim && N == kSsdMmaStateSize &&
+             chunk_size == kSsdMmaChunk && aligned16(x) && aligned16(B) && aligned16(C) && aligned16(y);
+  superchunk_ = !use_mma_ ? 1 : superchunk > 0 ? superchunk : pick_superchunk(cu_seqlens, slots, chunk_size, H);
+  const Plan plan = make_plan(cu_seqlens, slots, chunk_size, superchunk_);
+  p_.n_chunks = plan.n_chunks();
+  if (empty()) return;
 
-  const cudaStream_t stream = as_stream(ctx.stream);
   std::vector<int32_t> meta;
   meta.reserve(plan.chunks.size() + plan.supers.size() + plan.seqs.size());
   meta.insert(meta.end(), plan.seqs.begin(), plan.seqs.end());  // int4 first: 16-byte aligned
   meta.insert(meta.end(), plan.chunks.begin(), plan.chunks.end());
   meta.insert(meta.end(), plan.supers.begin(), plan.supers.end());
-  const auto* dmeta = static_cast<const int32_t*>(upload_scratch(meta.data(), meta.size() * sizeof(int32_t), stream, 0));
+  const auto* dmeta =
+      static_cast<const int32_t*>(upload_scratch(meta.data(), meta.size() * sizeof(int32_t), stream, 0));
 
   Workspace ws;
   const size_t w_params = ws.reserve(3 * static_cast<size_t>(H));
@@ -172,46 +163,87 @@ void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, c
   const size_t w_acs = ws.reserve(static_cast<size_t>(H * T));
   const size_t w_states = ws.reserve(static_cast<size_t>(plan.n_supers()) * static_cast<size_t>(H * P * N));
   const size_t w_decay = ws.reserve(static_cast<size_t>(plan.n_supers()) * static_cast<size_t>(H));
-  ws.allocate();
+  workspace_ = ws.allocate();
 
-  launch_ssd_prepare(sp.A_log.data(), param_type(sp.A_log, kOp, "A_log"), sp.D.data(), param_type(sp.D, kOp, "D"),
-                     sp.dt_bias.data(), param_type(sp.dt_bias, kOp, "dt_bias"), ws.at(w_params), static_cast<int>(H),
-                     stream);
+  p_.x = x.data();
+  p_.dt_raw = dt_raw.data();
+  p_.B = B.data();
+  p_.C = C.data();
+  p_.y = y.data();
+  p_.ssm_state = ssm_state.data();
+  prepared_ = ws.at(w_params);
+  p_.A = ws.at(w_params);
+  p_.D = ws.at(w_params) + H;
+  p_.dt_bias = ws.at(w_params) + 2 * H;
+  p_.dt_min = sp.dt_min;
+  p_.dt_max = sp.dt_max;
+  p_.T = static_cast<int>(T);
+  p_.H = static_cast<int>(H);
+  p_.P = static_cast<int>(P);
+  p_.G = static_cast<int>(G);
+  p_.N = static_cast<int>(N);
+  p_.heads_per_group = static_cast<int>(H / G);
+  p_.chunk_size = static_cast<int>(chunk_size);
+  p_.seqs = reinterpret_cast<const int4*>(dmeta);
+  p_.chunks = reinterpret_cast<const int2*>(dmeta + plan.seqs.size());
+  p_.supers = reinterpret_cast<const int2*>(dmeta + plan.seqs.size() + plan.chunks.size());
+  p_.n_supers = plan.n_supers();
+  p_.n_seqs = plan.n_seqs();
+  p_.dt = ws.at(w_dt);
+  p_.dA_cumsum = ws.at(w_acs);
+  p_.states = ws.at(w_states);
+  p_.decay = ws.at(w_decay);
+}
 
-  SsdParams p;
-  p.x = x.data();
-  p.dt_raw = dt_raw.data();
-  p.B = B.data();
-  p.C = C.data();
-  p.y = y.data();
-  p.ssm_state = ssm_state.data();
-  p.A = ws.at(w_params);
-  p.D = ws.at(w_params) + H;
-  p.dt_bias = ws.at(w_params) + 2 * H;
-  p.dt_min = sp.dt_min;
-  p.dt_max = sp.dt_max;
-  p.T = static_cast<int>(T);
-  p.H = static_cast<int>(H);
-  p.P = static_cast<int>(P);
-  p.G = static_cast<int>(G);
-  p.N = static_cast<int>(N);
-  p.heads_per_group = static_cast<int>(H / G);
-  p.chunk_size = static_cast<int>(chunk_size);
-  p.seqs = reinterpret_cast<const int4*>(dmeta);
-  p.chunks = reinterpret_cast<const int2*>(dmeta + plan.seqs.size());
-  p.supers = reinterpret_cast<const int2*>(dmeta + plan.seqs.size() + plan.chunks.size());
-  p.n_chunks = plan.n_chunks();
-  p.n_supers = plan.n_supers();
-  p.n_seqs = plan.n_seqs();
-  p.dt = ws.at(w_dt);
-  p.dA_cumsum = ws.at(w_acs);
-  p.states = ws.at(w_states);
-  p.decay = ws.at(w_decay);
+void SsdRunner::prepare() const {
+  launch_ssd_prepare(A_log_, a_type_, D_, d_type_, dt_bias_, b_type_, prepared_, p_.H, stream_);
+}
 
-  CHIMERA_DISPATCH_FLOAT(x.dtype(), "ops::ssd_chunk_scan x", T, {
-    CHIMERA_DISPATCH_FLOAT(ssm_state.dtype(), "ops::ssd_chunk_scan ssm_state", S,
-                           { run_ssd<T, S>(ctx, p, use_mma); });
+void SsdRunner::chunk_cumsum() const {
+  CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, { launch_ssd_chunk_cumsum<T>(p_, stream_); });
+}
+
+void SsdRunner::chunk_state() const {
+  CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, {
+    if constexpr (std::is_same_v<T, float>) {
+      launch_ssd_chunk_state_portable<T>(p_, stream_);
+    } else if (use_mma_) {
+      launch_ssd_chunk_state_mma<T>(p_, stream_);
+    } else {
+      launch_ssd_chunk_state_portable<T>(p_, stream_);
+    }
   });
+}
+
+void SsdRunner::state_passing() const {
+  CHIMERA_DISPATCH_FLOAT(state_, "ops::ssd_chunk_scan ssm_state", S, { launch_ssd_state_passing<S>(p_, stream_); });
+}
+
+void SsdRunner::chunk_scan() const {
+  CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, {
+    if constexpr (std::is_same_v<T, float>) {
+      launch_ssd_chunk_scan_portable<T>(p_, stream_);
+    } else if (use_mma_) {
+      launch_ssd_chunk_scan_mma<T>(p_, stream_);
+    } else {
+      launch_ssd_chunk_scan_portable<T>(p_, stream_);
+    }
+  });
+}
+
+void SsdRunner::run() const {
+  if (empty()) return;
+  prepare();
+  chunk_cumsum();
+  chunk_state();
+  state_passing();
+  chunk_scan();
+}
+
+void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
+                    const Tensor& C, const ops::SsmParams& sp, const Tensor& ssm_state,
+                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size) {
+  SsdRunner(y, x, dt_raw, B, C, sp, ssm_state, cu_seqlens, slots, chunk_size, as_stream(ctx.stream)).run();
 }
 
 void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,

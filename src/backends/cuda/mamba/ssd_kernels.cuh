@@ -18,8 +18,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "ops/ops.h"
 
 namespace chimera::cuda {
 
@@ -98,6 +101,39 @@ struct SsmRecurrenceParams {
 };
 template <typename T, typename S>
 void launch_ssm_recurrence(const SsmRecurrenceParams& p, cudaStream_t stream);
+
+// ---- the host side of one ssd_chunk_scan call -----------------------------------------------------------
+// Plans the chunk grid, uploads it, takes the workspace and runs the stages; cuda::ssd_chunk_scan is
+// SsdRunner(...).run(), and the benchmark times the stages one by one. Inputs are validated by ops::.
+class SsdRunner {
+ public:
+  // superchunk: 0 picks it (see ssd.cu); > 0 forces that many chunks per superchunk on the tensor-core path.
+  SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
+            const ops::SsmParams& sp, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
+            std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, int superchunk = 0);
+  bool empty() const { return p_.n_chunks == 0; }  // every sequence a pad or empty: nothing to launch
+  bool uses_mma() const { return use_mma_; }
+  int superchunk() const { return superchunk_; }
+  void prepare() const;        // stage 1
+  void chunk_cumsum() const;   // stage 2
+  void chunk_state() const;    // stage 3
+  void state_passing() const;  // stage 4 (reads and writes ssm_state)
+  void chunk_scan() const;     // stage 5
+  void run() const;
+
+ private:
+  SsdParams p_;
+  float* prepared_ = nullptr;  // [3, H] workspace written by prepare(): p_.A, p_.D, p_.dt_bias
+  DType act_, state_;
+  const void* A_log_;
+  const void* D_;
+  const void* dt_bias_;
+  ParamType a_type_, d_type_, b_type_;
+  bool use_mma_ = false;
+  int superchunk_ = 1;
+  cudaStream_t stream_;
+  Tensor workspace_;
+};
 
 // ---- shared device helpers --------------------------------------------------------------------------
 // torch softplus with threshold 20, then the time_step_limit clamp (std::clamp order).
