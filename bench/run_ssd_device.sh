@@ -56,25 +56,33 @@ el tested
 
 SMALL='OpsSsd.CudaSixteenBitStatesActivationsAndParams/Cuda:OpsSsd.CudaPackedBatchSuperchunks/Cuda'
 SMALL+=':OpsSsd.CudaRecurrenceSixteenBit/Cuda:OpsSsd.ChunkScanMatchesRecurrence/Cuda'
-if [ "$(left $((BUDGET - 48)))" -gt 10 ]; then
-  timeout "$(left $((BUDGET - 48)))" compute-sanitizer --tool memcheck ./b/chimera_tests --gtest_filter="$SMALL" \
+if [ "$(left $((BUDGET - 85)))" -gt 10 ]; then
+  timeout "$(left $((BUDGET - 85)))" compute-sanitizer --tool memcheck ./b/chimera_tests --gtest_filter="$SMALL" \
     >"$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) $(grep -c 'OK \]' "$OUT/memcheck.log") ok"
-  grep -E -m5 "Invalid|out of bounds|Address" "$OUT/memcheck.log" | cut -c1-200
+  grep -E -m5 "Invalid|out of bounds|Address| at " "$OUT/memcheck.log" | cut -c1-200
 fi
 el memchecked
+RACE='OpsSsd.CudaSixteenBitStatesActivationsAndParams/Cuda:OpsSsd.DtLimitsClampBothPaths/Cuda'
+if [ "$(left $((BUDGET - 68)))" -gt 10 ]; then
+  timeout "$(left $((BUDGET - 68)))" compute-sanitizer --tool racecheck ./b/chimera_tests --gtest_filter="$RACE" \
+    >"$OUT/racecheck.log" 2>&1
+  echo "racecheck rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/racecheck.log" | tail -2 | tr '\n' ' ') $(grep -c 'OK \]' "$OUT/racecheck.log") ok"
+  grep -E -m5 "hazard|Race| at " "$OUT/racecheck.log" | cut -c1-200
+fi
+el racechecked
 
 touch "$STOP"
-while [ ! -e "$READY" ] && kill -0 "$PEERS" 2>/dev/null && [ "$(left $((BUDGET - 45)))" -gt 0 ]; do sleep 0.5; done
+while [ ! -e "$READY" ] && kill -0 "$PEERS" 2>/dev/null && [ "$(left $((BUDGET - 60)))" -gt 0 ]; do sleep 0.5; done
 el "peers warm: $([ -e "$READY" ] && echo yes || echo no)"
-timeout "$(left $((BUDGET - 20)))" ./b/chimera_bench ssd >"$OUT/bench.log" 2>&1
+timeout "$(left $((BUDGET - 18)))" ./b/chimera_bench ssd >"$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 el benched
 touch "$GO"
 wait "$PEERS"
 echo "peers rc=$?"
 el peers
-grep -h -E "^peers:|ERROR|Error" "$OUT/peers.log" "$OUT/bench.log" | cut -c1-220 | head -24
+grep -h -E "^peers:|^CHECK|ERROR|Error" "$OUT/peers.log" "$OUT/bench.log" | cut -c1-260 | head -24
 # Compact table: kernel shape us tflops ratio
 grep -h -E "^BENCH" "$OUT/bench.log" "$OUT/peers.log" |
   sed -E 's/BENCH kernel=([^ ]*) shape=(.*) us=([^ ]*) gbps=([^ ]*) tflops=([^ ]*) floor_ratio=([^ ]*)/\1 | \2 | \3 us | \4 GB\/s | \5 TF | \6/' |

@@ -8,8 +8,10 @@
 // and written once. The peer numbers come from bench/peers/ssd_peers.py with the same shape text.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -85,8 +87,8 @@ struct Problem {
     shape = "T=" + std::to_string(T) + " H=" + std::to_string(H) + " P=64 N=128 G=8 Q=128 bf16";
     if (S > 1) shape = "seqs=" + std::to_string(S) + "x" + std::to_string(lens[0]) + " " + shape;
   }
-  cuda::SsdRunner runner(int superchunk) const {
-    return cuda::SsdRunner(y, x, dt, B, C, p, state, cu, slots, kChunk, nullptr, superchunk);
+  cuda::SsdRunner runner(const cuda::SsdOptions& o) const {
+    return cuda::SsdRunner(y, x, dt, B, C, p, state, cu, slots, kChunk, nullptr, o);
   }
 };
 
@@ -98,16 +100,27 @@ void prefill(const Context& ctx, const char* model, int64_t H, const std::vector
   });
 }
 
-// Where the time goes: each stage alone, for superchunks of 1, 2, 4, 8 chunks and the picked one (M=auto).
+std::string describe(const cuda::SsdOptions& o, const cuda::SsdRunner& r) {
+  if (o.portable) return "portable";
+  return "M=" + (o.superchunk ? std::to_string(o.superchunk) : "auto(" + std::to_string(r.superchunk()) + ")") +
+         " state_heads=" + std::to_string(o.state_heads) + (o.fused_cb ? " fused_cb" : " tiled_cb");
+}
+
+// Where the time goes: each stage alone, for the default kernels (first), the run-1 kernels (one head per
+// state block, C.B^T tile by tile), each change alone, and superchunks of 4, 8, 16 chunks.
 // Stage FLOPs: chunk_state 2 Q P N per chunk and head; chunk_scan the rest plus the state steps it repeats
 // inside superchunks ((M - 1) / M of chunk_state's). Stage bytes: what the stage must move at least.
 void stages(const Context& ctx, const char* model, int64_t H, int32_t T) {
   const Problem pr(H, {T});
   const double chunks = static_cast<double>((T + kChunk - 1) / kChunk), Q = kChunk;
   const double state_flops = chunks * H * 2.0 * Q * kP * kN;
-  for (int m : {1, 2, 4, 8, 0}) {
-    const cuda::SsdRunner r = pr.runner(m);
-    const std::string shape = pr.shape + " M=" + (m ? std::to_string(m) : "auto(" + std::to_string(r.superchunk()) + ")");
+  const cuda::SsdOptions variants[] = {
+      {0, 2, true, false}, {0, 1, false, false}, {0, 1, true, false}, {0, 2, false, false},
+      {4, 2, true, false}, {8, 2, true, false},  {16, 2, true, false},
+  };
+  for (const cuda::SsdOptions& o : variants) {
+    const cuda::SsdRunner r = pr.runner(o);
+    const std::string shape = pr.shape + " " + describe(o, r);
     const double supers = std::ceil(chunks / r.superchunk());
     const double state_bytes = supers * H * kP * kN * 4.0;
     const std::string k = std::string("ssd_stage-") + model;
@@ -120,6 +133,38 @@ void stages(const Context& ctx, const char* model, int64_t H, int32_t T) {
             pr.flops - state_flops * (1.0 / r.superchunk()), [&] { r.chunk_scan(); });
     ctx.run(k + "-all", shape, pr.bytes, pr.flops, [&] { r.run(); });
   }
+}
+
+// The default kernels against another variant on the same inputs and initial state, at a model shape the
+// tests do not reach: normalised MSE of y and of the final state, and the largest |dy|.
+void cross_check(const char* model, int64_t H, int32_t T, const cuda::SsdOptions& other) {
+  const Problem pr(H, {T});
+  const Tensor state0 = device::empty(Device::kCuda, DType::kF32, pr.state.shape());
+  device::copy(state0, pr.state);
+  const cuda::SsdOptions def;
+  pr.runner(def).run();
+  const Tensor ya = device::to_host_f32(pr.y), sa = device::to_host_f32(pr.state);
+  device::copy(pr.state, state0);
+  const cuda::SsdRunner r = pr.runner(other);
+  r.run();
+  const Tensor yb = device::to_host_f32(pr.y), sb = device::to_host_f32(pr.state);
+  auto nmse = [](const Tensor& a, const Tensor& b, double* max_abs) {
+    double num = 0.0, den = 0.0, mx = 0.0;
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      const double d = static_cast<double>(a.f32()[i]) - b.f32()[i];
+      num += d * d;
+      den += static_cast<double>(b.f32()[i]) * b.f32()[i];
+      mx = std::max(mx, std::fabs(d));
+    }
+    if (max_abs) *max_abs = mx;
+    return num / std::max(den, 1e-30);
+  };
+  double max_abs = 0.0;
+  const double ny = nmse(ya, yb, &max_abs), ns = nmse(sa, sb, nullptr);
+  std::printf("CHECK kernel=ssd_chunk_scan-%s shape=%s default_vs=\"%s\" nmse_y=%.3g max_abs_dy=%.3g nmse_state=%.3g %s\n",
+              model, pr.shape.c_str(), describe(other, r).c_str(), ny, max_abs, ns,
+              ny < 1e-4 && ns < 1e-4 ? "ok" : "MISMATCH");
+  std::fflush(stdout);
 }
 
 }  // namespace
@@ -138,6 +183,13 @@ CHIMERA_BENCH(ssd_prefill_super_batch) { prefill(ctx, "super", 128, std::vector<
 CHIMERA_BENCH(ssd_stages) {
   stages(ctx, "super", 128, 32768);
   stages(ctx, "nano", 64, 8192);
+}
+
+CHIMERA_BENCH(ssd_cross_check) {
+  (void)ctx;
+  cross_check("nano", 64, 8192, {0, 1, true, true});      // the portable fp32 kernels
+  cross_check("super", 128, 32768, {0, 1, false, false});  // the kernels of the first GPU run
+  cross_check("super", 128, 32768, {16, 1, true, false});
 }
 
 }  // namespace chimera::bench

@@ -4,6 +4,7 @@
 // (P = 64, N = 128, chunk 128) at awkward token counts, packed batches of up to 64 sequences.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <numeric>
 #include <vector>
 
@@ -182,9 +183,10 @@ class OpsSsd : public BackendTest {
     expect_unused_slots_kept(got_state, state0, lens, slots);
   }
 
-  // A packed batch with slots drawn from a shuffled pool of batch + 7, sequence 1 (and sequence
-  // batch - 2 of a large batch) a pad, in bf16 and in f32.
-  void run_batch(test::Rng& rng, const SsmCase& c, const std::vector<int32_t>& lens) const {
+  // A packed batch with slots drawn from a shuffled pool of batch + 7, sequence 2 (and sequence
+  // batch - 2 of a large batch) a pad, for each activation dtype in `acts`.
+  void run_batch(test::Rng& rng, const SsmCase& c, const std::vector<int32_t>& lens,
+                 std::initializer_list<DType> acts = {DType::kBF16, DType::kF32}) const {
     const int64_t batch = static_cast<int64_t>(lens.size()), num_slots = batch + 7;
     std::vector<int32_t> pool(static_cast<size_t>(num_slots));
     std::iota(pool.begin(), pool.end(), 0);
@@ -192,7 +194,7 @@ class OpsSsd : public BackendTest {
     std::vector<int32_t> slots(pool.begin(), pool.begin() + batch);
     if (batch > 2) slots[2] = -1;
     if (batch > 8) slots[static_cast<size_t>(batch) - 2] = -1;
-    for (DType act : {DType::kBF16, DType::kF32}) {
+    for (DType act : acts) {
       SCOPED_TRACE(::testing::Message() << "batch=" << batch << " H=" << c.H << " G=" << c.G
                                         << " act=" << dtype_name(act));
       check_scan(rng, c, lens, slots, num_slots, 128, act);
@@ -200,10 +202,10 @@ class OpsSsd : public BackendTest {
   }
 
   // One sequence of awkward length at the tensor-core shape: Super heads up to 989 tokens, Nano heads at
-  // 4099 (33 chunks: superchunks of 4 chunks and a ragged last one), a non-zero initial state in slot 1.
-  void awkward_lengths(DType act) const {
+  // 4099 (33 chunks: superchunks of several chunks and a ragged last one), a non-zero initial state in slot 1.
+  void awkward_lengths(DType act, std::initializer_list<int32_t> lengths) const {
     auto rng = test::Rng::for_test();
-    for (int32_t T : {1, 3, 17, 111, 989, 4099}) {
+    for (int32_t T : lengths) {
       const SsmCase& c = T > 1000 ? kNano : kSuper;
       SCOPED_TRACE(::testing::Message() << "T=" << T << " H=" << c.H << " act=" << dtype_name(act));
       check_scan(rng, c, {T}, {1}, 3, 128, act);
@@ -395,12 +397,27 @@ TEST_P(OpsSsd, BadShapesThrowNamingTheOp) {
 
 TEST_P(OpsSsd, CudaBf16AwkwardTokenCounts) {
   if (!on_cuda()) GTEST_SKIP() << "bf16 activations are a CUDA path";
-  awkward_lengths(DType::kBF16);
+  awkward_lengths(DType::kBF16, {1, 3, 17, 111});
+}
+
+TEST_P(OpsSsd, CudaBf16Prompt989) {
+  if (!on_cuda()) GTEST_SKIP() << "bf16 activations are a CUDA path";
+  awkward_lengths(DType::kBF16, {989});
+}
+
+TEST_P(OpsSsd, CudaBf16Prompt4099) {
+  if (!on_cuda()) GTEST_SKIP() << "bf16 activations are a CUDA path";
+  awkward_lengths(DType::kBF16, {4099});
 }
 
 TEST_P(OpsSsd, CudaF32AwkwardTokenCounts) {
   if (!on_cuda()) GTEST_SKIP() << "the CPU instance is the reference itself";
-  awkward_lengths(DType::kF32);
+  awkward_lengths(DType::kF32, {1, 3, 17, 111, 989});
+}
+
+TEST_P(OpsSsd, CudaF32Prompt4099) {
+  if (!on_cuda()) GTEST_SKIP() << "the CPU instance is the reference itself";
+  awkward_lengths(DType::kF32, {4099});
 }
 
 // Packed batches of 1 to 64 sequences of mixed lengths (0, 1, exact chunk multiples, crossing chunk
@@ -427,11 +444,11 @@ TEST_P(OpsSsd, CudaPackedBatchesMixedLengths) {
 }
 
 // A batch whose chunk count makes the tensor-core path group chunks into superchunks (of 2 here) across
-// several sequences, with a pad of 128 tokens and an empty sequence.
+// several sequences, with a pad of 128 tokens and an empty sequence (bf16: the f32 path has no superchunks).
 TEST_P(OpsSsd, CudaPackedBatchSuperchunks) {
   if (!on_cuda()) GTEST_SKIP() << "bf16 activations are a CUDA path";
   auto rng = test::Rng::for_test();
-  run_batch(rng, kNano, {0, 1, 128, 1000, 700, 129, 300});
+  run_batch(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, {DType::kBF16});
 }
 
 // 16-bit storage everywhere else: bf16 states, f16 activations, bf16 parameters (as HF loads A_log, D and

@@ -8,7 +8,7 @@
 //   3. chunk_state       each "superchunk" (M consecutive chunks of one sequence) from a zero state:
 //                        S = exp(Acum_c[last]) * S + sum_s exp(Acum_c[last] - Acum_c[s]) dt[s] x[s] B[s]^T,
 //                        chunk by chunk -> states [n_supers, H, P, N] f32 and decay [n_supers, H] = prod_c exp(..)
-//   4. state_passing     from ssm_state[slot]: states[sc] <- state entering superchunk sc; final -> ssm_state
+//   4. state_passing     from ssm_state[slot]: entering[sc] <- the state entering superchunk sc; final -> ssm_state
 //   5. chunk_scan        per superchunk and head, chunk by chunk: y = Y_diag + exp(Acum) C S^T + D x, then the
 //                        state advanced over the chunk (the chunk_state step) for the next chunk.
 // mamba_ssm materialises the state entering every chunk (M = 1); a superchunk of M chunks writes 1/M of
@@ -51,7 +51,8 @@ struct SsdParams {
   // fp32 workspace:
   float* dt = nullptr;         // [H, T] discretised dt (head-major so a chunk of one head is contiguous)
   float* dA_cumsum = nullptr;  // [H, T] cumsum of dt * A within each chunk
-  float* states = nullptr;     // [n_supers, H, P, N]: superchunk end states, then (after passing) the entering ones
+  float* states = nullptr;     // [n_supers, H, P, N]: superchunk end states from a zero start (stage 3)
+  float* entering = nullptr;   // [n_supers, H, P, N]: the state entering each superchunk (stage 4)
   float* decay = nullptr;      // [n_supers, H]: prod over the superchunk's chunks of exp(dA_cumsum[last])
 };
 
@@ -78,10 +79,12 @@ void launch_ssd_chunk_scan_portable(const SsdParams& p, cudaStream_t stream);
 inline constexpr int kSsdMmaHeadDim = 64;
 inline constexpr int kSsdMmaStateSize = 128;
 inline constexpr int kSsdMmaChunk = 128;
+// heads_per_block 1 or 2: the state pass shares one B tile between that many heads of a group.
+// fused_cb: the scan computes C.B^T and Y_off in one pass over N (more independent mma chains).
 template <typename T>
-void launch_ssd_chunk_state_mma(const SsdParams& p, cudaStream_t stream);
+void launch_ssd_chunk_state_mma(const SsdParams& p, int heads_per_block, cudaStream_t stream);
 template <typename T>
-void launch_ssd_chunk_scan_mma(const SsdParams& p, cudaStream_t stream);
+void launch_ssd_chunk_scan_mma(const SsdParams& p, bool fused_cb, cudaStream_t stream);
 
 // The plain per-token recurrence (model-spec 3.3), one block per (sequence, head).
 struct SsmRecurrenceParams {
@@ -105,12 +108,19 @@ void launch_ssm_recurrence(const SsmRecurrenceParams& p, cudaStream_t stream);
 // ---- the host side of one ssd_chunk_scan call -----------------------------------------------------------
 // Plans the chunk grid, uploads it, takes the workspace and runs the stages; cuda::ssd_chunk_scan is
 // SsdRunner(...).run(), and the benchmark times the stages one by one. Inputs are validated by ops::.
+// Tensor-core path variants (the defaults are what ops::ssd_chunk_scan runs; the benchmark compares).
+struct SsdOptions {
+  int superchunk = 0;       // chunks per superchunk; 0 picks (see ssd.cu)
+  int state_heads = 2;      // heads sharing one block (and one B tile) in chunk_state: 1 or 2
+  bool fused_cb = true;     // chunk_scan computes C.B^T and Y_off in one pass
+  bool portable = false;    // force the portable fp32 kernels (the benchmark's cross-check)
+};
+
 class SsdRunner {
  public:
-  // superchunk: 0 picks it (see ssd.cu); > 0 forces that many chunks per superchunk on the tensor-core path.
   SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
             const ops::SsmParams& sp, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
-            std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, int superchunk = 0);
+            std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, SsdOptions options = {});
   bool empty() const { return p_.n_chunks == 0; }  // every sequence a pad or empty: nothing to launch
   bool uses_mma() const { return use_mma_; }
   int superchunk() const { return superchunk_; }
@@ -131,6 +141,7 @@ class SsdRunner {
   ParamType a_type_, d_type_, b_type_;
   bool use_mma_ = false;
   int superchunk_ = 1;
+  SsdOptions options_;
   cudaStream_t stream_;
   Tensor workspace_;
 };

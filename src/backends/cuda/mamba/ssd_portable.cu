@@ -2,6 +2,8 @@
 // (parameter prep, chunk cumsum, state passing), the SIMT chunk_state / chunk_scan used for F32 activations
 // and shapes the tensor-core kernels do not cover, and the per-token recurrence oracle. They mirror the CPU
 // reference (src/backends/cpu/ssd.cpp) stage by stage, including its order of fp32 operations where cheap.
+#include <type_traits>
+
 #include "backends/cuda/mamba/ssd_kernels.cuh"
 
 namespace chimera::cuda {
@@ -76,41 +78,54 @@ __global__ void __launch_bounds__(kThreads) ssd_chunk_cumsum_kernel(SsdParams p)
   }
 }
 
-// Stage 4: one thread per state element of one (sequence, head); sequential over the sequence's
-// superchunks: states[sc] <- running; running = decay[sc] * running + (superchunk end state).
-// Loads are issued four superchunks ahead of the dependent chain.
-template <typename S>
+// Stage 4: kVec consecutive state elements of one (sequence, head) per thread, sequential over the
+// sequence's superchunks: entering[sc] = running; running = decay[sc] * running + states[sc]. The reads
+// (states, decay) and writes (entering) are separate arrays, so a batch of kBatch superchunks is loaded
+// before the dependent chain uses it.
+template <typename S, int kVec>
 __global__ void __launch_bounds__(kThreads) ssd_state_passing_kernel(SsdParams p) {
+  using Vec = std::conditional_t<kVec == 4, float4, float>;
+  constexpr int kBatch = 8;
   const int PN = p.P * p.N;
-  const int e = blockIdx.x * kThreads + threadIdx.x;
+  const int e = (blockIdx.x * kThreads + threadIdx.x) * kVec;
   if (e >= PN) return;
   const int h = blockIdx.y;
   const int4 sq = p.seqs[blockIdx.z];
   S* slot_state = static_cast<S*>(p.ssm_state) + (static_cast<size_t>(sq.z) * p.H + h) * PN + e;
-  float running = to_float(*slot_state);
-  int sc = sq.x;
-  for (; sc + 4 <= sq.y; sc += 4) {
-    float v[4], d[4];
-    float* ptr[4];
+  float run[kVec];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      ptr[k] = p.states + (static_cast<size_t>(sc + k) * p.H + h) * PN + e;
-      v[k] = *ptr[k];
-      d[k] = p.decay[static_cast<size_t>(sc + k) * p.H + h];
+  for (int k = 0; k < kVec; ++k) run[k] = to_float(slot_state[k]);
+  const float* __restrict__ in = p.states;
+  const float* __restrict__ decay = p.decay;
+  float* __restrict__ out = p.entering;
+  auto at = [&](int sc) { return (static_cast<size_t>(sc) * p.H + h) * PN + e; };
+  for (int sc0 = sq.x; sc0 < sq.y; sc0 += kBatch) {
+    Vec v[kBatch];
+    float d[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (sc0 + b < sq.y) {
+        v[b] = *reinterpret_cast<const Vec*>(&in[at(sc0 + b)]);
+        d[b] = decay[static_cast<size_t>(sc0 + b) * p.H + h];
+      }
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      *ptr[k] = running;
-      running = d[k] * running + v[k];
+    for (int b = 0; b < kBatch; ++b) {
+      if (sc0 + b < sq.y) {
+        const float* vs = reinterpret_cast<const float*>(&v[b]);
+        Vec o;
+        float* os = reinterpret_cast<float*>(&o);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          os[k] = run[k];
+          run[k] = d[b] * run[k] + vs[k];
+        }
+        *reinterpret_cast<Vec*>(&out[at(sc0 + b)]) = o;
+      }
     }
   }
-  for (; sc < sq.y; ++sc) {
-    float* ptr = p.states + (static_cast<size_t>(sc) * p.H + h) * PN + e;
-    const float v = *ptr;
-    *ptr = running;
-    running = p.decay[static_cast<size_t>(sc) * p.H + h] * running + v;
-  }
-  *slot_state = from_float<S>(running);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) slot_state[k] = from_float<S>(run[k]);
 }
 
 // Stage 3, portable: one block per (chunk, head) (superchunk == chunk). Thread per state element (p, n):
@@ -154,9 +169,10 @@ inline int scan_tile_rows(int chunk) { return chunk >= kScanTileFloats ? 1 : kSc
 template <typename T>
 __global__ void __launch_bounds__(kThreads) ssd_chunk_scan_portable_kernel(SsdParams p, int tile_rows) {
   extern __shared__ float smem[];
-  float* dts = smem;                   // [chunk_size]
-  float* acs = smem + p.chunk_size;    // [chunk_size]
-  float* m = acs + p.chunk_size;       // [tile_rows, chunk_size]
+  const int q4 = (p.chunk_size + 3) / 4 * 4;
+  float* dts = smem;     // [chunk_size]
+  float* acs = dts + q4;  // [chunk_size]
+  float* m = acs + q4;    // [tile_rows, chunk_size]
   const int c = blockIdx.x / p.H, h = blockIdx.x % p.H, g = h / p.heads_per_group;
   const int2 ch = p.chunks[c];
   const int len = ch.y - ch.x;
@@ -169,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) ssd_chunk_scan_portable_kernel(SsdPa
   const T* B = static_cast<const T*>(p.B);
   const T* C = static_cast<const T*>(p.C);
   T* y = static_cast<T*>(p.y);
-  const float* s_in = p.states + (static_cast<size_t>(c) * p.H + h) * p.P * p.N;
+  const float* s_in = p.entering + (static_cast<size_t>(c) * p.H + h) * p.P * p.N;
   const float d = p.D[h];
   auto xat = [&](int s, int pi) { return to_float(x[(static_cast<size_t>(ch.x + s) * p.H + h) * p.P + pi]); };
   auto crow = [&](int l) { return C + (static_cast<size_t>(ch.x + l) * p.G + g) * p.N; };
@@ -205,10 +221,11 @@ template <typename T, typename S>
 __global__ void __launch_bounds__(kThreads) ssm_recurrence_kernel(SsmRecurrenceParams p) {
   extern __shared__ float smem[];
   const int PN = p.P * p.N;
-  float* state = smem;       // [P, N]
-  float* bs = state + PN;    // [N]
-  float* cs = bs + p.N;      // [N]
-  float* xs = cs + p.N;      // [P]
+  const int pn4 = (PN + 3) / 4 * 4, n4 = (p.N + 3) / 4 * 4;
+  float* state = smem;     // [P, N]
+  float* bs = state + pn4;  // [N]
+  float* cs = bs + n4;      // [N]
+  float* xs = cs + n4;      // [P]
   const int seq = blockIdx.x / p.H, h = blockIdx.x % p.H, g = h / p.heads_per_group;
   const int4 sq = p.seqs[seq];
   S* slot_state = static_cast<S*>(p.ssm_state) + (static_cast<size_t>(sq.z) * p.H + h) * PN;
@@ -252,6 +269,10 @@ __global__ void __launch_bounds__(kThreads) ssm_recurrence_kernel(SsmRecurrenceP
   for (int e = threadIdx.x; e < PN; e += kThreads) slot_state[e] = from_float<S>(state[e]);
 }
 
+// Shared arrays are carved at multiples of 4 floats: the compiler may read a loop's tail as one 16-byte
+// vector (seen under compute-sanitizer: a 16-byte read of a 4-byte array), so every piece is padded.
+inline size_t pad4(size_t n) { return (n + 3) / 4 * 4; }
+
 // Dynamic shared memory above the 48 KB default needs an opt-in per kernel.
 template <typename Kernel>
 void set_smem(Kernel kernel, size_t bytes, const char* op) {
@@ -284,15 +305,21 @@ void launch_ssd_chunk_cumsum(const SsdParams& p, cudaStream_t stream) {
 
 template <typename S>
 void launch_ssd_state_passing(const SsdParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div(static_cast<int64_t>(p.P) * p.N, kThreads)),
-                  static_cast<unsigned>(p.H), static_cast<unsigned>(p.n_seqs));
-  ssd_state_passing_kernel<S><<<grid, kThreads, 0, stream>>>(p);
+  const int64_t PN = static_cast<int64_t>(p.P) * p.N;
+  const bool vec = PN % 4 == 0;  // then every (superchunk, head) block of PN floats is 16-byte aligned
+  const dim3 grid(static_cast<unsigned>(ceil_div(vec ? PN / 4 : PN, kThreads)), static_cast<unsigned>(p.H),
+                  static_cast<unsigned>(p.n_seqs));
+  if (vec) {
+    ssd_state_passing_kernel<S, 4><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    ssd_state_passing_kernel<S, 1><<<grid, kThreads, 0, stream>>>(p);
+  }
   CHIMERA_LAUNCH_CHECK("ops::ssd_chunk_scan (state_passing)");
 }
 
 template <typename T>
 void launch_ssd_chunk_state_portable(const SsdParams& p, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(p.chunk_size) * sizeof(float);
+  const size_t smem = pad4(static_cast<size_t>(p.chunk_size)) * sizeof(float);
   set_smem(ssd_chunk_state_portable_kernel<T>, smem, "ops::ssd_chunk_scan (chunk_state)");
   ssd_chunk_state_portable_kernel<T>
       <<<static_cast<unsigned>(p.n_chunks) * static_cast<unsigned>(p.H), kThreads, smem, stream>>>(p);
@@ -302,8 +329,9 @@ void launch_ssd_chunk_state_portable(const SsdParams& p, cudaStream_t stream) {
 template <typename T>
 void launch_ssd_chunk_scan_portable(const SsdParams& p, cudaStream_t stream) {
   const int tile_rows = scan_tile_rows(p.chunk_size);
-  const size_t smem = (2 * static_cast<size_t>(p.chunk_size) + static_cast<size_t>(tile_rows) * p.chunk_size) *
-                      sizeof(float);
+  const size_t smem =
+      (2 * pad4(static_cast<size_t>(p.chunk_size)) + pad4(static_cast<size_t>(tile_rows) * p.chunk_size)) *
+      sizeof(float);
   set_smem(ssd_chunk_scan_portable_kernel<T>, smem, "ops::ssd_chunk_scan (chunk_scan)");
   ssd_chunk_scan_portable_kernel<T>
       <<<static_cast<unsigned>(p.n_chunks) * static_cast<unsigned>(p.H), kThreads, smem, stream>>>(p, tile_rows);
@@ -312,7 +340,9 @@ void launch_ssd_chunk_scan_portable(const SsdParams& p, cudaStream_t stream) {
 
 template <typename T, typename S>
 void launch_ssm_recurrence(const SsmRecurrenceParams& p, cudaStream_t stream) {
-  const size_t smem = (static_cast<size_t>(p.P) * p.N + 2 * static_cast<size_t>(p.N) + p.P) * sizeof(float);
+  const size_t smem =
+      (pad4(static_cast<size_t>(p.P) * p.N) + 2 * pad4(static_cast<size_t>(p.N)) + pad4(static_cast<size_t>(p.P))) *
+      sizeof(float);
   set_smem(ssm_recurrence_kernel<T, S>, smem, "ops::ssm_recurrence");
   ssm_recurrence_kernel<T, S>
       <<<static_cast<unsigned>(p.n_seqs) * static_cast<unsigned>(p.H), kThreads, smem, stream>>>(p);
