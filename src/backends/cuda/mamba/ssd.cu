@@ -113,8 +113,8 @@ Plan make_plan(std::span<const int32_t> cu, std::span<const int32_t> slots, int6
 
 // Superchunk length for the tensor-core path: the largest power of two <= kMaxSuperchunk that keeps at
 // least three (superchunk, head) blocks per multiprocessor (the scan runs one block per multiprocessor).
-// Measured on the H200 (32K tokens, 128 heads): M = 1, 2, 4, 8 took 5.25, 3.72, 3.17, 2.89 ms, the state
-// traffic between stages shrinking with M faster than the scan's extra state steps grow.
+// Measured on the H200 (32K tokens, 128 heads), whole op: M = 1, 2, 4, 8 took 5.25, 3.72, 3.17, 2.89 ms with the
+// first state passing kernel; with the current one M = 4, 8, 16 take 2.86, 2.79, 2.72 ms (docs/perf.md).
 int pick_superchunk(std::span<const int32_t> cu, std::span<const int32_t> slots, int64_t chunk, int64_t H) {
   int64_t n_chunks = 0;
   for (size_t s = 0; s < slots.size(); ++s) {
