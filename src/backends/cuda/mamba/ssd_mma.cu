@@ -1,0 +1,565 @@
+// Tensor-core SSD stages 3 (chunk_state) and 5 (chunk_scan) for bf16 / f16 activations at the Nemotron shape
+// (head_dim P = 64, ssm_state_size N = 128, chunk 128): mma.sync m16n8k16 with fp32 accumulation, operands
+// read from shared memory with ldmatrix (.trans where the operand's k runs down the stored rows), chunk
+// tiles fetched with cp.async into a double buffer so the next chunk loads while this one computes.
+// Portable across sm_80+, built here for sm_90a.
+// Measured (docs/perf.md, H200, 32K tokens, 128 heads): chunk_scan 2.17 ms at ~97 TFLOP/s, chunk_state 0.47 ms
+// at ~147 TFLOP/s, i.e. ~0.11-0.14 mma.sync per cycle per SM, whatever the C.B^T loop structure or the number
+// of heads sharing B: the likely limit is feeding shared memory (one 89 KB chunk in flight per SM through
+// per-thread cp.async), not the tensor cores. Next: TMA bulk copies with a third stage, blocks of several
+// heads sharing the B / C tiles and C.B^T in the scan, then wgmma (seed: tuned-chunk-scan section).
+//
+// One block of 8 warps per (superchunk, head); grid order puts the heads of one superchunk next to each other
+// so the B / C tiles they share stay in L2. Shared-memory tiles keep the global layout (rows = tokens),
+// padded by 8 elements per row so ldmatrix row addresses fall in distinct bank groups:
+//   xs [Q, P + 8]   x rows of this head           (A^T of the state update, B of Y_diag)
+//   bs [Q, N + 8]   B rows of this head's group   (B of C.B^T, B of the state update)
+//   cs [Q, N + 8]   C rows                        (A of C.B^T and of Y_off)           (scan only)
+//   sb [P, N + 8]   the entering state in bf16    (B of Y_off)                        (scan only)
+// Rounding follows mamba_ssm: the decay/dt-weighted C.B tile, the dt-weighted x and the entering state are
+// rounded to the activation type before their matrix products; everything accumulates in fp32.
+#include <cstdint>
+
+#include "backends/cuda/mamba/ssd_kernels.cuh"
+
+namespace chimera::cuda {
+namespace {
+
+constexpr int kQ = kSsdMmaChunk;
+constexpr int kP = kSsdMmaHeadDim;
+constexpr int kN = kSsdMmaStateSize;
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kXStride = kP + 8;
+constexpr int kBStride = kN + 8;
+static_assert(kQ == 128 && kP == 64 && kN == 128, "the warp tiling below assumes Q = 128, P = 64, N = 128");
+static_assert(kThreads == 2 * kQ, "dt / dA_cumsum rows are fetched one per thread");
+
+// ---- PTX wrappers --------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared, zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+// d += a (16x16, row) * b (16x8, col); fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats <-> one register of two 16-bit values (lo in the low half, as the mma fragments expect).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t u);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t u) {
+  __nv_bfloat162 v;
+  memcpy(&v, &u, 4);
+  return __bfloat1622float2(v);
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t u) {
+  __half2 v;
+  memcpy(&v, &u, 4);
+  return __half22float2(v);
+}
+
+// ---- shared memory ---------------------------------------------------------------------------------
+// The scan's tiles of one chunk of one head.
+template <typename T>
+struct ScanTiles {
+  T xs[kQ * kXStride];
+  T bs[kQ * kBStride];
+  T cs[kQ * kBStride];
+  float dt[kQ];
+  float acs[kQ];  // dA_cumsum; rows past the chunk's end are zero-filled (finite, and dt = 0 there)
+};
+template <typename T>
+struct ScanSmem {
+  ScanTiles<T> stage[2];
+  T sb[kP * kBStride];
+};
+// The state pass's tiles of one chunk for kHeads heads of one group (B shared).
+template <typename T, int kHeads>
+struct StateTiles {
+  T xs[kHeads][kQ * kXStride];
+  T bs[kQ * kBStride];
+  float dt[kHeads][kQ];
+  float acs[kHeads][kQ];
+};
+template <typename T, int kHeads>
+struct StateSmem {
+  StateTiles<T, kHeads> stage[2];
+};
+
+// cp.async copies of chunk rows [begin, begin + len): x of head h into xs, B (and C) of group g; rows past
+// len are zero-filled. `idx` runs over the calling threads; the caller commits.
+template <typename T>
+__device__ __forceinline__ void load_x(T* xs, const SsdParams& p, int begin, int len, int h, int idx) {
+  const T* x = static_cast<const T*>(p.x);
+  const int r = idx / (kP / 8), v = idx % (kP / 8);
+  const bool ok = r < len;
+  cp_async16(&xs[r * kXStride + v * 8], ok ? x + (static_cast<size_t>(begin + r) * p.H + h) * kP + v * 8 : x, ok);
+}
+template <typename T>
+__device__ __forceinline__ void load_bc(T* tile, const void* src_base, const SsdParams& p, int begin, int len, int g,
+                                        int idx) {
+  const T* src = static_cast<const T*>(src_base);
+  const int r = idx / (kN / 8), v = idx % (kN / 8);
+  const bool ok = r < len;
+  cp_async16(&tile[r * kBStride + v * 8], ok ? src + (static_cast<size_t>(begin + r) * p.G + g) * kN + v * 8 : src, ok);
+}
+// which = 0: dt, 1: dA_cumsum; row r of the chunk of head h.
+__device__ __forceinline__ void load_dt(float* dst, const SsdParams& p, int begin, int len, int h, int which, int r) {
+  const bool ok = r < len;
+  const float* src = which == 0 ? p.dt : p.dA_cumsum;
+  cp_async4(&dst[r], ok ? src + static_cast<size_t>(h) * p.T + begin + r : src, ok);
+}
+
+template <typename T>
+__device__ __forceinline__ void load_scan_chunk(ScanTiles<T>& t, const SsdParams& p, int begin, int len, int h, int g) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < kQ * kP / 8 / kThreads; ++i) load_x(t.xs, p, begin, len, h, tid + i * kThreads);
+#pragma unroll
+  for (int i = 0; i < kQ * kN / 8 / kThreads; ++i) {
+    load_bc(t.bs, p.B, p, begin, len, g, tid + i * kThreads);
+    load_bc(t.cs, p.C, p, begin, len, g, tid + i * kThreads);
+  }
+  load_dt(tid < kQ ? t.dt : t.acs, p, begin, len, h, tid / kQ, tid % kQ);
+}
+
+// Heads h0 .. h0 + nh - 1 (nh <= kHeads) with kHeads * kThreads threads.
+template <typename T, int kHeads>
+__device__ __forceinline__ void load_state_chunk(StateTiles<T, kHeads>& t, const SsdParams& p, int begin, int len,
+                                                 int h0, int nh, int g) {
+  constexpr int kAll = kHeads * kThreads;
+  const int tid = threadIdx.x;
+  constexpr int kXVec = kQ * kP / 8;  // 16-byte vectors of one head's x tile
+#pragma unroll
+  for (int i = 0; i < kHeads * kXVec / kAll; ++i) {
+    const int idx = tid + i * kAll, hh = idx / kXVec;
+    if (hh < nh) load_x(t.xs[hh], p, begin, len, h0 + hh, idx % kXVec);
+  }
+#pragma unroll
+  for (int i = 0; i < kQ * kN / 8 / kAll; ++i) load_bc(t.bs, p.B, p, begin, len, g, tid + i * kAll);
+  const int hh = tid / kThreads, which = (tid / kQ) % 2;
+  if (hh < nh) load_dt(which == 0 ? t.dt[hh] : t.acs[hh], p, begin, len, h0 + hh, which, tid % kQ);
+}
+
+// Lane roles in the fragments (PTX ISA, mma.m16n8k16 and ldmatrix):
+//   gid = lane / 4, t4 = lane % 4: accumulator (row gid | gid + 8, cols 2 t4, 2 t4 + 1)
+//   ldmatrix x4: lane supplies row (lane % 8) of matrix (lane / 8).
+struct Lane {
+  int lane, gid, t4, mrow, mat;
+  __device__ explicit Lane(int l) : lane(l), gid(l >> 2), t4(l & 3), mrow(l & 7), mat(l >> 3) {}
+};
+
+// The state step over one chunk, this warp's part of S [P, N]: rows p in [p0, p0 + 16), columns n in
+// [n0, n0 + 64) (8 accumulator tiles): S = exp(Acum[last]) * S + (x * w)^T B over the chunk's rows s, with
+// w[s] = exp(Acum[last] - Acum[s]) * dt[s] applied to the x fragment (rounded to T) before the product.
+template <typename T>
+__device__ __forceinline__ void state_step(float (&st)[8][4], const T* xs, const T* bs, const float* acs,
+                                           const float* dt, int len, int p0, int n0, const Lane& ln) {
+  const float a_last = acs[len - 1];
+  const float dec = __expf(a_last);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[j][e] *= dec;
+  }
+#pragma unroll
+  for (int kk = 0; kk < kQ / 16; ++kk) {
+    // A[m = p][k = s] = xs[s][p]: matrices (s 0-7, p 0-7), (s 0-7, p 8-15), (s 8-15, p 0-7), (s 8-15, p 8-15).
+    uint32_t a[4];
+    ldsm_x4_trans(a, &xs[(kk * 16 + ln.mrow + (ln.mat >> 1) * 8) * kXStride + p0 + (ln.mat & 1) * 8]);
+    const int s0 = kk * 16 + 2 * ln.t4;
+    float w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int s = s0 + (e & 1) + (e >> 1) * 8;
+      w[e] = __expf(a_last - acs[s]) * dt[s];
+    }
+    // a[0], a[1]: k = s0, s0 + 1 (rows gid, gid + 8); a[2], a[3]: k = s0 + 8, s0 + 9.
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 v = unpack2<T>(a[r]);
+      const int wi = (r >> 1) * 2;
+      a[r] = pack2<T>(v.x * w[wi], v.y * w[wi + 1]);
+    }
+#pragma unroll
+    for (int jq = 0; jq < 4; ++jq) {
+      // B[k = s][n] = bs[s][n]: matrices (s 0-7, n 0-7), (s 8-15, n 0-7), (s 0-7, n 8-15), (s 8-15, n 8-15).
+      uint32_t b[4];
+      ldsm_x4_trans(b, &bs[(kk * 16 + ln.mrow + (ln.mat & 1) * 8) * kBStride + n0 + jq * 16 + (ln.mat >> 1) * 8]);
+      mma16816<T>(st[2 * jq], a, b[0], b[1]);
+      mma16816<T>(st[2 * jq + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Stage 3: the end state of each superchunk from a zero start, and its total decay. One block per
+// (superchunk, kHeads heads of one group): 8 warps per head, the B tile shared by the heads.
+template <typename T, int kHeads>
+__global__ void __launch_bounds__(kThreads * kHeads, 3 - kHeads) ssd_chunk_state_mma_kernel(SsdParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<StateSmem<T, kHeads>*>(smem_raw);
+  const int per_group = (p.heads_per_group + kHeads - 1) / kHeads;  // blocks per group and superchunk
+  const int sc = blockIdx.x / (p.G * per_group), rest = blockIdx.x % (p.G * per_group);
+  const int g = rest / per_group, h0 = g * p.heads_per_group + (rest % per_group) * kHeads;
+  const int nh = min(kHeads, (g + 1) * p.heads_per_group - h0);
+  const int2 su = p.supers[sc];
+  const int warp = threadIdx.x / 32, hh = warp / 8, hw = warp % 8;
+  const bool active = hh < nh;
+  const Lane ln(threadIdx.x % 32);
+  const int p0 = (hw & 3) * 16, n0 = (hw >> 2) * 64;
+  float st[8][4] = {};
+  float decay = 1.0f;
+  {
+    const int2 ch = p.chunks[su.x];
+    load_state_chunk(sm.stage[0], p, ch.x, ch.y - ch.x, h0, nh, g);
+    cp_async_commit();
+  }
+  for (int ci = 0; ci < su.y; ++ci) {
+    const int2 ch = p.chunks[su.x + ci];
+    const int len = ch.y - ch.x;
+    if (ci + 1 < su.y) {
+      const int2 nx = p.chunks[su.x + ci + 1];
+      load_state_chunk(sm.stage[(ci + 1) & 1], p, nx.x, nx.y - nx.x, h0, nh, g);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const auto& t = sm.stage[ci & 1];
+    if (active) {
+      decay *= __expf(t.acs[hh][len - 1]);
+      state_step(st, t.xs[hh], t.bs, t.acs[hh], t.dt[hh], len, p0, n0, ln);
+    }
+    __syncthreads();  // the stage is refilled two chunks later
+  }
+  if (!active) return;
+  const int h = h0 + hh;
+  float* out = p.states + (static_cast<size_t>(sc) * p.H + h) * (kP * kN);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
+      *reinterpret_cast<float2*>(&out[pr * kN + nc]) = make_float2(st[j][2 * half], st[j][2 * half + 1]);
+    }
+  }
+  if (threadIdx.x % kThreads == 0) p.decay[static_cast<size_t>(sc) * p.H + h] = decay;
+}
+
+// This warp's C.B^T tile j (rows l0, l1; columns s = 16 j + 8 nt + 2 t4 (+1)) scaled by
+// exp(Acum[l] - Acum[s]) dt[s] (zero above the diagonal), re-packed as the A fragment of the product with x:
+// {row gid, k 0-7}, {row gid + 8, k 0-7}, {row gid, k 8-15}, {row gid + 8, k 8-15}.
+template <typename T>
+__device__ __forceinline__ void cb_to_a(uint32_t (&af)[4], const float (&cb)[2][4], const float* acs,
+                                        const float* dt, int j, int l0, int l1, float al0, float al1,
+                                        const Lane& ln) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int s = j * 16 + nt * 8 + 2 * ln.t4;
+    const float as0 = acs[s], as1 = acs[s + 1], d0 = dt[s], d1 = dt[s + 1];
+    const float v00 = s <= l0 ? cb[nt][0] * __expf(al0 - as0) * d0 : 0.0f;
+    const float v01 = s + 1 <= l0 ? cb[nt][1] * __expf(al0 - as1) * d1 : 0.0f;
+    const float v10 = s <= l1 ? cb[nt][2] * __expf(al1 - as0) * d0 : 0.0f;
+    const float v11 = s + 1 <= l1 ? cb[nt][3] * __expf(al1 - as1) * d1 : 0.0f;
+    af[2 * nt] = pack2<T>(v00, v01);
+    af[2 * nt + 1] = pack2<T>(v10, v11);
+  }
+}
+
+// Stage 5: y for every chunk of the superchunk, carrying the state chunk to chunk. Warp w computes the output
+// rows l in [16 w, 16 w + 16) of each chunk:
+//   Y_off  = exp(Acum[l]) * C[l] . S_in^T                   (k = N, S_in rounded to T in sb)
+//   Y_diag = sum_{s <= l} (C[l] . B[s]) exp(Acum[l] - Acum[s]) dt[s] x[s]   (C.B^T tile j by tile j, its
+//            accumulators re-packed in registers as the A fragment of the product with x; tiles past the
+//            diagonal skipped)
+//   y      = Y_off + Y_diag + D x
+// then advances its share of the state (as stage 3) unless this is the superchunk's last chunk.
+// kFusedCb: C.B^T and Y_off in one pass over k = N (each C fragment loaded once, the C.B^T tiles of all
+// j <= w accumulated side by side: 2 (w + 1) independent mma chains instead of 2); else tile j by tile j.
+template <typename T, bool kFusedCb>
+__global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<ScanSmem<T>*>(smem_raw);
+  const int sc = blockIdx.x / p.H, h = blockIdx.x % p.H, g = h / p.heads_per_group;
+  const int2 su = p.supers[sc];
+  const int warp = threadIdx.x / 32;
+  const Lane ln(threadIdx.x % 32);
+  const int p0 = (warp & 3) * 16, n0 = (warp >> 2) * 64;
+  float st[8][4];
+  {
+    const float* s_in = p.entering + (static_cast<size_t>(sc) * p.H + h) * (kP * kN);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
+        const float2 v = *reinterpret_cast<const float2*>(&s_in[pr * kN + nc]);
+        st[j][2 * half] = v.x;
+        st[j][2 * half + 1] = v.y;
+      }
+    }
+  }
+  const float d_skip = p.D[h];
+  T* y = static_cast<T*>(p.y);
+  {
+    const int2 ch = p.chunks[su.x];
+    load_scan_chunk(sm.stage[0], p, ch.x, ch.y - ch.x, h, g);
+    cp_async_commit();
+  }
+  const int m0 = warp * 16;  // this warp's output rows
+  const int l0 = m0 + ln.gid, l1 = l0 + 8;
+  for (int ci = 0; ci < su.y; ++ci) {
+    const int2 ch = p.chunks[su.x + ci];
+    const int len = ch.y - ch.x;
+    if (ci + 1 < su.y) {
+      const int2 nx = p.chunks[su.x + ci + 1];
+      load_scan_chunk(sm.stage[(ci + 1) & 1], p, nx.x, nx.y - nx.x, h, g);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    // The entering state, rounded to T, as the B operand of Y_off.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
+        *reinterpret_cast<uint32_t*>(&sm.sb[pr * kBStride + nc]) = pack2<T>(st[j][2 * half], st[j][2 * half + 1]);
+      }
+    }
+    __syncthreads();
+    const auto& t = sm.stage[ci & 1];
+    const float al0 = t.acs[l0], al1 = t.acs[l1];
+
+    float acc[8][4] = {};
+    if constexpr (kFusedCb) {
+      float cb[kQ / 16][2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(a, &t.cs[(m0 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+        // Y_off: B[k = n][col = p] = sb[p][n] (non-transposed ldmatrix).
+#pragma unroll
+        for (int np = 0; np < kP / 16; ++np) {
+          uint32_t b[4];
+          ldsm_x4(b, &sm.sb[(np * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
+          mma16816<T>(acc[2 * np], a, b[0], b[1]);
+          mma16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+        }
+        // C.B^T: B[k = n][col = s] = bs[s][n]: matrices (s 0-7, n 0-7), (s 0-7, n 8-15), (s 8-15, n 0-7), ...
+#pragma unroll
+        for (int j = 0; j < kQ / 16; ++j) {
+          if (j <= warp) {
+            uint32_t b[4];
+            ldsm_x4(b, &t.bs[(j * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
+            mma16816<T>(cb[j][0], a, b[0], b[1]);
+            mma16816<T>(cb[j][1], a, b[2], b[3]);
+          }
+        }
+      }
+      const float e0 = __expf(al0), e1 = __expf(al1);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc[j][0] *= e0;
+        acc[j][1] *= e0;
+        acc[j][2] *= e1;
+        acc[j][3] *= e1;
+      }
+#pragma unroll
+      for (int j = 0; j < kQ / 16; ++j) {
+        if (j <= warp) {
+          uint32_t af[4];
+          cb_to_a<T>(af, cb[j], t.acs, t.dt, j, l0, l1, al0, al1, ln);
+#pragma unroll
+          for (int np = 0; np < kP / 16; ++np) {
+            // B[k = s][col = p] = xs[s][p]: matrices (s 0-7, p 0-7), (s 8-15, p 0-7), (s 0-7, p 8-15), ...
+            uint32_t b[4];
+            ldsm_x4_trans(b, &t.xs[(j * 16 + ln.mrow + (ln.mat & 1) * 8) * kXStride + np * 16 + (ln.mat >> 1) * 8]);
+            mma16816<T>(acc[2 * np], af, b[0], b[1]);
+            mma16816<T>(acc[2 * np + 1], af, b[2], b[3]);
+          }
+        }
+      }
+    } else {
+      // Y_off: A = C rows (k = n), B[k = n][col = p] = sb[p][n] (non-transposed ldmatrix).
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(a, &t.cs[(m0 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+#pragma unroll
+        for (int np = 0; np < kP / 16; ++np) {
+          uint32_t b[4];
+          ldsm_x4(b, &sm.sb[(np * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
+          mma16816<T>(acc[2 * np], a, b[0], b[1]);
+          mma16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+      const float e0 = __expf(al0), e1 = __expf(al1);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc[j][0] *= e0;
+        acc[j][1] *= e0;
+        acc[j][2] *= e1;
+        acc[j][3] *= e1;
+      }
+      // Y_diag over the column tiles s in [16 j, 16 j + 16), j <= warp.
+      for (int j = 0; j <= warp; ++j) {
+        float cb[2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk) {
+          uint32_t a[4], b[4];
+          ldsm_x4(a, &t.cs[(m0 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+          ldsm_x4(b, &t.bs[(j * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
+          mma16816<T>(cb[0], a, b[0], b[1]);
+          mma16816<T>(cb[1], a, b[2], b[3]);
+        }
+        uint32_t af[4];
+        cb_to_a<T>(af, cb, t.acs, t.dt, j, l0, l1, al0, al1, ln);
+#pragma unroll
+        for (int np = 0; np < kP / 16; ++np) {
+          uint32_t b[4];
+          ldsm_x4_trans(b, &t.xs[(j * 16 + ln.mrow + (ln.mat & 1) * 8) * kXStride + np * 16 + (ln.mat >> 1) * 8]);
+          mma16816<T>(acc[2 * np], af, b[0], b[1]);
+          mma16816<T>(acc[2 * np + 1], af, b[2], b[3]);
+        }
+      }
+    }
+    // + D x, stored as T.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int pc = j * 8 + 2 * ln.t4;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int l = half ? l1 : l0;
+        if (l < len) {
+          const float2 xv = unpack2<T>(*reinterpret_cast<const uint32_t*>(&t.xs[l * kXStride + pc]));
+          const uint32_t out =
+              pack2<T>(acc[j][2 * half] + d_skip * xv.x, acc[j][2 * half + 1] + d_skip * xv.y);
+          *reinterpret_cast<uint32_t*>(&y[(static_cast<size_t>(ch.x + l) * p.H + h) * kP + pc]) = out;
+        }
+      }
+    }
+    if (ci + 1 < su.y) state_step(st, t.xs, t.bs, t.acs, t.dt, len, p0, n0, ln);
+    __syncthreads();  // sb and this stage are rewritten next
+  }
+}
+
+template <typename Kernel>
+void set_smem(Kernel kernel, size_t bytes, const char* op) {
+  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(bytes)),
+                     op);
+}
+
+template <typename T, int kHeads>
+void launch_state(const SsdParams& p, cudaStream_t stream) {
+  constexpr size_t smem = sizeof(StateSmem<T, kHeads>);
+  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_state mma)";
+  set_smem(ssd_chunk_state_mma_kernel<T, kHeads>, smem, kOp);
+  const unsigned per_group = static_cast<unsigned>((p.heads_per_group + kHeads - 1) / kHeads);
+  const unsigned blocks = static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.G) * per_group;
+  ssd_chunk_state_mma_kernel<T, kHeads><<<blocks, kThreads * kHeads, smem, stream>>>(p);
+  CHIMERA_LAUNCH_CHECK(kOp);
+}
+
+template <typename T, bool kFusedCb>
+void launch_scan(const SsdParams& p, cudaStream_t stream) {
+  constexpr size_t smem = sizeof(ScanSmem<T>);
+  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_scan mma)";
+  set_smem(ssd_chunk_scan_mma_kernel<T, kFusedCb>, smem, kOp);
+  ssd_chunk_scan_mma_kernel<T, kFusedCb>
+      <<<static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kThreads, smem, stream>>>(p);
+  CHIMERA_LAUNCH_CHECK(kOp);
+}
+
+}  // namespace
+
+template <typename T>
+void launch_ssd_chunk_state_mma(const SsdParams& p, int heads_per_block, cudaStream_t stream) {
+  if (heads_per_block == 2) {
+    launch_state<T, 2>(p, stream);
+  } else {
+    launch_state<T, 1>(p, stream);
+  }
+}
+
+template <typename T>
+void launch_ssd_chunk_scan_mma(const SsdParams& p, bool fused_cb, cudaStream_t stream) {
+  if (fused_cb) {
+    launch_scan<T, true>(p, stream);
+  } else {
+    launch_scan<T, false>(p, stream);
+  }
+}
+
+template void launch_ssd_chunk_state_mma<__nv_bfloat16>(const SsdParams&, int, cudaStream_t);
+template void launch_ssd_chunk_state_mma<__half>(const SsdParams&, int, cudaStream_t);
+template void launch_ssd_chunk_scan_mma<__nv_bfloat16>(const SsdParams&, bool, cudaStream_t);
+template void launch_ssd_chunk_scan_mma<__half>(const SsdParams&, bool, cudaStream_t);
+
+}  // namespace chimera::cuda
