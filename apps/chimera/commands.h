@@ -17,6 +17,7 @@ struct GenerateOptions {
   std::string prompt;
   std::string prompt_ids;  // "1,2,3"
   std::string device = "cpu";
+  std::string dtype;  // "" = the device's default: float32 on the CPU, bfloat16 on CUDA
   std::string logits_out;
   SamplingParams sampling;
   int32_t max_model_len = 4096;

@@ -5,6 +5,7 @@
 
 #include <fmt/core.h>
 
+#include "backends/device_api.h"
 #include "commands.h"
 #include "core/error.h"
 #include "io/npy.h"
@@ -27,6 +28,9 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
   app.add_option("--seed", o.sampling.seed, "Random seed for sampling")->capture_default_str();
   app.add_flag("--ignore-eos", o.sampling.ignore_eos, "Keep generating past end-of-sequence tokens");
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--dtype", o.dtype,
+                 "Weights and activations on CUDA: bfloat16 (default) or float32; the CPU computes in float32")
+      ->check(CLI::IsMember({"bfloat16", "float32"}));
   app.add_option("--max-model-len", o.max_model_len, "Maximum tokens per sequence (prompt + output)")
       ->capture_default_str();
   app.add_option("--logits-out", o.logits_out,
@@ -59,15 +63,21 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }  // namespace
 
 int run_generate(const GenerateOptions& o) {
+  ModelOptions model_options;
   if (o.device == "cuda") {
-    invalid_input("--device cuda: the GPU engine is not built yet in this version of chimera; use --device cpu");
+    // A build without CUDA or a machine without a GPU: say which, before loading anything.
+    if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
+    model_options.device = Device::kCuda;
+    model_options.dtype = o.dtype == "float32" ? DType::kF32 : DType::kBF16;
+  } else if (!o.dtype.empty() && o.dtype != "float32") {
+    invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);
   }
   if (o.prompt.empty() == o.prompt_ids.empty()) invalid_input("give exactly one of --prompt and --prompt-ids");
   o.sampling.validate();
   if (o.max_model_len < 1) invalid_input("--max-model-len must be >= 1, got {}", o.max_model_len);
 
   const auto t0 = std::chrono::steady_clock::now();
-  LoadedModel m = load_model_dir(o.model_dir);
+  LoadedModel m = load_model_dir(o.model_dir, /*with_weights=*/true, model_options);
   std::vector<int32_t> prompt;
   if (!o.prompt_ids.empty()) {
     prompt = parse_ids(o.prompt_ids);
@@ -83,7 +93,7 @@ int run_generate(const GenerateOptions& o) {
   ec.cache.max_model_len = std::max<int32_t>(o.max_model_len, static_cast<int32_t>(prompt.size()) + 1);
   ec.scheduler.max_num_seqs = 1;
   ec.return_prompt_logits = !o.logits_out.empty();
-  Engine engine(*m.model, ops::Context{}, ec);
+  Engine engine(*m.model, ops::Context{model_options.device, nullptr}, ec);
   std::vector<float> logit_rows;
   if (!o.logits_out.empty()) {
     engine.on_logits = [&](int32_t, std::span<const float> row) {
@@ -126,9 +136,10 @@ int run_generate(const GenerateOptions& o) {
     const double load_ms = ms(t_loaded - t0).count();
     const double ttft = generated ? ms(t_first - t_loaded).count() : 0.0;
     const double decode_ms = generated > 1 ? ms(t_end - t_first).count() : 0.0;
-    fmt::print(stderr, "[chimera] prompt {} tokens, generated {} | load {:.0f} ms, first token {:.1f} ms{}\n",
+    fmt::print(stderr, "[chimera] prompt {} tokens, generated {} | load {:.0f} ms, first token {:.1f} ms{} | {} {}\n",
                prompt.size(), generated, load_ms, ttft,
-               generated > 1 ? fmt::format(", decode {:.1f} tok/s", (generated - 1) / (decode_ms / 1000.0)) : "");
+               generated > 1 ? fmt::format(", decode {:.1f} tok/s", (generated - 1) / (decode_ms / 1000.0)) : "",
+               o.device, dtype_name(m.model->activation_dtype()));
   }
   return 0;
 }

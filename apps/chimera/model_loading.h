@@ -19,6 +19,7 @@ struct LoadedModel {
   std::optional<Tokenizer> tokenizer;  // absent when the directory has no tokenizer.json
 };
 
-LoadedModel load_model_dir(const std::string& dir, bool with_weights = true);
+// `options` say where the weights go (ModelOptions: CPU zero-copy, or uploaded to the GPU in a dtype).
+LoadedModel load_model_dir(const std::string& dir, bool with_weights = true, const ModelOptions& options = {});
 
 }  // namespace chimera::cli

@@ -24,6 +24,9 @@ Tensor to_host(const Tensor& t);
 Tensor to_host_f32(const Tensor& t);
 // Copies between tensors of equal dtype and size on any devices (synchronous).
 void copy(const Tensor& dst, const Tensor& src);
+// Sets every byte of `t` to zero (host: memset; CUDA: cudaMemset on the default stream, ordered before the ops
+// that run on it). Fresh Mamba state slots and KV pools start from zeros.
+void zero(const Tensor& t);
 // Waits for all work on the device.
 void synchronize(Device device);
 // Bytes held by the CUDA caching allocator (in use, cached).

@@ -46,6 +46,11 @@ void copy(const Tensor& dst, const Tensor& src) {
   std::memcpy(dst.data(), src.data(), src.nbytes());
 }
 
+void zero(const Tensor& t) {
+  no_cuda(t.device());
+  if (t.nbytes() > 0) std::memset(t.data(), 0, t.nbytes());
+}
+
 void synchronize(Device device) { no_cuda(device); }
 std::pair<size_t, size_t> cuda_memory_stats() { return {0, 0}; }
 

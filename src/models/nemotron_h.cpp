@@ -1,9 +1,13 @@
 #include "models/nemotron_h.h"
 
+#include <unistd.h>
+
 #include <cmath>
-#include <cstring>
+#include <cstdio>
+#include <numeric>
 #include <set>
 
+#include "backends/device_api.h"
 #include "core/error.h"
 
 namespace chimera {
@@ -90,15 +94,112 @@ class WeightTable {
 
 int64_t numel_of(const Tensor& t) { return t ? t.numel() : 0; }
 
+// Rows `rows` of a [T, D] activation as a new [rows.size(), D] tensor of `dtype` on ctx.device: ops::embedding
+// is exactly a row gather with a dtype conversion, on every backend (no host loop touches device memory).
+Tensor gather_rows(const ops::Context& ctx, const Tensor& in, DType dtype, std::span<const int32_t> rows) {
+  Tensor out = device::empty(ctx.device, dtype, {static_cast<int64_t>(rows.size()), in.dim(1)});
+  ops::embedding(ctx, out, in, rows);
+  return out;
+}
+
+std::vector<int32_t> iota(int64_t n) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+// Uploads host weights to the GPU once, converting them on the way; counts bytes for the progress line.
+class Uploader {
+ public:
+  Uploader(DType dtype, size_t num_layers)
+      : dtype_(dtype), num_layers_(num_layers), show_(isatty(fileno(stderr)) != 0) {}
+
+  // A weight in the activation dtype (linear needs it; norms and conv accept it).
+  void operator()(Tensor& t) { put(t, dtype_); }
+  // Parameters the kernels read in fp32 (A_log, D, dt_bias, correction bias, router gate).
+  void f32(Tensor& t) { put(t, DType::kF32); }
+
+  // E experts of one shape -> one device buffer [E, rows, cols], the experts become views of it (the grouped
+  // expert GEMM reads one pointer per expert; one allocation keeps them together). Copied expert by expert so
+  // the host never holds a converted copy of the whole layer.
+  void experts(std::vector<Tensor>& ts) {
+    if (ts.empty()) return;
+    Shape shape = ts[0].shape();
+    shape.insert(shape.begin(), static_cast<int64_t>(ts.size()));
+    const Tensor fused = device::empty(Device::kCuda, dtype_, shape);
+    for (size_t e = 0; e < ts.size(); ++e) {
+      const Tensor dst = fused.select(static_cast<int64_t>(e));
+      device::copy(dst, ts[e].dtype() == dtype_ ? ts[e] : device::to_device(ts[e], Device::kCpu, dtype_));
+      ts[e] = dst;
+    }
+    bytes_ += fused.nbytes();
+  }
+
+  void layer_done(size_t i) {
+    if (show_) {
+      fmt::print(stderr, "\r[chimera] uploading weights to the GPU ({}): layer {}/{}, {:.2f} GiB", dtype_name(dtype_),
+                 i + 1, num_layers_, static_cast<double>(bytes_) / (1u << 30));
+      std::fflush(stderr);
+    }
+  }
+  void finish() const {
+    if (show_) fmt::print(stderr, "\n");
+  }
+
+ private:
+  void put(Tensor& t, DType dtype) {
+    if (!t) return;
+    t = device::to_device(t, Device::kCuda, dtype);
+    bytes_ += t.nbytes();
+  }
+
+  DType dtype_;
+  size_t num_layers_;
+  bool show_;
+  size_t bytes_ = 0;
+};
+
 }  // namespace
 
-NemotronH NemotronH::load(const ModelConfig& config, const Checkpoint& checkpoint) {
+void NemotronH::upload_weights(DType dtype) {
+  Uploader up(dtype, layers_.size());
+  up(embeddings_);
+  up(norm_f_);
+  up(lm_head_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    LayerWeights& L = layers_[i];
+    up(L.norm);
+    MambaWeights& m = L.mamba;
+    for (Tensor* t : {&m.in_proj, &m.in_proj_bias, &m.conv1d_weight, &m.conv1d_bias, &m.norm, &m.out_proj,
+                      &m.out_proj_bias, &L.attention.q_proj, &L.attention.k_proj, &L.attention.v_proj,
+                      &L.attention.o_proj, &L.mlp.up_proj, &L.mlp.down_proj, &L.moe.shared_experts.up_proj,
+                      &L.moe.shared_experts.down_proj, &L.moe.fc1_latent_proj, &L.moe.fc2_latent_proj}) {
+      up(*t);
+    }
+    for (Tensor* t : {&m.ssm.A_log, &m.ssm.D, &m.ssm.dt_bias, &L.moe.e_score_correction_bias, &L.moe.gate}) {
+      up.f32(*t);
+    }
+    up.experts(L.moe.experts_up);
+    up.experts(L.moe.experts_down);
+    up.layer_done(i);
+  }
+  up.finish();
+}
+
+NemotronH NemotronH::load(const ModelConfig& config, const Checkpoint& checkpoint, const ModelOptions& options) {
   const ModelConfig& c = config;
   if (c.mlp_bias) invalid_input("config.json: mlp_bias=true is not supported (no released checkpoint uses it)");
   if (c.attention_bias) invalid_input("config.json: attention_bias=true is not supported (HF ignores it too)");
+  if (options.device == Device::kCuda && options.dtype != DType::kF32 && options.dtype != DType::kBF16 &&
+      options.dtype != DType::kF16) {
+    invalid_input("model dtype {} is not supported on CUDA (supported: float32, bfloat16, float16)",
+                  dtype_name(options.dtype));
+  }
 
   NemotronH m;
   m.config_ = config;
+  m.device_ = options.device;
+  m.act_dtype_ = options.device == Device::kCpu ? DType::kF32 : options.dtype;
   WeightTable w(checkpoint);
   const int64_t D = c.hidden_size, V = c.vocab_size;
   m.embeddings_ = w.take("embeddings.weight", {V, D});
@@ -179,6 +280,7 @@ NemotronH NemotronH::load(const ModelConfig& config, const Checkpoint& checkpoin
   for (const std::string& name : checkpoint.names()) {
     if (name.rfind("mtp.", 0) == 0) m.mtp_.emplace(name, checkpoint.tensor(name));
   }
+  if (m.device_ == Device::kCuda) m.upload_weights(m.act_dtype_);
   return m;
 }
 
@@ -223,16 +325,16 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   const std::span<const int32_t> cu(b.cu_seqlens), slots(b.state_slots);
 
   // in_proj rows: [ z : Di | xBC : Cd | dt : H ]  (model-spec 3.2)
-  Tensor zxbcdt = Tensor::empty(DType::kF32, {T, c.in_proj_dim()});
+  Tensor zxbcdt = act(ctx, {T, c.in_proj_dim()});
   ops::linear(ctx, zxbcdt, x, w.in_proj, w.in_proj_bias);
-  Tensor z = Tensor::empty(DType::kF32, {T, Di}), xbc = Tensor::empty(DType::kF32, {T, Cd});
-  Tensor dt = Tensor::empty(DType::kF32, {T, H});
+  Tensor z = act(ctx, {T, Di}), xbc = act(ctx, {T, Cd});
+  Tensor dt = act(ctx, {T, H});
   ops::copy_columns(ctx, z, zxbcdt, 0);
   ops::copy_columns(ctx, xbc, zxbcdt, Di);
   ops::copy_columns(ctx, dt, zxbcdt, Di + Cd);
 
   // Depthwise causal conv + SiLU: varlen prefill for the first sequences, one-step update for the rest.
-  Tensor xbc_act = Tensor::empty(DType::kF32, {T, Cd});
+  Tensor xbc_act = act(ctx, {T, Cd});
   if (np > 0) {
     ops::causal_conv1d(ctx, xbc_act.rows(0, Tp), xbc.rows(0, Tp), w.conv1d_weight, w.conv1d_bias, conv_state,
                        cu.first(np + 1), slots.first(np), /*silu=*/true);
@@ -241,8 +343,8 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
     ops::causal_conv1d_update(ctx, xbc_act.rows(Tp, T), xbc.rows(Tp, T), w.conv1d_weight, w.conv1d_bias,
                               conv_state, slots.subspan(np), /*silu=*/true);
   }
-  Tensor xs = Tensor::empty(DType::kF32, {T, Di}), B = Tensor::empty(DType::kF32, {T, G * N});
-  Tensor C = Tensor::empty(DType::kF32, {T, G * N});
+  Tensor xs = act(ctx, {T, Di}), B = act(ctx, {T, G * N});
+  Tensor C = act(ctx, {T, G * N});
   ops::copy_columns(ctx, xs, xbc_act, 0);
   ops::copy_columns(ctx, B, xbc_act, Di);
   ops::copy_columns(ctx, C, xbc_act, Di + G * N);
@@ -251,7 +353,7 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   C = C.reshape({T, G, N});
 
   // Selective SSM: chunked SSD scan for prefill, selective state update for decode.
-  Tensor y = Tensor::empty(DType::kF32, {T, H, P});
+  Tensor y = act(ctx, {T, H, P});
   if (np > 0) {
     ops::ssd_chunk_scan(ctx, y.rows(0, Tp), xs.rows(0, Tp), dt.rows(0, Tp), B.rows(0, Tp), C.rows(0, Tp), w.ssm,
                         ssm_state, cu.first(np + 1), slots.first(np), c.chunk_size);
@@ -262,25 +364,26 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   }
 
   // Gate first, then per-group RMSNorm (norm_before_gate = false), then out_proj.
-  Tensor normed = Tensor::empty(DType::kF32, {T, Di});
+  Tensor normed = act(ctx, {T, Di});
   ops::gated_rms_norm(ctx, normed, y.reshape({T, Di}), z, w.norm, G, c.layer_norm_epsilon);
   ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);
 }
 
 void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
-                                const ops::KvCacheView& kv, const Tensor& x, const Tensor& out) const {
+                                const Tensor& block_tables, const ops::KvCacheView& kv, const Tensor& x,
+                                const Tensor& out) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = L.attention;
   const int64_t T = b.num_tokens(), Qh = c.num_attention_heads, KVh = c.num_key_value_heads, hd = c.head_dim;
-  Tensor q = Tensor::empty(DType::kF32, {T, Qh * hd});
-  Tensor k = Tensor::empty(DType::kF32, {T, KVh * hd}), v = Tensor::empty(DType::kF32, {T, KVh * hd});
+  Tensor q = act(ctx, {T, Qh * hd});
+  Tensor k = act(ctx, {T, KVh * hd}), v = act(ctx, {T, KVh * hd});
   ops::linear(ctx, q, x, w.q_proj);
   ops::linear(ctx, k, x, w.k_proj);
   ops::linear(ctx, v, x, w.v_proj);
   // No positional encoding of any kind (model-spec 4): the Mamba layers carry position.
-  Tensor o = Tensor::empty(DType::kF32, {T, Qh, hd});
+  Tensor o = act(ctx, {T, Qh, hd});
   ops::attention(ctx, o, q.reshape({T, Qh, hd}), k.reshape({T, KVh, hd}), v.reshape({T, KVh, hd}), kv,
-                 b.cu_seqlens, b.context_lens, b.block_tables, 1.0f / std::sqrt(static_cast<float>(hd)));
+                 b.cu_seqlens, b.context_lens, block_tables, 1.0f / std::sqrt(static_cast<float>(hd)));
   ops::linear(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
 }
 
@@ -290,22 +393,25 @@ void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const 
   const int64_t T = x.dim(0), E = c.n_routed_experts, k = c.num_experts_per_tok, Din = c.moe_input_dim();
 
   // Router (model-spec 6.1): fp32 logits, sigmoid, bias for selection only, top-k, normalise, scale.
-  Tensor logits = Tensor::empty(DType::kF32, {T, E});
-  ops::linear(ctx, logits, x, w.gate);
-  Tensor ids = Tensor::empty(DType::kI32, {T, k}), weights = Tensor::empty(DType::kF32, {T, k});
+  // On CUDA with 16-bit activations the gate is F32 and x is upcast first, as transformers does
+  // (F.linear(x.float(), weight.float())): expert choices are sensitive to rounded router logits.
+  Tensor logits = device::empty(ctx.device, DType::kF32, {T, E});
+  ops::linear(ctx, logits, x.dtype() == DType::kF32 ? x : gather_rows(ctx, x, DType::kF32, iota(T)), w.gate);
+  Tensor ids = device::empty(ctx.device, DType::kI32, {T, k});
+  Tensor weights = device::empty(ctx.device, DType::kF32, {T, k});
   ops::RouterParams rp{k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor};
   ops::router_topk(ctx, ids, weights, logits, w.e_score_correction_bias, rp);
 
   // Routed experts, in the latent space when moe_latent_size is set (model-spec 6.2).
   Tensor routed_in = x;
   if (c.moe_latent_size) {
-    routed_in = Tensor::empty(DType::kF32, {T, Din});
+    routed_in = act(ctx, {T, Din});
     ops::linear(ctx, routed_in, x, w.fc1_latent_proj);
   }
-  Tensor routed = Tensor::empty(DType::kF32, {T, Din});
+  Tensor routed = act(ctx, {T, Din});
   ops::moe_experts(ctx, routed, routed_in, ids, weights, w.experts_up, w.experts_down);
   if (c.moe_latent_size) {
-    Tensor up = Tensor::empty(DType::kF32, {T, c.hidden_size});
+    Tensor up = act(ctx, {T, c.hidden_size});
     ops::linear(ctx, up, routed, w.fc2_latent_proj);
     routed = up;
   }
@@ -314,23 +420,35 @@ void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const 
   ops::add(ctx, out, routed, out);
 }
 
+Tensor NemotronH::act(const ops::Context& ctx, Shape shape) const {
+  return device::empty(ctx.device, act_dtype_, std::move(shape));
+}
+
 Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
   b.validate();
+  if (ctx.device != device_) {
+    runtime_error("NemotronH::forward: the model was loaded for the {} but the context is {}",
+                  device_ == Device::kCpu ? "CPU" : "GPU", ctx.device == Device::kCpu ? "the CPU" : "a GPU");
+  }
   const ModelConfig& c = config_;
   const int64_t T = b.num_tokens(), D = c.hidden_size;
   const float eps = c.layer_norm_epsilon;
 
-  Tensor h = Tensor::empty(DType::kF32, {T, D});  // the residual stream
+  // The CUDA attention reads block tables from device memory: one upload per step, shared by all layers.
+  const Tensor block_tables =
+      ctx.device == Device::kCpu || b.num_seqs() == 0 ? b.block_tables : device::to_device(b.block_tables, ctx.device);
+
+  Tensor h = act(ctx, {T, D});  // the residual stream
   ops::embedding(ctx, h, embeddings_, b.token_ids);
-  Tensor x = Tensor::empty(DType::kF32, {T, D});    // normed input of the current mixer
-  Tensor mix = Tensor::empty(DType::kF32, {T, D});  // mixer output
+  Tensor x = act(ctx, {T, D});    // normed input of the current mixer
+  Tensor mix = act(ctx, {T, D});  // mixer output
   ops::rms_norm(ctx, x, h, layers_.empty() ? norm_f_ : layers_[0].norm, eps);
 
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& L = layers_[i];
     switch (L.kind) {
       case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], x, mix); break;
-      case LayerKind::kAttention: attention_mixer(ctx, L, b, state.kv[i], x, mix); break;
+      case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], x, mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, mix, x, L.mlp.up_proj, L.mlp.down_proj); break;
       case LayerKind::kMoe: moe_mixer(ctx, L, x, mix); break;
     }
@@ -341,14 +459,11 @@ Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelStat
 
   // x now holds norm_f(h). Only the requested rows go through lm_head.
   const int64_t R = static_cast<int64_t>(b.logit_rows.size());
-  Tensor rows = Tensor::empty(DType::kF32, {R, D});
-  for (int64_t r = 0; r < R; ++r) {
-    std::memcpy(rows.select(r).data(), x.select(b.logit_rows[static_cast<size_t>(r)]).data(),
-                static_cast<size_t>(D) * 4);
-  }
-  Tensor logits = Tensor::empty(DType::kF32, {R, c.vocab_size});
+  const Tensor rows = gather_rows(ctx, x, act_dtype_, b.logit_rows);
+  Tensor logits = act(ctx, {R, c.vocab_size});
   ops::linear(ctx, logits, rows, lm_head_);
-  return logits;
+  // The engine samples on the host: logits come back as host fp32 (a no-op on the CPU).
+  return ctx.device == Device::kCpu ? logits : device::to_host_f32(logits);
 }
 
 }  // namespace chimera

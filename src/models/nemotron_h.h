@@ -49,6 +49,18 @@ struct MoeWeights {
   Tensor fc2_latent_proj;          // [D, Lat]
 };
 
+// Where the model runs and in which dtype.
+//   CPU: weights stay zero-copy views of the checkpoint mmap (any float dtype), activations are F32; `dtype`
+//        is not used (the CPU backend is the fp32 reference).
+//   CUDA: every weight is uploaded once at load, converted to `dtype` (the activation dtype: bf16 for the
+//        product, fp32 for exact comparisons with the CPU and transformers); the small SSM parameters (A_log,
+//        D, dt_bias), the router's correction bias and the router gate stay F32 (the router runs in fp32 as in
+//        transformers); each MoE layer's experts live in one device buffer with per-expert views.
+struct ModelOptions {
+  Device device = Device::kCpu;
+  DType dtype = DType::kBF16;
+};
+
 struct LayerWeights {
   LayerKind kind;
   Tensor norm;  // [D] pre-mixer RMSNorm
@@ -64,30 +76,42 @@ class NemotronH {
   // published naming (backbone.*, backbone.embeddings or backbone.embedding, one tensor per expert) and
   // transformers' in-memory naming (model.*, fused experts). Missing, unexpected and mis-shaped tensors
   // are kInvalidInput errors naming the tensor (and the file). mtp.* tensors are kept in mtp_tensors().
-  static NemotronH load(const ModelConfig& config, const Checkpoint& checkpoint);
+  // With options.device kCuda the weights are uploaded (a progress line on stderr when it is a terminal).
+  static NemotronH load(const ModelConfig& config, const Checkpoint& checkpoint, const ModelOptions& options = {});
 
   const ModelConfig& config() const { return config_; }
+  Device device() const { return device_; }
+  // The dtype of every activation, the conv state and the KV cache: F32 on the CPU, options.dtype on CUDA.
+  DType activation_dtype() const { return act_dtype_; }
   const std::map<std::string, Tensor>& mtp_tensors() const { return mtp_; }
   // Parameter count per layer kind name ("embeddings", "mamba", ..., "lm_head").
   std::map<std::string, int64_t> parameter_counts() const;
 
-  // One forward step: returns fp32 logits [batch.logit_rows.size(), vocab_size].
+  // One forward step on ctx.device (which must be the model's device): returns host fp32 logits
+  // [batch.logit_rows.size(), vocab_size], whatever the device and activation dtype.
   Tensor forward(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const;
 
  private:
   NemotronH() = default;
+  void upload_weights(DType dtype);
+  // An uninitialised activation on `device` in the activation dtype.
+  Tensor act(const ops::Context& ctx, Shape shape) const;
   void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const Tensor& conv_state,
                    const Tensor& ssm_state, const Tensor& x, const Tensor& out) const;
+  // block_tables: the batch's table on ctx.device (uploaded once per step on CUDA).
   void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
-                       const ops::KvCacheView& kv, const Tensor& x, const Tensor& out) const;
+                       const Tensor& block_tables, const ops::KvCacheView& kv, const Tensor& x,
+                       const Tensor& out) const;
   void moe_mixer(const ops::Context& ctx, const LayerWeights& w, const Tensor& x, const Tensor& out) const;
 
   ModelConfig config_;
+  Device device_ = Device::kCpu;
+  DType act_dtype_ = DType::kF32;
   Tensor embeddings_;  // [V, D]
   std::vector<LayerWeights> layers_;
   Tensor norm_f_;   // [D]
   Tensor lm_head_;  // [V, D]
-  std::map<std::string, Tensor> mtp_;
+  std::map<std::string, Tensor> mtp_;  // host views (the MTP head does not run yet)
 };
 
 }  // namespace chimera

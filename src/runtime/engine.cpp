@@ -11,9 +11,14 @@ Engine::Engine(const NemotronH& model, const ops::Context& ctx, const EngineConf
     : model_(model),
       ctx_(ctx),
       config_(config),
-      cache_(model.config(), config.cache),
+      cache_(model.config(), config.cache, ctx.device, model.activation_dtype()),
       scheduler_(config.scheduler, cache_),
-      stop_ids_(model.config().eos_token_ids) {}
+      stop_ids_(model.config().eos_token_ids) {
+  if (ctx.device != model.device()) {
+    runtime_error("Engine: the model was loaded for the {} but the context is the {}",
+                  model.device() == Device::kCpu ? "CPU" : "GPU", ctx.device == Device::kCpu ? "CPU" : "GPU");
+  }
+}
 
 int32_t Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& sampling) {
   sampling.validate();

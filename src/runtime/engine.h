@@ -27,6 +27,7 @@ struct TokenEvent {
 
 class Engine {
  public:
+  // ctx.device must be the model's device; the caches are allocated there in the model's activation dtype.
   Engine(const NemotronH& model, const ops::Context& ctx, const EngineConfig& config);
 
   // Queues a request; returns its sequence id. Bad prompts / parameters -> kInvalidInput.

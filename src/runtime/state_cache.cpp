@@ -1,13 +1,23 @@
 #include "runtime/state_cache.h"
 
 #include <algorithm>
-#include <cstring>
 
+#include "backends/device_api.h"
 #include "core/error.h"
 
 namespace chimera {
+namespace {
 
-StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes) : sizes_(sizes) {
+Tensor zeros(Device device, DType dtype, Shape shape) {
+  Tensor t = device::empty(device, dtype, std::move(shape));
+  device::zero(t);
+  return t;
+}
+
+}  // namespace
+
+StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Device device, DType act_dtype)
+    : sizes_(sizes), device_(device) {
   if (sizes_.max_seqs < 1) invalid_input("max sequences must be >= 1, got {}", sizes_.max_seqs);
   if (sizes_.max_model_len < 1) invalid_input("max model length must be >= 1, got {}", sizes_.max_model_len);
   if (sizes_.block_size < 1) invalid_input("KV block size must be >= 1, got {}", sizes_.block_size);
@@ -20,13 +30,13 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes) : siz
   for (size_t i = 0; i < n; ++i) {
     switch (config.layers[i]) {
       case LayerKind::kMamba:
-        state_.conv[i] = Tensor::zeros(DType::kF32, {sizes_.max_seqs, config.conv_dim(), config.conv_kernel - 1});
-        state_.ssm[i] = Tensor::zeros(
-            DType::kF32, {sizes_.max_seqs, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size});
+        state_.conv[i] = zeros(device, act_dtype, {sizes_.max_seqs, config.conv_dim(), config.conv_kernel - 1});
+        state_.ssm[i] = zeros(device, DType::kF32,
+                              {sizes_.max_seqs, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size});
         break;
       case LayerKind::kAttention: {
         const Shape kv_shape{sizes_.num_blocks, sizes_.block_size, config.num_key_value_heads, config.head_dim};
-        state_.kv[i] = ops::KvCacheView{Tensor::zeros(DType::kF32, kv_shape), Tensor::zeros(DType::kF32, kv_shape)};
+        state_.kv[i] = ops::KvCacheView{zeros(device, act_dtype, kv_shape), zeros(device, act_dtype, kv_shape)};
         break;
       }
       case LayerKind::kMlp:
@@ -43,9 +53,8 @@ int32_t StateCache::allocate_slot() {
   free_slots_.pop_back();
   for (size_t i = 0; i < state_.conv.size(); ++i) {
     if (!state_.conv[i]) continue;
-    Tensor c = state_.conv[i].select(slot), s = state_.ssm[i].select(slot);
-    std::memset(c.data(), 0, c.nbytes());
-    std::memset(s.data(), 0, s.nbytes());
+    device::zero(state_.conv[i].select(slot));
+    device::zero(state_.ssm[i].select(slot));
   }
   return slot;
 }

@@ -1,9 +1,10 @@
 // Per-sequence state that lives outside the model (design.md "State lives outside the model"):
 //   * Mamba state slots: per Mamba layer a conv state [slots, conv_dim, conv_kernel - 1] and an SSM state
 //     [slots, mamba_num_heads, mamba_head_dim, ssm_state_size], fp32. A sequence owns one slot id across
-//     all Mamba layers.
+//     all Mamba layers. The conv state has the activation dtype (F32 on the CPU, bf16 / fp32 on CUDA).
 //   * Paged KV cache: per attention layer K and V blocks [num_blocks, block_size, num_key_value_heads,
-//     head_dim], handed out in blocks and addressed through per-sequence block tables.
+//     head_dim] in the activation dtype, handed out in blocks and addressed through per-sequence block tables.
+// Everything lives on the device the model runs on (device::empty, zeroed with device::zero).
 // The runtime allocates and frees; the model only reads and writes through slot ids and block tables.
 #pragma once
 
@@ -17,9 +18,9 @@ namespace chimera {
 
 // What one forward step sees of the caches; indexed by layer (entries of other layer kinds are empty).
 struct ModelState {
-  std::vector<Tensor> conv;             // Mamba layers: [slots, Cd, K-1] f32
+  std::vector<Tensor> conv;             // Mamba layers: [slots, Cd, K-1], activation dtype
   std::vector<Tensor> ssm;              // Mamba layers: [slots, H, P, N] f32
-  std::vector<ops::KvCacheView> kv;     // attention layers
+  std::vector<ops::KvCacheView> kv;     // attention layers, activation dtype
 };
 
 struct CacheSizes {
@@ -32,9 +33,12 @@ struct CacheSizes {
 
 class StateCache {
  public:
-  StateCache(const ModelConfig& config, const CacheSizes& sizes);
+  // `device`: where the caches live; `act_dtype`: the model's activation dtype (conv state and KV cache).
+  StateCache(const ModelConfig& config, const CacheSizes& sizes, Device device = Device::kCpu,
+             DType act_dtype = DType::kF32);
 
   const CacheSizes& sizes() const { return sizes_; }
+  Device device() const { return device_; }
   int32_t blocks_per_seq() const { return (sizes_.max_model_len + sizes_.block_size - 1) / sizes_.block_size; }
 
   // A fresh Mamba slot, zeroed in every layer (a new sequence starts from zero state). -1 when none is free.
@@ -56,6 +60,7 @@ class StateCache {
 
  private:
   CacheSizes sizes_;
+  Device device_;
   ModelState state_;
   std::vector<int32_t> free_slots_;   // a stack; lowest ids handed out first
   std::vector<int32_t> free_blocks_;  // likewise

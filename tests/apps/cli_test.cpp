@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "backends/device_api.h"
 #include "common/compare.h"
 #include "io/npy.h"
 
@@ -90,10 +91,37 @@ TEST_F(Cli, BadUsageExitsTwo) {
   EXPECT_NE(r.out.find("--top-p"), std::string::npos) << r.out;
 }
 
-TEST_F(Cli, CudaDeviceSaysNotYetAndExitsTwo) {
-  auto r = run_cli("generate -p hi --device cuda");
+// Without CUDA (build or GPU) --device cuda is a clear usage error naming why; with a GPU it generates.
+TEST_F(Cli, CudaDeviceWithoutGpuExitsTwoAndSaysWhy) {
+  auto r = run_cli("generate -p hi -n 4 --device cuda");
+  if (device::cuda_available()) {
+    EXPECT_EQ(r.status, 0) << r.out;
+  } else {
+    EXPECT_EQ(r.status, 2) << r.out;
+    EXPECT_NE(r.out.find("--device cuda: " + device::describe_cuda()), std::string::npos) << r.out;
+  }
+}
+
+TEST_F(Cli, DtypeOtherThanFloat32OnTheCpuIsAUsageError) {
+  auto r = run_cli("generate -p hi --dtype bfloat16");
   EXPECT_EQ(r.status, 2) << r.out;
-  EXPECT_NE(r.out.find("GPU engine is not built yet"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--dtype bfloat16"), std::string::npos) << r.out;
+  r = run_cli("generate -p hi -n 2 -q --dtype float32");
+  EXPECT_EQ(r.status, 0) << r.out;
+}
+
+// The bundled default model generates on the GPU in both dtypes; fp32 greedy output equals the CPU's.
+TEST_F(Cli, GeneratesOnCudaFromTheBundledModel) {
+  if (!device::cuda_available()) GTEST_SKIP() << device::describe_cuda();
+  auto r = run_cli("generate -p \"Hello there\" -n 12 --ignore-eos --device cuda");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("Hello there", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("generated 12"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cuda BF16"), std::string::npos) << r.out;
+  auto cpu = run_cli("generate -p \"Hello there\" -n 12 --ignore-eos -q");
+  auto gpu32 = run_cli("generate -p \"Hello there\" -n 12 --ignore-eos -q --device cuda --dtype float32");
+  EXPECT_EQ(gpu32.status, 0) << gpu32.out;
+  EXPECT_EQ(gpu32.out, cpu.out);
 }
 
 TEST_F(Cli, GeneratesTextFromTheBundledModel) {

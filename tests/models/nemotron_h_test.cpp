@@ -1,7 +1,5 @@
 // The bar of issue 2: the CPU backend reproduces transformers on fixtures made by transformers itself
-// (scripts/make_fixtures.py). Every fixture directory holds config.json, the checkpoint, expected.json
-// (prompts, reference greedy continuations) and logits_<p>.npy: the logits of one full forward over
-// prompt + continuation, row i = logits after token i.
+// (scripts/make_fixtures.py; the fixture format and the shared helpers are in models/model_fixtures.h).
 #include "models/nemotron_h.h"
 
 #include <algorithm>
@@ -17,118 +15,15 @@
 #include "common/tolerances.h"
 #include "core/error.h"
 #include "io/npy.h"
+#include "models/model_fixtures.h"
 #include "runtime/engine.h"
 
 namespace chimera {
 namespace {
 
-namespace fs = std::filesystem;
-
-struct Fixture {
-  std::string name;
-  fs::path dir;
-  std::vector<std::vector<int32_t>> prompts;
-  std::vector<std::vector<int32_t>> greedy;
-};
-
-std::vector<std::string> fixture_names() {
-  std::vector<std::string> names;
-  const fs::path root = test::source_path("tests/fixtures/models");
-  if (fs::is_directory(root)) {
-    for (const auto& e : fs::directory_iterator(root)) {
-      if (fs::exists(e.path() / "expected.json")) names.push_back(e.path().filename().string());
-    }
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-Fixture load_fixture(const std::string& name) {
-  Fixture f;
-  f.name = name;
-  f.dir = fs::path(test::source_path("tests/fixtures/models")) / name;
-  std::ifstream in(f.dir / "expected.json");
-  const nlohmann::json j = nlohmann::json::parse(in);
-  f.prompts = j.at("prompts").get<std::vector<std::vector<int32_t>>>();
-  f.greedy = j.at("greedy").get<std::vector<std::vector<int32_t>>>();
-  return f;
-}
-
-struct LoadedFixture {
-  ModelConfig config;
-  std::unique_ptr<Checkpoint> ckpt;
-  std::unique_ptr<NemotronH> model;
-};
-
-LoadedFixture load_model(const fs::path& dir) {
-  LoadedFixture l;
-  l.config = load_model_config(dir);
-  l.ckpt = std::make_unique<Checkpoint>(Checkpoint::open(dir));
-  l.model = std::make_unique<NemotronH>(NemotronH::load(l.config, *l.ckpt));
-  return l;
-}
-
-// Per row: max |got - ref| <= kModelLogitsRelToMax * max |ref|. `worst_ratio` (if given) receives the largest
-// max|got - ref| / max|ref| over the rows, so the margin to the bound can be reported.
-::testing::AssertionResult logits_match(const std::vector<float>& got, const Tensor& ref, int64_t rows,
-                                        int64_t vocab, double* worst_ratio = nullptr) {
-  if (static_cast<int64_t>(got.size()) != rows * vocab) {
-    return ::testing::AssertionFailure() << "got " << got.size() / vocab << " rows, want " << rows;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = got.data() + r * vocab;
-    const float* w = ref.f32() + r * vocab;
-    double max_ref = 0.0, max_err = 0.0;
-    int64_t worst = 0;
-    for (int64_t v = 0; v < vocab; ++v) {
-      max_ref = std::max(max_ref, std::fabs(static_cast<double>(w[v])));
-      const double e = std::fabs(static_cast<double>(g[v]) - w[v]);
-      if (!(e <= max_err)) {
-        max_err = e;
-        worst = v;
-      }
-    }
-    if (worst_ratio) *worst_ratio = std::max(*worst_ratio, max_err / std::max(max_ref, 1e-30));
-    if (!(max_err <= test::kModelLogitsRelToMax * max_ref)) {
-      return ::testing::AssertionFailure() << "row " << r << ": max |logit - ref| = " << max_err << " at token "
-                                           << worst << " (got " << g[worst] << ", want " << w[worst]
-                                           << "), bound " << test::kModelLogitsRelToMax * max_ref;
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
+using namespace chimera::test;  // the fixture helpers
 
 class TransformersParity : public ::testing::TestWithParam<std::string> {};
-
-// Runs one prompt through the engine (prefill in chunks of `chunk` tokens, then token-by-token decode),
-// collecting the logits of every prompt position and every generated step.
-struct RunResult {
-  std::vector<int32_t> tokens;
-  std::vector<float> logits;
-};
-
-RunResult run_prompt(const NemotronH& model, const std::vector<int32_t>& prompt, int32_t n_new,
-                     int32_t max_batched_tokens) {
-  EngineConfig ec;
-  ec.cache.max_seqs = 1;
-  ec.cache.max_model_len = static_cast<int32_t>(prompt.size()) + n_new + 1;
-  ec.cache.block_size = 16;
-  ec.scheduler.max_num_seqs = 1;
-  ec.scheduler.max_num_batched_tokens = max_batched_tokens;
-  ec.return_prompt_logits = true;
-  Engine engine(model, ops::Context{}, ec);
-  RunResult r;
-  engine.on_logits = [&](int32_t, std::span<const float> row) { r.logits.insert(r.logits.end(), row.begin(), row.end()); };
-  SamplingParams sp;
-  sp.max_new_tokens = n_new;
-  sp.ignore_eos = true;
-  engine.add_request(prompt, sp);
-  while (engine.has_unfinished()) engine.step();
-  auto done = engine.take_finished();
-  EXPECT_EQ(done.size(), 1u);
-  r.tokens.assign(done[0].tokens.begin() + done[0].prompt_len, done[0].tokens.end());
-  return r;
-}
 
 TEST_P(TransformersParity, GreedyAndLogitsMatchTransformers) {
   const Fixture f = load_fixture(GetParam());
@@ -146,7 +41,7 @@ TEST_P(TransformersParity, GreedyAndLogitsMatchTransformers) {
     // Rows: every prompt position and every generated step but the last (whose token is never fed back).
     const int64_t rows = static_cast<int64_t>(f.prompts[p].size()) + n_new - 1;
     ASSERT_EQ(ref.dim(1), V);
-    EXPECT_TRUE(logits_match(r.logits, ref, rows, V, &worst));
+    EXPECT_TRUE(logits_match(r.logits, ref, rows, V, test::kModelLogitsRelToMax, &worst));
   }
   std::printf("[ parity   ] %s: worst max|logit - ref| / max|ref| = %.2e (bound %.0e)\n", f.name.c_str(), worst,
               test::kModelLogitsRelToMax);

@@ -153,6 +153,15 @@ Tensor to_host_f32(const Tensor& t) {
   return h.dtype() == DType::kF32 ? (t.device() == Device::kCpu ? h.clone() : h) : h.to_f32();
 }
 
+void zero(const Tensor& t) {
+  if (t.nbytes() == 0) return;
+  if (t.device() == Device::kCpu) {
+    std::memset(t.data(), 0, t.nbytes());
+    return;
+  }
+  CHIMERA_CUDA_CHECK(cudaMemset(t.data(), 0, t.nbytes()), "device::zero");
+}
+
 void synchronize(Device device) {
   if (device == Device::kCuda) CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "device::synchronize");
 }

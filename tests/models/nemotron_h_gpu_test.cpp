@@ -1,0 +1,215 @@
+// Issue 4, first part: the same model code on the GPU (weights uploaded at load, device activations and
+// caches). On every transformers fixture:
+//   * fp32 on CUDA: the greedy continuations equal transformers' and every logits row is within
+//     kGpuModelLogitsRelToMax of the reference (whole-prompt prefill + decode, and 7-token chunked prefill);
+//     a batch of prompts (chunked prefill mixed with decodes) equals each prompt run alone on CUDA.
+//   * bf16 on CUDA: the fixture sequence is teacher-forced (prompt prefill, then the reference continuation fed
+//     one decode step at a time); top-1 agreement with the fp32 transformers logits over all positions must be
+//     >= 90 % and every logit finite. The issue's bar (99 % against a bf16 transformers run) needs bf16
+//     fixtures, which do not exist yet; the measured agreement is printed.
+// Every test skips cleanly without a GPU (or in a build without CUDA).
+#include <cmath>
+#include <cstdio>
+#include <map>
+
+#include <gtest/gtest.h>
+
+#include "backends/device_api.h"
+#include "common/tolerances.h"
+#include "core/error.h"
+#include "io/npy.h"
+#include "models/model_fixtures.h"
+#include "models/nemotron_h.h"
+#include "runtime/engine.h"
+
+namespace chimera {
+namespace {
+
+using namespace chimera::test;  // the fixture helpers
+
+class GpuParity : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!device::cuda_available()) GTEST_SKIP() << device::describe_cuda();
+  }
+};
+
+// Feeds `tokens` through the model directly: tokens[0, prompt_len) as one prefill step, then the rest one
+// decode step at a time (teacher forcing through the decode kernels). Returns host fp32 logits, one row per
+// token, row i = logits after token i.
+std::vector<float> teacher_forced(const NemotronH& model, const std::vector<int32_t>& tokens, size_t prompt_len) {
+  const ops::Context ctx{model.device(), nullptr};
+  CacheSizes sizes;
+  sizes.max_seqs = 1;
+  sizes.max_model_len = static_cast<int32_t>(tokens.size());
+  sizes.block_size = 16;
+  StateCache cache(model.config(), sizes, model.device(), model.activation_dtype());
+  const int32_t slot = cache.allocate_slot();
+  std::vector<int32_t> blocks;
+  EXPECT_TRUE(cache.reserve_blocks(blocks, static_cast<int32_t>(tokens.size())));
+  std::vector<float> logits;
+  size_t done = 0;
+  while (done < tokens.size()) {
+    const size_t n = done == 0 ? prompt_len : 1;
+    StepBatch b;
+    b.token_ids.assign(tokens.begin() + static_cast<std::ptrdiff_t>(done),
+                       tokens.begin() + static_cast<std::ptrdiff_t>(done + n));
+    b.cu_seqlens = {0, static_cast<int32_t>(n)};
+    b.context_lens = {static_cast<int32_t>(done)};
+    b.state_slots = {slot};
+    b.block_tables = Tensor::from_i32({1, static_cast<int64_t>(blocks.size())}, blocks);
+    b.num_prefill_seqs = done == 0 ? 1 : 0;
+    for (size_t r = 0; r < n; ++r) b.logit_rows.push_back(static_cast<int32_t>(r));
+    const Tensor out = model.forward(ctx, b, cache.state());
+    EXPECT_EQ(out.device(), Device::kCpu);
+    logits.insert(logits.end(), out.f32(), out.f32() + out.numel());
+    done += n;
+  }
+  return logits;
+}
+
+TEST_P(GpuParity, Fp32GreedyAndLogitsMatchTransformers) {
+  const Fixture f = load_fixture(GetParam());
+  LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kF32});
+  ASSERT_EQ(l.model->activation_dtype(), DType::kF32);
+  const int64_t V = l.config.vocab_size;
+  double worst = 0.0;
+  for (size_t p = 0; p < f.prompts.size(); ++p) {
+    SCOPED_TRACE(fmt::format("{} prompt {} ({} tokens)", f.name, p, f.prompts[p].size()));
+    const Tensor ref = read_npy(f.dir / fmt::format("logits_{}.npy", p));
+    const auto n_new = static_cast<int32_t>(f.greedy[p].size());
+    RunResult r = run_prompt(*l.model, f.prompts[p], n_new, 4096);
+    EXPECT_EQ(r.tokens, f.greedy[p]);
+    const int64_t rows = static_cast<int64_t>(f.prompts[p].size()) + n_new - 1;
+    EXPECT_TRUE(logits_match(r.logits, ref, rows, V, kGpuModelLogitsRelToMax, &worst));
+    // Chunked prefill (7 tokens per step): every chunk resumes from the device state the previous one left.
+    RunResult c = run_prompt(*l.model, f.prompts[p], 8, 7);
+    EXPECT_TRUE(std::equal(c.tokens.begin(), c.tokens.end(), f.greedy[p].begin()));
+    EXPECT_TRUE(logits_match(c.logits, ref, static_cast<int64_t>(f.prompts[p].size()) + 7, V,
+                             kGpuModelLogitsRelToMax, &worst));
+  }
+  std::printf("[ gpu fp32 ] %s: worst max|logit - ref| / max|ref| = %.2e (bound %.0e)\n", f.name.c_str(), worst,
+              kGpuModelLogitsRelToMax);
+}
+
+TEST_P(GpuParity, Fp32BatchOfPromptsEqualsEachAlone) {
+  const Fixture f = load_fixture(GetParam());
+  LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kF32});
+  const int64_t V = l.config.vocab_size;
+  EngineConfig ec;
+  ec.cache.max_seqs = 4;
+  ec.cache.max_model_len = 128;
+  ec.cache.block_size = 8;
+  ec.scheduler.max_num_seqs = 4;
+  ec.scheduler.max_num_batched_tokens = 40;  // chunked prompts, later steps mix prefill chunks with decodes
+  ec.return_prompt_logits = true;
+  Engine engine(*l.model, ops::Context{Device::kCuda, nullptr}, ec);
+  std::map<int32_t, std::vector<float>> logits;
+  engine.on_logits = [&](int32_t id, std::span<const float> row) {
+    logits[id].insert(logits[id].end(), row.begin(), row.end());
+  };
+  SamplingParams sp;
+  sp.ignore_eos = true;
+  std::vector<int32_t> ids;
+  for (size_t p = 0; p < f.prompts.size(); ++p) {
+    sp.max_new_tokens = static_cast<int32_t>(f.greedy[p].size()) - static_cast<int32_t>(p) * 5;  // finish apart
+    ids.push_back(engine.add_request(f.prompts[p], sp));
+  }
+  while (engine.has_unfinished()) engine.step();
+  std::map<int32_t, Sequence> done;
+  for (Sequence& s : engine.take_finished()) done[s.id] = s;
+  ASSERT_EQ(done.size(), f.prompts.size());
+  for (size_t p = 0; p < f.prompts.size(); ++p) {
+    SCOPED_TRACE(fmt::format("{} prompt {}", f.name, p));
+    const Sequence& s = done[ids[p]];
+    const auto n_new = static_cast<int32_t>(f.greedy[p].size()) - static_cast<int32_t>(p) * 5;
+    RunResult alone = run_prompt(*l.model, f.prompts[p], n_new, 4096);
+    const std::vector<int32_t> gen(s.tokens.begin() + s.prompt_len, s.tokens.end());
+    EXPECT_EQ(gen, alone.tokens);
+    const int64_t rows = s.prompt_len + static_cast<int64_t>(gen.size()) - 1;
+    ASSERT_EQ(static_cast<int64_t>(alone.logits.size()), rows * V);
+    const Tensor alone_t = Tensor::from_f32({rows, V}, alone.logits);
+    EXPECT_TRUE(logits_match(logits[ids[p]], alone_t, rows, V, kGpuModelLogitsRelToMax));
+  }
+}
+
+TEST_P(GpuParity, Bf16TeacherForcedTop1AgreesWithTransformers) {
+  const Fixture f = load_fixture(GetParam());
+  LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kBF16});
+  ASSERT_EQ(l.model->activation_dtype(), DType::kBF16);
+  const int64_t V = l.config.vocab_size;
+  int64_t agree = 0, total = 0;
+  for (size_t p = 0; p < f.prompts.size(); ++p) {
+    SCOPED_TRACE(fmt::format("{} prompt {}", f.name, p));
+    const Tensor ref = read_npy(f.dir / fmt::format("logits_{}.npy", p));
+    std::vector<int32_t> all = f.prompts[p];
+    all.insert(all.end(), f.greedy[p].begin(), f.greedy[p].end() - 1);
+    const std::vector<float> got = teacher_forced(*l.model, all, f.prompts[p].size());
+    const auto rows = static_cast<int64_t>(all.size());
+    ASSERT_EQ(static_cast<int64_t>(got.size()), rows * V);
+    ASSERT_EQ(ref.dim(0), rows);
+    int64_t non_finite = 0;
+    for (float v : got) non_finite += std::isfinite(v) ? 0 : 1;
+    EXPECT_EQ(non_finite, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* g = got.data() + r * V;
+      const float* w = ref.f32() + r * V;
+      agree += std::max_element(g, g + V) - g == std::max_element(w, w + V) - w;
+      ++total;
+    }
+    // Free-running bf16 generation through the engine also runs (prefill + decode) and stays finite.
+    RunResult gen = run_prompt(*l.model, f.prompts[p], 8, 4096);
+    EXPECT_EQ(gen.tokens.size(), 8u);
+    for (float v : gen.logits) ASSERT_TRUE(std::isfinite(v));
+  }
+  const double rate = static_cast<double>(agree) / static_cast<double>(total);
+  std::printf("[ gpu bf16 ] %s: teacher-forced top-1 agreement with fp32 transformers %lld / %lld = %.2f %%\n",
+              f.name.c_str(), static_cast<long long>(agree), static_cast<long long>(total), 100.0 * rate);
+  EXPECT_GE(rate, 0.90);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GpuParity, ::testing::ValuesIn(fixture_names()),
+                         [](const auto& param_info) { return param_info.param; });
+
+// The device caches: Mamba state and KV pools on the GPU in the requested dtypes, slots zeroed on allocation.
+TEST(GpuStateCache, LivesOnTheDeviceInTheActivationDtype) {
+  if (!device::cuda_available()) GTEST_SKIP() << device::describe_cuda();
+  const ModelConfig config = load_model_config(source_path("models/nemotron-h-tiny"));
+  CacheSizes sizes;
+  sizes.max_seqs = 2;
+  sizes.max_model_len = 64;
+  StateCache cache(config, sizes, Device::kCuda, DType::kBF16);
+  bool mamba = false, attention = false;
+  for (size_t i = 0; i < config.layers.size(); ++i) {
+    if (const Tensor& c = cache.state().conv[i]) {
+      mamba = true;
+      EXPECT_EQ(c.device(), Device::kCuda);
+      EXPECT_EQ(c.dtype(), DType::kBF16);
+      EXPECT_EQ(cache.state().ssm[i].dtype(), DType::kF32);
+    }
+    if (const Tensor& k = cache.state().kv[i].k) {
+      attention = true;
+      EXPECT_EQ(k.device(), Device::kCuda);
+      EXPECT_EQ(k.dtype(), DType::kBF16);
+    }
+  }
+  EXPECT_TRUE(mamba);
+  EXPECT_TRUE(attention);
+  // Dirty a slot's SSM state, release the slot, allocate it again: it must come back zeroed.
+  const int32_t slot = cache.allocate_slot();
+  for (const Tensor& ssm : cache.state().ssm) {
+    if (!ssm) continue;
+    const Tensor s = ssm.select(slot);
+    device::copy(s, Tensor::from_f32(s.shape(), std::vector<float>(static_cast<size_t>(s.numel()), 1.0f)));
+  }
+  cache.release_slot(slot);
+  EXPECT_EQ(cache.allocate_slot(), slot);
+  for (size_t i = 0; i < config.layers.size(); ++i) {
+    if (!cache.state().ssm[i]) continue;
+    const Tensor h = device::to_host_f32(cache.state().ssm[i].select(slot));
+    for (int64_t j = 0; j < h.numel(); ++j) ASSERT_EQ(h.f32()[j], 0.0f) << "layer " << i << " element " << j;
+  }
+}
+
+}  // namespace
+}  // namespace chimera
