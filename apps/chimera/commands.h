@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "dist/allreduce_types.h"
 #include "runtime/sampler.h"
 
 namespace chimera::cli {
@@ -23,6 +24,9 @@ struct GenerateOptions {
   int32_t max_model_len = 4096;
   bool no_special_tokens = false;
   bool quiet = false;  // no stats on stderr
+  // Tensor-parallel AllReduce strategy (--allreduce-strategy / CHIMERA_ALLREDUCE_STRATEGY, read once by CLI11
+  // at parse time). Carried for the tensor-parallel engine; generate runs on one device today.
+  dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;
 };
 
 struct InfoOptions {

@@ -8,6 +8,7 @@
 #include "commands.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "dist/strategy.h"
 
 int main(int argc, char** argv) {
   using namespace chimera;
@@ -17,6 +18,15 @@ int main(int argc, char** argv) {
   int threads = 0;
   app.add_option("--threads", threads, "CPU threads for the reference backend (default: all cores)")
       ->check(CLI::NonNegativeNumber);
+  // The only place CHIMERA_ALLREDUCE_STRATEGY is read (style.md 8: flags and env -> one validated config).
+  std::string allreduce_strategy = "auto";
+  app.add_option("--allreduce-strategy", allreduce_strategy,
+                 "Tensor-parallel AllReduce strategy: auto, nccl, oneshot, twoshot")
+      ->envname("CHIMERA_ALLREDUCE_STRATEGY")
+      ->check([](const std::string& v) {
+        return dist::strategy_from_name(v) ? std::string() : "expected auto, nccl, oneshot or twoshot";
+      })
+      ->capture_default_str();
 
   cli::GenerateOptions gen;
   cli::InfoOptions info;
@@ -38,6 +48,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (threads > 0) set_num_threads(threads);
+  gen.allreduce_strategy = *dist::strategy_from_name(allreduce_strategy);
 
   try {
     if (g->parsed()) return cli::run_generate(gen);

@@ -25,6 +25,10 @@ inline constexpr double kBF16ReductionNmse = 1e-4;
 //  * SSD scan: decay-weighted C.B, dt-weighted x and the carried state go through the tensor cores as 16-bit
 //    values (as in mamba_ssm); outputs near zero among millions carry a few bf16 ulps of the O(1) terms.
 inline constexpr Tolerance kBF16Reduction{1e-1, 2e-2};
+// FP8 e4m3 outputs (fused RMSNorm + quant), compared in the quantised domain (value / scale) against the fp32
+// reference: one e4m3 step (2^-3 relative) covers the rounding plus a flip caused by the bf16-rounded sum of the
+// TWOSHOT path; abs = the smallest subnormal (2^-9).
+inline constexpr Tolerance kF8E4M3Quant{1.0 / 512, 0.125};
 // Whole-model parity with transformers in fp32: per position max|logit - ref| <= 1e-4 * max|ref| (issue 2).
 inline constexpr double kModelLogitsRelToMax = 1e-4;
 // GPU fp32 engine vs the fixtures (issue 4).

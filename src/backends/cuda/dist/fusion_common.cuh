@@ -1,0 +1,204 @@
+// Device pieces shared by the ONESHOT, TWOSHOT and NCCL-epilogue kernels: 16-byte vectors of T <-> fp32
+// registers, the Lamport empty pattern, the fused epilogue (residual add -> RMSNorm -> FP8, seed 6.3) and the
+// runtime -> template dispatch.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/dist/allreduce_kernels.h"
+#include "backends/cuda/norm/row_norm.cuh"
+
+namespace chimera::cuda::dist {
+
+using chimera::dist::has_fp8_out;
+using chimera::dist::has_norm;
+using chimera::dist::has_norm_out;
+using chimera::dist::has_residual;
+using chimera::dist::kLamportEmpty32;
+
+inline constexpr int kMaxThreads = 1024;
+inline constexpr int kMaxItems = 4;  // 16-byte vectors per thread (dist::kMaxRowVecs = 1024 x 4)
+
+template <typename T>
+struct VecOf {
+  static constexpr int kN = 16 / static_cast<int>(sizeof(T));  // elements in one 16-byte vector
+};
+
+template <typename T>
+__device__ __forceinline__ void add_unpacked(const uint4& u, float (&acc)[VecOf<T>::kN]) {
+  constexpr int kN = VecOf<T>::kN;
+  T e[kN];
+  static_assert(sizeof(e) == 16);
+  __builtin_memcpy(e, &u, 16);
+#pragma unroll
+  for (int j = 0; j < kN; ++j) acc[j] += to_float<T>(e[j]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack(const float (&v)[VecOf<T>::kN]) {
+  constexpr int kN = VecOf<T>::kN;
+  T e[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) e[j] = from_float<T>(v[j]);
+  uint4 u;
+  __builtin_memcpy(&u, e, 16);
+  return u;
+}
+
+// ---- the Lamport empty pattern (allreduce_index.h) --------------------------------------------------------
+__device__ __forceinline__ bool word_has_empty16(uint32_t w) {
+  return (w & 0xffffu) == 0x8000u || (w >> 16) == 0x8000u;
+}
+template <typename T>
+__device__ __forceinline__ bool has_empty(const uint4& u) {
+  if constexpr (sizeof(T) == 4) {
+    return u.x == kLamportEmpty32 || u.y == kLamportEmpty32 || u.z == kLamportEmpty32 || u.w == kLamportEmpty32;
+  } else {
+    return word_has_empty16(u.x) || word_has_empty16(u.y) || word_has_empty16(u.z) || word_has_empty16(u.w);
+  }
+}
+// Real values that look empty: 16-bit -0.0 -> +0.0; fp32 0x80008000 (-1.8e-40) -> -0.0f.
+__device__ __forceinline__ uint32_t canon_word16(uint32_t w) {
+  if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
+  if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
+  return w;
+}
+template <typename T>
+__device__ __forceinline__ uint4 canonicalise(uint4 u) {
+  if constexpr (sizeof(T) == 4) {
+    u.x = u.x == kLamportEmpty32 ? 0x80000000u : u.x;
+    u.y = u.y == kLamportEmpty32 ? 0x80000000u : u.y;
+    u.z = u.z == kLamportEmpty32 ? 0x80000000u : u.z;
+    u.w = u.w == kLamportEmpty32 ? 0x80000000u : u.w;
+  } else {
+    u.x = canon_word16(u.x);
+    u.y = canon_word16(u.y);
+    u.z = canon_word16(u.z);
+    u.w = canon_word16(u.w);
+  }
+  return u;
+}
+
+// A load that always goes to memory (the Lamport spin: peers write this location while we poll it).
+__device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
+  uint4 u;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+               : "l"(p)
+               : "memory");
+  return u;
+}
+
+// ---- the fused epilogue -----------------------------------------------------------------------------------
+// v: this thread's vectors of row `row` (vector i is vecs_per_row index threadIdx.x + i * blockDim.x), the full
+// sum over ranks in fp32. Every thread of the block calls it (the norm reduces over the block).
+template <typename T, FusionPattern P, int kItems>
+__device__ __forceinline__ void fuse_row(float (&v)[kItems][VecOf<T>::kN], int64_t row, int n_vecs,
+                                         const FusionArgs& a) {
+  constexpr int kN = VecOf<T>::kN;
+  const int64_t base = row * n_vecs;
+  if constexpr (P == FusionPattern::kAllReduce) {
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
+      if (vi < n_vecs) reinterpret_cast<uint4*>(a.output)[base + vi] = pack<T>(v[i]);
+    }
+  } else {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
+      if (vi >= n_vecs) continue;
+      if constexpr (has_residual(P)) {
+        // Plain loads: residual_in may alias residual_out (each element is read before this thread writes it).
+        add_unpacked<T>(reinterpret_cast<const uint4*>(a.residual_in)[base + vi], v[i]);
+        reinterpret_cast<uint4*>(a.residual_out)[base + vi] = pack<T>(v[i]);
+      }
+#pragma unroll
+      for (int j = 0; j < kN; ++j) ss += v[i][j] * v[i][j];
+    }
+    const float rinv = rsqrtf(norm::row_sum(ss) / static_cast<float>(a.hidden) + a.eps);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
+      if (vi >= n_vecs) continue;
+      float w[kN] = {};
+      add_unpacked<T>(__ldg(reinterpret_cast<const uint4*>(a.norm_weight) + vi), w);
+      float y[kN];
+#pragma unroll
+      for (int j = 0; j < kN; ++j) y[j] = v[i][j] * rinv * w[j];
+      if constexpr (has_norm_out(P)) reinterpret_cast<uint4*>(a.norm_out)[base + vi] = pack<T>(y);
+      if constexpr (has_fp8_out(P)) {
+        uint8_t q[kN];
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {
+          q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] * a.fp8_inv_scale, __NV_SATFINITE, __NV_E4M3));
+        }
+        uint8_t* dst = static_cast<uint8_t*>(a.fp8_out) + (base + vi) * kN;
+        if constexpr (kN == 8) {
+          uint2 u;
+          __builtin_memcpy(&u, q, 8);
+          *reinterpret_cast<uint2*>(dst) = u;
+        } else {
+          uint32_t u;
+          __builtin_memcpy(&u, q, 4);
+          *reinterpret_cast<uint32_t*>(dst) = u;
+        }
+      }
+    }
+  }
+}
+
+// ---- launch shape and dispatch ----------------------------------------------------------------------------
+struct RowShape {
+  int n_vecs;   // 16-byte vectors a row
+  int threads;  // a multiple of 32, <= 1024
+  int items;    // 1, 2 or 4 vectors a thread
+};
+inline RowShape row_shape(int hidden, int elem_bytes) {
+  RowShape s;
+  s.n_vecs = hidden * elem_bytes / 16;
+  s.threads = std::min(kMaxThreads, (s.n_vecs + 31) / 32 * 32);
+  const int items = (s.n_vecs + s.threads - 1) / s.threads;
+  s.items = items <= 1 ? 1 : items <= 2 ? 2 : 4;
+  return s;
+}
+
+// Calls LAUNCH<T, P, kItems>() for the runtime (dtype, pattern, items); fails loudly outside the supported set.
+#define CHIMERA_DIST_DISPATCH_ITEMS(items, what, ...)                                                       \
+  do {                                                                                                    \
+    if ((items) == 1) {                                                                                   \
+      constexpr int kItems = 1;                                                                           \
+      __VA_ARGS__;                                                                                        \
+    } else if ((items) == 2) {                                                                            \
+      constexpr int kItems = 2;                                                                           \
+      __VA_ARGS__;                                                                                        \
+    } else if ((items) == 4) {                                                                            \
+      constexpr int kItems = 4;                                                                           \
+      __VA_ARGS__;                                                                                        \
+    } else {                                                                                              \
+      ::chimera::throw_runtime(::chimera::str_cat((what), ": ", (items), " vectors a thread (supported: 1, 2, 4)")); \
+    }                                                                                                     \
+  } while (0)
+
+#define CHIMERA_DIST_PATTERN_CASE(name, ...)            \
+  case FusionPattern::name: {                           \
+    constexpr FusionPattern P = FusionPattern::name;    \
+    __VA_ARGS__;                                        \
+    break;                                              \
+  }
+#define CHIMERA_DIST_DISPATCH_PATTERN(pattern, what, ...)                                                \
+  do {                                                                                                   \
+    switch (pattern) {                                                                                   \
+      CHIMERA_DIST_PATTERN_CASE(kAllReduce, __VA_ARGS__)                                                 \
+      CHIMERA_DIST_PATTERN_CASE(kResidualRmsNorm, __VA_ARGS__)                                           \
+      CHIMERA_DIST_PATTERN_CASE(kResidualRmsNormFp8, __VA_ARGS__)                                        \
+      CHIMERA_DIST_PATTERN_CASE(kResidualRmsNormOutFp8, __VA_ARGS__)                                     \
+      CHIMERA_DIST_PATTERN_CASE(kRmsNorm, __VA_ARGS__)                                                   \
+      default:                                                                                           \
+        ::chimera::throw_runtime(::chimera::str_cat((what), ": unknown fusion pattern ", static_cast<int>(pattern))); \
+    }                                                                                                    \
+  } while (0)
+
+}  // namespace chimera::cuda::dist

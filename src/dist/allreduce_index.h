@@ -1,0 +1,105 @@
+// The index arithmetic of the custom AllReduce kernels, as plain inline functions usable on the host and the
+// device, so that the CPU tests (tests/dist/allreduce_index_test.cpp) check exactly what the kernels compute
+// for 2, 4 and 8 ranks. No CUDA types, no allocation.
+//
+// Seed references (shared/seeds/allreduce-fusion-in-trtllm.txt): 4.2.1 ONESHOT Lamport (triple buffer,
+// "uses flag_value % 3 and clears (flag_value + 2) % 3"), 4.2.2 TWOSHOT (reduce-scatter, barrier, all-gather),
+// 7.2 the lookup-table keys (tp index, fusion index, log2 hidden - 7, log2 tokens).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define CHIMERA_HD __host__ __device__ __forceinline__
+#else
+#define CHIMERA_HD inline
+#endif
+
+namespace chimera::dist {
+
+inline constexpr int kMaxRanks = 8;
+inline constexpr int kLamportSlots = 3;  // triple buffer: read slot, slot being cleared, slot ready next
+
+// Lamport sentinel: every 16-bit lane of an empty buffer holds 0x8000 (-0.0 in bf16 and fp16). One pattern for
+// every dtype, because a slot cleared by a bf16 call may be read next by an fp32 call: an fp32 element is empty
+// when both halves are 0x8000 (0x80008000, the denormal -1.8e-40). Real inputs with the sentinel pattern are
+// canonicalised before they are pushed (16-bit -0.0 -> +0.0; fp32 0x80008000 -> -0.0f), so they cannot hang
+// a reader.
+inline constexpr uint16_t kLamportEmpty16 = 0x8000u;
+inline constexpr uint32_t kLamportEmpty32 = 0x80008000u;
+
+// ---- ONESHOT triple buffer -------------------------------------------------------------------------------
+// The device-side counter holds the slot the next call reads (0, 1, 2, then 0 again: kept modulo 3 so it never
+// wraps out of step, as a free-running 32-bit counter would at 2^32, which 3 does not divide). A call reading
+// slot s clears the slot the previous call read, (s + 2) % 3: every peer's write into that slot has landed
+// (this rank consumed them), and it is next written two calls later, which no peer can start before this rank
+// has pushed the next call's data.
+CHIMERA_HD int lamport_clear_slot(int slot) { return (slot + 2) % kLamportSlots; }
+CHIMERA_HD int lamport_next_slot(int slot) { return (slot + 1) % kLamportSlots; }
+
+// Element offset, inside one rank's Lamport buffer, of element `elem` of the message pushed by `src_rank` in
+// `slot`. Layout: [slot][src_rank][message elements], each message region `slot_stride_elems` long (the
+// capacity: max message bytes / element size); a slot holds n_ranks regions.
+CHIMERA_HD int64_t lamport_offset(int slot, int src_rank, int64_t elem, int n_ranks, int64_t slot_stride_elems) {
+  return (static_cast<int64_t>(slot) * n_ranks + src_rank) * slot_stride_elems + elem;
+}
+// Elements of one slot in use by a call of n_ranks x message_elems (what the next-but-one call clears).
+CHIMERA_HD int64_t lamport_slot_used(int n_ranks, int64_t message_elems, int64_t slot_stride_elems) {
+  return static_cast<int64_t>(n_ranks - 1) * slot_stride_elems + message_elems;
+}
+
+// ---- TWOSHOT ownership ------------------------------------------------------------------------------------
+// Every row (token) is split into n_ranks contiguous ranges of 16-byte vectors; rank r reduces range r of the
+// row (reads it from every rank's staging buffer, sums in rank order, writes the sum into every rank's reduced
+// buffer). Splitting each row, rather than the token list, keeps one block on one set of rows through both
+// phases on every rank, so the per-block barriers order every write a block later reads (the all-gather of
+// row t reads only what the peers' block of row t wrote before they reached barrier 2). The first
+// n_vecs % n_ranks ranks own one vector more, so ranges differ by at most one vector and cover the row.
+struct Range {
+  int64_t begin;
+  int64_t end;
+};
+CHIMERA_HD Range twoshot_range(int rank, int n_ranks, int64_t n_vecs) {
+  const int64_t base = n_vecs / n_ranks, extra = n_vecs % n_ranks;
+  const int64_t begin = rank * base + (rank < extra ? rank : extra);
+  return Range{begin, begin + base + (rank < extra ? 1 : 0)};
+}
+// Which rank reduces vector v of a row of n_vecs (the inverse of twoshot_range).
+CHIMERA_HD int twoshot_owner(int64_t v, int n_ranks, int64_t n_vecs) {
+  const int64_t base = n_vecs / n_ranks, extra = n_vecs % n_ranks;
+  const int64_t split = extra * (base + 1);  // vectors owned by the ranks with one extra
+  if (v < split) return static_cast<int>(v / (base + 1));
+  return static_cast<int>(extra + (v - split) / base);
+}
+// Rows are dealt to blocks round-robin (row t -> block t % n_blocks) by every kernel and every rank; the grid
+// is a function of the shape only (never of the device), so block b handles the same rows on every rank.
+inline constexpr int kMaxBlocks = 128;  // <= the SMs of an H100/H200: all blocks co-resident (barriers, spins)
+CHIMERA_HD int grid_blocks(int64_t tokens) { return tokens < kMaxBlocks ? static_cast<int>(tokens) : kMaxBlocks; }
+
+// Wrap-safe "flag has reached epoch" for the barrier flags (uint32 epochs, a peer can be one barrier ahead).
+CHIMERA_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return static_cast<int32_t>(flag - epoch) >= 0; }
+
+// ---- lookup-table keys (seed 7.2) ------------------------------------------------------------------------
+// ranks 2 -> 0, 4 -> 1, 8 -> 2 (others: -1).
+CHIMERA_HD int ranks_index(int n_ranks) {
+  return n_ranks == 2 ? 0 : n_ranks == 4 ? 1 : n_ranks == 8 ? 2 : -1;
+}
+CHIMERA_HD int ceil_log2(int64_t v) {
+  int l = 0;
+  while ((int64_t{1} << l) < v) ++l;
+  return l;
+}
+// hidden 128 -> 0, 256 -> 1, ..., 8192 -> 6, 16384 -> 7 (rounded up, clamped to [0, kHiddenBuckets)).
+inline constexpr int kHiddenBuckets = 8;
+CHIMERA_HD int hidden_bucket(int64_t hidden) {
+  const int b = ceil_log2(hidden) - 7;
+  return b < 0 ? 0 : b >= kHiddenBuckets ? kHiddenBuckets - 1 : b;
+}
+// tokens 1 -> 0, 2 -> 1, 3..4 -> 2, ..., 8192 -> 13 (rounded up, clamped).
+inline constexpr int kTokenBuckets = 14;
+CHIMERA_HD int tokens_bucket(int64_t tokens) {
+  const int b = ceil_log2(tokens < 1 ? 1 : tokens);
+  return b >= kTokenBuckets ? kTokenBuckets - 1 : b;
+}
+
+}  // namespace chimera::dist

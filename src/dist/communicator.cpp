@@ -1,0 +1,63 @@
+#include "dist/communicator.h"
+
+#include <cuda_runtime.h>
+
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "core/error.h"
+
+namespace chimera::dist {
+
+void nccl_check(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess) runtime_error("dist: {} failed: {} ({})", what, ncclGetErrorString(r), static_cast<int>(r));
+}
+
+std::unique_ptr<Communicator> Communicator::create_local(const std::vector<int>& devices) {
+  if (devices.empty()) invalid_input("dist::Communicator: no devices");
+  std::unique_ptr<Communicator> c(new Communicator());
+  c->n_ranks_ = static_cast<int>(devices.size());
+  c->devices_ = devices;
+  c->comms_.resize(devices.size());
+  nccl_check(ncclCommInitAll(c->comms_.data(), c->n_ranks_, devices.data()), "ncclCommInitAll");
+  return c;
+}
+
+std::unique_ptr<Communicator> Communicator::create_rank(const ncclUniqueId& id, int n_ranks, int rank, int device) {
+  std::unique_ptr<Communicator> c(new Communicator());
+  c->n_ranks_ = n_ranks;
+  c->first_rank_ = rank;
+  c->devices_ = {device};
+  c->comms_.resize(1);
+  if (cudaSetDevice(device) != cudaSuccess) runtime_error("dist::Communicator: cudaSetDevice({}) failed", device);
+  nccl_check(ncclCommInitRank(&c->comms_[0], n_ranks, id, rank), "ncclCommInitRank");
+  return c;
+}
+
+Communicator::~Communicator() {
+  for (ncclComm_t comm : comms_)
+    if (comm) ncclCommDestroy(comm);
+}
+
+void Communicator::run_ranks(const std::function<void(int)>& fn) const {
+  std::exception_ptr first;
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  threads.reserve(comms_.size());
+  for (int r = 0; r < local_ranks(); ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        if (cudaSetDevice(device(r)) != cudaSuccess) runtime_error("dist: cudaSetDevice({}) failed", device(r));
+        fn(r);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace chimera::dist

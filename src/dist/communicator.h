@@ -1,0 +1,48 @@
+// Ranks and NCCL communicators. Today: one process driving the GPUs of one host, one thread per GPU, each rank
+// its own stream (create_local: ncclCommInitAll). Several hosts: one process per GPU (or per host) joins with
+// a unique id shared out of band (TCP, or MPI under mpirun) through create_rank (ncclCommInitRank); the custom
+// kernels stay inside one host (peer-mapped memory), NCCL spans hosts.
+#pragma once
+
+#include <nccl.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace chimera::dist {
+
+class Communicator {
+ public:
+  // All local `devices` (CUDA ordinals, rank order) in one communicator, built by ncclCommInitAll.
+  static std::unique_ptr<Communicator> create_local(const std::vector<int>& devices);
+  // This process's rank of n_ranks, on `device`, joining the clique named by `id` (ncclGetUniqueId on rank 0,
+  // sent to the others out of band). Untested: nothing in the tree launches several processes yet.
+  static std::unique_ptr<Communicator> create_rank(const ncclUniqueId& id, int n_ranks, int rank, int device);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int size() const { return n_ranks_; }                       // ranks in the clique
+  int local_ranks() const { return static_cast<int>(comms_.size()); }  // ranks driven by this process
+  int first_rank() const { return first_rank_; }
+  int device(int local) const { return devices_[static_cast<size_t>(local)]; }
+  const std::vector<int>& devices() const { return devices_; }
+  ncclComm_t nccl(int local) const { return comms_[static_cast<size_t>(local)]; }
+
+  // Runs fn(local rank) on one thread per local rank, each with its device current; rethrows the first error
+  // after every thread has returned.
+  void run_ranks(const std::function<void(int)>& fn) const;
+
+ private:
+  Communicator() = default;
+  int n_ranks_ = 0;
+  int first_rank_ = 0;
+  std::vector<int> devices_;
+  std::vector<ncclComm_t> comms_;
+};
+
+// "NCCL_CHECK" for host code: throws kRuntime naming the call and NCCL's message.
+void nccl_check(ncclResult_t r, const char* what);
+
+}  // namespace chimera::dist

@@ -1,0 +1,48 @@
+// Strategy names, parsing (for the CLI flag / CHIMERA_ALLREDUCE_STRATEGY, read once by the CLI layer) and the
+// AUTO decision: which strategy a call of a given shape takes. Pure host code, built in every configuration
+// and unit-tested on the CPU.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "dist/allreduce_types.h"
+
+namespace chimera::dist {
+
+std::string_view strategy_name(AllReduceStrategy s);  // "auto", "nccl", "oneshot", "twoshot"
+std::string_view pattern_name(FusionPattern p);       // "allreduce", "residual_rmsnorm", ...
+// Case-insensitive; nullopt for anything else.
+std::optional<AllReduceStrategy> strategy_from_name(std::string_view name);
+// As strategy_from_name but throws kInvalidInput listing the accepted names (what a CLI flag wants).
+AllReduceStrategy parse_strategy(std::string_view name);
+
+// Everything the choice depends on. elem_bytes: 2 (bf16/fp16) or 4 (fp32).
+struct StrategyQuery {
+  int n_ranks = 2;
+  FusionPattern pattern = FusionPattern::kResidualRmsNorm;
+  int64_t hidden = 0;
+  int64_t tokens = 0;
+  int elem_bytes = 2;
+  bool peer_access = false;         // every pair of ranks can map each other's memory (Topology)
+  int64_t max_message_bytes = 0;    // the workspace capacity per message (AllReduceConfig)
+};
+
+// Can the custom kernels run this call at all? (peer access, 2..8 ranks, rows of whole 16-byte vectors, at most
+// kMaxRowVecs vectors a row, message within the workspace). When false the call goes to NCCL whatever was asked.
+inline constexpr int64_t kMaxRowVecs = 4096;  // 1024 threads x 4 vectors in registers: bf16 32768, fp32 16384
+bool custom_eligible(const StrategyQuery& q);
+
+// The SM90 lookup table keyed (ranks index, pattern, hidden bucket, tokens bucket) (seed 7.2).
+// PROVISIONAL: no sweep has been run on the H200s yet (bench/allreduce_bench.cu is the sweep tool; its output is
+// to be pasted here). Until then every entry follows the seed's rule: ONESHOT up to kOneShotMaxTokens tokens
+// (seed 4.2.2, kOneShotMaxToken = 128), TWOSHOT above; NCCL when the custom kernels are not eligible.
+inline constexpr int64_t kOneShotMaxTokens = 128;
+AllReduceStrategy lookup_sm90(int n_ranks, FusionPattern pattern, int64_t hidden, int64_t tokens);
+
+// The strategy a call takes: `forced` unless it is kAuto (a forced custom strategy that is not eligible falls
+// back to NCCL), else the lookup table; never kAuto.
+AllReduceStrategy select_strategy(const StrategyQuery& q, AllReduceStrategy forced);
+
+}  // namespace chimera::dist

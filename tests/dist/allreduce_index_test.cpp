@@ -1,0 +1,154 @@
+// CPU tests of the custom AllReduce index arithmetic (src/dist/allreduce_index.h) and the strategy choice
+// (src/dist/strategy.h) for 2, 4 and 8 ranks. These run in CI; the kernels use the same inline functions.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <vector>
+
+#include "core/error.h"
+#include "dist/allreduce_index.h"
+#include "dist/strategy.h"
+
+namespace chimera::dist {
+namespace {
+
+class RanksTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RanksTest, TwoShotRangesPartitionEveryRow) {
+  const int n = GetParam();
+  for (int64_t vecs : {1, 2, 3, 7, 8, 16, 336, 560, 1024, 1025, 4096}) {
+    int64_t next = 0, min_len = vecs, max_len = 0;
+    for (int r = 0; r < n; ++r) {
+      const Range range = twoshot_range(r, n, vecs);
+      ASSERT_EQ(range.begin, next) << "rank " << r << " vecs " << vecs;  // contiguous, in rank order
+      ASSERT_LE(range.begin, range.end);
+      for (int64_t v = range.begin; v < range.end; ++v) ASSERT_EQ(twoshot_owner(v, n, vecs), r) << v;
+      min_len = std::min(min_len, range.end - range.begin);
+      max_len = std::max(max_len, range.end - range.begin);
+      next = range.end;
+    }
+    EXPECT_EQ(next, vecs);            // covers the row
+    EXPECT_LE(max_len - min_len, 1);  // balanced
+  }
+}
+
+TEST_P(RanksTest, LamportRegionsDoNotOverlap) {
+  const int n = GetParam();
+  const int64_t stride = 1000, msg = 640;  // a message smaller than the capacity
+  std::set<int64_t> seen;
+  for (int slot = 0; slot < kLamportSlots; ++slot) {
+    for (int src = 0; src < n; ++src) {
+      const int64_t first = lamport_offset(slot, src, 0, n, stride);
+      const int64_t last = lamport_offset(slot, src, msg - 1, n, stride);
+      EXPECT_EQ(last - first, msg - 1);
+      EXPECT_TRUE(seen.insert(first / stride).second) << "slot " << slot << " src " << src;
+      // The region lies inside its slot, and the slot's used extent covers it.
+      EXPECT_GE(first, static_cast<int64_t>(slot) * n * stride);
+      EXPECT_LT(last, static_cast<int64_t>(slot + 1) * n * stride);
+      EXPECT_LT(last - static_cast<int64_t>(slot) * n * stride, lamport_slot_used(n, msg, stride));
+    }
+  }
+  EXPECT_EQ(static_cast<int>(seen.size()), kLamportSlots * n);
+  EXPECT_EQ(lamport_slot_used(n, stride, stride), n * stride);  // a full message fills the slot exactly
+}
+
+INSTANTIATE_TEST_SUITE_P(, RanksTest, ::testing::Values(2, 4, 8),
+                         [](const ::testing::TestParamInfo<int>& i) { return "ranks" + std::to_string(i.param); });
+
+TEST(LamportRotation, NeverClearsTheSlotBeingRead) {
+  // Slot s is read, the slot read before it is cleared; the slot read next is untouched by this call, and every
+  // slot is cleared exactly once between two reads of it.
+  int slot = 0;
+  std::vector<int> reads;
+  for (int k = 0; k < 30; ++k) {
+    const int next = lamport_next_slot(slot);
+    EXPECT_NE(slot, lamport_clear_slot(slot));
+    EXPECT_NE(next, lamport_clear_slot(slot));
+    EXPECT_EQ(lamport_clear_slot(next), slot);
+    reads.push_back(slot);
+    slot = next;
+  }
+  for (size_t k = 3; k < reads.size(); ++k) EXPECT_EQ(reads[k], reads[k - 3]);
+  EXPECT_EQ(std::set<int>(reads.begin(), reads.end()).size(), 3u);
+}
+
+TEST(Barrier, EpochComparisonIsWrapSafe) {
+  EXPECT_TRUE(epoch_reached(5, 5));
+  EXPECT_TRUE(epoch_reached(6, 5));  // a peer one barrier ahead
+  EXPECT_FALSE(epoch_reached(4, 5));
+  EXPECT_TRUE(epoch_reached(0, 0xffffffffu));
+  EXPECT_FALSE(epoch_reached(0xffffffffu, 0));
+}
+
+TEST(Grid, SameRowsForEveryBlockOnEveryRank) {
+  EXPECT_EQ(grid_blocks(1), 1);
+  EXPECT_EQ(grid_blocks(64), 64);
+  EXPECT_EQ(grid_blocks(4096), kMaxBlocks);
+}
+
+TEST(LookupKeys, Buckets) {
+  EXPECT_EQ(ranks_index(2), 0);
+  EXPECT_EQ(ranks_index(4), 1);
+  EXPECT_EQ(ranks_index(8), 2);
+  EXPECT_EQ(ranks_index(3), -1);
+  EXPECT_EQ(hidden_bucket(128), 0);
+  EXPECT_EQ(hidden_bucket(2688), 5);  // rounded up to 4096
+  EXPECT_EQ(hidden_bucket(4096), 5);
+  EXPECT_EQ(hidden_bucket(4480), 6);
+  EXPECT_EQ(hidden_bucket(8192), 6);
+  EXPECT_EQ(hidden_bucket(16384), 7);
+  EXPECT_EQ(hidden_bucket(64), 0);
+  EXPECT_EQ(tokens_bucket(1), 0);
+  EXPECT_EQ(tokens_bucket(2), 1);
+  EXPECT_EQ(tokens_bucket(7), 3);
+  EXPECT_EQ(tokens_bucket(128), 7);
+  EXPECT_EQ(tokens_bucket(129), 8);
+  EXPECT_EQ(tokens_bucket(1 << 20), kTokenBuckets - 1);
+}
+
+TEST(Strategy, NamesRoundTrip) {
+  for (auto s : {AllReduceStrategy::kAuto, AllReduceStrategy::kNccl, AllReduceStrategy::kOneShot,
+                 AllReduceStrategy::kTwoShot}) {
+    EXPECT_EQ(strategy_from_name(strategy_name(s)), s);
+  }
+  EXPECT_EQ(strategy_from_name("ONESHOT"), AllReduceStrategy::kOneShot);
+  EXPECT_FALSE(strategy_from_name("nvls").has_value());
+  try {
+    parse_strategy("nvls");
+    FAIL() << "no exception";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput);
+    EXPECT_NE(std::string(e.what()).find("oneshot"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Strategy, AutoFollowsTheProvisionalTable) {
+  StrategyQuery q{.n_ranks = 2, .pattern = FusionPattern::kResidualRmsNorm, .hidden = 8192, .tokens = 64,
+                  .elem_bytes = 2, .peer_access = true, .max_message_bytes = 64 << 20};
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kOneShot);
+  q.tokens = 128;
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kOneShot);
+  q.tokens = 129;
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kTwoShot);
+  q.tokens = 4096;  // 64 MiB exactly: still fits
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kTwoShot);
+  q.tokens = 4097;  // over the workspace: NCCL, even when forced
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kNccl);
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kOneShot), AllReduceStrategy::kNccl);
+  q.tokens = 1;
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kTwoShot), AllReduceStrategy::kTwoShot);  // forced wins
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kNccl), AllReduceStrategy::kNccl);
+  q.peer_access = false;  // no peer access: only NCCL is eligible
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kOneShot), AllReduceStrategy::kNccl);
+  q.peer_access = true;
+  q.hidden = 100;  // 200 bytes a row: not whole 16-byte vectors
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kNccl);
+  q.hidden = 65536;  // 8192 vectors a row: over the register budget
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kNccl);
+  q.hidden = 8192;
+  q.n_ranks = 16;
+  EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kNccl);
+}
+
+}  // namespace
+}  // namespace chimera::dist
