@@ -32,7 +32,7 @@ export PKG_CONFIG_PATH=$D/usr/lib/x86_64-linux-gnu/pkgconfig:$D/usr/share/pkgcon
 export LD_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHIMERA_CUDA=ON -DCMAKE_PREFIX_PATH="$D/usr" \
   -DPKG_CONFIG_EXECUTABLE="$PKGC" >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
-ninja -C build-dev -j "$(nproc)" 2>&1 | tail -3 || exit 1
+ninja -C build-dev -j "$(nproc)" ${NINJA_TARGETS:-} 2>&1 | tail -3 || exit 1
 rc=0
 if want tests; then
   ./build-dev/chimera_tests --gtest_brief=1 2>&1 | tee "$OUT/tests.log" | tail -30
