@@ -257,6 +257,13 @@ class AllReduceTwoGpu : public ::testing::Test {
   static void expect_matches(const std::vector<RankResult>& got, const CallData& d, const Reference& ref,
                              FusionPattern pattern) {
     const Tolerance tol = tolerance(d.dtype);
+    // The FP8 output is quantised from the same fp32 norm the norm output comes from, so its error is the norm's
+    // (in the quantised domain: divided by the scale) plus one e4m3 step. Comparing it with the e4m3 step alone
+    // (as the first H200 run did) fails where the bf16-rounded all-reduced sum nearly cancels the residual: the
+    // worst element of every failing case in that run had |norm| < 0.008 (O(1) terms cancelling to O(0.005),
+    // so the 2^-9 rounding of the sum is a large part of it), while the norm output passed its bf16 bound.
+    // Not yet re-run on a GPU with this bound.
+    const Tolerance fp8_tol{tol.abs / kFp8Scale + test::kF8E4M3Quant.abs, tol.rel + test::kF8E4M3Quant.rel};
     std::vector<float> ref_q;
     if (has_fp8_out(pattern)) {
       ref_q.resize(ref.norm_res.size());
@@ -270,7 +277,7 @@ class AllReduceTwoGpu : public ::testing::Test {
       if (has_norm_out(pattern)) {
         EXPECT_ALL_CLOSE(g.norm_out, pattern == FusionPattern::kRmsNorm ? ref.norm_plain : ref.norm_res, tol);
       }
-      if (has_fp8_out(pattern)) { EXPECT_ALL_CLOSE(g.fp8_q, ref_q, test::kF8E4M3Quant); }
+      if (has_fp8_out(pattern)) { EXPECT_ALL_CLOSE(g.fp8_q, ref_q, fp8_tol); }
     }
     auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
       return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
