@@ -8,7 +8,9 @@
 
 namespace chimera::cli {
 
-std::string default_model_dir() { return CHIMERA_DEFAULT_MODEL_DIR; }
+std::string default_model_dir() {
+  return CHIMERA_DEFAULT_MODEL_DIR;
+}
 
 void add_model_source(CLI::App& app, ModelSource& s) {
   s.model_dir = default_model_dir();
@@ -27,7 +29,9 @@ void add_model_source(CLI::App& app, ModelSource& s) {
 ModelConfig load_source_config(const ModelSource& src) {
   if (!src.is_synthetic()) {
     if (src.num_layers != 0) invalid_input("--num-layers needs --synthetic (a checkpoint has all its layers)");
-    if (!std::filesystem::is_directory(src.model_dir)) invalid_input("model directory '{}' does not exist", src.model_dir);
+    if (!std::filesystem::is_directory(src.model_dir)) {
+      invalid_input("model directory '{}' does not exist", src.model_dir);
+    }
     return load_model_config(src.model_dir);
   }
   ModelConfig c = model_preset(src.synthetic);
@@ -44,8 +48,7 @@ LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOpt
     // Synthetic weights are generated in options.dtype; a checkpoint goes to the GPU in options.dtype.
     const DType act = options.device == Device::kCpu ? DType::kF32 : options.dtype;
     const MemoryPlan plan = plan_memory(m.config, options.dtype, act, *limits);
-    check_memory_plan(plan, device::memory_info(options.device).free,
-                      options.device == Device::kCuda ? "GPU" : "host");
+    check_memory_plan(plan, device::memory_info(options.device).free, options.device == Device::kCuda ? "GPU" : "host");
   }
   if (src.is_synthetic()) {
     if (with_weights) {

@@ -91,8 +91,7 @@ ModelConfig model_preset(const std::string& name) {
 
 void truncate_layers(ModelConfig& config, int64_t num_layers) {
   if (num_layers < 1 || num_layers > config.num_hidden_layers()) {
-    invalid_input("--num-layers: {} is out of range, the model has {} layers", num_layers,
-                  config.num_hidden_layers());
+    invalid_input("--num-layers: {} is out of range, the model has {} layers", num_layers, config.num_hidden_layers());
   }
   if (num_layers == config.num_hidden_layers()) return;
   config.layers.resize(static_cast<size_t>(num_layers));

@@ -54,7 +54,9 @@ Tensor synthetic_tensor(const ModelConfig& cfg, uint64_t seed, const std::string
                         DType dtype) {
   Tensor t = Tensor::empty(dtype, shape);
   const uint64_t key = splitmix64(seed) ^ name_hash(c);
-  auto uniform = [](float lo, float hi) { return [lo, hi](double u) { return lo + (hi - lo) * static_cast<float>(u); }; };
+  auto uniform = [](float lo, float hi) {
+    return [lo, hi](double u) { return lo + (hi - lo) * static_cast<float>(u); };
+  };
   if (ends_with(c, "A_log")) {
     fill_synthetic(t, key, [](double u) { return static_cast<float>(std::log(1.0 + 15.0 * u)); });
   } else if (ends_with(c, ".D")) {
@@ -284,7 +286,9 @@ NemotronH NemotronH::load(const ModelConfig& config, const Checkpoint& checkpoin
 
 NemotronH NemotronH::synthetic(const ModelConfig& config, const ModelOptions& options, uint64_t seed) {
   check_options(config, options);
-  if (!dtype_is_float(options.dtype)) invalid_input("synthetic weights need a float dtype, got {}", dtype_name(options.dtype));
+  if (!dtype_is_float(options.dtype)) {
+    invalid_input("synthetic weights need a float dtype, got {}", dtype_name(options.dtype));
+  }
   WeightTable w(config, options.dtype, seed);
   return bind(config, w, options);
 }

@@ -32,8 +32,10 @@ std::map<std::string, int64_t> parameter_counts(const ModelConfig& c) {
   n["embeddings"] = c.vocab_size * D;
   n["lm_head"] = c.vocab_size * D;
   n["norm_f"] = D;
-  for (const auto& [kind, per_layer] : {std::pair{LayerKind::kMamba, mamba}, {LayerKind::kAttention, attention},
-                                        {LayerKind::kMlp, mlp}, {LayerKind::kMoe, moe}}) {
+  for (const auto& [kind, per_layer] : {std::pair{LayerKind::kMamba, mamba},
+                                        {LayerKind::kAttention, attention},
+                                        {LayerKind::kMlp, mlp},
+                                        {LayerKind::kMoe, moe}}) {
     if (count(c, kind)) n[layer_kind_name(kind)] = count(c, kind) * (per_layer + D);
   }
   return n;
@@ -60,8 +62,8 @@ MemoryPlan plan_memory(const ModelConfig& c, DType weight_dtype, DType act_dtype
   p.weights = static_cast<size_t>((parameter_count(c) - f32) * wsize + f32 * 4);
   p.kv_cache = static_cast<size_t>(count(c, LayerKind::kAttention) * 2 * c.num_key_value_heads * c.head_dim * asize *
                                    tokens_per_seq * seqs);
-  const int64_t mamba_per_seq = c.conv_dim() * (c.conv_kernel - 1) * asize +
-                                c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size * 4;
+  const int64_t mamba_per_seq =
+      c.conv_dim() * (c.conv_kernel - 1) * asize + c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size * 4;
   p.mamba_state = static_cast<size_t>(count(c, LayerKind::kMamba) * mamba_per_seq * seqs);
 
   // Widest intermediates of one token in each mixer kind present (what the forward pass keeps live).
@@ -82,7 +84,9 @@ MemoryPlan plan_memory(const ModelConfig& c, DType weight_dtype, DType act_dtype
   return p;
 }
 
-std::string gib(size_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1ull << 30)); }
+std::string gib(size_t bytes) {
+  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1ull << 30));
+}
 
 void check_memory_plan(const MemoryPlan& p, size_t free_bytes, const std::string& device_name) {
   if (p.total() <= free_bytes) return;
