@@ -9,12 +9,13 @@
 #include <CLI/CLI.hpp>
 
 #include "dist/allreduce_types.h"
+#include "model_loading.h"
 #include "runtime/sampler.h"
 
 namespace chimera::cli {
 
 struct GenerateOptions {
-  std::string model_dir;
+  ModelSource source;
   std::string prompt;
   std::string prompt_ids;  // "1,2,3"
   std::string device = "cpu";
@@ -30,7 +31,11 @@ struct GenerateOptions {
 };
 
 struct InfoOptions {
-  std::string model_dir;
+  ModelSource source;
+  // The memory plan printed for these limits, weights in `dtype`.
+  int32_t max_num_seqs = 8;
+  int32_t max_model_len = 4096;
+  std::string dtype = "bfloat16";
 };
 
 void add_generate(CLI::App& app, GenerateOptions& opt);

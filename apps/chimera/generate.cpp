@@ -1,4 +1,5 @@
 // chimera generate: tokenize, run the engine, stream the text, optionally dump every logits row.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <sstream>
@@ -15,9 +16,7 @@
 namespace chimera::cli {
 
 void add_generate(CLI::App& app, GenerateOptions& o) {
-  o.model_dir = default_model_dir();
-  app.add_option("-m,--model", o.model_dir, "Model directory (config.json, *.safetensors, tokenizer.json)")
-      ->capture_default_str();
+  add_model_source(app, o.source);
   app.add_option("-p,--prompt", o.prompt, "Prompt text");
   app.add_option("--prompt-ids", o.prompt_ids, "Prompt as comma-separated token ids instead of text");
   app.add_option("-n,--max-tokens", o.sampling.max_new_tokens, "Maximum number of tokens to generate")
@@ -77,18 +76,27 @@ int run_generate(const GenerateOptions& o) {
   if (o.max_model_len < 1) invalid_input("--max-model-len must be >= 1, got {}", o.max_model_len);
 
   const auto t0 = std::chrono::steady_clock::now();
-  LoadedModel m = load_model_dir(o.model_dir, /*with_weights=*/true, model_options);
+  EngineConfig ec;
+  MemoryLimits limits;
+  limits.max_num_seqs = 1;
+  limits.max_model_len = o.max_model_len;
+  limits.max_tokens_per_step = std::min(ec.scheduler.max_num_batched_tokens, o.max_model_len);
+  limits.block_size = ec.cache.block_size;
+  LoadedModel m = load_model(o.source, /*with_weights=*/true, model_options, limits);
   std::vector<int32_t> prompt;
   if (!o.prompt_ids.empty()) {
     prompt = parse_ids(o.prompt_ids);
   } else {
-    if (!m.tokenizer) invalid_input("{}: no tokenizer.json; pass the prompt as --prompt-ids", o.model_dir);
+    if (!m.tokenizer) {
+      invalid_input("{}: no tokenizer.json{}; pass the prompt as --prompt-ids",
+                    o.source.is_synthetic() ? "--synthetic " + o.source.synthetic : o.source.model_dir,
+                    o.source.is_synthetic() ? " with this vocabulary" : "");
+    }
     prompt = m.tokenizer->encode(o.prompt, !o.no_special_tokens);
     if (prompt.empty()) invalid_input("--prompt: the prompt encodes to no tokens");
   }
   const auto t_loaded = std::chrono::steady_clock::now();
 
-  EngineConfig ec;
   ec.cache.max_seqs = 1;
   ec.cache.max_model_len = std::max<int32_t>(o.max_model_len, static_cast<int32_t>(prompt.size()) + 1);
   ec.scheduler.max_num_seqs = 1;

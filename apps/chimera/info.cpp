@@ -1,17 +1,28 @@
-// chimera info: the layer plan, parameter counts by layer kind, memory needed per weight dtype.
+// chimera info: the layer plan, parameter counts by layer kind, memory needed per weight dtype, and the memory
+// plan for --max-num-seqs / --max-model-len against the device's free memory.
 #include <algorithm>
 
 #include <fmt/core.h>
 
 #include "commands.h"
 #include "model_loading.h"
+#include "backends/device_api.h"
+#include "runtime/memory_plan.h"
 #include "runtime/state_cache.h"
 
 namespace chimera::cli {
 
 void add_info(CLI::App& app, InfoOptions& o) {
-  o.model_dir = default_model_dir();
-  app.add_option("-m,--model", o.model_dir, "Model directory")->capture_default_str();
+  add_model_source(app, o.source);
+  app.add_option("--max-num-seqs", o.max_num_seqs, "Memory plan: sequences in flight")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-model-len", o.max_model_len, "Memory plan: tokens per sequence")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--dtype", o.dtype, "Memory plan: weight and activation dtype on the GPU")
+      ->check(CLI::IsMember({"bfloat16", "float16", "float32"}))
+      ->capture_default_str();
 }
 
 namespace {
@@ -27,9 +38,16 @@ std::string human_bytes(double b) {
 }  // namespace
 
 int run_info(const InfoOptions& o) {
-  LoadedModel m = load_model_dir(o.model_dir);
+  // A checkpoint's weights are memory-mapped (cheap); a synthetic model's counts come from the config alone
+  // (generating 120B random weights to count them would be absurd).
+  LoadedModel m = load_model(o.source, /*with_weights=*/!o.source.is_synthetic());
   const ModelConfig& c = m.config;
-  fmt::print("model      {}\n", o.model_dir);
+  if (o.source.is_synthetic()) {
+    fmt::print("model      synthetic {} ({} layers, random weights, seed {})\n", o.source.synthetic,
+               c.num_hidden_layers(), o.source.synthetic_seed);
+  } else {
+    fmt::print("model      {}\n", o.source.model_dir);
+  }
   fmt::print("type       {} | hidden {} | vocab {} | {} layers\n", c.model_type, c.hidden_size, c.vocab_size,
              c.num_hidden_layers());
   fmt::print("pattern    {}\n", c.pattern());
@@ -60,12 +78,12 @@ int run_info(const InfoOptions& o) {
     std::string mtp;
     for (LayerKind k : c.mtp_layers) mtp += layer_kind_char(k);
     fmt::print("  MTP       {} block(s), pattern {} ({} tensors present)\n", c.num_nextn_predict_layers, mtp,
-               m.model->mtp_tensors().size());
+               m.model ? m.model->mtp_tensors().size() : 0);
   }
 
   fmt::print("\nparameters\n");
   int64_t total = 0;
-  for (const auto& [kind, n] : m.model->parameter_counts()) {
+  for (const auto& [kind, n] : m.model ? m.model->parameter_counts() : parameter_counts(c)) {
     fmt::print("  {:<11} {:>16}\n", kind, n);
     total += n;
   }
@@ -93,6 +111,25 @@ int run_info(const InfoOptions& o) {
              human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c))));
   fmt::print("  KV cache (bf16) per token                    {}\n",
              human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c)) / 2));
+
+  const DType dtype = o.dtype == "float32" ? DType::kF32 : o.dtype == "float16" ? DType::kF16 : DType::kBF16;
+  MemoryLimits limits;
+  limits.max_num_seqs = o.max_num_seqs;
+  limits.max_model_len = o.max_model_len;
+  const MemoryPlan plan = plan_memory(c, dtype, dtype, limits);
+  fmt::print("\nmemory plan ({}, {} sequences x {} tokens, {} tokens per step)\n", dtype_name(dtype), o.max_num_seqs,
+             o.max_model_len, limits.max_tokens_per_step);
+  fmt::print("  weights     {:>14}\n", gib(plan.weights));
+  fmt::print("  KV cache    {:>14}\n", gib(plan.kv_cache));
+  fmt::print("  Mamba state {:>14}\n", gib(plan.mamba_state));
+  fmt::print("  workspace   {:>14}  (estimate)\n", gib(plan.workspace));
+  fmt::print("  total       {:>14}\n", gib(plan.total()));
+  if (device::cuda_available()) {
+    const size_t free_b = device::memory_info(Device::kCuda).free;
+    fmt::print("  GPU free    {:>14}  -> {}\n", gib(free_b), plan.total() <= free_b ? "fits" : "does NOT fit");
+  } else {
+    fmt::print("  GPU         none ({})\n", device::describe_cuda());
+  }
   return 0;
 }
 

@@ -2,22 +2,77 @@
 
 #include <filesystem>
 
+#include "backends/device_api.h"
 #include "core/error.h"
+#include "io/model_presets.h"
 
 namespace chimera::cli {
 
-std::string default_model_dir() { return CHIMERA_DEFAULT_MODEL_DIR; }
+std::string default_model_dir() {
+  return CHIMERA_DEFAULT_MODEL_DIR;
+}
 
-LoadedModel load_model_dir(const std::string& dir, bool with_weights, const ModelOptions& options) {
+void add_model_source(CLI::App& app, ModelSource& s) {
+  s.model_dir = default_model_dir();
+  app.add_option("-m,--model", s.model_dir, "Model directory (config.json, *.safetensors, tokenizer.json)")
+      ->capture_default_str();
+  std::string presets;
+  for (const std::string& n : model_preset_names()) presets += (presets.empty() ? "" : ", ") + n;
+  app.add_option("--synthetic", s.synthetic,
+                 "Random-weight model from a config preset instead of a checkpoint: " + presets);
+  app.add_option("--num-layers", s.num_layers, "With --synthetic: keep the first N layers of the pattern")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--synthetic-seed", s.synthetic_seed, "With --synthetic: seed of the random weights")
+      ->capture_default_str();
+}
+
+ModelConfig load_source_config(const ModelSource& src) {
+  if (!src.is_synthetic()) {
+    if (src.num_layers != 0) invalid_input("--num-layers needs --synthetic (a checkpoint has all its layers)");
+    if (!std::filesystem::is_directory(src.model_dir)) {
+      invalid_input("model directory '{}' does not exist", src.model_dir);
+    }
+    return load_model_config(src.model_dir);
+  }
+  ModelConfig c = model_preset(src.synthetic);
+  if (src.num_layers != 0) truncate_layers(c, src.num_layers);
+  return c;
+}
+
+LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOptions& options,
+                       const std::optional<MemoryLimits>& limits) {
   namespace fs = std::filesystem;
-  if (!fs::is_directory(dir)) invalid_input("model directory '{}' does not exist", dir);
   LoadedModel m;
-  m.config = load_model_config(dir);
-  m.checkpoint = std::make_unique<Checkpoint>(Checkpoint::open(dir));
+  m.config = load_source_config(src);
+  if (with_weights && limits && (options.device == Device::kCuda || src.is_synthetic())) {
+    // Synthetic weights are generated in options.dtype; a checkpoint goes to the GPU in options.dtype.
+    const DType act = options.device == Device::kCpu ? DType::kF32 : options.dtype;
+    const MemoryPlan plan = plan_memory(m.config, options.dtype, act, *limits);
+    check_memory_plan(plan, device::memory_info(options.device).free, options.device == Device::kCuda ? "GPU" : "host");
+  }
+  if (src.is_synthetic()) {
+    if (with_weights) {
+      m.model = std::make_unique<NemotronH>(NemotronH::synthetic(m.config, options, src.synthetic_seed));
+    }
+    // Borrow -m's tokenizer when that model has the preset's vocabulary size (its ids mean the same thing).
+    const fs::path dir(src.model_dir), tok = dir / "tokenizer.json";
+    if (fs::exists(tok) && fs::exists(dir / "config.json") &&
+        load_model_config(dir).vocab_size == m.config.vocab_size) {
+      m.tokenizer.emplace(Tokenizer::load(tok));
+    }
+    return m;
+  }
+  m.checkpoint = std::make_unique<Checkpoint>(Checkpoint::open(src.model_dir));
   if (with_weights) m.model = std::make_unique<NemotronH>(NemotronH::load(m.config, *m.checkpoint, options));
-  const fs::path tok = fs::path(dir) / "tokenizer.json";
+  const fs::path tok = fs::path(src.model_dir) / "tokenizer.json";
   if (fs::exists(tok)) m.tokenizer.emplace(Tokenizer::load(tok));
   return m;
+}
+
+LoadedModel load_model_dir(const std::string& dir, bool with_weights, const ModelOptions& options) {
+  ModelSource src;
+  src.model_dir = dir;
+  return load_model(src, with_weights, options);
 }
 
 }  // namespace chimera::cli

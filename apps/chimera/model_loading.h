@@ -1,25 +1,49 @@
-// Loading a model directory for the CLI: config, checkpoint, weights and (optionally) the tokenizer.
+// Loading a model for the CLI: config, checkpoint, weights and (optionally) the tokenizer; or a synthetic
+// (random-weight) model built in memory from a config preset (--synthetic PRESET [--num-layers N]).
 #pragma once
 
 #include <memory>
 #include <optional>
 #include <string>
 
+#include <CLI/CLI.hpp>
+
 #include "io/model_config.h"
 #include "io/safetensors.h"
 #include "models/nemotron_h.h"
+#include "runtime/memory_plan.h"
 #include "tokenizer/tokenizer.h"
 
 namespace chimera::cli {
 
+// Where the model comes from: -m DIR, or --synthetic PRESET (then -m only lends its tokenizer.json, used when
+// its vocabulary fits the preset's, e.g. the bundled tiny model's tokenizer for `--synthetic tiny`).
+struct ModelSource {
+  std::string model_dir;
+  std::string synthetic;        // preset name; "" = read model_dir
+  int64_t num_layers = 0;       // 0 = all layers of the pattern
+  uint64_t synthetic_seed = 0;  // weights of a synthetic model
+  bool is_synthetic() const { return !synthetic.empty(); }
+};
+// Registers -m, --synthetic, --num-layers, --synthetic-seed.
+void add_model_source(CLI::App& app, ModelSource& src);
+
 struct LoadedModel {
   ModelConfig config;
-  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<Checkpoint> checkpoint;  // absent for a synthetic model
   std::unique_ptr<NemotronH> model;
-  std::optional<Tokenizer> tokenizer;  // absent when the directory has no tokenizer.json
+  std::optional<Tokenizer> tokenizer;  // absent when there is no tokenizer.json
 };
 
-// `options` say where the weights go (ModelOptions: CPU zero-copy, or uploaded to the GPU in a dtype).
+// The config of a source (a preset, truncated by --num-layers, or DIR/config.json), without weights.
+ModelConfig load_source_config(const ModelSource& src);
+
+// `options` say where the weights go (ModelOptions: CPU zero-copy, or uploaded to the GPU in a dtype). When
+// `limits` is given the memory plan is checked first against the device's free memory (the host's for a
+// synthetic model on the CPU; a checkpoint on the CPU is memory-mapped and not checked): kInvalidInput
+// "needs X GiB (...) but the GPU has Y GiB free" before anything is allocated.
+LoadedModel load_model(const ModelSource& src, bool with_weights = true, const ModelOptions& options = {},
+                       const std::optional<MemoryLimits>& limits = std::nullopt);
 LoadedModel load_model_dir(const std::string& dir, bool with_weights = true, const ModelOptions& options = {});
 
 }  // namespace chimera::cli

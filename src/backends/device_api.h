@@ -32,4 +32,14 @@ void synchronize(Device device);
 // Bytes held by the CUDA caching allocator (in use, cached).
 std::pair<size_t, size_t> cuda_memory_stats();
 
+// Free and total bytes of a device's memory, for the memory plan (runtime/memory_plan.h).
+//   CUDA: cudaMemGetInfo of the current device, plus what the caching allocator holds cached (reusable).
+//   CPU:  MemAvailable / MemTotal of /proc/meminfo (sysconf as a fallback): host_memory_info().
+struct MemoryInfo {
+  size_t free = 0;
+  size_t total = 0;
+};
+MemoryInfo memory_info(Device device);
+MemoryInfo host_memory_info();  // src/backends/cpu/host_memory.cpp, in every build
+
 }  // namespace chimera::device

@@ -54,4 +54,9 @@ void zero(const Tensor& t) {
 void synchronize(Device device) { no_cuda(device); }
 std::pair<size_t, size_t> cuda_memory_stats() { return {0, 0}; }
 
+MemoryInfo memory_info(Device device) {
+  no_cuda(device);
+  return host_memory_info();
+}
+
 }  // namespace chimera::device

@@ -2,22 +2,93 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include "backends/device_api.h"
+#include "core/counter_rng.h"
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace chimera {
 namespace {
 
+// Synthetic weights (NemotronH::synthetic): a deterministic uniform draw per tensor, keyed by (seed,
+// canonical name) so a tensor's values do not depend on load order or on --num-layers. Uniform rather than
+// normal because it is cheap and only the scale matters: U(-a, a) has std a / sqrt(3).
+uint64_t name_hash(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (const unsigned char ch : s) h = (h ^ ch) * 0x100000001b3ull;
+  return h;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Fills `t` (host, float dtype) with f(u) for u uniform in [0, 1), one counter per element, in parallel.
+template <typename F>
+void fill_synthetic(const Tensor& t, uint64_t key, F f) {
+  const int64_t n = t.numel();
+  const size_t esize = dtype_size(t.dtype());
+  parallel_for(n, 1 << 16, [&](int64_t begin, int64_t end) {
+    float buf[4096];
+    for (int64_t i = begin; i < end; i += 4096) {
+      const int64_t m = std::min<int64_t>(4096, end - i);
+      for (int64_t j = 0; j < m; ++j) buf[j] = f(counter_uniform(key, static_cast<uint64_t>(i + j)));
+      convert_from_f32(buf, t.dtype(), static_cast<char*>(t.data()) + static_cast<size_t>(i) * esize,
+                       static_cast<size_t>(m));
+    }
+  });
+}
+
+// One synthetic tensor for canonical name `c` with the init that keeps activations O(1):
+//   matrices U with std 1/sqrt(fan_in) (fan_in = last dim: K for the conv), embeddings std 1, norms 1 +- 0.05,
+//   A_log = log U(1, 16), D = 1 +- 0.1, dt_bias = softplus^-1(dt) with dt log-uniform in
+//   [time_step_min, time_step_max] floored at time_step_floor (mamba_ssm's init), biases +- 0.02.
+Tensor synthetic_tensor(const ModelConfig& cfg, uint64_t seed, const std::string& c, const Shape& shape,
+                        DType dtype) {
+  Tensor t = Tensor::empty(dtype, shape);
+  const uint64_t key = splitmix64(seed) ^ name_hash(c);
+  auto uniform = [](float lo, float hi) {
+    return [lo, hi](double u) { return lo + (hi - lo) * static_cast<float>(u); };
+  };
+  if (ends_with(c, "A_log")) {
+    fill_synthetic(t, key, [](double u) { return static_cast<float>(std::log(1.0 + 15.0 * u)); });
+  } else if (ends_with(c, ".D")) {
+    fill_synthetic(t, key, uniform(0.9f, 1.1f));
+  } else if (ends_with(c, "dt_bias")) {
+    const double lo = std::log(cfg.time_step_min), hi = std::log(cfg.time_step_max);
+    const double floor = cfg.time_step_floor;
+    fill_synthetic(t, key, [lo, hi, floor](double u) {
+      const double dt = std::max(std::exp(lo + (hi - lo) * u), floor);
+      return static_cast<float>(dt + std::log(-std::expm1(-dt)));
+    });
+  } else if (ends_with(c, "norm.weight") || ends_with(c, "norm_f.weight")) {
+    fill_synthetic(t, key, uniform(0.95f, 1.05f));
+  } else if (ends_with(c, "bias")) {  // conv1d.bias, in/out_proj.bias, e_score_correction_bias
+    fill_synthetic(t, key, uniform(-0.02f, 0.02f));
+  } else {
+    const double std = c == "embeddings.weight" ? 1.0 : 1.0 / std::sqrt(static_cast<double>(shape.back()));
+    const auto a = static_cast<float>(std * std::sqrt(3.0));
+    fill_synthetic(t, key, uniform(-a, a));
+  }
+  return t;
+}
+
+}  // namespace
+
 // The name table: canonical names (no "backbone." / "model." prefix, "embeddings" spelled with an s) mapped
-// back to the checkpoint's own names, with a record of what the model consumed.
+// back to the checkpoint's own names, with a record of what the model consumed. Without a checkpoint it is
+// the synthetic weight source: take() generates the tensor the loader asks for, so the names and shapes of
+// synthetic models are the loader's own (nothing duplicated), and one tensor is made at a time.
 class WeightTable {
  public:
-  explicit WeightTable(const Checkpoint& ckpt) : ckpt_(ckpt) {
+  explicit WeightTable(const Checkpoint& ckpt) : ckpt_(&ckpt) {
     for (const std::string& name : ckpt.names()) {
       if (name.rfind("mtp.", 0) == 0) continue;  // kept separately for the MTP head
       std::string c = name;
@@ -33,18 +104,47 @@ class WeightTable {
       }
     }
   }
+  // Synthetic: weights in `dtype` (F32 for take_f32), seeded.
+  WeightTable(const ModelConfig& config, DType dtype, uint64_t seed) : config_(&config), dtype_(dtype), seed_(seed) {}
 
   bool has(const std::string& c) const { return canonical_.count(c) != 0; }
+  bool synthetic() const { return ckpt_ == nullptr; }
 
   // The tensor for canonical name `c`, checked against `shape`; a missing one is recorded (reported at the end).
-  Tensor take(const std::string& c, const Shape& shape) {
+  Tensor take(const std::string& c, const Shape& shape) { return take_as(c, shape, dtype_); }
+
+  // Small parameter vectors the kernels read as fp32 (A_log, D, dt_bias, correction bias).
+  Tensor take_f32(const std::string& c, const Shape& shape) {
+    Tensor t = take_as(c, shape, DType::kF32);
+    return t ? t.to_f32() : t;
+  }
+
+  void finish() const {
+    if (!ckpt_) return;
+    if (!missing_.empty()) {
+      invalid_input("{}: checkpoint is missing {} tensor(s) the config needs: {}", ckpt_->dir().string(),
+                    missing_.size(), name_list(missing_));
+    }
+    std::vector<std::string> extra;
+    for (const auto& [c, name] : canonical_) {
+      if (!consumed_.count(c)) extra.push_back(name);
+    }
+    if (!extra.empty()) {
+      invalid_input("{}: checkpoint has {} unexpected tensor(s) for this config: {}", ckpt_->dir().string(),
+                    extra.size(), name_list(extra));
+    }
+  }
+
+ private:
+  Tensor take_as(const std::string& c, const Shape& shape, DType synthetic_dtype) {
+    if (!ckpt_) return synthetic_tensor(*config_, seed_, c, shape, synthetic_dtype);
     auto it = canonical_.find(c);
     if (it == canonical_.end()) {
       missing_.push_back(c);
       return Tensor();
     }
     consumed_.insert(c);
-    const TensorInfo& info = ckpt_.info(it->second);
+    const TensorInfo& info = ckpt_->info(it->second);
     if (info.shape != shape) {
       invalid_input("{}: tensor '{}' has shape {}, expected {} from config.json", info.file.string(), it->second,
                     shape_str(info.shape), shape_str(shape));
@@ -53,31 +153,9 @@ class WeightTable {
       invalid_input("{}: tensor '{}' has dtype {}, expected a float type", info.file.string(), it->second,
                     dtype_name(info.dtype));
     }
-    return ckpt_.tensor(it->second);
+    return ckpt_->tensor(it->second);
   }
 
-  // Small parameter vectors the kernels read as fp32 (A_log, D, dt_bias, correction bias).
-  Tensor take_f32(const std::string& c, const Shape& shape) {
-    Tensor t = take(c, shape);
-    return t ? t.to_f32() : t;
-  }
-
-  void finish() const {
-    if (!missing_.empty()) {
-      invalid_input("{}: checkpoint is missing {} tensor(s) the config needs: {}", ckpt_.dir().string(),
-                    missing_.size(), name_list(missing_));
-    }
-    std::vector<std::string> extra;
-    for (const auto& [c, name] : canonical_) {
-      if (!consumed_.count(c)) extra.push_back(name);
-    }
-    if (!extra.empty()) {
-      invalid_input("{}: checkpoint has {} unexpected tensor(s) for this config: {}", ckpt_.dir().string(),
-                    extra.size(), name_list(extra));
-    }
-  }
-
- private:
   // "a, b, c" for the first dozen names, then how many there are in all.
   static std::string name_list(const std::vector<std::string>& names) {
     std::string list;
@@ -86,11 +164,16 @@ class WeightTable {
     return list;
   }
 
-  const Checkpoint& ckpt_;
+  const Checkpoint* ckpt_ = nullptr;
+  const ModelConfig* config_ = nullptr;
+  DType dtype_ = DType::kF32;
+  uint64_t seed_ = 0;
   std::map<std::string, std::string> canonical_;
   std::set<std::string> consumed_;
   std::vector<std::string> missing_;
 };
+
+namespace {
 
 int64_t numel_of(const Tensor& t) { return t ? t.numel() : 0; }
 
@@ -161,33 +244,25 @@ class Uploader {
 
 }  // namespace
 
-void NemotronH::upload_weights(DType dtype) {
-  Uploader up(dtype, layers_.size());
-  up(embeddings_);
-  up(norm_f_);
-  up(lm_head_);
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    LayerWeights& L = layers_[i];
-    up(L.norm);
-    MambaWeights& m = L.mamba;
-    for (Tensor* t : {&m.in_proj, &m.in_proj_bias, &m.conv1d_weight, &m.conv1d_bias, &m.norm, &m.out_proj,
-                      &m.out_proj_bias, &L.attention.q_proj, &L.attention.k_proj, &L.attention.v_proj,
-                      &L.attention.o_proj, &L.mlp.up_proj, &L.mlp.down_proj, &L.moe.shared_experts.up_proj,
-                      &L.moe.shared_experts.down_proj, &L.moe.fc1_latent_proj, &L.moe.fc2_latent_proj}) {
-      up(*t);
-    }
-    for (Tensor* t : {&m.ssm.A_log, &m.ssm.D, &m.ssm.dt_bias, &L.moe.e_score_correction_bias, &L.moe.gate}) {
-      up.f32(*t);
-    }
-    up.experts(L.moe.experts_up);
-    up.experts(L.moe.experts_down);
-    up.layer_done(i);
+namespace {
+
+void upload_layer(Uploader& up, LayerWeights& L) {
+  up(L.norm);
+  MambaWeights& m = L.mamba;
+  for (Tensor* t : {&m.in_proj, &m.in_proj_bias, &m.conv1d_weight, &m.conv1d_bias, &m.norm, &m.out_proj,
+                    &m.out_proj_bias, &L.attention.q_proj, &L.attention.k_proj, &L.attention.v_proj,
+                    &L.attention.o_proj, &L.mlp.up_proj, &L.mlp.down_proj, &L.moe.shared_experts.up_proj,
+                    &L.moe.shared_experts.down_proj, &L.moe.fc1_latent_proj, &L.moe.fc2_latent_proj}) {
+    up(*t);
   }
-  up.finish();
+  for (Tensor* t : {&m.ssm.A_log, &m.ssm.D, &m.ssm.dt_bias, &L.moe.e_score_correction_bias, &L.moe.gate}) {
+    up.f32(*t);
+  }
+  up.experts(L.moe.experts_up);
+  up.experts(L.moe.experts_down);
 }
 
-NemotronH NemotronH::load(const ModelConfig& config, const Checkpoint& checkpoint, const ModelOptions& options) {
-  const ModelConfig& c = config;
+void check_options(const ModelConfig& c, const ModelOptions& options) {
   if (c.mlp_bias) invalid_input("config.json: mlp_bias=true is not supported (no released checkpoint uses it)");
   if (c.attention_bias) invalid_input("config.json: attention_bias=true is not supported (HF ignores it too)");
   if (options.device == Device::kCuda && options.dtype != DType::kF32 && options.dtype != DType::kBF16 &&
@@ -195,17 +270,51 @@ NemotronH NemotronH::load(const ModelConfig& config, const Checkpoint& checkpoin
     invalid_input("model dtype {} is not supported on CUDA (supported: float32, bfloat16, float16)",
                   dtype_name(options.dtype));
   }
+}
 
+}  // namespace
+
+NemotronH NemotronH::load(const ModelConfig& config, const Checkpoint& checkpoint, const ModelOptions& options) {
+  check_options(config, options);
+  WeightTable w(checkpoint);
+  NemotronH m = bind(config, w, options);
+  for (const std::string& name : checkpoint.names()) {
+    if (name.rfind("mtp.", 0) == 0) m.mtp_.emplace(name, checkpoint.tensor(name));
+  }
+  return m;
+}
+
+NemotronH NemotronH::synthetic(const ModelConfig& config, const ModelOptions& options, uint64_t seed) {
+  check_options(config, options);
+  if (!dtype_is_float(options.dtype)) {
+    invalid_input("synthetic weights need a float dtype, got {}", dtype_name(options.dtype));
+  }
+  WeightTable w(config, options.dtype, seed);
+  return bind(config, w, options);
+}
+
+// Binds every weight through the name table, layer by layer. On CUDA a synthetic model uploads each layer as
+// soon as it is made (the host never holds more than one layer); a checkpoint's weights (mmap views) are
+// uploaded after the name table has checked that nothing is missing or unexpected.
+NemotronH NemotronH::bind(const ModelConfig& config, WeightTable& w, const ModelOptions& options) {
+  const ModelConfig& c = config;
   NemotronH m;
   m.config_ = config;
   m.device_ = options.device;
   m.act_dtype_ = options.device == Device::kCpu ? DType::kF32 : options.dtype;
-  WeightTable w(checkpoint);
+  std::optional<Uploader> uploader;
+  if (m.device_ == Device::kCuda) uploader.emplace(m.act_dtype_, c.layers.size());
+  const bool per_layer = uploader && w.synthetic();
   const int64_t D = c.hidden_size, V = c.vocab_size;
   m.embeddings_ = w.take("embeddings.weight", {V, D});
   m.norm_f_ = w.take("norm_f.weight", {D});
   m.lm_head_ = w.take("lm_head.weight", {V, D});
-
+  auto upload_top = [&] {
+    (*uploader)(m.embeddings_);
+    (*uploader)(m.norm_f_);
+    (*uploader)(m.lm_head_);
+  };
+  if (per_layer) upload_top();
   for (size_t i = 0; i < c.layers.size(); ++i) {
     const std::string p = fmt::format("layers.{}.", i);
     const std::string mx = p + "mixer.";
@@ -274,13 +383,21 @@ NemotronH NemotronH::load(const ModelConfig& config, const Checkpoint& checkpoin
         break;
       }
     }
+    if (per_layer) {
+      upload_layer(*uploader, L);
+      uploader->layer_done(i);
+    }
     m.layers_.push_back(std::move(L));
   }
   w.finish();
-  for (const std::string& name : checkpoint.names()) {
-    if (name.rfind("mtp.", 0) == 0) m.mtp_.emplace(name, checkpoint.tensor(name));
+  if (uploader && !per_layer) {
+    upload_top();
+    for (size_t i = 0; i < m.layers_.size(); ++i) {
+      upload_layer(*uploader, m.layers_[i]);
+      uploader->layer_done(i);
+    }
   }
-  if (m.device_ == Device::kCuda) m.upload_weights(m.act_dtype_);
+  if (uploader) uploader->finish();
   return m;
 }
 

@@ -3,6 +3,7 @@
 // -> norm_f -> lm_head, with the mixer chosen by the layer pattern (M Mamba-2, * attention, - MLP, E MoE).
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -14,6 +15,8 @@
 #include "runtime/state_cache.h"
 
 namespace chimera {
+
+class WeightTable;  // nemotron_h.cpp: checkpoint names -> tensors, or the synthetic weight source
 
 // Member names equal the checkpoint keys under `backbone.layers.{i}.mixer.` (style.md: loading is a name table).
 struct MambaWeights {
@@ -78,6 +81,11 @@ class NemotronH {
   // are kInvalidInput errors naming the tensor (and the file). mtp.* tensors are kept in mtp_tensors().
   // With options.device kCuda the weights are uploaded (a progress line on stderr when it is a terminal).
   static NemotronH load(const ModelConfig& config, const Checkpoint& checkpoint, const ModelOptions& options = {});
+  // A random-weight model of `config` (a preset, io/model_presets.h), built in memory through the same name
+  // table and shapes as load(): each tensor is generated on its own, deterministically from (seed, name), in
+  // options.dtype (fp32 for A_log, D, dt_bias and the router's correction bias) with scales that keep the
+  // activations O(1). On CUDA each layer is uploaded as soon as it is made. No MTP tensors.
+  static NemotronH synthetic(const ModelConfig& config, const ModelOptions& options = {}, uint64_t seed = 0);
 
   const ModelConfig& config() const { return config_; }
   Device device() const { return device_; }
@@ -93,7 +101,7 @@ class NemotronH {
 
  private:
   NemotronH() = default;
-  void upload_weights(DType dtype);
+  static NemotronH bind(const ModelConfig& config, WeightTable& weights, const ModelOptions& options);
   // An uninitialised activation on `device` in the activation dtype.
   Tensor act(const ops::Context& ctx, Shape shape) const;
   void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const Tensor& conv_state,

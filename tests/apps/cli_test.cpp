@@ -209,5 +209,70 @@ TEST_F(Cli, MalformedTokenizerExitsTwoNamingTheFile) {
   EXPECT_NE(r.out.find("tokenizer.json"), std::string::npos) << r.out;
 }
 
+
+// ---- synthetic models ------------------------------------------------------------------------------
+
+TEST(CliSynthetic, TinyGeneratesTextOnTheCpu) {
+  // tiny borrows the bundled model's tokenizer (same vocabulary), so a text prompt works.
+  auto r = run_cli("generate --synthetic tiny -p 'Hello world' -n 6 --ignore-eos");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("Hello world"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("generated 6"), std::string::npos) << r.out;
+  // Deterministic: the same command twice gives the same text.
+  auto again = run_cli("generate --synthetic tiny -p 'Hello world' -n 6 --ignore-eos -q");
+  auto once = run_cli("generate --synthetic tiny -p 'Hello world' -n 6 --ignore-eos -q");
+  EXPECT_EQ(again.out, once.out);
+  // Another weight seed, other text.
+  auto other = run_cli("generate --synthetic tiny --synthetic-seed 5 -p 'Hello world' -n 6 --ignore-eos -q");
+  EXPECT_EQ(other.status, 0) << other.out;
+  EXPECT_NE(other.out, once.out);
+}
+
+TEST(CliSynthetic, NumLayersTruncates) {
+  auto r = run_cli("info --synthetic nemotron-3-super-120b-a12b --num-layers 9");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("pattern    MEMEMEM*E\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("9 layers"), std::string::npos) << r.out;
+  r = run_cli("generate --synthetic tiny --num-layers 2 --prompt-ids 1,2,3 -n 2 --ignore-eos");
+  EXPECT_EQ(r.status, 0) << r.out;
+  r = run_cli("generate --synthetic tiny --num-layers 9 --prompt-ids 1,2,3 -n 2");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--num-layers: 9 is out of range, the model has 8 layers"), std::string::npos) << r.out;
+  r = run_cli("generate --num-layers 2 --prompt-ids 1,2,3 -n 2");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--num-layers needs --synthetic"), std::string::npos) << r.out;
+}
+
+TEST(CliSynthetic, UnknownPresetIsABadInput) {
+  auto r = run_cli("generate --synthetic gpt-5 --prompt-ids 1");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("unknown preset 'gpt-5'"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("nemotron-3-nano-30b-a3b"), std::string::npos) << r.out;
+}
+
+TEST(CliSynthetic, InfoPrintsThePublishedShapesAndTheMemoryPlan) {
+  auto r = run_cli("info --synthetic nemotron-3-nano-30b-a3b --max-num-seqs 8 --max-model-len 4096");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("pattern    MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" 31577940288\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("memory plan (BF16, 8 sequences x 4096 tokens"), std::string::npos) << r.out;
+  const size_t kv = r.out.find("  KV cache  ");  // 6 KiB/token x 8 x 4096 = 0.1875 GiB
+  ASSERT_NE(kv, std::string::npos) << r.out;
+  EXPECT_EQ(r.out.substr(kv, r.out.find('\n', kv) - kv).find("0.19 GiB") != std::string::npos, true) << r.out;
+}
+
+TEST(CliSynthetic, TooLargeForTheDeviceFailsBeforeAllocating) {
+  // On the CPU a synthetic model is checked against the host's available memory; 2e9 tokens of KV cache
+  // (6 KiB each for Nano) fit on no machine.
+  auto r = run_cli("generate --synthetic nemotron-3-nano-30b-a3b --max-model-len 2000000000 --prompt-ids 1,2 -n 1");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("needs "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(weights "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(", KV "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(", Mamba state "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(", workspace "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("free"), std::string::npos) << r.out;
+}
+
 }  // namespace
 }  // namespace chimera

@@ -168,6 +168,15 @@ void synchronize(Device device) {
 
 std::pair<size_t, size_t> cuda_memory_stats() { return allocator().stats(); }
 
+MemoryInfo memory_info(Device device) {
+  if (device == Device::kCpu) return host_memory_info();
+  if (!cuda_available()) throw_runtime(str_cat("device::memory_info: ", describe_cuda()));
+  size_t free_b = 0, total_b = 0;
+  CHIMERA_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "device::memory_info");
+  // Blocks cached by the allocator are free for this process even though the driver counts them as used.
+  return MemoryInfo{free_b + allocator().stats().second, total_b};
+}
+
 }  // namespace chimera::device
 
 namespace chimera::cuda {

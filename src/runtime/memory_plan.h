@@ -1,0 +1,56 @@
+// The memory plan: what a model needs on its device, from the config and the serving limits alone, checked
+// before anything is allocated so that a model that cannot fit fails at once with the numbers.
+//   weights     every parameter in the weight dtype; A_log, D, dt_bias, the router gate and its correction
+//               bias in fp32 (how NemotronH keeps them on CUDA)
+//   KV cache    attention layers x 2 (K, V) x kv heads x head_dim x activation dtype, for max_num_seqs
+//               sequences of max_model_len tokens rounded up to whole blocks
+//   Mamba state per Mamba layer and sequence: conv state [conv_dim, conv_kernel - 1] in the activation dtype and
+//               SSM state [mamba_num_heads, mamba_head_dim, ssm_state_size] in fp32
+//   workspace   an estimate: per token of a step, a few hidden-size activations plus the widest mixer's
+//               intermediates; plus fp32 logits rows for every sequence
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "core/dtype.h"
+#include "io/model_config.h"
+
+namespace chimera {
+
+struct MemoryLimits {
+  int32_t max_num_seqs = 1;
+  int32_t max_model_len = 4096;
+  int32_t max_tokens_per_step = 2048;  // SchedulerConfig::max_num_batched_tokens
+  int32_t block_size = 16;             // KV tokens per block (CacheSizes::block_size)
+};
+
+struct MemoryPlan {
+  size_t weights = 0;
+  size_t kv_cache = 0;
+  size_t mamba_state = 0;
+  size_t workspace = 0;
+  size_t total() const { return weights + kv_cache + mamba_state + workspace; }
+};
+
+// Parameters by kind ("embeddings", "mamba", ..., "lm_head"), from the config alone: equal to
+// NemotronH::parameter_counts() of a model of this config without an MTP head.
+std::map<std::string, int64_t> parameter_counts(const ModelConfig& config);
+// Parameters of the config's layers, embeddings, norm_f and lm_head (no MTP head); equals the sum of
+// NemotronH::parameter_counts() for a model of this config.
+int64_t parameter_count(const ModelConfig& config);
+// Of those, the ones NemotronH keeps in fp32 on CUDA (A_log, D, dt_bias, router gate, correction bias).
+int64_t fp32_parameter_count(const ModelConfig& config);
+
+// weight_dtype: the dtype weights are stored in; act_dtype: activations, conv state and KV cache.
+MemoryPlan plan_memory(const ModelConfig& config, DType weight_dtype, DType act_dtype, const MemoryLimits& limits);
+
+// "12.34 GiB"
+std::string gib(size_t bytes);
+// Throws kInvalidInput when the plan does not fit in `free_bytes` of `device_name` ("GPU", "host"):
+// "needs X GiB (weights A, KV B, Mamba state C, workspace D) but the GPU has Y GiB free".
+void check_memory_plan(const MemoryPlan& plan, size_t free_bytes, const std::string& device_name);
+
+}  // namespace chimera

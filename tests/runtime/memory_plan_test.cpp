@@ -1,0 +1,85 @@
+// The memory plan's arithmetic on the published configs (parameter counts as published: Nemotron-H 8B ~8.1B,
+// Nemotron 3 Nano 30B-A3B 31.6B, Nemotron 3 Super 120B-A12B ~120.7B without the MTP head) and its error.
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "io/model_presets.h"
+#include "runtime/memory_plan.h"
+
+namespace chimera {
+namespace {
+
+constexpr double kGB = 1e9;
+constexpr size_t kGiB = size_t{1} << 30;
+
+TEST(MemoryPlan, ParameterCountsOfThePublishedModels) {
+  // Exact sums of the model-spec 2.1 shapes (cross-checked by hand in Python).
+  EXPECT_EQ(parameter_count(model_preset("nemotron-h-8b")), 8100852736);
+  EXPECT_EQ(parameter_count(model_preset("nemotron-3-nano-30b-a3b")), 31577940288);
+  EXPECT_EQ(parameter_count(model_preset("nemotron-3-super-120b-a12b")), 120668707840);
+}
+
+TEST(MemoryPlan, Nano30BWeightsInBf16AreAbout63GB) {
+  const ModelConfig c = model_preset("nemotron-3-nano-30b-a3b");
+  const MemoryPlan p = plan_memory(c, DType::kBF16, DType::kBF16, MemoryLimits{});
+  EXPECT_GT(p.weights, 62.5 * kGB);
+  EXPECT_LT(p.weights, 63.5 * kGB);
+  // bf16 for everything but the fp32 parameters (A_log, D, dt_bias, router gate and bias).
+  const int64_t f32 = fp32_parameter_count(c);
+  EXPECT_EQ(f32, 23 * 3 * 64 + 23 * (128 * 2688 + 128));
+  EXPECT_EQ(p.weights, static_cast<size_t>((parameter_count(c) - f32) * 2 + f32 * 4));
+  // fp32 weights are twice as large (up to the fp32 parameters, which do not change).
+  const MemoryPlan p32 = plan_memory(c, DType::kF32, DType::kF32, MemoryLimits{});
+  EXPECT_EQ(p32.weights, static_cast<size_t>(parameter_count(c) * 4));
+}
+
+TEST(MemoryPlan, KvCacheAndMambaStateOfNano30B) {
+  const ModelConfig c = model_preset("nemotron-3-nano-30b-a3b");
+  MemoryLimits l;
+  l.max_num_seqs = 8;
+  l.max_model_len = 4096;
+  l.block_size = 16;
+  const MemoryPlan p = plan_memory(c, DType::kBF16, DType::kBF16, l);
+  // 6 attention layers x (K, V) x 2 kv heads x 128 x 2 bytes = 6 KiB per token.
+  EXPECT_EQ(p.kv_cache, size_t{6} * 2 * 2 * 128 * 2 * 4096 * 8);
+  // 23 Mamba layers x (conv [6144, 3] bf16 + SSM [64, 64, 128] fp32) per sequence.
+  const size_t per_seq = 23 * (size_t{64 * 64 + 2 * 8 * 128} * 3 * 2 + size_t{64} * 64 * 128 * 4);
+  EXPECT_EQ(p.mamba_state, per_seq * 8);
+  EXPECT_GT(p.workspace, 0u);
+  EXPECT_EQ(p.total(), p.weights + p.kv_cache + p.mamba_state + p.workspace);
+
+  // max_model_len rounds up to whole KV blocks.
+  l.max_model_len = 4097;
+  EXPECT_EQ(plan_memory(c, DType::kBF16, DType::kBF16, l).kv_cache, size_t{6} * 2 * 2 * 128 * 2 * 4112 * 8);
+}
+
+TEST(MemoryPlan, Super120BNeedsTruncationForOneGpu) {
+  ModelConfig c = model_preset("nemotron-3-super-120b-a12b");
+  const MemoryPlan full = plan_memory(c, DType::kBF16, DType::kBF16, MemoryLimits{});
+  EXPECT_GT(full.weights, 140 * kGiB);  // > one H200
+  truncate_layers(c, 44);
+  const MemoryPlan half = plan_memory(c, DType::kBF16, DType::kBF16, MemoryLimits{});
+  EXPECT_LT(half.total(), 130 * kGiB);
+  EXPECT_NO_THROW(check_memory_plan(half, 139 * kGiB, "GPU"));
+}
+
+TEST(MemoryPlan, NotEnoughMemoryIsAnInputErrorWithTheNumbers) {
+  const ModelConfig c = model_preset("nemotron-3-nano-30b-a3b");
+  const MemoryPlan p = plan_memory(c, DType::kBF16, DType::kBF16, MemoryLimits{});
+  EXPECT_NO_THROW(check_memory_plan(p, p.total(), "GPU"));
+  try {
+    check_memory_plan(p, 40 * kGiB, "GPU");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput);
+    EXPECT_EQ(e.exit_code(), 2);
+    const std::string want = "needs " + gib(p.total()) + " (weights " + gib(p.weights) + ", KV " + gib(p.kv_cache) +
+                             ", Mamba state " + gib(p.mamba_state) + ", workspace " + gib(p.workspace) +
+                             ") but the GPU has 40.00 GiB free";
+    EXPECT_EQ(std::string(e.what()), want);
+  }
+  EXPECT_EQ(gib(size_t{3} << 29), "1.50 GiB");
+}
+
+}  // namespace
+}  // namespace chimera
