@@ -38,10 +38,27 @@ struct InfoOptions {
   std::string dtype = "bfloat16";
 };
 
+// chimera bench (bench.cpp): prefill and decode throughput through the Engine, beside the batch-1 roofline.
+struct BenchOptions {
+  ModelSource source;
+  std::string device = "cpu";
+  std::string dtype;  // "" = the device's default: float32 on the CPU, bfloat16 on CUDA
+  std::vector<int32_t> input_lens = {1024, 8192, 32768};
+  std::vector<int32_t> batch_sizes = {1, 8, 64, 256};
+  int32_t decode_context = 1024;
+  int32_t decode_steps = 32;
+  int32_t warmup = 2;
+  double bandwidth_gbs = 4200.0;  // runtime/roofline.h kH200MeasuredBandwidth
+  uint64_t seed = 0;
+  std::string json_out;
+};
+
 void add_generate(CLI::App& app, GenerateOptions& opt);
 void add_info(CLI::App& app, InfoOptions& opt);
 int run_generate(const GenerateOptions& opt);
 int run_info(const InfoOptions& opt);
+void add_bench(CLI::App& app, BenchOptions& opt);
+int run_bench(const BenchOptions& opt);
 
 // The model bundled with the source tree (used when -m is not given).
 std::string default_model_dir();

@@ -34,6 +34,9 @@ int main(int argc, char** argv) {
   cli::add_generate(*g, gen);
   CLI::App* i = app.add_subcommand("info", "Show a model's layer plan, parameter counts and memory needs");
   cli::add_info(*i, info);
+  cli::BenchOptions bench;
+  CLI::App* b = app.add_subcommand("bench", "End-to-end prefill and decode throughput, beside the batch-1 roofline");
+  cli::add_bench(*b, bench);
 
   try {
     app.parse(argc, argv);
@@ -53,6 +56,7 @@ int main(int argc, char** argv) {
   try {
     if (g->parsed()) return cli::run_generate(gen);
     if (i->parsed()) return cli::run_info(info);
+    if (b->parsed()) return cli::run_bench(bench);
   } catch (const Error& e) {
     std::fflush(stdout);
     fmt::print(stderr, "\nchimera: error: {}\n", e.what());

@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "backends/device_api.h"
 #include "common/compare.h"
@@ -272,6 +273,84 @@ TEST(CliSynthetic, TooLargeForTheDeviceFailsBeforeAllocating) {
   EXPECT_NE(r.out.find(", Mamba state "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find(", workspace "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("free"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace chimera
+
+namespace chimera {
+namespace {
+
+// chimera bench on a synthetic tiny model on the CPU: the table, the JSON and its fields, positive rates.
+TEST(CliBench, TinyOnTheCpuPrintsTheTableAndWritesJson) {
+  const fs::path json = fs::temp_directory_path() / "chimera_cli_bench.json";
+  fs::remove(json);
+  auto r = run_cli("bench --synthetic tiny --device cpu --input-lens 16,40 --batch-sizes 1,2 --decode-context 8 "
+                   "--decode-steps 4 --json-out " + json.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* s : {"chimera bench | synthetic tiny (8 layers)", "roofline   batch-1 decode", "prefill (1 sequence",
+                        "TTFT ms", "decode (8-token prefill", "TPOT ms", "vs roofline"}) {
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+  }
+  std::ifstream f(json);
+  ASSERT_TRUE(f.good()) << json;
+  const nlohmann::json j = nlohmann::json::parse(f);  // throws on invalid JSON
+  for (const char* k : {"date", "commit", "device", "model", "dtype", "weight_dtype", "settings", "roofline", "prefill",
+                        "decode"}) {
+    EXPECT_TRUE(j.contains(k)) << k;
+  }
+  EXPECT_EQ(j["model"]["name"], "tiny");
+  EXPECT_EQ(j["dtype"], "F32");
+  EXPECT_GT(j["roofline"]["batch1_tokens_per_s"].get<double>(), 0);
+  EXPECT_GT(j["roofline"]["active_params"].get<int64_t>(), 0);
+  ASSERT_EQ(j["prefill"].size(), 2u);
+  EXPECT_EQ(j["prefill"][0]["input_len"], 16);
+  EXPECT_EQ(j["prefill"][1]["input_len"], 40);
+  for (const auto& p : j["prefill"]) {
+    EXPECT_EQ(p["status"], "ok") << p.dump();
+    EXPECT_GT(p["tokens_per_s"].get<double>(), 0);
+    EXPECT_GT(p["ttft_ms"].get<double>(), 0);
+  }
+  ASSERT_EQ(j["decode"].size(), 2u);
+  EXPECT_EQ(j["decode"][0]["batch_size"], 1);
+  EXPECT_EQ(j["decode"][1]["batch_size"], 2);
+  for (const auto& d : j["decode"]) {
+    EXPECT_EQ(d["status"], "ok") << d.dump();
+    EXPECT_GT(d["tokens_per_s"].get<double>(), 0);
+    EXPECT_GT(d["tpot_ms"].get<double>(), 0);
+    EXPECT_EQ(d["partial_steps"], 0) << d.dump();  // every timed step decoded the whole batch
+    EXPECT_GE(d["mean_context_at_start"].get<double>(), 8.0);
+  }
+  EXPECT_GT(j["decode"][0]["roofline_ratio"].get<double>(), 0);
+  EXPECT_FALSE(j["decode"][1].contains("roofline_ratio"));
+  fs::remove(json);
+}
+
+TEST(CliBench, SizesThatDoNotFitAreSkippedNotFailed) {
+  // 2e9 tokens of KV cache fit on no host: reported as skipped, the run still succeeds.
+  auto r = run_cli("bench --synthetic tiny --input-lens 2000000000,8 --batch-sizes 1 --decode-context 4 "
+                   "--decode-steps 1 --warmup 0");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("skipped (needs "), std::string::npos) << r.out;
+}
+
+TEST(CliBench, BadFlagsExitTwoNamingTheFlag) {
+  for (const char* args : {"bench --synthetic tiny --input-lens 16,abc", "bench --synthetic tiny --batch-sizes 0",
+                           "bench --synthetic tiny --decode-steps 0", "bench --synthetic tiny --warmup x",
+                           "bench --synthetic tiny --bandwidth-gbs 0", "bench --synthetic tiny --device tpu",
+                           "bench --synthetic tiny --decode-context 0"}) {
+    auto r = run_cli(args);
+    EXPECT_EQ(r.status, 2) << args << "\n" << r.out;
+    const std::string a(args);
+    const std::string flag = a.substr(a.rfind("--"), a.find(' ', a.rfind("--")) - a.rfind("--"));
+    EXPECT_NE(r.out.find(flag), std::string::npos) << flag << "\n" << r.out;
+  }
+  auto r = run_cli("bench --synthetic tiny --dtype bfloat16");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--dtype bfloat16"), std::string::npos) << r.out;
+  r = run_cli("bench --synthetic tiny --no-such-flag");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--no-such-flag"), std::string::npos) << r.out;
 }
 
 }  // namespace

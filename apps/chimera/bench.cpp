@@ -1,0 +1,360 @@
+// chimera bench: end-to-end throughput through the Engine, as `generate` and the server use it (issue 4).
+//   prefill  one sequence of each --input-lens length: time to first token (chunked prefill by the scheduler's
+//            token budget, as in the product), tokens/s = input length / TTFT
+//   decode   --batch-sizes sequences, each after a --decode-context-token prefill: time per output token = the
+//            time of one engine step with every sequence decoding; tokens/s = batch / step time
+// Prompts are random token ids (seeded), sampling is greedy with ignore_eos. Beside the numbers: the batch-1
+// decode roofline (runtime/roofline.h) and the ratio achieved / roofline. A size whose caches do not fit the
+// device's free memory (runtime/memory_plan.h) is reported as skipped, not failed.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "backends/device_api.h"
+#include "commands.h"
+#include "core/error.h"
+#include "core/parallel.h"
+#include "model_loading.h"
+#include "runtime/engine.h"
+#include "runtime/memory_plan.h"
+#include "runtime/roofline.h"
+
+#ifndef CHIMERA_GIT_COMMIT
+#define CHIMERA_GIT_COMMIT "unknown"
+#endif
+
+namespace chimera::cli {
+
+void add_bench(CLI::App& app, BenchOptions& o) {
+  add_model_source(app, o.source);
+  app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--dtype", o.dtype,
+                 "Weights and activations on CUDA: bfloat16 (default) or float32; the CPU computes in float32")
+      ->check(CLI::IsMember({"bfloat16", "float32"}));
+  app.add_option("--input-lens", o.input_lens, "Prefill: prompt lengths, comma-separated (one sequence each)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--batch-sizes", o.batch_sizes, "Decode: batch sizes, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--decode-context", o.decode_context, "Decode: prompt tokens per sequence before decoding")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--decode-steps", o.decode_steps, "Decode: timed steps per batch size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--warmup", o.warmup, "Untimed runs (prefill) / steps (decode) before each measurement")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--bandwidth-gbs", o.bandwidth_gbs,
+                 "Memory bandwidth for the batch-1 roofline, GB/s (default: the H200's measured copy rate)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--seed", o.seed, "Seed of the random prompt ids")->capture_default_str();
+  app.add_option("--json-out", o.json_out, "Write every measurement, with date, commit and device, to FILE (JSON)");
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::vector<int32_t> random_ids(std::mt19937_64& rng, int64_t vocab, int32_t n) {
+  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(vocab - 1));
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (int32_t& id : ids) id = dist(rng);
+  return ids;
+}
+
+std::string cpu_description() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line, name = "unknown CPU";
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const auto c = line.find(':');
+      if (c != std::string::npos) name = line.substr(line.find_first_not_of(" \t", c + 1));
+      break;
+    }
+  }
+  return fmt::format("CPU: {}, {} threads", name, num_threads());
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// The weights' dtype: what a synthetic model is generated in / a checkpoint is uploaded in; a checkpoint on
+// the CPU stays in its own dtype (zero-copy).
+DType weight_dtype_of(const BenchOptions& o, const ModelConfig& c, const ModelOptions& mo) {
+  if (mo.device == Device::kCuda || o.source.is_synthetic()) return mo.dtype;
+  if (c.torch_dtype == "float32") return DType::kF32;
+  if (c.torch_dtype == "float16") return DType::kF16;
+  return DType::kBF16;
+}
+
+struct Runner {
+  const BenchOptions& o;
+  const NemotronH& model;
+  ops::Context ctx;
+  DType weight_dtype;
+  SchedulerConfig sched_defaults;
+
+  // Caches and workspace of an engine for these limits (the weights are loaded already), or "" when they fit.
+  std::string does_not_fit(int32_t seqs, int32_t model_len) const {
+    MemoryLimits lim;
+    lim.max_num_seqs = seqs;
+    lim.max_model_len = model_len;
+    lim.max_tokens_per_step = std::min(sched_defaults.max_num_batched_tokens, model_len);
+    lim.block_size = CacheSizes{}.block_size;
+    const MemoryPlan p = plan_memory(model.config(), weight_dtype, model.activation_dtype(), lim);
+    const size_t need = p.total() - p.weights;
+    const size_t free_b = device::memory_info(ctx.device).free;
+    if (need <= free_b) return "";
+    return fmt::format("skipped (needs {} beyond the weights: KV {}, Mamba state {}, workspace {}; {} free)", gib(need),
+                       gib(p.kv_cache), gib(p.mamba_state), gib(p.workspace), gib(free_b));
+  }
+
+  EngineConfig engine_config(int32_t seqs, int32_t model_len) const {
+    EngineConfig ec;
+    ec.scheduler = sched_defaults;
+    ec.scheduler.max_num_seqs = seqs;
+    ec.cache.max_seqs = seqs;
+    ec.cache.max_model_len = model_len;
+    return ec;
+  }
+
+  nlohmann::json prefill(int32_t len) const {
+    nlohmann::json r = {{"input_len", len}};
+    const int32_t model_len = len + 1;
+    if (std::string why = does_not_fit(1, model_len); !why.empty()) {
+      r["status"] = "skipped";
+      r["reason"] = why;
+      return r;
+    }
+    Engine engine(model, ctx, engine_config(1, model_len));
+    std::mt19937_64 rng(o.seed + static_cast<uint64_t>(len));
+    SamplingParams sp;  // greedy
+    sp.max_new_tokens = 1;
+    sp.ignore_eos = true;
+    double secs = 0;
+    int32_t steps = 0;
+    for (int32_t run = 0; run <= o.warmup; ++run) {  // the last run is timed
+      const std::vector<int32_t> prompt = random_ids(rng, model.config().vocab_size, len);
+      steps = 0;
+      const auto t0 = Clock::now();
+      engine.add_request(prompt, sp);
+      bool first = false;
+      while (!first && engine.has_unfinished()) {
+        ++steps;
+        for (const TokenEvent& ev : engine.step()) first |= ev.token >= 0;
+      }
+      secs = seconds_since(t0);
+      while (engine.has_unfinished()) engine.step();
+      engine.take_finished();
+    }
+    r["status"] = "ok";
+    r["ttft_ms"] = secs * 1e3;
+    r["tokens_per_s"] = len / secs;
+    r["steps"] = steps;
+    return r;
+  }
+
+  nlohmann::json decode(int32_t batch, double roofline_tps) const {
+    nlohmann::json r = {{"batch_size", batch}, {"decode_context", o.decode_context}};
+    // Sequences that finish their prefill early decode while the others prefill (as in the product); leave
+    // room for those tokens, the warm-up and the timed steps, so no sequence finishes before the timing ends.
+    const int64_t budget = sched_defaults.max_num_batched_tokens;
+    const int64_t prefill_steps = (int64_t{batch} * o.decode_context + budget - 1) / budget + batch;
+    const auto new_tokens = static_cast<int32_t>(prefill_steps + o.warmup + o.decode_steps + 1);
+    const int32_t model_len = o.decode_context + new_tokens;
+    if (std::string why = does_not_fit(batch, model_len); !why.empty()) {
+      r["status"] = "skipped";
+      r["reason"] = why;
+      return r;
+    }
+    Engine engine(model, ctx, engine_config(batch, model_len));
+    std::mt19937_64 rng(o.seed + 7919 * static_cast<uint64_t>(batch));
+    SamplingParams sp;  // greedy
+    sp.max_new_tokens = new_tokens;
+    sp.ignore_eos = true;
+    std::vector<int32_t> generated(static_cast<size_t>(batch), 0);
+    for (int32_t i = 0; i < batch; ++i) {
+      engine.add_request(random_ids(rng, model.config().vocab_size, o.decode_context), sp);
+    }
+    auto count = [&](const std::vector<TokenEvent>& evs) {
+      for (const TokenEvent& ev : evs) {
+        if (ev.token >= 0) ++generated[static_cast<size_t>(ev.seq_id)];
+      }
+    };
+    // Prefill every sequence (until each has its first token), then the warm-up steps.
+    const auto t_prefill = Clock::now();
+    while (std::any_of(generated.begin(), generated.end(), [](int32_t g) { return g == 0; })) {
+      if (!engine.has_unfinished()) runtime_error("bench: a sequence finished before its first token");
+      count(engine.step());
+    }
+    const double prefill_s = seconds_since(t_prefill);
+    for (int32_t s = 0; s < o.warmup; ++s) count(engine.step());
+    double context_sum = 0;
+    for (int32_t g : generated) context_sum += o.decode_context + g;
+    int32_t partial_steps = 0;  // steps in which not every sequence decoded (should be none)
+    const auto t0 = Clock::now();
+    for (int32_t s = 0; s < o.decode_steps; ++s) {
+      const std::vector<TokenEvent> evs = engine.step();
+      if (static_cast<int32_t>(evs.size()) != batch) ++partial_steps;
+      count(evs);
+    }
+    const double secs = seconds_since(t0);
+    r["status"] = "ok";
+    r["tpot_ms"] = secs / o.decode_steps * 1e3;
+    r["tokens_per_s"] = static_cast<double>(batch) * o.decode_steps / secs;
+    r["steps"] = o.decode_steps;
+    r["mean_context_at_start"] = context_sum / batch;
+    r["prefill_ms"] = prefill_s * 1e3;
+    r["partial_steps"] = partial_steps;
+    if (batch == 1) r["roofline_ratio"] = r["tokens_per_s"].get<double>() / roofline_tps;
+    return r;
+  }
+};
+
+std::string cell(const nlohmann::json& r, const char* key, const char* fmt_spec) {
+  if (!r.contains(key)) return "-";
+  return fmt::format(fmt::runtime(fmt_spec), r[key].get<double>());
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& o) {
+  ModelOptions mo;
+  if (o.device == "cuda") {
+    if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
+    mo.device = Device::kCuda;
+    mo.dtype = o.dtype == "float32" ? DType::kF32 : DType::kBF16;
+  } else if (!o.dtype.empty() && o.dtype != "float32") {
+    invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);
+  }
+  if (o.input_lens.empty() && o.batch_sizes.empty()) invalid_input("--input-lens and --batch-sizes are both empty");
+
+  // Weights first (they must fit: a model that does not load is an error, not a skipped size).
+  MemoryLimits load_limits;
+  load_limits.max_num_seqs = 1;
+  load_limits.max_model_len = CacheSizes{}.block_size;
+  load_limits.max_tokens_per_step = load_limits.max_model_len;
+  const auto t_load = Clock::now();
+  LoadedModel m = load_model(o.source, /*with_weights=*/true, mo, load_limits);
+  const double load_s = seconds_since(t_load);
+  const ModelConfig& c = m.config;
+
+  Runner run{o, *m.model, ops::Context{mo.device, nullptr}, weight_dtype_of(o, c, mo), SchedulerConfig{}};
+  const DecodeRoofline roof = batch1_decode_roofline(c, run.weight_dtype, o.bandwidth_gbs * 1e9);
+  const std::string device_desc = mo.device == Device::kCuda ? device::describe_cuda() : cpu_description();
+  const std::string model_name =
+      o.source.is_synthetic() ? fmt::format("synthetic {} ({} layers)", o.source.synthetic, c.num_hidden_layers())
+                              : o.source.model_dir;
+  const std::string act = std::string(dtype_name(m.model->activation_dtype()));
+  const std::string wdt = std::string(dtype_name(run.weight_dtype));
+
+  fmt::print("chimera bench | {} | {} {} (weights {}) | {} | commit {}\n", model_name, o.device, act, wdt, device_desc,
+             CHIMERA_GIT_COMMIT);
+  fmt::print(
+      "roofline   batch-1 decode {:.1f} tok/s = {:.3f} GB/token at {:.0f} GB/s ({:.3f} B active params, "
+      "{:.3f} B read per token)\n",
+      roof.tokens_per_s, roof.bytes_per_token / 1e9, o.bandwidth_gbs, roof.active_params / 1e9, roof.params_read / 1e9);
+  std::fflush(stdout);
+
+  nlohmann::json prefill = nlohmann::json::array(), decode = nlohmann::json::array();
+  bool failed = false;
+  auto guarded = [&](auto&& measure, nlohmann::json base) {
+    try {
+      return measure();
+    } catch (const Error& e) {
+      failed = true;
+      base["status"] = "failed";
+      base["reason"] = e.what();
+      return base;
+    }
+  };
+  if (!o.input_lens.empty()) {
+    fmt::print("\nprefill (1 sequence, time to first token)\n  {:>10} {:>12} {:>14}\n", "input len", "TTFT ms",
+               "tok/s");
+    for (int32_t len : o.input_lens) {
+      nlohmann::json r = guarded([&] { return run.prefill(len); }, {{"input_len", len}});
+      if (r["status"] == "ok") {
+        fmt::print("  {:>10} {:>12} {:>14}\n", len, cell(r, "ttft_ms", "{:.2f}"), cell(r, "tokens_per_s", "{:.1f}"));
+      } else {
+        fmt::print("  {:>10} {}\n", len, r["reason"].get<std::string>());
+      }
+      std::fflush(stdout);
+      prefill.push_back(std::move(r));
+    }
+  }
+  if (!o.batch_sizes.empty()) {
+    fmt::print(
+        "\ndecode ({}-token prefill per sequence; time per output token = step time, {} steps)\n"
+        "  {:>10} {:>12} {:>14} {:>14}\n",
+        o.decode_context, o.decode_steps, "batch", "TPOT ms", "tok/s", "vs roofline");
+    for (int32_t b : o.batch_sizes) {
+      nlohmann::json r = guarded([&] { return run.decode(b, roof.tokens_per_s); }, {{"batch_size", b}});
+      if (r["status"] == "ok") {
+        fmt::print("  {:>10} {:>12} {:>14} {:>14}\n", b, cell(r, "tpot_ms", "{:.3f}"),
+                   cell(r, "tokens_per_s", "{:.1f}"),
+                   r.contains("roofline_ratio") ? fmt::format("{:.2f}%", 100 * r["roofline_ratio"].get<double>()) : "");
+      } else {
+        fmt::print("  {:>10} {}\n", b, r["reason"].get<std::string>());
+      }
+      std::fflush(stdout);
+      decode.push_back(std::move(r));
+    }
+  }
+
+  if (!o.json_out.empty()) {
+    nlohmann::json j;
+    j["date"] = utc_now();
+    j["commit"] = CHIMERA_GIT_COMMIT;  // HEAD when the build was configured
+    j["device"] = device_desc;
+    j["device_kind"] = o.device;
+    j["model"] = {{"source", o.source.is_synthetic() ? "synthetic" : "checkpoint"},
+                  {"name", o.source.is_synthetic() ? o.source.synthetic : o.source.model_dir},
+                  {"num_layers", c.num_hidden_layers()},
+                  {"pattern", c.pattern()},
+                  {"parameters", parameter_count(c)}};
+    j["dtype"] = act;
+    j["weight_dtype"] = wdt;
+    j["settings"] = {{"decode_context", o.decode_context},
+                     {"decode_steps", o.decode_steps},
+                     {"warmup", o.warmup},
+                     {"seed", o.seed},
+                     {"max_num_batched_tokens", run.sched_defaults.max_num_batched_tokens},
+                     {"sampling", "greedy, ignore_eos"},
+                     {"load_s", load_s}};
+    j["roofline"] = {{"active_params", roof.active_params},
+                     {"params_read_per_token", roof.params_read},
+                     {"bytes_per_token", roof.bytes_per_token},
+                     {"bandwidth_bytes_per_s", roof.bandwidth},
+                     {"batch1_tokens_per_s", roof.tokens_per_s}};
+    j["prefill"] = prefill;
+    j["decode"] = decode;
+    std::ofstream f(o.json_out);
+    if (!f) invalid_input("--json-out: cannot write '{}'", o.json_out);
+    f << j.dump(2) << "\n";
+    if (!f) runtime_error("--json-out: writing '{}' failed", o.json_out);
+  }
+  return failed ? 1 : 0;
+}
+
+}  // namespace chimera::cli
