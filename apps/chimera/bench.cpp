@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <thread>
 
@@ -33,6 +34,7 @@
 namespace chimera::cli {
 
 void add_bench(CLI::App& app, BenchOptions& o) {
+  const CLI::Range kPositiveInt(1, std::numeric_limits<int32_t>::max());
   add_model_source(app, o.source);
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--dtype", o.dtype,
@@ -40,17 +42,17 @@ void add_bench(CLI::App& app, BenchOptions& o) {
       ->check(CLI::IsMember({"bfloat16", "float32"}));
   app.add_option("--input-lens", o.input_lens, "Prefill: prompt lengths, comma-separated (one sequence each)")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(kPositiveInt)
       ->capture_default_str();
   app.add_option("--batch-sizes", o.batch_sizes, "Decode: batch sizes, comma-separated")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(kPositiveInt)
       ->capture_default_str();
   app.add_option("--decode-context", o.decode_context, "Decode: prompt tokens per sequence before decoding")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositiveInt)
       ->capture_default_str();
   app.add_option("--decode-steps", o.decode_steps, "Decode: timed steps per batch size")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositiveInt)
       ->capture_default_str();
   app.add_option("--warmup", o.warmup, "Untimed runs (prefill) / steps (decode) before each measurement")
       ->check(CLI::NonNegativeNumber)
