@@ -15,24 +15,7 @@ el() { echo "[$(($(date +%s) - T0))s] $*"; }
 left() { echo $(($1 - ($(date +%s) - T0))); }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-CMAKE_EXTRA=()
-if compgen -G ".deps/*.deb" >/dev/null; then
-  D=$PWD/.deps/root
-  mkdir -p "$D"
-  for f in .deps/*.deb; do dpkg -x "$f" "$D"; done
-  for pc in "$D"/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc "$D"/usr/share/pkgconfig/*.pc; do
-    sed -i "s|^prefix=/usr\$|prefix=$D/usr|" "$pc"
-  done
-  if command -v pkg-config >/dev/null; then PKGC=$(command -v pkg-config); else
-    mkdir -p .bin
-    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$D/usr/lib/x86_64-linux-gnu" "$D/usr/bin/pkgconf" >.bin/pkg-config
-    chmod +x .bin/pkg-config
-    PKGC=$PWD/.bin/pkg-config
-  fi
-  export PKG_CONFIG_PATH=$D/usr/lib/x86_64-linux-gnu/pkgconfig:$D/usr/share/pkgconfig
-  export LD_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  CMAKE_EXTRA=(-DCMAKE_PREFIX_PATH="$D/usr" -DPKG_CONFIG_EXECUTABLE="$PKGC")
-fi
+source scripts/device_env.sh  # carried .debs -> CMAKE_EXTRA
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader
 
 READY=/tmp/ssd_peers_ready GO=/tmp/ssd_peers_go STOP=/tmp/ssd_peers_stop

@@ -14,24 +14,9 @@ want() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 
-# The GPU image has no fmt / CLI11 / nlohmann / gtest / pcre2 dev packages: unpack the carried .debs
-# (scripts/device_deps.sh) into a private prefix and point CMake and pkg-config at it.
-D=$PWD/.deps/root
-mkdir -p "$D"
-for f in .deps/*.deb; do dpkg -x "$f" "$D"; done
-for pc in "$D"/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc "$D"/usr/share/pkgconfig/*.pc; do
-  sed -i "s|^prefix=/usr\$|prefix=$D/usr|" "$pc"
-done
-if command -v pkg-config >/dev/null; then PKGC=$(command -v pkg-config); else
-  mkdir -p .deps/bin
-  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$D/usr/lib/x86_64-linux-gnu" "$D/usr/bin/pkgconf" >.deps/bin/pkg-config
-  chmod +x .deps/bin/pkg-config
-  PKGC=$PWD/.deps/bin/pkg-config
-fi
-export PKG_CONFIG_PATH=$D/usr/lib/x86_64-linux-gnu/pkgconfig:$D/usr/share/pkgconfig
-export LD_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHIMERA_CUDA=ON -DCMAKE_PREFIX_PATH="$D/usr" \
-  -DPKG_CONFIG_EXECUTABLE="$PKGC" >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
+source scripts/device_env.sh  # carried .debs -> CMAKE_EXTRA
+cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHIMERA_CUDA=ON "${CMAKE_EXTRA[@]}" \
+  >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
 ninja -C build-dev -j "$(nproc)" ${NINJA_TARGETS:-} 2>&1 | tail -3 || exit 1
 rc=0
 if want tests; then

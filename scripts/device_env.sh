@@ -1,0 +1,22 @@
+# Sourced on the GPU machine (from the repository root) by scripts/device_check.sh and bench/run_*_device.sh.
+# The GPU image has no fmt / CLI11 / nlohmann / gtest / pcre2 dev packages: unpack the carried Debian .debs
+# (.deps/*.deb, from scripts/device_deps.sh) into .deps/root, point pkg-config there, and leave the extra CMake
+# arguments in CMAKE_EXTRA (empty when no .debs were carried).
+CMAKE_EXTRA=()
+if compgen -G ".deps/*.deb" >/dev/null; then
+  D=$PWD/.deps/root
+  mkdir -p "$D"
+  for f in .deps/*.deb; do dpkg -x "$f" "$D"; done
+  for pc in "$D"/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc "$D"/usr/share/pkgconfig/*.pc; do
+    sed -i "s|^prefix=/usr\$|prefix=$D/usr|" "$pc"
+  done
+  if command -v pkg-config >/dev/null; then PKGC=$(command -v pkg-config); else
+    mkdir -p .deps/bin
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$D/usr/lib/x86_64-linux-gnu" "$D/usr/bin/pkgconf" >.deps/bin/pkg-config
+    chmod +x .deps/bin/pkg-config
+    PKGC=$PWD/.deps/bin/pkg-config
+  fi
+  export PKG_CONFIG_PATH=$D/usr/lib/x86_64-linux-gnu/pkgconfig:$D/usr/share/pkgconfig
+  export LD_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  CMAKE_EXTRA=(-DCMAKE_PREFIX_PATH="$D/usr" -DPKG_CONFIG_EXECUTABLE="$PKGC")
+fi
