@@ -19,32 +19,7 @@ Registration::Registration(const char* name, BenchFn fn) { registry().push_back(
 
 double Context::run(const std::string& kernel, const std::string& shape, double bytes, double flops,
                     const std::function<void()>& fn) const {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaDeviceSynchronize();
-  std::vector<float> ms(static_cast<size_t>(iters));
-  for (int i = 0; i < iters; ++i) {
-    cudaEventRecord(a);
-    fn();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    cudaEventElapsedTime(&ms[static_cast<size_t>(i)], a, b);
-  }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) std::printf("BENCH-ERROR kernel=%s %s\n", kernel.c_str(), cudaGetErrorString(err));
-  std::sort(ms.begin(), ms.end());
-  const double us = 1000.0 * ms[ms.size() / 2];
-  const double gbps = bytes > 0 ? bytes / (us * 1e-6) / 1e9 : 0.0;
-  const double tflops = flops > 0 ? flops / (us * 1e-6) / 1e12 : 0.0;
-  const double ratio = std::max(gbps / kCopyBandwidthGBs, tflops / kBf16PeakTflops);
-  std::printf("BENCH kernel=%s shape=%s us=%.2f gbps=%.1f tflops=%.2f floor_ratio=%.3f\n", kernel.c_str(),
-              shape.c_str(), us, gbps, tflops, ratio);
-  std::fflush(stdout);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return us;
+  return run_launches(kernel, shape, bytes, flops, 1, fn);
 }
 
 double Context::run_launches(const std::string& kernel, const std::string& shape, double bytes, double flops,
