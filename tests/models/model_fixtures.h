@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -128,6 +129,37 @@ inline RunResult run_prompt(const NemotronH& model, const std::vector<int32_t>& 
   EXPECT_EQ(done.size(), 1u);
   r.tokens.assign(done[0].tokens.begin() + done[0].prompt_len, done[0].tokens.end());
   return r;
+}
+
+// Runs several prompts in ONE engine (4 sequences, a 40-token step budget: prompts are split into chunks and
+// later steps mix prefill chunks with decodes), prompt p generating n_new[p] tokens; returns each prompt's
+// generated tokens and logits rows in prompt order. Runs on the model's device.
+inline std::vector<RunResult> run_batch(const NemotronH& model, const std::vector<std::vector<int32_t>>& prompts,
+                                        const std::vector<int32_t>& n_new) {
+  EngineConfig ec;
+  ec.cache.max_seqs = 4;
+  ec.cache.max_model_len = 128;
+  ec.cache.block_size = 8;
+  ec.scheduler.max_num_seqs = 4;
+  ec.scheduler.max_num_batched_tokens = 40;
+  ec.return_prompt_logits = true;
+  Engine engine(model, ops::Context{model.device(), nullptr}, ec);
+  std::map<int32_t, RunResult> by_id;
+  engine.on_logits = [&](int32_t id, std::span<const float> row) {
+    by_id[id].logits.insert(by_id[id].logits.end(), row.begin(), row.end());
+  };
+  SamplingParams sp;
+  sp.ignore_eos = true;
+  std::vector<int32_t> ids;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    sp.max_new_tokens = n_new[p];
+    ids.push_back(engine.add_request(prompts[p], sp));
+  }
+  while (engine.has_unfinished()) engine.step();
+  for (Sequence& s : engine.take_finished()) by_id[s.id].tokens.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
+  std::vector<RunResult> out;
+  for (int32_t id : ids) out.push_back(by_id[id]);
+  return out;
 }
 
 }  // namespace chimera::test

@@ -96,40 +96,21 @@ TEST_P(GpuParity, Fp32BatchOfPromptsEqualsEachAlone) {
   const Fixture f = load_fixture(GetParam());
   LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kF32});
   const int64_t V = l.config.vocab_size;
-  EngineConfig ec;
-  ec.cache.max_seqs = 4;
-  ec.cache.max_model_len = 128;
-  ec.cache.block_size = 8;
-  ec.scheduler.max_num_seqs = 4;
-  ec.scheduler.max_num_batched_tokens = 40;  // chunked prompts, later steps mix prefill chunks with decodes
-  ec.return_prompt_logits = true;
-  Engine engine(*l.model, ops::Context{Device::kCuda, nullptr}, ec);
-  std::map<int32_t, std::vector<float>> logits;
-  engine.on_logits = [&](int32_t id, std::span<const float> row) {
-    logits[id].insert(logits[id].end(), row.begin(), row.end());
-  };
-  SamplingParams sp;
-  sp.ignore_eos = true;
-  std::vector<int32_t> ids;
+  std::vector<int32_t> n_new;
   for (size_t p = 0; p < f.prompts.size(); ++p) {
-    sp.max_new_tokens = static_cast<int32_t>(f.greedy[p].size()) - static_cast<int32_t>(p) * 5;  // finish apart
-    ids.push_back(engine.add_request(f.prompts[p], sp));
+    n_new.push_back(static_cast<int32_t>(f.greedy[p].size()) - static_cast<int32_t>(p) * 5);  // finish apart
   }
-  while (engine.has_unfinished()) engine.step();
-  std::map<int32_t, Sequence> done;
-  for (Sequence& s : engine.take_finished()) done[s.id] = s;
-  ASSERT_EQ(done.size(), f.prompts.size());
+  const std::vector<RunResult> batch = run_batch(*l.model, f.prompts, n_new);
+  ASSERT_EQ(batch.size(), f.prompts.size());
   for (size_t p = 0; p < f.prompts.size(); ++p) {
     SCOPED_TRACE(fmt::format("{} prompt {}", f.name, p));
-    const Sequence& s = done[ids[p]];
-    const auto n_new = static_cast<int32_t>(f.greedy[p].size()) - static_cast<int32_t>(p) * 5;
-    RunResult alone = run_prompt(*l.model, f.prompts[p], n_new, 4096);
-    const std::vector<int32_t> gen(s.tokens.begin() + s.prompt_len, s.tokens.end());
+    RunResult alone = run_prompt(*l.model, f.prompts[p], n_new[p], 4096);
+    const std::vector<int32_t>& gen = batch[p].tokens;
     EXPECT_EQ(gen, alone.tokens);
-    const int64_t rows = s.prompt_len + static_cast<int64_t>(gen.size()) - 1;
+    const int64_t rows = static_cast<int64_t>(f.prompts[p].size()) + static_cast<int64_t>(gen.size()) - 1;
     ASSERT_EQ(static_cast<int64_t>(alone.logits.size()), rows * V);
     const Tensor alone_t = Tensor::from_f32({rows, V}, alone.logits);
-    EXPECT_TRUE(logits_match(logits[ids[p]], alone_t, rows, V, kGpuModelLogitsRelToMax));
+    EXPECT_TRUE(logits_match(batch[p].logits, alone_t, rows, V, kGpuModelLogitsRelToMax));
   }
 }
 

@@ -83,38 +83,20 @@ TEST_P(TransformersParity, BatchOfPromptsEqualsEachAlone) {
   const Fixture f = load_fixture(GetParam());
   LoadedFixture l = load_model(f.dir);
   const int64_t V = l.config.vocab_size;
-  EngineConfig ec;
-  ec.cache.max_seqs = 4;
-  ec.cache.max_model_len = 128;
-  ec.cache.block_size = 8;
-  ec.scheduler.max_num_seqs = 4;
-  // A small token budget: prompts are split into chunks and later steps mix prefill chunks with decodes.
-  ec.scheduler.max_num_batched_tokens = 40;
-  ec.return_prompt_logits = true;
-  Engine engine(*l.model, ops::Context{}, ec);
-  std::map<int32_t, std::vector<float>> logits;
-  engine.on_logits = [&](int32_t id, std::span<const float> row) {
-    logits[id].insert(logits[id].end(), row.begin(), row.end());
-  };
-  SamplingParams sp;
-  sp.ignore_eos = true;
-  std::vector<int32_t> ids;
+  std::vector<int32_t> n_new;
   for (size_t p = 0; p < f.prompts.size(); ++p) {
-    sp.max_new_tokens = static_cast<int32_t>(f.greedy[p].size()) - static_cast<int32_t>(p) * 5;  // finish apart
-    ids.push_back(engine.add_request(f.prompts[p], sp));
+    n_new.push_back(static_cast<int32_t>(f.greedy[p].size()) - static_cast<int32_t>(p) * 5);  // finish apart
   }
-  while (engine.has_unfinished()) engine.step();
-  std::map<int32_t, Sequence> done;
-  for (Sequence& s : engine.take_finished()) done[s.id] = s;
-  ASSERT_EQ(done.size(), f.prompts.size());
+  const std::vector<RunResult> batch = run_batch(*l.model, f.prompts, n_new);
+  ASSERT_EQ(batch.size(), f.prompts.size());
   for (size_t p = 0; p < f.prompts.size(); ++p) {
     SCOPED_TRACE(fmt::format("{} prompt {}", f.name, p));
-    const Sequence& s = done[ids[p]];
-    const std::vector<int32_t> gen(s.tokens.begin() + s.prompt_len, s.tokens.end());
+    const std::vector<int32_t>& gen = batch[p].tokens;
     ASSERT_EQ(gen.size(), f.greedy[p].size() - p * 5);
     EXPECT_TRUE(std::equal(gen.begin(), gen.end(), f.greedy[p].begin()));
     const Tensor ref = read_npy(f.dir / fmt::format("logits_{}.npy", p));
-    EXPECT_TRUE(logits_match(logits[ids[p]], ref, s.prompt_len + static_cast<int64_t>(gen.size()) - 1, V));
+    const int64_t prompt_len = static_cast<int64_t>(f.prompts[p].size());
+    EXPECT_TRUE(logits_match(batch[p].logits, ref, prompt_len + static_cast<int64_t>(gen.size()) - 1, V));
   }
 }
 
