@@ -48,6 +48,18 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// A plain (coherent) load of element i of an F32 / BF16 / F16 array whose dtype is known only at run time.
+__device__ __forceinline__ float load_elem(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::kBF16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::kF16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
 // Runtime dtype -> C++ type: CHIMERA_DISPATCH_FLOAT(t.dtype(), "ops::rms_norm x", T, { launch<T>(...); });
 // Anything else fails loudly with the supported set.
 #define CHIMERA_DISPATCH_FLOAT(dtype, what, T, ...)                                                   \

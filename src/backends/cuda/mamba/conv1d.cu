@@ -22,7 +22,7 @@
 namespace chimera::cuda {
 namespace conv {
 
-using mamba::load_elem;
+using cuda::load_elem;
 using mamba::Pack;
 using mamba::silu_fast;
 using mamba::store_elem;

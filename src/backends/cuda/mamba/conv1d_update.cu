@@ -11,7 +11,7 @@
 namespace chimera::cuda {
 namespace conv_update {
 
-using mamba::load_elem;
+using cuda::load_elem;
 using mamba::load_param;
 using mamba::Pack;
 using mamba::silu_fast;

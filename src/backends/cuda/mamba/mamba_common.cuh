@@ -142,17 +142,7 @@ __device__ __forceinline__ float load_param(const void* p, DType t, int64_t i) {
   }
 }
 
-// Plain (coherent) loads and stores of one element of a runtime-dtype array.
-__device__ __forceinline__ float load_elem(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::kBF16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case DType::kF16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
+// Plain (coherent) loads and stores of one element of a runtime-dtype array (load_elem: cuda_common.cuh).
 
 __device__ __forceinline__ void store_elem(void* p, DType t, int64_t i, float v) {
   switch (t) {

@@ -22,7 +22,7 @@ namespace chimera::cuda {
 namespace ssu {
 
 using mamba::discretize_dt;
-using mamba::load_elem;
+using cuda::load_elem;
 using mamba::load_param;
 using mamba::Pack;
 using mamba::store_elem;

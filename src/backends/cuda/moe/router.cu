@@ -31,17 +31,6 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 constexpr unsigned kFull = 0xffffffffu;
 
-__device__ __forceinline__ float load_float(const void* p, DType dt, int64_t i) {
-  switch (dt) {
-    case DType::kBF16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case DType::kF16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
 // v[s] = row[s * 32 + lane] as fp32 (0 past E). One dtype branch around the whole row, so that the sigmoid
 // below exists once per slot: with the dtype switch inside each element load the compiler duplicated the
 // sigmoid into every (logits dtype x bias dtype) path, a 9x larger kernel whose instruction fetches dominated
@@ -198,7 +187,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) router_topk_kernel(const 
   }
 
   // Step 4: unbiased scores of the winners, normalise, scale, one coalesced store per output row.
-  const float logit = lane < k ? load_float(p.logits, p.logits_dtype, row + my_expert) : 0.0f;
+  const float logit = lane < k ? load_elem(p.logits, p.logits_dtype, row + my_expert) : 0.0f;
   const float score = lane < k ? sigmoid_ref(logit) : 0.0f;
   float sum = score;
 #pragma unroll
