@@ -57,6 +57,8 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   app.add_option("--warmup", o.warmup, "Untimed runs (prefill) / steps (decode) before each measurement")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_flag("!--no-cuda-graphs", o.cuda_graphs,
+               "CUDA: run every decode step eagerly instead of replaying a CUDA graph per batch size");
   app.add_option("--bandwidth-gbs", o.bandwidth_gbs,
                  "Memory bandwidth for the batch-1 roofline, GB/s (default: the H200's measured copy rate)")
       ->check(CLI::PositiveNumber)
@@ -138,6 +140,7 @@ struct Runner {
     ec.scheduler.max_num_seqs = seqs;
     ec.cache.max_seqs = seqs;
     ec.cache.max_model_len = model_len;
+    ec.cuda_graphs = o.cuda_graphs;
     return ec;
   }
 
@@ -183,7 +186,7 @@ struct Runner {
     // room for those tokens, the warm-up and the timed steps, so no sequence finishes before the timing ends.
     const int64_t budget = sched_defaults.max_num_batched_tokens;
     const int64_t prefill_steps = (int64_t{batch} * o.decode_context + budget - 1) / budget + batch;
-    const auto new_tokens = static_cast<int32_t>(prefill_steps + o.warmup + o.decode_steps + 1);
+    const auto new_tokens = static_cast<int32_t>(prefill_steps + std::max(o.warmup, 2) + o.decode_steps + 1);
     const int32_t model_len = o.decode_context + new_tokens;
     if (std::string why = does_not_fit(batch, model_len); !why.empty()) {
       r["status"] = "skipped";
@@ -211,7 +214,9 @@ struct Runner {
       count(engine.step());
     }
     const double prefill_s = seconds_since(t_prefill);
-    for (int32_t s = 0; s < o.warmup; ++s) count(engine.step());
+    // A batch size's first decode step runs eagerly and its second captures the CUDA graph: warm up past both.
+    const int32_t warmup = ctx.device == Device::kCuda && o.cuda_graphs ? std::max(o.warmup, 2) : o.warmup;
+    for (int32_t s = 0; s < warmup; ++s) count(engine.step());
     double context_sum = 0;
     for (int32_t g : generated) context_sum += o.decode_context + g;
     int32_t partial_steps = 0;  // steps in which not every sequence decoded (should be none)
@@ -229,6 +234,7 @@ struct Runner {
     r["mean_context_at_start"] = context_sum / batch;
     r["prefill_ms"] = prefill_s * 1e3;
     r["partial_steps"] = partial_steps;
+    r["cuda_graph"] = !engine.graph_batch_sizes().empty();
     if (batch == 1) r["roofline_ratio"] = r["tokens_per_s"].get<double>() / roofline_tps;
     return r;
   }
@@ -307,9 +313,10 @@ int run_bench(const BenchOptions& o) {
   }
   if (!o.batch_sizes.empty()) {
     fmt::print(
-        "\ndecode ({}-token prefill per sequence; time per output token = step time, {} steps)\n"
+        "\ndecode ({}-token prefill per sequence; time per output token = step time, {} steps; CUDA graphs {})\n"
         "  {:>10} {:>12} {:>14} {:>14}\n",
-        o.decode_context, o.decode_steps, "batch", "TPOT ms", "tok/s", "vs roofline");
+        o.decode_context, o.decode_steps, mo.device == Device::kCuda && o.cuda_graphs ? "on" : "off", "batch",
+        "TPOT ms", "tok/s", "vs roofline");
     for (int32_t b : o.batch_sizes) {
       nlohmann::json r = guarded([&] { return run.decode(b, roof.tokens_per_s); }, {{"batch_size", b}});
       if (r["status"] == "ok") {
@@ -340,6 +347,7 @@ int run_bench(const BenchOptions& o) {
     j["settings"] = {{"decode_context", o.decode_context},
                      {"decode_steps", o.decode_steps},
                      {"warmup", o.warmup},
+                     {"cuda_graphs", mo.device == Device::kCuda && o.cuda_graphs},
                      {"seed", o.seed},
                      {"max_num_batched_tokens", run.sched_defaults.max_num_batched_tokens},
                      {"sampling", "greedy, ignore_eos"},

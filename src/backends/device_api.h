@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
+#include <memory>
 
 #include "core/tensor.h"
 
@@ -41,5 +43,63 @@ struct MemoryInfo {
 };
 MemoryInfo memory_info(Device device);
 MemoryInfo host_memory_info();  // src/backends/cpu/host_memory.cpp, in every build
+
+// ---- streams, pinned staging, CUDA graphs (what the engine's graph-captured decode step needs) ----------
+
+// A CUDA stream owned by its holder (cudaStreamCreate: blocking, so it still orders with the legacy default stream
+// that device::copy / zero use). Graph capture needs a stream other than the legacy default one.
+class Stream {
+ public:
+  static Stream create();  // CUDA only; kRuntime without a GPU
+  void* get() const { return handle_.get(); }
+  void synchronize() const;
+
+ private:
+  std::shared_ptr<void> handle_;
+};
+
+// Page-locked host memory (cudaMallocHost), so that copy_async really is asynchronous and can be ordered on a
+// stream. CUDA only.
+Tensor empty_pinned(DType dtype, Shape shape);
+// Stream-ordered copy between tensors of equal dtype and size (host side pinned); returns at once.
+void copy_async(const Tensor& dst, const Tensor& src, void* stream);
+
+// A private memory pool for CUDA-graph captures. While a ScopedAllocPool is alive on a thread, device::empty(kCuda)
+// on that thread draws from the pool instead of the shared caching allocator, and those blocks go back to the pool
+// when their tensors die. A captured graph keeps using the addresses it saw, so its blocks must never be handed to
+// ordinary tensors or returned to the driver while the graph lives: the pool keeps every block until the pool
+// itself is destroyed (after its graphs). Graphs replayed one after another on one stream may share a pool.
+class AllocPool {
+ public:
+  AllocPool();  // CUDA only
+  struct Impl;
+  Impl* impl() const { return impl_.get(); }
+  size_t bytes() const;  // bytes of device memory the pool holds
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+class ScopedAllocPool {
+ public:
+  explicit ScopedAllocPool(const AllocPool& pool);
+  ~ScopedAllocPool();
+  ScopedAllocPool(const ScopedAllocPool&) = delete;
+  ScopedAllocPool& operator=(const ScopedAllocPool&) = delete;
+
+ private:
+  AllocPool::Impl* previous_;
+};
+
+// A CUDA graph made by stream capture (relaxed mode) of the work `body` enqueues on `stream`; nothing runs during
+// the capture. launch() replays it on a stream. Empty (false) by default.
+class Graph {
+ public:
+  static Graph capture(void* stream, const std::function<void()>& body);
+  void launch(void* stream) const;
+  explicit operator bool() const { return static_cast<bool>(exec_); }
+
+ private:
+  std::shared_ptr<void> exec_;
+};
 
 }  // namespace chimera::device

@@ -59,4 +59,20 @@ MemoryInfo memory_info(Device device) {
   return host_memory_info();
 }
 
+Stream Stream::create() { runtime_error("Stream: this build of chimera has no CUDA backend"); }
+void Stream::synchronize() const {}
+Tensor empty_pinned(DType, Shape) { runtime_error("empty_pinned: this build of chimera has no CUDA backend"); }
+void copy_async(const Tensor& dst, const Tensor& src, void*) { copy(dst, src); }
+
+struct AllocPool::Impl {};
+AllocPool::AllocPool() { runtime_error("AllocPool: this build of chimera has no CUDA backend"); }
+size_t AllocPool::bytes() const { return 0; }
+ScopedAllocPool::ScopedAllocPool(const AllocPool&) : previous_(nullptr) {}
+ScopedAllocPool::~ScopedAllocPool() = default;
+
+Graph Graph::capture(void*, const std::function<void()>&) {
+  runtime_error("Graph: this build of chimera has no CUDA backend");
+}
+void Graph::launch(void*) const { runtime_error("Graph: this build of chimera has no CUDA backend"); }
+
 }  // namespace chimera::device

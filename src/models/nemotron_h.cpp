@@ -185,12 +185,6 @@ Tensor gather_rows(const ops::Context& ctx, const Tensor& in, DType dtype, std::
   return out;
 }
 
-std::vector<int32_t> iota(int64_t n) {
-  std::vector<int32_t> v(static_cast<size_t>(n));
-  std::iota(v.begin(), v.end(), 0);
-  return v;
-}
-
 // Uploads host weights to the GPU once, converting them on the way; counts bytes for the progress line.
 class Uploader {
  public:
@@ -439,7 +433,8 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   const int64_t N = c.ssm_state_size, Di = c.mamba_inner(), Cd = c.conv_dim();
   const int64_t Tp = b.num_prefill_tokens();
   const size_t np = static_cast<size_t>(b.num_prefill_seqs);
-  const std::span<const int32_t> cu(b.cu_seqlens), slots(b.state_slots);
+  const std::span<const int32_t> cu(b.cu_seqlens);
+  const ops::Indices slots(b.state_slots, b.device_meta ? b.device_meta->state_slots : nullptr);
 
   // in_proj rows: [ z : Di | xBC : Cd | dt : H ]  (model-spec 3.2)
   Tensor zxbcdt = act(ctx, {T, c.in_proj_dim()});
@@ -454,7 +449,7 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   Tensor xbc_act = act(ctx, {T, Cd});
   if (np > 0) {
     ops::causal_conv1d(ctx, xbc_act.rows(0, Tp), xbc.rows(0, Tp), w.conv1d_weight, w.conv1d_bias, conv_state,
-                       cu.first(np + 1), slots.first(np), /*silu=*/true);
+                       cu.first(np + 1), slots.host.first(np), /*silu=*/true);
   }
   if (Tp < T) {
     ops::causal_conv1d_update(ctx, xbc_act.rows(Tp, T), xbc.rows(Tp, T), w.conv1d_weight, w.conv1d_bias,
@@ -473,7 +468,7 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   Tensor y = act(ctx, {T, H, P});
   if (np > 0) {
     ops::ssd_chunk_scan(ctx, y.rows(0, Tp), xs.rows(0, Tp), dt.rows(0, Tp), B.rows(0, Tp), C.rows(0, Tp), w.ssm,
-                        ssm_state, cu.first(np + 1), slots.first(np), c.chunk_size);
+                        ssm_state, cu.first(np + 1), slots.host.first(np), c.chunk_size);
   }
   if (Tp < T) {
     ops::selective_state_update(ctx, y.rows(Tp, T), xs.rows(Tp, T), dt.rows(Tp, T), B.rows(Tp, T), C.rows(Tp, T),
@@ -499,8 +494,11 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
   ops::linear(ctx, v, x, w.v_proj);
   // No positional encoding of any kind (model-spec 4): the Mamba layers carry position.
   Tensor o = act(ctx, {T, Qh, hd});
+  const StepBatch::DeviceMeta* dm = b.device_meta;
   ops::attention(ctx, o, q.reshape({T, Qh, hd}), k.reshape({T, KVh, hd}), v.reshape({T, KVh, hd}), kv,
-                 b.cu_seqlens, b.context_lens, block_tables, 1.0f / std::sqrt(static_cast<float>(hd)));
+                 ops::Indices(b.cu_seqlens, dm ? dm->cu_seqlens : nullptr),
+                 ops::Indices(b.context_lens, dm ? dm->context_lens : nullptr), block_tables,
+                 1.0f / std::sqrt(static_cast<float>(hd)));
   ops::linear(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
 }
 
@@ -513,7 +511,12 @@ void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const 
   // On CUDA with 16-bit activations the gate is F32 and x is upcast first, as transformers does
   // (F.linear(x.float(), weight.float())): expert choices are sensitive to rounded router logits.
   Tensor logits = device::empty(ctx.device, DType::kF32, {T, E});
-  ops::linear(ctx, logits, x.dtype() == DType::kF32 ? x : gather_rows(ctx, x, DType::kF32, iota(T)), w.gate);
+  Tensor x_f32 = x;
+  if (x.dtype() != DType::kF32) {
+    x_f32 = device::empty(ctx.device, DType::kF32, x.shape());
+    ops::convert(ctx, x_f32, x);
+  }
+  ops::linear(ctx, logits, x_f32, w.gate);
   Tensor ids = device::empty(ctx.device, DType::kI32, {T, k});
   Tensor weights = device::empty(ctx.device, DType::kF32, {T, k});
   ops::RouterParams rp{k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor};
@@ -542,6 +545,12 @@ Tensor NemotronH::act(const ops::Context& ctx, Shape shape) const {
 }
 
 Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
+  Tensor logits = forward_device(ctx, b, state);
+  // Host fp32 logits (a no-op on the CPU).
+  return ctx.device == Device::kCpu ? logits : device::to_host_f32(logits);
+}
+
+Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
   b.validate();
   if (ctx.device != device_) {
     runtime_error("NemotronH::forward: the model was loaded for the {} but the context is {}",
@@ -550,13 +559,19 @@ Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelStat
   const ModelConfig& c = config_;
   const int64_t T = b.num_tokens(), D = c.hidden_size;
   const float eps = c.layer_norm_epsilon;
+  const StepBatch::DeviceMeta* dm = b.device_meta;
 
-  // The CUDA attention reads block tables from device memory: one upload per step, shared by all layers.
-  const Tensor block_tables =
-      ctx.device == Device::kCpu || b.num_seqs() == 0 ? b.block_tables : device::to_device(b.block_tables, ctx.device);
+  // The CUDA attention reads block tables from device memory: one upload per step, shared by all layers
+  // (none when the step's metadata is already on the device).
+  Tensor block_tables = b.block_tables;
+  if (dm) {
+    block_tables = dm->block_tables;
+  } else if (ctx.device != Device::kCpu && b.num_seqs() > 0) {
+    block_tables = device::to_device(b.block_tables, ctx.device);
+  }
 
   Tensor h = act(ctx, {T, D});  // the residual stream
-  ops::embedding(ctx, h, embeddings_, b.token_ids);
+  ops::embedding(ctx, h, embeddings_, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
   Tensor x = act(ctx, {T, D});    // normed input of the current mixer
   Tensor mix = act(ctx, {T, D});  // mixer output
   ops::rms_norm(ctx, x, h, layers_.empty() ? norm_f_ : layers_[0].norm, eps);
@@ -574,13 +589,14 @@ Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelStat
     ops::add_rms_norm(ctx, h, x, mix, next_norm, eps);
   }
 
-  // x now holds norm_f(h). Only the requested rows go through lm_head.
+  // x now holds norm_f(h). Only the requested rows go through lm_head (all of them in a decode step: no gather).
   const int64_t R = static_cast<int64_t>(b.logit_rows.size());
-  const Tensor rows = gather_rows(ctx, x, act_dtype_, b.logit_rows);
+  bool every_row = R == T;
+  for (int64_t r = 0; every_row && r < R; ++r) every_row = b.logit_rows[static_cast<size_t>(r)] == r;
+  const Tensor rows = every_row ? x : gather_rows(ctx, x, act_dtype_, b.logit_rows);
   Tensor logits = act(ctx, {R, c.vocab_size});
   ops::linear(ctx, logits, rows, lm_head_);
-  // The engine samples on the host: logits come back as host fp32 (a no-op on the CPU).
-  return ctx.device == Device::kCpu ? logits : device::to_host_f32(logits);
+  return logits;
 }
 
 }  // namespace chimera

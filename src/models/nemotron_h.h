@@ -98,6 +98,10 @@ class NemotronH {
   // One forward step on ctx.device (which must be the model's device): returns host fp32 logits
   // [batch.logit_rows.size(), vocab_size], whatever the device and activation dtype.
   Tensor forward(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const;
+  // The same step leaving the logits where they were computed: [logit_rows, vocab_size] on ctx.device in the
+  // activation dtype. Enqueues work on ctx.stream and does not wait for it (no host synchronisation on CUDA), so a
+  // decode step can be captured in a CUDA graph when batch.device_meta is set.
+  Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const;
 
  private:
   NemotronH() = default;

@@ -166,7 +166,7 @@ void check_conv(const Check& c, const Tensor& out, const Tensor& x, const Tensor
 
 // ---- embedding, norms ------------------------------------------------------------------------------
 
-void embedding(const Context& ctx, const Tensor& out, const Tensor& table, std::span<const int32_t> ids) {
+void embedding(const Context& ctx, const Tensor& out, const Tensor& table, const Indices& ids) {
   const Check c(ctx, "embedding");
   c.weight("table", table, 2);
   c.f32("out", out, 2);
@@ -177,7 +177,17 @@ void embedding(const Context& ctx, const Tensor& out, const Tensor& table, std::
       invalid_input("ops::embedding: token id {} at position {} is out of range for vocab size {}", ids[t], t, V);
     }
   }
-  c.dispatch([&] { cpu::embedding(out, table, ids); }, [&] { CHIMERA_CUDA_CALL(cuda::embedding(ctx, out, table, ids)); });
+  c.dispatch([&] { cpu::embedding(out, table, ids.host); },
+             [&] { CHIMERA_CUDA_CALL(cuda::embedding(ctx, out, table, ids)); });
+}
+
+void convert(const Context& ctx, const Tensor& out, const Tensor& in) {
+  const Check c(ctx, "convert");
+  c.f32("in", in, 2);
+  c.f32("out", out, 2);
+  c.shape("out", out, in.shape(), "in", in);
+  c.no_alias("out", out, "in", in);
+  c.dispatch([&] { cpu::convert(out, in); }, [&] { CHIMERA_CUDA_CALL(cuda::convert(ctx, out, in)); });
 }
 
 void rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps) {
@@ -265,12 +275,12 @@ void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const
 }
 
 void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                          const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> slots, bool silu) {
+                          const Tensor& bias, const Tensor& conv_state, const Indices& slots, bool silu) {
   const Check c(ctx, "causal_conv1d_update");
   check_conv(c, out, x, weight, bias, conv_state);
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
-  c.slots(slots, conv_state.dim(0));
-  c.dispatch([&] { cpu::causal_conv1d_update(out, x, weight, bias, conv_state, slots, silu); }, [&] { CHIMERA_CUDA_CALL(cuda::causal_conv1d_update(ctx, out, x, weight, bias, conv_state, slots, silu)); });
+  c.slots(slots.host, conv_state.dim(0));
+  c.dispatch([&] { cpu::causal_conv1d_update(out, x, weight, bias, conv_state, slots.host, silu); }, [&] { CHIMERA_CUDA_CALL(cuda::causal_conv1d_update(ctx, out, x, weight, bias, conv_state, slots, silu)); });
 }
 
 void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
@@ -295,19 +305,18 @@ void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const 
 }
 
 void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
-                            const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
-                            std::span<const int32_t> slots) {
+                            const Tensor& C, const SsmParams& p, const Tensor& ssm_state, const Indices& slots) {
   const Check c(ctx, "selective_state_update");
   check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
-  c.slots(slots, ssm_state.dim(0));
-  c.dispatch([&] { cpu::selective_state_update(y, x, dt_raw, B, C, p, ssm_state, slots); }, [&] { CHIMERA_CUDA_CALL(cuda::selective_state_update(ctx, y, x, dt_raw, B, C, p, ssm_state, slots)); });
+  c.slots(slots.host, ssm_state.dim(0));
+  c.dispatch([&] { cpu::selective_state_update(y, x, dt_raw, B, C, p, ssm_state, slots.host); }, [&] { CHIMERA_CUDA_CALL(cuda::selective_state_update(ctx, y, x, dt_raw, B, C, p, ssm_state, slots)); });
 }
 
 // ---- attention -------------------------------------------------------------------------------------
 
 void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
-               const KvCacheView& cache, std::span<const int32_t> cu_seqlens, std::span<const int32_t> context_lens,
+               const KvCacheView& cache, const Indices& cu_seqlens, const Indices& context_lens,
                const Tensor& block_tables, float scale) {
   const Check c(ctx, "attention");
   c.f32("q", q, 3);
@@ -328,7 +337,7 @@ void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Ten
   c.no_alias("out", out, "cache.k", cache.k);
   c.no_alias("out", out, "cache.v", cache.v);
   const size_t S = context_lens.size();
-  c.seqlens(cu_seqlens, S, T);
+  c.seqlens(cu_seqlens.host, S, T);
   c.i32("block_tables", block_tables, 2);
   if (block_tables.dim(0) != static_cast<int64_t>(S)) {
     c.fail("block_tables {} has a row count other than the {} sequences", block_tables.describe(), S);
@@ -348,7 +357,7 @@ void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Ten
         c.fail("block_tables[{}, {}] = {} is out of range for {} blocks", s, b, id, num_blocks);
     }
   }
-  c.dispatch([&] { cpu::attention(out, q, k, v, cache, cu_seqlens, context_lens, block_tables, scale); }, [&] { CHIMERA_CUDA_CALL(cuda::attention(ctx, out, q, k, v, cache, cu_seqlens, context_lens, block_tables, scale)); });
+  c.dispatch([&] { cpu::attention(out, q, k, v, cache, cu_seqlens.host, context_lens.host, block_tables, scale); }, [&] { CHIMERA_CUDA_CALL(cuda::attention(ctx, out, q, k, v, cache, cu_seqlens, context_lens, block_tables, scale)); });
 }
 
 // ---- MoE -------------------------------------------------------------------------------------------

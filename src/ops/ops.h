@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -25,9 +26,30 @@ struct Context {
   void* stream = nullptr;  // cudaStream_t on the CUDA backend
 };
 
+// Int32 metadata of a step: token ids, state slots, sequence offsets, context lengths. `host` always holds the
+// values: the checks and the CPU backend read them there. `device`, when set, is the same array already in device
+// memory (the CUDA-graph decode path of runtime/engine.cpp keeps its inputs there): a CUDA op then reads it instead
+// of uploading `host`, and takes nothing from the host values but their count, so the launch can be captured in a
+// CUDA graph and replayed after new values are copied into the same device array.
+struct Indices {
+  std::span<const int32_t> host;
+  const int32_t* device = nullptr;
+
+  Indices() = default;
+  Indices(std::span<const int32_t> h, const int32_t* d = nullptr) : host(h), device(d) {}  // NOLINT: implicit
+  Indices(const std::vector<int32_t>& v) : host(v) {}                                      // NOLINT: implicit
+  size_t size() const { return host.size(); }
+  bool empty() const { return host.empty(); }
+  int32_t operator[](size_t i) const { return host[i]; }
+  Indices first(size_t n) const { return {host.first(n), device}; }
+  Indices subspan(size_t offset) const { return {host.subspan(offset), device ? device + offset : nullptr}; }
+};
+
 // ---- embedding, norms ------------------------------------------------------------------------------
 // out: [T, D] f32; table: [V, D]; ids: T token ids (each must be in [0, V): out of range -> kInvalidInput).
-void embedding(const Context& ctx, const Tensor& out, const Tensor& table, std::span<const int32_t> ids);
+void embedding(const Context& ctx, const Tensor& out, const Tensor& table, const Indices& ids);
+// out = in converted to out's dtype (same shape [T, D]); the identity row gather.
+void convert(const Context& ctx, const Tensor& out, const Tensor& in);
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)); x, out: [T, D]; weight: [D]. out may alias x.
 void rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
@@ -68,8 +90,7 @@ void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const
 
 // Single-step update for a batch of sequences (one token each). x, out: [B, C]; slots: [B].
 void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                          const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> slots,
-                          bool silu);
+                          const Tensor& bias, const Tensor& conv_state, const Indices& slots, bool silu);
 
 // Parameters shared by the SSD scan and the selective state update.
 struct SsmParams {
@@ -98,7 +119,7 @@ void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const 
 // one-token ssd_chunk_scan and this update agree (HF's decode kernel ignores the limit; a no-op for (0, inf)).
 void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                             const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
-                            std::span<const int32_t> slots);
+                            const Indices& slots);
 
 // ---- attention -------------------------------------------------------------------------------------
 // A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim].
@@ -114,8 +135,8 @@ struct KvCacheView {
 //   block_tables: [S, max_blocks_per_seq] I32 (row s lists sequence s's blocks in order).
 //   scale: usually 1/sqrt(hd). Query head j uses kv head j / (Qh / KVh).
 void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
-               const KvCacheView& cache, std::span<const int32_t> cu_seqlens,
-               std::span<const int32_t> context_lens, const Tensor& block_tables, float scale);
+               const KvCacheView& cache, const Indices& cu_seqlens, const Indices& context_lens,
+               const Tensor& block_tables, float scale);
 
 // ---- MoE -------------------------------------------------------------------------------------------
 struct RouterParams {

@@ -25,6 +25,18 @@ void StepBatch::validate() const {
                   "block_tables must be I32 [{}, max_blocks], got {}", s, block_tables.describe());
   }
   for (int32_t r : logit_rows) CHIMERA_CHECK(r >= 0 && r < num_tokens(), "logit row {} out of range", r);
+  if (device_meta != nullptr) {
+    CHIMERA_CHECK(num_prefill_seqs == 0, "device-side metadata is for decode-only steps ({} prefill sequences)",
+                  num_prefill_seqs);
+    CHIMERA_CHECK(logit_rows.size() == token_ids.size(), "device-side metadata needs a logits row per token");
+    for (size_t r = 0; r < logit_rows.size(); ++r) {
+      CHIMERA_CHECK(logit_rows[r] == static_cast<int32_t>(r), "device-side metadata needs logit rows in order");
+    }
+    CHIMERA_CHECK(device_meta->block_tables.device() == Device::kCuda &&
+                      device_meta->block_tables.shape() == block_tables.shape(),
+                  "device block_tables {} must mirror {}", device_meta->block_tables.describe(),
+                  block_tables.describe());
+  }
 }
 
 }  // namespace chimera

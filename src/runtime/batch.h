@@ -28,6 +28,18 @@ struct StepBatch {
   // generating; every row when scoring a prompt).
   std::vector<int32_t> logit_rows;
 
+  // Optional: the same metadata already in device memory (the engine's graph-captured decode steps keep it
+  // there, so the captured ops read it instead of uploading the host vectors above, which must still hold the
+  // same values). Decode-only batches; logit_rows must then be every row in order.
+  struct DeviceMeta {
+    const int32_t* token_ids = nullptr;     // [num_tokens]
+    const int32_t* cu_seqlens = nullptr;    // [num_seqs + 1]
+    const int32_t* context_lens = nullptr;  // [num_seqs]
+    const int32_t* state_slots = nullptr;   // [num_seqs]
+    Tensor block_tables;                    // [num_seqs, max_blocks] I32 on the device
+  };
+  const DeviceMeta* device_meta = nullptr;
+
   int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_prefill_tokens() const { return cu_seqlens[static_cast<size_t>(num_prefill_seqs)]; }

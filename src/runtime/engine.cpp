@@ -18,6 +18,77 @@ Engine::Engine(const NemotronH& model, const ops::Context& ctx, const EngineConf
     runtime_error("Engine: the model was loaded for the {} but the context is the {}",
                   model.device() == Device::kCpu ? "CPU" : "GPU", ctx.device == Device::kCpu ? "CPU" : "GPU");
   }
+  // Graph capture needs a stream of our own (the legacy default stream cannot be captured).
+  if (ctx_.device == Device::kCuda && ctx_.stream == nullptr) {
+    own_stream_ = device::Stream::create();
+    ctx_.stream = own_stream_.get();
+  }
+}
+
+std::vector<int32_t> Engine::graph_batch_sizes() const {
+  std::vector<int32_t> sizes;
+  for (const auto& [b, g] : graphs_) sizes.push_back(b);
+  return sizes;
+}
+
+size_t Engine::graph_pool_bytes() const { return graph_pool_ ? graph_pool_->bytes() : 0; }
+
+Tensor Engine::execute(StepBatch& b) {
+  if (ctx_.device == Device::kCpu) return model_.forward(ctx_, b, cache_.state());
+  const bool decode_only = b.num_prefill_seqs == 0 && b.logit_rows.size() == b.token_ids.size();
+  if (config_.cuda_graphs && decode_only) {
+    const int32_t B = b.num_seqs();
+    if (graphs_.count(B) != 0 || ++decode_steps_seen_[B] >= 2) return replay_decode(b);
+  }
+  return model_.forward_device(ctx_, b, cache_.state());
+}
+
+Tensor Engine::replay_decode(StepBatch& b) {
+  const int32_t B = b.num_seqs();
+  const int64_t max_blocks = b.block_tables.dim(1);
+  auto it = graphs_.find(B);
+  const bool capture = it == graphs_.end();
+  if (capture) {
+    DecodeGraph g;
+    g.meta_host = device::empty_pinned(DType::kI32, {4 * int64_t{B} + 1});
+    g.meta_device = device::empty(Device::kCuda, DType::kI32, {4 * int64_t{B} + 1});
+    g.tables_host = device::empty_pinned(DType::kI32, {B, max_blocks});
+    g.tables_device = device::empty(Device::kCuda, DType::kI32, {B, max_blocks});
+    it = graphs_.emplace(B, std::move(g)).first;
+  }
+  DecodeGraph& g = it->second;
+  // Stage this step's metadata and copy it to the graph's fixed device inputs (ordered before the replay).
+  int32_t* m = g.meta_host.i32();
+  std::copy(b.token_ids.begin(), b.token_ids.end(), m);
+  std::copy(b.cu_seqlens.begin(), b.cu_seqlens.end(), m + B);
+  std::copy(b.context_lens.begin(), b.context_lens.end(), m + 2 * B + 1);
+  std::copy(b.state_slots.begin(), b.state_slots.end(), m + 3 * B + 1);
+  std::copy(b.block_tables.i32(), b.block_tables.i32() + b.block_tables.numel(), g.tables_host.i32());
+  device::copy_async(g.meta_device, g.meta_host, ctx_.stream);
+  device::copy_async(g.tables_device, g.tables_host, ctx_.stream);
+  if (capture) {
+    const int32_t* d = g.meta_device.i32();
+    const StepBatch::DeviceMeta dm{d, d + B, d + 2 * B + 1, d + 3 * B + 1, g.tables_device};
+    b.device_meta = &dm;
+    if (!graph_pool_) graph_pool_.emplace();
+    const device::ScopedAllocPool scope(*graph_pool_);
+    g.graph = device::Graph::capture(ctx_.stream, [&] { g.logits = model_.forward_device(ctx_, b, cache_.state()); });
+    b.device_meta = nullptr;
+  }
+  g.graph.launch(ctx_.stream);
+  return g.logits;
+}
+
+std::vector<int32_t> Engine::sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows) {
+  Tensor f32 = logits;
+  if (logits.dtype() != DType::kF32) {
+    f32 = device::empty(Device::kCuda, DType::kF32, logits.shape());
+    ops::convert(ctx_, f32, logits);
+  }
+  const Tensor ids = device::empty(Device::kCuda, DType::kI32, {logits.dim(0)});
+  ops::sample_tokens(ctx_, ids, f32, rows);
+  const Tensor host = device::to_host(ids);  // waits for the step
+  return std::vector<int32_t>(host.i32(), host.i32() + host.numel());
 }
 
 int32_t Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& sampling) {
@@ -84,17 +155,37 @@ std::vector<TokenEvent> Engine::step() {
   }
 
   // ---- execute ----
-  Tensor logits = model_.forward(ctx_, b, cache_.state());
+  Tensor logits = execute(b);
 
   // ---- update ----
   for (size_t i = 0; i < order.size(); ++i) {
     Sequence& s = scheduler_.get(order[i]->seq_id);
     s.num_computed += order[i]->num_tokens;
   }
+  // On the GPU, when every logits row samples and nobody asked for the rows themselves, sampling runs there and
+  // only the token ids come back; otherwise the rows come to the host (fp32) and are sampled there.
+  std::vector<int32_t> device_tokens;
+  if (ctx_.device == Device::kCuda) {
+    bool all_sample = !on_logits;
+    std::vector<ops::SamplingRow> rows;
+    for (size_t r = 0; all_sample && r < row_owner.size(); ++r) {
+      const Sequence& s = scheduler_.get(row_owner[r].seq_id);
+      all_sample = row_owner[r].samples && s.sampling.max_new_tokens > 0;
+      rows.push_back({s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.sampling.seed,
+                      static_cast<uint64_t>(s.num_generated())});
+    }
+    if (all_sample && !rows.empty()) {
+      device_tokens = sample_on_device(logits, rows);
+    } else {
+      logits = device::to_host_f32(logits);
+    }
+  }
   const int64_t V = model_.config().vocab_size;
   for (size_t r = 0; r < row_owner.size(); ++r) {
-    const std::span<const float> row(logits.f32() + static_cast<int64_t>(r) * V, static_cast<size_t>(V));
     Sequence& s = scheduler_.get(row_owner[r].seq_id);
+    const bool on_host = device_tokens.empty();
+    const std::span<const float> row(on_host ? logits.f32() + static_cast<int64_t>(r) * V : nullptr,
+                                     on_host ? static_cast<size_t>(V) : 0);
     if (on_logits) on_logits(s.id, row);
     if (!row_owner[r].samples) continue;
     if (s.sampling.max_new_tokens == 0) {
@@ -102,7 +193,8 @@ std::vector<TokenEvent> Engine::step() {
       events.push_back({s.id, -1, s.finish});
       continue;
     }
-    const int32_t tok = sample_token(row, s.sampling, static_cast<uint64_t>(s.num_generated()));
+    const int32_t tok = on_host ? sample_token(row, s.sampling, static_cast<uint64_t>(s.num_generated()))
+                                : device_tokens[r];
     s.tokens.push_back(tok);
     const bool eos = !s.sampling.ignore_eos && std::find(stop_ids_.begin(), stop_ids_.end(), tok) != stop_ids_.end();
     if (eos) {

@@ -3,9 +3,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <optional>
 #include <span>
 #include <vector>
 
+#include "backends/device_api.h"
 #include "models/nemotron_h.h"
 #include "runtime/scheduler.h"
 #include "runtime/state_cache.h"
@@ -17,6 +20,10 @@ struct EngineConfig {
   SchedulerConfig scheduler;
   // Return logits for every prompt position (scoring, --logits-out), not just the last one.
   bool return_prompt_logits = false;
+  // CUDA: run decode-only steps as CUDA graphs, one per batch size. A size's first step runs eagerly (it also
+  // warms the kernels' per-shape caches: cuBLASLt plans, MoE pointer tables), its second is captured and every
+  // later one replays the graph after one copy of the step's metadata. Prefill and mixed steps stay eager.
+  bool cuda_graphs = true;
 };
 
 struct TokenEvent {
@@ -43,8 +50,26 @@ class Engine {
   std::function<void(int32_t seq_id, std::span<const float> logits)> on_logits;
 
   const StateCache& cache() const { return cache_; }
+  // Decode batch sizes that have a captured CUDA graph, and device bytes the graphs' private pool holds.
+  std::vector<int32_t> graph_batch_sizes() const;
+  size_t graph_pool_bytes() const;
 
  private:
+  // A captured decode step of one batch size: its inputs live at fixed device addresses (refilled before each
+  // replay from pinned staging), its logits stay in the graph's pool.
+  struct DecodeGraph {
+    device::Graph graph;
+    Tensor meta_host, meta_device;  // I32 [4B + 1]: token_ids [B] | cu_seqlens [B + 1] | context_lens [B] | slots [B]
+    Tensor tables_host, tables_device;  // I32 [B, max_blocks]
+    Tensor logits;                      // [B, vocab] in the activation dtype
+  };
+  // The step's logits on the model's device (host fp32 on the CPU).
+  Tensor execute(StepBatch& b);
+  Tensor replay_decode(StepBatch& b);
+  // Token ids for the rows of `logits` (device, activation dtype), sampled on the GPU; one small copy back.
+  std::vector<int32_t> sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows);
+
+
   const NemotronH& model_;
   ops::Context ctx_;
   EngineConfig config_;
@@ -53,6 +78,11 @@ class Engine {
   std::vector<int64_t> stop_ids_;
   std::vector<Sequence> finished_;
   int32_t next_id_ = 0;
+  // CUDA only. The stream every op of this engine runs on (owned unless the caller's context names one).
+  device::Stream own_stream_;
+  std::optional<device::AllocPool> graph_pool_;  // declared before graphs_: outlives them
+  std::map<int32_t, DecodeGraph> graphs_;
+  std::map<int32_t, int32_t> decode_steps_seen_;  // per batch size
 };
 
 // Convenience: runs the engine to completion over several prompts; returns each generated token list.

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "common/compare.h"
+#include "ops/ops.h"
 
 namespace chimera {
 namespace {
@@ -39,6 +40,46 @@ TEST_F(DeviceApi, CachingAllocatorReusesFreedBlocks) {
   }
   Tensor b = device::empty(Device::kCuda, DType::kF32, {1000});
   EXPECT_EQ(b.data(), first);
+}
+
+// What the engine's CUDA-graph decode relies on: a captured graph replays with new inputs copied into its fixed
+// input buffer; its temporaries come from the private pool, which never hands them to ordinary allocations.
+TEST_F(DeviceApi, GraphCapturedWithPoolReplaysWithNewInputs) {
+  const device::Stream stream = device::Stream::create();
+  const ops::Context ctx{Device::kCuda, stream.get()};
+  test::Rng rng = test::Rng::for_test();
+  const Tensor in = device::empty(Device::kCuda, DType::kF32, {3, 129});  // fixed input address
+  const Tensor in_host = device::empty_pinned(DType::kF32, {3, 129});
+  device::AllocPool pool;
+  Tensor out;
+  void* temp_block = nullptr;
+  device::Graph graph;
+  {
+    const device::ScopedAllocPool scope(pool);
+    graph = device::Graph::capture(ctx.stream, [&] {
+      Tensor twice = device::empty(Device::kCuda, DType::kF32, in.shape());  // a temporary, freed to the pool
+      temp_block = twice.data();
+      ops::add(ctx, twice, in, in);
+      out = device::empty(Device::kCuda, DType::kF32, in.shape());
+      ops::add(ctx, out, twice, in);  // 3 * in
+    });
+  }
+  EXPECT_TRUE(static_cast<bool>(graph));
+  EXPECT_GT(pool.bytes(), 0u);
+  // An ordinary allocation of the same size must not receive the graph's freed temporary.
+  const Tensor other = device::empty(Device::kCuda, DType::kF32, in.shape());
+  EXPECT_NE(other.data(), temp_block);
+  for (int rep = 0; rep < 3; ++rep) {
+    const Tensor x = rng.normal_tensor({3, 129});
+    std::copy(x.f32(), x.f32() + x.numel(), in_host.f32());
+    device::copy_async(in, in_host, ctx.stream);
+    graph.launch(ctx.stream);
+    stream.synchronize();
+    const Tensor got = device::to_host_f32(out);
+    Tensor want = x.clone();
+    for (int64_t i = 0; i < want.numel(); ++i) want.f32()[i] = 3.0f * x.f32()[i];
+    EXPECT_ALL_CLOSE(got, want, test::kF32Elementwise);
+  }
 }
 
 TEST(DeviceApiNoGpu, DescribesTheDevice) { EXPECT_FALSE(device::describe_cuda().empty()); }

@@ -33,5 +33,9 @@ inline constexpr Tolerance kF8E4M3Quant{1.0 / 512, 0.125};
 inline constexpr double kModelLogitsRelToMax = 1e-4;
 // GPU fp32 engine vs the fixtures (issue 4).
 inline constexpr double kGpuModelLogitsRelToMax = 1e-3;
+// bf16 engine, CUDA-graph decode vs eager decode: the captured attention plans its KV splits for the longest
+// context, eager for this step's, so partial sums meet in another order and bf16 roundings of the attention
+// output can differ by an ulp, which the following layers carry (a guess until measured; tokens must be equal).
+inline constexpr double kGpuBf16GraphVsEagerRelToMax = 2e-2;
 
 }  // namespace chimera::test

@@ -11,6 +11,7 @@
 namespace chimera::cpu {
 
 void embedding(const Tensor& out, const Tensor& table, std::span<const int32_t> ids);
+void convert(const Tensor& out, const Tensor& in);  // F32 copy (CPU activations are F32)
 void rms_norm(const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
 void add_rms_norm(const Tensor& residual, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
 void gated_rms_norm(const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight, int64_t n_groups,

@@ -27,6 +27,8 @@ void embedding(const Tensor& out, const Tensor& table, std::span<const int32_t> 
   }
 }
 
+void convert(const Tensor& out, const Tensor& in) { load_rows_f32(in, 0, in.dim(0), in.dim(1), out.f32()); }
+
 void rms_norm(const Tensor& out, const Tensor& x, const Tensor& weight, float eps) {
   const int64_t T = x.dim(0), D = x.dim(1);
   const std::vector<float> w = to_f32_vector(weight);

@@ -2,7 +2,8 @@
 // Each function is the adapter between Tensors and a kernel launcher: it reads shapes and pointers into the
 // op's plain params struct, picks the template instance from the dtypes (loudly failing on unsupported
 // ones) and launches on ctx.stream. Host-side metadata (cu_seqlens, slots, context_lens) is uploaded to
-// device scratch with a stream-ordered copy.
+// device scratch with a stream-ordered copy, unless the caller passes it in device memory (ops::Indices::device:
+// the graph-captured decode step), in which case nothing is uploaded.
 // Activations on CUDA may be F32, BF16 or F16 (one dtype per call); accumulation is always fp32.
 #pragma once
 
@@ -14,7 +15,8 @@
 namespace chimera::cuda {
 
 // norm/ (norm_ops.cu)
-void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, std::span<const int32_t> ids);
+void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, const ops::Indices& ids);
+void convert(const ops::Context& ctx, const Tensor& out, const Tensor& in);
 void rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
 void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
                   const Tensor& weight, float eps);
@@ -35,11 +37,11 @@ void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, 
                    const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
                    bool silu);
 void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                          const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> slots, bool silu);
+                          const Tensor& bias, const Tensor& conv_state, const ops::Indices& slots, bool silu);
 // mamba/ (selective_state_update.cu)
 void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                             const Tensor& B, const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
-                            std::span<const int32_t> slots);
+                            const ops::Indices& slots);
 // mamba/ (ssd_*.cu)
 void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
                     const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
@@ -50,8 +52,8 @@ void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, c
 
 // attention/ (attention.cu)
 void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
-               const ops::KvCacheView& cache, std::span<const int32_t> cu_seqlens,
-               std::span<const int32_t> context_lens, const Tensor& block_tables, float scale);
+               const ops::KvCacheView& cache, const ops::Indices& cu_seqlens, const ops::Indices& context_lens,
+               const Tensor& block_tables, float scale);
 
 // moe/ (router.cu, experts.cu)
 void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,

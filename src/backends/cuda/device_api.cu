@@ -1,7 +1,9 @@
 // Device services on CUDA: a caching allocator (size-bucketed free lists, so steady-state steps never call
 // cudaMalloc), host <-> device copies with dtype conversion on the host, device discovery.
+#include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -14,6 +16,11 @@ namespace {
 // Blocks are rounded up to 512 bytes (small) or 2 MiB (large) and kept in a free list per rounded size.
 class CachingAllocator {
  public:
+  // keep_blocks: a graph pool (AllocPool) never gives blocks back to the driver before it dies, not even to
+  // retry an allocation that failed.
+  explicit CachingAllocator(bool keep_blocks = false) : keep_blocks_(keep_blocks) {}
+  ~CachingAllocator() { release_cached(); }
+
   void* allocate(size_t bytes) {
     const size_t size = round(bytes);
     {
@@ -29,7 +36,7 @@ class CachingAllocator {
     }
     void* p = nullptr;
     cudaError_t err = cudaMalloc(&p, size);
-    if (err == cudaErrorMemoryAllocation) {
+    if (err == cudaErrorMemoryAllocation && !keep_blocks_) {
       (void)cudaGetLastError();
       release_cached();
       err = cudaMalloc(&p, size);
@@ -74,6 +81,7 @@ class CachingAllocator {
     if (b <= (1u << 20)) return (b + 511) / 512 * 512;
     return (b + (2u << 20) - 1) / (2u << 20) * (2u << 20);
   }
+  const bool keep_blocks_;
   std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;
   size_t in_use_ = 0, cached_ = 0;
@@ -84,6 +92,15 @@ CachingAllocator& allocator() {
   return *a;
 }
 
+}  // namespace
+
+struct AllocPool::Impl {
+  CachingAllocator blocks{/*keep_blocks=*/true};
+  std::weak_ptr<Impl> self;
+};
+
+namespace {
+thread_local AllocPool::Impl* t_pool = nullptr;  // set by ScopedAllocPool
 }  // namespace
 
 bool cuda_available() {
@@ -112,6 +129,13 @@ std::string describe_cuda() {
 Tensor empty(Device device, DType dtype, Shape shape) {
   if (device == Device::kCpu) return Tensor::empty(dtype, std::move(shape));
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  if (t_pool != nullptr) {
+    // The block returns to its pool, which the deleter keeps alive (tensors may outlive the ScopedAllocPool).
+    std::shared_ptr<AllocPool::Impl> pool(t_pool->self.lock());
+    void* p = pool->blocks.allocate(bytes);
+    std::shared_ptr<void> owner(p, [bytes, pool](void* q) { pool->blocks.release(q, bytes); });
+    return Tensor::wrap(p, dtype, std::move(shape), std::move(owner), Device::kCuda);
+  }
   void* p = allocator().allocate(bytes);
   std::shared_ptr<void> owner(p, [bytes](void* q) { allocator().release(q, bytes); });
   return Tensor::wrap(p, dtype, std::move(shape), std::move(owner), Device::kCuda);
@@ -167,6 +191,83 @@ void synchronize(Device device) {
 }
 
 std::pair<size_t, size_t> cuda_memory_stats() { return allocator().stats(); }
+
+// ---- streams, pinned staging, graphs ----------------------------------------------------------------
+
+Stream Stream::create() {
+  if (!cuda_available()) throw_runtime(str_cat("Stream: ", describe_cuda()));
+  cudaStream_t st = nullptr;
+  CHIMERA_CUDA_CHECK(cudaStreamCreate(&st), "device::Stream");
+  Stream s;
+  s.handle_ = std::shared_ptr<void>(st, [](void* h) { cudaStreamDestroy(static_cast<cudaStream_t>(h)); });
+  return s;
+}
+
+void Stream::synchronize() const {
+  CHIMERA_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(get())), "device::Stream::synchronize");
+}
+
+Tensor empty_pinned(DType dtype, Shape shape) {
+  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype));
+  void* p = nullptr;
+  CHIMERA_CUDA_CHECK(cudaMallocHost(&p, bytes), "device::empty_pinned");
+  std::shared_ptr<void> owner(p, [](void* q) { cudaFreeHost(q); });
+  return Tensor::wrap(p, dtype, std::move(shape), std::move(owner), Device::kCpu);
+}
+
+void copy_async(const Tensor& dst, const Tensor& src, void* stream) {
+  if (dst.nbytes() != src.nbytes() || dst.dtype() != src.dtype()) {
+    throw_runtime(str_cat("device::copy_async ", dst.describe(), " <- ", src.describe()));
+  }
+  if (src.nbytes() == 0) return;
+  CHIMERA_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.nbytes(), cudaMemcpyDefault,
+                                     static_cast<cudaStream_t>(stream)),
+                     "device::copy_async");
+}
+
+AllocPool::AllocPool() {
+  if (!cuda_available()) throw_runtime(str_cat("AllocPool: ", describe_cuda()));
+  impl_ = std::make_shared<Impl>();
+  impl_->self = impl_;
+}
+
+size_t AllocPool::bytes() const {
+  const auto [in_use, cached] = impl_->blocks.stats();
+  return in_use + cached;
+}
+
+ScopedAllocPool::ScopedAllocPool(const AllocPool& pool) : previous_(t_pool) { t_pool = pool.impl(); }
+ScopedAllocPool::~ScopedAllocPool() { t_pool = previous_; }
+
+Graph Graph::capture(void* stream, const std::function<void()>& body) {
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (st == nullptr) throw_runtime("device::Graph::capture: the legacy default stream cannot be captured");
+  // Relaxed: the pool may call cudaMalloc while the stream captures (the first capture of a size).
+  CHIMERA_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed), "device::Graph::capture");
+  cudaGraph_t graph = nullptr;
+  try {
+    body();
+  } catch (...) {
+    (void)cudaStreamEndCapture(st, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    throw;
+  }
+  CHIMERA_CUDA_CHECK(cudaStreamEndCapture(st, &graph), "device::Graph::capture (end)");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  CHIMERA_CUDA_CHECK(err, "device::Graph::capture (instantiate)");
+  Graph g;
+  g.exec_ = std::shared_ptr<void>(exec, [](void* e) { cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(e)); });
+  return g;
+}
+
+void Graph::launch(void* stream) const {
+  if (!exec_) throw_runtime("device::Graph::launch: empty graph");
+  CHIMERA_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_.get()), static_cast<cudaStream_t>(stream)),
+                     "device::Graph::launch");
+}
 
 MemoryInfo memory_info(Device device) {
   if (device == Device::kCpu) return host_memory_info();

@@ -44,9 +44,27 @@ int decode_tiles_per_split(const std::vector<attn::AttnSeq>& seqs, int kv_heads)
   return static_cast<int>(std::max<int64_t>(1, (tiles + target_ctas - 1) / target_ctas));
 }
 
+// Graph-capturable decode (ops::Indices::device given): the AttnSeq table is built on the device from the
+// device cu_seqlens / context_lens, so nothing of this step's host values reaches the launch.
+__global__ void build_seqs_kernel(const int32_t* cu_seqlens, const int32_t* context_lens, int num_seqs,
+                                  attn::AttnSeq* seqs) {
+  const int s = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (s < num_seqs) seqs[s] = {cu_seqlens[s], cu_seqlens[s + 1] - cu_seqlens[s], context_lens[s], 0};
+}
+
+// The split plan of a graph-captured decode step cannot look at this step's context lengths: it is sized for
+// every sequence at the longest context its block table row can hold (kv_bound), the kernel computing each
+// sequence's own split count from its device AttnSeq (CTAs past it exit at once).
+void plan_splits_for_bound(attn::DecodeWorkspace& ws, int num_seqs, int kv_heads, int kv_bound) {
+  const int64_t tiles = int64_t{num_seqs} * kv_heads * ceil_div(kv_bound, attn::kDecodeTileKeys);
+  const int64_t target_ctas = int64_t{4} * num_sms();
+  ws.tiles_per_split = static_cast<int>(std::max<int64_t>(1, (tiles + target_ctas - 1) / target_ctas));
+  ws.max_splits = attn::decode_num_splits(kv_bound, ws.tiles_per_split);
+}
+
 template <typename T>
 void run(const ops::Context& ctx, const attn::AttentionParams& base, const std::vector<attn::AttnSeq>& seqs,
-         int max_new, bool aligned) {
+         int max_new, bool aligned, bool device_meta) {
   cudaStream_t stream = as_stream(ctx.stream);
   attn::AttentionParams p = base;
   attn::launch_append_kv<T>(p, stream);
@@ -58,9 +76,13 @@ void run(const ops::Context& ctx, const attn::AttentionParams& base, const std::
       attn::launch_attention_generic<T>(p, stream);
     } else if (max_new <= 1 && group <= attn::kDecodeMaxGroup) {
       attn::DecodeWorkspace ws;
-      ws.tiles_per_split = decode_tiles_per_split(seqs, p.num_kv_heads);
-      for (const auto& s : seqs) {
-        ws.max_splits = std::max(ws.max_splits, attn::decode_num_splits(s.ctx_len + s.n_new, ws.tiles_per_split));
+      if (device_meta) {
+        plan_splits_for_bound(ws, p.num_seqs, p.num_kv_heads, p.max_blocks * p.block_size);
+      } else {
+        ws.tiles_per_split = decode_tiles_per_split(seqs, p.num_kv_heads);
+        for (const auto& s : seqs) {
+          ws.max_splits = std::max(ws.max_splits, attn::decode_num_splits(s.ctx_len + s.n_new, ws.tiles_per_split));
+        }
       }
       // Workspace from the caching allocator: released at return, but any reuse is a later launch on the
       // same stream, so it is ordered after these kernels.
@@ -75,6 +97,10 @@ void run(const ops::Context& ctx, const attn::AttentionParams& base, const std::
       if (hd == 64) attn::launch_attention_decode<T, 64>(p, ws, stream);
       else attn::launch_attention_decode<T, 128>(p, ws, stream);
     } else {
+      if (device_meta) {
+        throw_runtime(str_cat(kOp, ": device-side metadata (a captured step) is supported for decode batches only, "
+                                   "not for a prefill of ", max_new, " tokens"));
+      }
       // Tiles of 64 query rows, heaviest (most keys) first.
       std::vector<attn::PrefillTile> tiles;
       std::vector<int> work;
@@ -101,8 +127,8 @@ void run(const ops::Context& ctx, const attn::AttentionParams& base, const std::
 }  // namespace
 
 void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
-               const ops::KvCacheView& cache, std::span<const int32_t> cu_seqlens,
-               std::span<const int32_t> context_lens, const Tensor& block_tables, float scale) {
+               const ops::KvCacheView& cache, const ops::Indices& cu_seqlens, const ops::Indices& context_lens,
+               const Tensor& block_tables, float scale) {
   // One dtype per call: activations and the cache (KV cache dtype = activation dtype).
   const DType dt = q.dtype();
   for (const Tensor* t : {&out, &k, &v, &cache.k, &cache.v}) {
@@ -133,7 +159,20 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
   p.k_cache = cache.k.data();
   p.v_cache = cache.v.data();
   p.block_tables = block_tables.data_as<const int32_t>();
-  p.seqs = static_cast<const attn::AttnSeq*>(upload_scratch(seqs.data(), seqs.size() * sizeof(attn::AttnSeq), stream, 0));
+  const bool device_meta = cu_seqlens.device != nullptr && context_lens.device != nullptr;
+  Tensor device_seqs;  // from the caching allocator (or the capture pool); later reuse is ordered on the stream
+  if (device_meta) {
+    const int64_t words = static_cast<int64_t>(seqs.size()) * (sizeof(attn::AttnSeq) / sizeof(int32_t));
+    device_seqs = device::empty(Device::kCuda, DType::kI32, {words});
+    auto* dst = reinterpret_cast<attn::AttnSeq*>(device_seqs.data());
+    const int n = static_cast<int>(seqs.size());
+    build_seqs_kernel<<<ceil_div(n, 128), 128, 0, stream>>>(cu_seqlens.device, context_lens.device, n, dst);
+    CHIMERA_LAUNCH_CHECK("ops::attention (sequence table)");
+    p.seqs = dst;
+  } else {
+    p.seqs = static_cast<const attn::AttnSeq*>(
+        upload_scratch(seqs.data(), seqs.size() * sizeof(attn::AttnSeq), stream, 0));
+  }
   p.num_seqs = static_cast<int>(seqs.size());
   p.num_tokens = static_cast<int>(T);
   p.num_q_heads = static_cast<int>(q.dim(1));
@@ -144,7 +183,7 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
   p.scale_log2 = scale * 1.4426950408889634f;
   const bool aligned = aligned16(p.q) && aligned16(p.out) && aligned16(p.k_cache) && aligned16(p.v_cache);
 
-  CHIMERA_DISPATCH_FLOAT(dt, "ops::attention q", Tc, run<Tc>(ctx, p, seqs, max_new, aligned));
+  CHIMERA_DISPATCH_FLOAT(dt, "ops::attention q", Tc, run<Tc>(ctx, p, seqs, max_new, aligned, device_meta));
 }
 
 }  // namespace chimera::cuda

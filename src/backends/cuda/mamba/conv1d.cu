@@ -248,11 +248,13 @@ void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, 
 }
 
 void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                          const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> slots, bool silu) {
+                          const Tensor& bias, const Tensor& conv_state, const ops::Indices& slots, bool silu) {
   Conv1dParams p = conv_params("ops::causal_conv1d_update", out, x, weight, bias, conv_state, silu);
   if (slots.empty()) return;
   const cudaStream_t stream = as_stream(ctx.stream);
-  p.slots = static_cast<const int32_t*>(upload_scratch(slots.data(), slots.size_bytes(), stream, 0));
+  p.slots = slots.device ? slots.device
+                         : static_cast<const int32_t*>(
+                               upload_scratch(slots.host.data(), slots.host.size_bytes(), stream, 0));
   p.batch = static_cast<int>(slots.size());
   launch_causal_conv1d_update(p, stream);
 }

@@ -25,7 +25,7 @@ void launch_selective_state_update(const SsuParams& p, cudaStream_t stream) {
 
 void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                             const Tensor& B, const Tensor& C, const ops::SsmParams& sp, const Tensor& ssm_state,
-                            std::span<const int32_t> slots) {
+                            const ops::Indices& slots) {
   // One activation dtype per call (the state and the [H] parameters may differ).
   for (const Tensor* t : {&y, &dt_raw, &B, &C}) {
     if (t->dtype() != x.dtype()) {
@@ -57,7 +57,9 @@ void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tens
   p.G = static_cast<int>(B.dim(1));
   p.N = static_cast<int>(B.dim(2));
   if (p.batch == 0) return;
-  p.slots = static_cast<const int32_t*>(upload_scratch(slots.data(), slots.size_bytes(), stream, 0));
+  p.slots = slots.device ? slots.device
+                         : static_cast<const int32_t*>(
+                               upload_scratch(slots.host.data(), slots.host.size_bytes(), stream, 0));
   launch_selective_state_update(p, stream);
 }
 

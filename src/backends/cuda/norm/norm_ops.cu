@@ -22,7 +22,7 @@ int checked_int(const char* op, const char* what, int64_t v) {
 struct EmbeddingParams {
   void* out;           // [T, D] TOut
   const void* table;   // [V, D] TIn
-  const int32_t* ids;  // [T] device, validated in [0, V) on the host
+  const int32_t* ids;  // [T] device, validated in [0, V) on the host; null: row t of the table (ops::convert)
   int64_t tokens;
   int hidden;
 };
@@ -31,7 +31,8 @@ struct EmbeddingParams {
 template <typename TIn, typename TOut, int N>
 __global__ void embedding_kernel(const EmbeddingParams p) {
   const int64_t t = blockIdx.x;
-  const TIn* src = static_cast<const TIn*>(p.table) + static_cast<size_t>(p.ids[t]) * static_cast<size_t>(p.hidden);
+  const int64_t row = p.ids ? p.ids[t] : t;
+  const TIn* src = static_cast<const TIn*>(p.table) + static_cast<size_t>(row) * static_cast<size_t>(p.hidden);
   TOut* dst = static_cast<TOut*>(p.out) + static_cast<size_t>(t) * static_cast<size_t>(p.hidden);
   for (int i = static_cast<int>(threadIdx.x); i < p.hidden / N; i += static_cast<int>(blockDim.x)) {
     float v[N];
@@ -47,20 +48,12 @@ void launch_embedding(const EmbeddingParams& p, cudaStream_t stream) {
   CHIMERA_LAUNCH_CHECK("ops::embedding");
 }
 
-}  // namespace
-
-void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, std::span<const int32_t> ids) {
-  const char* op = "ops::embedding";
-  if (ids.empty() || out.dim(1) == 0) return;
-  const cudaStream_t stream = as_stream(ctx.stream);
-  EmbeddingParams p{out.data(), table.data(), nullptr, static_cast<int64_t>(ids.size()),
-                    checked_int(op, "hidden size", table.dim(1))};
-  checked_int(op, "token count", p.tokens);
-  p.ids = static_cast<const int32_t*>(upload_scratch(ids.data(), ids.size_bytes(), stream, kIdsScratchSlot));
+// One launch for the gather (ids) and the identity copy with conversion (ids null).
+void launch_gather(const EmbeddingParams& p, DType in_dtype, DType out_dtype, cudaStream_t stream) {
   constexpr int kN = 8;  // 16 bytes of bf16, two 16-byte accesses of f32
   const bool vec = vec_aligned({p.out, p.table}) && p.hidden % kN == 0;
-  CHIMERA_DISPATCH_FLOAT(table.dtype(), "ops::embedding table", TIn, {
-    CHIMERA_DISPATCH_FLOAT(out.dtype(), "ops::embedding out", TOut, {
+  CHIMERA_DISPATCH_FLOAT(in_dtype, "ops::embedding table", TIn, {
+    CHIMERA_DISPATCH_FLOAT(out_dtype, "ops::embedding out", TOut, {
       if (vec) {
         launch_embedding<TIn, TOut, kN>(p, stream);
       } else {
@@ -68,6 +61,29 @@ void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, 
       }
     });
   });
+}
+
+}  // namespace
+
+void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, const ops::Indices& ids) {
+  const char* op = "ops::embedding";
+  if (ids.empty() || out.dim(1) == 0) return;
+  const cudaStream_t stream = as_stream(ctx.stream);
+  EmbeddingParams p{out.data(), table.data(), nullptr, static_cast<int64_t>(ids.size()),
+                    checked_int(op, "hidden size", table.dim(1))};
+  checked_int(op, "token count", p.tokens);
+  p.ids = ids.device ? ids.device
+                     : static_cast<const int32_t*>(
+                           upload_scratch(ids.host.data(), ids.host.size_bytes(), stream, kIdsScratchSlot));
+  launch_gather(p, table.dtype(), out.dtype(), stream);
+}
+
+void convert(const ops::Context& ctx, const Tensor& out, const Tensor& in) {
+  const char* op = "ops::convert";
+  if (in.dim(0) == 0 || in.dim(1) == 0) return;
+  EmbeddingParams p{out.data(), in.data(), nullptr, in.dim(0), checked_int(op, "row length", in.dim(1))};
+  checked_int(op, "row count", p.tokens);
+  launch_gather(p, in.dtype(), out.dtype(), as_stream(ctx.stream));
 }
 
 // ---- RMSNorm family ----------------------------------------------------------------------------------
