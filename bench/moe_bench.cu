@@ -13,10 +13,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/moe/moe_kernels.h"
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
 #include "ops/ops.h"
@@ -65,6 +69,28 @@ Tensor to_dtype(const Tensor& f32, DType dtype) {
   return dtype == DType::kF32 ? f32 : device::to_device(device::to_host(f32), Device::kCuda, dtype);
 }
 
+constexpr int kGraphLaunches = 20;
+
+// Device time per launch: kGraphLaunches router launches captured in one CUDA graph and replayed, reported
+// as kernel "<name>-graph" (what the router costs inside a captured decode step).
+void run_router_graph(const Context& ctx, const std::string& kernel, const std::string& shape, double bytes,
+                      const cuda::moe::RouterParams& p) {
+  const char* what = "bench router graph";
+  cudaStream_t s;
+  CHIMERA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), what);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHIMERA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), what);
+  for (int i = 0; i < kGraphLaunches; ++i) cuda::moe::launch_router_topk(p, s);
+  CHIMERA_CUDA_CHECK(cudaStreamEndCapture(s, &graph), what);
+  CHIMERA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0), what);
+  ctx.run_launches(kernel + "-graph", shape, bytes, 0.0, kGraphLaunches, [&] { cudaGraphLaunch(exec, nullptr); });
+  CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), what);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
 std::string router_shape(int64_t E, int64_t k, int64_t T) {
   return "E=" + std::to_string(E) + " k=" + std::to_string(k) + " T=" + std::to_string(T);
 }
@@ -79,6 +105,25 @@ void bench_router(const Context& ctx, int64_t E, int64_t k, float scale) {
     const double bytes = static_cast<double>(T * E * 4 + E * 4 + T * k * 8);
     ctx.run("router_topk", router_shape(E, k, T), bytes, 0.0,
             [&] { ops::router_topk(c, ids, w, logits, bias, {k, 1, 1, true, scale}); });
+    // Device time per launch of each kernel (CUDA graph of kGraphLaunches launches, no host overhead), and
+    // a check that both kernels route identically (choices and weights bit for bit).
+    cuda::moe::RouterParams p{};
+    p.logits = logits.data(), p.bias = bias.data(), p.topk_ids = ids.data_as<int32_t>();
+    p.topk_weights = w.data_as<float>();
+    p.T = static_cast<int>(T), p.E = static_cast<int>(E), p.k = static_cast<int>(k), p.n_group = 1;
+    p.topk_group = 1, p.norm_topk_prob = true, p.routed_scaling_factor = scale;
+    p.logits_dtype = DType::kF32, p.bias_dtype = DType::kF32;
+    std::vector<Tensor> outs;
+    for (int kernel : {1, 2}) {
+      p.kernel = kernel;
+      run_router_graph(ctx, kernel == 1 ? "router_topk-warp" : "router_topk-block", router_shape(E, k, T), bytes, p);
+      outs.push_back(device::to_host(ids));
+      outs.push_back(device::to_host(w));
+    }
+    const bool same = std::equal(outs[0].i32(), outs[0].i32() + outs[0].numel(), outs[2].i32()) &&
+                      std::memcmp(outs[1].data(), outs[3].data(), outs[1].nbytes()) == 0;
+    std::printf("CHECK router_topk %s warp-vs-block %s\n", router_shape(E, k, T).c_str(),
+                same ? "identical" : "DIFFERENT");
   }
 }
 

@@ -1,6 +1,6 @@
 // causal_conv1d_update: one new token per slot (decode), conv1d.cuh for the math.
 //   x, out [batch, C] act dtype; conv_state [num_slots, C, K-1] state dtype, shifted left by one in place.
-// Fast kernel: a thread per (R rows, E = 16 / sizeof(act) channels). The R slot ids and the R 16-byte x loads
+// Fast kernel: a thread per (R rows, E = 16 / sizeof(act) channels; R = 1 for small grids, see below). The R slot ids and the R 16-byte x loads
 // go out first (x does not depend on the slot), the taps once for all R rows (16-byte vectors when they are
 // in the activation dtype), then the E * (K-1) state elements of each row (contiguous: 16- or 8-byte
 // accesses). The FMA order is the prefill kernel's, so a one-token prefill and the update agree bit for bit.
@@ -19,15 +19,19 @@ using mamba::store_elem;
 
 constexpr int kThreads = 128;
 
-// Rows per thread: 4, or 2 when the state is wider than the activations (register budget).
+// Rows per thread: 4, or 2 when the state is wider than the activations (register budget); 1 when that
+// would leave fewer than kMinBlocksPerSm blocks per multiprocessor. At decode sizes the grid is small (Super,
+// C = 10240, batch 64: 10 x 16 = 160 blocks of 128 threads on 132 SMs), so a quarter of the SMs ran two
+// blocks and the rest one: the busiest SM moved twice the average bytes. One row per thread gives 640
+// blocks (4.8 per SM). The math per row is the same code, so results are identical for every R.
 template <typename T, typename S>
 constexpr int kRowsPerThread = sizeof(S) > sizeof(T) ? 2 : 4;
+constexpr int kMinBlocksPerSm = 4;
 
 // grid (ceil(C / (E * kThreads)), ceil(batch / R)).
-template <typename T, typename S, int K>
+template <typename T, typename S, int K, int R>
 __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Conv1dParams p) {
   constexpr int E = 16 / static_cast<int>(sizeof(T));
-  constexpr int R = kRowsPerThread<T, S>;
   const int64_t C = p.C;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * E;
   if (c0 >= C) return;
@@ -111,9 +115,15 @@ void launch_k(const Conv1dParams& p, cudaStream_t stream) {
       q.taps_vec = mamba::aligned16(p.weight) && p.weight_dtype == p.act &&
                    (p.bias == nullptr || (mamba::aligned16(p.bias) && p.bias_dtype == p.act));
       CHIMERA_DISPATCH_FLOAT(p.state_dtype, "ops::causal_conv1d_update conv_state", S, {
-        const dim3 grid(static_cast<unsigned>(ceil_div(p.C, E * kThreads)),
-                        static_cast<unsigned>(ceil_div(p.batch, kRowsPerThread<T, S>)));
-        causal_conv1d_update_kernel<T, S, K><<<grid, kThreads, 0, stream>>>(q);
+        constexpr int R = kRowsPerThread<T, S>;
+        const int64_t chan_blocks = ceil_div(p.C, E * kThreads);
+        if (chan_blocks * ceil_div(p.batch, R) >= int64_t{kMinBlocksPerSm} * mamba::num_sms()) {
+          const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(ceil_div(p.batch, R)));
+          causal_conv1d_update_kernel<T, S, K, R><<<grid, kThreads, 0, stream>>>(q);
+        } else {
+          const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(p.batch));
+          causal_conv1d_update_kernel<T, S, K, 1><<<grid, kThreads, 0, stream>>>(q);
+        }
       });
     } else {
       const dim3 grid(static_cast<unsigned>(ceil_div(p.C, kThreads)), static_cast<unsigned>(p.batch));

@@ -22,6 +22,9 @@ struct RouterParams {
   bool norm_topk_prob;
   float routed_scaling_factor;
   DType logits_dtype, bias_dtype;
+  // Which kernel (benchmarks compare them; the ops:: path leaves it automatic): 0 = automatic, 1 = one warp
+  // per token (any n_group), 2 = one block per token (n_group == 1 only; otherwise the warp kernel runs).
+  int kernel = 0;
 };
 void launch_router_topk(const RouterParams& p, cudaStream_t stream);
 

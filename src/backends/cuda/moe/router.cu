@@ -3,7 +3,12 @@
 // index), gather of the unbiased scores, w / (sum + 1e-20) when norm_topk_prob, times routed_scaling_factor.
 // Output sorted by descending biased score, exactly like the CPU reference (backends/cpu/moe.cpp).
 //
-// Design (seed document, section 5.2, adapted): one warp per token, 4 tokens per 128-thread block. Each lane
+// Two kernels, the same results bit for bit (choices and weights):
+// - one block per token (n_group == 1, T <= 1024; described above router_topk_block_kernel below): latency
+//   bound, the per-token work spread over E threads, selection by a radix select of barrier counts;
+// - one warp per token (group-limited routing, and large T where throughput matters more than latency).
+//
+// Warp design (seed document, section 5.2, adapted): one warp per token, 4 tokens per 128-thread block. Each lane
 // holds E/32 candidates (16 for the 512-expert Super router) as 64-bit keys: the biased score made
 // integer-orderable (CUB's TwiddleIn) in the high word, 0xFFFF - expert in the low word, so a larger key is
 // "higher score, then lower index". A lane sorts its candidates once (register bitonic network); each of the
@@ -216,6 +221,114 @@ void launch_router_nper(const RouterParams& p, cudaStream_t stream) {
   }
 }
 
+// ---- one block per token (n_group == 1) ------------------------------------------------------------------
+// The warp kernel above runs ~4k dependent instructions per token in ONE warp (16 sigmoids, a 16-key sort,
+// k arg-max rounds): at small T that single warp's latency is the whole kernel (E=512/k=22: 12.5 us per
+// call against 7.6 us for E=128/k=6 on the first H200 runs). Here a block of 32 * ceil(E / 32) threads
+// takes one token, thread e = expert e, so the per-thread work is one load pair, one sigmoid and a short
+// selection loop whose steps cost one barrier each:
+//   1. choice = sigmoid(logit) + bias as an orderable u32 (`orderable`, the CPU's float order).
+//   2. Radix select of the k-th largest u, most significant bit first: each step counts the experts at or
+//      above a candidate prefix with one __syncthreads_count (bar.red.popc) and stops early when exactly k
+//      are (usually after ~15-20 of the 32 bits for random scores).
+//   3. Exact ties at the cut go to the lower expert index: the same select over q = 511 - e among the tied
+//      experts (at most 9 more steps, only when ties reach the cut).
+//   4. The k winners append (key, score) to shared memory; warp 0 ranks each by counting larger keys (keys are
+//      unique: the index is in the low word), so the output is sorted by (score desc, index asc) as on the CPU,
+//      and finishes exactly as the warp kernel (same lane order of the normalising sum: identical weights).
+constexpr int kBlockMaxThreads = 512;
+constexpr int kBlockMaxTokens = 1024;  // above: the warp kernel (throughput, not latency, bounds the call)
+
+__global__ void __launch_bounds__(kBlockMaxThreads) router_topk_block_kernel(const RouterParams p) {
+  __shared__ uint64_t s_key[32];  // winners' keys, in arrival order
+  __shared__ float s_score[32];   // their unbiased scores
+  __shared__ float s_rank_score[32];
+  __shared__ int s_rank_id[32];
+  __shared__ int s_count;
+  const int e = static_cast<int>(threadIdx.x);
+  const int t = static_cast<int>(blockIdx.x);
+  const int k = p.k;
+  const bool valid = e < p.E;
+  float score = 0.0f, choice = 0.0f;
+  if (valid) {
+    const float logit = load_elem(p.logits, p.logits_dtype, static_cast<int64_t>(t) * p.E + e);
+    const float bias = load_elem(p.bias, p.bias_dtype, e);
+    score = sigmoid_ref(logit);
+    choice = score + bias;
+  }
+  if (e == 0) s_count = 0;  // published by the first barrier of the select loop
+  const uint32_t u = orderable(choice);
+
+  // Step 2. Invariant: the k-th largest u is in [lo, lo + 2^(b+1)); `above` = #{u >= lo + 2^(b+1)}.
+  uint32_t lo = 0;
+  int above = 0;
+  bool exact = false;
+  for (int b = 31; b >= 0; --b) {
+    const uint32_t c = lo | (1u << b);
+    const int n = __syncthreads_count(valid && u >= c);
+    if (n >= k) {
+      lo = c;
+      if (n == k) {
+        exact = true;
+        break;
+      }
+    } else {
+      above = n;
+    }
+  }
+  bool win = valid && u >= lo;
+  if (!exact) {
+    // Step 3. lo is the k-th largest score itself; `above` experts score higher, so the need = k - above
+    // lowest-index experts among those equal to lo win. q is unique, so this select always ends exact.
+    const int need = k - above;
+    const bool tie = valid && u == lo;
+    const uint32_t q = static_cast<uint32_t>(kBlockMaxThreads - 1 - e);
+    uint32_t qlo = 0;
+    for (int b = 8; b >= 0; --b) {
+      const uint32_t c = qlo | (1u << b);
+      const int n = __syncthreads_count(tie && q >= c);
+      if (n >= need) {
+        qlo = c;
+        if (n == need) break;
+      }
+    }
+    win = valid && (u > lo || (tie && q >= qlo));
+  }
+
+  // Step 4. Exactly k winners.
+  if (win) {
+    const int slot = atomicAdd(&s_count, 1);
+    s_key[slot] = (static_cast<uint64_t>(u) << 32) | static_cast<uint32_t>(0xFFFF - e);
+    s_score[slot] = score;
+  }
+  __syncthreads();
+  if (e >= 32) return;
+  const int lane = e;
+  const uint64_t mine = lane < k ? s_key[lane] : 0ull;
+  int rank = 0;
+  for (int j = 0; j < k; ++j) rank += s_key[j] > mine ? 1 : 0;
+  if (lane < k) {
+    s_rank_score[rank] = s_score[lane];
+    s_rank_id[rank] = 0xFFFF - static_cast<int>(static_cast<uint32_t>(mine));
+  }
+  __syncwarp();
+  const float sc = lane < k ? s_rank_score[lane] : 0.0f;
+  float sum = sc;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kFull, sum, o);
+  if (lane < k) {
+    const float w = p.norm_topk_prob ? sc / (sum + 1e-20f) : sc;
+    p.topk_ids[static_cast<int64_t>(t) * k + lane] = s_rank_id[lane];
+    p.topk_weights[static_cast<int64_t>(t) * k + lane] = w * p.routed_scaling_factor;
+  }
+}
+
+void launch_router_block(const RouterParams& p, cudaStream_t stream) {
+  const int threads = ceil_div(p.E, 32) * 32;
+  router_topk_block_kernel<<<static_cast<unsigned>(p.T), threads, 0, stream>>>(p);
+  CHIMERA_LAUNCH_CHECK("ops::router_topk");
+}
+
 }  // namespace
 
 void launch_router_topk(const RouterParams& p, cudaStream_t stream) {
@@ -224,6 +337,9 @@ void launch_router_topk(const RouterParams& p, cudaStream_t stream) {
     throw_runtime(str_cat("ops::router_topk: ", p.E, " experts / top-", p.k,
                           " is not supported on CUDA (supported: E <= 512, k <= min(32, E))"));
   }
+  // One block per token where latency bounds the call (and for kernel == 2); the warp kernel otherwise.
+  const bool block = p.n_group == 1 && (p.kernel == 2 || (p.kernel == 0 && p.T <= kBlockMaxTokens));
+  if (block) return launch_router_block(p, stream);
   // The Nemotron 3 Super router: 512 experts, top-22, one group (seed 5.2).
   if (p.E == 512 && p.k == 22 && p.n_group == 1) return launch_router<16, 22, false>(p, stream);
   const int nper = (p.E + 31) / 32;
