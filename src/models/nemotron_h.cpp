@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -183,6 +184,26 @@ Tensor gather_rows(const ops::Context& ctx, const Tensor& in, DType dtype, std::
   Tensor out = device::empty(ctx.device, dtype, {static_cast<int64_t>(rows.size()), in.dim(1)});
   ops::embedding(ctx, out, in, rows);
   return out;
+}
+
+// Splits the columns of a [T, sum(widths)] activation into [T, widths[i]] tensors. One row (a batch-1 decode
+// step) is contiguous, so the parts are views and nothing is copied (three kernels fewer per split); otherwise
+// each part is a strided copy.
+void split_columns(const ops::Context& ctx, const Tensor& in, std::initializer_list<int64_t> widths,
+                   std::initializer_list<Tensor*> parts) {
+  const int64_t T = in.dim(0);
+  int64_t begin = 0;
+  auto part = parts.begin();
+  for (int64_t w : widths) {
+    if (T == 1) {
+      **part = in.reshape({in.dim(1)}).rows(begin, begin + w).reshape({1, w});
+    } else {
+      **part = device::empty(ctx.device, in.dtype(), {T, w});
+      ops::copy_columns(ctx, **part, in, begin);
+    }
+    begin += w;
+    ++part;
+  }
 }
 
 // Uploads host weights to the GPU once, converting them on the way; counts bytes for the progress line.
@@ -439,11 +460,8 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   // in_proj rows: [ z : Di | xBC : Cd | dt : H ]  (model-spec 3.2)
   Tensor zxbcdt = act(ctx, {T, c.in_proj_dim()});
   ops::linear(ctx, zxbcdt, x, w.in_proj, w.in_proj_bias);
-  Tensor z = act(ctx, {T, Di}), xbc = act(ctx, {T, Cd});
-  Tensor dt = act(ctx, {T, H});
-  ops::copy_columns(ctx, z, zxbcdt, 0);
-  ops::copy_columns(ctx, xbc, zxbcdt, Di);
-  ops::copy_columns(ctx, dt, zxbcdt, Di + Cd);
+  Tensor z, xbc, dt;
+  split_columns(ctx, zxbcdt, {Di, Cd, H}, {&z, &xbc, &dt});
 
   // Depthwise causal conv + SiLU: varlen prefill for the first sequences, one-step update for the rest.
   Tensor xbc_act = act(ctx, {T, Cd});
@@ -455,11 +473,8 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
     ops::causal_conv1d_update(ctx, xbc_act.rows(Tp, T), xbc.rows(Tp, T), w.conv1d_weight, w.conv1d_bias,
                               conv_state, slots.subspan(np), /*silu=*/true);
   }
-  Tensor xs = act(ctx, {T, Di}), B = act(ctx, {T, G * N});
-  Tensor C = act(ctx, {T, G * N});
-  ops::copy_columns(ctx, xs, xbc_act, 0);
-  ops::copy_columns(ctx, B, xbc_act, Di);
-  ops::copy_columns(ctx, C, xbc_act, Di + G * N);
+  Tensor xs, B, C;
+  split_columns(ctx, xbc_act, {Di, G * N, G * N}, {&xs, &B, &C});
   xs = xs.reshape({T, H, P});
   B = B.reshape({T, G, N});
   C = C.reshape({T, G, N});
