@@ -1,6 +1,7 @@
 #include "dist/strategy.h"
 
 #include <cctype>
+#include <cmath>
 #include <string>
 
 #include "core/error.h"
@@ -93,6 +94,29 @@ AllReduceStrategy select_strategy(const StrategyQuery& q, AllReduceStrategy forc
   if (!custom_eligible(q)) return AllReduceStrategy::kNccl;
   if (forced != AllReduceStrategy::kAuto) return forced;
   return lookup_sm90(q.n_ranks, q.pattern, q.hidden, q.tokens);
+}
+
+uint32_t autotune_key(FusionPattern pattern, int elem_bytes, int64_t hidden, int64_t tokens) {
+  return (static_cast<uint32_t>(pattern) << 24) | (static_cast<uint32_t>(elem_bytes & 0xff) << 16) |
+         (static_cast<uint32_t>(hidden_bucket(hidden)) << 8) | static_cast<uint32_t>(tokens_bucket(tokens));
+}
+
+std::vector<AllReduceStrategy> autotune_candidates(const StrategyQuery& q) {
+  if (!custom_eligible(q)) return {AllReduceStrategy::kNccl};
+  return {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot, AllReduceStrategy::kNccl};
+}
+
+AllReduceStrategy pick_fastest(std::span<const AllReduceStrategy> candidates, std::span<const float> us) {
+  AllReduceStrategy best = AllReduceStrategy::kNccl;
+  float best_us = 0.0f;
+  for (size_t i = 0; i < candidates.size() && i < us.size(); ++i) {
+    if (!std::isfinite(us[i]) || us[i] <= 0.0f) continue;  // a timing that failed
+    if (best_us == 0.0f || us[i] < best_us) {
+      best = candidates[i];
+      best_us = us[i];
+    }
+  }
+  return best;
 }
 
 }  // namespace chimera::dist

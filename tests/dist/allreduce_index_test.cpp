@@ -2,6 +2,7 @@
 // (src/dist/strategy.h) for 2, 4 and 8 ranks. These run in CI; the kernels use the same inline functions.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <set>
 #include <vector>
 
@@ -213,6 +214,49 @@ TEST(Strategy, AutoReadsTheTableForEligibleCallsOnly) {
   q.hidden = 8192;
   q.n_ranks = 16;
   EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kNccl);
+}
+
+TEST(Autotune, KeysSeparatePatternDtypeAndBuckets) {
+  const uint32_t k = autotune_key(FusionPattern::kResidualRmsNorm, 2, 4096, 64);
+  EXPECT_EQ(autotune_key(FusionPattern::kResidualRmsNorm, 2, 2688, 33), k);  // same buckets
+  EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNorm, 2, 4096, 65), k);
+  EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNorm, 2, 8192, 64), k);
+  EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNorm, 4, 4096, 64), k);
+  EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNormFp8, 2, 4096, 64), k);
+  std::set<uint32_t> keys;
+  for (FusionPattern p : kAllPatterns)
+    for (int eb : {2, 4})
+      for (int hb = 0; hb < kHiddenBuckets; ++hb)
+        for (int tb = 0; tb < kTokenBuckets; ++tb) keys.insert(autotune_key(p, eb, int64_t{128} << hb, int64_t{1} << tb));
+  EXPECT_EQ(keys.size(), static_cast<size_t>(kNumFusionPatterns * 2 * kHiddenBuckets * kTokenBuckets));
+}
+
+TEST(Autotune, CandidatesAreTheEligibleStrategies) {
+  StrategyQuery q{.n_ranks = 2, .pattern = FusionPattern::kResidualRmsNorm, .hidden = 8192, .tokens = 64,
+                  .elem_bytes = 2, .peer_access = true, .max_message_bytes = 64 << 20};
+  EXPECT_EQ(autotune_candidates(q), (std::vector<AllReduceStrategy>{AllReduceStrategy::kOneShot,
+                                                                     AllReduceStrategy::kTwoShot,
+                                                                     AllReduceStrategy::kNccl}));
+  q.tokens = 8192;  // over the workspace
+  EXPECT_EQ(autotune_candidates(q), std::vector<AllReduceStrategy>{AllReduceStrategy::kNccl});
+  q.tokens = 64;
+  q.peer_access = false;
+  EXPECT_EQ(autotune_candidates(q), std::vector<AllReduceStrategy>{AllReduceStrategy::kNccl});
+}
+
+TEST(Autotune, PicksTheFastestUsableTime) {
+  const std::vector<AllReduceStrategy> c = {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot,
+                                            AllReduceStrategy::kNccl};
+  auto pick = [&](std::vector<float> us) { return pick_fastest(c, us); };
+  EXPECT_EQ(pick({5.0f, 7.0f, 30.0f}), AllReduceStrategy::kOneShot);
+  EXPECT_EQ(pick({50.0f, 20.0f, 30.0f}), AllReduceStrategy::kTwoShot);
+  EXPECT_EQ(pick({50.0f, 40.0f, 30.0f}), AllReduceStrategy::kNccl);  // NCCL + its separate norm can win
+  EXPECT_EQ(pick({7.0f, 7.0f, 7.0f}), AllReduceStrategy::kOneShot);  // ties: the earlier candidate
+  EXPECT_EQ(pick({std::nanf(""), 9.0f, 30.0f}), AllReduceStrategy::kTwoShot);  // a failed timing is skipped
+  EXPECT_EQ(pick({0.0f, -1.0f, 30.0f}), AllReduceStrategy::kNccl);
+  EXPECT_EQ(pick({std::nanf(""), std::nanf(""), std::nanf("")}), AllReduceStrategy::kNccl);  // nothing usable
+  EXPECT_EQ(pick_fastest(std::vector<AllReduceStrategy>{AllReduceStrategy::kNccl}, std::vector<float>{3.0f}),
+            AllReduceStrategy::kNccl);
 }
 
 }  // namespace
