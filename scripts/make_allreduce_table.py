@@ -56,8 +56,8 @@ def parse_sweep(lines):
     found, device = {}, []
     for line in lines:
         line = line.rstrip("\n")
-        if line.startswith("device:") or line.startswith("topology") or line.startswith("  peer"):
-            device.append(line.strip())
+        if line.startswith("device:"):
+            device.append(line[len("device:"):].strip())
         m = SWEEP_RE.match(line)
         if not m or int(m.group(1)) != 2:
             continue

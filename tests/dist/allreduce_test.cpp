@@ -55,9 +55,10 @@ constexpr FusionPattern kPatterns[] = {FusionPattern::kAllReduce, FusionPattern:
 constexpr AllReduceStrategy kStrategies[] = {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot,
                                              AllReduceStrategy::kNccl, AllReduceStrategy::kAuto};
 
-// Runs fn(begin, end) over [0, n) split across the machine's cores (inline when n is small).
-void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
-  const int64_t threads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), n / 4096 + 1);
+// Runs fn(begin, end) over [0, n) split across the machine's cores, at least `grain` items a thread (inline
+// when n is small: the 10,000-call test must not pay thread start-ups for small shapes).
+void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t grain = 65536) {
+  const int64_t threads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), n / grain + 1);
   if (threads <= 1) {
     fn(0, n);
     return;
@@ -144,8 +145,8 @@ Reference reference(const CallData& d) {
     const float rinv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d.hidden) + kEps));
     for (int64_t c = 0; c < d.hidden; ++c) out[c] = x[c] * rinv * w[c];
   };
-  parallel_for(d.tokens * 64, [&](int64_t b, int64_t e) {  // x 64: split rows finely for few-token cases
-    for (int64_t t = (b + 63) / 64; t < (e + 63) / 64; ++t) {
+  parallel_for(d.tokens, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
       const size_t o = static_cast<size_t>(t * d.hidden);
       for (int64_t c = 0; c < d.hidden; ++c) {
         const size_t i = o + static_cast<size_t>(c);
@@ -155,7 +156,7 @@ Reference reference(const CallData& d) {
       norm_row(ref.residual_out.data() + o, ref.norm_res.data() + o);
       norm_row(ref.sum.data() + o, ref.norm_plain.data() + o);
     }
-  });
+  }, std::max<int64_t>(1, 16384 / d.hidden));
   return ref;
 }
 
