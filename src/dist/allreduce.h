@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -31,6 +32,13 @@ struct AllReduceConfig {
   // Workspace capacity per message: max tokens x hidden x element size (seed: 64 MiB). Each rank allocates
   // 3 x n_ranks x this (Lamport) + 2 x this (TWOSHOT staging, sums). Larger messages go to NCCL.
   int64_t max_message_bytes = int64_t{64} << 20;
+  // With strategy kAuto: instead of the lookup table, time every eligible strategy end to end (NCCL with its
+  // separate norm kernel) the first time a (pattern, dtype, hidden bucket, tokens bucket) is seen, on the caller's
+  // buffers, take the winner by the slowest rank's time (every rank decides the same) and cache it (seed 7.3).
+  // The timing calls happen inside that first run() (a few ms; outputs are rewritten by the real call, an
+  // in-place residual is protected). A first call of a key inside a CUDA graph capture cannot be timed: it uses
+  // the table and is tuned on the next call outside a capture.
+  bool autotune = false;
 };
 
 // One call. Tensors are [tokens, hidden] row-major, contiguous, 16-byte aligned, in `dtype` (bf16, fp16, fp32),
@@ -69,6 +77,8 @@ class AllReduceFusion {
 
  private:
   struct RankState;
+  AllReduceStrategy launch(int rank, const AllReduceParams& p, AllReduceStrategy s, void* stream);
+  AllReduceStrategy autotuned(int rank, const AllReduceParams& p, AllReduceStrategy table_choice, void* stream);
   const Communicator& comm_;
   AllReduceConfig config_;
   bool custom_ = false;

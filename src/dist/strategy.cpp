@@ -1,7 +1,7 @@
 #include "dist/strategy.h"
 
-#include <array>
 #include <cctype>
+#include <cmath>
 #include <string>
 
 #include "core/error.h"
@@ -54,40 +54,69 @@ bool custom_eligible(const StrategyQuery& q) {
 
 namespace {
 
-constexpr int kRanksIndices = 3;  // 2, 4, 8
-using Table = std::array<AllReduceStrategy, kRanksIndices * kNumFusionPatterns * kHiddenBuckets * kTokenBuckets>;
+// The generated table: kSm90Measured[3] and kSm90Rows[3][kNumFusionPatterns][kHiddenBuckets], one letter per
+// token bucket (O, T, N).
+#include "dist/sm90_allreduce_table.inc"
 
-constexpr int table_index(int ranks_idx, int pattern, int hidden_b, int tokens_b) {
-  return ((ranks_idx * kNumFusionPatterns + pattern) * kHiddenBuckets + hidden_b) * kTokenBuckets + tokens_b;
+constexpr AllReduceStrategy from_letter(char c) {
+  return c == 'O' ? AllReduceStrategy::kOneShot : c == 'T' ? AllReduceStrategy::kTwoShot : AllReduceStrategy::kNccl;
 }
 
-// PROVISIONAL (see strategy.h): generated from the seed's rule, not from a measurement on the H200s.
-// Bucket b of tokens covers (2^(b-1), 2^b]; ONESHOT while 2^b <= kOneShotMaxTokens.
-constexpr Table make_provisional_sm90_table() {
-  Table t{};
-  for (int r = 0; r < kRanksIndices; ++r)
-    for (int p = 0; p < kNumFusionPatterns; ++p)
-      for (int h = 0; h < kHiddenBuckets; ++h)
-        for (int b = 0; b < kTokenBuckets; ++b)
-          t[static_cast<size_t>(table_index(r, p, h, b))] =
-              (int64_t{1} << b) <= kOneShotMaxTokens ? AllReduceStrategy::kOneShot : AllReduceStrategy::kTwoShot;
-  return t;
+// A malformed generated file fails the build, not a call: every row kTokenBuckets letters from {O, T, N}.
+constexpr bool table_well_formed() {
+  for (const auto& ranks : kSm90Rows)
+    for (const auto& pattern : ranks)
+      for (std::string_view row : pattern) {
+        if (row.size() != static_cast<size_t>(kTokenBuckets)) return false;
+        for (char c : row)
+          if (c != 'O' && c != 'T' && c != 'N') return false;
+      }
+  return true;
 }
-constexpr Table kSm90Table = make_provisional_sm90_table();
+static_assert(table_well_formed(), "sm90_allreduce_table.inc: every row needs 14 letters from O, T, N");
 
 }  // namespace
 
 AllReduceStrategy lookup_sm90(int n_ranks, FusionPattern pattern, int64_t hidden, int64_t tokens) {
   const int r = ranks_index(n_ranks);
-  if (r < 0) return AllReduceStrategy::kNccl;
-  return kSm90Table[static_cast<size_t>(
-      table_index(r, static_cast<int>(pattern), hidden_bucket(hidden), tokens_bucket(tokens)))];
+  const int p = static_cast<int>(pattern);
+  if (r < 0 || p < 0 || p >= kNumFusionPatterns) return AllReduceStrategy::kNccl;
+  const std::string_view row = kSm90Rows[r][p][hidden_bucket(hidden)];
+  return from_letter(row[static_cast<size_t>(tokens_bucket(tokens))]);
+}
+
+bool sm90_table_measured(int n_ranks) {
+  const int r = ranks_index(n_ranks);
+  return r >= 0 && kSm90Measured[r];
 }
 
 AllReduceStrategy select_strategy(const StrategyQuery& q, AllReduceStrategy forced) {
   if (!custom_eligible(q)) return AllReduceStrategy::kNccl;
   if (forced != AllReduceStrategy::kAuto) return forced;
   return lookup_sm90(q.n_ranks, q.pattern, q.hidden, q.tokens);
+}
+
+uint32_t autotune_key(FusionPattern pattern, int elem_bytes, int64_t hidden, int64_t tokens) {
+  return (static_cast<uint32_t>(pattern) << 24) | (static_cast<uint32_t>(elem_bytes & 0xff) << 16) |
+         (static_cast<uint32_t>(hidden_bucket(hidden)) << 8) | static_cast<uint32_t>(tokens_bucket(tokens));
+}
+
+std::vector<AllReduceStrategy> autotune_candidates(const StrategyQuery& q) {
+  if (!custom_eligible(q)) return {AllReduceStrategy::kNccl};
+  return {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot, AllReduceStrategy::kNccl};
+}
+
+AllReduceStrategy pick_fastest(std::span<const AllReduceStrategy> candidates, std::span<const float> us) {
+  AllReduceStrategy best = AllReduceStrategy::kNccl;
+  float best_us = 0.0f;
+  for (size_t i = 0; i < candidates.size() && i < us.size(); ++i) {
+    if (!std::isfinite(us[i]) || us[i] <= 0.0f) continue;  // a timing that failed
+    if (best_us == 0.0f || us[i] < best_us) {
+      best = candidates[i];
+      best_us = us[i];
+    }
+  }
+  return best;
 }
 
 }  // namespace chimera::dist

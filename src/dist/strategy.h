@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string_view>
+#include <vector>
 
 #include "dist/allreduce_types.h"
 
@@ -34,15 +36,31 @@ struct StrategyQuery {
 inline constexpr int64_t kMaxRowVecs = 4096;  // 1024 threads x 4 vectors in registers: bf16 32768, fp32 16384
 bool custom_eligible(const StrategyQuery& q);
 
-// The SM90 lookup table keyed (ranks index, pattern, hidden bucket, tokens bucket) (seed 7.2).
-// PROVISIONAL: no sweep has been run on the H200s yet (bench/allreduce_bench.cu is the sweep tool; its output is
-// to be pasted here). Until then every entry follows the seed's rule: ONESHOT up to kOneShotMaxTokens tokens
-// (seed 4.2.2, kOneShotMaxToken = 128), TWOSHOT above; NCCL when the custom kernels are not eligible.
+// The SM90 lookup table keyed (ranks index, pattern, hidden bucket, tokens bucket) (seed 7.2), generated into
+// src/dist/sm90_allreduce_table.inc by scripts/make_allreduce_table.py from the sweep
+// (`chimera_bench allreduce_sweep`, bench/run_allreduce_device.sh). Buckets outside the table clamp to its edge
+// (allreduce_index.h); ranks other than 2, 4, 8 get NCCL. Until a sweep is committed every entry follows the
+// seed's rule: ONESHOT up to kOneShotMaxTokens tokens (seed 4.2.2, kOneShotMaxToken = 128), TWOSHOT above.
 inline constexpr int64_t kOneShotMaxTokens = 128;
 AllReduceStrategy lookup_sm90(int n_ranks, FusionPattern pattern, int64_t hidden, int64_t tokens);
+// Whether the table's rows for n_ranks come from a measurement (false: the seed's rule; 4 and 8 ranks always,
+// until a 4/8-GPU machine runs the sweep).
+bool sm90_table_measured(int n_ranks);
 
 // The strategy a call takes: `forced` unless it is kAuto (a forced custom strategy that is not eligible falls
 // back to NCCL), else the lookup table; never kAuto.
 AllReduceStrategy select_strategy(const StrategyQuery& q, AllReduceStrategy forced);
+
+// ---- the runtime autotuner's decisions (AllReduceConfig::autotune; seed 7.3) ------------------------------
+// Calls are tuned once per key: (pattern, element size, hidden bucket, tokens bucket), the table's granularity
+// plus the dtype.
+uint32_t autotune_key(FusionPattern pattern, int elem_bytes, int64_t hidden, int64_t tokens);
+// The strategies worth timing for a call: NCCL always (it includes our separate norm kernel); ONESHOT and TWOSHOT
+// when the custom kernels can take the call. In this order (the tie-break of pick_fastest).
+std::vector<AllReduceStrategy> autotune_candidates(const StrategyQuery& q);
+// The winner given each candidate's time per call (microseconds, already the maximum over the ranks, so every
+// rank decides the same): the smallest finite positive time, ties to the earlier candidate; NCCL when no time
+// is usable.
+AllReduceStrategy pick_fastest(std::span<const AllReduceStrategy> candidates, std::span<const float> us);
 
 }  // namespace chimera::dist

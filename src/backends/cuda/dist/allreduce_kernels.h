@@ -37,7 +37,7 @@ struct FusionArgs {
 struct LamportState {
   uint32_t slot;            // the slot the next call reads (0..2)
   uint32_t blocks_done;     // blocks of the running call that finished; the last one advances `slot`
-  uint64_t used_vecs[3];    // 16-byte vectors of each slot the call that read it used (what the clear covers)
+  uint64_t used_vecs[3];    // message vectors (per source rank) of the call that read each slot: the clear's extent
 };
 
 // Each rank's view of the peer-mapped workspaces (pointers valid on this rank's device: cudaDeviceEnablePeerAccess).

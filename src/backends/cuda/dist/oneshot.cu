@@ -3,7 +3,8 @@
 // Per call, on every rank, one kernel:
 //   1. push:   each block copies its rows of the input (canonicalised, allreduce_index.h) into region
 //              [slot][this rank] of EVERY rank's Lamport buffer (NVLink stores to peers, one local store);
-//   2. clear:  the slot the previous call read is refilled with the empty pattern (local; all blocks share it);
+//   2. clear:  the regions of the slot the previous call read are refilled with the empty pattern (local; all
+//              blocks share the work);
 //   3. reduce: each thread polls its vectors of region [slot][r] in the LOCAL buffer until no lane is empty,
 //              for r = 0..n-1 in rank order (the same sum, bit for bit, on every rank), then fuses;
 //   4. the last block to finish records the slot's used extent and advances the device-side slot counter.
@@ -18,7 +19,8 @@ namespace {
 using chimera::dist::lamport_clear_slot;
 using chimera::dist::lamport_next_slot;
 using chimera::dist::lamport_offset;
-using chimera::dist::lamport_slot_used;
+using chimera::dist::lamport_clear_elems;
+using chimera::dist::lamport_clear_offset;
 
 // input, outputs: [tokens, hidden] T (FusionArgs); Lamport buffers: [3][n_ranks][stride] per rank.
 template <typename T, FusionPattern P, int kItems>
@@ -45,15 +47,17 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const FusionArgs a
     }
   }
 
-  // 2. clear the slot the previous call read (only this rank reads it; every write into it has landed).
+  // 2. clear the slot the previous call read (only this rank reads it; every write into it has landed): the
+  //    n_ranks message regions that call used, not the whole slot (allreduce_index.h).
   {
     const int clear = lamport_clear_slot(slot);
-    const int64_t used = static_cast<int64_t>(state->used_vecs[clear]);
-    uint4* base = reinterpret_cast<uint4*>(p.lamport[p.rank]) + lamport_offset(clear, 0, 0, n, stride);
+    const int64_t msg = static_cast<int64_t>(state->used_vecs[clear]);
+    uint4* base = reinterpret_cast<uint4*>(p.lamport[p.rank]);
     const uint4 empty = make_uint4(kLamportEmpty32, kLamportEmpty32, kLamportEmpty32, kLamportEmpty32);
-    for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < used;
+    const int64_t total = msg > 0 ? lamport_clear_elems(n, msg) : 0;
+    for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < total;
          j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      base[j] = empty;
+      base[lamport_clear_offset(clear, j, n, msg, stride)] = empty;
     }
   }
 
@@ -82,7 +86,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const FusionArgs a
     __threadfence();
     const uint32_t done = atomicAdd(&state->blocks_done, 1u);
     if (done == gridDim.x - 1) {
-      state->used_vecs[slot] = static_cast<uint64_t>(lamport_slot_used(n, a.tokens * n_vecs, stride));
+      state->used_vecs[slot] = static_cast<uint64_t>(a.tokens * n_vecs);
       state->blocks_done = 0;
       *reinterpret_cast<volatile uint32_t*>(&state->slot) = static_cast<uint32_t>(lamport_next_slot(slot));
       __threadfence();
