@@ -83,6 +83,14 @@ CHIMERA_HD int twoshot_owner(int64_t v, int n_ranks, int64_t n_vecs) {
 // is a function of the shape only (never of the device), so block b handles the same rows on every rank.
 inline constexpr int kMaxBlocks = 128;  // <= the SMs of an H100/H200: all blocks co-resident (barriers, spins)
 CHIMERA_HD int grid_blocks(int64_t tokens) { return tokens < kMaxBlocks ? static_cast<int>(tokens) : kMaxBlocks; }
+// ONESHOT: at least a block per row (the fused epilogue is per row), and enough blocks that each pushes at most
+// kOneShotPushVecs 16-byte vectors (spreading a small message's NVLink stores over more SMs), within kMaxBlocks.
+inline constexpr int64_t kOneShotPushVecs = 256;
+CHIMERA_HD int oneshot_blocks(int64_t tokens, int64_t row_vecs) {
+  const int64_t by_push = (tokens * row_vecs + kOneShotPushVecs - 1) / kOneShotPushVecs;
+  const int64_t want = tokens > by_push ? tokens : by_push;
+  return want < kMaxBlocks ? static_cast<int>(want) : kMaxBlocks;
+}
 
 // Wrap-safe "flag has reached epoch" for the barrier flags (uint32 epochs, a peer can be one barrier ahead).
 CHIMERA_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return static_cast<int32_t>(flag - epoch) >= 0; }

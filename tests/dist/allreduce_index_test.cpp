@@ -102,6 +102,12 @@ TEST(Grid, SameRowsForEveryBlockOnEveryRank) {
   EXPECT_EQ(grid_blocks(1), 1);
   EXPECT_EQ(grid_blocks(64), 64);
   EXPECT_EQ(grid_blocks(4096), kMaxBlocks);
+  // ONESHOT: a block per row at least, more for wide messages (<= kOneShotPushVecs vectors each), capped.
+  EXPECT_EQ(oneshot_blocks(1, 336), 2);     // 2688 bf16: 336 vectors
+  EXPECT_EQ(oneshot_blocks(1, 1024), 4);    // 8192 bf16
+  EXPECT_EQ(oneshot_blocks(64, 1024), kMaxBlocks);
+  EXPECT_EQ(oneshot_blocks(100, 8), 100);
+  EXPECT_EQ(oneshot_blocks(4096, 1024), kMaxBlocks);
 }
 
 TEST(LookupKeys, Buckets) {

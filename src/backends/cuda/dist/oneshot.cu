@@ -32,13 +32,15 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const FusionArgs a
   LamportState* state = p.lamport_state;
   const int slot = static_cast<int>(*reinterpret_cast<volatile uint32_t*>(&state->slot));
 
-  // 1. push this block's rows to every rank.
-  for (int64_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
-      if (vi >= n_vecs) continue;
-      const int64_t e = row * n_vecs + vi;
+  // 1. push: the message's vectors in one contiguous chunk per block, so that every block of the grid (more
+  //    blocks than rows for small messages: a single SM's stores to a peer are far below the link's rate) sends
+  //    its share to every rank before any block waits in step 3. All blocks are co-resident (oneshot_blocks <= kMaxBlocks), so a
+  //    waiting block never holds back a push.
+  {
+    const int64_t total = a.tokens * n_vecs;
+    const int64_t chunk = (total + gridDim.x - 1) / gridDim.x;
+    const int64_t end = min(total, (blockIdx.x + 1) * chunk);
+    for (int64_t e = blockIdx.x * chunk + threadIdx.x; e < end; e += blockDim.x) {
       const uint4 u = canonicalise<T>(__ldg(reinterpret_cast<const uint4*>(a.input) + e));
       for (int k = 0; k < n; ++k) {
         const int dst = (p.rank + k) % n;  // start at a different peer on every rank
@@ -96,7 +98,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const FusionArgs a
 
 template <typename T, FusionPattern P, int kItems>
 void launch(const FusionArgs& a, const PeerArgs& p, const RowShape& s, cudaStream_t stream) {
-  oneshot_kernel<T, P, kItems><<<chimera::dist::grid_blocks(a.tokens), s.threads, 0, stream>>>(a, p);
+  oneshot_kernel<T, P, kItems><<<chimera::dist::oneshot_blocks(a.tokens, s.n_vecs), s.threads, 0, stream>>>(a, p);
 }
 
 }  // namespace
