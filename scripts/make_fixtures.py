@@ -17,6 +17,19 @@ Everything runs on the CPU in float32, one thread, deterministic, eager attentio
 Needs torch and transformers>=5.10 (dense '-' layers); fixtures were made with the versions in expected.json.
 
 Usage: python3 scripts/make_fixtures.py --out tests/fixtures/models [--tar fixtures.tar.gz] [--only NAME ...]
+
+bf16 mode (issue 4; the GPU machine): python3 scripts/make_fixtures.py --bf16-logits-only OUTDIR
+    [--fixtures tests/fixtures/models] [--device cuda] [--only NAME ...]
+  For every existing fixture directory: loads its saved checkpoint with from_pretrained in bfloat16 on the GPU
+  (eager attention, eager experts, torch Mamba path, as the fp32 fixtures) and runs it teacher-forced over the
+  same positions tests/models/nemotron_h_gpu_test.cpp feeds Chimera: the prompt as one prefill (its logits rows
+  0 .. len(prompt)-2), then the reference greedy tokens fed one cached decode step at a time through generate()
+  (a logits processor forces each token; the raw logits are kept), len(greedy) rows. Writes, flat in OUTDIR:
+    <name>.logits_bf16_<p>.npy   float32 [len(prompt_p) + len(greedy_p) - 1, vocab] (bf16 values, exact in f32)
+    <name>.expected_bf16.json    versions, implementations, top-1 agreement with the fp32 fixture, and the bf16
+                                 cached-vs-full-forward difference of transformers itself (its own bf16 noise)
+  Copy them into tests/fixtures/models/<name>/ as logits_bf16_<p>.npy and expected_bf16.json (the script prints
+  the commands).
 """
 
 import argparse
@@ -432,6 +445,112 @@ def reload_check(d, ref_model, prompts_and_greedy, key_mapping=None):
 
 
 # ---------------------------------------------------------------------------------------------------
+# bf16 reference logits from the saved fixtures (--bf16-logits-only)
+# ---------------------------------------------------------------------------------------------------
+class ForceTokens:
+    """A logits processor that makes greedy decoding pick tokens[step] (teacher forcing through generate)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+        self.step = 0
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, self.tokens[self.step]] = 0.0
+        self.step += 1
+        return forced
+
+
+def rel_to_max(got, ref):
+    """Per row max|got - ref| / max|ref|, the test's logit error measure; returns the worst row's value."""
+    err = (got - ref).abs().amax(dim=-1)
+    scale = ref.abs().amax(dim=-1).clamp_min(1e-30)
+    return float((err / scale).max())
+
+
+@torch.no_grad()
+def make_bf16_one(fixture_dir, name, outdir, device):
+    from transformers import LogitsProcessorList
+
+    expected = json.load(open(os.path.join(fixture_dir, "expected.json")))
+    kw = {}
+    if name == "legacy_dense":  # the old embedding name; see make_one
+        kw["key_mapping"] = {r"^backbone\.embedding\.weight$": "backbone.embeddings.weight"}
+    model = NemotronHForCausalLM.from_pretrained(
+        fixture_dir, dtype=torch.bfloat16, attn_implementation="eager", experts_implementation="eager", **kw
+    ).to(device)
+    model.eval()
+    assert not model.config.use_mamba_kernels, "the fixtures use transformers' torch Mamba path"
+    assert next(model.parameters()).dtype == torch.bfloat16
+    rows_written, agree, total, worst_cache_vs_full, worst_vs_fp32 = [], 0, 0, 0.0, 0.0
+    for p, (prompt, greedy) in enumerate(zip(expected["prompts"], expected["greedy"])):
+        n_prompt, n_new = len(prompt), len(greedy)
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)
+        # Prompt rows: the prefill (a forward over the prompt; row i = logits after token i).
+        pre = model(input_ids=ids, use_cache=False).logits[0].float()  # [n_prompt, V]
+        # Decode rows: generate() feeding the reference tokens one cached step at a time; out.logits are the raw
+        # (unprocessed) logits of each step, the first from the prefill's last position.
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+            num_beams=1, return_dict_in_generate=True, output_logits=True,
+            logits_processor=LogitsProcessorList([ForceTokens(greedy)]),
+        )
+        got_tokens = out.sequences[0, n_prompt:].tolist()
+        assert got_tokens == greedy, f"{name} prompt {p}: forced generate returned {got_tokens[:8]}..."
+        dec = torch.stack([l[0].float() for l in out.logits])  # [n_new, V]
+        # Teacher-forced rows: prompt positions 0 .. n_prompt-2, then the n_new decode rows (position n_prompt-1 is
+        # the first decode row, produced by the prefill inside generate()).
+        logits = torch.cat([pre[: n_prompt - 1], dec], dim=0).cpu()
+        assert logits.shape[0] == n_prompt + n_new - 1
+        # Diagnostics: transformers' own bf16 noise (cached path vs one full forward over the same tokens) and
+        # top-1 agreement with the fp32 fixture logits.
+        full = model(input_ids=torch.tensor([prompt + greedy[:-1]], device=device), use_cache=False).logits[0]
+        worst_cache_vs_full = max(worst_cache_vs_full, rel_to_max(logits, full.float().cpu()))
+        ref32 = torch.from_numpy(np.load(os.path.join(fixture_dir, f"logits_{p}.npy")))[: logits.shape[0]]
+        worst_vs_fp32 = max(worst_vs_fp32, rel_to_max(logits, ref32))
+        agree += int((logits.argmax(-1) == ref32.argmax(-1)).sum())
+        total += logits.shape[0]
+        fn = f"{name}.logits_bf16_{p}.npy"
+        np.save(os.path.join(outdir, fn), logits.numpy().astype(np.float32))
+        rows_written.append((fn, logits.shape[0]))
+    meta = {
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "device": torch.cuda.get_device_name() if str(device).startswith("cuda") else str(device),
+        "model": name,
+        "dtype": "bfloat16 (from_pretrained(dtype=torch.bfloat16) of the float32 checkpoint)",
+        "implementation": "eager attention, eager experts, torch Mamba path (use_mamba_kernels=False)",
+        "rows": "teacher forced: prompt rows 0..len(prompt)-2 from a forward over the prompt, then len(greedy) "
+                "cached decode steps through generate() with each reference greedy token forced",
+        "logits_files": [fn for fn, _ in rows_written],
+        "top1_agreement_with_fp32_fixture": agree / total,
+        "max_rel_to_max_vs_fp32_fixture": worst_vs_fp32,
+        "max_rel_to_max_cached_vs_full_forward_bf16": worst_cache_vs_full,
+    }
+    with open(os.path.join(outdir, f"{name}.expected_bf16.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+    log(f"  {name}: {len(rows_written)} files, top-1 vs fp32 fixture {agree}/{total} = {100.0 * agree / total:.2f} %, "
+        f"max rel-to-max vs fp32 {worst_vs_fp32:.3e}, transformers bf16 cached vs full forward {worst_cache_vs_full:.3e}")
+    return rows_written
+
+
+def make_bf16_logits(fixtures_root, outdir, only, device):
+    os.makedirs(outdir, exist_ok=True)
+    names = sorted(n for n in os.listdir(fixtures_root)
+                   if os.path.exists(os.path.join(fixtures_root, n, "expected.json")) and (not only or n in only))
+    if not names:
+        raise RuntimeError(f"no fixtures (expected.json) under {fixtures_root}")
+    log(f"bf16 reference logits on {device} for {', '.join(names)} -> {outdir}")
+    for name in names:
+        make_bf16_one(os.path.join(fixtures_root, name), name, outdir, device)
+    log("\ninstall them with (repository root):")
+    for name in names:
+        log(f"  for f in {outdir}/{name}.logits_bf16_*.npy {outdir}/{name}.expected_bf16.json; do "
+            f"cp \"$f\" tests/fixtures/models/{name}/\"${{f##*/{name}.}}\"; done")
+
+
+# ---------------------------------------------------------------------------------------------------
 def make_one(name, spec, outdir):
     log(f"\n=== {name} ===")
     cfg_kwargs = dict(spec["cfg"])
@@ -578,10 +697,24 @@ def make_one(name, spec, outdir):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="output directory (one subdirectory per model)")
+    ap.add_argument("--out", help="output directory (one subdirectory per model)")
+    ap.add_argument("--bf16-logits-only", metavar="OUTDIR",
+                    help="only write bf16 reference logits of the existing fixtures, flat into OUTDIR (see above)")
+    ap.add_argument("--fixtures", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                                       "fixtures", "models"),
+                    help="--bf16-logits-only: the fixture directories to read")
+    ap.add_argument("--device", default="cuda", help="--bf16-logits-only: torch device (cuda; cpu to smoke-test)")
     ap.add_argument("--tar", help="also pack the output directory's contents into this .tar.gz")
     ap.add_argument("--only", nargs="*", help="model names to make (default: all)")
     args = ap.parse_args()
+    if args.bf16_logits_only:
+        transformers.logging.set_verbosity_error()
+        log(f"transformers {transformers.__version__}, torch {torch.__version__}, numpy {np.__version__}")
+        torch.manual_seed(0)
+        make_bf16_logits(args.fixtures, args.bf16_logits_only, args.only, args.device)
+        return
+    if not args.out:
+        ap.error("--out is required (or --bf16-logits-only OUTDIR)")
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

@@ -6,12 +6,16 @@
 // Prompts are random token ids (seeded), sampling is greedy with ignore_eos. Beside the numbers: the batch-1
 // decode roofline (runtime/roofline.h) and the ratio achieved / roofline. A size whose caches do not fit the
 // device's free memory (runtime/memory_plan.h) is reported as skipped, not failed.
+// --profile: after the timed runs, one more prefill (the first --input-lens length, every step up to the first
+// token) and one more decode step per batch size run with the profiler armed (runtime/profiler.h): time per op
+// kind, the ops' sum, and the step's wall time, printed after the tables and written to the JSON.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -25,6 +29,7 @@
 #include "model_loading.h"
 #include "runtime/engine.h"
 #include "runtime/memory_plan.h"
+#include "runtime/profiler.h"
 #include "runtime/roofline.h"
 
 #ifndef CHIMERA_GIT_COMMIT
@@ -65,6 +70,9 @@ void add_bench(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   app.add_option("--seed", o.seed, "Seed of the random prompt ids")->capture_default_str();
   app.add_option("--json-out", o.json_out, "Write every measurement, with date, commit and device, to FILE (JSON)");
+  app.add_flag("--profile", o.profile,
+               "Also time one prefill (first --input-lens length) and one decode step per batch size per op kind "
+               "(NVTX ranges + CUDA events; steady_clock on the CPU)");
 }
 
 namespace {
@@ -112,12 +120,31 @@ DType weight_dtype_of(const BenchOptions& o, const ModelConfig& c, const ModelOp
   return DType::kBF16;
 }
 
+nlohmann::json profile_json(const StepProfile& p) {
+  nlohmann::json ops = nlohmann::json::array();
+  for (const OpStat& s : p.ops) {
+    ops.push_back({{"op", s.op},
+                   {"calls", s.calls},
+                   {"total_ms", s.total_ms},
+                   {"percent_of_step", p.wall_ms > 0 ? 100.0 * s.total_ms / p.wall_ms : 0.0}});
+  }
+  return {{"step", p.name},
+          {"wall_ms", p.wall_ms},
+          {"span_ms", p.span_ms},
+          {"ops_sum_ms", p.ops_ms},
+          {"host_overhead_ms", p.wall_ms - p.ops_ms},  // wall - sum: launch gaps and host work
+          {"calls", p.calls},
+          {"untimed_calls", p.untimed_calls},
+          {"ops", ops}};
+}
+
 struct Runner {
   const BenchOptions& o;
   const NemotronH& model;
-  ops::Context ctx;
+  ops::Context ctx;  // ctx.profiler is set with --profile (passive until a step is armed)
   DType weight_dtype;
   SchedulerConfig sched_defaults;
+  std::vector<StepProfile>* profiles = nullptr;  // --profile: the profiled steps, in order
 
   // Caches and workspace of an engine for these limits (the weights are loaded already), or "" when they fit.
   std::string does_not_fit(int32_t seqs, int32_t model_len) const {
@@ -144,7 +171,7 @@ struct Runner {
     return ec;
   }
 
-  nlohmann::json prefill(int32_t len) const {
+  nlohmann::json prefill(int32_t len, bool profile_prefill) const {
     nlohmann::json r = {{"input_len", len}};
     const int32_t model_len = len + 1;
     if (std::string why = does_not_fit(1, model_len); !why.empty()) {
@@ -177,23 +204,45 @@ struct Runner {
     r["ttft_ms"] = secs * 1e3;
     r["tokens_per_s"] = len / secs;
     r["steps"] = steps;
+    if (profile_prefill) {  // one more prefill, armed from the request to its first token
+      engine.add_request(random_ids(rng, model.config().vocab_size, len), sp);
+      ctx.profiler->begin_step(fmt::format("prefill input_len={}", len));
+      int32_t prof_steps = 0;
+      bool first = false;
+      while (!first && engine.has_unfinished()) {
+        ++prof_steps;
+        for (const TokenEvent& ev : engine.step()) first |= ev.token >= 0;
+      }
+      StepProfile p = ctx.profiler->end_step();
+      if (prof_steps > 1)
+        p.name += fmt::format(" ({} steps of <= {} tokens)", prof_steps, sched_defaults.max_num_batched_tokens);
+      while (engine.has_unfinished()) engine.step();
+      engine.take_finished();
+      r["profile"] = profile_json(p);
+      profiles->push_back(std::move(p));
+    }
     return r;
   }
 
-  nlohmann::json decode(int32_t batch, double roofline_tps) const {
+  // `cuda_graphs`: the engine replays a CUDA graph per batch size (CUDA); `profile`: one more step, armed (it
+  // must be eager: a graph replay dispatches no op).
+  nlohmann::json decode(int32_t batch, double roofline_tps, bool cuda_graphs, bool profile) const {
     nlohmann::json r = {{"batch_size", batch}, {"decode_context", o.decode_context}};
     // Sequences that finish their prefill early decode while the others prefill (as in the product); leave
     // room for those tokens, the warm-up and the timed steps, so no sequence finishes before the timing ends.
     const int64_t budget = sched_defaults.max_num_batched_tokens;
     const int64_t prefill_steps = (int64_t{batch} * o.decode_context + budget - 1) / budget + batch;
-    const auto new_tokens = static_cast<int32_t>(prefill_steps + std::max(o.warmup, 2) + o.decode_steps + 1);
+    const auto new_tokens =
+        static_cast<int32_t>(prefill_steps + std::max(o.warmup, 2) + o.decode_steps + 1 + (profile ? 1 : 0));
     const int32_t model_len = o.decode_context + new_tokens;
     if (std::string why = does_not_fit(batch, model_len); !why.empty()) {
       r["status"] = "skipped";
       r["reason"] = why;
       return r;
     }
-    Engine engine(model, ctx, engine_config(batch, model_len));
+    EngineConfig ec = engine_config(batch, model_len);
+    ec.cuda_graphs = cuda_graphs;
+    Engine engine(model, ctx, ec);
     std::mt19937_64 rng(o.seed + 7919 * static_cast<uint64_t>(batch));
     SamplingParams sp;  // greedy
     sp.max_new_tokens = new_tokens;
@@ -215,7 +264,7 @@ struct Runner {
     }
     const double prefill_s = seconds_since(t_prefill);
     // A batch size's first decode step runs eagerly and its second captures the CUDA graph: warm up past both.
-    const int32_t warmup = ctx.device == Device::kCuda && o.cuda_graphs ? std::max(o.warmup, 2) : o.warmup;
+    const int32_t warmup = ctx.device == Device::kCuda && cuda_graphs ? std::max(o.warmup, 2) : o.warmup;
     for (int32_t s = 0; s < warmup; ++s) count(engine.step());
     double context_sum = 0;
     for (int32_t g : generated) context_sum += o.decode_context + g;
@@ -227,6 +276,15 @@ struct Runner {
       count(evs);
     }
     const double secs = seconds_since(t0);
+    if (profile) {  // one more step, armed
+      ctx.profiler->begin_step(fmt::format("decode batch={}", batch));
+      const std::vector<TokenEvent> evs = engine.step();
+      StepProfile p = ctx.profiler->end_step();
+      if (static_cast<int32_t>(evs.size()) != batch) p.name += fmt::format(" (only {} sequences decoded)", evs.size());
+      count(evs);
+      r["profile"] = profile_json(p);
+      profiles->push_back(std::move(p));
+    }
     r["status"] = "ok";
     r["tpot_ms"] = secs / o.decode_steps * 1e3;
     r["tokens_per_s"] = static_cast<double>(batch) * o.decode_steps / secs;
@@ -268,7 +326,16 @@ int run_bench(const BenchOptions& o) {
   const double load_s = seconds_since(t_load);
   const ModelConfig& c = m.config;
 
-  Runner run{o, *m.model, ops::Context{mo.device, nullptr}, weight_dtype_of(o, c, mo), SchedulerConfig{}};
+  // --profile: engines get a context with a profiler; it costs nothing until a step is armed. The profiled steps
+  // must run eagerly (a replayed CUDA graph dispatches no ops:: call, so there would be nothing to time).
+  std::unique_ptr<Profiler> profiler = o.profile ? std::make_unique<Profiler>(mo.device) : nullptr;
+  std::vector<StepProfile> profiles;
+  Runner run{o,
+             *m.model,
+             ops::Context{mo.device, nullptr, profiler.get()},
+             weight_dtype_of(o, c, mo),
+             SchedulerConfig{},
+             &profiles};
   const DecodeRoofline roof = batch1_decode_roofline(c, run.weight_dtype, o.bandwidth_gbs * 1e9);
   const std::string device_desc = mo.device == Device::kCuda ? device::describe_cuda() : cpu_description();
   const std::string model_name =
@@ -300,8 +367,9 @@ int run_bench(const BenchOptions& o) {
   if (!o.input_lens.empty()) {
     fmt::print("\nprefill (1 sequence, time to first token)\n  {:>10} {:>12} {:>14}\n", "input len", "TTFT ms",
                "tok/s");
-    for (int32_t len : o.input_lens) {
-      nlohmann::json r = guarded([&] { return run.prefill(len); }, {{"input_len", len}});
+    for (size_t i = 0; i < o.input_lens.size(); ++i) {
+      const int32_t len = o.input_lens[i];
+      nlohmann::json r = guarded([&] { return run.prefill(len, o.profile && i == 0); }, {{"input_len", len}});
       if (r["status"] == "ok") {
         fmt::print("  {:>10} {:>12} {:>14}\n", len, cell(r, "ttft_ms", "{:.2f}"), cell(r, "tokens_per_s", "{:.1f}"));
       } else {
@@ -318,7 +386,19 @@ int run_bench(const BenchOptions& o) {
         o.decode_context, o.decode_steps, mo.device == Device::kCuda && o.cuda_graphs ? "on" : "off", "batch",
         "TPOT ms", "tok/s", "vs roofline");
     for (int32_t b : o.batch_sizes) {
-      nlohmann::json r = guarded([&] { return run.decode(b, roof.tokens_per_s); }, {{"batch_size", b}});
+      const bool graphs = mo.device == Device::kCuda && o.cuda_graphs;
+      nlohmann::json r =
+          guarded([&] { return run.decode(b, roof.tokens_per_s, graphs, o.profile && !graphs); }, {{"batch_size", b}});
+      if (o.profile && graphs && r["status"] == "ok") {
+        // The timed engine replays CUDA graphs, which dispatch no op: profile the same decode on an eager engine.
+        nlohmann::json e = guarded([&] { return run.decode(b, roof.tokens_per_s, false, true); }, {{"batch_size", b}});
+        if (e.contains("profile")) {
+          r["profile"] = e["profile"];
+          r["profile"]["engine"] = "eager (the timed run used CUDA graphs)";
+          r["profile"]["eager_tpot_ms"] = e["tpot_ms"];
+          profiles.back().name += fmt::format(" (eager engine; its TPOT {:.3f} ms)", e["tpot_ms"].get<double>());
+        }
+      }
       if (r["status"] == "ok") {
         fmt::print("  {:>10} {:>12} {:>14} {:>14}\n", b, cell(r, "tpot_ms", "{:.3f}"),
                    cell(r, "tokens_per_s", "{:.1f}"),
@@ -329,6 +409,12 @@ int run_bench(const BenchOptions& o) {
       std::fflush(stdout);
       decode.push_back(std::move(r));
     }
+  }
+
+  if (o.profile) {
+    fmt::print("\nprofile (time per op kind of one step; CUDA events / steady_clock, NVTX range per op)\n");
+    for (const StepProfile& p : profiles) fmt::print("\n  {}\n{}", p.name, format_profile(p, "    "));
+    std::fflush(stdout);
   }
 
   if (!o.json_out.empty()) {
@@ -351,7 +437,8 @@ int run_bench(const BenchOptions& o) {
                      {"seed", o.seed},
                      {"max_num_batched_tokens", run.sched_defaults.max_num_batched_tokens},
                      {"sampling", "greedy, ignore_eos"},
-                     {"load_s", load_s}};
+                     {"load_s", load_s},
+                     {"profile", o.profile}};
     j["roofline"] = {{"active_params", roof.active_params},
                      {"params_read_per_token", roof.params_read},
                      {"bytes_per_token", roof.bytes_per_token},

@@ -36,6 +36,9 @@ struct InfoOptions {
   int32_t max_num_seqs = 8;
   int32_t max_model_len = 4096;
   std::string dtype = "bfloat16";
+  // Write the model's config as a transformers config.json (what `--synthetic PRESET [--num-layers N]`
+  // builds), so a peer (bench/peers/engine_peers.py) runs the same shapes.
+  std::string dump_config;
 };
 
 // chimera bench (bench.cpp): prefill and decode throughput through the Engine, beside the batch-1 roofline.
@@ -52,6 +55,9 @@ struct BenchOptions {
   double bandwidth_gbs = 4200.0;  // runtime/roofline.h kH200MeasuredBandwidth
   uint64_t seed = 0;
   std::string json_out;
+  // Also break one prefill step (the first --input-lens length) and one decode step per batch size into time
+  // per op kind (runtime/profiler.h).
+  bool profile = false;
 };
 
 void add_generate(CLI::App& app, GenerateOptions& opt);

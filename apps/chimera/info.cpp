@@ -1,12 +1,17 @@
 // chimera info: the layer plan, parameter counts by layer kind, memory needed per weight dtype, and the memory
 // plan for --max-num-seqs / --max-model-len against the device's free memory.
 #include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <string>
 
 #include <fmt/core.h>
+#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "model_loading.h"
 #include "backends/device_api.h"
+#include "core/error.h"
 #include "runtime/memory_plan.h"
 #include "runtime/state_cache.h"
 
@@ -23,6 +28,9 @@ void add_info(CLI::App& app, InfoOptions& o) {
   app.add_option("--dtype", o.dtype, "Memory plan: weight and activation dtype on the GPU")
       ->check(CLI::IsMember({"bfloat16", "float16", "float32"}))
       ->capture_default_str();
+  app.add_option("--dump-config", o.dump_config,
+                 "Write the model's config as a transformers config.json to FILE (e.g. a --synthetic preset, "
+                 "for bench/peers/engine_peers.py)");
 }
 
 namespace {
@@ -35,6 +43,84 @@ std::string human_bytes(double b) {
   }
   return fmt::format("{:.2f} {}", b, units[u]);
 }
+
+// transformers 5.x's layers_block_type names.
+const char* hf_block_type(LayerKind k) {
+  switch (k) {
+    case LayerKind::kMamba: return "linear_attention";
+    case LayerKind::kAttention: return "full_attention";
+    case LayerKind::kMlp: return "mlp";
+    case LayerKind::kMoe: return "moe";
+  }
+  return "?";
+}
+
+// A float as transformers' config serialiser writes it: non-finite values as {"__float__": "Infinity"}.
+nlohmann::json hf_float(float v) {
+  if (std::isinf(v)) return {{"__float__", v > 0 ? "Infinity" : "-Infinity"}};
+  if (std::isnan(v)) return {{"__float__", "NaN"}};
+  return std::stod(fmt::format("{}", v));  // the float's shortest decimal (1e-05), not its double expansion
+}
+
+// The config as transformers 5.x writes config.json (field names of the fixtures' config.json, every field of
+// ModelConfig), so NemotronHConfig(**json) builds the same shapes. Layers are the (possibly truncated) list.
+nlohmann::json hf_config_json(const ModelConfig& c) {
+  using nlohmann::json;
+  json blocks = json::array(), mtp = json::array();
+  for (LayerKind k : c.layers) blocks.push_back(hf_block_type(k));
+  for (LayerKind k : c.mtp_layers) mtp.push_back(hf_block_type(k));
+  json j = {
+      {"architectures", {"NemotronHForCausalLM"}},
+      {"model_type", c.model_type},
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"layers_block_type", blocks},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads},
+      {"head_dim", c.head_dim},
+      {"attention_bias", c.attention_bias},
+      {"max_position_embeddings", c.max_position_embeddings},
+      {"sliding_window", c.sliding_window ? json(*c.sliding_window) : json(nullptr)},
+      {"intermediate_size", c.intermediate_size},
+      {"mlp_hidden_act", c.mlp_hidden_act},
+      {"mlp_bias", c.mlp_bias},
+      {"mamba_num_heads", c.mamba_num_heads},
+      {"mamba_head_dim", c.mamba_head_dim},
+      {"ssm_state_size", c.ssm_state_size},
+      {"n_groups", c.n_groups},
+      {"conv_kernel", c.conv_kernel},
+      {"expand", c.expand},
+      {"chunk_size", c.chunk_size},
+      {"use_conv_bias", c.use_conv_bias},
+      {"use_bias", c.use_bias},
+      {"mamba_hidden_act", c.mamba_hidden_act},
+      {"time_step_limit", {hf_float(c.time_step_limit_min), hf_float(c.time_step_limit_max)}},
+      {"time_step_min", hf_float(c.time_step_min)},
+      {"time_step_max", hf_float(c.time_step_max)},
+      {"time_step_floor", hf_float(c.time_step_floor)},
+      {"mamba_ssm_cache_dtype", c.mamba_ssm_cache_dtype},
+      {"n_routed_experts", c.n_routed_experts},
+      {"num_experts_per_tok", c.num_experts_per_tok},
+      {"moe_intermediate_size", c.moe_intermediate_size},
+      {"moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size},
+      {"n_shared_experts", c.n_shared_experts},
+      {"moe_latent_size", c.moe_latent_size ? json(*c.moe_latent_size) : json(nullptr)},
+      {"routed_scaling_factor", hf_float(c.routed_scaling_factor)},
+      {"n_group", c.n_group},
+      {"topk_group", c.topk_group},
+      {"norm_topk_prob", c.norm_topk_prob},
+      {"num_nextn_predict_layers", c.num_nextn_predict_layers},
+      {"layer_norm_epsilon", hf_float(c.layer_norm_epsilon)},
+      {"residual_in_fp32", c.residual_in_fp32},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"dtype", c.torch_dtype},
+      {"bos_token_id", c.bos_token_id},
+      {"pad_token_id", c.pad_token_id},
+  };
+  if (!mtp.empty()) j["mtp_layers_block_type"] = mtp;
+  j["eos_token_id"] = c.eos_token_ids.size() == 1 ? json(c.eos_token_ids[0]) : json(c.eos_token_ids);
+  return j;
+}
 }  // namespace
 
 int run_info(const InfoOptions& o) {
@@ -42,6 +128,12 @@ int run_info(const InfoOptions& o) {
   // (generating 120B random weights to count them would be absurd).
   LoadedModel m = load_model(o.source, /*with_weights=*/!o.source.is_synthetic());
   const ModelConfig& c = m.config;
+  if (!o.dump_config.empty()) {
+    std::ofstream f(o.dump_config);
+    if (!f) invalid_input("--dump-config: cannot write '{}'", o.dump_config);
+    f << hf_config_json(c).dump(2) << "\n";
+    if (!f) runtime_error("--dump-config: writing '{}' failed", o.dump_config);
+  }
   if (o.source.is_synthetic()) {
     fmt::print("model      synthetic {} ({} layers, random weights, seed {})\n", o.source.synthetic,
                c.num_hidden_layers(), o.source.synthetic_seed);

@@ -17,6 +17,7 @@
 #define CHIMERA_CUDA_CALL(call) ::chimera::runtime_error("this build of chimera has no CUDA backend")
 #endif
 #include "core/error.h"
+#include "runtime/profiler.h"
 
 namespace chimera::ops {
 namespace {
@@ -93,6 +94,8 @@ class Check {
 
   template <typename CpuFn, typename CudaFn>
   void dispatch(CpuFn&& cpu_fn, CudaFn&& cuda_fn) const {
+    // The profiler's one hook: every op runs here, so the bracket covers the backend call (not the checks).
+    const ProfileScope profile(ctx_.profiler, op_, ctx_.stream);
     switch (ctx_.device) {
       case Device::kCpu:
         cpu_fn();

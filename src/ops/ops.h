@@ -19,11 +19,18 @@
 
 #include "core/tensor.h"
 
+namespace chimera {
+class Profiler;  // runtime/profiler.h
+}  // namespace chimera
+
 namespace chimera::ops {
 
 struct Context {
   Device device = Device::kCpu;
   void* stream = nullptr;  // cudaStream_t on the CUDA backend
+  // When set and armed (Profiler::begin_step), every op is bracketed by an NVTX range and timed (CUDA events
+  // on `stream`; steady_clock on the CPU). Null: no cost beyond one pointer test per op.
+  Profiler* profiler = nullptr;
 };
 
 // Int32 metadata of a step: token ids, state slots, sequence offsets, context lengths. `host` always holds the

@@ -5,8 +5,11 @@
 //     a batch of prompts (chunked prefill mixed with decodes) equals each prompt run alone on CUDA.
 //   * bf16 on CUDA: the fixture sequence is teacher-forced (prompt prefill, then the reference continuation fed
 //     one decode step at a time); top-1 agreement with the fp32 transformers logits over all positions must be
-//     >= 90 % and every logit finite. The bar (99 % against a bf16 transformers run) needs bf16
-//     fixtures, which do not exist yet; the measured agreement is printed.
+//     >= 90 % and every logit finite; the measured agreement is printed.
+//   * bf16 on CUDA against transformers run in bf16 on the GPU (logits_bf16_<p>.npy, made by
+//     `scripts/make_fixtures.py --bf16-logits-only`): the same teacher-forced positions, top-1 agreement >=
+//     kGpuBf16Top1Agreement (99 %, the bar) and per position max|logit - ref| <= kGpuBf16LogitsRelToMax
+//     * max|ref|. Skips (does not fail) when a fixture has no bf16 files.
 // Every test skips cleanly without a GPU (or in a build without CUDA).
 #include <cmath>
 #include <cstdio>
@@ -234,6 +237,59 @@ TEST_P(GpuParity, DeviceSamplingEqualsHostSampling) {
     const EngineRun dev = run_engine(*l.model, f.prompts, 16, true, /*keep_logits=*/false, sp);
     EXPECT_EQ(dev.tokens, host.tokens);
   }
+}
+
+// Against transformers' own bf16 run: the 99 % top-1 bar and a stated logit error bound.
+TEST_P(GpuParity, Bf16TeacherForcedMatchesTransformersBf16) {
+  const Fixture f = load_fixture(GetParam());
+  for (size_t p = 0; p < f.prompts.size(); ++p) {
+    if (!fs::exists(f.dir / fmt::format("logits_bf16_{}.npy", p))) {
+      GTEST_SKIP() << f.name << " has no logits_bf16_" << p
+                   << ".npy (make them with scripts/make_fixtures.py --bf16-logits-only on the GPU machine)";
+    }
+  }
+  LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kBF16});
+  const int64_t V = l.config.vocab_size;
+  int64_t agree = 0, total = 0;
+  double worst = 0.0;
+  for (size_t p = 0; p < f.prompts.size(); ++p) {
+    SCOPED_TRACE(fmt::format("{} prompt {}", f.name, p));
+    const Tensor ref = read_npy(f.dir / fmt::format("logits_bf16_{}.npy", p));
+    std::vector<int32_t> all = f.prompts[p];
+    all.insert(all.end(), f.greedy[p].begin(), f.greedy[p].end() - 1);
+    const auto rows = static_cast<int64_t>(all.size());
+    ASSERT_EQ(ref.shape(), (Shape{rows, V})) << "logits_bf16 rows are the teacher-forced positions";
+    const std::vector<float> got = teacher_forced(*l.model, all, f.prompts[p].size());
+    ASSERT_EQ(static_cast<int64_t>(got.size()), rows * V);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* g = got.data() + r * V;
+      const float* w = ref.f32() + r * V;
+      const int64_t top_got = std::max_element(g, g + V) - g, top_ref = std::max_element(w, w + V) - w;
+      ++total;
+      if (top_got == top_ref) {
+        ++agree;
+        continue;
+      }
+      // A disagreement: how close the reference's own top two were (bf16 noise flips near-ties; transformers'
+      // bf16 run itself disagrees with its fp32 run on a few % of these fixtures' positions).
+      float second = -INFINITY, max_abs = 0.0f;
+      for (int64_t v = 0; v < V; ++v) {
+        if (v != top_ref) second = std::max(second, w[v]);
+        max_abs = std::max(max_abs, std::fabs(w[v]));
+      }
+      std::printf("[ gpu bf16 ] %s prompt %zu row %lld: chimera top-1 %lld, transformers %lld; reference top-2 margin "
+                  "%.4f = %.2e of max|logit|\n",
+                  f.name.c_str(), p, static_cast<long long>(r), static_cast<long long>(top_got),
+                  static_cast<long long>(top_ref), w[top_ref] - second, (w[top_ref] - second) / max_abs);
+    }
+    EXPECT_TRUE(logits_match(got, ref, rows, V, kGpuBf16LogitsRelToMax, &worst));
+  }
+  const double rate = static_cast<double>(agree) / static_cast<double>(total);
+  std::printf("[ gpu bf16 ] %s vs transformers bf16: top-1 %lld / %lld = %.2f %% (bar %.0f %%), worst max|logit - "
+              "ref| / max|ref| = %.3e (bound %.2g)\n",
+              f.name.c_str(), static_cast<long long>(agree), static_cast<long long>(total), 100.0 * rate,
+              100.0 * kGpuBf16Top1Agreement, worst, kGpuBf16LogitsRelToMax);
+  EXPECT_GE(rate, kGpuBf16Top1Agreement);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GpuParity, ::testing::ValuesIn(fixture_names()),
