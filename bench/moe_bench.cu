@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/moe/experts.h"
 #include "backends/cuda/moe/moe_kernels.h"
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
@@ -130,35 +131,116 @@ void bench_router(const Context& ctx, int64_t E, int64_t k, float scale) {
 CHIMERA_BENCH(moe_router_super) { bench_router(ctx, 512, 22, 5.0f); }
 CHIMERA_BENCH(moe_router_nano) { bench_router(ctx, 128, 6, 2.5f); }
 
+// Routed experts at one shape: expert weights (views into one fused tensor per projection), one routing per T.
+struct ExpertsCase {
+  const char* model;
+  int64_t E, k, D, I;
+  float scale;
+  std::vector<Tensor> up, down;
+  Tensor up_fused, down_fused, bias;
+  ExpertsCase(const char* model_, int64_t E_, int64_t k_, int64_t D_, int64_t I_, float scale_)
+      : model(model_), E(E_), k(k_), D(D_), I(I_), scale(scale_) {
+    up_fused = random_bf16({E, I, D}, 1.7320508f / std::sqrt(static_cast<float>(D)), 11);
+    down_fused = random_bf16({E, D, I}, 1.7320508f / std::sqrt(static_cast<float>(I)), 13);
+    for (int64_t e = 0; e < E; ++e) {
+      up.push_back(up_fused.select(e));
+      down.push_back(down_fused.select(e));
+    }
+    bias = random_f32({E}, 0.05f, 17);
+  }
+};
+
+// The inputs of one token count: routing from the router on random logits, x, out; the bytes and flops of the
+// floor (weights of the experts this routing touches, counted on the host).
+struct ExpertsInputs {
+  Tensor ids, w, x, out;
+  double bytes = 0, flops = 0;
+  size_t touched = 0;
+  std::string shape;
+};
+ExpertsInputs experts_inputs(const ExpertsCase& c, int64_t T, DType x_dtype) {
+  const ops::Context cx{Device::kCuda, nullptr};
+  ExpertsInputs in;
+  const Tensor logits = random_f32({T, c.E}, 2.0f, static_cast<uint32_t>(100 + T));
+  in.ids = device::empty(Device::kCuda, DType::kI32, {T, c.k});
+  in.w = device::empty(Device::kCuda, DType::kF32, {T, c.k});
+  ops::router_topk(cx, in.ids, in.w, logits, c.bias, {c.k, 1, 1, true, c.scale});
+  in.x = to_dtype(random_f32({T, c.D}, 1.0f, static_cast<uint32_t>(200 + T)), x_dtype);
+  in.out = device::empty(Device::kCuda, x_dtype, {T, c.D});
+  const Tensor host_ids = device::to_host(in.ids);
+  in.touched = std::set<int32_t>(host_ids.i32(), host_ids.i32() + host_ids.numel()).size();
+  const double weight_bytes = static_cast<double>(in.touched) * 2.0 * static_cast<double>(c.I * c.D) * 2.0;
+  const double act_bytes = 2.0 * static_cast<double>(T * c.D * dtype_size(x_dtype));
+  in.bytes = weight_bytes + act_bytes;
+  in.flops = 2.0 * 2.0 * static_cast<double>(T * c.k) * static_cast<double>(c.I * c.D);
+  in.shape = std::string(c.model) + " E=" + std::to_string(c.E) + " k=" + std::to_string(c.k) +
+             " D=" + std::to_string(c.D) + " I=" + std::to_string(c.I) + " T=" + std::to_string(T) +
+             " x=" + std::string(dtype_name(x_dtype));
+  return in;
+}
+
 // Routed experts; the same routing for every timed call.
 void bench_experts(const Context& ctx, const char* model, int64_t E, int64_t k, int64_t D, int64_t I, float scale,
                    DType x_dtype, std::initializer_list<int64_t> tokens) {
   const ops::Context c{Device::kCuda, nullptr};
-  const Tensor up_fused = random_bf16({E, I, D}, 1.7320508f / std::sqrt(static_cast<float>(D)), 11);
-  const Tensor down_fused = random_bf16({E, D, I}, 1.7320508f / std::sqrt(static_cast<float>(I)), 13);
-  std::vector<Tensor> up, down;
-  for (int64_t e = 0; e < E; ++e) {
-    up.push_back(up_fused.select(e));
-    down.push_back(down_fused.select(e));
-  }
-  const Tensor bias = random_f32({E}, 0.05f, 17);
+  const ExpertsCase ec(model, E, k, D, I, scale);
   for (int64_t T : tokens) {
-    const Tensor logits = random_f32({T, E}, 2.0f, static_cast<uint32_t>(100 + T));
-    Tensor ids = device::empty(Device::kCuda, DType::kI32, {T, k});
-    Tensor w = device::empty(Device::kCuda, DType::kF32, {T, k});
-    ops::router_topk(c, ids, w, logits, bias, {k, 1, 1, true, scale});
-    const Tensor x = to_dtype(random_f32({T, D}, 1.0f, static_cast<uint32_t>(200 + T)), x_dtype);
-    Tensor out = device::empty(Device::kCuda, x_dtype, {T, D});
-    const Tensor host_ids = device::to_host(ids);
-    const std::set<int32_t> touched(host_ids.i32(), host_ids.i32() + host_ids.numel());
-    const double weight_bytes = static_cast<double>(touched.size()) * 2.0 * static_cast<double>(I * D) * 2.0;
-    const double act_bytes = 2.0 * static_cast<double>(T * D * dtype_size(x_dtype));
-    const double flops = 2.0 * 2.0 * static_cast<double>(T * k) * static_cast<double>(I * D);
-    const std::string shape = std::string(model) + " E=" + std::to_string(E) + " k=" + std::to_string(k) +
-                              " D=" + std::to_string(D) + " I=" + std::to_string(I) + " T=" + std::to_string(T) +
-                              " x=" + std::string(dtype_name(x_dtype));
-    ctx.run("moe_experts", shape, weight_bytes + act_bytes, flops,
-            [&] { ops::moe_experts(c, out, x, ids, w, up, down); });
+    ExpertsInputs in = experts_inputs(ec, T, x_dtype);
+    ctx.run("moe_experts", in.shape, in.bytes, in.flops,
+            [&] { ops::moe_experts(c, in.out, in.x, in.ids, in.w, ec.up, ec.down); });
+  }
+}
+
+// Decode token counts (issue 4: batch-1 decode at >= 0.6 of the weight-streaming floor). Per T: the public op
+// call (automatic path; CUDA events around host validation + 4 launches), then the device time of the whole op
+// (permute + up + down + combine) inside a CUDA graph of kGraphLaunches calls, what a captured decode step pays,
+// on the GEMV path ("moe_experts-gemv-graph") and on the tensor-core path ("moe_experts-mma-graph"), plus a check
+// that the two agree. The replays reuse one routing: the touched weights (Nano 120 MB at T = 1, Super 242 MB) are
+// larger than the 50 MB L2, so a replay still streams them from HBM (a little L2 reuse between calls is possible
+// at T = 1; compare the op call's GB/s too).
+void bench_experts_decode(const Context& ctx, const char* model, int64_t E, int64_t k, int64_t D, int64_t I,
+                          float scale) {
+  const char* what = "bench moe_experts graph";
+  const ExpertsCase ec(model, E, k, D, I, scale);
+  const device::Stream stream = device::Stream::create();
+  const ops::Context cs{Device::kCuda, stream.get()};
+  for (int64_t T : {1, 2, 4, 8}) {
+    ExpertsInputs in = experts_inputs(ec, T, DType::kBF16);
+    std::printf("INFO moe_experts %s touched_experts=%zu floor_us=%.2f\n", in.shape.c_str(), in.touched,
+                in.bytes / (kCopyBandwidthGBs * 1e3));
+    const ops::Context c{Device::kCuda, nullptr};
+    ctx.run("moe_experts", in.shape, in.bytes, in.flops,
+            [&] { ops::moe_experts(c, in.out, in.x, in.ids, in.w, ec.up, ec.down); });
+    std::vector<Tensor> results;
+    for (cuda::moe::ExpertsPath path : {cuda::moe::ExpertsPath::kGemv, cuda::moe::ExpertsPath::kMma}) {
+      const bool gemv = path == cuda::moe::ExpertsPath::kGemv;
+      const device::AllocPool pool;  // outlives the graph (declared first, destroyed last)
+      device::Graph graph;
+      {
+        const device::ScopedAllocPool scoped(pool);
+        // Eager first: fills the pointer-table cache and the pool, as the engine's warm-up step does.
+        cuda::moe::moe_experts_on_path(cs, in.out, in.x, in.ids, in.w, ec.up, ec.down, path);
+        stream.synchronize();
+        results.push_back(device::to_host_f32(in.out));
+        graph = device::Graph::capture(stream.get(), [&] {
+          for (int i = 0; i < kGraphLaunches; ++i) {
+            cuda::moe::moe_experts_on_path(cs, in.out, in.x, in.ids, in.w, ec.up, ec.down, path);
+          }
+        });
+      }
+      ctx.run_launches(gemv ? "moe_experts-gemv-graph" : "moe_experts-mma-graph", in.shape, in.bytes, in.flops,
+                       kGraphLaunches, [&] { graph.launch(stream.get()); });
+      stream.synchronize();
+      CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
+    }
+    // Same inputs, fp32 accumulation on both paths, h rounded to bf16 on both: expect agreement to ~1e-2 relative.
+    double max_diff = 0, max_ref = 0;
+    for (int64_t i = 0; i < results[0].numel(); ++i) {
+      max_diff = std::max(max_diff, static_cast<double>(std::fabs(results[0].f32()[i] - results[1].f32()[i])));
+      max_ref = std::max(max_ref, static_cast<double>(std::fabs(results[1].f32()[i])));
+    }
+    std::printf("CHECK moe_experts %s gemv-vs-mma max_abs_diff=%.3g max_abs=%.3g %s\n", in.shape.c_str(), max_diff,
+                max_ref, max_diff <= 2e-2 * std::max(1.0, max_ref) ? "close" : "DIFFERENT");
   }
 }
 
@@ -168,6 +250,8 @@ CHIMERA_BENCH(moe_experts_nano) {
 CHIMERA_BENCH(moe_experts_super) {
   bench_experts(ctx, "super", 512, 22, 1024, 2688, 5.0f, DType::kBF16, {1, 64, 1024});
 }
+CHIMERA_BENCH(moe_experts_decode_nano) { bench_experts_decode(ctx, "nano", 128, 6, 2688, 1856, 2.5f); }
+CHIMERA_BENCH(moe_experts_decode_super) { bench_experts_decode(ctx, "super", 512, 22, 1024, 2688, 5.0f); }
 // The fp32-activation path (SIMT, bf16 weights), decode sizes only.
 CHIMERA_BENCH(moe_experts_nano_f32x) {
   bench_experts(ctx, "nano", 128, 6, 2688, 1856, 2.5f, DType::kF32, {1, 64});

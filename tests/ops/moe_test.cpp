@@ -3,11 +3,15 @@
 // the reduction rows of tests/common/tolerances.h).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
 #include "common/backend_param.h"
 #include "common/compare.h"
+#ifdef CHIMERA_HAVE_CUDA
+#include "backends/cuda/moe/experts.h"
+#endif
 
 namespace chimera {
 namespace {
@@ -460,7 +464,8 @@ void model_shape_case(OpsMoe& t, DType x_dtype, int64_t E, int64_t k, int64_t Di
 
 TEST_P(OpsMoe, NanoShapesBf16) {
   if (!on_cuda()) GTEST_SKIP() << "model shapes run on CUDA only (the CPU reference is checked on small ones)";
-  model_shape_case(*this, DType::kBF16, 128, 6, 2688, 1856, 2.5f, {1, 17, 111, 989});
+  // T <= 8: the decode GEMV path (moe_kernels.h, kGemvMaxTokens); 9 and up: tensor cores.
+  model_shape_case(*this, DType::kBF16, 128, 6, 2688, 1856, 2.5f, {1, 2, 3, 5, 8, 9, 17, 111, 989});
 }
 
 TEST_P(OpsMoe, NanoShapesF32Activations) {
@@ -470,8 +475,128 @@ TEST_P(OpsMoe, NanoShapesF32Activations) {
 
 TEST_P(OpsMoe, SuperLatentShapesBf16) {
   if (!on_cuda()) GTEST_SKIP() << "model shapes run on CUDA only (the CPU reference is checked on small ones)";
-  model_shape_case(*this, DType::kBF16, 512, 22, 1024, 2688, 5.0f, {1, 64, 257});
+  // T <= 8: the GEMV path (up K = 1024: its short-row shape; down K = 2688: the long one); then tensor cores.
+  model_shape_case(*this, DType::kBF16, 512, 22, 1024, 2688, 5.0f, {1, 3, 8, 17, 64, 257});
 }
+
+#ifdef CHIMERA_HAVE_CUDA
+// Expert weights for the path tests: `distinct` random pairs cycled over E slots (E separate device pointers).
+struct ExpertSet {
+  std::vector<Tensor> up, down, d_up, d_down;
+};
+ExpertSet make_experts(test::Rng& rng, int64_t E, int64_t distinct, int64_t Din, int64_t I, DType dt) {
+  ExpertSet s;
+  std::vector<Tensor> pu, pd, dpu, dpd;
+  for (int64_t i = 0; i < distinct; ++i) {
+    pu.push_back(init_weight(rng, {I, Din}, dt));
+    pd.push_back(init_weight(rng, {Din, I}, dt));
+    dpu.push_back(device::to_device(pu.back(), Device::kCuda));
+    dpd.push_back(device::to_device(pd.back(), Device::kCuda));
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    s.up.push_back(pu[e % distinct]);
+    s.down.push_back(pd[e % distinct]);
+    s.d_up.push_back(dpu[e % distinct]);
+    s.d_down.push_back(dpd[e % distinct]);
+  }
+  return s;
+}
+
+// One call on a forced path into a poisoned device output, back as host f32.
+Tensor run_path(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
+                cuda::moe::ExpertsPath path) {
+  Tensor o = device::empty(Device::kCuda, dt, x.shape());
+  Tensor poison = Tensor::empty(dt, x.shape());
+  std::memset(poison.data(), 0xff, poison.nbytes());
+  device::copy(o, poison);
+  const Tensor dx = device::to_device(x, Device::kCuda, dt), dids = device::to_device(ids, Device::kCuda);
+  const Tensor dw = device::to_device(w, Device::kCuda);
+  cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, nullptr}, o, dx, dids, dw, s.d_up, s.d_down, path);
+  return device::to_host_f32(o);
+}
+
+// The decode GEMV path (grouped_gemv.cu) forced at every tile of tokens (1, 2, 4, 8 per work item, and more
+// tokens per expert than a tile: several items for one expert) in bf16 and f16: against the CPU reference,
+// bit-identical on a second run, and close to the tensor-core path on the same inputs.
+struct GemvCase {
+  int64_t E, k, Din, I;
+};
+void gemv_path_case(const GemvCase& c, std::initializer_list<int64_t> tokens) {
+  auto rng = test::Rng::for_test();
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    const ExpertSet s = make_experts(rng, c.E, 4, c.Din, c.I, dt);
+    for (int64_t T : tokens) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " E=" << c.E << " k=" << c.k << " Din=" << c.Din
+                                        << " I=" << c.I << " T=" << T);
+      Tensor ids, w;
+      random_routing(rng, T, c.E, c.k, 2.5f, ids, w);
+      const Tensor x = round_to(rng.normal_tensor({T, c.Din}), dt);
+      const Tensor got = run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv);
+      const std::vector<int64_t> rows = spread_rows(T, 8);
+      EXPECT_TRUE(test::nmse_close(pick_rows(got, rows), cpu_reference_rows(x, ids, w, s.up, s.down, rows),
+                                   test::kBF16ReductionNmse, test::kBF16Reduction));
+      EXPECT_TRUE(test::bit_equal(run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
+      EXPECT_TRUE(test::nmse_close(got, run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kMma),
+                                   test::kBF16ReductionNmse, test::kBF16Reduction));
+    }
+  }
+}
+
+// Both row shapes (K <= 1024: one step, 4 rows per warp; K > 1024: several steps, 2 rows per warp) with row counts
+// that leave a partial last block. {72, 200}: both rows short, N = 200 and 72; {1096, 200}: up K = 1096 long with
+// a tail step and N = 200 (16-row blocks), down K = 200 short and N = 1096 (32-row blocks). T = 17 and 40 are past
+// the automatic cut (forced here).
+TEST_P(OpsMoe, GemvPathMatchesTheCpuReference) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA GEMV path";
+  gemv_path_case({8, 2, 72, 200}, {1, 2, 3, 4, 5, 8, 17, 40});
+  gemv_path_case({12, 3, 1096, 200}, {1, 2, 3, 5, 8, 17, 40});
+}
+
+// The Nano expert sizes (Din 2688, I 1856: 336 and 232 chunks per row, neither a multiple of a step).
+TEST_P(OpsMoe, GemvPathAtNanoSizes) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA GEMV path";
+  gemv_path_case({16, 6, 2688, 1856}, {1, 2, 3, 5, 8, 17});
+}
+
+// Routing the router never makes but the op allows: every token of the batch on the same experts (one expert
+// holds all T tokens: a full item), and a token choosing one expert twice (that expert then holds more pairs
+// than T, so more than one item). At the Nano sizes and a Super-like latent size, through the automatic path.
+TEST_P(OpsMoe, GemvPathSharedAndRepeatedExperts) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA GEMV path";
+  auto rng = test::Rng::for_test();
+  struct Case {
+    int64_t E, k, Din, I;
+  };
+  for (const Case c : {Case{16, 6, 2688, 1856}, Case{24, 8, 1024, 2688}}) {
+    const ExpertSet s = make_experts(rng, c.E, 4, c.Din, c.I, DType::kBF16);
+    for (int64_t T : {1, 3, 5, 8}) {
+      for (bool repeat : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "Din=" << c.Din << " T=" << T << " repeat=" << repeat);
+        Tensor ids = Tensor::empty(DType::kI32, {T, c.k}), w = Tensor::empty(DType::kF32, {T, c.k});
+        for (int64_t t = 0; t < T; ++t) {
+          // Choices 0 and 1: experts 5 and 2 for every token; the rest distinct random others (or, with
+          // `repeat`, choice 2 repeats expert 2).
+          std::vector<int32_t> pick = {5, 2};
+          while (static_cast<int64_t>(pick.size()) < c.k) {
+            const auto e = static_cast<int32_t>(rng.integer(0, c.E - 1));
+            if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+          }
+          if (repeat) pick[2] = 2;
+          for (int64_t j = 0; j < c.k; ++j) {
+            ids.i32()[t * c.k + j] = pick[static_cast<size_t>(j)];
+            w.f32()[t * c.k + j] = rng.uniform(0.1f, 1.0f);
+          }
+        }
+        const Tensor x = round_to(rng.normal_tensor({T, c.Din}), DType::kBF16);
+        const Tensor got = run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto);
+        EXPECT_TRUE(test::nmse_close(got, cpu_reference_rows(x, ids, w, s.up, s.down, all_rows(T)),
+                                     test::kBF16ReductionNmse, test::kBF16Reduction));
+        EXPECT_TRUE(test::bit_equal(run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
+      }
+    }
+  }
+}
+#endif
 
 TEST_P(OpsMoe, BadExpertsThrowNamingTheOp) {
   const Tensor x = in(Tensor::zeros(DType::kF32, {2, 8}));

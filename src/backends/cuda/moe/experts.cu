@@ -3,8 +3,9 @@
 // on the device; the grids are sized by an upper bound and surplus blocks exit at once).
 //
 // Paths: bf16 / f16 activations with expert weights of the same dtype, K and N multiples of 8 and 16-byte aligned
-// weights -> tensor cores (grouped_gemm_mma.cu); anything else, fp32 activations in particular -> fp32 SIMT
-// (grouped_gemm_simt.cu). Why not CUTLASS or cuBLAS grouped GEMM: see docs/moe_cuda.md.
+// weights -> decode GEMV for T <= kGemvMaxTokens (grouped_gemv.cu; why that cut: moe_kernels.h), tensor cores
+// above (grouped_gemm_mma.cu); anything else, fp32 activations in particular -> fp32 SIMT (grouped_gemm_simt.cu).
+// Why not CUTLASS or cuBLAS grouped GEMM: see docs/moe_cuda.md.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,7 @@
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_ops.h"
+#include "backends/cuda/moe/experts.h"
 #include "backends/cuda/moe/moe_kernels.h"
 #include "backends/device_api.h"
 
@@ -69,10 +71,31 @@ PointerTables& pointer_tables() {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+const char* path_name(moe::ExpertsPath path) {
+  switch (path) {
+    case moe::ExpertsPath::kGemv:
+      return "gemv";
+    case moe::ExpertsPath::kMma:
+      return "mma";
+    case moe::ExpertsPath::kSimt:
+      return "simt";
+    default:
+      return "auto";
+  }
+}
+
 }  // namespace
 
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
+  moe::moe_experts_on_path(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, moe::ExpertsPath::kAuto);
+}
+
+namespace moe {
+
+void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                         const Tensor& topk_weights, std::span<const Tensor> up_proj,
+                         std::span<const Tensor> down_proj, ExpertsPath path) {
   const int64_t T = x.dim(0), Din = x.dim(1), k = topk_ids.dim(1);
   const int E = static_cast<int>(up_proj.size());
   const int64_t I = up_proj[0].dim(0);
@@ -104,17 +127,28 @@ void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, co
   }
   cudaStream_t stream = as_stream(ctx.stream);
 
-  const bool mma = (x.dtype() == DType::kBF16 || x.dtype() == DType::kF16) && wt == x.dtype() && Din % 8 == 0 &&
-                   I % 8 == 0 && weights_aligned && aligned16(x.data());
+  // The 16-bit domain of the tensor-core and GEMV paths.
+  const bool vec16 = (x.dtype() == DType::kBF16 || x.dtype() == DType::kF16) && wt == x.dtype() && Din % 8 == 0 &&
+                     I % 8 == 0 && weights_aligned && aligned16(x.data());
+  const bool gemv_ok = vec16 && moe::gemv_fits(std::min<int64_t>(T, moe::kGemvMaxTokens), std::max(Din, I));
+  if (path == ExpertsPath::kAuto) {
+    path = !vec16 ? ExpertsPath::kSimt : gemv_ok && T <= moe::kGemvMaxTokens ? ExpertsPath::kGemv : ExpertsPath::kMma;
+  } else if ((path == ExpertsPath::kMma && !vec16) || (path == ExpertsPath::kGemv && !gemv_ok)) {
+    throw_runtime(str_cat("ops::moe_experts: the ", path_name(path), " path does not take x ", x.describe(),
+                          " with weights ", up_proj[0].describe()));
+  }
+  const bool gemv = path == ExpertsPath::kGemv, mma = path == ExpertsPath::kMma;
   // Few rows per active expert (decode): the small tile (BT = 16, BN = 64) gives more blocks per expert.
   const int64_t active_bound = std::min<int64_t>(E, P);
   const moe::MmaTile tile = P <= 24 * active_bound ? moe::MmaTile::kSmall : moe::MmaTile::kLarge;
-  const int tile_rows = mma ? moe::mma_tile_rows(tile) : moe::kSimtTileRows;
-  const int64_t max_items = (P + tile_rows - 1) / tile_rows + active_bound;
+  const int tile_rows = gemv ? moe::gemv_tile_rows(T) : mma ? moe::mma_tile_rows(tile) : moe::kSimtTileRows;
+  // Work items (tiles of <= tile_rows pairs of one expert): sum over the active experts of ceil(count / tile_rows)
+  // <= P / tile_rows + active experts, and <= P (each holds a pair).
+  const int64_t max_items = std::min<int64_t>(P, (P + tile_rows - 1) / tile_rows + active_bound);
 
   // Workspace from the caching allocator; stream-ordered reuse makes freeing it at return safe.
   Tensor meta = device::empty(Device::kCuda, DType::kI32, {P + 8 + 4 * max_items});
-  Tensor h = device::empty(Device::kCuda, mma ? x.dtype() : DType::kF32, {P, I});
+  Tensor h = device::empty(Device::kCuda, gemv || mma ? x.dtype() : DType::kF32, {P, I});
   Tensor y = device::empty(Device::kCuda, DType::kF32, {P, Din});
   int32_t* sorted_pair = meta.data_as<int32_t>();
   int32_t* n_items = sorted_pair + P;
@@ -152,7 +186,10 @@ void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, co
   down.out = y.data();
   down.N = static_cast<int>(Din);
   down.K = static_cast<int>(I);
-  if (mma) {
+  if (gemv) {
+    moe::launch_moe_gemv(up, x.dtype(), tile_rows, true, stream);
+    moe::launch_moe_gemv(down, x.dtype(), tile_rows, false, stream);
+  } else if (mma) {
     moe::launch_moe_gemm_mma(up, x.dtype(), tile, true, stream);
     moe::launch_moe_gemm_mma(down, x.dtype(), tile, false, stream);
   } else {
@@ -172,4 +209,5 @@ void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, co
   moe::launch_moe_combine(cp, stream);
 }
 
+}  // namespace moe
 }  // namespace chimera::cuda

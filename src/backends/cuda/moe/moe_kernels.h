@@ -65,6 +65,23 @@ enum class MmaTile { kSmall, kLarge };
 int mma_tile_rows(MmaTile tile);  // the BT of the tile shape
 void launch_moe_gemm_mma(GemmParams p, DType dtype, MmaTile tile, bool up, cudaStream_t stream);
 
+// Decode path (grouped_gemv.cu): one warp per 2 weight rows of an active expert, 16-byte weight loads, the item's
+// token rows staged in shared memory, fp32 accumulation, warp-shuffle reduction; bf16 or f16 activations with
+// weights of the same dtype, K % 8 == 0, 16-byte aligned rows (the tensor-core path's domain).
+// The cut: T <= kGemvMaxTokens. With top-k routing a token picks an expert at most once, so an expert holds at
+// most T of the P pairs and, with tile_rows = gemv_tile_rows(T) <= 8 tokens per work item, every active expert's
+// weights are streamed once. Per 16-byte weight chunk the SIMT work is ~11 + 12.5 x (tokens of the item) thread
+// instructions; at 4.2 TB/s over 132 SMs an SM gets ~1 chunk per cycle and issues 128 thread instructions per
+// cycle, so up to 8 tokens per item still fit under the bandwidth (random routing averages ~1.2 tokens per active
+// expert at T = 8 for both Nano and Super); beyond that the mma path's 16-token tiles are the better shape. P
+// (= T x k, up to 176 for Super at T = 8) is not the criterion: ~150 of Super's 512 experts are active then and
+// each still holds one or two tokens.
+inline constexpr int64_t kGemvMaxTokens = 8;
+inline constexpr int64_t kGemvMaxSmemBytes = 96 * 1024;  // [tile_rows][K] 16-bit token rows; two blocks per SM
+int gemv_tile_rows(int64_t T);         // tokens per work item: 1, 2, 4 or 8 (the permutation's tile_rows)
+bool gemv_fits(int64_t T, int64_t K);  // T <= kGemvMaxTokens, K % 8 == 0, token rows fit kGemvMaxSmemBytes
+void launch_moe_gemv(GemmParams p, DType dtype, int tile_rows, bool up, cudaStream_t stream);
+
 // fp32 SIMT path: any activation / weight dtype (converted to fp32 on load); h is fp32 here.
 inline constexpr int kSimtTileRows = 16;
 void launch_moe_gemm_simt(GemmParams p, DType x_dtype, DType w_dtype, bool up, cudaStream_t stream);
