@@ -216,6 +216,13 @@ class Uploader {
   void operator()(Tensor& t) { put(t, dtype_); }
   // Parameters the kernels read in fp32 (A_log, D, dt_bias, correction bias, router gate).
   void f32(Tensor& t) { put(t, DType::kF32); }
+  // fp32 storage holding model-dtype values: A_log, D, dt_bias and the router gate. transformers loads them in the
+  // model dtype (only e_score_correction_bias is kept in fp32, model-spec 8.5 / 8.6) and upcasts them in the
+  // forward, so a 16-bit model rounds an fp32 checkpoint's values once here (a no-op for 16-bit checkpoints).
+  void f32_in_model_dtype(Tensor& t) {
+    if (t && dtype_ != DType::kF32 && t.dtype() != dtype_) t = device::to_device(t, Device::kCpu, dtype_);
+    put(t, DType::kF32);
+  }
 
   // E experts of one shape -> one device buffer [E, rows, cols], the experts become views of it (the grouped
   // expert GEMM reads one pointer per expert; one allocation keeps them together). Copied expert by expert so
@@ -270,9 +277,8 @@ void upload_layer(Uploader& up, LayerWeights& L) {
                     &L.moe.shared_experts.down_proj, &L.moe.fc1_latent_proj, &L.moe.fc2_latent_proj}) {
     up(*t);
   }
-  for (Tensor* t : {&m.ssm.A_log, &m.ssm.D, &m.ssm.dt_bias, &L.moe.e_score_correction_bias, &L.moe.gate}) {
-    up.f32(*t);
-  }
+  for (Tensor* t : {&m.ssm.A_log, &m.ssm.D, &m.ssm.dt_bias, &L.moe.gate}) up.f32_in_model_dtype(*t);
+  up.f32(L.moe.e_score_correction_bias);
   up.experts(L.moe.experts_up);
   up.experts(L.moe.experts_down);
 }
