@@ -8,6 +8,8 @@
 //   BENCH kernel=<name> shape=<text> us=<median> gbps=<x> tflops=<y> floor_ratio=<r>
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <functional>
 #include <string>
 #include <vector>
@@ -16,6 +18,7 @@ namespace chimera::bench {
 
 inline constexpr double kCopyBandwidthGBs = 4200.0;  // measured device-to-device copy, read + write
 inline constexpr double kBf16PeakTflops = 790.0;      // measured dense bf16
+inline constexpr int kGraphLaunches = 20;             // calls per CUDA graph in run_graph
 
 struct Context {
   int warmup = 5;
@@ -30,6 +33,12 @@ struct Context {
   // overhead between synchronised iterations is not counted (device time of a kernel in a stream).
   double run_launches(const std::string& kernel, const std::string& shape, double bytes, double flops, int launches,
                       const std::function<void()>& fn) const;
+  // Device time per call inside a CUDA graph, reported as kernel "<kernel>-graph": op(stream, 0) once eagerly
+  // (first-use plans, scratch, pointer tables), then `launches` calls of op(stream, i) captured in one graph on a
+  // stream of its own (allocations from a private pool, as the engine's decode graphs) and replayed. What a kernel
+  // costs inside a captured decode step, without the host's per-call launch overhead that run() includes (~5 us).
+  double run_graph(const std::string& kernel, const std::string& shape, double bytes, double flops,
+                   const std::function<void(cudaStream_t, int)>& op, int launches = kGraphLaunches) const;
 };
 
 using BenchFn = void (*)(const Context&);

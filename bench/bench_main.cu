@@ -52,6 +52,26 @@ double Context::run_launches(const std::string& kernel, const std::string& shape
   return us;
 }
 
+double Context::run_graph(const std::string& kernel, const std::string& shape, double bytes, double flops,
+                          const std::function<void(cudaStream_t, int)>& op, int launches) const {
+  const device::Stream stream = device::Stream::create();
+  const auto st = static_cast<cudaStream_t>(stream.get());
+  const device::AllocPool pool;  // declared before the graph: outlives it
+  device::Graph graph;
+  {
+    const device::ScopedAllocPool scoped(pool);
+    op(st, 0);
+    stream.synchronize();
+    graph = device::Graph::capture(stream.get(), [&] {
+      for (int i = 0; i < launches; ++i) op(st, i);
+    });
+  }
+  const double us =
+      run_launches(kernel + "-graph", shape, bytes, flops, launches, [&] { graph.launch(stream.get()); });
+  stream.synchronize();
+  return us;
+}
+
 }  // namespace chimera::bench
 
 int main(int argc, char** argv) {

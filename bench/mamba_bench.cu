@@ -58,31 +58,6 @@ int rotation_sets(double bytes_per_call) {
   return std::clamp(static_cast<int>(kRotateBytes / bytes_per_call) + 1, 1, 512);
 }
 
-// Device time per launch: kGraphLaunches launches of op(stream, i) captured in one CUDA graph and replayed,
-// reported as kernel "<name>-graph" (norm_bench.cu's method). The event-timed single calls above also count
-// the host's launch (~5-6 us per call on the H200 machines: add_rms_norm 1 x 8192 measured 9.06 us per call
-// against 3.14 us in a graph), which is most of a decode-size conv1d update; the engine replays its decode
-// step as a CUDA graph, so this is the number the kernel is judged by there.
-constexpr int kGraphLaunches = 20;
-
-void run_graph(const Context& ctx, const std::string& kernel, const std::string& shape, double bytes,
-               const std::function<void(cudaStream_t, int)>& op) {
-  const char* what = "bench graph";
-  cudaStream_t s;
-  CHIMERA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), what);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHIMERA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), what);
-  for (int i = 0; i < kGraphLaunches; ++i) op(s, i);
-  CHIMERA_CUDA_CHECK(cudaStreamEndCapture(s, &graph), what);
-  CHIMERA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0), what);
-  ctx.run_launches(kernel + "-graph", shape, bytes, 0.0, kGraphLaunches, [&] { cudaGraphLaunch(exec, nullptr); });
-  CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), what);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
-}
-
 const char* dname(DType d) { return d == DType::kF32 ? "f32" : d == DType::kBF16 ? "bf16" : "f16"; }
 
 // ---- selective state update ---------------------------------------------------------------------------
@@ -146,7 +121,7 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
     }
   });
   if (graph && rows_per_warp >= 0) {
-    run_graph(ctx, kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, [&](cudaStream_t st, int i) {
+    ctx.run_graph(kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, 0, [&](cudaStream_t st, int i) {
       cuda::SsuParams q = p;
       q.slots = slots.i32() + static_cast<int64_t>(i % sets) * batch;
       cuda::launch_selective_state_update(q, st);
@@ -214,7 +189,7 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len) {
     p.tiles = reinterpret_cast<const cuda::Conv1dTile*>(tiles[static_cast<size_t>(call++ % sets)].data());
     cuda::launch_causal_conv1d(p, nullptr);
   });
-  run_graph(ctx, "conv1d-prefill", shape, bytes, [&](cudaStream_t st, int i) {
+  ctx.run_graph("conv1d-prefill", shape, bytes, 0, [&](cudaStream_t st, int i) {
     cuda::Conv1dParams q = p;
     q.tiles = reinterpret_cast<const cuda::Conv1dTile*>(tiles[static_cast<size_t>(i % sets)].data());
     cuda::launch_causal_conv1d(q, st);
@@ -248,7 +223,7 @@ void bench_conv_update(const Context& ctx, int batch) {
     p.slots = slots.i32() + set * batch;
     cuda::launch_causal_conv1d_update(p, nullptr);
   });
-  run_graph(ctx, "conv1d-update", shape, bytes, [&](cudaStream_t st, int i) {
+  ctx.run_graph("conv1d-update", shape, bytes, 0, [&](cudaStream_t st, int i) {
     const int64_t set = i % sets;
     cuda::Conv1dParams q = p;
     q.x = static_cast<const char*>(x.data()) + set * batch * C * dtype_size(act);

@@ -70,28 +70,6 @@ Tensor to_dtype(const Tensor& f32, DType dtype) {
   return dtype == DType::kF32 ? f32 : device::to_device(device::to_host(f32), Device::kCuda, dtype);
 }
 
-constexpr int kGraphLaunches = 20;
-
-// Device time per launch: kGraphLaunches router launches captured in one CUDA graph and replayed, reported
-// as kernel "<name>-graph" (what the router costs inside a captured decode step).
-void run_router_graph(const Context& ctx, const std::string& kernel, const std::string& shape, double bytes,
-                      const cuda::moe::RouterParams& p) {
-  const char* what = "bench router graph";
-  cudaStream_t s;
-  CHIMERA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), what);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHIMERA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), what);
-  for (int i = 0; i < kGraphLaunches; ++i) cuda::moe::launch_router_topk(p, s);
-  CHIMERA_CUDA_CHECK(cudaStreamEndCapture(s, &graph), what);
-  CHIMERA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0), what);
-  ctx.run_launches(kernel + "-graph", shape, bytes, 0.0, kGraphLaunches, [&] { cudaGraphLaunch(exec, nullptr); });
-  CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), what);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
-}
-
 std::string router_shape(int64_t E, int64_t k, int64_t T) {
   return "E=" + std::to_string(E) + " k=" + std::to_string(k) + " T=" + std::to_string(T);
 }
@@ -117,7 +95,8 @@ void bench_router(const Context& ctx, int64_t E, int64_t k, float scale) {
     std::vector<Tensor> outs;
     for (int kernel : {1, 2}) {
       p.kernel = kernel;
-      run_router_graph(ctx, kernel == 1 ? "router_topk-warp" : "router_topk-block", router_shape(E, k, T), bytes, p);
+      ctx.run_graph(kernel == 1 ? "router_topk-warp" : "router_topk-block", router_shape(E, k, T), bytes, 0,
+                    [&](cudaStream_t st, int) { cuda::moe::launch_router_topk(p, st); });
       outs.push_back(device::to_host(ids));
       outs.push_back(device::to_host(w));
     }
@@ -202,8 +181,6 @@ void bench_experts_decode(const Context& ctx, const char* model, int64_t E, int6
                           float scale) {
   const char* what = "bench moe_experts graph";
   const ExpertsCase ec(model, E, k, D, I, scale);
-  const device::Stream stream = device::Stream::create();
-  const ops::Context cs{Device::kCuda, stream.get()};
   for (int64_t T : {1, 2, 4, 8}) {
     ExpertsInputs in = experts_inputs(ec, T, DType::kBF16);
     std::printf("INFO moe_experts %s touched_experts=%zu floor_us=%.2f\n", in.shape.c_str(), in.touched,
@@ -214,23 +191,14 @@ void bench_experts_decode(const Context& ctx, const char* model, int64_t E, int6
     std::vector<Tensor> results;
     for (cuda::moe::ExpertsPath path : {cuda::moe::ExpertsPath::kGemv, cuda::moe::ExpertsPath::kMma}) {
       const bool gemv = path == cuda::moe::ExpertsPath::kGemv;
-      const device::AllocPool pool;  // outlives the graph (declared first, destroyed last)
-      device::Graph graph;
-      {
-        const device::ScopedAllocPool scoped(pool);
-        // Eager first: fills the pointer-table cache and the pool, as the engine's warm-up step does.
-        cuda::moe::moe_experts_on_path(cs, in.out, in.x, in.ids, in.w, ec.up, ec.down, path);
-        stream.synchronize();
-        results.push_back(device::to_host_f32(in.out));
-        graph = device::Graph::capture(stream.get(), [&] {
-          for (int i = 0; i < kGraphLaunches; ++i) {
-            cuda::moe::moe_experts_on_path(cs, in.out, in.x, in.ids, in.w, ec.up, ec.down, path);
-          }
-        });
-      }
-      ctx.run_launches(gemv ? "moe_experts-gemv-graph" : "moe_experts-mma-graph", in.shape, in.bytes, in.flops,
-                       kGraphLaunches, [&] { graph.launch(stream.get()); });
-      stream.synchronize();
+      const auto call = [&](cudaStream_t st) {
+        cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, st}, in.out, in.x, in.ids, in.w, ec.up, ec.down,
+                                       path);
+      };
+      call(nullptr);
+      results.push_back(device::to_host_f32(in.out));
+      ctx.run_graph(gemv ? "moe_experts-gemv" : "moe_experts-mma", in.shape, in.bytes, in.flops,
+                    [&](cudaStream_t st, int) { call(st); });
       CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
     }
     // Same inputs, fp32 accumulation on both paths, h rounded to bf16 on both: expect agreement to ~1e-2 relative.

@@ -60,30 +60,6 @@ std::string tokens_hidden(int64_t T, int64_t D) {
 
 const int64_t kNormTokens[] = {1, 16, 64, 256, 1024, 4096, 16384};
 const int64_t kNormHidden[] = {2688, 4096, 8192};
-constexpr int kGraphLaunches = 20;
-
-// Device time per launch: kGraphLaunches calls of op(stream, i) captured in one CUDA graph and replayed,
-// reported as kernel "<name>-graph": what a kernel costs inside a captured decode step, without the host's
-// per-call launch overhead that run() includes.
-void run_graph(const Context& ctx, const std::string& kernel, const std::string& shape, double bytes,
-               const std::function<void(cudaStream_t, int)>& op, double flops = 0) {
-  const char* what = "bench graph";
-  cudaStream_t s;
-  CHIMERA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), what);
-  op(s, 0);  // first use (plans, scratch) outside the capture
-  CHIMERA_CUDA_CHECK(cudaStreamSynchronize(s), what);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHIMERA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), what);
-  for (int i = 0; i < kGraphLaunches; ++i) op(s, i);
-  CHIMERA_CUDA_CHECK(cudaStreamEndCapture(s, &graph), what);
-  CHIMERA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0), what);
-  ctx.run_launches(kernel + "-graph", shape, bytes, flops, kGraphLaunches, [&] { cudaGraphLaunch(exec, nullptr); });
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
-}
-
 CHIMERA_BENCH(add_rms_norm_bf16) {
   const ops::Context c{Device::kCuda, nullptr};
   for (int64_t D : kNormHidden) {
@@ -105,7 +81,7 @@ CHIMERA_BENCH(add_rms_norm_bf16) {
       });
       // The default launch (2 vector groups per thread) and the 4-per-thread variant, on device time.
       for (int vecs : {0, 4}) {
-        run_graph(ctx, vecs == 0 ? "add_rms_norm" : "add_rms_norm-v4", shape, bytes, [&](cudaStream_t st, int i) {
+        ctx.run_graph(vecs == 0 ? "add_rms_norm" : "add_rms_norm-v4", shape, bytes, 0, [&](cudaStream_t st, int i) {
           const Set& s = sets[static_cast<size_t>(i) % sets.size()];
           const cuda::norm::RowNormParams p{s.out.data(),        s.x.data(), nullptr, s.res.data(), w.data(), T,
                                             static_cast<int>(D), 1,          1e-5f};
@@ -132,7 +108,7 @@ CHIMERA_BENCH(rms_norm_bf16) {
         ops::rms_norm(c, s.second, s.first, w, 1e-5f);
       });
       for (int vecs : {0, 4}) {
-        run_graph(ctx, vecs == 0 ? "rms_norm" : "rms_norm-v4", shape, bytes, [&](cudaStream_t st, int i) {
+        ctx.run_graph(vecs == 0 ? "rms_norm" : "rms_norm-v4", shape, bytes, 0, [&](cudaStream_t st, int i) {
           const auto& s = sets[static_cast<size_t>(i) % sets.size()];
           const cuda::norm::RowNormParams p{
               s.second.data(), s.first.data(), nullptr, nullptr, w.data(), T, static_cast<int>(D), 1, 1e-5f};
@@ -165,7 +141,7 @@ CHIMERA_BENCH(gated_rms_norm_bf16) {
         const Set& s = sets[k++ % sets.size()];
         ops::gated_rms_norm(c, s.out, s.y, s.z, w, G, 1e-5f);
       });
-      run_graph(ctx, "gated_rms_norm", shape, bytes, [&](cudaStream_t st, int i) {
+      ctx.run_graph("gated_rms_norm", shape, bytes, 0, [&](cudaStream_t st, int i) {
         const Set& s = sets[static_cast<size_t>(i) % sets.size()];
         ops::gated_rms_norm(ops::Context{Device::kCuda, st}, s.out, s.y, s.z, w, G, 1e-5f);
       });
@@ -219,13 +195,10 @@ CHIMERA_BENCH(linear_bf16) {
         ops::linear(c, s.y, s.x, s.w);
       });
       if (T <= 64) {  // launch-bound sizes: also the device time inside a graph
-        run_graph(
-            ctx, "linear", shape, bytes,
-            [&](cudaStream_t st, int i) {
-              const Set& s = sets[static_cast<size_t>(i) % sets.size()];
-              ops::linear(ops::Context{Device::kCuda, st}, s.y, s.x, s.w);
-            },
-            flops);
+        ctx.run_graph("linear", shape, bytes, flops, [&](cudaStream_t st, int i) {
+          const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+          ops::linear(ops::Context{Device::kCuda, st}, s.y, s.x, s.w);
+        });
       }
     }
   }

@@ -115,7 +115,7 @@ AllReduceFusion::~AllReduceFusion() {
   }
 }
 
-AllReduceStrategy AllReduceFusion::choose(const AllReduceParams& p) const {
+StrategyQuery AllReduceFusion::query(const AllReduceParams& p) const {
   StrategyQuery q;
   q.n_ranks = comm_.size();
   q.pattern = p.pattern;
@@ -124,7 +124,11 @@ AllReduceStrategy AllReduceFusion::choose(const AllReduceParams& p) const {
   q.elem_bytes = static_cast<int>(dtype_size(p.dtype));
   q.peer_access = custom_;
   q.max_message_bytes = config_.max_message_bytes;
-  return select_strategy(q, config_.strategy);
+  return q;
+}
+
+AllReduceStrategy AllReduceFusion::choose(const AllReduceParams& p) const {
+  return select_strategy(query(p), config_.strategy);
 }
 
 AllReduceStrategy AllReduceFusion::run(int rank, const AllReduceParams& p, void* stream) {
@@ -217,14 +221,7 @@ AllReduceStrategy AllReduceFusion::autotuned(int rank, const AllReduceParams& p,
   cuda_check(cudaStreamIsCapturing(st, &capturing), "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone) return table_choice;  // cannot time inside a capture
 
-  StrategyQuery q;
-  q.n_ranks = comm_.size();
-  q.pattern = p.pattern;
-  q.hidden = p.hidden;
-  q.tokens = p.tokens;
-  q.elem_bytes = static_cast<int>(dtype_size(p.dtype));
-  q.peer_access = custom_;
-  q.max_message_bytes = config_.max_message_bytes;
+  const StrategyQuery q = query(p);
   const std::vector<AllReduceStrategy> candidates = autotune_candidates(q);
 
   // Repeating an in-place call would add the sum to the residual once per call: time into a stand-in.

@@ -21,6 +21,7 @@
 #include "core/dtype.h"
 #include "dist/allreduce_types.h"
 #include "dist/communicator.h"
+#include "dist/strategy.h"
 #include "dist/topology.h"
 
 namespace chimera::dist {
@@ -77,6 +78,7 @@ class AllReduceFusion {
 
  private:
   struct RankState;
+  StrategyQuery query(const AllReduceParams& params) const;  // what the strategy choice depends on
   AllReduceStrategy launch(int rank, const AllReduceParams& p, AllReduceStrategy s, void* stream);
   AllReduceStrategy autotuned(int rank, const AllReduceParams& p, AllReduceStrategy table_choice, void* stream);
   const Communicator& comm_;

@@ -133,22 +133,36 @@ inline RunResult run_prompt(const NemotronH& model, const std::vector<int32_t>& 
 
 // Runs several prompts in ONE engine (4 sequences, a 40-token step budget: prompts are split into chunks and
 // later steps mix prefill chunks with decodes), prompt p generating n_new[p] tokens; returns each prompt's
-// generated tokens and logits rows in prompt order. Runs on the model's device.
-inline std::vector<RunResult> run_batch(const NemotronH& model, const std::vector<std::vector<int32_t>>& prompts,
-                                        const std::vector<int32_t>& n_new) {
+// generated tokens and (with keep_logits) its logits rows, prompt rows included, in prompt order, and the batch
+// sizes that ran as CUDA graphs. Without keep_logits nobody asks for the rows, so a GPU engine samples on the
+// device. Runs on the model's device.
+struct BatchOptions {
+  bool cuda_graphs = true;
+  bool keep_logits = true;
+  SamplingParams sampling;  // max_new_tokens comes from n_new; ignore_eos is set
+};
+struct BatchRun {
+  std::vector<RunResult> results;
+  std::vector<int32_t> graph_sizes;
+};
+inline BatchRun run_batch_with(const NemotronH& model, const std::vector<std::vector<int32_t>>& prompts,
+                               const std::vector<int32_t>& n_new, const BatchOptions& options) {
   EngineConfig ec;
   ec.cache.max_seqs = 4;
   ec.cache.max_model_len = 128;
   ec.cache.block_size = 8;
   ec.scheduler.max_num_seqs = 4;
   ec.scheduler.max_num_batched_tokens = 40;
-  ec.return_prompt_logits = true;
+  ec.return_prompt_logits = options.keep_logits;
+  ec.cuda_graphs = options.cuda_graphs;
   Engine engine(model, ops::Context{model.device(), nullptr}, ec);
   std::map<int32_t, RunResult> by_id;
-  engine.on_logits = [&](int32_t id, std::span<const float> row) {
-    by_id[id].logits.insert(by_id[id].logits.end(), row.begin(), row.end());
-  };
-  SamplingParams sp;
+  if (options.keep_logits) {
+    engine.on_logits = [&](int32_t id, std::span<const float> row) {
+      by_id[id].logits.insert(by_id[id].logits.end(), row.begin(), row.end());
+    };
+  }
+  SamplingParams sp = options.sampling;
   sp.ignore_eos = true;
   std::vector<int32_t> ids;
   for (size_t p = 0; p < prompts.size(); ++p) {
@@ -157,9 +171,14 @@ inline std::vector<RunResult> run_batch(const NemotronH& model, const std::vecto
   }
   while (engine.has_unfinished()) engine.step();
   for (Sequence& s : engine.take_finished()) by_id[s.id].tokens.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
-  std::vector<RunResult> out;
-  for (int32_t id : ids) out.push_back(by_id[id]);
+  BatchRun out;
+  for (int32_t id : ids) out.results.push_back(by_id[id]);
+  out.graph_sizes = engine.graph_batch_sizes();
   return out;
+}
+inline std::vector<RunResult> run_batch(const NemotronH& model, const std::vector<std::vector<int32_t>>& prompts,
+                                        const std::vector<int32_t>& n_new) {
+  return run_batch_with(model, prompts, n_new, BatchOptions{}).results;
 }
 
 }  // namespace chimera::test

@@ -154,47 +154,11 @@ TEST_P(GpuParity, Bf16TeacherForcedTop1AgreesWithTransformers) {
   EXPECT_GE(rate, 0.90);
 }
 
-// The fixture prompts in ONE engine (4 sequences, a 40-token step budget, so prompts are chunked and finish at
-// different times), with or without CUDA graphs for the decode-only steps. `keep_logits`: collect every logits row
-// (the rows then come to the host and are sampled there); otherwise sampling runs on the GPU.
-struct EngineRun {
-  std::vector<std::vector<int32_t>> tokens;
-  std::vector<std::vector<float>> logits;
-  std::vector<int32_t> graph_sizes;
-};
-EngineRun run_engine(const NemotronH& model, const std::vector<std::vector<int32_t>>& prompts, int32_t n_new,
-                     bool cuda_graphs, bool keep_logits, const SamplingParams& base = {}) {
-  EngineConfig ec;
-  ec.cache.max_seqs = 4;
-  ec.cache.max_model_len = 128;
-  ec.cache.block_size = 8;
-  ec.scheduler.max_num_seqs = 4;
-  ec.scheduler.max_num_batched_tokens = 40;
-  ec.cuda_graphs = cuda_graphs;
-  Engine engine(model, ops::Context{model.device(), nullptr}, ec);
-  std::map<int32_t, std::vector<float>> rows;
-  if (keep_logits) {
-    engine.on_logits = [&](int32_t id, std::span<const float> row) {
-      rows[id].insert(rows[id].end(), row.begin(), row.end());
-    };
-  }
-  SamplingParams sp = base;
-  sp.ignore_eos = true;
-  std::vector<int32_t> ids;
-  for (size_t p = 0; p < prompts.size(); ++p) {
-    sp.max_new_tokens = n_new - static_cast<int32_t>(p) * 5;  // finish apart: the decode batch shrinks
-    ids.push_back(engine.add_request(prompts[p], sp));
-  }
-  while (engine.has_unfinished()) engine.step();
-  std::map<int32_t, std::vector<int32_t>> gen;
-  for (Sequence& s : engine.take_finished()) gen[s.id].assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
-  EngineRun r;
-  for (int32_t id : ids) {
-    r.tokens.push_back(gen[id]);
-    r.logits.push_back(rows[id]);
-  }
-  r.graph_sizes = engine.graph_batch_sizes();
-  return r;
+// n_new per prompt: `n` for the first, 5 fewer for each next one (the decode batch shrinks as they finish).
+std::vector<int32_t> staggered(size_t prompts, int32_t n) {
+  std::vector<int32_t> out;
+  for (size_t p = 0; p < prompts; ++p) out.push_back(n - static_cast<int32_t>(p) * 5);
+  return out;
 }
 
 // CUDA-graph decode gives the same tokens as eager decode, and the same logits within the GPU model bound
@@ -202,21 +166,24 @@ EngineRun run_engine(const NemotronH& model, const std::vector<std::vector<int32
 // differ in order only). fp32 and bf16; the graphs must actually have been used (batch sizes 3, 2, 1).
 TEST_P(GpuParity, CudaGraphDecodeEqualsEager) {
   const Fixture f = load_fixture(GetParam());
+  const std::vector<int32_t> n_new = staggered(f.prompts.size(), 24);
   for (DType dt : {DType::kF32, DType::kBF16}) {
     SCOPED_TRACE(fmt::format("{} {}", f.name, dtype_name(dt)));
     LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, dt});
     const int64_t V = l.config.vocab_size;
-    const EngineRun eager = run_engine(*l.model, f.prompts, 24, /*cuda_graphs=*/false, /*keep_logits=*/true);
-    const EngineRun graphed = run_engine(*l.model, f.prompts, 24, /*cuda_graphs=*/true, /*keep_logits=*/true);
+    const BatchRun eager = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = false});
+    const BatchRun graphed = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = true});
     EXPECT_TRUE(eager.graph_sizes.empty());
     EXPECT_GE(graphed.graph_sizes.size(), 2u) << "the decode steps did not run as CUDA graphs";
     for (size_t p = 0; p < f.prompts.size(); ++p) {
       SCOPED_TRACE(fmt::format("prompt {}", p));
-      EXPECT_EQ(graphed.tokens[p], eager.tokens[p]);
-      const int64_t rows = static_cast<int64_t>(eager.logits[p].size()) / V;
-      ASSERT_EQ(graphed.logits[p].size(), eager.logits[p].size());
-      const Tensor ref = Tensor::from_f32({rows, V}, eager.logits[p]);
-      EXPECT_TRUE(logits_match(graphed.logits[p], ref, rows, V,
+      const RunResult& e = eager.results[p];
+      const RunResult& g = graphed.results[p];
+      EXPECT_EQ(g.tokens, e.tokens);
+      const int64_t rows = static_cast<int64_t>(e.logits.size()) / V;
+      ASSERT_EQ(g.logits.size(), e.logits.size());
+      const Tensor ref = Tensor::from_f32({rows, V}, e.logits);
+      EXPECT_TRUE(logits_match(g.logits, ref, rows, V,
                                dt == DType::kF32 ? kGpuModelLogitsRelToMax : kGpuBf16GraphVsEagerRelToMax));
     }
   }
@@ -227,6 +194,7 @@ TEST_P(GpuParity, CudaGraphDecodeEqualsEager) {
 TEST_P(GpuParity, DeviceSamplingEqualsHostSampling) {
   const Fixture f = load_fixture(GetParam());
   LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kF32});
+  const std::vector<int32_t> n_new = staggered(f.prompts.size(), 16);
   SamplingParams sampled;
   sampled.temperature = 0.8f;
   sampled.top_k = 20;
@@ -234,9 +202,9 @@ TEST_P(GpuParity, DeviceSamplingEqualsHostSampling) {
   sampled.seed = 1234;
   for (const SamplingParams& sp : {SamplingParams{}, sampled}) {
     SCOPED_TRACE(fmt::format("temperature {}", sp.temperature));
-    const EngineRun host = run_engine(*l.model, f.prompts, 16, true, /*keep_logits=*/true, sp);
-    const EngineRun dev = run_engine(*l.model, f.prompts, 16, true, /*keep_logits=*/false, sp);
-    EXPECT_EQ(dev.tokens, host.tokens);
+    const BatchRun host = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.keep_logits = true, .sampling = sp});
+    const BatchRun dev = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.keep_logits = false, .sampling = sp});
+    for (size_t p = 0; p < f.prompts.size(); ++p) EXPECT_EQ(dev.results[p].tokens, host.results[p].tokens);
   }
 }
 
