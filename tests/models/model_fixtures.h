@@ -131,6 +131,19 @@ inline RunResult run_prompt(const NemotronH& model, const std::vector<int32_t>& 
   return r;
 }
 
+// Token counts for the prompts of one batch: n[p] less 5 per earlier prompt, so the sequences finish at different
+// times and the decode batch shrinks step by step.
+inline std::vector<int32_t> finish_apart(std::vector<int32_t> n) {
+  for (size_t p = 0; p < n.size(); ++p) n[p] -= static_cast<int32_t>(p) * 5;
+  return n;
+}
+// The fixture's greedy continuation lengths, finishing apart.
+inline std::vector<int32_t> finish_apart(const Fixture& f) {
+  std::vector<int32_t> n;
+  for (const auto& g : f.greedy) n.push_back(static_cast<int32_t>(g.size()));
+  return finish_apart(std::move(n));
+}
+
 // Runs several prompts in ONE engine (4 sequences, a 40-token step budget: prompts are split into chunks and
 // later steps mix prefill chunks with decodes), prompt p generating n_new[p] tokens; returns each prompt's
 // generated tokens and (with keep_logits) its logits rows, prompt rows included, in prompt order, and the batch

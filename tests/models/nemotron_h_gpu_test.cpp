@@ -100,10 +100,7 @@ TEST_P(GpuParity, Fp32BatchOfPromptsEqualsEachAlone) {
   const Fixture f = load_fixture(GetParam());
   LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kF32});
   const int64_t V = l.config.vocab_size;
-  std::vector<int32_t> n_new;
-  for (size_t p = 0; p < f.prompts.size(); ++p) {
-    n_new.push_back(static_cast<int32_t>(f.greedy[p].size()) - static_cast<int32_t>(p) * 5);  // finish apart
-  }
+  const std::vector<int32_t> n_new = finish_apart(f);
   const std::vector<RunResult> batch = run_batch(*l.model, f.prompts, n_new);
   ASSERT_EQ(batch.size(), f.prompts.size());
   for (size_t p = 0; p < f.prompts.size(); ++p) {
@@ -154,19 +151,12 @@ TEST_P(GpuParity, Bf16TeacherForcedTop1AgreesWithTransformers) {
   EXPECT_GE(rate, 0.90);
 }
 
-// n_new per prompt: `n` for the first, 5 fewer for each next one (the decode batch shrinks as they finish).
-std::vector<int32_t> staggered(size_t prompts, int32_t n) {
-  std::vector<int32_t> out;
-  for (size_t p = 0; p < prompts; ++p) out.push_back(n - static_cast<int32_t>(p) * 5);
-  return out;
-}
-
 // CUDA-graph decode gives the same tokens as eager decode, and the same logits within the GPU model bound
 // (graph-captured attention plans its KV splits for the longest context, eager for this step's: the sums
 // differ in order only). fp32 and bf16; the graphs must actually have been used (batch sizes 3, 2, 1).
 TEST_P(GpuParity, CudaGraphDecodeEqualsEager) {
   const Fixture f = load_fixture(GetParam());
-  const std::vector<int32_t> n_new = staggered(f.prompts.size(), 24);
+  const std::vector<int32_t> n_new = finish_apart(std::vector<int32_t>(f.prompts.size(), 24));
   for (DType dt : {DType::kF32, DType::kBF16}) {
     SCOPED_TRACE(fmt::format("{} {}", f.name, dtype_name(dt)));
     LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, dt});
@@ -194,7 +184,7 @@ TEST_P(GpuParity, CudaGraphDecodeEqualsEager) {
 TEST_P(GpuParity, DeviceSamplingEqualsHostSampling) {
   const Fixture f = load_fixture(GetParam());
   LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kF32});
-  const std::vector<int32_t> n_new = staggered(f.prompts.size(), 16);
+  const std::vector<int32_t> n_new = finish_apart(std::vector<int32_t>(f.prompts.size(), 16));
   SamplingParams sampled;
   sampled.temperature = 0.8f;
   sampled.top_k = 20;

@@ -83,10 +83,7 @@ TEST_P(TransformersParity, BatchOfPromptsEqualsEachAlone) {
   const Fixture f = load_fixture(GetParam());
   LoadedFixture l = load_model(f.dir);
   const int64_t V = l.config.vocab_size;
-  std::vector<int32_t> n_new;
-  for (size_t p = 0; p < f.prompts.size(); ++p) {
-    n_new.push_back(static_cast<int32_t>(f.greedy[p].size()) - static_cast<int32_t>(p) * 5);  // finish apart
-  }
+  const std::vector<int32_t> n_new = finish_apart(f);
   const std::vector<RunResult> batch = run_batch(*l.model, f.prompts, n_new);
   ASSERT_EQ(batch.size(), f.prompts.size());
   for (size_t p = 0; p < f.prompts.size(); ++p) {
