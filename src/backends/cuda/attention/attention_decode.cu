@@ -125,24 +125,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-        mx = quad_max(mx);
-        const float m_new = fmaxf(m_run[h], mx);  // finite: key0 < k_end is visible
-        const float alpha = exp2f(m_run[h] - m_new);
-        m_run[h] = m_new;
-        float sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          s[nt][2 * h] = exp2f(s[nt][2 * h] - m_new);
-          s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - m_new);
-          sum += s[nt][2 * h] + s[nt][2 * h + 1];
-        }
-        l_run[h] = l_run[h] * alpha + sum;
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) {
-          o[i][2 * h] *= alpha;
-          o[i][2 * h + 1] *= alpha;
-        }
+        // The new running max is finite: key0 < k_end is visible.
+        online_softmax_step<2, HD>(s, o, m_run[h], l_run[h], h,
+                                   fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1])));
       }
       const uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
                               pack2<T>(s[1][2], s[1][3])};

@@ -138,23 +138,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_prefill_kernel(Attentio
       float mx = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-      mx = quad_max(mx);
-      const float m_new = fmaxf(m_run[h], mx);
-      const float alpha = exp2f(m_run[h] - m_new);
-      m_run[h] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        s[nt][2 * h] = exp2f(s[nt][2 * h] - m_new);
-        s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - m_new);
-        sum += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-      l_run[h] = l_run[h] * alpha + sum;
-#pragma unroll
-      for (int i = 0; i < HD / 8; ++i) {
-        o[i][2 * h] *= alpha;
-        o[i][2 * h + 1] *= alpha;
-      }
+      online_softmax_step<BN / 8, HD>(s, o, m_run[h], l_run[h], h, mx);
     }
     // O += P V: P from the S registers, V^T fragments by transposed ldmatrix.
 #pragma unroll

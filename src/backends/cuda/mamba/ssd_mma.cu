@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "backends/cuda/mamba/ssd_kernels.cuh"
+#include "backends/cuda/mma_sync.cuh"
 
 namespace chimera::cuda {
 namespace {
@@ -34,10 +35,9 @@ constexpr int kBStride = kN + 8;
 static_assert(kQ == 128 && kP == 64 && kN == 128, "the warp tiling below assumes Q = 128, P = 64, N = 128");
 static_assert(kThreads == 2 * kQ, "dt / dA_cumsum rows are fetched one per thread");
 
-// ---- PTX wrappers --------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// ---- PTX wrappers ----------------------------------------------------------------------------------------
+// The copy pipeline and ldmatrix here clobber "memory" (the scan writes shared tiles it then reads through
+// ldmatrix); mma_16816, pack2 and smem_addr come from mma_sync.cuh.
 // 16 bytes global -> shared, zero-filled when !valid (src is then not read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
@@ -68,44 +68,7 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
                : "memory");
 }
 
-// d += a (16x16, row) * b (16x8, col); fp32 accumulators.
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats <-> one register of two 16-bit values (lo in the low half, as the mma fragments expect).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
+// One register of two 16-bit values -> two floats (the inverse of pack2, mma_sync.cuh).
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t u);
 template <>
@@ -249,8 +212,8 @@ __device__ __forceinline__ void state_step(float (&st)[8][4], const T* xs, const
       // B[k = s][n] = bs[s][n]: matrices (s 0-7, n 0-7), (s 8-15, n 0-7), (s 0-7, n 8-15), (s 8-15, n 8-15).
       uint32_t b[4];
       ldsm_x4_trans(b, &bs[(kk * 16 + ln.mrow + (ln.mat & 1) * 8) * kBStride + n0 + jq * 16 + (ln.mat >> 1) * 8]);
-      mma16816<T>(st[2 * jq], a, b[0], b[1]);
-      mma16816<T>(st[2 * jq + 1], a, b[2], b[3]);
+      mma_16816<T>(st[2 * jq], a, b[0], b[1]);
+      mma_16816<T>(st[2 * jq + 1], a, b[2], b[3]);
     }
   }
 }
@@ -408,8 +371,8 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
         for (int np = 0; np < kP / 16; ++np) {
           uint32_t b[4];
           ldsm_x4(b, &sm.sb[(np * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
-          mma16816<T>(acc[2 * np], a, b[0], b[1]);
-          mma16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+          mma_16816<T>(acc[2 * np], a, b[0], b[1]);
+          mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
         }
         // C.B^T: B[k = n][col = s] = bs[s][n]: matrices (s 0-7, n 0-7), (s 0-7, n 8-15), (s 8-15, n 0-7), ...
 #pragma unroll
@@ -417,8 +380,8 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
           if (j <= warp) {
             uint32_t b[4];
             ldsm_x4(b, &t.bs[(j * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
-            mma16816<T>(cb[j][0], a, b[0], b[1]);
-            mma16816<T>(cb[j][1], a, b[2], b[3]);
+            mma_16816<T>(cb[j][0], a, b[0], b[1]);
+            mma_16816<T>(cb[j][1], a, b[2], b[3]);
           }
         }
       }
@@ -440,8 +403,8 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
             // B[k = s][col = p] = xs[s][p]: matrices (s 0-7, p 0-7), (s 8-15, p 0-7), (s 0-7, p 8-15), ...
             uint32_t b[4];
             ldsm_x4_trans(b, &t.xs[(j * 16 + ln.mrow + (ln.mat & 1) * 8) * kXStride + np * 16 + (ln.mat >> 1) * 8]);
-            mma16816<T>(acc[2 * np], af, b[0], b[1]);
-            mma16816<T>(acc[2 * np + 1], af, b[2], b[3]);
+            mma_16816<T>(acc[2 * np], af, b[0], b[1]);
+            mma_16816<T>(acc[2 * np + 1], af, b[2], b[3]);
           }
         }
       }
@@ -455,8 +418,8 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
         for (int np = 0; np < kP / 16; ++np) {
           uint32_t b[4];
           ldsm_x4(b, &sm.sb[(np * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
-          mma16816<T>(acc[2 * np], a, b[0], b[1]);
-          mma16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+          mma_16816<T>(acc[2 * np], a, b[0], b[1]);
+          mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
         }
       }
       const float e0 = __expf(al0), e1 = __expf(al1);
@@ -475,8 +438,8 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
           uint32_t a[4], b[4];
           ldsm_x4(a, &t.cs[(m0 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
           ldsm_x4(b, &t.bs[(j * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
-          mma16816<T>(cb[0], a, b[0], b[1]);
-          mma16816<T>(cb[1], a, b[2], b[3]);
+          mma_16816<T>(cb[0], a, b[0], b[1]);
+          mma_16816<T>(cb[1], a, b[2], b[3]);
         }
         uint32_t af[4];
         cb_to_a<T>(af, cb, t.acs, t.dt, j, l0, l1, al0, al1, ln);
@@ -484,8 +447,8 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
         for (int np = 0; np < kP / 16; ++np) {
           uint32_t b[4];
           ldsm_x4_trans(b, &t.xs[(j * 16 + ln.mrow + (ln.mat & 1) * 8) * kXStride + np * 16 + (ln.mat >> 1) * 8]);
-          mma16816<T>(acc[2 * np], af, b[0], b[1]);
-          mma16816<T>(acc[2 * np + 1], af, b[2], b[3]);
+          mma_16816<T>(acc[2 * np], af, b[0], b[1]);
+          mma_16816<T>(acc[2 * np + 1], af, b[2], b[3]);
         }
       }
     }
