@@ -31,6 +31,11 @@ void copy(const Tensor& dst, const Tensor& src);
 void zero(const Tensor& t);
 // Waits for all work on the device.
 void synchronize(Device device);
+// Programmatic dependent launch for the kernels launched through cuda/launch.cuh: on by default on sm_90+,
+// CHIMERA_PDL=0 in the environment turns it off, set_pdl_enabled() overrides both (tests and benchmarks compare
+// the two; set it before capturing a graph: a captured graph keeps the setting it was captured with).
+bool pdl_enabled();
+void set_pdl_enabled(bool on);
 // Bytes held by the CUDA caching allocator (in use, cached).
 std::pair<size_t, size_t> cuda_memory_stats();
 

@@ -1,6 +1,8 @@
 // Device services on CUDA: a caching allocator (size-bucketed free lists, so steady-state steps never call
 // cudaMalloc), host <-> device copies with dtype conversion on the host, device discovery.
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -115,6 +117,26 @@ bool cuda_available() {
   }();
   return available;
 }
+
+namespace {
+// -1: not decided yet (first pdl_enabled() reads CHIMERA_PDL and the device's compute capability).
+std::atomic<int> g_pdl{-1};
+}  // namespace
+
+bool pdl_enabled() {
+  int v = g_pdl.load(std::memory_order_relaxed);
+  if (v < 0) {
+    int dev = 0, major = 0;
+    const bool ok = cuda_available() && cudaGetDevice(&dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess;
+    const char* env = std::getenv("CHIMERA_PDL");
+    v = ok && major >= 9 && !(env != nullptr && std::strcmp(env, "0") == 0) ? 1 : 0;
+    g_pdl.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_pdl_enabled(bool on) { g_pdl.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 std::string describe_cuda() {
   if (!cuda_available()) return "no CUDA device is available (cudaGetDeviceCount found none)";

@@ -1,0 +1,61 @@
+// Kernel launches with programmatic dependent launch (PDL, sm_90+).
+//
+// Why: a decode step is ~400 small kernels back to back in a CUDA graph; without PDL each one starts only after
+// its predecessor has fully drained, so the launch latency and the ramp-up sit on the critical path once per
+// kernel. With the ProgrammaticStreamSerialization attribute the next kernel's blocks may be scheduled while the
+// previous kernel is still finishing; they run their prologue (index math, loads of constant weights) and then
+// block in pdl_wait() until the predecessor grid has completed and its memory is visible.
+//
+// The contract for a kernel launched through launch() (enforced by review, not by the compiler):
+//   * it calls pdl_wait() before its first read of anything an earlier kernel wrote AND before its first global
+//     write (the predecessor may still be reading what we are about to overwrite);
+//   * only data nobody writes during the step (weights, norm gammas, biases) may be read before pdl_wait();
+//   * pdl_trigger() may be called anywhere (usually right after pdl_wait()); it only lets the NEXT kernel start
+//     its own prologue early: the next kernel's pdl_wait() still waits for this whole grid to finish.
+// A kernel launched without the attribute (PDL disabled, pre-sm_90, or a plain <<<>>> launch) sees both calls as
+// no-ops, so the same kernel serves both. cuBLASLt and memcpy nodes in between serialize as usual.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace chimera::device {
+bool pdl_enabled();  // device_api.h
+}  // namespace chimera::device
+
+namespace chimera::cuda {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute when pdl_enabled(). Returns the launch's
+// error; callers follow it with CHIMERA_LAUNCH_CHECK / CHIMERA_CUDA_CHECK as for <<<>>>.
+template <typename... KArgs, typename... Args>
+cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (device::pdl_enabled()) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace chimera::cuda
