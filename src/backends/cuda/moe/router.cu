@@ -575,11 +575,11 @@ void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Ten
     Tensor x_f32 = x;
     if (x.dtype() != DType::kF32) {
       x_f32 = device::empty(Device::kCuda, DType::kF32, x.shape());
-      convert(ctx, x_f32, x);
+      cuda::convert(ctx, x_f32, x);
     }
     const Tensor logits = device::empty(Device::kCuda, DType::kF32, {T, E});
-    linear(ctx, logits, x_f32, gate, Tensor());
-    router_topk(ctx, topk_ids, topk_weights, logits, correction_bias, p);
+    cuda::linear(ctx, logits, x_f32, gate, Tensor());
+    cuda::router_topk(ctx, topk_ids, topk_weights, logits, correction_bias, p);
     return;
   }
   moe::GateTopkParams g{};
