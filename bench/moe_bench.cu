@@ -110,6 +110,86 @@ void bench_router(const Context& ctx, int64_t E, int64_t k, float scale) {
 CHIMERA_BENCH(moe_router_super) { bench_router(ctx, 512, 22, 5.0f); }
 CHIMERA_BENCH(moe_router_nano) { bench_router(ctx, 128, 6, 2.5f); }
 
+// The router from its input (ops::router_gate_topk) at decode sizes: bf16 x [T, D], the fp32 gate [E, D]. Per T:
+// the op call; its device time in a CUDA graph ("router_gate_topk-graph": the fused kernel for T <= 16, the three-op
+// path above); the path it replaces in a graph ("router_3op-graph": x -> fp32, cuBLASLt fp32 logits, router_topk);
+// for T <= 16 both selections of the fused kernel ("-warpsel" / "-blocksel"), with CHECK lines: the two selections
+// identical, and the fused choices against the three-op path (equal up to fp32 summation order: a differing token
+// is a near-tie). Bytes: the fp32 gate (what the GEMV streams) + x + outputs.
+void bench_router_gate(const Context& ctx, const char* model, int64_t E, int64_t k, int64_t D, int64_t n_group,
+                       int64_t topk_group, float scale) {
+  const ops::Context c{Device::kCuda, nullptr};
+  const Tensor gate = random_f32({E, D}, 1.0f / std::sqrt(static_cast<float>(D)), 31);
+  const Tensor bias = random_f32({E}, 0.05f, 37);
+  const ops::RouterParams rp{k, n_group, topk_group, true, scale};
+  for (int64_t T : {1, 8, 64}) {
+    const Tensor x = to_dtype(random_f32({T, D}, 1.0f, static_cast<uint32_t>(300 + T)), DType::kBF16);
+    Tensor ids = device::empty(Device::kCuda, DType::kI32, {T, k});
+    Tensor w = device::empty(Device::kCuda, DType::kF32, {T, k});
+    const double bytes = static_cast<double>(E * D * 4 + T * D * 2 + E * 4 + T * k * 8);
+    const std::string shape = std::string(model) + " E=" + std::to_string(E) + " k=" + std::to_string(k) +
+                              " groups=" + std::to_string(n_group) + " D=" + std::to_string(D) +
+                              " T=" + std::to_string(T) + " x=bf16";
+    ctx.run("router_gate_topk", shape, bytes, 0, [&] { ops::router_gate_topk(c, ids, w, x, gate, bias, rp); });
+    ctx.run_graph("router_gate_topk", shape, bytes, 0, [&](cudaStream_t st, int) {
+      ops::router_gate_topk(ops::Context{Device::kCuda, st}, ids, w, x, gate, bias, rp);
+    });
+    const Tensor fused_ids = device::to_host(ids), fused_w = device::to_host(w);
+    Tensor x32 = device::empty(Device::kCuda, DType::kF32, {T, D});
+    Tensor logits = device::empty(Device::kCuda, DType::kF32, {T, E});
+    ctx.run_graph("router_3op", shape, bytes, 0, [&](cudaStream_t st, int) {
+      const ops::Context cs{Device::kCuda, st};
+      ops::convert(cs, x32, x);
+      ops::linear(cs, logits, x32, gate);
+      ops::router_topk(cs, ids, w, logits, bias, rp);
+    });
+    const Tensor ref_ids = device::to_host(ids), ref_w = device::to_host(w);
+    int64_t tokens_differ = 0;
+    double max_w_diff = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      bool same = true;
+      for (int64_t j = 0; j < k; ++j) same = same && fused_ids.i32()[t * k + j] == ref_ids.i32()[t * k + j];
+      tokens_differ += same ? 0 : 1;
+      for (int64_t j = 0; same && j < k; ++j) {
+        max_w_diff = std::max(max_w_diff, static_cast<double>(std::fabs(fused_w.f32()[t * k + j] - ref_w.f32()[t * k + j])));
+      }
+    }
+    std::printf("CHECK router_gate_topk %s fused-vs-3op tokens_with_other_choices=%lld max_weight_diff=%.3g %s\n",
+                shape.c_str(), static_cast<long long>(tokens_differ), max_w_diff,
+                tokens_differ == 0 && max_w_diff <= 1e-5 * scale ? "identical-choices" : "DIFFERENT (near-ties?)");
+    if (T > cuda::moe::kGateMaxTokens) continue;
+    cuda::moe::GateTopkParams g{};
+    g.route.bias = bias.data(), g.route.bias_dtype = DType::kF32, g.route.topk_ids = ids.data_as<int32_t>();
+    g.route.topk_weights = w.data_as<float>(), g.route.T = static_cast<int>(T), g.route.E = static_cast<int>(E);
+    g.route.k = static_cast<int>(k), g.route.n_group = static_cast<int>(n_group);
+    g.route.topk_group = static_cast<int>(topk_group), g.route.norm_topk_prob = true;
+    g.route.routed_scaling_factor = scale, g.route.logits_dtype = DType::kF32;
+    g.x = x.data(), g.x_dtype = DType::kBF16, g.gate = gate.data_as<float>(), g.D = static_cast<int>(D);
+    g.split = cuda::moe::gate_topk_split(g.route.E, g.D);
+    const Tensor partial = device::empty(Device::kCuda, DType::kF32, {g.split.n_split, T, E});
+    g.partial = partial.data_as<float>();
+    std::printf("INFO router_gate_topk %s grid=%dx%d chunk=%d\n", shape.c_str(), g.split.n_split,
+                static_cast<int>((E + cuda::moe::kGateWarps - 1) / cuda::moe::kGateWarps), g.split.chunk);
+    std::vector<Tensor> outs;
+    for (int select : {1, 2}) {
+      g.select = select;
+      ctx.run_graph(select == 1 ? "router_gate_topk-warpsel" : "router_gate_topk-blocksel", shape, bytes, 0,
+                    [&](cudaStream_t st, int) { cuda::moe::launch_router_gate_topk(g, st); });
+      outs.push_back(device::to_host(ids));
+      outs.push_back(device::to_host(w));
+    }
+    const bool same = std::equal(outs[0].i32(), outs[0].i32() + outs[0].numel(), outs[2].i32()) &&
+                      std::memcmp(outs[1].data(), outs[3].data(), outs[1].nbytes()) == 0;
+    std::printf("CHECK router_gate_topk %s warpsel-vs-blocksel %s\n", shape.c_str(), same ? "identical" : "DIFFERENT");
+  }
+}
+
+// Nano: 128 experts / top-6 on hidden 2688; Super: 512 / top-22 on hidden 4096 (the router reads the full hidden
+// state, not the latent one); and a group-limited 512-expert router (the warp selection with groups).
+CHIMERA_BENCH(moe_router_gate_nano) { bench_router_gate(ctx, "nano", 128, 6, 2688, 1, 1, 2.5f); }
+CHIMERA_BENCH(moe_router_gate_super) { bench_router_gate(ctx, "super", 512, 22, 4096, 1, 1, 5.0f); }
+CHIMERA_BENCH(moe_router_gate_groups) { bench_router_gate(ctx, "grouped", 512, 22, 4096, 8, 2, 5.0f); }
+
 // Routed experts at one shape: expert weights (views into one fused tensor per projection), one routing per T.
 struct ExpertsCase {
   const char* model;

@@ -92,6 +92,43 @@ CHIMERA_BENCH(add_rms_norm_bf16) {
   }
 }
 
+// The MoE layer's residual update: add2_rms_norm (residual += round(shared + routed), then the norm) against the
+// two launches it replaces (add, then add + RMSNorm), at decode sizes of Nano (hidden 2688) and Super (4096).
+// Bytes: read shared, routed, residual; write residual, out.
+CHIMERA_BENCH(add2_rms_norm_bf16) {
+  const ops::Context c{Device::kCuda, nullptr};
+  for (int64_t D : {int64_t{2688}, int64_t{4096}}) {
+    const Tensor w = random(DType::kBF16, {D}, 0.5f, 1.5f);
+    for (int64_t T : {int64_t{1}, int64_t{8}, int64_t{64}}) {
+      const double bytes = 5.0 * T * D * 2 + D * 2.0;
+      struct Set {
+        Tensor a, b, res, out, mix;
+      };
+      std::vector<Set> sets;
+      for (int i = 0; i < rotations(bytes); ++i) {
+        sets.push_back({random(DType::kBF16, {T, D}), random(DType::kBF16, {T, D}), random(DType::kBF16, {T, D}),
+                        random(DType::kBF16, {T, D}), random(DType::kBF16, {T, D})});
+      }
+      size_t k = 0;
+      const std::string shape = tokens_hidden(T, D);
+      ctx.run("add2_rms_norm", shape, bytes, 0, [&] {
+        const Set& s = sets[k++ % sets.size()];
+        ops::add2_rms_norm(c, s.res, s.out, s.a, s.b, w, 1e-5f);
+      });
+      ctx.run_graph("add2_rms_norm", shape, bytes, 0, [&](cudaStream_t st, int i) {
+        const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+        ops::add2_rms_norm(ops::Context{Device::kCuda, st}, s.res, s.out, s.a, s.b, w, 1e-5f);
+      });
+      ctx.run_graph("add+add_rms_norm", shape, bytes, 0, [&](cudaStream_t st, int i) {
+        const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+        const ops::Context cs{Device::kCuda, st};
+        ops::add(cs, s.mix, s.a, s.b);
+        ops::add_rms_norm(cs, s.res, s.out, s.mix, w, 1e-5f);
+      });
+    }
+  }
+}
+
 CHIMERA_BENCH(rms_norm_bf16) {
   const ops::Context c{Device::kCuda, nullptr};
   for (int64_t D : kNormHidden) {

@@ -523,42 +523,32 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
   ops::linear(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
 }
 
-void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const Tensor& x, const Tensor& out) const {
+void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const Tensor& x, const Tensor& shared_out,
+                          const Tensor& routed_out) const {
   const ModelConfig& c = config_;
   const MoeWeights& w = L.moe;
-  const int64_t T = x.dim(0), E = c.n_routed_experts, k = c.num_experts_per_tok, Din = c.moe_input_dim();
+  const int64_t T = x.dim(0), k = c.num_experts_per_tok, Din = c.moe_input_dim();
 
   // Router (model-spec 6.1): fp32 logits, sigmoid, bias for selection only, top-k, normalise, scale.
-  // On CUDA with 16-bit activations the gate is F32 and x is upcast first, as transformers does
-  // (F.linear(x.float(), weight.float())): expert choices are sensitive to rounded router logits.
-  Tensor logits = device::empty(ctx.device, DType::kF32, {T, E});
-  Tensor x_f32 = x;
-  if (x.dtype() != DType::kF32) {
-    x_f32 = device::empty(ctx.device, DType::kF32, x.shape());
-    ops::convert(ctx, x_f32, x);
-  }
-  ops::linear(ctx, logits, x_f32, w.gate);
+  // On CUDA with 16-bit activations the gate is F32 and the op upcasts x, as transformers does
+  // (F.linear(x.float(), weight.float())): expert choices are sensitive to rounded router logits. One op: at
+  // decode sizes one CUDA kernel (logits GEMV + top-k), otherwise convert + GEMM + router_topk.
   Tensor ids = device::empty(ctx.device, DType::kI32, {T, k});
   Tensor weights = device::empty(ctx.device, DType::kF32, {T, k});
   ops::RouterParams rp{k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor};
-  ops::router_topk(ctx, ids, weights, logits, w.e_score_correction_bias, rp);
+  ops::router_gate_topk(ctx, ids, weights, x, w.gate, w.e_score_correction_bias, rp);
 
   // Routed experts, in the latent space when moe_latent_size is set (model-spec 6.2).
-  Tensor routed_in = x;
   if (c.moe_latent_size) {
-    routed_in = act(ctx, {T, Din});
-    ops::linear(ctx, routed_in, x, w.fc1_latent_proj);
-  }
-  Tensor routed = act(ctx, {T, Din});
-  ops::moe_experts(ctx, routed, routed_in, ids, weights, w.experts_up, w.experts_down);
-  if (c.moe_latent_size) {
-    Tensor up = act(ctx, {T, c.hidden_size});
-    ops::linear(ctx, up, routed, w.fc2_latent_proj);
-    routed = up;
+    Tensor latent_in = act(ctx, {T, Din}), latent_out = act(ctx, {T, Din});
+    ops::linear(ctx, latent_in, x, w.fc1_latent_proj);
+    ops::moe_experts(ctx, latent_out, latent_in, ids, weights, w.experts_up, w.experts_down);
+    ops::linear(ctx, routed_out, latent_out, w.fc2_latent_proj);
+  } else {
+    ops::moe_experts(ctx, routed_out, x, ids, weights, w.experts_up, w.experts_down);
   }
   // The shared expert reads the full hidden state, never the latent one.
-  ops::relu2_mlp(ctx, out, x, w.shared_experts.up_proj, w.shared_experts.down_proj);
-  ops::add(ctx, out, routed, out);
+  ops::relu2_mlp(ctx, shared_out, x, w.shared_experts.up_proj, w.shared_experts.down_proj);
 }
 
 Tensor NemotronH::act(const ops::Context& ctx, Shape shape) const {
@@ -594,7 +584,14 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
   Tensor h = act(ctx, {T, D});  // the residual stream
   ops::embedding(ctx, h, embeddings_, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
   Tensor x = act(ctx, {T, D});    // normed input of the current mixer
-  Tensor mix = act(ctx, {T, D});  // mixer output
+  Tensor mix = act(ctx, {T, D});  // mixer output (the MoE layer's shared expert)
+  Tensor routed;                  // the MoE layer's routed experts, added in the norm kernel
+  for (const LayerWeights& L : layers_) {
+    if (L.kind == LayerKind::kMoe) {
+      routed = act(ctx, {T, D});
+      break;
+    }
+  }
   ops::rms_norm(ctx, x, h, layers_.empty() ? norm_f_ : layers_[0].norm, eps);
 
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -603,11 +600,16 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
       case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], x, mix); break;
       case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], x, mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, mix, x, L.mlp.up_proj, L.mlp.down_proj); break;
-      case LayerKind::kMoe: moe_mixer(ctx, L, x, mix); break;
+      case LayerKind::kMoe: moe_mixer(ctx, L, x, mix, routed); break;
     }
-    // h = h + mixer(x); x = next layer's norm (or norm_f) of h: one fused op.
+    // h = h + mixer(x); x = next layer's norm (or norm_f) of h: one fused op. A MoE layer's mixer output is
+    // shared + routed, rounded to the activation dtype before the residual add (the sum happens in the norm op).
     const Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].norm : norm_f_;
-    ops::add_rms_norm(ctx, h, x, mix, next_norm, eps);
+    if (L.kind == LayerKind::kMoe) {
+      ops::add2_rms_norm(ctx, h, x, mix, routed, next_norm, eps);
+    } else {
+      ops::add_rms_norm(ctx, h, x, mix, next_norm, eps);
+    }
   }
 
   // x now holds norm_f(h). Only the requested rows go through lm_head (all of them in a decode step: no gather).

@@ -216,6 +216,22 @@ void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out,
   c.dispatch([&] { cpu::add_rms_norm(residual, out, x, weight, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::add_rms_norm(ctx, residual, out, x, weight, eps)); });
 }
 
+void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
+                   const Tensor& weight, float eps) {
+  const Check c(ctx, "add2_rms_norm");
+  c.f32("a", a, 2);
+  c.f32("b", b, 2);
+  c.f32("residual", residual, 2);
+  c.f32("out", out, 2);
+  c.shape("b", b, a.shape(), "a", a);
+  c.shape("residual", residual, a.shape(), "a", a);
+  c.shape("out", out, a.shape(), "a", a);
+  c.weight("weight", weight, 1);
+  c.shape("weight", weight, {a.dim(1)}, "a", a);
+  c.dispatch([&] { cpu::add2_rms_norm(residual, out, a, b, weight, eps); },
+             [&] { CHIMERA_CUDA_CALL(cuda::add2_rms_norm(ctx, residual, out, a, b, weight, eps)); });
+}
+
 void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
                     int64_t n_groups, float eps) {
   const Check c(ctx, "gated_rms_norm");
@@ -365,13 +381,15 @@ void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Ten
 
 // ---- MoE -------------------------------------------------------------------------------------------
 
-void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
-                 const Tensor& correction_bias, const RouterParams& p) {
-  const Check c(ctx, "router_topk");
-  c.f32("logits", logits, 2);
-  const int64_t T = logits.dim(0), E = logits.dim(1);
+namespace {
+
+// The routing parameters and outputs of router_topk / router_gate_topk for T tokens and E experts.
+// `rows` ([T, ...]) and `experts` ([..., E] logits or [E, D] gate) name the tensors the shapes come from.
+void check_router(const Check& c, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& correction_bias,
+                  const RouterParams& p, int64_t T, int64_t E, const char* rows_name, const Tensor& rows,
+                  const char* experts_name, const Tensor& experts) {
   c.weight("correction_bias", correction_bias, 1);
-  c.shape("correction_bias", correction_bias, {E}, "logits", logits);
+  c.shape("correction_bias", correction_bias, {E}, experts_name, experts);
   if (p.n_group < 1 || E % p.n_group != 0) c.fail("n_group {} does not divide the {} experts", p.n_group, E);
   if (p.topk_group < 1 || p.topk_group > p.n_group)
     c.fail("topk_group {} is not in [1, n_group = {}]", p.topk_group, p.n_group);
@@ -380,10 +398,32 @@ void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_
            p.topk_group, E / p.n_group);
   }
   c.i32("topk_ids", topk_ids, 2);
-  c.shape("topk_ids", topk_ids, {T, p.top_k}, "logits", logits);
+  c.shape("topk_ids", topk_ids, {T, p.top_k}, rows_name, rows);
   c.f32("topk_weights", topk_weights, 2);
-  c.shape("topk_weights", topk_weights, {T, p.top_k}, "logits", logits);
+  c.shape("topk_weights", topk_weights, {T, p.top_k}, rows_name, rows);
+}
+
+}  // namespace
+
+void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
+                 const Tensor& correction_bias, const RouterParams& p) {
+  const Check c(ctx, "router_topk");
+  c.f32("logits", logits, 2);
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  check_router(c, topk_ids, topk_weights, correction_bias, p, T, E, "logits", logits, "logits", logits);
   c.dispatch([&] { cpu::router_topk(topk_ids, topk_weights, logits, correction_bias, p); }, [&] { CHIMERA_CUDA_CALL(cuda::router_topk(ctx, topk_ids, topk_weights, logits, correction_bias, p)); });
+}
+
+void router_gate_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x,
+                      const Tensor& gate, const Tensor& correction_bias, const RouterParams& p) {
+  const Check c(ctx, "router_gate_topk");
+  c.f32("x", x, 2);
+  c.weight("gate", gate, 2);
+  c.shape("gate", gate, {gate.dim(0), x.dim(1)}, "x", x);
+  const int64_t T = x.dim(0), E = gate.dim(0);
+  check_router(c, topk_ids, topk_weights, correction_bias, p, T, E, "x", x, "gate", gate);
+  c.dispatch([&] { cpu::router_gate_topk(topk_ids, topk_weights, x, gate, correction_bias, p); },
+             [&] { CHIMERA_CUDA_CALL(cuda::router_gate_topk(ctx, topk_ids, topk_weights, x, gate, correction_bias, p)); });
 }
 
 void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,

@@ -65,6 +65,13 @@ void rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tens
 void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
                   const Tensor& weight, float eps);
 
+// residual += round(a + b) (in place), then out = rms_norm(residual). The MoE layer's two mixer outputs (shared
+// expert and routed experts) summed inside the norm kernel: a + b is rounded to the activation dtype first, then
+// added to the residual and rounded again, exactly add(mix, a, b) followed by add_rms_norm(residual, out, mix)
+// (bit-identical to those two ops on every backend). residual, a, b, out: [T, D]; weight [D].
+void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
+                   const Tensor& weight, float eps);
+
 // Gated grouped RMSNorm (model-spec 3.3, norm_before_gate = false):
 //   u = y * silu(z); per group of D/n_groups channels: u *= rsqrt(mean(u^2) + eps); out = weight * u
 // y, z, out: [T, D]; weight: [D]; D % n_groups == 0.
@@ -161,6 +168,16 @@ struct RouterParams {
 //   biased score; ties broken toward the lower expert index.
 void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
                  const Tensor& correction_bias, const RouterParams& p);
+
+// The router from its input: logits = x.float() @ gate.float()^T in fp32 (transformers' F.linear(x.float(),
+// weight.float())), then exactly router_topk. x: [T, D] (activation dtype); gate: [E, D] (F32 on the model's
+// CUDA path, else F32 / BF16 / F16); correction_bias: [E]; topk_ids / topk_weights as router_topk.
+// The CPU reference is linear + router_topk (bit-identical to calling them). On CUDA, small T (decode:
+// T <= 16, F32 gate, E <= 512) runs ONE kernel (GEMV split over experts and columns, the last block to finish
+// sums the column partials in a fixed order and selects); larger T keeps convert + cuBLASLt + router_topk.
+// The fused logits differ from cuBLASLt's only by fp32 summation order.
+void router_gate_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x,
+                      const Tensor& gate, const Tensor& correction_bias, const RouterParams& p);
 
 // Routed experts: out[t] = sum_j w[t, j] * down_e(relu(up_e(x[t]))^2), e = topk_ids[t, j].
 //   x: [T, Din]; out: [T, Din]; up[e]: [I, Din]; down[e]: [Din, I]; up.size() == down.size() == E.

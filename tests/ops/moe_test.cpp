@@ -3,6 +3,7 @@
 // the reduction rows of tests/common/tolerances.h).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -245,6 +246,187 @@ TEST_P(OpsRouter, QuantizedScoresTieExactlyAtScale) {
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(OpsRouter);
+
+// ---- router from its input (router_gate_topk) --------------------------------------------------------------
+
+// The reference: CPU fp32 logits (ops::linear of x as the backend sees it, i.e. already rounded to x's dtype)
+// and the CPU router_topk, the two ops router_gate_topk replaces.
+void cpu_gate_router(const Tensor& x32, const Tensor& gate, const Tensor& bias, const ops::RouterParams& p, Tensor& ids,
+                     Tensor& w, Tensor* logits_out = nullptr) {
+  Tensor logits = Tensor::empty(DType::kF32, {x32.dim(0), gate.dim(0)});
+  ops::linear(ops::Context{}, logits, x32, gate);
+  cpu_router(logits, bias, p, ids, w);
+  if (logits_out) *logits_out = logits;
+}
+
+// Values i / denom with i in [-4, 4]: with x on a 1/8 grid and the gate on a 1/64 grid, every product is a multiple
+// of 2^-9 below 2^-5 in magnitude and any partial sum of up to 2^15 of them is exact in fp32, so the logits are
+// the same bits in every summation order and the fused kernel must match the reference bit for bit.
+Tensor grid_tensor(test::Rng& rng, Shape shape, float denom) {
+  Tensor t = Tensor::empty(DType::kF32, std::move(shape));
+  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = static_cast<float>(rng.integer(-4, 4)) / denom;
+  return t;
+}
+
+// Whether fp32 summation-order noise in token t's logits could change its routing: a gap below `margin` between
+// adjacent biased scores among the top k + 1 of the allowed experts (the choices and their output order), or
+// between the topk_group-th and the next group score.
+bool near_tie(const float* logits, const float* bias, int64_t E, const ops::RouterParams& p, double margin) {
+  std::vector<double> c(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) c[e] = 1.0 / (1.0 + std::exp(-double(logits[e]))) + bias[e];
+  const int64_t per = E / p.n_group;
+  std::vector<bool> allowed(static_cast<size_t>(E), true);
+  if (p.n_group > 1) {
+    std::vector<std::pair<double, int64_t>> groups;
+    for (int64_t g = 0; g < p.n_group; ++g) {
+      std::vector<double> v(c.begin() + g * per, c.begin() + (g + 1) * per);
+      std::sort(v.rbegin(), v.rend());
+      groups.push_back({v[0] + (per > 1 ? v[1] : 0.0), g});
+    }
+    std::sort(groups.rbegin(), groups.rend());
+    if (p.topk_group < p.n_group && groups[p.topk_group - 1].first - groups[p.topk_group].first < margin) return true;
+    std::fill(allowed.begin(), allowed.end(), false);
+    for (int64_t r = 0; r < p.topk_group; ++r) {
+      for (int64_t e = 0; e < per; ++e) allowed[groups[r].second * per + e] = true;
+    }
+  }
+  std::vector<double> v;
+  for (int64_t e = 0; e < E; ++e) {
+    if (allowed[e]) v.push_back(c[e]);
+  }
+  std::sort(v.rbegin(), v.rend());
+  for (int64_t r = 0; r < p.top_k && r + 1 < static_cast<int64_t>(v.size()); ++r) {
+    if (v[r] - v[r + 1] < margin) return true;
+  }
+  return false;
+}
+
+class OpsRouterGate : public MoeBackendTest {
+ protected:
+  // Routes from x (converted to x_dtype on the backend) on the backend under test; outputs poisoned first.
+  void route(const Tensor& x, DType x_dtype, const Tensor& gate, const Tensor& bias, const ops::RouterParams& p,
+             Tensor& ids, Tensor& w) {
+    Tensor d_ids = out(DType::kI32, {x.dim(0), p.top_k}), d_w = out(DType::kF32, {x.dim(0), p.top_k});
+    ops::router_gate_topk(ctx(), d_ids, d_w, in(x, x_dtype), in(gate), in(bias), p);
+    ids = host(d_ids);
+    w = host_f32(d_w);
+  }
+  std::vector<DType> x_dtypes() const {
+    return on_cuda() ? std::vector<DType>{DType::kF32, DType::kBF16, DType::kF16} : std::vector<DType>{DType::kF32};
+  }
+};
+
+// Nano (E 128 / top-6 on hidden 2688), Super (512 / top-22 on 4096), group-limited routing (the 512-expert one
+// needs more than 48 KiB of shared memory at T = 16), super_like-sized groups, a hidden size that is not a multiple
+// of 4 (scalar gate loads) and odd expert counts.
+struct GateCase {
+  int64_t E, k, n_group, topk_group;
+  float scale;
+  int64_t D;
+};
+constexpr GateCase kGateCases[] = {{128, 6, 1, 1, 2.5f, 2688}, {512, 22, 1, 1, 5.0f, 4096}, {256, 8, 8, 4, 2.5f, 1024},
+                                   {512, 22, 8, 2, 5.0f, 4096}, {16, 3, 4, 2, 2.5f, 40},    {33, 5, 1, 1, 1.0f, 37},
+                                   {100, 7, 1, 1, 1.0f, 200},   {8, 2, 1, 1, 1.0f, 4}};
+// 1..16: the fused CUDA kernel (decode sizes); 17, 64: the convert + GEMM + router_topk path.
+constexpr int64_t kGateTokens[] = {1, 2, 3, 8, 16, 17, 64};
+
+TEST_P(OpsRouterGate, ExactLogitsMatchTheTwoOpsBitForBit) {
+  auto rng = test::Rng::for_test();
+  for (const GateCase& c : kGateCases) {
+    const Tensor gate = grid_tensor(rng, {c.E, c.D}, 64.0f), bias = rng.normal_tensor({c.E}, 0.05f);
+    const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+    for (DType xt : x_dtypes()) {
+      for (int64_t T : kGateTokens) {
+        SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " n_group=" << c.n_group << " D=" << c.D
+                                          << " T=" << T << " x=" << dtype_name(xt));
+        const Tensor x = grid_tensor(rng, {T, c.D}, 8.0f);  // exact in bf16 and f16 too
+        Tensor ids, w, want_ids, want_w;
+        route(x, xt, gate, bias, p, ids, w);
+        cpu_gate_router(x, gate, bias, p, want_ids, want_w);
+        EXPECT_TRUE(test::bit_equal(ids, want_ids));
+        EXPECT_TRUE(test::bit_equal(w, want_w));
+      }
+    }
+  }
+}
+
+// Random x and gate (logits of order 1): the choices are exact except where fp32 summation order could flip a
+// near-tie (such tokens are counted and skipped; there must be few), the weights fp32-elementwise.
+TEST_P(OpsRouterGate, RandomInputsMatchAwayFromNearTies) {
+  auto rng = test::Rng::for_test();
+  int64_t tokens = 0, skipped = 0;
+  for (const GateCase& c : kGateCases) {
+    const Tensor gate = rng.normal_tensor({c.E, c.D}, 1.0f / std::sqrt(static_cast<float>(c.D)));
+    const Tensor bias = rng.normal_tensor({c.E}, 0.05f);
+    const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+    for (DType xt : x_dtypes()) {
+      for (int64_t T : kGateTokens) {
+        SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " n_group=" << c.n_group << " D=" << c.D
+                                          << " T=" << T << " x=" << dtype_name(xt));
+        const Tensor x = round_to(rng.normal_tensor({T, c.D}), xt);
+        Tensor ids, w, want_ids, want_w, logits;
+        route(x, xt, gate, bias, p, ids, w);
+        cpu_gate_router(x, gate, bias, p, want_ids, want_w, &logits);
+        for (int64_t t = 0; t < T; ++t) {
+          ++tokens;
+          if (on_cuda() && near_tie(logits.f32() + t * c.E, bias.f32(), c.E, p, 1e-5)) {
+            ++skipped;
+            continue;
+          }
+          SCOPED_TRACE(::testing::Message() << "token " << t);
+          EXPECT_TRUE(test::bit_equal(ids.select(t).clone(), want_ids.select(t).clone()));
+          EXPECT_ALL_CLOSE(w.select(t).clone(), want_w.select(t).clone(), test::kF32Elementwise);
+        }
+      }
+    }
+  }
+  std::printf("router_gate_topk: %lld of %lld tokens skipped as near-ties\n", static_cast<long long>(skipped),
+              static_cast<long long>(tokens));
+  EXPECT_LE(skipped * 20, tokens);
+}
+
+// Many calls back to back with changing shapes (grid sizes): the fused kernel's ticket counter must be back at
+// zero after every launch, or a later call routes from incomplete logits.
+TEST_P(OpsRouterGate, RepeatedCallsWithChangingShapes) {
+  auto rng = test::Rng::for_test();
+  const GateCase cases[] = {kGateCases[0], kGateCases[2], kGateCases[6]};
+  std::vector<Tensor> gates, biases;
+  for (const GateCase& c : cases) {
+    gates.push_back(grid_tensor(rng, {c.E, c.D}, 64.0f));
+    biases.push_back(rng.normal_tensor({c.E}, 0.05f));
+  }
+  for (int i = 0; i < (on_cuda() ? 120 : 12); ++i) {
+    const size_t ci = static_cast<size_t>(i) % 3;
+    const GateCase& c = cases[ci];
+    const int64_t T = 1 + (i * 7) % 16;
+    SCOPED_TRACE(::testing::Message() << "call " << i << " E=" << c.E << " T=" << T);
+    const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+    const Tensor x = grid_tensor(rng, {T, c.D}, 8.0f);
+    Tensor ids, w, want_ids, want_w;
+    route(x, on_cuda() ? DType::kBF16 : DType::kF32, gates[ci], biases[ci], p, ids, w);
+    cpu_gate_router(x, gates[ci], biases[ci], p, want_ids, want_w);
+    ASSERT_TRUE(test::bit_equal(ids, want_ids));
+    ASSERT_TRUE(test::bit_equal(w, want_w));
+  }
+}
+
+TEST_P(OpsRouterGate, BadShapesThrowNamingTheOp) {
+  const Tensor x = in(Tensor::zeros(DType::kF32, {2, 6}));
+  const Tensor gate = in(Tensor::zeros(DType::kF32, {8, 6})), bias = in(Tensor::zeros(DType::kF32, {8}));
+  Tensor ids = out(DType::kI32, {2, 2}), w = out(DType::kF32, {2, 2});
+  const ops::RouterParams p{2, 1, 1, true, 1.0f};
+  EXPECT_TRUE(test::throws_error(
+      [&] { ops::router_gate_topk(ctx(), ids, w, x, in(Tensor::zeros(DType::kF32, {8, 7})), bias, p); },
+      ErrorKind::kRuntime, "ops::router_gate_topk: gate F32[8, 7] does not match x F32[2, 6]"));
+  EXPECT_TRUE(test::throws_error(
+      [&] { ops::router_gate_topk(ctx(), ids, w, x, gate, in(Tensor::zeros(DType::kF32, {5})), p); },
+      ErrorKind::kRuntime, "ops::router_gate_topk: correction_bias F32[5] does not match gate F32[8, 6]"));
+  EXPECT_TRUE(test::throws_error(
+      [&] { ops::router_gate_topk(ctx(), out(DType::kI32, {3, 2}), w, x, gate, bias, p); }, ErrorKind::kRuntime,
+      "ops::router_gate_topk: topk_ids I32[3, 2] does not match x F32[2, 6]"));
+}
+
+CHIMERA_INSTANTIATE_BACKENDS(OpsRouterGate);
 
 // ---- experts ---------------------------------------------------------------------------------------
 

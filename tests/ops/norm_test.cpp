@@ -114,6 +114,41 @@ TEST_P(OpsNorm, AddRmsNormUpdatesResidual) {
   }
 }
 
+// add2_rms_norm == add(mix, a, b) then add_rms_norm(residual, out, mix), bit for bit on every backend (the
+// roundings of the two-op path are kept: a + b rounded to the activation dtype, then the residual add rounded),
+// and against the naive oracle.
+TEST_P(OpsNorm, Add2RmsNormEqualsAddThenAddRmsNorm) {
+  auto rng = test::Rng::for_test();
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 33}, {3, 33}, {111, 40}, {8, 512}};
+  if (on_cuda()) shapes.insert(shapes.end(), {{1, 2688}, {8, 2688}, {64, 2688}, {1, 4096}, {989, 4480}, {3, 40001}});
+  for (DType act : act_dtypes()) {
+    for (const auto& [T, D] : shapes) {
+      SCOPED_TRACE(::testing::Message() << "T=" << T << " D=" << D << " act=" << dtype_name(act));
+      const Tensor a = rounded(rng.normal_tensor({T, D}), act);
+      const Tensor b = rounded(rng.normal_tensor({T, D}), act);
+      const Tensor res0 = rounded(rng.normal_tensor({T, D}, 4.0f), act);
+      const Tensor w = test::cast_to(rng.uniform_tensor({D}, 0.5f, 1.5f), DType::kBF16);
+      // The two-op path on this backend.
+      Tensor mix = output(act, {T, D}), res_want = on_backend(res0, act), out_want = output(act, {T, D});
+      ops::add(ctx(), mix, on_backend(a, act), on_backend(b, act));
+      ops::add_rms_norm(ctx(), res_want, out_want, mix, on_backend(w), 1e-5f);
+      // The fused op.
+      Tensor residual = on_backend(res0, act), out = output(act, {T, D});
+      ops::add2_rms_norm(ctx(), residual, out, on_backend(a, act), on_backend(b, act), on_backend(w), 1e-5f);
+      EXPECT_TRUE(test::bit_equal(host_f32(residual), host_f32(res_want)));
+      EXPECT_TRUE(test::bit_equal(host_f32(out), host_f32(out_want)));
+      // Naive: sum = round(res0 + round(a + b)), then the norm.
+      Tensor sum = Tensor::empty(DType::kF32, {T, D});
+      for (int64_t i = 0; i < T * D; ++i) sum.f32()[i] = a.f32()[i] + b.f32()[i];
+      sum = rounded(sum, act);
+      for (int64_t i = 0; i < T * D; ++i) sum.f32()[i] += res0.f32()[i];
+      sum = rounded(sum, act);
+      EXPECT_TRUE(test::bit_equal(host_f32(residual), sum));
+      EXPECT_ALL_CLOSE(host_f32(out), naive_rms_norm(sum, w, 1e-5f), tol(act));
+    }
+  }
+}
+
 TEST_P(OpsNorm, GatedRmsNormMatchesNaive) {
   auto rng = test::Rng::for_test();
   struct Case {
@@ -195,6 +230,10 @@ TEST_P(OpsNorm, BadShapesThrowNamingTheOp) {
       [&] { ops::gated_rms_norm(ctx(), out, x, x, on_backend(Tensor::zeros(DType::kF32, {8})), 3, 1e-5f); },
       ErrorKind::kRuntime, "ops::gated_rms_norm: n_groups 3"));
   const Tensor w = on_backend(Tensor::zeros(DType::kF32, {8}));
+  Tensor res8 = output(DType::kF32, {3, 8});
+  EXPECT_TRUE(test::throws_error(
+      [&] { ops::add2_rms_norm(ctx(), res8, out, x, on_backend(Tensor::zeros(DType::kF32, {3, 7})), w, 1e-5f); },
+      ErrorKind::kRuntime, "ops::add2_rms_norm: b F32[3, 7] does not match a F32[3, 8]"));
   if (!on_cuda()) {
     EXPECT_TRUE(test::throws_error(
         [&] {
@@ -215,6 +254,8 @@ TEST_P(OpsNorm, BadShapesThrowNamingTheOp) {
     Tensor res = on_backend(Tensor::zeros(DType::kF32, {3, 8}));
     EXPECT_TRUE(test::throws_error([&] { ops::add_rms_norm(ctx(), res, out, xb, w, 1e-5f); }, ErrorKind::kRuntime,
                                    "ops::add_rms_norm: the activations of one call must share a dtype"));
+    EXPECT_TRUE(test::throws_error([&] { ops::add2_rms_norm(ctx(), res, out, x, xb, w, 1e-5f); }, ErrorKind::kRuntime,
+                                   "ops::add2_rms_norm: the activations of one call must share a dtype"));
   }
 }
 

@@ -131,7 +131,11 @@ TEST_P(ProfilerTest, TinyModelPrefillAndDecodeStepsByOpKind) {
   for (const auto* m : {&pre, &dec}) {
     EXPECT_EQ(calls(*m, "attention"), n_attention);
     EXPECT_EQ(calls(*m, "moe_experts"), n_moe);
-    EXPECT_EQ(calls(*m, "router_topk"), n_moe);
+    // The router is one op from the layer's input (logits + top-k); the MoE layer's two outputs meet in the norm.
+    EXPECT_EQ(calls(*m, "router_gate_topk"), n_moe);
+    EXPECT_EQ(calls(*m, "router_topk"), 0);
+    EXPECT_EQ(calls(*m, "add2_rms_norm"), n_moe);
+    EXPECT_EQ(calls(*m, "add"), 0);
     EXPECT_GE(calls(*m, "linear"), n_mamba + n_attention + 1);  // at least in/out projections and the lm_head
     EXPECT_GE(calls(*m, "embedding"), 1);
   }

@@ -14,6 +14,8 @@ void embedding(const Tensor& out, const Tensor& table, std::span<const int32_t> 
 void convert(const Tensor& out, const Tensor& in);  // F32 copy (CPU activations are F32)
 void rms_norm(const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
 void add_rms_norm(const Tensor& residual, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
+void add2_rms_norm(const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& weight,
+                   float eps);
 void gated_rms_norm(const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight, int64_t n_groups,
                     float eps);
 
@@ -42,6 +44,8 @@ void attention(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor
 
 void router_topk(const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
                  const Tensor& correction_bias, const ops::RouterParams& p);
+void router_gate_topk(const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x, const Tensor& gate,
+                      const Tensor& correction_bias, const ops::RouterParams& p);
 void moe_experts(const Tensor& out, const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                  std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 

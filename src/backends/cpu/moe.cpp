@@ -68,6 +68,14 @@ void router_topk(const Tensor& topk_ids, const Tensor& topk_weights, const Tenso
   });
 }
 
+// The reference is literally the two ops: fp32 logits from linear (x is F32 on the CPU), then router_topk.
+void router_gate_topk(const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x, const Tensor& gate,
+                      const Tensor& correction_bias, const ops::RouterParams& p) {
+  const Tensor logits = Tensor::empty(DType::kF32, {x.dim(0), gate.dim(0)});
+  linear(logits, x, gate, Tensor());
+  router_topk(topk_ids, topk_weights, logits, correction_bias, p);
+}
+
 void moe_experts(const Tensor& out, const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                  std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
   const int64_t T = x.dim(0), Din = x.dim(1), k = topk_ids.dim(1);

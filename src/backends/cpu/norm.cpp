@@ -50,6 +50,25 @@ void add_rms_norm(const Tensor& residual, const Tensor& out, const Tensor& x, co
   });
 }
 
+// residual += a + b with a + b computed first (one fp32 add, as add() then add_rms_norm() do), then the norm.
+void add2_rms_norm(const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& weight,
+                   float eps) {
+  const int64_t T = a.dim(0), D = a.dim(1);
+  const std::vector<float> w = to_f32_vector(weight);
+  parallel_for(T, row_grain(D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* r = residual.f32() + t * D;
+      const float* ar = a.f32() + t * D;
+      const float* br = b.f32() + t * D;
+      for (int64_t c = 0; c < D; ++c) {
+        const float mix = ar[c] + br[c];
+        r[c] += mix;
+      }
+      rms_norm_row(out.f32() + t * D, r, w.data(), D, eps);
+    }
+  });
+}
+
 void gated_rms_norm(const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight, int64_t n_groups,
                     float eps) {
   const int64_t T = y.dim(0), D = y.dim(1), gs = D / n_groups;

@@ -20,6 +20,8 @@ void convert(const ops::Context& ctx, const Tensor& out, const Tensor& in);
 void rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
 void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
                   const Tensor& weight, float eps);
+void add2_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
+                   const Tensor& weight, float eps);
 void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
                     int64_t n_groups, float eps);
 // norm/ (elementwise.cu)
@@ -58,6 +60,8 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
 // moe/ (router.cu, experts.cu)
 void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
                  const Tensor& correction_bias, const ops::RouterParams& p);
+void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x,
+                      const Tensor& gate, const Tensor& correction_bias, const ops::RouterParams& p);
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 

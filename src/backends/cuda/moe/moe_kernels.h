@@ -28,6 +28,44 @@ struct RouterParams {
 };
 void launch_router_topk(const RouterParams& p, cudaStream_t stream);
 
+// ---- router gate + top-k in one launch (router.cu; ops::router_gate_topk at decode sizes) ------------------------
+// logits[t, e] = sum_d x[t, d] * gate[e, d] in fp32, then router_topk's selection, in ONE kernel instead of three
+// (x -> fp32 convert, cuBLASLt GEMM, router_topk). Grid: n_split column chunks x ceil(E / kGateWarps) expert
+// groups, kGateWarps warps per block. Block (s, g) stages x[:, s * chunk : (s + 1) * chunk] in shared memory as
+// fp32; its warp w takes expert g * kGateWarps + w, lanes strided over the chunk (16-byte gate loads when D % 4 ==
+// 0), and stores the warp-reduced partial dot product of every token to partial[s, t, e]. The last block to finish
+// (a ticket counter that wraps back to zero, so a graph replay finds it ready) sums the partials in split order
+// (deterministic: the same logits on every run) into shared memory and routes the T tokens with router_topk's own
+// device code: one warp per token, or the block-per-token select token after token. The logits differ from
+// cuBLASLt's by fp32 summation order only.
+inline constexpr int kGateMaxTokens = 16;      // the selection's one warp per token; larger T: the three-op path
+inline constexpr int kGateWarps = 16;          // warps per block (512 threads: also the block-select width)
+inline constexpr int kGateMaxChunk = 512;      // columns per split (x staging: T x chunk fp32 <= 32 KiB)
+inline constexpr int kGateTargetBlocks = 132;  // about one block per H200 SM (more splits: more partials to sum)
+inline constexpr size_t kGateMaxSmemBytes = 100 * 1024;
+struct GateSplit {
+  int n_split;  // column chunks (the partials' leading dimension)
+  int chunk;    // columns per chunk, a multiple of 4
+};
+GateSplit gate_topk_split(int E, int D);
+// T in [1, kGateMaxTokens], E <= 512, k <= min(32, E), and the shared memory of the selection fits.
+bool gate_topk_supported(int T, int E, int k, int n_group, int D);
+struct GateTopkParams {
+  RouterParams route;  // T, E, k, groups, scaling, bias, outputs; logits / logits_dtype / kernel are unused
+  const void* x;       // [T, D] x_dtype (f32 / bf16 / f16)
+  const float* gate;   // [E, D] f32
+  float* partial;      // [split.n_split, T, E] f32 scratch
+  int D;
+  GateSplit split;     // gate_topk_split(E, D)
+  DType x_dtype;
+  // Selection (benchmarks compare them): 0 = automatic, 1 = one warp per token (any n_group), 2 = the
+  // block-per-token select, token after token (n_group == 1; otherwise the warps).
+  int select = 0;
+};
+// The ticket counter is one of a few zero-initialised device words, one per host thread (slot = thread id mod
+// 64): launches from one host thread must be stream-ordered (as ops on one stream are), two threads never share one.
+void launch_router_gate_topk(const GateTopkParams& p, cudaStream_t stream);
+
 // ---- grouped expert GEMMs -----------------------------------------------------------------------------
 // The (token, choice) pairs are numbered pair = t * top_k + j (P = T * top_k). The permutation orders them by
 // expert (stably: increasing pair id within an expert); "permuted row" r is the r-th pair in that order.

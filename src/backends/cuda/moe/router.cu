@@ -23,11 +23,14 @@
 // expf is up to 2 ulp off, which would break exact ties and near-ties; exp is therefore taken in double and
 // rounded (the correctly rounded expf except for inputs within 2^-28 ulp of a rounding boundary), then the
 // same IEEE add and divide (nvcc's default -prec-div=true).
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/moe/moe_kernels.h"
+#include "backends/device_api.h"
 
 namespace chimera::cuda {
 namespace moe {
@@ -143,14 +146,11 @@ __device__ void mask_groups(const RouterParams& p, float (&choice)[NPER], float*
   }
 }
 
-// One warp per token. NPER: candidates per lane (E <= 32 * NPER, a power of two); KFIX: the compile-time k
-// (0 = runtime p.k); kGroups: the group-limited slow path.
+// Routes token t with one warp (whole warps only; no block-wide barrier inside). NPER: candidates per lane
+// (E <= 32 * NPER, a power of two); KFIX: the compile-time k (0 = runtime p.k); kGroups: the group-limited slow
+// path, with `smem` this warp's E + 2 * n_group floats. Also the selection of the fused router_gate_topk kernel.
 template <int NPER, int KFIX, bool kGroups>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) router_topk_kernel(const RouterParams p) {
-  extern __shared__ float router_smem[];
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int t = static_cast<int>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (t >= p.T) return;  // whole warps only; no block-wide barrier below
+__device__ __forceinline__ void route_token_warp(const RouterParams& p, int t, int lane, float* smem) {
   const int k = KFIX > 0 ? KFIX : p.k;
   const int64_t row = static_cast<int64_t>(t) * p.E;
 
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) router_topk_kernel(const 
 #pragma unroll
   for (int s = 0; s < NPER; ++s) choice[s] = s * 32 + lane < p.E ? sigmoid_ref(choice[s]) + bias[s] : 0.0f;
   if constexpr (kGroups) {
-    float* s_choice = router_smem + warp * (p.E + 2 * p.n_group);
+    float* s_choice = smem;
     float* s_group = s_choice + p.E;
     int* s_keep = reinterpret_cast<int*>(s_group + p.n_group);
     mask_groups<NPER>(p, choice, s_choice, s_group, s_keep, lane);
@@ -204,6 +204,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) router_topk_kernel(const 
   }
 }
 
+// One warp per token, kWarpsPerBlock tokens per block.
+template <int NPER, int KFIX, bool kGroups>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) router_topk_kernel(const RouterParams p) {
+  extern __shared__ float router_smem[];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int t = static_cast<int>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (t >= p.T) return;  // whole warps only
+  route_token_warp<NPER, KFIX, kGroups>(p, t, lane, router_smem + warp * (p.E + 2 * p.n_group));
+}
+
 template <int NPER, int KFIX, bool kGroups>
 void launch_router(const RouterParams& p, cudaStream_t stream) {
   const int blocks = ceil_div(p.T, kWarpsPerBlock);
@@ -239,14 +249,16 @@ void launch_router_nper(const RouterParams& p, cudaStream_t stream) {
 constexpr int kBlockMaxThreads = 512;
 constexpr int kBlockMaxTokens = 1024;  // above: the warp kernel (throughput, not latency, bounds the call)
 
-__global__ void __launch_bounds__(kBlockMaxThreads) router_topk_block_kernel(const RouterParams p) {
+// Routes token t with the whole (1-D) block: thread e = expert e, E <= blockDim.x <= kBlockMaxThreads. Every
+// thread of the block must call it (barriers); it returns with warp 0 possibly still storing, so a caller that
+// routes another token next puts a __syncthreads() in between.
+__device__ __forceinline__ void route_token_block(const RouterParams& p, int t) {
   __shared__ uint64_t s_key[32];  // winners' keys, in arrival order
   __shared__ float s_score[32];   // their unbiased scores
   __shared__ float s_rank_score[32];
   __shared__ int s_rank_id[32];
   __shared__ int s_count;
   const int e = static_cast<int>(threadIdx.x);
-  const int t = static_cast<int>(blockIdx.x);
   const int k = p.k;
   const bool valid = e < p.E;
   float score = 0.0f, choice = 0.0f;
@@ -323,10 +335,153 @@ __global__ void __launch_bounds__(kBlockMaxThreads) router_topk_block_kernel(con
   }
 }
 
+__global__ void __launch_bounds__(kBlockMaxThreads) router_topk_block_kernel(const RouterParams p) {
+  route_token_block(p, static_cast<int>(blockIdx.x));
+}
+
 void launch_router_block(const RouterParams& p, cudaStream_t stream) {
   const int threads = ceil_div(p.E, 32) * 32;
   router_topk_block_kernel<<<static_cast<unsigned>(p.T), threads, 0, stream>>>(p);
   CHIMERA_LAUNCH_CHECK("ops::router_topk");
+}
+
+// ---- router gate + top-k in one launch (moe_kernels.h has the design) -----------------------------------------
+constexpr int kGateThreads = kGateWarps * 32;
+static_assert(kGateThreads == kBlockMaxThreads, "the block select needs one thread per expert, up to 512");
+static_assert(kGateMaxTokens <= kGateWarps, "one selection warp per token");
+constexpr int kTicketSlots = 64;
+__device__ unsigned int g_gate_tickets[kTicketSlots];  // zero at module load; every launch leaves its word at zero
+
+struct GateLaunch {
+  GateTopkParams g;
+  int ticket_slot;
+  bool vec4;  // 16-byte gate loads: D % 4 == 0 and an aligned gate
+};
+
+template <int NPER, bool kGroups>
+__global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const GateLaunch L) {
+  // Phase 1: x chunk [T][chunk] fp32. Phase 2: logits [T][E], then (kGroups) each warp's E + 2 n_group floats.
+  extern __shared__ float4 gate_smem4[];
+  float* smem = reinterpret_cast<float*>(gate_smem4);
+  __shared__ bool s_last;
+  const GateTopkParams& g = L.g;
+  const int T = g.route.T, E = g.route.E, chunk = g.split.chunk;
+  const int split = static_cast<int>(blockIdx.x);
+  const int d0 = split * chunk, len = min(chunk, g.D - d0);  // len > 0: n_split = ceil(D / chunk)
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+
+  for (int i = static_cast<int>(threadIdx.x); i < T * len; i += kGateThreads) {
+    const int t = i / len, d = i - t * len;
+    smem[t * chunk + d] = load_elem(g.x, g.x_dtype, static_cast<int64_t>(t) * g.D + d0 + d);
+  }
+  __syncthreads();
+
+  const int e = static_cast<int>(blockIdx.y) * kGateWarps + warp;
+  if (e < E) {
+    float acc[kGateMaxTokens];
+#pragma unroll
+    for (int t = 0; t < kGateMaxTokens; ++t) acc[t] = 0.0f;
+    const float* w = g.gate + static_cast<int64_t>(e) * g.D + d0;
+    if (L.vec4) {  // chunk and d0 are multiples of 4: 16-byte aligned gate and shared rows
+      for (int d = lane * 4; d < len; d += 128) {
+        const float4 wv = __ldg(reinterpret_cast<const float4*>(w + d));
+#pragma unroll
+        for (int t = 0; t < kGateMaxTokens; ++t) {
+          if (t < T) {
+            const float4 xv = *reinterpret_cast<const float4*>(smem + t * chunk + d);
+            acc[t] = fmaf(wv.x, xv.x, acc[t]);
+            acc[t] = fmaf(wv.y, xv.y, acc[t]);
+            acc[t] = fmaf(wv.z, xv.z, acc[t]);
+            acc[t] = fmaf(wv.w, xv.w, acc[t]);
+          }
+        }
+      }
+    } else {
+      for (int d = lane; d < len; d += 32) {
+        const float wv = __ldg(w + d);
+#pragma unroll
+        for (int t = 0; t < kGateMaxTokens; ++t) {
+          if (t < T) acc[t] = fmaf(wv, smem[t * chunk + d], acc[t]);
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kGateMaxTokens; ++t) {
+      if (t < T) {
+        float v = acc[t];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+        if (lane == 0) g.partial[(static_cast<int64_t>(split) * T + t) * E + e] = v;
+      }
+    }
+  }
+
+  // The last block to arrive routes. Writers fence before the ticket; atomicInc wraps the word back to zero.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int n_blocks = gridDim.x * gridDim.y;
+    s_last = atomicInc(&g_gate_tickets[L.ticket_slot], n_blocks - 1) == n_blocks - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+
+  // Phase 2: logits = the partials summed in split order (L2 reads: other SMs wrote them).
+  float* s_logits = smem;
+  for (int i = static_cast<int>(threadIdx.x); i < T * E; i += kGateThreads) {
+    float v = 0.0f;
+    for (int s = 0; s < g.split.n_split; ++s) v += __ldcg(g.partial + static_cast<int64_t>(s) * T * E + i);
+    s_logits[i] = v;
+  }
+  __syncthreads();
+  RouterParams rp = g.route;
+  rp.logits = s_logits;
+  rp.logits_dtype = DType::kF32;
+  const bool block_select = !kGroups && (g.select == 2 || (g.select == 0 && T == 1));
+  if (block_select) {
+    for (int t = 0; t < T; ++t) {
+      route_token_block(rp, t);
+      __syncthreads();
+    }
+  } else if (warp < T) {
+    route_token_warp<NPER, 0, kGroups>(rp, warp, lane, s_logits + T * E + warp * (E + 2 * rp.n_group));
+  }
+}
+
+size_t gate_smem_bytes(int T, int E, int n_group, int chunk) {
+  const size_t phase1 = sizeof(float) * static_cast<size_t>(T) * static_cast<size_t>(chunk);
+  size_t phase2 = sizeof(float) * static_cast<size_t>(T) * static_cast<size_t>(E);
+  if (n_group > 1) phase2 += sizeof(float) * static_cast<size_t>(T) * static_cast<size_t>(E + 2 * n_group);
+  return std::max(phase1, phase2);
+}
+
+template <int NPER, bool kGroups>
+void launch_gate(const GateLaunch& L, cudaStream_t stream) {
+  const size_t smem = gate_smem_bytes(L.g.route.T, L.g.route.E, L.g.route.n_group, L.g.split.chunk);
+  if (smem > 48 * 1024) {
+    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(router_gate_topk_kernel<NPER, kGroups>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                       "ops::router_gate_topk");
+  }
+  const dim3 grid(static_cast<unsigned>(L.g.split.n_split), static_cast<unsigned>(ceil_div(L.g.route.E, kGateWarps)));
+  router_gate_topk_kernel<NPER, kGroups><<<grid, kGateThreads, smem, stream>>>(L);
+  CHIMERA_LAUNCH_CHECK("ops::router_gate_topk");
+}
+
+template <int NPER>
+void launch_gate_nper(const GateLaunch& L, cudaStream_t stream) {
+  if (L.g.route.n_group > 1) {
+    launch_gate<NPER, true>(L, stream);
+  } else {
+    launch_gate<NPER, false>(L, stream);
+  }
+}
+
+int ticket_slot() {
+  static std::atomic<int> next{0};
+  thread_local const int slot = next.fetch_add(1) % kTicketSlots;
+  return slot;
 }
 
 }  // namespace
@@ -348,6 +503,35 @@ void launch_router_topk(const RouterParams& p, cudaStream_t stream) {
   if (nper <= 4) return launch_router_nper<4>(p, stream);
   if (nper <= 8) return launch_router_nper<8>(p, stream);
   return launch_router_nper<16>(p, stream);
+}
+
+GateSplit gate_topk_split(int E, int D) {
+  const int expert_blocks = ceil_div(E, kGateWarps);
+  int n_split = std::max(ceil_div(D, kGateMaxChunk), ceil_div(kGateTargetBlocks, expert_blocks));
+  n_split = std::max(1, std::min(n_split, ceil_div(D, 32)));  // chunks of at least ~32 columns
+  const int chunk = ceil_div(ceil_div(D, n_split), 4) * 4;
+  return {ceil_div(D, chunk), chunk};
+}
+
+bool gate_topk_supported(int T, int E, int k, int n_group, int D) {
+  if (T < 1 || T > kGateMaxTokens || E < 1 || E > 512 || k < 1 || k > 32 || k > E || D < 1) return false;
+  return gate_smem_bytes(T, E, n_group, gate_topk_split(E, D).chunk) <= kGateMaxSmemBytes;
+}
+
+void launch_router_gate_topk(const GateTopkParams& p, cudaStream_t stream) {
+  const RouterParams& r = p.route;
+  if (!gate_topk_supported(r.T, r.E, r.k, r.n_group, p.D)) {
+    throw_runtime(str_cat("ops::router_gate_topk: T = ", r.T, ", ", r.E, " experts / top-", r.k, ", ", r.n_group,
+                          " groups, D = ", p.D, " is not supported by the fused kernel (supported: T <= ",
+                          kGateMaxTokens, ", E <= 512, k <= min(32, E), shared memory <= ", kGateMaxSmemBytes, ")"));
+  }
+  GateLaunch L{p, ticket_slot(), p.D % 4 == 0 && reinterpret_cast<uintptr_t>(p.gate) % 16 == 0};
+  const int nper = (r.E + 31) / 32;
+  if (nper <= 1) return launch_gate_nper<1>(L, stream);
+  if (nper <= 2) return launch_gate_nper<2>(L, stream);
+  if (nper <= 4) return launch_gate_nper<4>(L, stream);
+  if (nper <= 8) return launch_gate_nper<8>(L, stream);
+  return launch_gate_nper<16>(L, stream);
 }
 
 }  // namespace moe
@@ -372,6 +556,53 @@ void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& 
   k.logits_dtype = logits.dtype();
   k.bias_dtype = correction_bias.dtype();
   moe::launch_router_topk(k, as_stream(ctx.stream));
+}
+
+// Decode sizes: one kernel. Otherwise (and for a 16-bit gate) the three ops it replaces: x -> fp32, cuBLASLt
+// fp32 logits, router_topk.
+void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x,
+                      const Tensor& gate, const Tensor& correction_bias, const ops::RouterParams& p) {
+  const char* op = "ops::router_gate_topk";
+  if (topk_weights.dtype() != DType::kF32) {
+    throw_runtime(str_cat(op, ": topk_weights ", topk_weights.describe(), " must be F32 on CUDA"));
+  }
+  const int64_t T = x.dim(0), E = gate.dim(0), D = x.dim(1);
+  if (T == 0) return;
+  const bool fused = gate.dtype() == DType::kF32 && D <= 0x7fffffffLL &&
+                     moe::gate_topk_supported(static_cast<int>(T), static_cast<int>(E), static_cast<int>(p.top_k),
+                                              static_cast<int>(p.n_group), static_cast<int>(D));
+  if (!fused) {
+    Tensor x_f32 = x;
+    if (x.dtype() != DType::kF32) {
+      x_f32 = device::empty(Device::kCuda, DType::kF32, x.shape());
+      cuda::convert(ctx, x_f32, x);
+    }
+    const Tensor logits = device::empty(Device::kCuda, DType::kF32, {T, E});
+    cuda::linear(ctx, logits, x_f32, gate, Tensor());
+    cuda::router_topk(ctx, topk_ids, topk_weights, logits, correction_bias, p);
+    return;
+  }
+  moe::GateTopkParams g{};
+  g.route.bias = correction_bias.data();
+  g.route.bias_dtype = correction_bias.dtype();
+  g.route.topk_ids = topk_ids.data_as<int32_t>();
+  g.route.topk_weights = topk_weights.data_as<float>();
+  g.route.T = static_cast<int>(T);
+  g.route.E = static_cast<int>(E);
+  g.route.k = static_cast<int>(p.top_k);
+  g.route.n_group = static_cast<int>(p.n_group);
+  g.route.topk_group = static_cast<int>(p.topk_group);
+  g.route.norm_topk_prob = p.norm_topk_prob;
+  g.route.routed_scaling_factor = p.routed_scaling_factor;
+  g.route.logits_dtype = DType::kF32;
+  g.x = x.data();
+  g.x_dtype = x.dtype();
+  g.gate = gate.data_as<float>();
+  g.D = static_cast<int>(D);
+  g.split = moe::gate_topk_split(g.route.E, g.D);
+  const Tensor partial = device::empty(Device::kCuda, DType::kF32, {g.split.n_split, T, E});
+  g.partial = partial.data_as<float>();
+  moe::launch_router_gate_topk(g, as_stream(ctx.stream));
 }
 
 }  // namespace chimera::cuda

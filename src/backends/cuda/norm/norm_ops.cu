@@ -107,6 +107,17 @@ void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor&
   norm::launch_add_rms_norm(p, x.dtype(), weight.dtype(), as_stream(ctx.stream));
 }
 
+void add2_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
+                   const Tensor& weight, float eps) {
+  const char* op = "ops::add2_rms_norm";
+  require_same_dtype(op, {{"a", &a}, {"b", &b}, {"residual", &residual}, {"out", &out}});
+  // x = a, z = b: the kernel adds round(a + b) to the residual.
+  const norm::RowNormParams p{
+      out.data(), a.data(), b.data(), residual.data(), weight.data(), a.dim(0), checked_int(op, "hidden size", a.dim(1)),
+      1,          eps};
+  norm::launch_add2_rms_norm(p, a.dtype(), weight.dtype(), as_stream(ctx.stream));
+}
+
 void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
                     int64_t n_groups, float eps) {
   const char* op = "ops::gated_rms_norm";

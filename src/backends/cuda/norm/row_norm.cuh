@@ -2,6 +2,9 @@
 //   kPlain: out = w * x * rsqrt(mean(x^2) + eps)
 //   kAdd:   residual += x (stored in the activation dtype), out = rms_norm(residual as stored); ONE pass:
 //           x and residual are read once, residual and out written once, the row held in fp32 registers.
+//   kAdd2:  kAdd with x = round(x + z): the MoE layer's shared and routed outputs (x, z) summed and rounded to
+//           the activation dtype first, then added to the residual and rounded again, the exact roundings of
+//           add() followed by kAdd (bit-identical), without the round trip of the sum through memory.
 //   kGated: u = y * silu(z) (gate first, norm_before_gate = false), then RMSNorm of each group of
 //           D / n_groups channels: a "row" here is one (token, group) pair, weight row = group.
 // Rounding: fp32 math in registers and one rounding at each store (vLLM / TRT-LLM fused kernels). HF rounds
@@ -20,15 +23,15 @@
 
 namespace chimera::cuda::norm {
 
-enum class NormMode { kPlain, kAdd, kGated };
+enum class NormMode { kPlain, kAdd, kAdd2, kGated };
 
 inline constexpr int kMaxThreads = 1024;  // threads per block (one long row)
 
 struct RowNormParams {
   void* out;           // [rows, row_len] T
   const void* x;       // [rows, row_len] T: x (kPlain, kAdd) or y (kGated)
-  const void* z;       // [rows, row_len] T: the gate (kGated), else null
-  void* residual;      // [rows, row_len] T, updated in place (kAdd), else null
+  const void* z;       // [rows, row_len] T: the gate (kGated) or the second addend (kAdd2), else null
+  void* residual;      // [rows, row_len] T, updated in place (kAdd, kAdd2), else null
   const void* weight;  // [weight_rows, row_len] W; row r uses weight row r % weight_rows
   int64_t rows;
   int row_len;
@@ -68,12 +71,18 @@ template <NormMode kMode, typename T, int N>
 __device__ __forceinline__ void row_value(const RowNormParams& p, size_t e, bool first, float (&v)[N]) {
   if constexpr (kMode == NormMode::kPlain) {
     load_f32<T, N>(static_cast<const T*>(p.x) + e, v);
-  } else if constexpr (kMode == NormMode::kAdd) {
+  } else if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2) {
     T* res = static_cast<T*>(p.residual) + e;
     load_f32<T, N, false>(res, v);
     if (first) {
       float xv[N];
       load_f32<T, N>(static_cast<const T*>(p.x) + e, xv);
+      if constexpr (kMode == NormMode::kAdd2) {
+        float zv[N];
+        load_f32<T, N>(static_cast<const T*>(p.z) + e, zv);
+#pragma unroll
+        for (int j = 0; j < N; ++j) xv[j] = round_to<T>(xv[j] + zv[j]);
+      }
 #pragma unroll
       for (int j = 0; j < N; ++j) v[j] = round_to<T>(v[j] + xv[j]);
       store_f32<T, N>(res, v);
@@ -133,14 +142,17 @@ __device__ __forceinline__ void raw_to_f32(const RawVec<U, N>& r, float (&v)[N])
   for (int j = 0; j < N; ++j) v[j] = to_float<U>(tmp[j]);
 }
 
-// row_load: a = x (kPlain) / residual (kAdd) / y (kGated); b = x (kAdd) / z (kGated).
+// row_load: a = x (kPlain) / residual (kAdd, kAdd2) / y (kGated); b = x (kAdd, kAdd2) / z (kGated);
+// c = z (kAdd2 only).
 template <NormMode kMode, typename T, int N>
-__device__ __forceinline__ void row_load(const RowNormParams& p, size_t e, RawVec<T, N>& a, RawVec<T, N>& b) {
+__device__ __forceinline__ void row_load(const RowNormParams& p, size_t e, RawVec<T, N>& a, RawVec<T, N>& b,
+                                         RawVec<T, N>& c) {
   if constexpr (kMode == NormMode::kPlain) {
     load_raw<T, N>(static_cast<const T*>(p.x) + e, a);
-  } else if constexpr (kMode == NormMode::kAdd) {
+  } else if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2) {
     load_raw<T, N, false>(static_cast<const T*>(p.residual) + e, a);
     load_raw<T, N>(static_cast<const T*>(p.x) + e, b);
+    if constexpr (kMode == NormMode::kAdd2) load_raw<T, N>(static_cast<const T*>(p.z) + e, c);
   } else {
     load_raw<T, N>(static_cast<const T*>(p.x) + e, a);
     load_raw<T, N>(static_cast<const T*>(p.z) + e, b);
@@ -165,14 +177,21 @@ __device__ __forceinline__ void store_raw(U* p, const RawVec<U, N>& r) {
 
 // row_combine: the pre-norm value v, as row_value with first = true. kAdd rounds residual + x to T, keeps it
 // packed in a (the value is exactly representable, so a holds it until the output pass) and writes the
-// residual; kPlain's value is a itself; kGated's is not representable in T (the caller keeps v).
+// residual (kAdd2: x = round(x + z) first); kPlain's value is a itself; kGated's is not representable in T (the
+// caller keeps v).
 template <NormMode kMode, typename T, int N>
 __device__ __forceinline__ void row_combine(const RowNormParams& p, size_t e, RawVec<T, N>& a,
-                                            const RawVec<T, N>& b, float (&v)[N]) {
+                                            const RawVec<T, N>& b, const RawVec<T, N>& c, float (&v)[N]) {
   raw_to_f32<T, N>(a, v);
-  if constexpr (kMode == NormMode::kAdd) {
+  if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2) {
     float xv[N];
     raw_to_f32<T, N>(b, xv);
+    if constexpr (kMode == NormMode::kAdd2) {
+      float zv[N];
+      raw_to_f32<T, N>(c, zv);
+#pragma unroll
+      for (int j = 0; j < N; ++j) xv[j] = round_to<T>(xv[j] + zv[j]);
+    }
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] += xv[j];
     f32_to_raw<T, N>(v, a);
@@ -198,21 +217,21 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
     // All loads first (activations, then the L2-resident weights, which are not needed until after the
     // reduction but would otherwise be a dependent round trip behind it), then the combine, the residual
     // stores and the sum of squares.
-    RawVec<T, N> ra[kVecs], rb[kVecs];
+    RawVec<T, N> ra[kVecs], rb[kVecs], rc[kVecs];  // rc: kAdd2's second addend (unused, so dropped, otherwise)
     RawVec<W, N> rw[kVecs];
     constexpr bool kKeepF32 = kMode == NormMode::kGated;  // else ra holds the pre-norm value exactly
     float gv[kKeepF32 ? kVecs : 1][N];
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
-      if (active && i < n_vec) row_load<kMode, T, N>(p, base + static_cast<size_t>(i) * N, ra[k], rb[k]);
+      if (active && i < n_vec) row_load<kMode, T, N>(p, base + static_cast<size_t>(i) * N, ra[k], rb[k], rc[k]);
     }
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
       if (active && i < n_vec) {
         float v[N];
-        row_combine<kMode, T, N>(p, base + static_cast<size_t>(i) * N, ra[k], rb[k], v);
+        row_combine<kMode, T, N>(p, base + static_cast<size_t>(i) * N, ra[k], rb[k], rc[k], v);
 #pragma unroll
         for (int j = 0; j < N; ++j) ss += v[j] * v[j];
         if constexpr (kKeepF32) {
@@ -329,10 +348,13 @@ void launch_row_norm(const RowNormParams& p, DType act, DType weight, cudaStream
   });
 }
 
-// Explicit instances live in rms_norm.cu, add_rms_norm.cu and gated_rms_norm.cu so the build parallelises.
+// Explicit instances live in rms_norm.cu, add_rms_norm.cu, add2_rms_norm.cu and gated_rms_norm.cu so the build
+// parallelises.
 // vecs_per_thread (0: automatic) is exposed for the benchmarks.
 void launch_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, int vecs_per_thread = 0);
 void launch_add_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, int vecs_per_thread = 0);
+void launch_add2_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream,
+                          int vecs_per_thread = 0);
 void launch_gated_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream,
                            int vecs_per_thread = 0);
 
