@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/gemm/linear.h"
 #include "backends/cuda/norm/row_norm.cuh"
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
@@ -237,6 +238,53 @@ CHIMERA_BENCH(linear_bf16) {
           ops::linear(ops::Context{Device::kCuda, st}, s.y, s.x, s.w);
         });
       }
+    }
+  }
+}
+
+// Decode-size dense layers (T = 1, 2, 4, 8) at every projection shape of a Nano / Super decode step: the GEMV path
+// (with and without PDL) against cuBLASLt, device time per call in a CUDA graph; floor = bytes / 4.2 TB/s.
+CHIMERA_BENCH(linear_decode) {
+  struct Proj {
+    const char* name;
+    int64_t in, out;
+  };
+  const Proj projs[] = {{"nano_in_proj", 2688, 10304}, {"nano_out_proj", 4096, 2688}, {"nano_shared_up", 2688, 3712},
+                        {"nano_shared_down", 3712, 2688}, {"nano_q_proj", 2688, 4096}, {"nano_kv_proj", 2688, 256},
+                        {"nano_o_proj", 4096, 2688}, {"nano_lm_head", 2688, 131072}, {"super_in_proj", 4096, 18560},
+                        {"super_out_proj", 8192, 4096}, {"super_latent_in", 4096, 1024}};
+  const bool pdl_default = device::pdl_enabled();
+  for (const Proj& p : projs) {
+    for (int64_t T : {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}}) {
+      const double bytes = 2.0 * (p.out * p.in + T * p.in + T * p.out);
+      const double flops = 2.0 * T * p.in * p.out;
+      struct Set {
+        Tensor x, w, y;
+      };
+      std::vector<Set> sets;
+      const float ws = 1.0f / std::sqrt(static_cast<float>(p.in));
+      for (int i = 0; i < rotations(bytes); ++i) {
+        sets.push_back({random(DType::kBF16, {T, p.in}), random(DType::kBF16, {p.out, p.in}, -ws, ws),
+                        random(DType::kBF16, {T, p.out})});
+      }
+      const std::string shape = "T=" + std::to_string(T) + " in=" + std::to_string(p.in) +
+                                " out=" + std::to_string(p.out) + " bf16 (" + p.name + ")";
+      struct Variant {
+        const char* kernel;
+        cuda::LinearPath path;
+        bool pdl;
+      };
+      for (const Variant& v : {Variant{"linear_gemv", cuda::LinearPath::kGemv, true},
+                               Variant{"linear_gemv_nopdl", cuda::LinearPath::kGemv, false},
+                               Variant{"linear_cublas", cuda::LinearPath::kCublas, false}}) {
+        if (v.pdl && !pdl_default) continue;
+        device::set_pdl_enabled(v.pdl);
+        ctx.run_graph(v.kernel, shape, bytes, flops, [&](cudaStream_t st, int i) {
+          const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+          cuda::linear_on_path(ops::Context{Device::kCuda, st}, s.y, s.x, s.w, Tensor(), v.path);
+        });
+      }
+      device::set_pdl_enabled(pdl_default);
     }
   }
 }

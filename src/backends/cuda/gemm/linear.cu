@@ -20,6 +20,8 @@
 
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/cuda_vec.cuh"
+#include "backends/cuda/gemm/gemv.h"
+#include "backends/cuda/gemm/linear.h"
 #include "backends/device_api.h"
 
 namespace chimera::cuda {
@@ -151,7 +153,35 @@ const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias) {
 
 }  // namespace
 
+namespace {
+
+// The GEMV path's launch for out = x @ weight^T (+ bias) (+ relu^2).
+void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
+              bool relu2) {
+  gemm::GemvParams p;
+  p.x = x.data();
+  p.w = weight.data();
+  p.bias = bias ? bias.data() : nullptr;
+  p.y = out.data();
+  p.T = static_cast<int>(x.dim(0));
+  p.K = static_cast<int>(x.dim(1));
+  p.N = static_cast<int>(weight.dim(0));
+  p.warps_per_row = gemm::gemv_warps_per_row(p.N);
+  gemm::launch_gemv(p, x.dtype(), relu2, as_stream(ctx.stream));
+}
+
+bool gemv_fits(const Tensor& out, const Tensor& x, const Tensor& weight) {
+  return gemm::gemv_supported(x.dim(0), x.dim(1), weight.dim(0), x.dtype(), x.data(), weight.data(), out.data());
+}
+
+}  // namespace
+
 void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  linear_on_path(ctx, out, x, weight, bias, LinearPath::kAuto);
+}
+
+void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+                    const Tensor& bias, LinearPath path) {
   const char* op = "ops::linear";
   require_same_dtype(op, {{"x", &x}, {"out", &out}});
   if (weight.dtype() != x.dtype()) {
@@ -165,6 +195,15 @@ void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const T
   const int64_t T = x.dim(0), in = x.dim(1), n_out = weight.dim(0);
   if (T == 0 || n_out == 0) return;
   if (in == 0) throw_runtime(str_cat(op, ": in_features 0 (x ", x.describe(), ") is not supported on CUDA"));
+  const bool gemv_ok = gemv_fits(out, x, weight);
+  if (path == LinearPath::kGemv && !gemv_ok) {
+    throw_runtime(str_cat(op, ": the GEMV path does not take x ", x.describe(), " @ weight ", weight.describe(),
+                          " (T <= ", gemm::kGemvMaxTokens, ", 16-bit, K % 8 == 0, 16-byte aligned)"));
+  }
+  if (path == LinearPath::kGemv || (path == LinearPath::kAuto && gemv_ok && T <= kLinearGemvAutoMaxTokens)) {
+    run_gemv(ctx, out, x, weight, bias, false);
+    return;
+  }
   LtState& st = lt_state();
   const PlanKey key{T,
                     in,
@@ -188,13 +227,17 @@ void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const T
       op);
 }
 
-// down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel; the [T, I] intermediate is in the
+// down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel (at decode sizes the up GEMV applies relu^2); the [T, I] intermediate is in the
 // activation dtype (as in HF, where the MLP runs in the model dtype).
 void relu2_mlp(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
                const Tensor& down_proj) {
   const Tensor h = device::empty(Device::kCuda, x.dtype(), {x.dim(0), up_proj.dim(0)});
-  cuda::linear(ctx, h, x, up_proj, Tensor());
-  cuda::relu2(ctx, h);
+  if (x.dim(0) <= kLinearGemvAutoMaxTokens && gemv_fits(h, x, up_proj)) {
+    run_gemv(ctx, h, x, up_proj, Tensor(), true);  // relu^2 in the GEMV's epilogue, same roundings
+  } else {
+    cuda::linear(ctx, h, x, up_proj, Tensor());
+    cuda::relu2(ctx, h);
+  }
   cuda::linear(ctx, out, h, down_proj, Tensor());
 }
 

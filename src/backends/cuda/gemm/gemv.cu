@@ -1,0 +1,263 @@
+// Decode-size dense layers: y[T, N] = x[T, K] @ W[N, K]^T (+ b) (+ relu^2) for T <= kGemvMaxTokens tokens and
+// 16-bit weights, as a weight-streaming GEMV.
+//
+// Why not cuBLASLt here: at T = 1..8 every dense layer of a decode step is a pure weight stream (x is a few KB),
+// and cuBLASLt's heuristic picks split-K kernels for these shapes plus a separate split-K reduce kernel. Measured on
+// the H200 (ncu, Nano batch-1 decode step): the 116 dense layers of one step took 1.5 ms including 93 reduce
+// kernels (0.29 ms), 0.47 of their weight-stream floor. This kernel reads each weight byte once with 16-byte loads,
+// keeps x in shared memory as fp32, and writes y directly (no workspace, no second kernel).
+//
+// Work split: a block is 8 warps; a row of W (one output feature) is shared by `warps_per_row` warps (1, 2, 4 or 8,
+// chosen so that small-N layers still put every SM to work), each taking a contiguous range of the row's 16-byte
+// vectors; lanes stride the range by 32 vectors, kUnroll independent loads in flight per lane. Blocks loop over
+// groups of 8 / warps_per_row rows (grid capped at a few waves, x staged once per block).
+//
+// PDL (launch.cuh): the first kUnroll weight vectors of the block's first row group are loaded before pdl_wait()
+// (weights are constant during a step), so the weight stream starts while the previous kernel drains.
+//
+// Numerics: fp32 products and sums (the per-lane partial sums, then a warp butterfly, then the row's warps in part
+// order), + bias in fp32, one rounding to T at the store. With relu2: the rounded value v, then fmaxf(v, 0)^2 in fp32
+// rounded again: exactly linear() then relu2() of the unfused path (elementwise.cu).
+#include "backends/cuda/gemm/gemv.h"
+
+#include <algorithm>
+
+#include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/launch.cuh"
+
+namespace chimera::cuda::gemm {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kUnroll = 4;        // 16-byte weight loads in flight per lane per step
+constexpr int kMaxBlocksPerSm = 4;
+
+template <typename T>
+struct Vec8;
+template <>
+struct Vec8<__nv_bfloat16> {
+  // 8 bf16 in a uint4 -> 8 floats (bf16 -> fp32 is a 16-bit shift).
+  __device__ __forceinline__ static void unpack(const uint4& u, float (&f)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  }
+};
+template <>
+struct Vec8<__half> {
+  __device__ __forceinline__ static void unpack(const uint4& u, float (&f)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+};
+
+// Streaming 16-byte weight load: read once per step, so keep it out of L1.
+__device__ __forceinline__ uint4 load_weight(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// x: [T, K] T, w: [N, K] T, bias: [N] T or null, y: [T, N] T. Dynamic shared memory: x as fp32, [MT][K].
+template <typename T, int MT, bool kRelu2>
+__global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
+  extern __shared__ float4 gemv_smem[];
+  float* xs = reinterpret_cast<float*>(gemv_smem);
+  __shared__ float partial[kWarps][MT];
+
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int wpr = p.warps_per_row, rows_per_group = kWarps / wpr;
+  const int part = warp % wpr;
+  const int kv = p.K / 8;  // 16-byte vectors per row
+  const int per_part = (kv + wpr - 1) / wpr;
+  const int v0 = part * per_part, v1 = min(kv, v0 + per_part);
+  const int n_groups = (p.N + rows_per_group - 1) / rows_per_group;
+  const uint4* w = static_cast<const uint4*>(p.w);
+
+  // Prologue before the grid dependency: this warp's first weight vectors of its first row.
+  uint4 wv[kUnroll];
+  int row = static_cast<int>(blockIdx.x) * rows_per_group + warp / wpr;
+  {
+    const uint4* wrow = w + static_cast<int64_t>(row) * kv;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + lane + u * 32;
+      wv[u] = row < p.N && v < v1 ? load_weight(wrow + v) : make_uint4(0, 0, 0, 0);
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
+
+  // x -> shared memory as fp32 (T * K elements, 8 per 16-byte load).
+  {
+    const uint4* xg = static_cast<const uint4*>(p.x);
+    for (int i = static_cast<int>(threadIdx.x); i < p.T * kv; i += kThreads) {
+      float f[8];
+      Vec8<T>::unpack(xg[i], f);
+      reinterpret_cast<float4*>(xs)[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
+      reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    }
+    for (int i = p.T * p.K + static_cast<int>(threadIdx.x); i < MT * p.K; i += kThreads) xs[i] = 0.0f;  // pad tokens
+  }
+  __syncthreads();
+
+  bool preloaded = true;
+  for (int g = static_cast<int>(blockIdx.x); g < n_groups; g += static_cast<int>(gridDim.x)) {
+    row = g * rows_per_group + warp / wpr;
+    const bool active = row < p.N;
+    const uint4* wrow = w + static_cast<int64_t>(row) * kv;
+    float acc[MT];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) acc[t] = 0.0f;
+    if (active) {
+      for (int v = v0 + lane; v < v1; v += kUnroll * 32) {
+        if (!preloaded) {
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int vu = v + u * 32;
+            wv[u] = vu < v1 ? load_weight(wrow + vu) : make_uint4(0, 0, 0, 0);
+          }
+        }
+        preloaded = false;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int vu = v + u * 32;
+          if (vu < v1) {
+            float wf[8];
+            Vec8<T>::unpack(wv[u], wf);
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+              const float4 a = reinterpret_cast<const float4*>(xs + t * p.K)[2 * vu];
+              const float4 b = reinterpret_cast<const float4*>(xs + t * p.K)[2 * vu + 1];
+              float s = acc[t];
+              s = fmaf(wf[0], a.x, s);
+              s = fmaf(wf[1], a.y, s);
+              s = fmaf(wf[2], a.z, s);
+              s = fmaf(wf[3], a.w, s);
+              s = fmaf(wf[4], b.x, s);
+              s = fmaf(wf[5], b.y, s);
+              s = fmaf(wf[6], b.z, s);
+              s = fmaf(wf[7], b.w, s);
+              acc[t] = s;
+            }
+          }
+        }
+      }
+    }
+    preloaded = false;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xFFFFFFFFu, acc[t], o);
+    }
+    if (wpr > 1) {
+      if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < MT; ++t) partial[warp][t] = acc[t];
+      }
+      __syncthreads();
+      if (part == 0) {
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+          float s = 0.0f;
+          for (int q = 0; q < wpr; ++q) s += partial[warp + q][t];
+          acc[t] = s;
+        }
+      }
+      __syncthreads();  // partial is reused by the next row group
+    }
+    if (part == 0 && active && lane < p.T) {
+      float s = 0.0f;
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        if (t == lane) s = acc[t];
+      }
+      if (p.bias != nullptr) s += to_float(static_cast<const T*>(p.bias)[row]);
+      T v = from_float<T>(s);
+      if constexpr (kRelu2) {
+        const float r = fmaxf(to_float(v), 0.0f);
+        v = from_float<T>(r * r);
+      }
+      static_cast<T*>(p.y)[static_cast<int64_t>(lane) * p.N + row] = v;
+    }
+  }
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return sms > 0 ? sms : 1;
+  }();
+  return n;
+}
+
+template <typename T, int MT, bool kRelu2>
+void launch_mt(const GemvParams& p, cudaStream_t stream) {
+  const size_t smem = sizeof(float) * static_cast<size_t>(MT) * static_cast<size_t>(p.K);
+  auto* kernel = gemv_kernel<T, MT, kRelu2>;
+  if (smem > 48 * 1024) {  // the opt-in is per device, so set it on every such launch (a host-side call)
+    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                       "ops::linear (gemv)");
+  }
+  const int rows_per_group = kWarps / p.warps_per_row;
+  const int n_groups = (p.N + rows_per_group - 1) / rows_per_group;
+  const int blocks = std::min(n_groups, sm_count() * kMaxBlocksPerSm);
+  CHIMERA_CUDA_CHECK(launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p),
+                     "ops::linear (gemv)");
+}
+
+template <typename T, bool kRelu2>
+void launch_t(const GemvParams& p, cudaStream_t stream) {
+  if (p.T <= 1) return launch_mt<T, 1, kRelu2>(p, stream);
+  if (p.T <= 2) return launch_mt<T, 2, kRelu2>(p, stream);
+  if (p.T <= 4) return launch_mt<T, 4, kRelu2>(p, stream);
+  return launch_mt<T, 8, kRelu2>(p, stream);
+}
+
+}  // namespace
+
+bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x, const void* w, const void* y) {
+  if (T < 1 || T > kGemvMaxTokens || N < 1 || K < 8 || K % 8 != 0) return false;
+  if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  if (!aligned(x) || !aligned(w) || !aligned(y)) return false;
+  const int64_t mt = T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8;
+  return static_cast<int64_t>(sizeof(float)) * mt * K <= kGemvMaxSmemBytes && N < (int64_t{1} << 31) / K;
+}
+
+int gemv_warps_per_row(int64_t N) {
+  // Enough warps for every SM to hold ~16 of them streaming: split rows only when N alone is too few.
+  const int64_t want = static_cast<int64_t>(sm_count()) * 16;
+  int wpr = 1;
+  while (wpr < kWarps && N * wpr < want) wpr *= 2;
+  return wpr;
+}
+
+void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stream) {
+  if (p.warps_per_row < 1 || p.warps_per_row > kWarps || kWarps % p.warps_per_row != 0) {
+    throw_runtime(str_cat("ops::linear (gemv): warps_per_row ", p.warps_per_row, " must divide ", kWarps));
+  }
+  switch (dtype) {
+    case DType::kBF16:
+      return relu2 ? launch_t<__nv_bfloat16, true>(p, stream) : launch_t<__nv_bfloat16, false>(p, stream);
+    case DType::kF16:
+      return relu2 ? launch_t<__half, true>(p, stream) : launch_t<__half, false>(p, stream);
+    default:
+      throw_runtime(str_cat("ops::linear (gemv): dtype ", dtype_name(dtype), " is not supported (BF16, F16)"));
+  }
+}
+
+}  // namespace chimera::cuda::gemm

@@ -1,0 +1,33 @@
+// Decode-size dense layers as a weight-streaming GEMV (gemv.cu has the design and the measured reason); used by
+// cuda::linear for T <= kGemvMaxTokens with 16-bit weights, cuBLASLt otherwise.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace chimera::cuda::gemm {
+
+constexpr int64_t kGemvMaxTokens = 8;
+constexpr int64_t kGemvMaxSmemBytes = 100 * 1024;  // x staged as fp32: tokens (rounded up to 1/2/4/8) x K x 4
+
+// y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]) (then relu^2 when asked), all of one 16-bit dtype, contiguous rows.
+struct GemvParams {
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const void* bias = nullptr;  // null: none
+  void* y = nullptr;
+  int T = 0, K = 0, N = 0;
+  int warps_per_row = 1;  // 1, 2, 4 or 8 (gemv_warps_per_row)
+};
+
+// Whether the GEMV handles this shape: 1 <= T <= 8, K % 8 == 0, BF16/F16, 16-byte aligned x, w and y, x fits in
+// shared memory as fp32.
+bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x, const void* w, const void* y);
+// Warps sharing one output row for N rows (more for small N, so every SM streams).
+int gemv_warps_per_row(int64_t N);
+void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stream);
+
+}  // namespace chimera::cuda::gemm
