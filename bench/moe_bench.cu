@@ -292,6 +292,72 @@ void bench_experts_decode(const Context& ctx, const char* model, int64_t E, int6
   }
 }
 
+// A decode MoE layer's experts with its shared expert (issue 4): per T = 1, 2, 4, 8, graph device time of
+//   "moe_layer-old": ops::moe_experts (4 launches) + ops::relu2_mlp (cuBLASLt up, relu2, cuBLASLt down)
+//   "moe_layer-new": ops::moe_experts_shared (the shared expert inside the 2 GEMV launches: 4 launches in all)
+// plus "moe_experts-gemv" alone (the routed part, the old bench's number). Bytes: the touched routed experts'
+// weights + the shared expert's (2 x Is x H x 2) + activations; GB/s against the 4.2 TB/s floor. Super: the routed
+// experts on the latent (1024), the shared expert on the hidden state (4096), as the model runs them. A CHECK line
+// compares the new path's outputs with the old one's (routed bit-equal expected, shared close).
+void bench_moe_layer_decode(const Context& ctx, const char* model, int64_t E, int64_t k, int64_t D, int64_t I,
+                            int64_t H, int64_t Is, float scale) {
+  const char* what = "bench moe_layer graph";
+  const ExpertsCase ec(model, E, k, D, I, scale);
+  const Tensor s_up = random_bf16({Is, H}, 1.7320508f / std::sqrt(static_cast<float>(H)), 23);
+  const Tensor s_down = random_bf16({H, Is}, 1.7320508f / std::sqrt(static_cast<float>(Is)), 29);
+  for (int64_t T : {1, 2, 4, 8}) {
+    ExpertsInputs in = experts_inputs(ec, T, DType::kBF16);
+    const Tensor xh = D == H ? in.x : to_dtype(random_f32({T, H}, 1.0f, static_cast<uint32_t>(400 + T)), DType::kBF16);
+    Tensor s_out = device::empty(Device::kCuda, DType::kBF16, {T, H});
+    Tensor out_old = device::empty(Device::kCuda, DType::kBF16, {T, D});
+    Tensor s_out_old = device::empty(Device::kCuda, DType::kBF16, {T, H});
+    const double bytes = in.bytes + 2.0 * static_cast<double>(Is * H) * 2.0 + 2.0 * static_cast<double>(T * H) * 2.0;
+    const double flops = in.flops + 2.0 * 2.0 * static_cast<double>(T * Is * H);
+    const std::string shape = in.shape + " H=" + std::to_string(H) + " Is=" + std::to_string(Is);
+    std::printf("INFO moe_layer %s touched_experts=%zu floor_us=%.2f\n", shape.c_str(), in.touched,
+                bytes / (kCopyBandwidthGBs * 1e3));
+    const auto old_path = [&](cudaStream_t st) {
+      const ops::Context c{Device::kCuda, st};
+      ops::moe_experts(c, out_old, in.x, in.ids, in.w, ec.up, ec.down);
+      ops::relu2_mlp(c, s_out_old, xh, s_up, s_down);
+    };
+    const auto new_path = [&](cudaStream_t st) {
+      const ops::Context c{Device::kCuda, st};
+      ops::moe_experts_shared(c, in.out, in.x, in.ids, in.w, ec.up, ec.down, ops::SharedExpert{s_out, xh, s_up, s_down});
+    };
+    // Outside any capture first: the pointer tables and the cuBLASLt plans are set up on a first call.
+    old_path(nullptr);
+    new_path(nullptr);
+    const Tensor a = device::to_host_f32(in.out), b = device::to_host_f32(out_old);
+    const Tensor sa = device::to_host_f32(s_out), sb = device::to_host_f32(s_out_old);
+    ctx.run_graph("moe_layer-old", shape, bytes, flops, [&](cudaStream_t st, int) { old_path(st); });
+    CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
+    ctx.run_graph("moe_layer-new", shape, bytes, flops, [&](cudaStream_t st, int) { new_path(st); });
+    CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
+    ctx.run_graph("moe_experts-gemv", in.shape, in.bytes, in.flops, [&](cudaStream_t st, int) {
+      cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, st}, in.out, in.x, in.ids, in.w, ec.up, ec.down,
+                                     cuda::moe::ExpertsPath::kGemv);
+    });
+    CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
+    const bool routed_same = std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+    double max_diff = 0, max_ref = 0;
+    for (int64_t i = 0; i < sa.numel(); ++i) {
+      max_diff = std::max(max_diff, static_cast<double>(std::fabs(sa.f32()[i] - sb.f32()[i])));
+      max_ref = std::max(max_ref, static_cast<double>(std::fabs(sb.f32()[i])));
+    }
+    std::printf("CHECK moe_layer %s routed %s shared max_abs_diff=%.3g max_abs=%.3g %s\n", shape.c_str(),
+                routed_same ? "identical" : "DIFFERENT", max_diff, max_ref,
+                max_diff <= 2e-2 * std::max(1.0, max_ref) ? "close" : "DIFFERENT");
+  }
+}
+
+// Nano: hidden 2688, 128 experts top-6, I 1856, shared 3712. Super: hidden 4096, latent 1024, 512 experts top-22,
+// I 2688, shared 5376.
+CHIMERA_BENCH(moe_layer_decode_nano) { bench_moe_layer_decode(ctx, "nano", 128, 6, 2688, 1856, 2688, 3712, 2.5f); }
+CHIMERA_BENCH(moe_layer_decode_super) {
+  bench_moe_layer_decode(ctx, "super", 512, 22, 1024, 2688, 4096, 5376, 5.0f);
+}
+
 CHIMERA_BENCH(moe_experts_nano) {
   bench_experts(ctx, "nano", 128, 6, 2688, 1856, 2.5f, DType::kBF16, {1, 64, 1024});
 }

@@ -538,17 +538,18 @@ void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const 
   ops::RouterParams rp{k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor};
   ops::router_gate_topk(ctx, ids, weights, x, w.gate, w.e_score_correction_bias, rp);
 
-  // Routed experts, in the latent space when moe_latent_size is set (model-spec 6.2).
+  // Routed experts, in the latent space when moe_latent_size is set (model-spec 6.2), and the shared expert, which
+  // reads the full hidden state, never the latent one. One op: moe_experts then relu2_mlp (the CPU runs exactly
+  // those), on CUDA at decode sizes the shared expert inside the routed experts' GEMV launches.
+  const ops::SharedExpert shared{shared_out, x, w.shared_experts.up_proj, w.shared_experts.down_proj};
   if (c.moe_latent_size) {
     Tensor latent_in = act(ctx, {T, Din}), latent_out = act(ctx, {T, Din});
     ops::linear(ctx, latent_in, x, w.fc1_latent_proj);
-    ops::moe_experts(ctx, latent_out, latent_in, ids, weights, w.experts_up, w.experts_down);
+    ops::moe_experts_shared(ctx, latent_out, latent_in, ids, weights, w.experts_up, w.experts_down, shared);
     ops::linear(ctx, routed_out, latent_out, w.fc2_latent_proj);
   } else {
-    ops::moe_experts(ctx, routed_out, x, ids, weights, w.experts_up, w.experts_down);
+    ops::moe_experts_shared(ctx, routed_out, x, ids, weights, w.experts_up, w.experts_down, shared);
   }
-  // The shared expert reads the full hidden state, never the latent one.
-  ops::relu2_mlp(ctx, shared_out, x, w.shared_experts.up_proj, w.shared_experts.down_proj);
 }
 
 Tensor NemotronH::act(const ops::Context& ctx, Shape shape) const {

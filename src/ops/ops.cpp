@@ -269,8 +269,9 @@ void relu2(const Context& ctx, const Tensor& x) {
   c.dispatch([&] { cpu::relu2(x); }, [&] { CHIMERA_CUDA_CALL(cuda::relu2(ctx, x)); });
 }
 
-void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj, const Tensor& down_proj) {
-  const Check c(ctx, "relu2_mlp");
+namespace {
+void check_relu2_mlp(const Check& c, const Tensor& out, const Tensor& x, const Tensor& up_proj,
+                     const Tensor& down_proj) {
   c.f32("x", x, 2);
   c.f32("out", out, 2);
   c.shape("out", out, x.shape(), "x", x);
@@ -278,6 +279,12 @@ void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Ten
   c.shape("up_proj", up_proj, {up_proj.dim(0), x.dim(1)}, "x", x);
   c.weight("down_proj", down_proj, 2);
   c.shape("down_proj", down_proj, {x.dim(1), up_proj.dim(0)}, "up_proj", up_proj);
+}
+}  // namespace
+
+void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj, const Tensor& down_proj) {
+  const Check c(ctx, "relu2_mlp");
+  check_relu2_mlp(c, out, x, up_proj, down_proj);
   c.dispatch([&] { cpu::relu2_mlp(out, x, up_proj, down_proj); }, [&] { CHIMERA_CUDA_CALL(cuda::relu2_mlp(ctx, out, x, up_proj, down_proj)); });
 }
 
@@ -426,9 +433,10 @@ void router_gate_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& 
              [&] { CHIMERA_CUDA_CALL(cuda::router_gate_topk(ctx, topk_ids, topk_weights, x, gate, correction_bias, p)); });
 }
 
-void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
-                 const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
-  const Check c(ctx, "moe_experts");
+namespace {
+void check_moe_experts(const Check& c, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                       const Tensor& topk_weights, std::span<const Tensor> up_proj,
+                       std::span<const Tensor> down_proj) {
   c.f32("x", x, 2);
   c.f32("out", out, 2);
   c.shape("out", out, x.shape(), "x", x);
@@ -452,7 +460,35 @@ void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const T
     const int32_t id = topk_ids.i32()[i];
     if (id < 0 || static_cast<size_t>(id) >= E) c.fail("topk_ids[{}] = {} is out of range for {} experts", i, id, E);
   }
+}
+}  // namespace
+
+void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                 const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
+  const Check c(ctx, "moe_experts");
+  check_moe_experts(c, out, x, topk_ids, topk_weights, up_proj, down_proj);
   c.dispatch([&] { cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj); }, [&] { CHIMERA_CUDA_CALL(cuda::moe_experts(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj)); });
+}
+
+void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                        const Tensor& topk_weights, std::span<const Tensor> up_proj,
+                        std::span<const Tensor> down_proj, const SharedExpert& shared) {
+  const Check c(ctx, "moe_experts_shared");
+  check_moe_experts(c, out, x, topk_ids, topk_weights, up_proj, down_proj);
+  check_relu2_mlp(c, shared.out, shared.x, shared.up_proj, shared.down_proj);
+  c.shape("shared.x", shared.x, {x.dim(0), shared.x.dim(1)}, "x", x);
+  c.no_alias("shared.out", shared.out, "out", out);
+  c.no_alias("shared.out", shared.out, "x", x);
+  c.no_alias("shared.out", shared.out, "shared.x", shared.x);
+  c.no_alias("out", out, "shared.x", shared.x);
+  c.dispatch(
+      [&] {
+        cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj);
+        cpu::relu2_mlp(shared.out, shared.x, shared.up_proj, shared.down_proj);
+      },
+      [&] {
+        CHIMERA_CUDA_CALL(cuda::moe_experts_shared(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, shared));
+      });
 }
 
 // ---- sampling --------------------------------------------------------------------------------------

@@ -185,6 +185,24 @@ void router_gate_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& 
 void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 
+// A MoE layer's shared expert: out = relu2_mlp(x, up_proj, down_proj). x, out: [T, H]; up: [Is, H]; down: [H, Is].
+// x is the hidden state (also when the routed experts run in a latent space).
+struct SharedExpert {
+  Tensor out;
+  Tensor x;
+  Tensor up_proj;
+  Tensor down_proj;
+};
+
+// The routed experts and the shared expert of one MoE layer: exactly moe_experts(out, x, ...) and
+// relu2_mlp(shared.out, shared.x, shared.up_proj, shared.down_proj) (the CPU runs those two references). On CUDA at
+// decode sizes (T <= 8 tokens, 16-bit activations and weights of one dtype) the shared expert runs inside the
+// routed experts' two GEMV launches, with relu2_mlp's rounding points (its up product rounded to the activation
+// dtype before relu^2, the relu^2 rounded again); otherwise the two ops one after the other.
+void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                        const Tensor& topk_weights, std::span<const Tensor> up_proj,
+                        std::span<const Tensor> down_proj, const SharedExpert& shared);
+
 // ---- sampling --------------------------------------------------------------------------------------
 // Per-row sampling parameters: temperature 0 (or top_k 1) is greedy; top_k 0 and top_p 1 are off.
 struct SamplingRow {

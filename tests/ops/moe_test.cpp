@@ -781,6 +781,109 @@ TEST_P(OpsMoe, GemvPathSharedAndRepeatedExperts) {
 }
 #endif
 
+// ops::moe_experts_shared: the routed experts and the layer's shared expert in one op. Reference: the CPU
+// moe_experts and relu2_mlp on the same rounded inputs. On the CPU the op must be exactly those two ops (bit-equal);
+// on CUDA at T <= 8 with 16-bit activations the shared expert runs inside the GEMV launches, so additionally: the
+// routed output is bit-equal to ops::moe_experts alone (the shared units do not disturb the routed ones) and the
+// shared output is close to ops::relu2_mlp on the device. Cases: a plain MoE (shared x = x) and a latent one (the
+// routed experts on a latent of another width, the shared expert on the hidden state), awkward sizes (K tails,
+// N not a multiple of the 16-row units), T 1..8 plus 11 (past the GEMV cut: the two ops one after the other), and
+// routings with every token on the same experts (and a token choosing one expert twice).
+struct SharedCase {
+  int64_t E, k, Din, H, I, Is;  // Din == H: no latent space
+  bool cuda_only;
+};
+TEST_P(OpsMoe, ExpertsWithSharedExpertMatchTheTwoOps) {
+  auto rng = test::Rng::for_test();
+  const std::vector<DType> dtypes =
+      on_cuda() ? std::vector<DType>{DType::kBF16, DType::kF16, DType::kF32} : std::vector<DType>{DType::kF32};
+  for (const SharedCase c : {SharedCase{12, 3, 200, 200, 72, 136, false}, SharedCase{10, 4, 64, 1096, 200, 344, false},
+                             SharedCase{8, 6, 2688, 2688, 1856, 3712, true}}) {
+    if (c.cuda_only && !on_cuda()) continue;
+    for (DType dt : dtypes) {
+      // Weights in the activation dtype on CUDA (the GEMV domain; F32 with F32 for cuBLASLt's relu2_mlp), BF16 on
+      // the CPU (the checkpoint's dtype).
+      const DType wt = on_cuda() ? dt : DType::kBF16;
+      std::vector<Tensor> up, down, d_up, d_down;
+      for (int64_t e = 0; e < c.E; ++e) {
+        up.push_back(init_weight(rng, {c.I, c.Din}, wt));
+        down.push_back(init_weight(rng, {c.Din, c.I}, wt));
+        d_up.push_back(in(up.back()));
+        d_down.push_back(in(down.back()));
+      }
+      const Tensor s_up = init_weight(rng, {c.Is, c.H}, wt), s_down = init_weight(rng, {c.H, c.Is}, wt);
+      const Tensor d_s_up = in(s_up), d_s_down = in(s_down);
+      for (int64_t T : {1, 2, 3, 4, 5, 7, 8, 11}) {
+        for (int routing = 0; routing < 3; ++routing) {  // 0 random, 1 all tokens on experts 5 and 2, 2 a repeat
+          if (routing > 0 && T != 3 && T != 8) continue;
+          SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " E=" << c.E << " Din=" << c.Din << " H=" << c.H
+                                            << " I=" << c.I << " Is=" << c.Is << " T=" << T << " routing=" << routing);
+          Tensor ids, w;
+          random_routing(rng, T, c.E, c.k, 2.5f, ids, w);
+          for (int64_t t = 0; routing > 0 && t < T; ++t) {
+            int32_t* row = ids.i32() + t * c.k;
+            // Choices 0 and 1 become experts 5 and 2 (swapped into place, so the others stay distinct).
+            for (int32_t want : {5, 2}) {
+              const int64_t j = want == 5 ? 0 : 1;
+              int32_t* hit = std::find(row, row + c.k, want);
+              if (hit != row + c.k) std::swap(*hit, row[j]);
+              row[j] = want;
+            }
+            if (routing == 2) row[2] = 2;  // expert 2 twice for this token
+          }
+          const Tensor x = round_to(rng.normal_tensor({T, c.Din}), dt);
+          const Tensor xh = c.Din == c.H ? x : round_to(rng.normal_tensor({T, c.H}), dt);
+          const Tensor dx = in(x, dt), dxh = c.Din == c.H ? dx : in(xh, dt);
+          Tensor o = out(dt, {T, c.Din}), so = out(dt, {T, c.H});
+          const Tensor dids = in(ids), dw = in(w);
+          ops::moe_experts_shared(ctx(), o, dx, dids, dw, d_up, d_down, ops::SharedExpert{so, dxh, d_s_up, d_s_down});
+          const Tensor got = host_f32(o), got_shared = host_f32(so);
+
+          // The two ops on this backend.
+          Tensor o2 = out(dt, {T, c.Din}), so2 = out(dt, {T, c.H});
+          ops::moe_experts(ctx(), o2, dx, dids, dw, d_up, d_down);
+          ops::relu2_mlp(ctx(), so2, dxh, d_s_up, d_s_down);
+          EXPECT_TRUE(test::bit_equal(got, host_f32(o2)));
+          if (!on_cuda()) {
+            EXPECT_TRUE(test::bit_equal(got_shared, host_f32(so2)));
+            continue;
+          }
+          EXPECT_TRUE(test::nmse_close(got_shared, host_f32(so2), nmse_for(dt), tolerance_for(dt)));
+          // Against the CPU reference.
+          Tensor want = Tensor::empty(DType::kF32, {T, c.Din}), want_shared = Tensor::empty(DType::kF32, {T, c.H});
+          ops::moe_experts(ops::Context{}, want, x, ids, w, up, down);
+          ops::relu2_mlp(ops::Context{}, want_shared, xh, s_up, s_down);
+          EXPECT_TRUE(test::nmse_close(got, want, nmse_for(dt), tolerance_for(dt)));
+          EXPECT_TRUE(test::nmse_close(got_shared, want_shared, nmse_for(dt), tolerance_for(dt)));
+          // Deterministic: a second call gives the same bits.
+          Tensor so3 = out(dt, {T, c.H});
+          ops::moe_experts_shared(ctx(), o2, dx, dids, dw, d_up, d_down, ops::SharedExpert{so3, dxh, d_s_up, d_s_down});
+          EXPECT_TRUE(test::bit_equal(host_f32(so3), got_shared));
+        }
+      }
+    }
+  }
+}
+
+TEST_P(OpsMoe, SharedExpertMismatchThrowsNamingTheOp) {
+  const Tensor x = in(Tensor::zeros(DType::kF32, {2, 8}));
+  Tensor o = out(DType::kF32, {2, 8}), so = out(DType::kF32, {2, 8});
+  const std::vector<Tensor> up = {in(Tensor::zeros(DType::kBF16, {4, 8}))};
+  const std::vector<Tensor> down = {in(Tensor::zeros(DType::kBF16, {8, 4}))};
+  const Tensor ids = in(Tensor::from_i32({2, 1}, std::vector<int32_t>{0, 0}));
+  const Tensor w = in(Tensor::zeros(DType::kF32, {2, 1}));
+  const Tensor s_up = in(Tensor::zeros(DType::kBF16, {6, 8})), s_down_bad = in(Tensor::zeros(DType::kBF16, {8, 5}));
+  EXPECT_TRUE(test::throws_error(
+      [&] { ops::moe_experts_shared(ctx(), o, x, ids, w, up, down, ops::SharedExpert{so, x, s_up, s_down_bad}); },
+      ErrorKind::kRuntime, "ops::moe_experts_shared: down_proj BF16[8, 5] does not match up_proj BF16[6, 8]"));
+  const Tensor x3 = in(Tensor::zeros(DType::kF32, {3, 8}));
+  Tensor so3 = out(DType::kF32, {3, 8});
+  const Tensor s_down = in(Tensor::zeros(DType::kBF16, {8, 6}));
+  EXPECT_TRUE(test::throws_error(
+      [&] { ops::moe_experts_shared(ctx(), o, x, ids, w, up, down, ops::SharedExpert{so3, x3, s_up, s_down}); },
+      ErrorKind::kRuntime, "ops::moe_experts_shared: shared.x F32[3, 8] does not match x F32[2, 8]"));
+}
+
 TEST_P(OpsMoe, BadExpertsThrowNamingTheOp) {
   const Tensor x = in(Tensor::zeros(DType::kF32, {2, 8}));
   Tensor o = out(DType::kF32, {2, 8});

@@ -130,7 +130,8 @@ TEST_P(ProfilerTest, TinyModelPrefillAndDecodeStepsByOpKind) {
   EXPECT_EQ(calls(dec, "ssd_chunk_scan"), 0);
   for (const auto* m : {&pre, &dec}) {
     EXPECT_EQ(calls(*m, "attention"), n_attention);
-    EXPECT_EQ(calls(*m, "moe_experts"), n_moe);
+    EXPECT_EQ(calls(*m, "moe_experts_shared"), n_moe);  // routed + shared expert in one op
+    EXPECT_EQ(calls(*m, "moe_experts"), 0);
     // The router is one op from the layer's input (logits + top-k); the MoE layer's two outputs meet in the norm.
     EXPECT_EQ(calls(*m, "router_gate_topk"), n_moe);
     EXPECT_EQ(calls(*m, "router_topk"), 0);

@@ -64,6 +64,9 @@ void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Ten
                       const Tensor& gate, const Tensor& correction_bias, const ops::RouterParams& p);
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
+void moe_experts_shared(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                        const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
+                        const ops::SharedExpert& shared);
 
 // sampling/ (sampling.cu)
 void sample_tokens(const ops::Context& ctx, const Tensor& out_ids, const Tensor& logits,

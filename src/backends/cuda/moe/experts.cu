@@ -2,6 +2,10 @@
 // (x routing weight) -> combine, four launches on ctx.stream with no host synchronisation (the tile counts live
 // on the device; the grids are sized by an upper bound and surplus blocks exit at once).
 //
+// With the layer's shared expert (ops::moe_experts_shared) on the GEMV path: its up and down run as extra units of
+// the two GEMV launches (grouped_gemv.cu), so a decode MoE layer is router + 4 launches instead of router + 4 + 3
+// (cuBLASLt up, relu2, cuBLASLt down); elsewhere the shared expert is cuda::relu2_mlp after the routed experts.
+//
 // Paths: bf16 / f16 activations with expert weights of the same dtype, K and N multiples of 8 and 16-byte aligned
 // weights -> decode GEMV for T <= kGemvMaxTokens (grouped_gemv.cu; why that cut: moe_kernels.h), tensor cores
 // above (grouped_gemm_mma.cu); anything else, fp32 activations in particular -> fp32 SIMT (grouped_gemm_simt.cu).
@@ -91,11 +95,18 @@ void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, co
   moe::moe_experts_on_path(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, moe::ExpertsPath::kAuto);
 }
 
+void moe_experts_shared(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                        const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
+                        const ops::SharedExpert& shared) {
+  moe::moe_experts_on_path(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, moe::ExpertsPath::kAuto,
+                           &shared);
+}
+
 namespace moe {
 
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                          const Tensor& topk_weights, std::span<const Tensor> up_proj,
-                         std::span<const Tensor> down_proj, ExpertsPath path) {
+                         std::span<const Tensor> down_proj, ExpertsPath path, const ops::SharedExpert* shared) {
   const int64_t T = x.dim(0), Din = x.dim(1), k = topk_ids.dim(1);
   const int E = static_cast<int>(up_proj.size());
   const int64_t I = up_proj[0].dim(0);
@@ -121,6 +132,10 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
     weights_aligned = weights_aligned && aligned16(up_proj[e].data()) && aligned16(down_proj[e].data());
   }
   if (T == 0) return;
+  // After the routed experts (or fused into their GEMV launches below).
+  auto shared_separately = [&] {
+    if (shared) cuda::relu2_mlp(ctx, shared->out, shared->x, shared->up_proj, shared->down_proj);
+  };
   const int64_t P = T * k;
   if (P > (int64_t{1} << 30) || P * std::max(Din, I) > (int64_t{1} << 40)) {
     throw_runtime(str_cat("ops::moe_experts: ", T, " tokens x top-", k, " is too large"));
@@ -138,6 +153,17 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
                           " with weights ", up_proj[0].describe()));
   }
   const bool gemv = path == ExpertsPath::kGemv, mma = path == ExpertsPath::kMma;
+  // The shared expert inside the GEMV launches: one dtype everywhere, K multiples of 8, aligned rows, all T tokens
+  // in one unit (T <= tile_rows, true on this path) and its token rows within the staging limit.
+  bool fuse_shared = false;
+  if (shared && gemv) {
+    const ops::SharedExpert& s = *shared;
+    const int64_t H = s.x.dim(1), Is = s.up_proj.dim(0);
+    fuse_shared = s.x.dtype() == x.dtype() && s.out.dtype() == x.dtype() && s.up_proj.dtype() == x.dtype() &&
+                  s.down_proj.dtype() == x.dtype() && s.x.dim(0) == T && H % 8 == 0 && Is % 8 == 0 &&
+                  aligned16(s.x.data()) && aligned16(s.up_proj.data()) && aligned16(s.down_proj.data()) &&
+                  moe::gemv_fits(T, std::max(Din, H)) && moe::gemv_fits(T, std::max(I, Is));
+  }
   // Few rows per active expert (decode): the small tile (BT = 16, BN = 64) gives more blocks per expert.
   const int64_t active_bound = std::min<int64_t>(E, P);
   const moe::MmaTile tile = P <= 24 * active_bound ? moe::MmaTile::kSmall : moe::MmaTile::kLarge;
@@ -187,8 +213,17 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   down.N = static_cast<int>(Din);
   down.K = static_cast<int>(I);
   if (gemv) {
-    moe::launch_moe_gemv(up, x.dtype(), tile_rows, true, stream);
-    moe::launch_moe_gemv(down, x.dtype(), tile_rows, false, stream);
+    moe::GemvShared shared_up{}, shared_down{};
+    Tensor hs;  // the shared expert's relu2 intermediate [T, Is], the activation dtype (as relu2_mlp's)
+    if (fuse_shared) {
+      hs = device::empty(Device::kCuda, x.dtype(), {T, shared->up_proj.dim(0)});
+      shared_up = {shared->up_proj.data(), shared->x.data(), hs.data(), static_cast<int>(hs.dim(1)),
+                   static_cast<int>(shared->x.dim(1)), static_cast<int>(T)};
+      shared_down = {shared->down_proj.data(), hs.data(), shared->out.data(), static_cast<int>(shared->out.dim(1)),
+                     static_cast<int>(hs.dim(1)), static_cast<int>(T)};
+    }
+    moe::launch_moe_gemv(up, shared_up, x.dtype(), tile_rows, true, stream);
+    moe::launch_moe_gemv(down, shared_down, x.dtype(), tile_rows, false, stream);
   } else if (mma) {
     moe::launch_moe_gemm_mma(up, x.dtype(), tile, true, stream);
     moe::launch_moe_gemm_mma(down, x.dtype(), tile, false, stream);
@@ -207,6 +242,7 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   cp.E = E;
   cp.out_dtype = out.dtype();
   moe::launch_moe_combine(cp, stream);
+  if (!fuse_shared) shared_separately();
 }
 
 }  // namespace moe

@@ -12,8 +12,11 @@ namespace chimera::cuda::moe {
 // multiples of 8, aligned rows), fp32 SIMT otherwise. A forced path outside its domain throws.
 enum class ExpertsPath { kAuto, kGemv, kMma, kSimt };
 
+// shared (optional): the layer's shared expert (ops::moe_experts_shared). On the GEMV path, when its sizes and
+// dtypes fit (moe_kernels.h, GemvShared), it runs as extra units of the up and down launches; otherwise (any other
+// path, or a shared expert outside the GEMV domain) it runs as cuda::relu2_mlp after the routed experts.
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                          const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
-                         ExpertsPath path);
+                         ExpertsPath path, const ops::SharedExpert* shared = nullptr);
 
 }  // namespace chimera::cuda::moe

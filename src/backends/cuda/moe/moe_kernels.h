@@ -103,9 +103,11 @@ enum class MmaTile { kSmall, kLarge };
 int mma_tile_rows(MmaTile tile);  // the BT of the tile shape
 void launch_moe_gemm_mma(GemmParams p, DType dtype, MmaTile tile, bool up, cudaStream_t stream);
 
-// Decode path (grouped_gemv.cu): one warp per 2 weight rows of an active expert, 16-byte weight loads, the item's
-// token rows staged in shared memory, fp32 accumulation, warp-shuffle reduction; bf16 or f16 activations with
-// weights of the same dtype, K % 8 == 0, 16-byte aligned rows (the tensor-core path's domain).
+// Decode path (grouped_gemv.cu): a persistent grid (2 blocks per SM) whose blocks walk "units" of 16 weight rows
+// of one active expert (or of the shared expert) x the item's tokens, one warp per 2 weight rows, 16-byte weight
+// loads with the next unit's first loads issued before this unit's last FMAs, the unit's token rows staged in shared
+// memory, fp32 accumulation, warp-shuffle reduction; bf16 or f16 activations with weights of the same dtype,
+// K % 8 == 0, 16-byte aligned rows (the tensor-core path's domain).
 // The cut: T <= kGemvMaxTokens. With top-k routing a token picks an expert at most once, so an expert holds at
 // most T of the P pairs and, with tile_rows = gemv_tile_rows(T) <= 8 tokens per work item, every active expert's
 // weights are streamed once. Per 16-byte weight chunk the SIMT work is ~11 + 12.5 x (tokens of the item) thread
@@ -118,7 +120,22 @@ inline constexpr int64_t kGemvMaxTokens = 8;
 inline constexpr int64_t kGemvMaxSmemBytes = 96 * 1024;  // [tile_rows][K] 16-bit token rows; two blocks per SM
 int gemv_tile_rows(int64_t T);         // tokens per work item: 1, 2, 4 or 8 (the permutation's tile_rows)
 bool gemv_fits(int64_t T, int64_t K);  // T <= kGemvMaxTokens, K % 8 == 0, token rows fit kGemvMaxSmemBytes
-void launch_moe_gemv(GemmParams p, DType dtype, int tile_rows, bool up, cudaStream_t stream);
+
+// The MoE layer's shared expert as extra units of the same GEMV launches (decode: T <= tile_rows tokens, all of
+// them in every unit). Rounding points of ops::relu2_mlp on CUDA (cuBLASLt GEMM into the activation dtype, then the
+// in-place relu2 kernel, then the down GEMM into the activation dtype):
+//   up:   hs[t, n] = round(relu(round(sum_k x[t, k] * W[n, k]))^2)      x: [T, K], hs: [T, N]
+//   down: out[t, n] = round(sum_k hs[t, k] * W[n, k])                   hs: [T, K], out: [T, N]
+// weight == nullptr: no shared expert (the routed experts only).
+struct GemvShared {
+  const void* weight = nullptr;  // [N, K] row-major, the activation dtype, 16-byte aligned rows (K % 8 == 0)
+  const void* x = nullptr;       // up: x [T, K] (the hidden state, also for a latent MoE); down: hs [T, K]
+  void* out = nullptr;           // up: hs [T, N]; down: shared_out [T, N]; activation dtype
+  int N = 0, K = 0, T = 0;       // T <= tile_rows
+};
+// PDL: launched through cuda::launch; the shared expert's weights (constants) are requested before pdl_wait().
+void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int tile_rows, bool up,
+                     cudaStream_t stream);
 
 // fp32 SIMT path: any activation / weight dtype (converted to fp32 on load); h is fp32 here.
 inline constexpr int kSimtTileRows = 16;
