@@ -278,6 +278,7 @@ CHIMERA_BENCH(linear_decode) {
                                Variant{"linear_gemv_nopdl", cuda::LinearPath::kGemv, false},
                                Variant{"linear_cublas", cuda::LinearPath::kCublas, false}}) {
         if (v.pdl && !pdl_default) continue;
+        if (v.path == cuda::LinearPath::kGemv && !cuda::linear_gemv_supported(sets[0].y, sets[0].x, sets[0].w)) continue;
         device::set_pdl_enabled(v.pdl);
         ctx.run_graph(v.kernel, shape, bytes, flops, [&](cudaStream_t st, int i) {
           const Set& s = sets[static_cast<size_t>(i) % sets.size()];

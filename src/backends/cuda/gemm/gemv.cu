@@ -2,15 +2,20 @@
 // 16-bit weights, as a weight-streaming GEMV.
 //
 // Why not cuBLASLt here: at T = 1..8 every dense layer of a decode step is a pure weight stream (x is a few KB),
-// and cuBLASLt's heuristic picks split-K kernels for these shapes plus a separate split-K reduce kernel. Measured on
-// the H200 (ncu, Nano batch-1 decode step): the 116 dense layers of one step took 1.5 ms including 93 reduce
-// kernels (0.29 ms), 0.47 of their weight-stream floor. This kernel reads each weight byte once with 16-byte loads,
-// keeps x in shared memory as fp32, and writes y directly (no workspace, no second kernel).
+// and cuBLASLt's heuristic picks split-K kernels for most of these shapes plus a separate split-K reduce kernel
+// (ncu on the H200, one Nano batch-1 decode step: 93 reduce kernels among the 116 dense layers; in a CUDA graph
+// cuBLASLt reaches 0.79 of the weight floor on the Nano in_proj but 0.49 on its out_proj). This kernel reads each
+// weight byte once with 16-byte loads, keeps x in shared memory, and writes y directly (no workspace, no second
+// kernel). cuda::linear uses it up to kLinearGemvAutoMaxTokens tokens (linear.h), where it measured ahead.
 //
 // Work split: a block is 8 warps; a row of W (one output feature) is shared by `warps_per_row` warps (1, 2, 4 or 8,
 // chosen so that small-N layers still put every SM to work), each taking a contiguous range of the row's 16-byte
 // vectors; lanes stride the range by 32 vectors, kUnroll independent loads in flight per lane. Blocks loop over
-// groups of 8 / warps_per_row rows (grid capped at a few waves, x staged once per block).
+// groups of 8 / warps_per_row rows: the grid is what fits on the GPU at once (occupancy query), with the groups
+// spread evenly over it so that no last partial round leaves SMs idle; x is staged once per block.
+// x stays in its 16-bit dtype in shared memory: lane l reads the 16 bytes at vector v + l, so a warp's read is 512
+// contiguous bytes (4 wavefronts, no bank conflicts); staging it as fp32 instead made the T >= 2 cases shared-memory
+// bound (measured: 0.54 / 0.32 / 0.19 of the floor at T = 2 / 4 / 8 on the Nano in_proj).
 //
 // PDL (launch.cuh): the first kUnroll weight vectors of the block's first row group are loaded before pdl_wait()
 // (weights are constant during a step), so the weight stream starts while the previous kernel drains.
@@ -30,8 +35,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kUnroll = 4;        // 16-byte weight loads in flight per lane per step
-constexpr int kMaxBlocksPerSm = 4;
+constexpr int kUnroll = 8;  // 16-byte weight loads in flight per lane per step
 
 template <typename T>
 struct Vec8;
@@ -69,11 +73,12 @@ __device__ __forceinline__ uint4 load_weight(const uint4* p) {
   return v;
 }
 
-// x: [T, K] T, w: [N, K] T, bias: [N] T or null, y: [T, N] T. Dynamic shared memory: x as fp32, [MT][K].
+// x: [T, K] T, w: [N, K] T, bias: [N] T or null, y: [T, N] T. Dynamic shared memory: x, [MT][K] T (zero rows
+// past T).
 template <typename T, int MT, bool kRelu2>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
-  extern __shared__ float4 gemv_smem[];
-  float* xs = reinterpret_cast<float*>(gemv_smem);
+  extern __shared__ uint4 gemv_smem[];
+  uint4* xs = gemv_smem;  // [MT][K / 8] vectors of 8 elements
   __shared__ float partial[kWarps][MT];
 
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -99,16 +104,12 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   pdl_wait();
   pdl_trigger();
 
-  // x -> shared memory as fp32 (T * K elements, 8 per 16-byte load).
+  // x -> shared memory (T * K / 8 vectors; the padding tokens up to MT are zeros).
   {
     const uint4* xg = static_cast<const uint4*>(p.x);
-    for (int i = static_cast<int>(threadIdx.x); i < p.T * kv; i += kThreads) {
-      float f[8];
-      Vec8<T>::unpack(xg[i], f);
-      reinterpret_cast<float4*>(xs)[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
-      reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    for (int i = static_cast<int>(threadIdx.x); i < MT * kv; i += kThreads) {
+      xs[i] = i < p.T * kv ? xg[i] : make_uint4(0, 0, 0, 0);
     }
-    for (int i = p.T * p.K + static_cast<int>(threadIdx.x); i < MT * p.K; i += kThreads) xs[i] = 0.0f;  // pad tokens
   }
   __syncthreads();
 
@@ -138,17 +139,11 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
             Vec8<T>::unpack(wv[u], wf);
 #pragma unroll
             for (int t = 0; t < MT; ++t) {
-              const float4 a = reinterpret_cast<const float4*>(xs + t * p.K)[2 * vu];
-              const float4 b = reinterpret_cast<const float4*>(xs + t * p.K)[2 * vu + 1];
+              float xf[8];
+              Vec8<T>::unpack(xs[t * kv + vu], xf);
               float s = acc[t];
-              s = fmaf(wf[0], a.x, s);
-              s = fmaf(wf[1], a.y, s);
-              s = fmaf(wf[2], a.z, s);
-              s = fmaf(wf[3], a.w, s);
-              s = fmaf(wf[4], b.x, s);
-              s = fmaf(wf[5], b.y, s);
-              s = fmaf(wf[6], b.z, s);
-              s = fmaf(wf[7], b.w, s);
+#pragma unroll
+              for (int j = 0; j < 8; ++j) s = fmaf(wf[j], xf[j], s);
               acc[t] = s;
             }
           }
@@ -206,15 +201,20 @@ int sm_count() {
 
 template <typename T, int MT, bool kRelu2>
 void launch_mt(const GemvParams& p, cudaStream_t stream) {
-  const size_t smem = sizeof(float) * static_cast<size_t>(MT) * static_cast<size_t>(p.K);
+  const size_t smem = sizeof(T) * static_cast<size_t>(MT) * static_cast<size_t>(p.K);
   auto* kernel = gemv_kernel<T, MT, kRelu2>;
   if (smem > 48 * 1024) {  // the opt-in is per device, so set it on every such launch (a host-side call)
     CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                        "ops::linear (gemv)");
   }
+  int per_sm = 0;
+  CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem),
+                     "ops::linear (gemv occupancy)");
   const int rows_per_group = kWarps / p.warps_per_row;
   const int n_groups = (p.N + rows_per_group - 1) / rows_per_group;
-  const int blocks = std::min(n_groups, sm_count() * kMaxBlocksPerSm);
+  const int resident = std::max(1, per_sm) * sm_count();
+  const int rounds = (n_groups + resident - 1) / resident;
+  const int blocks = (n_groups + rounds - 1) / rounds;  // every block does `rounds` groups (the last maybe fewer)
   CHIMERA_CUDA_CHECK(launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p),
                      "ops::linear (gemv)");
 }
@@ -235,7 +235,7 @@ bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x,
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   if (!aligned(x) || !aligned(w) || !aligned(y)) return false;
   const int64_t mt = T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8;
-  return static_cast<int64_t>(sizeof(float)) * mt * K <= kGemvMaxSmemBytes && N < (int64_t{1} << 31) / K;
+  return int64_t{2} * mt * K <= kGemvMaxSmemBytes && N < (int64_t{1} << 31) / K;
 }
 
 int gemv_warps_per_row(int64_t N) {

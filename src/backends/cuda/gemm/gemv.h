@@ -11,7 +11,7 @@
 namespace chimera::cuda::gemm {
 
 constexpr int64_t kGemvMaxTokens = 8;
-constexpr int64_t kGemvMaxSmemBytes = 100 * 1024;  // x staged as fp32: tokens (rounded up to 1/2/4/8) x K x 4
+constexpr int64_t kGemvMaxSmemBytes = 100 * 1024;  // x staged in shared memory: tokens (rounded up to 1/2/4/8) x K x 2
 
 // y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]) (then relu^2 when asked), all of one 16-bit dtype, contiguous rows.
 struct GemvParams {
@@ -24,7 +24,7 @@ struct GemvParams {
 };
 
 // Whether the GEMV handles this shape: 1 <= T <= 8, K % 8 == 0, BF16/F16, 16-byte aligned x, w and y, x fits in
-// shared memory as fp32.
+// shared memory.
 bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x, const void* w, const void* y);
 // Warps sharing one output row for N rows (more for small N, so every SM streams).
 int gemv_warps_per_row(int64_t N);

@@ -176,6 +176,10 @@ bool gemv_fits(const Tensor& out, const Tensor& x, const Tensor& weight) {
 
 }  // namespace
 
+bool linear_gemv_supported(const Tensor& out, const Tensor& x, const Tensor& weight) {
+  return gemv_fits(out, x, weight);
+}
+
 void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
   linear_on_path(ctx, out, x, weight, bias, LinearPath::kAuto);
 }
