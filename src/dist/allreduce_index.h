@@ -92,6 +92,21 @@ CHIMERA_HD int oneshot_blocks(int64_t tokens, int64_t row_vecs) {
   return want < kMaxBlocks ? static_cast<int>(want) : kMaxBlocks;
 }
 
+// ONESHOT per-block kernel (OneShotKernel::kPerBlock): the grid is kOneShotGrid blocks whatever the shape, so
+// block b runs in every call and can keep its own Lamport slot counter (no cross-block atomics). Block b pushes
+// the contiguous chunk oneshot_chunk(b, ...) of the message (in vectors) into region [slot][rank] of every rank,
+// and in the next call clears the same chunk, recomputed from the total it recorded for that slot, of every
+// source region of its own buffer: every rank's block b pushed exactly that chunk (same shape, same grid), so
+// the union over blocks is the clear extent of the legacy kernel (lamport_clear_elems), whatever the sizes of
+// consecutive calls.
+inline constexpr int kOneShotGrid = kMaxBlocks;
+CHIMERA_HD Range oneshot_chunk(int block, int grid, int64_t total_vecs) {
+  const int64_t chunk = (total_vecs + grid - 1) / grid;
+  const int64_t begin = block * chunk < total_vecs ? block * chunk : total_vecs;
+  const int64_t end = begin + chunk < total_vecs ? begin + chunk : total_vecs;
+  return Range{begin, end};
+}
+
 // Wrap-safe "flag has reached epoch" for the barrier flags (uint32 epochs, a peer can be one barrier ahead).
 CHIMERA_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return static_cast<int32_t>(flag - epoch) >= 0; }
 
