@@ -12,18 +12,22 @@
 //     pdl_wait, it is a constant), so their HBM latency hides behind the NVLink wait instead of following it.
 //   * The poll issues the loads of every rank's vector before spinning on any (2 ranks: compile-time count), so
 //     one round trip to L2 covers all ranks instead of one per rank.
+//   * This rank's own contribution is read from the input (canonicalised, as the peers received it) instead of
+//     being stored into and polled back from its own Lamport region: the push and the clear touch peer regions
+//     only, and no thread waits on its own store.
 //   * Programmatic dependent launch (launch.cuh): the next kernel's launch and prologue overlap this one's tail.
 //     pdl_wait() comes before the slot counter, the input, the residual and the first global write.
 //
 // Per call, on every rank, block b:
 //   0. (before pdl_wait) load the norm weight of its first row's vectors;
 //   1. pdl_wait; read its slot s and the total of the call that read slot clear = (s + 2) % 3; load the
-//      residual of its first row;
-//   2. push chunk b of the input (canonicalised) into region [s][this rank] of every rank's buffer;
-//   3. pdl_trigger; clear chunk b (of that earlier call's total) of every source region of slot `clear` in the
+//      input and the residual of its first row;
+//   2. push chunk b of the input (canonicalised) into region [s][this rank] of every PEER's buffer;
+//   3. pdl_trigger; clear chunk b (of that earlier call's total) of every peer region of slot `clear` in the
 //      local buffer (every write into it has landed: this rank consumed them in the previous call);
-//   4. for rows b, b + grid, ...: poll the local regions [s][r] until no lane is empty, sum in rank order (the
-//      same sum, bit for bit, on every rank and as oneshot.cu), fuse (fuse_row_loaded);
+//   4. for rows b, b + grid, ...: poll the local peer regions [s][r] until no lane is empty, sum in rank order
+//      with its own input in its place (the same sum, bit for bit, on every rank and as oneshot.cu), fuse
+//      (fuse_row_loaded);
 //   5. record total for slot s, advance its slot.
 // Deadlock freedom as in oneshot.cu: kOneShotGrid <= the SMs, all blocks co-resident, every block pushes before
 // it waits. Safety of the clear: stream order (or pdl_wait, which waits for the whole previous grid) puts every
@@ -80,10 +84,12 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
   const int slot = static_cast<int>(state->slot);
   const int clear = lamport_clear_slot(slot);
   const int64_t cleared_total = static_cast<int64_t>(state->used_vecs[clear]);
-  uint4 res[kItems] = {};
-  if constexpr (has_residual(P)) {
+  // This rank's own contribution to its first row comes from the input, not through its own Lamport region.
+  uint4 own[kItems] = {}, res[kItems] = {};
+  if (block < a.tokens) {
+    load_row<kItems>(a.input, block, n_vecs, own);
     // Plain loads: residual_in may alias residual_out; this thread stores each vector only after loading it.
-    if (block < a.tokens) load_row<kItems>(a.residual_in, block, n_vecs, res);
+    if constexpr (has_residual(P)) load_row<kItems>(a.residual_in, block, n_vecs, res);
   }
 
   // 2. push chunk `block` of the message to every rank (starting at a different peer on every rank).
@@ -91,7 +97,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
     const Range c = oneshot_chunk(block, grid, total);
     for (int64_t e = c.begin + threadIdx.x; e < c.end; e += blockDim.x) {
       const uint4 u = canonicalise<T>(__ldg(reinterpret_cast<const uint4*>(a.input) + e));
-      for (int k = 0; k < n; ++k) {
+      for (int k = 1; k < n; ++k) {  // peers only, the nearest-numbered first (a different one on every rank)
         const int dst = (p.rank + k) % n;
         __stcg(reinterpret_cast<uint4*>(p.lamport[dst]) + lamport_offset(slot, p.rank, e, n, stride), u);
       }
@@ -106,6 +112,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
     const uint4 empty = make_uint4(kLamportEmpty32, kLamportEmpty32, kLamportEmpty32, kLamportEmpty32);
     const Range c = oneshot_chunk(block, grid, cleared_total);
     for (int r = 0; r < n; ++r) {
+      if (r == p.rank) continue;  // this rank's own region is never written
       for (int64_t e = c.begin + threadIdx.x; e < c.end; e += blockDim.x) {
         base[lamport_offset(clear, r, e, n, stride)] = empty;
       }
@@ -115,8 +122,9 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
   // 4. wait for every rank's data of each row in the local buffer, sum in rank order, fuse.
   const uint4* local = reinterpret_cast<const uint4*>(p.lamport[p.rank]);
   for (int64_t row = block; row < a.tokens; row += grid) {
-    if constexpr (has_residual(P)) {
-      if (row != block) load_row<kItems>(a.residual_in, row, n_vecs, res);
+    if (row != block) {
+      load_row<kItems>(a.input, row, n_vecs, own);
+      if constexpr (has_residual(P)) load_row<kItems>(a.residual_in, row, n_vecs, res);
     }
     float acc[kItems][kN] = {};
 #pragma unroll
@@ -124,10 +132,15 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
       const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
       if (vi >= n_vecs) continue;
       const int64_t e = row * n_vecs + vi;
+      // The own vector canonicalised exactly as the peers received it (so every rank sums the same values); a
+      // canonical vector is never empty, so the spin below never waits on it.
+      const uint4 mine = canonicalise<T>(own[i]);
       if constexpr (kRanks > 0) {
         uint4 u[kRanks];
 #pragma unroll
-        for (int r = 0; r < kRanks; ++r) u[r] = ld_volatile(local + lamport_offset(slot, r, e, kRanks, stride));
+        for (int r = 0; r < kRanks; ++r) {
+          u[r] = r == p.rank ? mine : ld_volatile(local + lamport_offset(slot, r, e, kRanks, stride));
+        }
 #pragma unroll
         for (int r = 0; r < kRanks; ++r) {
           while (has_empty<T>(u[r])) u[r] = ld_volatile(local + lamport_offset(slot, r, e, kRanks, stride));
@@ -136,7 +149,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
       } else {
         for (int r = 0; r < n; ++r) {
           const uint4* src = local + lamport_offset(slot, r, e, n, stride);
-          uint4 u = ld_volatile(src);
+          uint4 u = r == p.rank ? mine : ld_volatile(src);
           while (has_empty<T>(u)) u = ld_volatile(src);
           add_unpacked<T>(u, acc[i]);
         }
