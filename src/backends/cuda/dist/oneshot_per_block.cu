@@ -48,12 +48,14 @@ using chimera::dist::oneshot_chunk;
 using chimera::dist::Range;
 
 // Thread's vectors of row `row` of a [rows, n_vecs] 16-byte-vector array into raw registers (zero where unused).
+// L2 loads (ld.global.cg): the data was written by an earlier kernel, possibly from another SM; not relying on
+// L1 being clean at a programmatic-dependent-launch boundary costs nothing here (each vector is read once).
 template <int kItems>
 __device__ __forceinline__ void load_row(const void* base, int64_t row, int n_vecs, uint4 (&out)[kItems]) {
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
-    out[i] = vi < n_vecs ? reinterpret_cast<const uint4*>(base)[row * n_vecs + vi] : make_uint4(0, 0, 0, 0);
+    out[i] = vi < n_vecs ? __ldcg(reinterpret_cast<const uint4*>(base) + row * n_vecs + vi) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -81,9 +83,11 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
   // 1. Everything below reads what earlier kernels wrote (slot counter, input, residual) or writes.
   pdl_wait();
   LamportBlockState* state = p.lamport_blocks + block;
-  const int slot = static_cast<int>(state->slot);
+  // L2 loads: entry b was written by block b of the previous call, which may have run on another SM.
+  const int slot = static_cast<int>(__ldcg(&state->slot));
   const int clear = lamport_clear_slot(slot);
-  const int64_t cleared_total = static_cast<int64_t>(state->used_vecs[clear]);
+  const int64_t cleared_total =
+      static_cast<int64_t>(__ldcg(reinterpret_cast<const unsigned long long*>(&state->used_vecs[clear])));
   // This rank's own contribution to its first row comes from the input, not through its own Lamport region.
   uint4 own[kItems] = {}, res[kItems] = {};
   if (block < a.tokens) {
