@@ -92,11 +92,11 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
   uint4 own[kItems] = {}, res[kItems] = {};
   if (block < a.tokens) {
     load_row<kItems>(a.input, block, n_vecs, own);
-    // Plain loads: residual_in may alias residual_out; this thread stores each vector only after loading it.
+    // residual_in may alias residual_out: this thread stores each of its vectors only after loading it.
     if constexpr (has_residual(P)) load_row<kItems>(a.residual_in, block, n_vecs, res);
   }
 
-  // 2. push chunk `block` of the message to every rank (starting at a different peer on every rank).
+  // 2. push chunk `block` of the message into region [slot][this rank] of every peer's buffer.
   {
     const Range c = oneshot_chunk(block, grid, total);
     for (int64_t e = c.begin + threadIdx.x; e < c.end; e += blockDim.x) {
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
   // The next kernel may launch now; its pdl_wait still waits for this whole grid.
   pdl_trigger();
 
-  // 3. clear the chunk this block's counterparts pushed in the call that read slot `clear`, in every region.
+  // 3. clear the chunk this block's counterparts pushed in the call that read slot `clear`, in every peer region.
   {
     uint4* base = reinterpret_cast<uint4*>(p.lamport[p.rank]);
     const uint4 empty = make_uint4(kLamportEmpty32, kLamportEmpty32, kLamportEmpty32, kLamportEmpty32);
