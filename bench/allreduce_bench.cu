@@ -311,7 +311,10 @@ void run_sweep() {
   // The grid, for scripts/make_allreduce_table.py: the table lists exactly these sizes.
   auto join = [](std::span<const int64_t> v) {
     std::string out;
-    for (size_t i = 0; i < v.size(); ++i) out += (i ? "," : "") + std::to_string(v[i]);
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i) out += ',';
+      out += std::to_string(v[i]);
+    }
     return out;
   };
   const std::string grid = "SWEEP-GRID hidden=" + join(dist::kSweepHidden) + " tokens=" + join(dist::kSweepTokens);
