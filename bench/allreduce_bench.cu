@@ -8,9 +8,18 @@
 // call, in the warm-up). CHIMERA_ALLREDUCE_STRATEGY (auto, nccl, oneshot, twoshot), when set, forces the strategy
 // of the AUTO column, as it does for the CLI (read once here; the library never reads the environment).
 //
+// chimera_bench allreduce_oneshot: the ONESHOT kernels side by side (issue 5: <= 8 us at 64 x 8192): legacy,
+// per_block with programmatic dependent launch, per_block without it, for residual + RMSNorm in bf16 at hidden
+// {2688, 4096, 8192} x tokens {1, 8, 32, 64, 128, 256}; a TABLE at the end with per_block / legacy.
+//
+// CHIMERA_ONESHOT_KERNEL (legacy, per_block; default legacy), when set, picks the ONESHOT kernel of every
+// instance of allreduce_latency and allreduce_sweep (the ONESHOT, AUTO and autotune columns; the table is then
+// swept with that kernel).
+//
 // chimera_bench allreduce_sweep: the sweep behind the SM90 lookup table (src/dist/sm90_allreduce_table.inc).
-// Every fusion pattern x hidden 128 << h (h = 0..7) x tokens 1 << b (b = 0..13), bf16, each strategy the custom
-// kernels can take at the default 64 MiB workspace, one line each:
+// Every fusion pattern x hidden kSweepHidden x tokens kSweepTokens (src/dist/strategy.h: the powers of two plus
+// the models' hidden sizes, half-octave token steps from 128), bf16, each strategy the custom kernels can take at
+// the default 64 MiB workspace, one line each, after a SWEEP-GRID line listing the sizes:
 //   SWEEP ranks=2 pattern=<name> hidden=<h> tokens=<t> oneshot=<us|-> twoshot=<us|-> nccl=<us|-> best=<name>
 // scripts/make_allreduce_table.py runs it and writes the table (bench/run_allreduce_device.sh does both).
 //
@@ -24,9 +33,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "backends/device_api.h"
 #include "bench/bench_common.h"
 
 #if defined(CHIMERA_HAVE_NCCL)
@@ -60,7 +71,7 @@ struct Rig {
   Buffers buf[kRanks];
   std::barrier<> sync{kRanks};
 
-  explicit Rig(size_t max_bytes, int64_t max_hidden, AllReduceStrategy auto_as) {
+  Rig(size_t max_bytes, int64_t max_hidden, AllReduceStrategy auto_as, dist::OneShotKernel oneshot) {
     comm = dist::Communicator::create_local({0, 1});
     const dist::Topology topo = dist::detect_topology(comm->devices());
     std::printf("%s", topo.describe().c_str());
@@ -68,10 +79,12 @@ struct Rig {
                                 AllReduceStrategy::kTwoShot}) {
       dist::AllReduceConfig c;  // the default 64 MiB workspace: what the engine runs with
       c.strategy = s == AllReduceStrategy::kAuto ? auto_as : s;
+      c.oneshot_kernel = oneshot;
       fusion[s] = std::make_unique<dist::AllReduceFusion>(*comm, topo, c);
     }
     dist::AllReduceConfig tuned;
     tuned.autotune = true;
+    tuned.oneshot_kernel = oneshot;
     autotuned = std::make_unique<dist::AllReduceFusion>(*comm, topo, tuned);
     for (int r = 0; r < kRanks; ++r) {
       cudaSetDevice(r);
@@ -190,6 +203,22 @@ bool env_forced(AllReduceStrategy* s) {
   return *s != AllReduceStrategy::kAuto;
 }
 
+dist::OneShotKernel env_oneshot_kernel(const char* what) {
+  const char* v = std::getenv("CHIMERA_ONESHOT_KERNEL");
+  dist::OneShotKernel k = dist::OneShotKernel::kLegacy;
+  if (v && *v) {
+    const auto parsed = dist::oneshot_kernel_from_name(v);
+    if (!parsed) {
+      std::printf("BENCH-ERROR %s: CHIMERA_ONESHOT_KERNEL=%s (supported: legacy, per_block); using legacy\n", what, v);
+    } else {
+      k = *parsed;
+    }
+  }
+  std::printf("%s: ONESHOT kernel %s (CHIMERA_ONESHOT_KERNEL), PDL %s\n", what,
+              std::string(dist::oneshot_kernel_name(k)).c_str(), device::pdl_enabled() ? "on" : "off");
+  return k;
+}
+
 bool have_two_gpus(const char* what) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count < kRanks) {
@@ -212,7 +241,7 @@ void run_latency() {
   const int64_t tokens_list[] = {1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096};
   const int64_t hidden_list[] = {2688, 4096, 8192};
   const int64_t max_hidden = 8192;
-  Rig rig(static_cast<size_t>(4096 * max_hidden * 2), max_hidden, forced);
+  Rig rig(static_cast<size_t>(4096 * max_hidden * 2), max_hidden, forced, env_oneshot_kernel("allreduce_latency"));
   struct Row {
     int64_t hidden, tokens;
     std::map<std::string, double> us;
@@ -277,11 +306,22 @@ void run_sweep() {
   if (!have_two_gpus("allreduce_sweep")) return;
   const int64_t max_message = dist::AllReduceConfig{}.max_message_bytes;
   const int64_t max_hidden = 16384;
-  Rig rig(static_cast<size_t>(max_message), max_hidden, AllReduceStrategy::kAuto);
+  Rig rig(static_cast<size_t>(max_message), max_hidden, AllReduceStrategy::kAuto,
+          env_oneshot_kernel("allreduce_sweep"));
+  // The grid, for scripts/make_allreduce_table.py: the table lists exactly these sizes.
+  auto join = [](std::span<const int64_t> v) {
+    std::string out;
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i) out += ',';
+      out += std::to_string(v[i]);
+    }
+    return out;
+  };
+  const std::string grid = "SWEEP-GRID hidden=" + join(dist::kSweepHidden) + " tokens=" + join(dist::kSweepTokens);
+  std::printf("%s\n", grid.c_str());
   for (FusionPattern pattern : kPatterns) {
-    for (int hb = 0; hb < dist::kHiddenBuckets; ++hb) {
-      for (int tb = 0; tb < dist::kTokenBuckets; ++tb) {
-        const int64_t hidden = int64_t{128} << hb, tokens = int64_t{1} << tb;
+    for (int64_t hidden : dist::kSweepHidden) {
+      for (int64_t tokens : dist::kSweepTokens) {
         dist::StrategyQuery q;
         q.n_ranks = kRanks;
         q.pattern = pattern;
@@ -316,8 +356,65 @@ void run_sweep() {
   }
 }
 
+// The ONESHOT kernels side by side, on the same buffers, one instance each (separate workspaces: the two kernels
+// must never share slot counters).
+void run_oneshot() {
+  if (!have_two_gpus("allreduce_oneshot")) return;
+  const int64_t tokens_list[] = {1, 8, 32, 64, 128, 256};
+  const int64_t hidden_list[] = {2688, 4096, 8192};
+  const int64_t max_hidden = 8192;
+  Rig rig(static_cast<size_t>(256 * max_hidden * 2), max_hidden, AllReduceStrategy::kOneShot,
+          dist::OneShotKernel::kLegacy);
+  dist::AllReduceConfig c;
+  c.strategy = AllReduceStrategy::kOneShot;
+  c.oneshot_kernel = dist::OneShotKernel::kPerBlock;
+  const dist::Topology topo = dist::detect_topology(rig.comm->devices());
+  dist::AllReduceFusion per_block(*rig.comm, topo, c);
+  const bool pdl_default = device::pdl_enabled();
+  std::printf("allreduce_oneshot: PDL available %s (CHIMERA_PDL=0 turns it off everywhere)\n", pdl_default ? "yes" : "no");
+  struct Row {
+    int64_t hidden, tokens;
+    double legacy, pb_pdl, pb_nopdl;
+  };
+  std::vector<Row> rows;
+  for (int64_t hidden : hidden_list) {
+    for (int64_t tokens : tokens_list) {
+      char shape[64];
+      std::snprintf(shape, sizeof(shape), "h%lldxt%lld", static_cast<long long>(hidden),
+                    static_cast<long long>(tokens));
+      const double bytes = static_cast<double>(tokens * hidden * 2);
+      const int calls = calls_for(static_cast<int64_t>(bytes));
+      Row row{hidden, tokens, 0, 0, 0};
+      auto one = [&](const char* name, dist::AllReduceFusion& ar, bool pdl) {
+        device::set_pdl_enabled(pdl && pdl_default);
+        const double us =
+            rig.measure(ar, FusionPattern::kResidualRmsNorm, tokens, hidden, calls, 20, nullptr);
+        std::printf("BENCH kernel=allreduce_oneshot_%s shape=%s us=%.2f gbps=%.1f tflops=0 floor_ratio=0\n", name,
+                    shape, us, 4.0 * bytes / (us * 1e-6) / 1e9);
+        std::fflush(stdout);
+        return us;
+      };
+      row.legacy = one("legacy", *rig.fusion[AllReduceStrategy::kOneShot], pdl_default);
+      row.pb_pdl = one("per_block", per_block, true);
+      row.pb_nopdl = one("per_block_nopdl", per_block, false);
+      rows.push_back(row);
+    }
+  }
+  device::set_pdl_enabled(pdl_default);
+  std::printf("TABLE ONESHOT + residual + RMSNorm, bf16, 2 ranks: us per call (median of 20 graph replays of "
+              "back-to-back calls, slower rank)\n");
+  std::printf("TABLE %6s %6s %9s %9s %9s %9s %s\n", "hidden", "tokens", "legacy", "per_block", "pb_nopdl",
+              "pb/legacy", "goal");
+  for (const Row& r : rows) {
+    std::printf("TABLE %6lld %6lld %9.2f %9.2f %9.2f %9.3f%s\n", static_cast<long long>(r.hidden),
+                static_cast<long long>(r.tokens), r.legacy, r.pb_pdl, r.pb_nopdl, r.pb_pdl / r.legacy,
+                r.hidden == 8192 && r.tokens == 64 ? (r.pb_pdl <= 8.0 ? "  <= 8 us: met" : "  <= 8 us: MISSED") : "");
+  }
+}
+
 }  // namespace
 
+CHIMERA_BENCH(allreduce_oneshot) { (void)ctx; run_oneshot(); }
 CHIMERA_BENCH(allreduce_latency) { (void)ctx; run_latency(); }
 CHIMERA_BENCH(allreduce_sweep) { (void)ctx; run_sweep(); }
 

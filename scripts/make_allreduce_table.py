@@ -2,9 +2,14 @@
 """Writes src/dist/sm90_allreduce_table.inc, the SM90 lookup table of the fused AllReduce's AUTO strategy
 (src/dist/strategy.cpp includes it), from a measurement sweep or from the seed's rule.
 
-The table is keyed (ranks, fusion pattern, hidden bucket, tokens bucket) as in seed 7.2 and
-src/dist/allreduce_index.h: hidden buckets 128, 256, ..., 16384 (rounded up), token buckets 1, 2, 4, ..., 8192
-(bucket b covers (2^(b-1), 2^b] tokens). Each entry is one letter: O = ONESHOT, T = TWOSHOT, N = NCCL.
+The table is keyed (ranks, fusion pattern, hidden, tokens) as in seed 7.2, but by the sizes the sweep measured
+instead of power-of-two buckets: the file carries the lists (kSm90Hidden, kSm90Tokens) and the lookup
+(src/dist/allreduce_index.h: table_hidden_index, table_tokens_index) takes the row of the NEAREST measured
+hidden on a log scale and the column of the smallest measured token count >= tokens (column j covers
+(t[j-1], t[j]]), both clamped at the edges. The lists come from the sweep's SWEEP-GRID line (the bench's
+kSweepHidden / kSweepTokens, src/dist/strategy.h), or from the SWEEP lines themselves for an older log, so the
+table always lists exactly the sizes it was measured at. Each entry is one letter: O = ONESHOT, T = TWOSHOT,
+N = NCCL.
 
 Three ways to run it:
 
@@ -21,7 +26,10 @@ say so (issue 6 measures them). A 2-rank entry the sweep did not reach (a timeou
 rule, and the header counts how many entries were measured.
 
 Sweep lines parsed (bench/allreduce_bench.cu), times in microseconds, '-' where a strategy is not eligible:
+  SWEEP-GRID hidden=<h,h,...> tokens=<t,t,...>
   SWEEP ranks=2 pattern=<name> hidden=<h> tokens=<t> oneshot=<us|-> twoshot=<us|-> nccl=<us|->
+The sweep times ONESHOT with the kernel CHIMERA_ONESHOT_KERNEL names (legacy, per_block; it logs which): run it
+with the kernel AllReduceConfig::oneshot_kernel defaults to.
 """
 import argparse
 import datetime
@@ -33,63 +41,71 @@ import sys
 
 PATTERNS = ["allreduce", "residual_rmsnorm", "residual_rmsnorm_fp8", "residual_rmsnorm_out_fp8", "rmsnorm"]
 RANKS = [2, 4, 8]
-HIDDEN_BUCKETS = 8  # 128 << b
-TOKEN_BUCKETS = 14  # 1 << b
+# The provisional table's sizes: keep equal to kSweepHidden / kSweepTokens in src/dist/strategy.h.
+DEFAULT_HIDDEN = [128, 256, 512, 1024, 2048, 2688, 4096, 4480, 8192, 16384]
+DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
 ONESHOT_MAX_TOKENS = 128  # seed 4.2.2, kOneShotMaxToken
 LETTER = {"oneshot": "O", "twoshot": "T", "nccl": "N"}
 SWEEP_RE = re.compile(r"^SWEEP ranks=(\d+) pattern=(\S+) hidden=(\d+) tokens=(\d+) (.*)$")
+GRID_RE = re.compile(r"^SWEEP-GRID hidden=([\d,]+) tokens=([\d,]+)")
 
 
-def seed_rule(tokens_bucket):
-    return "O" if (1 << tokens_bucket) <= ONESHOT_MAX_TOKENS else "T"
-
-
-def ceil_log2(v):
-    l = 0
-    while (1 << l) < v:
-        l += 1
-    return l
+def seed_rule(tokens):
+    return "O" if tokens <= ONESHOT_MAX_TOKENS else "T"
 
 
 def parse_sweep(lines):
-    """{(pattern, hidden bucket, tokens bucket): {strategy: us}} for 2 ranks; plus the device description."""
-    found, device = {}, []
+    """({(pattern, hidden, tokens): {strategy: us}} for 2 ranks, hidden list, tokens list, device lines, notes).
+
+    The lists: the SWEEP-GRID line's, else every size seen in a SWEEP line."""
+    found, device, notes = {}, [], []
+    grid = None
+    seen_hidden, seen_tokens = set(), set()
     for line in lines:
         line = line.rstrip("\n")
         if line.startswith("device:"):
             device.append(line[len("device:"):].strip())
+        if line.startswith("allreduce_sweep: ONESHOT kernel"):
+            notes.append(line)
+        g = GRID_RE.match(line)
+        if g:
+            grid = ([int(v) for v in g.group(1).split(",")], [int(v) for v in g.group(2).split(",")])
         m = SWEEP_RE.match(line)
         if not m or int(m.group(1)) != 2:
             continue
         pattern, hidden, tokens = m.group(2), int(m.group(3)), int(m.group(4))
         if pattern not in PATTERNS:
             sys.exit(f"make_allreduce_table: unknown pattern '{pattern}' in: {line}")
+        seen_hidden.add(hidden)
+        seen_tokens.add(tokens)
         times = {}
         for field in m.group(5).split():
             k, _, v = field.partition("=")
             if k in LETTER and v not in ("", "-"):
                 times[k] = float(v)
-        hb = max(0, min(HIDDEN_BUCKETS - 1, ceil_log2(hidden) - 7))
-        tb = min(TOKEN_BUCKETS - 1, ceil_log2(max(tokens, 1)))
         if times:
-            found[(pattern, hb, tb)] = times
-    return found, device
+            found[(pattern, hidden, tokens)] = times
+    hidden_list, tokens_list = grid if grid else (sorted(seen_hidden), sorted(seen_tokens))
+    return found, hidden_list, tokens_list, device, notes
 
 
-def render(measured, header):
+def render(measured, hidden_list, tokens_list, header):
     out = []
     out += ["// GENERATED by scripts/make_allreduce_table.py: do not edit by hand (see its docstring to re-run it).",
             "// SM90 lookup table of the fused AllReduce's AUTO strategy (seed 7.2), included by src/dist/strategy.cpp."]
     out += ["// " + h if h else "//" for h in header]
     out += ["//",
-            "// kSm90Rows[ranks 2, 4, 8][fusion pattern][hidden bucket 128 << h]: one letter per token bucket 1 << b",
-            "// (bucket b covers (2^(b-1), 2^b] tokens, b = 0..13): O = ONESHOT, T = TWOSHOT, N = NCCL. Entries for",
+            "// kSm90Rows[ranks 2, 4, 8][fusion pattern][row i: hidden kSm90Hidden[i]]: one letter per kSm90Tokens entry",
+            "// (lookup: the nearest measured hidden on a log scale; the smallest measured token count >= tokens, i.e.",
+            "// column j covers (t[j-1], t[j]]; clamped at the edges): O = ONESHOT, T = TWOSHOT, N = NCCL. Entries for",
             "// shapes the custom kernels cannot take (over the workspace, rows not whole 16-byte vectors) are never",
             "// read: select_strategy() sends those calls to NCCL first."]
+    out.append("inline constexpr int64_t kSm90Hidden[] = {" + ", ".join(str(h) for h in hidden_list) + "};")
+    out.append("inline constexpr int64_t kSm90Tokens[] = {" + ", ".join(str(t) for t in tokens_list) + "};")
     n_measured = sum(1 for v in measured.values() if v)
     out.append(f"inline constexpr bool kSm90Measured[3] = {{{'true' if n_measured else 'false'}, false, false}};"
                "  // 2, 4, 8 ranks")
-    out.append("inline constexpr std::string_view kSm90Rows[3][kNumFusionPatterns][kHiddenBuckets] = {")
+    out.append("inline constexpr std::string_view kSm90Rows[3][kNumFusionPatterns][std::size(kSm90Hidden)] = {")
     for ranks in RANKS:
         if ranks == 2:
             note = ("MEASURED where the sweep reached (see the header), seed rule elsewhere" if n_measured
@@ -99,12 +115,12 @@ def render(measured, header):
         out.append(f"    {{  // {ranks} ranks: {note}")
         for pattern in PATTERNS:
             out.append(f"        {{  // {pattern}")
-            for hb in range(HIDDEN_BUCKETS):
+            for hidden in hidden_list:
                 row = ""
-                for tb in range(TOKEN_BUCKETS):
-                    times = measured.get((pattern, hb, tb)) if ranks == 2 else None
-                    row += LETTER[min(times, key=times.get)] if times else seed_rule(tb)
-                out.append(f'            "{row}",  // hidden {128 << hb}')
+                for tokens in tokens_list:
+                    times = measured.get((pattern, hidden, tokens)) if ranks == 2 else None
+                    row += LETTER[min(times, key=times.get)] if times else seed_rule(tokens)
+                out.append(f'            "{row}",  // hidden {hidden}')
             out.append("        },")
         out.append("    },")
     out.append("};")
@@ -134,6 +150,7 @@ def main():
     command = "python3 scripts/make_allreduce_table.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if args.provisional:
         measured, device = {}, []
+        hidden_list, tokens_list = DEFAULT_HIDDEN, DEFAULT_TOKENS
         header = [f"date: {date}", "device: none (not measured)", f"command: {command}",
                   "status: PROVISIONAL. Every entry follows the seed's rule (ONESHOT up to 128 tokens, TWOSHOT above;",
                   "seed 4.2.2 kOneShotMaxToken); run the sweep on the 2-GPU machine to replace the 2-rank rows."]
@@ -155,17 +172,18 @@ def main():
             with open(args.from_log) as f:
                 text = f.read()
             source = f"chimera_bench allreduce_sweep (log {os.path.basename(args.from_log)})"
-        measured, device = parse_sweep(text.splitlines())
+        measured, hidden_list, tokens_list, device, notes = parse_sweep(text.splitlines())
         if not measured:
             sys.exit("make_allreduce_table: no SWEEP lines for 2 ranks: nothing measured, no table written")
-        total = len(PATTERNS) * HIDDEN_BUCKETS * TOKEN_BUCKETS
+        total = len(PATTERNS) * len(hidden_list) * len(tokens_list)
         header = [f"date: {date}", f"commit: {git_commit()}"]
         header += [f"device: {d}" for d in (device or ["(not in the log)"])]
         header += [f"sweep: {source}", f"command: {command}",
                    f"status: 2 ranks MEASURED ({len(measured)} of {total} entries; the rest seed rule), bf16,",
-                   "the fastest of ONESHOT / TWOSHOT / NCCL (+ the fused norm kernel) per entry, timed at hidden",
-                   "128 << h and tokens 1 << b. 4 and 8 ranks NOT MEASURED (seed rule)."]
-    text = render(measured, header)
+                   "the fastest of ONESHOT / TWOSHOT / NCCL (+ the fused norm kernel) per entry, timed at exactly",
+                   "the listed hidden sizes and token counts. 4 and 8 ranks NOT MEASURED (seed rule)."]
+        header += notes or ["oneshot kernel: not in the log (a sweep before CHIMERA_ONESHOT_KERNEL: legacy)"]
+    text = render(measured, hidden_list, tokens_list, header)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)

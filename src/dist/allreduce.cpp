@@ -35,7 +35,7 @@ void require(const void* p, bool needed, const char* name, FusionPattern pattern
 //   lamport  [3][n_ranks][M]   pre-filled with the empty pattern
 //   staging  [M]               TWOSHOT: this rank's input
 //   reduced  [M]               TWOSHOT: the sums
-//   flags    [kMaxBlocks][kMaxRanks] u32, epochs [kMaxBlocks] u32, LamportState
+//   flags    [kMaxBlocks][kMaxRanks] u32, epochs [kMaxBlocks] u32, LamportState, LamportBlockState [kOneShotGrid]
 struct AllReduceFusion::RankState {
   void* workspace = nullptr;
   cuda::dist::PeerArgs peers{};
@@ -66,7 +66,9 @@ AllReduceFusion::AllReduceFusion(const Communicator& comm, const Topology& topol
   const int64_t staging_off = lamport_bytes, reduced_off = staging_off + m, flags_off = reduced_off + m;
   const int64_t epochs_off = align_up(flags_off + int64_t{kMaxBlocks} * kMaxRanks * 4, 256);
   const int64_t state_off = align_up(epochs_off + int64_t{kMaxBlocks} * 4, 256);
-  const int64_t total = align_up(state_off + static_cast<int64_t>(sizeof(cuda::dist::LamportState)), 256);
+  const int64_t blocks_off = align_up(state_off + static_cast<int64_t>(sizeof(cuda::dist::LamportState)), 256);
+  const int64_t total =
+      align_up(blocks_off + int64_t{kOneShotGrid} * static_cast<int64_t>(sizeof(cuda::dist::LamportBlockState)), 256);
 
   for (int r = 0; r < n; ++r) {
     RankState& rs = *ranks_[static_cast<size_t>(r)];
@@ -101,6 +103,7 @@ AllReduceFusion::AllReduceFusion(const Communicator& comm, const Topology& topol
     char* mine = static_cast<char*>(ranks_[static_cast<size_t>(r)]->workspace);
     p.epochs = reinterpret_cast<uint32_t*>(mine + epochs_off);
     p.lamport_state = reinterpret_cast<cuda::dist::LamportState*>(mine + state_off);
+    p.lamport_blocks = reinterpret_cast<cuda::dist::LamportBlockState*>(mine + blocks_off);
   }
 }
 
@@ -170,7 +173,13 @@ AllReduceStrategy AllReduceFusion::launch(int rank, const AllReduceParams& p, Al
 
   RankState& rs = *ranks_[static_cast<size_t>(rank)];
   switch (s) {
-    case AllReduceStrategy::kOneShot: cuda::dist::launch_oneshot(p.dtype, pat, a, rs.peers, stream); return s;
+    case AllReduceStrategy::kOneShot:
+      if (config_.oneshot_kernel == OneShotKernel::kPerBlock) {
+        cuda::dist::launch_oneshot_per_block(p.dtype, pat, a, rs.peers, stream);
+      } else {
+        cuda::dist::launch_oneshot(p.dtype, pat, a, rs.peers, stream);
+      }
+      return s;
     case AllReduceStrategy::kTwoShot: cuda::dist::launch_twoshot(p.dtype, pat, a, rs.peers, stream); return s;
     default: break;
   }

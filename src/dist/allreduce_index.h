@@ -92,6 +92,21 @@ CHIMERA_HD int oneshot_blocks(int64_t tokens, int64_t row_vecs) {
   return want < kMaxBlocks ? static_cast<int>(want) : kMaxBlocks;
 }
 
+// ONESHOT per-block kernel (OneShotKernel::kPerBlock): the grid is kOneShotGrid blocks whatever the shape, so
+// block b runs in every call and can keep its own Lamport slot counter (no cross-block atomics). Block b pushes
+// the contiguous chunk oneshot_chunk(b, ...) of the message (in vectors) into region [slot][rank] of every rank,
+// and in the next call clears the same chunk, recomputed from the total it recorded for that slot, of every
+// source region of its own buffer: every rank's block b pushed exactly that chunk (same shape, same grid), so
+// the union over blocks is the clear extent of the legacy kernel (lamport_clear_elems), whatever the sizes of
+// consecutive calls.
+inline constexpr int kOneShotGrid = kMaxBlocks;
+CHIMERA_HD Range oneshot_chunk(int block, int grid, int64_t total_vecs) {
+  const int64_t chunk = (total_vecs + grid - 1) / grid;
+  const int64_t begin = block * chunk < total_vecs ? block * chunk : total_vecs;
+  const int64_t end = begin + chunk < total_vecs ? begin + chunk : total_vecs;
+  return Range{begin, end};
+}
+
 // Wrap-safe "flag has reached epoch" for the barrier flags (uint32 epochs, a peer can be one barrier ahead).
 CHIMERA_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return static_cast<int32_t>(flag - epoch) >= 0; }
 
@@ -100,22 +115,24 @@ CHIMERA_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return static_cas
 CHIMERA_HD int ranks_index(int n_ranks) {
   return n_ranks == 2 ? 0 : n_ranks == 4 ? 1 : n_ranks == 8 ? 2 : -1;
 }
-CHIMERA_HD int ceil_log2(int64_t v) {
-  int l = 0;
-  while ((int64_t{1} << l) < v) ++l;
-  return l;
+// The table is keyed by the sizes the sweep measured (the lists live in the generated table,
+// src/dist/sm90_allreduce_table.inc, so the sweep and the lookup read the same ones):
+// hidden -> the row of the NEAREST measured hidden on a log scale (an exact row for every measured size, e.g. the
+// models' 2688, 4096, 4480, 8192; between two rows the one whose ratio to `hidden` is smaller, the larger on a
+// tie; clamped to the first / last row);
+CHIMERA_HD int table_hidden_index(const int64_t* hidden_list, int n, int64_t hidden) {
+  if (hidden > (int64_t{1} << 31)) hidden = int64_t{1} << 31;  // no overflow in the square below
+  int i = 0;
+  // Closer to list[i + 1] than to list[i] on a log scale <=> hidden^2 >= list[i] * list[i + 1].
+  while (i + 1 < n && hidden * hidden >= hidden_list[i] * hidden_list[i + 1]) ++i;
+  return i;
 }
-// hidden 128 -> 0, 256 -> 1, ..., 8192 -> 6, 16384 -> 7 (rounded up, clamped to [0, kHiddenBuckets)).
-inline constexpr int kHiddenBuckets = 8;
-CHIMERA_HD int hidden_bucket(int64_t hidden) {
-  const int b = ceil_log2(hidden) - 7;
-  return b < 0 ? 0 : b >= kHiddenBuckets ? kHiddenBuckets - 1 : b;
-}
-// tokens 1 -> 0, 2 -> 1, 3..4 -> 2, ..., 8192 -> 13 (rounded up, clamped).
-inline constexpr int kTokenBuckets = 14;
-CHIMERA_HD int tokens_bucket(int64_t tokens) {
-  const int b = ceil_log2(tokens < 1 ? 1 : tokens);
-  return b >= kTokenBuckets ? kTokenBuckets - 1 : b;
+// tokens -> the column of the SMALLEST measured token count >= tokens (column j covers (t[j-1], t[j]]: a call is
+// timed at the top of its range), clamped to the last column.
+CHIMERA_HD int table_tokens_index(const int64_t* tokens_list, int n, int64_t tokens) {
+  int j = 0;
+  while (j + 1 < n && tokens > tokens_list[j]) ++j;
+  return j;
 }
 
 }  // namespace chimera::dist

@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cmath>
+#include <iterator>
 #include <string>
 
 #include "core/error.h"
@@ -40,6 +41,23 @@ std::optional<AllReduceStrategy> strategy_from_name(std::string_view name) {
   return std::nullopt;
 }
 
+std::string_view oneshot_kernel_name(OneShotKernel k) {
+  switch (k) {
+    case OneShotKernel::kLegacy: return "legacy";
+    case OneShotKernel::kPerBlock: return "per_block";
+  }
+  return "?";
+}
+
+std::optional<OneShotKernel> oneshot_kernel_from_name(std::string_view name) {
+  std::string lower(name);
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (OneShotKernel k : {OneShotKernel::kLegacy, OneShotKernel::kPerBlock}) {
+    if (lower == oneshot_kernel_name(k)) return k;
+  }
+  return std::nullopt;
+}
+
 AllReduceStrategy parse_strategy(std::string_view name) {
   if (auto s = strategy_from_name(name)) return *s;
   invalid_input("AllReduce strategy '{}' is not known (supported: auto, nccl, oneshot, twoshot)", name);
@@ -54,26 +72,40 @@ bool custom_eligible(const StrategyQuery& q) {
 
 namespace {
 
-// The generated table: kSm90Measured[3] and kSm90Rows[3][kNumFusionPatterns][kHiddenBuckets], one letter per
-// token bucket (O, T, N).
+// The generated table: kSm90Hidden[] and kSm90Tokens[] (the measured sizes, ascending), kSm90Measured[3] and
+// kSm90Rows[3][kNumFusionPatterns][size of kSm90Hidden], one letter per entry of kSm90Tokens (O, T, N).
 #include "dist/sm90_allreduce_table.inc"
+
+constexpr int kTableHidden = static_cast<int>(std::size(kSm90Hidden));
+constexpr int kTableTokens = static_cast<int>(std::size(kSm90Tokens));
 
 constexpr AllReduceStrategy from_letter(char c) {
   return c == 'O' ? AllReduceStrategy::kOneShot : c == 'T' ? AllReduceStrategy::kTwoShot : AllReduceStrategy::kNccl;
 }
 
-// A malformed generated file fails the build, not a call: every row kTokenBuckets letters from {O, T, N}.
+// A malformed generated file fails the build, not a call: sizes positive and strictly ascending, every row one
+// letter from {O, T, N} per measured token count.
+constexpr bool ascending(const int64_t* v, int n) {
+  for (int i = 0; i < n; ++i)
+    if (v[i] <= 0 || (i > 0 && v[i] <= v[i - 1])) return false;
+  return true;
+}
 constexpr bool table_well_formed() {
+  if (!ascending(kSm90Hidden, kTableHidden) || !ascending(kSm90Tokens, kTableTokens)) return false;
   for (const auto& ranks : kSm90Rows)
     for (const auto& pattern : ranks)
       for (std::string_view row : pattern) {
-        if (row.size() != static_cast<size_t>(kTokenBuckets)) return false;
+        if (row.size() != static_cast<size_t>(kTableTokens)) return false;
         for (char c : row)
           if (c != 'O' && c != 'T' && c != 'N') return false;
       }
   return true;
 }
-static_assert(table_well_formed(), "sm90_allreduce_table.inc: every row needs 14 letters from O, T, N");
+static_assert(table_well_formed(),
+              "sm90_allreduce_table.inc: ascending sizes, every row one letter from O, T, N per kSm90Tokens entry");
+
+int hidden_index(int64_t hidden) { return table_hidden_index(kSm90Hidden, kTableHidden, hidden); }
+int tokens_index(int64_t tokens) { return table_tokens_index(kSm90Tokens, kTableTokens, tokens); }
 
 }  // namespace
 
@@ -81,9 +113,12 @@ AllReduceStrategy lookup_sm90(int n_ranks, FusionPattern pattern, int64_t hidden
   const int r = ranks_index(n_ranks);
   const int p = static_cast<int>(pattern);
   if (r < 0 || p < 0 || p >= kNumFusionPatterns) return AllReduceStrategy::kNccl;
-  const std::string_view row = kSm90Rows[r][p][hidden_bucket(hidden)];
-  return from_letter(row[static_cast<size_t>(tokens_bucket(tokens))]);
+  const std::string_view row = kSm90Rows[r][p][hidden_index(hidden)];
+  return from_letter(row[static_cast<size_t>(tokens_index(tokens))]);
 }
+
+std::span<const int64_t> sm90_table_hidden() { return std::span<const int64_t>(kSm90Hidden); }
+std::span<const int64_t> sm90_table_tokens() { return std::span<const int64_t>(kSm90Tokens); }
 
 bool sm90_table_measured(int n_ranks) {
   const int r = ranks_index(n_ranks);
@@ -98,7 +133,7 @@ AllReduceStrategy select_strategy(const StrategyQuery& q, AllReduceStrategy forc
 
 uint32_t autotune_key(FusionPattern pattern, int elem_bytes, int64_t hidden, int64_t tokens) {
   return (static_cast<uint32_t>(pattern) << 24) | (static_cast<uint32_t>(elem_bytes & 0xff) << 16) |
-         (static_cast<uint32_t>(hidden_bucket(hidden)) << 8) | static_cast<uint32_t>(tokens_bucket(tokens));
+         (static_cast<uint32_t>(hidden_index(hidden)) << 8) | static_cast<uint32_t>(tokens_index(tokens));
 }
 
 std::vector<AllReduceStrategy> autotune_candidates(const StrategyQuery& q) {

@@ -17,6 +17,9 @@ std::string_view strategy_name(AllReduceStrategy s);  // "auto", "nccl", "onesho
 std::string_view pattern_name(FusionPattern p);       // "allreduce", "residual_rmsnorm", ...
 // Case-insensitive; nullopt for anything else.
 std::optional<AllReduceStrategy> strategy_from_name(std::string_view name);
+std::string_view oneshot_kernel_name(OneShotKernel k);  // "legacy", "per_block"
+// Case-insensitive; nullopt for anything else (for CHIMERA_ONESHOT_KERNEL, read by the bench).
+std::optional<OneShotKernel> oneshot_kernel_from_name(std::string_view name);
 // As strategy_from_name but throws kInvalidInput listing the accepted names (what a CLI flag wants).
 AllReduceStrategy parse_strategy(std::string_view name);
 
@@ -36,13 +39,24 @@ struct StrategyQuery {
 inline constexpr int64_t kMaxRowVecs = 4096;  // 1024 threads x 4 vectors in registers: bf16 32768, fp32 16384
 bool custom_eligible(const StrategyQuery& q);
 
-// The SM90 lookup table keyed (ranks index, pattern, hidden bucket, tokens bucket) (seed 7.2), generated into
-// src/dist/sm90_allreduce_table.inc by scripts/make_allreduce_table.py from the sweep
-// (`chimera_bench allreduce_sweep`, bench/run_allreduce_device.sh). Buckets outside the table clamp to its edge
-// (allreduce_index.h); ranks other than 2, 4, 8 get NCCL. Until a sweep is committed every entry follows the
-// seed's rule: ONESHOT up to kOneShotMaxTokens tokens (seed 4.2.2, kOneShotMaxToken = 128), TWOSHOT above.
+// The SM90 lookup table keyed (ranks index, pattern, measured hidden, measured tokens) (seed 7.2, with the
+// power-of-two buckets replaced by the sizes the sweep measured: allreduce_index.h, table_hidden_index /
+// table_tokens_index), generated into src/dist/sm90_allreduce_table.inc by scripts/make_allreduce_table.py from
+// the sweep (`chimera_bench allreduce_sweep`, which iterates sm90_table_hidden() x sm90_table_tokens(), so the
+// sweep and the lookup use the same sizes). Sizes outside the table clamp to its edge; ranks other than 2, 4, 8
+// get NCCL. Entries not measured follow the seed's rule: ONESHOT up to kOneShotMaxTokens tokens (seed 4.2.2,
+// kOneShotMaxToken = 128), TWOSHOT above.
 inline constexpr int64_t kOneShotMaxTokens = 128;
 AllReduceStrategy lookup_sm90(int n_ranks, FusionPattern pattern, int64_t hidden, int64_t tokens);
+// The measured sizes the table is keyed by, ascending (those of the sweep that wrote it).
+std::span<const int64_t> sm90_table_hidden();
+std::span<const int64_t> sm90_table_tokens();
+// The sizes `chimera_bench allreduce_sweep` measures (it prints them in a SWEEP-GRID line, from which the
+// script takes the table's lists): every power of two plus the models' hidden sizes (Nemotron-H 2688, 4096,
+// 4480, 8192), and token counts at half-octave steps from 128, where the strategies cross over.
+inline constexpr int64_t kSweepHidden[] = {128, 256, 512, 1024, 2048, 2688, 4096, 4480, 8192, 16384};
+inline constexpr int64_t kSweepTokens[] = {1,   2,   4,    8,    16,   32,   64,   128,  192,  256,
+                                           384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192};
 // Whether the table's rows for n_ranks come from a measurement (false: the seed's rule; 4 and 8 ranks always,
 // until a 4/8-GPU machine runs the sweep).
 bool sm90_table_measured(int n_ranks);
@@ -52,8 +66,8 @@ bool sm90_table_measured(int n_ranks);
 AllReduceStrategy select_strategy(const StrategyQuery& q, AllReduceStrategy forced);
 
 // ---- the runtime autotuner's decisions (AllReduceConfig::autotune; seed 7.3) ------------------------------
-// Calls are tuned once per key: (pattern, element size, hidden bucket, tokens bucket), the table's granularity
-// plus the dtype.
+// Calls are tuned once per key: (pattern, element size, table row of hidden, table column of tokens), the
+// table's granularity plus the dtype.
 uint32_t autotune_key(FusionPattern pattern, int elem_bytes, int64_t hidden, int64_t tokens);
 // The strategies worth timing for a call: NCCL always (it includes our separate norm kernel); ONESHOT and TWOSHOT
 // when the custom kernels can take the call. In this order (the tie-break of pick_fastest).

@@ -2,8 +2,11 @@
 // (src/dist/strategy.h) for 2, 4 and 8 ranks. These run in CI; the kernels use the same inline functions.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "core/error.h"
@@ -115,19 +118,72 @@ TEST(LookupKeys, Buckets) {
   EXPECT_EQ(ranks_index(4), 1);
   EXPECT_EQ(ranks_index(8), 2);
   EXPECT_EQ(ranks_index(3), -1);
-  EXPECT_EQ(hidden_bucket(128), 0);
-  EXPECT_EQ(hidden_bucket(2688), 5);  // rounded up to 4096
-  EXPECT_EQ(hidden_bucket(4096), 5);
-  EXPECT_EQ(hidden_bucket(4480), 6);
-  EXPECT_EQ(hidden_bucket(8192), 6);
-  EXPECT_EQ(hidden_bucket(16384), 7);
-  EXPECT_EQ(hidden_bucket(64), 0);
-  EXPECT_EQ(tokens_bucket(1), 0);
-  EXPECT_EQ(tokens_bucket(2), 1);
-  EXPECT_EQ(tokens_bucket(7), 3);
-  EXPECT_EQ(tokens_bucket(128), 7);
-  EXPECT_EQ(tokens_bucket(129), 8);
-  EXPECT_EQ(tokens_bucket(1 << 20), kTokenBuckets - 1);
+  // Hidden: the nearest listed size on a log scale (exact sizes their own row), clamped.
+  const int64_t hidden[] = {128, 1024, 2048, 2688, 4096, 4480, 8192, 16384};
+  const int nh = 8;
+  EXPECT_EQ(table_hidden_index(hidden, nh, 2688), 3);
+  EXPECT_EQ(table_hidden_index(hidden, nh, 4096), 4);
+  EXPECT_EQ(table_hidden_index(hidden, nh, 4480), 5);
+  EXPECT_EQ(table_hidden_index(hidden, nh, 8192), 6);
+  EXPECT_EQ(table_hidden_index(hidden, nh, 16384), 7);
+  EXPECT_EQ(table_hidden_index(hidden, nh, 128), 0);
+  EXPECT_EQ(table_hidden_index(hidden, nh, 64), 0);
+  EXPECT_EQ(table_hidden_index(hidden, nh, int64_t{1} << 40), 7);
+  EXPECT_EQ(table_hidden_index(hidden, nh, 2300), 2);  // 2300^2 < 2048 x 2688: nearer 2048
+  EXPECT_EQ(table_hidden_index(hidden, nh, 2400), 3);  // 2400^2 > 2048 x 2688: nearer 2688
+  EXPECT_EQ(table_hidden_index(hidden, nh, 3000), 3);  // 3000 / 2688 = 1.12 < 4096 / 3000 = 1.37
+  EXPECT_EQ(table_hidden_index(hidden, nh, 3400), 4);
+  EXPECT_EQ(table_hidden_index(hidden, nh, 4200), 4);  // 4200 / 4096 < 4480 / 4200
+  EXPECT_EQ(table_hidden_index(hidden, nh, 4300), 5);
+  EXPECT_EQ(table_hidden_index(hidden, nh, 6144), 6);  // 6144^2 > 4480 x 8192
+  EXPECT_EQ(table_hidden_index(hidden, nh, 256), 0);   // 256^2 < 128 x 1024: nearer 128
+  EXPECT_EQ(table_hidden_index(hidden, nh, 512), 1);   // 512^2 > 128 x 1024: nearer 1024
+  // Tokens: the smallest listed count >= tokens, clamped to the last.
+  const int64_t tokens[] = {1, 2, 4, 64, 128, 192, 256, 8192};
+  const int nt = 8;
+  EXPECT_EQ(table_tokens_index(tokens, nt, 0), 0);
+  EXPECT_EQ(table_tokens_index(tokens, nt, 1), 0);
+  EXPECT_EQ(table_tokens_index(tokens, nt, 3), 2);
+  EXPECT_EQ(table_tokens_index(tokens, nt, 64), 3);
+  EXPECT_EQ(table_tokens_index(tokens, nt, 65), 4);
+  EXPECT_EQ(table_tokens_index(tokens, nt, 128), 4);
+  EXPECT_EQ(table_tokens_index(tokens, nt, 129), 5);
+  EXPECT_EQ(table_tokens_index(tokens, nt, 192), 5);
+  EXPECT_EQ(table_tokens_index(tokens, nt, 193), 6);
+  EXPECT_EQ(table_tokens_index(tokens, nt, 8192), 7);
+  EXPECT_EQ(table_tokens_index(tokens, nt, int64_t{1} << 30), 7);
+}
+
+TEST(LookupKeys, SweepGridIsAscendingAndHasTheModelSizes) {
+  for (auto list : {std::span<const int64_t>(kSweepHidden), std::span<const int64_t>(kSweepTokens),
+                    sm90_table_hidden(), sm90_table_tokens()}) {
+    ASSERT_FALSE(list.empty());
+    for (size_t i = 1; i < list.size(); ++i) EXPECT_LT(list[i - 1], list[i]);
+  }
+  // Nemotron-H hidden sizes get exact rows once the sweep has run (issue 5: 2688 took the 4096 row before).
+  for (int64_t h : {2688, 4096, 4480, 8192}) {
+    EXPECT_NE(std::find(std::begin(kSweepHidden), std::end(kSweepHidden), h), std::end(kSweepHidden)) << h;
+  }
+  // Every token count the latency bench reports is a measured column.
+  for (int64_t t : {1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096}) {
+    EXPECT_NE(std::find(std::begin(kSweepTokens), std::end(kSweepTokens), t), std::end(kSweepTokens)) << t;
+  }
+}
+
+TEST(LookupKeys, OneShotPerBlockChunksPartitionTheMessage) {
+  // Block b of every rank pushes chunk b and the receiving rank's block b clears chunk b of the same total:
+  // the chunks must tile [0, total) exactly for every total (so the clear covers exactly what was written).
+  for (int64_t total : {0, 1, 16, 127, 128, 129, 336, 1024, 65536, 65537, 4096 * 2048}) {
+    int64_t next = 0;
+    for (int b = 0; b < kOneShotGrid; ++b) {
+      const Range c = oneshot_chunk(b, kOneShotGrid, total);
+      EXPECT_EQ(c.begin, next) << total << " block " << b;
+      EXPECT_LE(c.begin, c.end);
+      next = c.end;
+    }
+    EXPECT_EQ(next, total);
+  }
+  EXPECT_LE(kOneShotGrid, kMaxBlocks);
 }
 
 TEST(Strategy, NamesRoundTrip) {
@@ -155,12 +211,12 @@ constexpr FusionPattern kAllPatterns[] = {FusionPattern::kAllReduce, FusionPatte
 TEST(Sm90Table, EveryEntryIsAConcreteStrategy) {
   for (int ranks : {2, 4, 8}) {
     for (FusionPattern p : kAllPatterns) {
-      for (int hb = 0; hb < kHiddenBuckets; ++hb) {
-        for (int tb = 0; tb < kTokenBuckets; ++tb) {
-          const AllReduceStrategy s = lookup_sm90(ranks, p, int64_t{128} << hb, int64_t{1} << tb);
+      for (int64_t hidden : sm90_table_hidden()) {
+        for (int64_t tokens : sm90_table_tokens()) {
+          const AllReduceStrategy s = lookup_sm90(ranks, p, hidden, tokens);
           EXPECT_TRUE(s == AllReduceStrategy::kOneShot || s == AllReduceStrategy::kTwoShot ||
                       s == AllReduceStrategy::kNccl)
-              << ranks << " ranks " << pattern_name(p) << " hidden bucket " << hb << " tokens bucket " << tb;
+              << ranks << " ranks " << pattern_name(p) << " hidden " << hidden << " tokens " << tokens;
         }
       }
     }
@@ -175,18 +231,29 @@ TEST(Sm90Table, BucketsRoundUpAndClampAtTheEdges) {
   for (int ranks : {2, 4, 8}) {
     for (FusionPattern p : kAllPatterns) {
       SCOPED_TRACE(std::to_string(ranks) + " ranks " + std::string(pattern_name(p)));
-      // Inside the table: a size between two buckets takes the upper one.
-      EXPECT_EQ(lookup_sm90(ranks, p, 2688, 100), lookup_sm90(ranks, p, 4096, 128));
-      EXPECT_EQ(lookup_sm90(ranks, p, 4480, 129), lookup_sm90(ranks, p, 8192, 256));
-      // Below the first bucket: the first; above the last: the last.
-      for (int64_t tokens : {1, 64, 8192}) {
-        EXPECT_EQ(lookup_sm90(ranks, p, 64, tokens), lookup_sm90(ranks, p, 128, tokens));
-        EXPECT_EQ(lookup_sm90(ranks, p, 1, tokens), lookup_sm90(ranks, p, 128, tokens));
-        EXPECT_EQ(lookup_sm90(ranks, p, int64_t{1} << 20, tokens), lookup_sm90(ranks, p, 16384, tokens));
+      // Whatever sizes the table lists: a token count between two columns takes the upper one, a hidden size
+      // takes the nearest row (allreduce_index.h); below the first / above the last: the edge.
+      const auto hs = sm90_table_hidden();
+      const auto ts = sm90_table_tokens();
+      for (size_t j = 1; j < ts.size(); ++j) {
+        for (int64_t hidden : hs) {
+          EXPECT_EQ(lookup_sm90(ranks, p, hidden, ts[j - 1] + 1), lookup_sm90(ranks, p, hidden, ts[j]));
+        }
       }
-      for (int64_t hidden : {128, 4096, 16384}) {
+      for (size_t i = 1; i < hs.size(); ++i) {
+        for (int64_t tokens : ts) {
+          EXPECT_EQ(lookup_sm90(ranks, p, hs[i] - 1, tokens), lookup_sm90(ranks, p, hs[i], tokens));
+          EXPECT_EQ(lookup_sm90(ranks, p, hs[i - 1] + 1, tokens), lookup_sm90(ranks, p, hs[i - 1], tokens));
+        }
+      }
+      for (int64_t tokens : {int64_t{1}, int64_t{64}, ts.back()}) {
+        EXPECT_EQ(lookup_sm90(ranks, p, hs.front() / 2, tokens), lookup_sm90(ranks, p, hs.front(), tokens));
+        EXPECT_EQ(lookup_sm90(ranks, p, 1, tokens), lookup_sm90(ranks, p, hs.front(), tokens));
+        EXPECT_EQ(lookup_sm90(ranks, p, int64_t{1} << 20, tokens), lookup_sm90(ranks, p, hs.back(), tokens));
+      }
+      for (int64_t hidden : {hs.front(), hs.back()}) {
         EXPECT_EQ(lookup_sm90(ranks, p, hidden, 0), lookup_sm90(ranks, p, hidden, 1));
-        EXPECT_EQ(lookup_sm90(ranks, p, hidden, int64_t{1} << 30), lookup_sm90(ranks, p, hidden, 8192));
+        EXPECT_EQ(lookup_sm90(ranks, p, hidden, int64_t{1} << 30), lookup_sm90(ranks, p, hidden, ts.back()));
       }
     }
   }
@@ -224,7 +291,7 @@ TEST(Strategy, AutoReadsTheTableForEligibleCallsOnly) {
 
 TEST(Autotune, KeysSeparatePatternDtypeAndBuckets) {
   const uint32_t k = autotune_key(FusionPattern::kResidualRmsNorm, 2, 4096, 64);
-  EXPECT_EQ(autotune_key(FusionPattern::kResidualRmsNorm, 2, 2688, 33), k);  // same buckets
+  EXPECT_EQ(autotune_key(FusionPattern::kResidualRmsNorm, 2, 4000, 33), k);  // same row and column
   EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNorm, 2, 4096, 65), k);
   EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNorm, 2, 8192, 64), k);
   EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNorm, 4, 4096, 64), k);
@@ -232,9 +299,10 @@ TEST(Autotune, KeysSeparatePatternDtypeAndBuckets) {
   std::set<uint32_t> keys;
   for (FusionPattern p : kAllPatterns)
     for (int eb : {2, 4})
-      for (int hb = 0; hb < kHiddenBuckets; ++hb)
-        for (int tb = 0; tb < kTokenBuckets; ++tb) keys.insert(autotune_key(p, eb, int64_t{128} << hb, int64_t{1} << tb));
-  EXPECT_EQ(keys.size(), static_cast<size_t>(kNumFusionPatterns * 2 * kHiddenBuckets * kTokenBuckets));
+      for (int64_t hidden : sm90_table_hidden())
+        for (int64_t tokens : sm90_table_tokens()) keys.insert(autotune_key(p, eb, hidden, tokens));
+  EXPECT_EQ(keys.size(), static_cast<size_t>(kNumFusionPatterns) * 2 * sm90_table_hidden().size() *
+                             sm90_table_tokens().size());
 }
 
 TEST(Autotune, CandidatesAreTheEligibleStrategies) {

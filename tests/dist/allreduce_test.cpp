@@ -4,7 +4,10 @@
 //  * 10,000 consecutive calls with fresh data, each checked, shapes / dtypes / patterns / strategies changing
 //    (AUTO alternates ONESHOT and TWOSHOT in one workspace; the Lamport slots see every dtype in turn);
 //  * -0.0 and NaN inputs; one rank delayed; CUDA graph capture + 1,000 replays with fresh data; a message over the
-//    workspace falling back to NCCL.
+//    workspace falling back to NCCL;
+//  * 200 calls of changing sizes enqueued back to back without a host sync (the only place consecutive kernels
+//    overlap under programmatic dependent launch), PDL on and off, checked through an in-place residual chain.
+// Both ONESHOT kernels (AllReduceConfig::oneshot_kernel: legacy, per_block) run every test that ONESHOT runs.
 // Skips unless the build has NCCL and the machine has >= 2 GPUs with peer access.
 //
 // Outputs are poisoned (0xff: NaN in every dtype, e4m3 included) before every call. Rank 0's outputs are compared
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "backends/cuda/dist/check.h"
+#include "backends/device_api.h"
 #include "common/tolerances.h"
 #include "core/dtype.h"
 #include "dist/allreduce.h"
@@ -52,8 +56,25 @@ constexpr float kFp8Scale = 1.0f / 16.0f;  // quantised values up to ~80: exerci
 constexpr FusionPattern kPatterns[] = {FusionPattern::kAllReduce, FusionPattern::kResidualRmsNorm,
                                        FusionPattern::kResidualRmsNormFp8, FusionPattern::kResidualRmsNormOutFp8,
                                        FusionPattern::kRmsNorm};
-constexpr AllReduceStrategy kStrategies[] = {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot,
-                                             AllReduceStrategy::kNccl, AllReduceStrategy::kAuto};
+// A strategy and, for ONESHOT / AUTO, which ONESHOT kernel the instance runs (one AllReduceFusion each).
+struct Variant {
+  AllReduceStrategy strategy;
+  OneShotKernel oneshot = OneShotKernel::kLegacy;
+  bool operator<(const Variant& o) const {
+    return strategy != o.strategy ? strategy < o.strategy : oneshot < o.oneshot;
+  }
+};
+constexpr Variant kOneShotLegacy{AllReduceStrategy::kOneShot, OneShotKernel::kLegacy};
+constexpr Variant kOneShotPerBlock{AllReduceStrategy::kOneShot, OneShotKernel::kPerBlock};
+constexpr Variant kTwoShot{AllReduceStrategy::kTwoShot};
+constexpr Variant kNccl{AllReduceStrategy::kNccl};
+constexpr Variant kAutoLegacy{AllReduceStrategy::kAuto, OneShotKernel::kLegacy};
+constexpr Variant kAutoPerBlock{AllReduceStrategy::kAuto, OneShotKernel::kPerBlock};
+constexpr Variant kVariants[] = {kOneShotLegacy, kTwoShot, kNccl, kAutoLegacy, kOneShotPerBlock, kAutoPerBlock};
+// The grid runs every strategy once per ONESHOT kernel (AUTO per-block only adds table picks the others cover).
+constexpr Variant kGridVariants[] = {kOneShotLegacy, kTwoShot, kNccl, kAutoLegacy, kOneShotPerBlock};
+// The single-strategy tests.
+constexpr Variant kSingleVariants[] = {kOneShotLegacy, kOneShotPerBlock, kTwoShot, kNccl};
 
 // Runs fn(begin, end) over [0, n) split across the machine's cores, at least `grain` items a thread (inline
 // when n is small: the 10,000-call test must not pay thread start-ups for small shapes).
@@ -170,10 +191,18 @@ Tolerance fp8_tolerance(DType t) {
   return Tolerance{tol.abs / kFp8Scale + test::kF8E4M3Quant.abs, tol.rel + test::kF8E4M3Quant.rel};
 }
 
-std::string case_name(DType t, int64_t hidden, int64_t tokens, AllReduceStrategy s, FusionPattern p) {
+std::string variant_name(Variant v) {
+  std::string name(strategy_name(v.strategy));
+  if (v.strategy == AllReduceStrategy::kOneShot || v.strategy == AllReduceStrategy::kAuto) {
+    name += "/" + std::string(oneshot_kernel_name(v.oneshot));
+  }
+  return name;
+}
+
+std::string case_name(DType t, int64_t hidden, int64_t tokens, Variant v, FusionPattern p) {
   char buf[160];
   std::snprintf(buf, sizeof(buf), "%s hidden %lld tokens %lld %s %s", std::string(dtype_name(t)).c_str(),
-                static_cast<long long>(hidden), static_cast<long long>(tokens), std::string(strategy_name(s)).c_str(),
+                static_cast<long long>(hidden), static_cast<long long>(tokens), variant_name(v).c_str(),
                 std::string(pattern_name(p)).c_str());
   return buf;
 }
@@ -221,11 +250,12 @@ class AllReduceTwoGpu : public ::testing::Test {
     comm_ = Communicator::create_local({0, 1}).release();
     topo_ = new Topology(detect_topology(comm_->devices()));
     std::printf("%s", topo_->describe().c_str());
-    for (AllReduceStrategy s : kStrategies) {
+    for (Variant v : kVariants) {
       AllReduceConfig c;
-      c.strategy = s;
+      c.strategy = v.strategy;
+      c.oneshot_kernel = v.oneshot;
       c.max_message_bytes = static_cast<int64_t>(kMaxBytes);
-      fusion_[s] = new AllReduceFusion(*comm_, *topo_, c);
+      fusion_[v] = new AllReduceFusion(*comm_, *topo_, c);
     }
     for (int r = 0; r < kRanks; ++r) {
       RankBuffers& b = buffers_[r];
@@ -416,7 +446,7 @@ class AllReduceTwoGpu : public ::testing::Test {
   static inline std::string skip_;
   static inline Communicator* comm_ = nullptr;
   static inline Topology* topo_ = nullptr;
-  static inline std::map<AllReduceStrategy, AllReduceFusion*> fusion_;
+  static inline std::map<Variant, AllReduceFusion*> fusion_;
   static inline RankBuffers buffers_[kRanks];
   static inline float *ref_sum_ = nullptr, *ref_residual_out_ = nullptr, *ref_norm_res_ = nullptr,
                       *ref_norm_plain_ = nullptr;
@@ -441,12 +471,12 @@ TEST_F(AllReduceTwoGpu, EveryPatternDtypeHiddenTokensAndStrategy) {
         const CallData d = make_data(t, tokens, hidden, seed++);
         const Reference ref = reference(d);
         comm_->run_ranks([&](int r) { upload(r, d, &ref); });
-        for (AllReduceStrategy s : kStrategies) {
+        for (Variant v : kGridVariants) {
           for (FusionPattern pattern : kPatterns) {
-            const std::string name = case_name(t, hidden, tokens, s, pattern);
-            const AllReduceStrategy took = run_call(*fusion_[s], d, nullptr, pattern);
+            const std::string name = case_name(t, hidden, tokens, v, pattern);
+            const AllReduceStrategy took = run_call(*fusion_[v], d, nullptr, pattern);
             // Every grid shape fits the 256 MiB workspace, so a forced strategy runs as asked.
-            if (s != AllReduceStrategy::kAuto) { EXPECT_EQ(took, s) << name; }
+            if (v.strategy != AllReduceStrategy::kAuto) { EXPECT_EQ(took, v.strategy) << name; }
             const CheckResult c = check(d, ref, pattern, false);
             Summary& sum = summary[pattern];
             ++sum.cases;
@@ -466,7 +496,7 @@ TEST_F(AllReduceTwoGpu, EveryPatternDtypeHiddenTokensAndStrategy) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (FusionPattern p : kPatterns) {
     const Summary& s = summary[p];
-    std::printf("allreduce grid: pattern %-24s %d cases (3 dtypes x 6 hidden x 8 tokens x 4 strategies), %d failed; "
+    std::printf("allreduce grid: pattern %-24s %d cases (3 dtypes x 6 hidden x 8 tokens x 5 variants), %d failed; "
                 "largest error/bound %.3g (%s)\n",
                 std::string(pattern_name(p)).c_str(), s.cases, s.failed, static_cast<double>(s.worst_ratio),
                 s.worst_case.c_str());
@@ -477,7 +507,7 @@ TEST_F(AllReduceTwoGpu, EveryPatternDtypeHiddenTokensAndStrategy) {
 TEST_F(AllReduceTwoGpu, TenThousandConsecutiveCallsEachChecked) {
   // Fresh data every call; the shape, dtype, pattern, in-place residual and strategy change from call to call
   // (a pseudo-random walk, so no two neighbours repeat a pattern the kernels could get right by accident). The
-  // AUTO instance alternates ONESHOT (<= 128 tokens in the provisional table) and TWOSHOT in one workspace;
+  // AUTO instances alternate ONESHOT and TWOSHOT in one workspace (where the table says so);
   // every Lamport slot is cleared after calls of other extents and other dtypes.
   const int64_t hiddens[] = {128, 256, 1024, 2688, 4096};
   const int64_t tokens_list[] = {1, 2, 3, 7, 16, 64, 129, 160};
@@ -486,7 +516,7 @@ TEST_F(AllReduceTwoGpu, TenThousandConsecutiveCallsEachChecked) {
   int failures = 0;
   for (int call = 0; call < 10000; ++call) {
     const uint64_t h = mix(7, static_cast<uint64_t>(call));
-    const AllReduceStrategy s = kStrategies[call % 4];  // every strategy 2,500 times, interleaved
+    const Variant s = kVariants[call % 6];  // every variant ~1,667 times, interleaved
     const FusionPattern pattern = kPatterns[(h >> 3) % 5];
     const DType t = dtypes[(h >> 7) % 3];
     const int64_t hidden = hiddens[(h >> 11) % 5];
@@ -509,7 +539,7 @@ TEST_F(AllReduceTwoGpu, TenThousandConsecutiveCallsEachChecked) {
 }
 
 TEST_F(AllReduceTwoGpu, NegativeZeroAndNanInputs) {
-  for (AllReduceStrategy s : {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot, AllReduceStrategy::kNccl}) {
+  for (Variant s : kSingleVariants) {
     for (DType t : {DType::kBF16, DType::kF16, DType::kF32}) {
       CallData d = make_data(t, 7, 2688, 77);
       // Row 1 all -0.0 on both ranks (a reader that took -0.0 for "not arrived" would hang here); scattered
@@ -526,7 +556,7 @@ TEST_F(AllReduceTwoGpu, NegativeZeroAndNanInputs) {
       for (FusionPattern pattern : {FusionPattern::kAllReduce, FusionPattern::kResidualRmsNorm}) {
         run_call(*fusion_[s], d, &ref, pattern);
         const CheckResult got = check(d, ref, pattern, false);
-        EXPECT_EQ(got.failures, 0) << strategy_name(s) << " " << dtype_name(t) << " " << pattern_name(pattern) << ":\n"
+        EXPECT_EQ(got.failures, 0) << variant_name(s) << " " << dtype_name(t) << " " << pattern_name(pattern) << ":\n"
                                    << got.message;
       }
     }
@@ -534,13 +564,13 @@ TEST_F(AllReduceTwoGpu, NegativeZeroAndNanInputs) {
 }
 
 TEST_F(AllReduceTwoGpu, OneRankDelayed) {
-  for (AllReduceStrategy s : {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot, AllReduceStrategy::kNccl}) {
+  for (Variant s : kSingleVariants) {
     for (int delayed = 0; delayed < kRanks; ++delayed) {
       const CallData d = make_data(DType::kBF16, 64, 8192, 5 + static_cast<uint64_t>(delayed));
       const Reference ref = reference(d);
       run_call(*fusion_[s], d, &ref, FusionPattern::kResidualRmsNorm, false, delayed);
       const CheckResult c = check(d, ref, FusionPattern::kResidualRmsNorm, false);
-      EXPECT_EQ(c.failures, 0) << strategy_name(s) << " rank " << delayed << " late:\n" << c.message;
+      EXPECT_EQ(c.failures, 0) << variant_name(s) << " rank " << delayed << " late:\n" << c.message;
     }
   }
 }
@@ -548,7 +578,7 @@ TEST_F(AllReduceTwoGpu, OneRankDelayed) {
 TEST_F(AllReduceTwoGpu, GraphCaptureAndThousandReplays) {
   // The captured call reads the same buffers every replay; fresh data is uploaded between replays, and the
   // device-side Lamport slot / barrier epochs must advance inside the graph for every replay to be right.
-  for (AllReduceStrategy s : {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot}) {
+  for (Variant s : {kOneShotLegacy, kOneShotPerBlock, kTwoShot}) {
     const FusionPattern pattern = FusionPattern::kResidualRmsNormOutFp8;
     CallData d = make_data(DType::kBF16, 32, 4096, 300);
     cudaGraphExec_t exec[kRanks] = {};
@@ -572,13 +602,13 @@ TEST_F(AllReduceTwoGpu, GraphCaptureAndThousandReplays) {
         check_cuda(cudaStreamSynchronize(buffers_[r].stream), "graph replay");
       });
       const CheckResult c = check(d, ref, pattern, false);
-      if (c.failures && ++failures <= 5) ADD_FAILURE() << strategy_name(s) << " replay " << replay << ":\n" << c.message;
+      if (c.failures && ++failures <= 5) ADD_FAILURE() << variant_name(s) << " replay " << replay << ":\n" << c.message;
     }
     for (int r = 0; r < kRanks; ++r) {
       cudaSetDevice(r);
       cudaGraphExecDestroy(exec[r]);
     }
-    EXPECT_EQ(failures, 0) << strategy_name(s);
+    EXPECT_EQ(failures, 0) << variant_name(s);
   }
 }
 
@@ -609,7 +639,7 @@ TEST_F(AllReduceTwoGpu, AutotunedAutoIsCorrectAndKeepsItsChoice) {
       const Reference ref = reference(d);
       const AllReduceStrategy took = run_call(tuned, d, &ref, k.pattern, k.in_place);
       if (rep == 0) first = took;
-      const std::string name = case_name(k.t, k.hidden, k.tokens, AllReduceStrategy::kAuto, k.pattern) +
+      const std::string name = case_name(k.t, k.hidden, k.tokens, kAutoLegacy, k.pattern) +
                                (k.in_place ? " in place" : "") + " call " + std::to_string(rep) + " took " +
                                std::string(strategy_name(took));
       std::printf("autotune: %s\n", name.c_str());
@@ -620,9 +650,67 @@ TEST_F(AllReduceTwoGpu, AutotunedAutoIsCorrectAndKeepsItsChoice) {
   }
 }
 
+TEST_F(AllReduceTwoGpu, BackToBackCallsWithoutHostSync) {
+  // 200 calls enqueued on each rank's stream with no host sync in between, so consecutive AllReduce kernels can
+  // overlap under PDL (run_call synchronises after every call, so only this test sees that). The token count
+  // changes from call to call (the per-block kernel's clear extents must follow); the last call takes every row.
+  // Each call updates the residual in place, so an error in any call reaches the final residual_out, which is
+  // checked against a host replay of the chain (same fp32 order as the kernels, rounded to the dtype per call).
+  constexpr int kCalls = 200;
+  constexpr int64_t kHidden = 2688, kRows = 160;
+  const int64_t tokens_list[] = {1, 7, 64, 129, 160, 2, 33};
+  const bool pdl_before = device::pdl_enabled();
+  for (bool pdl : {true, false}) {
+    device::set_pdl_enabled(pdl);
+    for (Variant v : {kOneShotLegacy, kOneShotPerBlock, kAutoPerBlock, kTwoShot}) {
+      for (DType t : {DType::kBF16, DType::kF32}) {
+        const std::string name = variant_name(v) + " " + std::string(dtype_name(t)) + (pdl ? " pdl" : " no pdl");
+        const CallData d = make_data(t, kRows, kHidden, 5000 + static_cast<uint64_t>(v.strategy) * 16 +
+                                                            static_cast<uint64_t>(v.oneshot) * 4 + (pdl ? 2 : 0) +
+                                                            (t == DType::kF32 ? 1 : 0));
+        std::vector<int64_t> tokens(kCalls);
+        for (int j = 0; j < kCalls; ++j) tokens[static_cast<size_t>(j)] = tokens_list[mix(11, static_cast<uint64_t>(j)) % 7];
+        tokens.back() = kRows;
+        // Host replay: residual <- round(((0 + in0) + in1) + residual) on the first tokens[j] rows, call by call.
+        CallData last = d;
+        HostArray chain = d.residual;
+        for (int j = 0; j + 1 < kCalls; ++j) {
+          const size_t n = static_cast<size_t>(tokens[static_cast<size_t>(j)] * kHidden);
+          for (size_t i = 0; i < n; ++i) {
+            chain.values[i] = ((0.0f + d.input[0].values[i]) + d.input[1].values[i]) + chain.values[i];
+          }
+          round_to(t, chain);
+        }
+        last.residual = chain;  // the residual the last call sees
+        const Reference ref = reference(last);
+        comm_->run_ranks([&](int r) {
+          upload(r, last, &ref);
+          // the chain starts from d's residual, not the replayed one
+          check_cuda(cudaMemcpy(buffers_[r].residual_in, d.residual.bytes.data(), d.bytes(), cudaMemcpyHostToDevice),
+                     "upload residual");
+          poison(r, d, true);
+          for (int j = 0; j < kCalls; ++j) {
+            AllReduceParams p = params_for(r, d, FusionPattern::kResidualRmsNorm, true);
+            p.tokens = tokens[static_cast<size_t>(j)];
+            fusion_[v]->run(r, p, buffers_[r].stream);
+          }
+          check_cuda(cudaStreamSynchronize(buffers_[r].stream), "rank stream");
+          check_cuda(cudaGetLastError(), "rank stream");
+        });
+        const CheckResult c = check(last, ref, FusionPattern::kResidualRmsNorm, true);
+        EXPECT_EQ(c.failures, 0) << name << ":\n" << c.message;
+      }
+    }
+  }
+  device::set_pdl_enabled(pdl_before);
+}
+
 TEST_F(AllReduceTwoGpu, OverWorkspaceFallsBackToNccl) {
+  for (OneShotKernel kernel : {OneShotKernel::kLegacy, OneShotKernel::kPerBlock}) {
+  SCOPED_TRACE(std::string(oneshot_kernel_name(kernel)));
   AllReduceConfig c;
   c.strategy = AllReduceStrategy::kOneShot;
+  c.oneshot_kernel = kernel;
   c.max_message_bytes = 1 << 20;
   AllReduceFusion small(*comm_, *topo_, c);
   const CallData d = make_data(DType::kBF16, 129, 8192, 9);  // 2 MiB > 1 MiB
@@ -638,6 +726,7 @@ TEST_F(AllReduceTwoGpu, OverWorkspaceFallsBackToNccl) {
   const Reference fits_ref = reference(fits);
   EXPECT_EQ(run_call(small, fits, &fits_ref, FusionPattern::kResidualRmsNorm), AllReduceStrategy::kOneShot);
   EXPECT_EQ(check(fits, fits_ref, FusionPattern::kResidualRmsNorm, false).failures, 0);
+  }
 }
 
 }  // namespace

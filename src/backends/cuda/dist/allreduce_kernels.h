@@ -40,13 +40,23 @@ struct LamportState {
   uint64_t used_vecs[3];    // message vectors (per source rank) of the call that read each slot: the clear's extent
 };
 
+// Per-block Lamport state of the per-block ONESHOT kernel, [kOneShotGrid] in each rank's workspace (local).
+// Block b alone reads and writes entry b; every block advances its slot once per call, so all stay equal.
+struct LamportBlockState {
+  uint32_t slot;          // the slot this block's next call reads (0..2)
+  uint32_t pad;
+  uint64_t used_vecs[3];  // message vectors (per source rank) of the call that read each slot: block b clears
+                          // oneshot_chunk(b, kOneShotGrid, used_vecs[s]) of every source region of slot s
+};
+
 // Each rank's view of the peer-mapped workspaces (pointers valid on this rank's device: cudaDeviceEnablePeerAccess).
 struct PeerArgs {
   int rank;
   int n_ranks;
   void* lamport[kMaxRanks];       // [3][n_ranks][slot_stride_bytes] each, pre-filled with the empty pattern
   int64_t lamport_stride_bytes;   // bytes of one rank's region in one slot (= max message bytes)
-  LamportState* lamport_state;    // this rank's
+  LamportState* lamport_state;    // this rank's (legacy ONESHOT)
+  LamportBlockState* lamport_blocks;  // this rank's, [kOneShotGrid] (per-block ONESHOT)
   void* staging[kMaxRanks];       // TWOSHOT: every rank's copy of its input, [max message bytes]
   void* reduced[kMaxRanks];       // TWOSHOT: every rank's buffer of sums, [max message bytes]
   uint32_t* flags[kMaxRanks];     // TWOSHOT barrier flags of every rank: [kMaxBlocks][kMaxRanks] epochs
@@ -57,6 +67,11 @@ struct PeerArgs {
 // data is there, sum in rank order, fuse. One kernel; graph-capturable (the slot lives in device memory).
 void launch_oneshot(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,
                     void* stream);
+// The per-block ONESHOT (OneShotKernel::kPerBlock): same protocol and results, fixed grid of kOneShotGrid
+// blocks with per-block slot counters, launched with programmatic dependent launch when device::pdl_enabled().
+// Never mix it with launch_oneshot on one workspace (different slot counters).
+void launch_oneshot_per_block(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,
+                              void* stream);
 // TWOSHOT (seed 4.2.2): stage the input, barrier, reduce this rank's share of every row from all ranks and
 // write it to all ranks, barrier, fuse from the local buffer. One kernel; graph-capturable.
 void launch_twoshot(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,

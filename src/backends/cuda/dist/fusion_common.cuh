@@ -150,6 +150,67 @@ __device__ __forceinline__ void fuse_row(float (&v)[kItems][VecOf<T>::kN], int64
   }
 }
 
+// fuse_row with the row's residual and the norm weight already in registers (raw 16-byte vectors, loaded by the
+// caller before it polled the Lamport buffer, so their HBM latency overlaps the wait for the peers): res[i] and
+// w[i] are vector threadIdx.x + i * blockDim.x of residual_in's row `row` and of norm_weight (unused where the
+// pattern has no residual / no norm). Same arithmetic, same order, same stores as fuse_row.
+template <typename T, FusionPattern P, int kItems>
+__device__ __forceinline__ void fuse_row_loaded(float (&v)[kItems][VecOf<T>::kN], const uint4 (&res)[kItems],
+                                                const uint4 (&w)[kItems], int64_t row, int n_vecs,
+                                                const FusionArgs& a) {
+  constexpr int kN = VecOf<T>::kN;
+  const int64_t base = row * n_vecs;
+  if constexpr (P == FusionPattern::kAllReduce) {
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
+      if (vi < n_vecs) reinterpret_cast<uint4*>(a.output)[base + vi] = pack<T>(v[i]);
+    }
+  } else {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
+      if (vi >= n_vecs) continue;
+      if constexpr (has_residual(P)) {
+        add_unpacked<T>(res[i], v[i]);
+        reinterpret_cast<uint4*>(a.residual_out)[base + vi] = pack<T>(v[i]);
+      }
+#pragma unroll
+      for (int j = 0; j < kN; ++j) ss += v[i][j] * v[i][j];
+    }
+    const float rinv = rsqrtf(norm::row_sum(ss) / static_cast<float>(a.hidden) + a.eps);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
+      if (vi >= n_vecs) continue;
+      float wf[kN] = {};
+      add_unpacked<T>(w[i], wf);
+      float y[kN];
+#pragma unroll
+      for (int j = 0; j < kN; ++j) y[j] = v[i][j] * rinv * wf[j];
+      if constexpr (has_norm_out(P)) reinterpret_cast<uint4*>(a.norm_out)[base + vi] = pack<T>(y);
+      if constexpr (has_fp8_out(P)) {
+        uint8_t q[kN];
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {
+          q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] * a.fp8_inv_scale, __NV_SATFINITE, __NV_E4M3));
+        }
+        uint8_t* dst = static_cast<uint8_t*>(a.fp8_out) + (base + vi) * kN;
+        if constexpr (kN == 8) {
+          uint2 u;
+          __builtin_memcpy(&u, q, 8);
+          *reinterpret_cast<uint2*>(dst) = u;
+        } else {
+          uint32_t u;
+          __builtin_memcpy(&u, q, 4);
+          *reinterpret_cast<uint32_t*>(dst) = u;
+        }
+      }
+    }
+  }
+}
+
 // ---- launch shape and dispatch ----------------------------------------------------------------------------
 struct RowShape {
   int n_vecs;   // 16-byte vectors a row
