@@ -284,7 +284,8 @@ TEST_P(OpsMambaDecodeUpdate, RejectsMismatchedShapes) {
 }
 
 #ifdef CHIMERA_HAVE_CUDA
-// Every cluster size (CTAs per group: 1, 2, 4, 8, and 16 when the device schedules it) computes the same states
+// Every cluster size (CTAs per group: 2, 4, 8, and 16 when the device schedules it; 1 would give one CTA the
+// group's 16 heads, more channels than a CTA takes) computes the same states
 // bit for bit; out differs only by the order of the cross-CTA sum of squares.
 TEST_P(OpsMambaDecodeUpdate, EveryClusterSizeGivesTheSameStates) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
@@ -295,7 +296,7 @@ TEST_P(OpsMambaDecodeUpdate, EveryClusterSizeGivesTheSameStates) {
   const std::vector<int32_t> slot_ids = {6, 0, -1, 3, 5};
   const Tensor slots = on_backend(Tensor::from_i32({batch}, slot_ids));
   Tensor ref_out, ref_cs, ref_ss;
-  for (int cluster : {0, 1, 2, 4, 8, 16}) {
+  for (int cluster : {0, 2, 4, 8, 16}) {
     SCOPED_TRACE(::testing::Message() << "cluster=" << cluster);
     const OnDevice o = place(in, Device::kCuda, DType::kBF16, DType::kF32, DType::kBF16);
     const Tensor out = output(DType::kBF16, {batch, d.Di()});
