@@ -145,7 +145,7 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
 // The result is exactly the three ops in order (the CPU reference composes them). On CUDA one kernel (a thread-
 // block cluster per sequence and group) computes them with the same roundings to the activation dtype at the same
 // points: conv and SSM state bit-identical to the three CUDA kernels, out within an ulp (the norm's sum of squares
-// is added in another order). Sizes the kernel does not take (N not in {64, 128, 256}, K not in {2, 3, 4}, a
+// is added in another order). Sizes the kernel does not take (N not in {16, 32, 64, 128, 256}, K not in {2, 3, 4}, a
 // misaligned state, no cluster fits) run the three ops instead, so the op works for every valid shape.
 void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,

@@ -3,7 +3,7 @@
 //       dtype's elementwise bound (only the norm's sum of squares is added in another order);
 //   (b) the CPU reference (the three CPU ops in fp32) fed the same rounded inputs: reduction bounds.
 // Awkward sizes: batch 1, 3, 17, 64; n_groups 1, 2, 8; 1..16 heads per group; head_dim 64, 13, 80; K 2..4; N 64,
-// 128, 256 and a size the fused kernel does not take (N 16: the op composes the three ops); permuted slots with
+// 128, 256, 16, 32 and a size the fused kernel does not take (N 8: the op composes the three ops); permuted slots with
 // pads and unused slots; f32 / bf16 activations and states (16-bit on CUDA only: the CPU reference is F32).
 #include <algorithm>
 #include <cmath>
@@ -225,13 +225,16 @@ TEST_P(OpsMambaDecodeUpdate, GroupsAndHeadsPerGroup) {
   }
 }
 
-// Head dims that are not a multiple of the 64-row chunk (13) or span two chunks (80); N 16 is not fused (the op
-// composes the three ops on CUDA too).
-TEST_P(OpsMambaDecodeUpdate, OddHeadDimsAndUnfusedSizes) {
+// Head dims that are not a multiple of the 64-row chunk (13) or span two chunks (80); N 16 and 32 (the test
+// fixtures' sizes; the SSU's portable kernel); N 8 is not fused (the op composes the three ops on CUDA too).
+TEST_P(OpsMambaDecodeUpdate, OddHeadDimsAndSmallStates) {
   auto rng = test::Rng::for_test();
   check(rng, {8, 13, 2, 128, 4}, 3, DType::kF32, DType::kF32);
   check(rng, {4, 80, 1, 64, 4}, 3, DType::kF32, DType::kF32);
-  check(rng, {6, 8, 2, 16, 4}, 3, DType::kF32, DType::kF32);
+  check(rng, {8, 16, 2, 16, 4}, 3, DType::kF32, DType::kF32);
+  check(rng, {16, 8, 4, 16, 4}, 17, DType::kF32, DType::kF32);
+  check(rng, {8, 32, 2, 32, 4}, 3, DType::kF32, DType::kF32);
+  check(rng, {6, 8, 2, 8, 4}, 3, DType::kF32, DType::kF32);
 }
 
 // Three decode steps in a row on the same slots.
@@ -251,6 +254,7 @@ TEST_P(OpsMambaDecodeUpdate, Bf16ActivationsAndStates) {
     check(rng, super, 17, DType::kBF16, sd);
     check(rng, {12, 13, 2, 64, 3}, 5, DType::kBF16, sd);
     check(rng, {6, 16, 1, 256, 4}, 3, DType::kBF16, sd, 2);
+    check(rng, {16, 8, 4, 16, 4}, 5, DType::kBF16, sd);  // N 16: 16 rows per lane pass in a 16-bit state
   }
   check(rng, nano, 9, DType::kF16, DType::kF16);
   check(rng, nano, 4, DType::kF32, DType::kBF16);  // state narrower than the activations

@@ -4,8 +4,9 @@
 //   1. causal_conv1d_update(xBC) + SiLU   (conv1d_update.cu: same FMA order, fast SiLU, rounded to the act dtype)
 //   2. selective_state_update(x, dt, B, C) (selective_state_update_kernels.cuh: same lane layout, y rounded)
 //   3. gated_rms_norm(y, z)                (row_norm.cuh kGated: silu(z) with expf, fp32 sum of squares)
-// so conv state, SSM state and y are bit-identical to the unfused kernels and the output differs only by the
-// summation order of the group's sum of squares (an ulp of the activation dtype at most).
+// so conv state and SSM state are bit-identical to the unfused kernels, y too for N 64, 128, 256 (the SSU's fast
+// kernel layout; N 16 and 32 sum y in another order than the SSU's portable kernel), and the output differs only
+// by summation order (the group's sum of squares; an ulp of the activation dtype at most).
 //
 // Why one kernel: at decode each of the three is a few microseconds of launch and ramp for a few hundred KB,
 // and the conv output and y went through global memory between them (plus, for batch > 1, the column splits
@@ -47,7 +48,7 @@ struct MambaDecodeParams {
   int cluster = 0;
 };
 
-// The cluster size the fused kernel would run these sizes with, or 0 when it cannot (N not in {64, 128, 256},
+// The cluster size the fused kernel would run these sizes with, or 0 when it cannot (N not in {16, 32, 64, 128, 256},
 // K not in {2, 3, 4}, a misaligned SSM state, a head slice too wide for one CTA, or no cluster of any divisor
 // of H / G fits on the device): the caller then runs the three separate ops. Prefers one CTA per head (a
 // cluster of H / G, non-portable above 8 when the device can schedule it), else the largest divisor <= 8.

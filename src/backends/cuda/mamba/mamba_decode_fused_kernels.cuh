@@ -11,8 +11,9 @@
 //   3. cluster barrier: every CTA has read the old B/C conv state -> the B/C state is written, channel i by rank
 //      i % cluster;
 //   4. the selective state update of the CTA's heads in chunks of 64 rows (8 warps x 8 rows), with the lane
-//      layout of selective_state_update_kernels.cuh (ssu::Layout, same FMA and shuffle order -> same bits);
-//      y rounded to T into shared memory;
+//      layout of selective_state_update_kernels.cuh (ssu::Layout, same FMA and shuffle order -> same bits for
+//      N 64, 128, 256; N 16 and 32, which the SSU runs in its portable kernel, sum y in another order, the state
+//      is still the same bits); y rounded to T into shared memory;
 //   5. gated norm: u = y * silu(z); the CTA's sum of squares -> shared memory; cluster barrier; each CTA sums the
 //      cluster's partials in rank order through distributed shared memory; out = w * (u * rsqrt(mean + eps)).
 //   A final split barrier (arrive after the remote reads, wait before exit) keeps every CTA's shared memory alive
@@ -43,8 +44,10 @@ using mamba::store_elem;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerWarp = 8;                        // a chunk of the SSU: 64 state rows per CTA pass
-constexpr int kChunkRows = kWarps * kRowsPerWarp;
+// State rows per warp in one pass of the SSU: 8 (a chunk of 64 rows per CTA), or one lane pass when a pass
+// covers more rows (N 16 with a 16-bit state: 16 rows of two lanes).
+template <typename S, int N>
+constexpr int kRowsPerWarp = ssu::Layout<S, N>::kRowsPerPass > 8 ? ssu::Layout<S, N>::kRowsPerPass : 8;
 constexpr int kMaxK = 4;                               // conv widths 2..4, as conv1d_update
 constexpr int kConvIters = 4;                          // channels per thread: nx + 2N <= 1024
 constexpr int kNormIters = 4;                          // head channels per thread: nx <= 1024
@@ -62,8 +65,10 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 template <typename T, typename S, int N>
 __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const MambaDecodeParams p) {
   using L = ssu::Layout<S, N>;
-  static_assert(kRowsPerWarp % L::kRowsPerPass == 0, "rows per warp must be whole passes");
-  constexpr int kPasses = kRowsPerWarp / L::kRowsPerPass;
+  constexpr int kRows = kRowsPerWarp<S, N>;
+  constexpr int kChunkRows = kWarps * kRows;
+  static_assert(kRows % L::kRowsPerPass == 0, "rows per warp must be whole passes");
+  constexpr int kPasses = kRows / L::kRowsPerPass;
   constexpr int kE = L::kElemsPerLane;
 
   const cg::cluster_group cluster = cg::this_cluster();
@@ -129,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
     S* const state = state_base + static_cast<int64_t>(hl) * P * N;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      const int row = rb + warp * kRowsPerWarp + sub + i * L::kRowsPerPass;
+      const int row = rb + warp * kRows + sub + i * L::kRowsPerPass;
 #pragma unroll
       for (int v = 0; v < L::kVecsPerLane; ++v) {
         if (row < P) {
@@ -211,7 +216,7 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
     S* const state = state_base + static_cast<int64_t>(hl) * P * N;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      const int row = rb + warp * kRowsPerWarp + sub + i * L::kRowsPerPass;
+      const int row = rb + warp * kRows + sub + i * L::kRowsPerPass;
       const float xv = row < P ? conv_out[hl * P + row] : 0.0f;
       const float dtx = dt * xv;
       float acc = 0.0f;
@@ -345,6 +350,12 @@ int mamba_decode_fused_typed(const MambaDecodeParams& p, cudaStream_t stream, bo
   int cs = 0;
   CHIMERA_DISPATCH_FLOAT(p.act, "ops::mamba_decode_update activations", T, {
     switch (p.N) {
+      case 16:
+        cs = mamba_fused::plan_or_launch<T, S, 16>(p, stream, launch);
+        break;
+      case 32:
+        cs = mamba_fused::plan_or_launch<T, S, 32>(p, stream, launch);
+        break;
       case 64:
         cs = mamba_fused::plan_or_launch<T, S, 64>(p, stream, launch);
         break;
