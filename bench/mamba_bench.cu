@@ -1,5 +1,6 @@
-// Mamba kernels at Nemotron 3 Nano / Super shapes (model-spec 9): the selective state update (decode) and the
-// causal conv1d (prefill and decode update). Bytes are the ones that must move (state read + write, inputs
+// Mamba kernels at Nemotron 3 Nano / Super shapes (model-spec 9): the selective state update (decode), the
+// causal conv1d (prefill and decode update) and the fused decode step (conv update + SSU + gated norm, issue 4)
+// against the three ops it replaces. Bytes are the ones that must move (state read + write, inputs
 // read, outputs written), so floor_ratio is the achieved fraction of the measured 4.2 TB/s copy bandwidth.
 //
 // The launchers are called directly with device-resident metadata (slots, tiles), as the engine's CUDA graphs
@@ -18,6 +19,7 @@
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/mamba/conv1d.cuh"
+#include "backends/cuda/mamba/mamba_decode_fused.cuh"
 #include "backends/cuda/mamba/selective_state_update.cuh"
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
@@ -237,6 +239,96 @@ CHIMERA_BENCH(mamba_conv1d) {
   for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens);
   bench_conv_prefill(ctx, 8, 1024);
   for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch);
+}
+
+// ---- fused decode step: conv update + SSU + gated norm vs the three ops -----------------------------------
+// Both inside a CUDA graph (the decode path): "mamba-decode-fused" is ONE kernel from the in_proj rows;
+// "mamba-decode-3ops" is the model's unfused path, column splits included (views at batch 1, copies otherwise).
+// Bytes: SSM state and conv state read + written, the in_proj rows read, out written (weights are negligible).
+void bench_mamba_decode(const Context& ctx, const SsuModel& m, int batch, DType state_dtype) {
+  const DType act = DType::kBF16;
+  const int64_t Di = int64_t{m.H} * m.P, Cd = Di + 2 * int64_t{m.G} * m.N, K = 4, width = Di + Cd + m.H;
+  const double ssm_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
+  const double conv_bytes = 2.0 * batch * Cd * (K - 1) * dtype_size(act);
+  const double act_bytes = static_cast<double>(batch) * (width + Di) * dtype_size(act);
+  const double bytes = ssm_bytes + conv_bytes + act_bytes;
+  const int sets = rotation_sets(bytes);
+  const int64_t num_slots = static_cast<int64_t>(sets) * batch;
+  const Tensor ssm_state = random_device(state_dtype, {num_slots, m.H, m.P, m.N}, -1.0f, 1.0f, 31);
+  const Tensor conv_state = random_device(act, {num_slots, Cd, K - 1}, -1.0f, 1.0f, 32);
+  const Tensor zxbcdt = random_device(act, {batch, width}, -1.0f, 1.0f, 33);
+  const Tensor conv_w = random_device(act, {Cd, 1, K}, -0.5f, 0.5f, 34);
+  const Tensor conv_b = random_device(act, {Cd}, -0.5f, 0.5f, 35);
+  const Tensor norm_w = random_device(act, {Di}, 0.8f, 1.2f, 36);
+  const Tensor out = device::empty(Device::kCuda, act, {batch, Di});
+  ops::SsmParams sp;
+  sp.A_log = random_device(DType::kF32, {m.H}, 0.0f, 2.0f, 37);
+  sp.D = random_device(DType::kF32, {m.H}, -1.0f, 1.0f, 38);
+  sp.dt_bias = random_device(DType::kF32, {m.H}, -2.0f, 0.0f, 39);
+  std::vector<int32_t> all(static_cast<size_t>(num_slots));
+  std::iota(all.begin(), all.end(), 0);
+  std::mt19937 gen(40);
+  for (int s = 0; s < sets; ++s) std::shuffle(all.begin() + s * batch, all.begin() + (s + 1) * batch, gen);
+  const Tensor slots = device_i32(all);
+  const auto set_slots = [&](int i) {
+    const size_t off = static_cast<size_t>(i % sets) * batch;
+    return ops::Indices(std::span<const int32_t>(all.data() + off, static_cast<size_t>(batch)), slots.i32() + off);
+  };
+  const std::string shape = ssu_shape(m, batch, state_dtype) + "_K4";
+  const float eps = 1e-5f;
+
+  cuda::MambaDecodeParams probe;
+  probe.ssm_state = ssm_state.data(), probe.act = act, probe.conv_state_dtype = act;
+  probe.ssm_state_dtype = state_dtype, probe.batch = batch, probe.H = m.H, probe.P = m.P, probe.N = m.N;
+  probe.G = m.G, probe.K = static_cast<int>(K);
+  const int cluster = cuda::mamba_decode_fused_cluster(probe);
+  std::printf("INFO mamba-decode-fused %s cluster=%d (0: the op composes the three ops)\n", shape.c_str(), cluster);
+
+  const double fused_us = ctx.run_graph("mamba-decode-fused", shape, bytes, 0, [&](cudaStream_t st, int i) {
+    ops::mamba_decode_update(ops::Context{Device::kCuda, st}, out, zxbcdt, conv_w, conv_b, sp, norm_w, m.G, eps,
+                             conv_state, ssm_state, set_slots(i));
+  });
+  const double three_us = ctx.run_graph("mamba-decode-3ops", shape, bytes, 0, [&](cudaStream_t st, int i) {
+    const ops::Context c{Device::kCuda, st};
+    const int64_t B = batch, GN = int64_t{m.G} * m.N;
+    Tensor z, xbc, dt, x, Bm, Cm;
+    const Tensor xbc_act = device::empty(Device::kCuda, act, {B, Cd});
+    if (B == 1) {  // the model's split_columns: views of one row
+      const Tensor row = zxbcdt.reshape({width});
+      z = row.rows(0, Di).reshape({1, Di}), xbc = row.rows(Di, Di + Cd).reshape({1, Cd});
+      dt = row.rows(Di + Cd, width).reshape({1, m.H});
+    } else {
+      z = device::empty(Device::kCuda, act, {B, Di}), xbc = device::empty(Device::kCuda, act, {B, Cd});
+      dt = device::empty(Device::kCuda, act, {B, m.H});
+      ops::copy_columns(c, z, zxbcdt, 0), ops::copy_columns(c, xbc, zxbcdt, Di);
+      ops::copy_columns(c, dt, zxbcdt, Di + Cd);
+    }
+    ops::causal_conv1d_update(c, xbc_act, xbc, conv_w, conv_b, conv_state, set_slots(i), true);
+    if (B == 1) {
+      const Tensor row = xbc_act.reshape({Cd});
+      x = row.rows(0, Di).reshape({1, Di}), Bm = row.rows(Di, Di + GN).reshape({1, GN});
+      Cm = row.rows(Di + GN, Cd).reshape({1, GN});
+    } else {
+      x = device::empty(Device::kCuda, act, {B, Di}), Bm = device::empty(Device::kCuda, act, {B, GN});
+      Cm = device::empty(Device::kCuda, act, {B, GN});
+      ops::copy_columns(c, x, xbc_act, 0), ops::copy_columns(c, Bm, xbc_act, Di);
+      ops::copy_columns(c, Cm, xbc_act, Di + GN);
+    }
+    const Tensor y = device::empty(Device::kCuda, act, {B, m.H, m.P});
+    ops::selective_state_update(c, y, x.reshape({B, m.H, m.P}), dt, Bm.reshape({B, m.G, m.N}),
+                                Cm.reshape({B, m.G, m.N}), sp, ssm_state, set_slots(i));
+    ops::gated_rms_norm(c, out, y.reshape({B, Di}), z, norm_w, m.G, eps);
+  });
+  std::printf("RATIO mamba-decode %s fused_us=%.2f three_ops_us=%.2f speedup=%.2fx\n", shape.c_str(), fused_us,
+              three_us, three_us / fused_us);
+}
+
+CHIMERA_BENCH(mamba_decode_fused) {
+  for (const SsuModel* m : {&kNano, &kSuper}) {
+    for (DType sd : {DType::kF32, DType::kBF16}) {
+      for (int batch : {1, 8, 64, 256}) bench_mamba_decode(ctx, *m, batch, sd);
+    }
+  }
 }
 
 }  // namespace

@@ -466,39 +466,53 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   // in_proj rows: [ z : Di | xBC : Cd | dt : H ]  (model-spec 3.2)
   Tensor zxbcdt = act(ctx, {T, c.in_proj_dim()});
   ops::linear(ctx, zxbcdt, x, w.in_proj, w.in_proj_bias);
-  Tensor z, xbc, dt;
-  split_columns(ctx, zxbcdt, {Di, Cd, H}, {&z, &xbc, &dt});
-
-  // Depthwise causal conv + SiLU: varlen prefill for the first sequences, one-step update for the rest.
-  Tensor xbc_act = act(ctx, {T, Cd});
-  if (np > 0) {
-    ops::causal_conv1d(ctx, xbc_act.rows(0, Tp), xbc.rows(0, Tp), w.conv1d_weight, w.conv1d_bias, conv_state,
-                       cu.first(np + 1), slots.host.first(np), /*silu=*/true);
-  }
-  if (Tp < T) {
-    ops::causal_conv1d_update(ctx, xbc_act.rows(Tp, T), xbc.rows(Tp, T), w.conv1d_weight, w.conv1d_bias,
-                              conv_state, slots.subspan(np), /*silu=*/true);
-  }
-  Tensor xs, B, C;
-  split_columns(ctx, xbc_act, {Di, G * N, G * N}, {&xs, &B, &C});
-  xs = xs.reshape({T, H, P});
-  B = B.reshape({T, G, N});
-  C = C.reshape({T, G, N});
-
-  // Selective SSM: chunked SSD scan for prefill, selective state update for decode.
-  Tensor y = act(ctx, {T, H, P});
-  if (np > 0) {
-    ops::ssd_chunk_scan(ctx, y.rows(0, Tp), xs.rows(0, Tp), dt.rows(0, Tp), B.rows(0, Tp), C.rows(0, Tp), w.ssm,
-                        ssm_state, cu.first(np + 1), slots.host.first(np), c.chunk_size);
-  }
-  if (Tp < T) {
-    ops::selective_state_update(ctx, y.rows(Tp, T), xs.rows(Tp, T), dt.rows(Tp, T), B.rows(Tp, T), C.rows(Tp, T),
-                                w.ssm, ssm_state, slots.subspan(np));
-  }
-
-  // Gate first, then per-group RMSNorm (norm_before_gate = false), then out_proj.
   Tensor normed = act(ctx, {T, Di});
-  ops::gated_rms_norm(ctx, normed, y.reshape({T, Di}), z, w.norm, G, c.layer_norm_epsilon);
+
+  // Decode rows on CUDA: conv update + selective state update + gated norm as ONE op straight from the in_proj
+  // rows (one fused kernel where the sizes allow; the op composes the three otherwise). The CPU keeps the three
+  // ops below for every row, so its output is unchanged bit for bit.
+  const bool fused_decode = ctx.device == Device::kCuda && Tp < T;
+  if (fused_decode) {
+    ops::mamba_decode_update(ctx, normed.rows(Tp, T), zxbcdt.rows(Tp, T), w.conv1d_weight, w.conv1d_bias, w.ssm,
+                             w.norm, G, c.layer_norm_epsilon, conv_state, ssm_state, slots.subspan(np));
+  }
+  const int64_t Ts = fused_decode ? Tp : T;  // rows through the separate ops
+  if (Ts > 0) {
+    const Tensor in_rows = Ts == T ? zxbcdt : zxbcdt.rows(0, Ts);
+    Tensor z, xbc, dt;
+    split_columns(ctx, in_rows, {Di, Cd, H}, {&z, &xbc, &dt});
+
+    // Depthwise causal conv + SiLU: varlen prefill for the first sequences, one-step update for the rest.
+    Tensor xbc_act = act(ctx, {Ts, Cd});
+    if (np > 0) {
+      ops::causal_conv1d(ctx, xbc_act.rows(0, Tp), xbc.rows(0, Tp), w.conv1d_weight, w.conv1d_bias, conv_state,
+                         cu.first(np + 1), slots.host.first(np), /*silu=*/true);
+    }
+    if (Tp < Ts) {
+      ops::causal_conv1d_update(ctx, xbc_act.rows(Tp, Ts), xbc.rows(Tp, Ts), w.conv1d_weight, w.conv1d_bias,
+                                conv_state, slots.subspan(np), /*silu=*/true);
+    }
+    Tensor xs, B, C;
+    split_columns(ctx, xbc_act, {Di, G * N, G * N}, {&xs, &B, &C});
+    xs = xs.reshape({Ts, H, P});
+    B = B.reshape({Ts, G, N});
+    C = C.reshape({Ts, G, N});
+
+    // Selective SSM: chunked SSD scan for prefill, selective state update for decode.
+    Tensor y = act(ctx, {Ts, H, P});
+    if (np > 0) {
+      ops::ssd_chunk_scan(ctx, y.rows(0, Tp), xs.rows(0, Tp), dt.rows(0, Tp), B.rows(0, Tp), C.rows(0, Tp), w.ssm,
+                          ssm_state, cu.first(np + 1), slots.host.first(np), c.chunk_size);
+    }
+    if (Tp < Ts) {
+      ops::selective_state_update(ctx, y.rows(Tp, Ts), xs.rows(Tp, Ts), dt.rows(Tp, Ts), B.rows(Tp, Ts),
+                                  C.rows(Tp, Ts), w.ssm, ssm_state, slots.subspan(np));
+    }
+
+    // Gate first, then per-group RMSNorm (norm_before_gate = false).
+    ops::gated_rms_norm(ctx, Ts == T ? normed : normed.rows(0, Ts), y.reshape({Ts, Di}), z, w.norm, G,
+                        c.layer_norm_epsilon);
+  }
   ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);
 }
 

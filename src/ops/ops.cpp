@@ -4,11 +4,13 @@
 // except out-of-range token ids in embedding, which are bad user input (kInvalidInput).
 #include "ops/ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <unordered_set>
 
 #include "backends/cpu/cpu_ops.h"
+#include "backends/device_api.h"
 #ifdef CHIMERA_HAVE_CUDA
 #include "backends/cuda/cuda_ops.h"
 #define CHIMERA_CUDA_CALL(call) call
@@ -337,6 +339,95 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
   c.slots(slots.host, ssm_state.dim(0));
   c.dispatch([&] { cpu::selective_state_update(y, x, dt_raw, B, C, p, ssm_state, slots.host); }, [&] { CHIMERA_CUDA_CALL(cuda::selective_state_update(ctx, y, x, dt_raw, B, C, p, ssm_state, slots)); });
+}
+
+namespace {
+
+// mamba_decode_update as its three ops (the CPU reference; on CUDA the path for sizes the fused kernel does not
+// take). The column splits are copies, so every value is the one the model's unfused path computes. On the CPU the
+// norm runs per non-pad row so pad rows of out stay untouched; on CUDA the slots may live on the device only (a
+// captured graph), so the norm covers every row and pad rows get unspecified values.
+void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
+                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t G,
+                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots) {
+  const int64_t Bn = zxbcdt.dim(0), H = ssm_state.dim(1), P = ssm_state.dim(2), N = ssm_state.dim(3);
+  const int64_t Di = H * P, Cd = Di + 2 * G * N;
+  const auto tmp = [&](Shape shape) { return device::empty(ctx.device, zxbcdt.dtype(), std::move(shape)); };
+  const Tensor z = tmp({Bn, Di}), xbc = tmp({Bn, Cd}), dt = tmp({Bn, H});
+  copy_columns(ctx, z, zxbcdt, 0);
+  copy_columns(ctx, xbc, zxbcdt, Di);
+  copy_columns(ctx, dt, zxbcdt, Di + Cd);
+  const Tensor xbc_act = tmp({Bn, Cd});
+  causal_conv1d_update(ctx, xbc_act, xbc, conv_weight, conv_bias, conv_state, slots, /*silu=*/true);
+  const Tensor x = tmp({Bn, Di}), B = tmp({Bn, G * N}), C = tmp({Bn, G * N});
+  copy_columns(ctx, x, xbc_act, 0);
+  copy_columns(ctx, B, xbc_act, Di);
+  copy_columns(ctx, C, xbc_act, Di + G * N);
+  const Tensor y = tmp({Bn, H, P});
+  selective_state_update(ctx, y, x.reshape({Bn, H, P}), dt, B.reshape({Bn, G, N}), C.reshape({Bn, G, N}), p, ssm_state,
+                         slots);
+  const Tensor y2 = y.reshape({Bn, Di});
+  if (ctx.device == Device::kCpu) {
+    for (int64_t b = 0; b < Bn; ++b) {
+      if (slots[static_cast<size_t>(b)] < 0) continue;
+      gated_rms_norm(ctx, out.rows(b, b + 1), y2.rows(b, b + 1), z.rows(b, b + 1), norm_weight, G, eps);
+    }
+  } else {
+    gated_rms_norm(ctx, out, y2, z, norm_weight, G, eps);
+  }
+}
+
+}  // namespace
+
+void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
+                         const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
+                         float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots) {
+  const Check c(ctx, "mamba_decode_update");
+  c.f32("zxbcdt", zxbcdt, 2);
+  c.f32("out", out, 2);
+  c.f32("ssm_state", ssm_state, 4);
+  c.f32("conv_state", conv_state, 3);
+  const int64_t Bn = zxbcdt.dim(0), H = ssm_state.dim(1), P = ssm_state.dim(2), N = ssm_state.dim(3);
+  if (n_groups <= 0 || H % n_groups != 0)
+    c.fail("n_groups {} does not divide the {} heads of ssm_state {}", n_groups, H, ssm_state.describe());
+  const int64_t Di = H * P, Cd = Di + 2 * n_groups * N;
+  c.shape("zxbcdt", zxbcdt, {Bn, Di + Cd + H}, "ssm_state", ssm_state);
+  c.shape("out", out, {Bn, Di}, "zxbcdt", zxbcdt);
+  c.weight("conv_weight", conv_weight, conv_weight.ndim() == 3 ? 3 : 2);
+  const int64_t K = conv_weight.dim(-1);
+  if (conv_weight.dim(0) != Cd || (conv_weight.ndim() == 3 && conv_weight.dim(1) != 1) || K < 1) {
+    c.fail("conv_weight {} does not match ssm_state {} (expected [{}, K] or [{}, 1, K])", conv_weight.describe(),
+           ssm_state.describe(), Cd, Cd);
+  }
+  if (conv_bias) {
+    c.weight("conv_bias", conv_bias, 1);
+    c.shape("conv_bias", conv_bias, {Cd}, "conv_weight", conv_weight);
+  }
+  c.shape("conv_state", conv_state, {conv_state.dim(0), Cd, K - 1}, "conv_weight", conv_weight);
+  check_ssm_params(c, p, H, ssm_state);
+  c.weight("norm_weight", norm_weight, 1);
+  c.shape("norm_weight", norm_weight, {Di}, "ssm_state", ssm_state);
+  c.no_alias("out", out, "zxbcdt", zxbcdt);
+  c.no_alias("out", out, "conv_state", conv_state);
+  c.no_alias("out", out, "ssm_state", ssm_state);
+  if (static_cast<int64_t>(slots.size()) != Bn) c.fail("{} slots for zxbcdt {}", slots.size(), zxbcdt.describe());
+  c.slots(slots.host, std::min(conv_state.dim(0), ssm_state.dim(0)));
+#ifdef CHIMERA_HAVE_CUDA
+  const bool fused =
+      ctx.device == Device::kCuda && cuda::mamba_decode_fusable(zxbcdt, conv_weight, conv_state, ssm_state, n_groups);
+#else
+  const bool fused = false;
+#endif
+  if (!fused) {  // the CPU reference, and CUDA sizes the fused kernel does not take: each op dispatches itself
+    mamba_decode_compose(ctx, out, zxbcdt, conv_weight, conv_bias, p, norm_weight, n_groups, eps, conv_state,
+                         ssm_state, slots);
+    return;
+  }
+  c.dispatch([&] { runtime_error("ops::mamba_decode_update: the CPU backend composes the three ops"); },
+             [&] {
+               CHIMERA_CUDA_CALL(cuda::mamba_decode_update(ctx, out, zxbcdt, conv_weight, conv_bias, p, norm_weight,
+                                                           n_groups, eps, conv_state, ssm_state, slots));
+             });
 }
 
 // ---- attention -------------------------------------------------------------------------------------

@@ -135,6 +135,22 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
                             const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
                             const Indices& slots);
 
+// The whole Mamba-2 decode step between in_proj and out_proj, for one token per sequence (issue 4):
+//   causal_conv1d_update(xBC, silu) -> selective_state_update(x, dt_raw, B, C) -> gated_rms_norm(y, z)
+// from the in_proj output rows zxbcdt [B, Di + Cd + H] = [ z : Di | xBC : Cd | dt_raw : H ] (model-spec 3.2) to
+// out [B, Di]. Sizes come from the state: ssm_state [num_slots, H, P, N], Di = H * P, Cd = Di + 2 * n_groups * N;
+// conv_weight [Cd, K] (or [Cd, 1, K]), conv_bias [Cd] or undefined, conv_state [num_slots, Cd, K-1], p's [H]
+// parameters, norm_weight [Di] (norm groups of Di / n_groups channels = the heads of one B/C group).
+// slots: [B] (slot < 0: pad, both states untouched and its out row unspecified).
+// The result is exactly the three ops in order (the CPU reference composes them). On CUDA one kernel (a thread-
+// block cluster per sequence and group) computes them with the same roundings to the activation dtype at the same
+// points: conv and SSM state bit-identical to the three CUDA kernels, out within an ulp (the norm's sum of squares
+// is added in another order). Sizes the kernel does not take (N not in {16, 32, 64, 128, 256}, K not in {2, 3, 4}, a
+// misaligned state, no cluster fits) run the three ops instead, so the op works for every valid shape.
+void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
+                         const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
+                         float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots);
+
 // ---- attention -------------------------------------------------------------------------------------
 // A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim].
 struct KvCacheView {

@@ -44,6 +44,15 @@ void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tens
 void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                             const Tensor& B, const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
                             const ops::Indices& slots);
+// mamba/ (mamba_decode_fused.cu): conv update + selective state update + gated norm in one kernel.
+// mamba_decode_fusable: whether the fused kernel takes these sizes and dtypes on this device (else the caller
+// composes the three ops); mamba_decode_update throws when it does not.
+bool mamba_decode_fusable(const Tensor& zxbcdt, const Tensor& conv_weight, const Tensor& conv_state,
+                          const Tensor& ssm_state, int64_t n_groups);
+void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
+                         const Tensor& conv_bias, const ops::SsmParams& p, const Tensor& norm_weight,
+                         int64_t n_groups, float eps, const Tensor& conv_state, const Tensor& ssm_state,
+                         const ops::Indices& slots);
 // mamba/ (ssd_*.cu)
 void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
                     const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
