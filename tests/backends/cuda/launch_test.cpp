@@ -3,10 +3,12 @@
 // read, must give exact results with PDL on and off, eagerly and captured in a CUDA graph replayed with new
 // inputs, also when plain <<<>>> launches and memcpy nodes sit in the chain. Blocks sleep between their read
 // and their write, so a kernel that got past pdl_wait() before its predecessor finished would read stale or
-// poisoned values. Skips without a GPU (and is not built without CUDA).
+// poisoned values. Each chain also measures (%globaltimer) that PDL really let kernels start early. Skips
+// without a GPU; in a build without CUDA the cases skip as well.
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <vector>
 
 #include "backends/device_api.h"
@@ -65,8 +67,18 @@ TEST_P(PdlLaunch, DependentChainIsExact) {
     in.resize(static_cast<size_t>(c.n));
     for (auto& v : in) v = static_cast<uint32_t>(rng.integer(0, 0xffffffffLL));
   }
-  const auto got = test::run_pdl_chain(c, inputs);
+  const test::PdlChainResult res = test::run_pdl_chain(c, inputs);
+  const auto& got = res.outputs;
   ASSERT_EQ(got.size(), inputs.size());
+  // The mechanism itself: with PDL the successor's blocks enter while the predecessor still sleeps and writes
+  // (so the exact results above were not just plain serialisation); without it they never do.
+  std::printf("  %d of %d PDL-launched kernel pairs overlapped\n", res.overlapped_pairs, res.pdl_pairs);
+  ASSERT_GT(res.pdl_pairs, 100);
+  if (cc.pdl) {
+    EXPECT_GT(res.overlapped_pairs, 0) << "no kernel started before its predecessor finished: PDL was not applied";
+  } else {
+    EXPECT_EQ(res.overlapped_pairs, 0);
+  }
   for (size_t r = 0; r < inputs.size(); ++r) {
     SCOPED_TRACE(::testing::Message() << "run " << r << ", n = " << c.n);
     const std::vector<uint32_t> want = test::pdl_chain_reference(c, inputs[r]);

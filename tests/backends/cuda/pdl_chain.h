@@ -24,9 +24,18 @@ struct PdlChain {
   bool graph = false;  // capture the chain once (device::Graph) and replay it for every input
 };
 
+struct PdlChainResult {
+  std::vector<std::vector<uint32_t>> outputs;  // the final buffer of each run
+  // Of the last run: pairs of consecutive kernel steps whose second one went through cuda::launch, and how many
+  // of them overlapped (the second grid's first block started, by %globaltimer, before the first grid's last
+  // write): > 0 shows that PDL really let kernels start early; 0 is guaranteed without PDL.
+  int pdl_pairs = 0;
+  int overlapped_pairs = 0;
+};
+
 // Runs the chain once per input (eager: enqueued anew each time; graph: one capture, one replay per input, the
-// input copied into the first buffer before each replay) and returns the final buffer of each run.
-std::vector<std::vector<uint32_t>> run_pdl_chain(const PdlChain& c, const std::vector<std::vector<uint32_t>>& inputs);
+// input copied into the first buffer before each replay).
+PdlChainResult run_pdl_chain(const PdlChain& c, const std::vector<std::vector<uint32_t>>& inputs);
 
 // The same chain on the host.
 std::vector<uint32_t> pdl_chain_reference(const PdlChain& c, std::vector<uint32_t> x);
