@@ -28,7 +28,8 @@
 //     safe; a memcpy / memset node is a full dependency anyway;
 //   * after a PDL kernel: an operation launched without the attribute waits for the full completion of the
 //     previous kernel, as without PDL.
-// tests/backends/cuda/launch_test.cpp checks chains of dependent launches, eager and captured in a CUDA graph.
+// tests/backends/cuda/launch_test.cpp checks chains of dependent launches (with plain launches and memcpy nodes
+// mixed in), eager and captured in a CUDA graph, and PDL kernels around cuBLASLt GEMMs (same bits as without).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -3,16 +3,19 @@
 // read, must give exact results with PDL on and off, eagerly and captured in a CUDA graph replayed with new
 // inputs, also when plain <<<>>> launches and memcpy nodes sit in the chain. Blocks sleep between their read
 // and their write, so a kernel that got past pdl_wait() before its predecessor finished would read stale or
-// poisoned values. Each chain also measures (%globaltimer) that PDL really let kernels start early. Skips
-// without a GPU; in a build without CUDA the cases skip as well.
+// poisoned values. Each chain also measures (%globaltimer) that PDL really let kernels start early. And
+// cuBLASLt GEMMs between PDL kernels give the same bits with PDL on and off. Skips without a GPU; in a build
+// without CUDA the chain cases skip as well.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
 #include "backends/device_api.h"
 #include "common/compare.h"
+#include "ops/ops.h"
 
 #if defined(CHIMERA_HAVE_CUDA)
 #include "backends/cuda/pdl_chain.h"
@@ -99,6 +102,56 @@ INSTANTIATE_TEST_SUITE_P(Chains, PdlLaunch,
                            return std::string(i.param.pdl ? "Pdl" : "NoPdl") + (i.param.graph ? "Graph" : "Eager") +
                                   (i.param.mixed ? "Mixed" : "");
                          });
+
+// The cuBLASLt neighbour (launch.cuh): PDL kernels (add, rms_norm) right after and right before cuBLASLt GEMMs
+// (ops::linear, 37 rows: never a decode-size special path), 30 rounds of x = rms_norm(linear(x) + x), eager and
+// as a CUDA graph. Every op is deterministic, so PDL on and off must give the same bits; a PDL kernel that read
+// the GEMM's output before it was complete would see the previous round's values.
+TEST(PdlNeighbours, CublasLtBetweenPdlKernelsGivesTheSameBitsAsWithoutPdl) {
+  if (!device::cuda_available()) GTEST_SKIP() << device::describe_cuda();
+  test::Rng rng = test::Rng::for_test();
+  const int64_t T = 37, D = 200;
+  const Tensor x0 = device::to_device(rng.normal_tensor({T, D}), Device::kCuda);
+  const Tensor w = device::to_device(rng.normal_tensor({D, D}, 0.5f / 14.1f), Device::kCuda);
+  const Tensor gamma = device::to_device(rng.uniform_tensor({D}, 0.5f, 1.5f), Device::kCuda);
+  auto run = [&](bool pdl, bool graph) {
+    const PdlSetting setting(pdl);
+    const device::Stream stream = device::Stream::create();
+    const ops::Context ctx{Device::kCuda, stream.get()};
+    const Tensor x = device::empty(Device::kCuda, DType::kF32, {T, D});
+    const Tensor y = device::empty(Device::kCuda, DType::kF32, {T, D});
+    const Tensor h = device::empty(Device::kCuda, DType::kF32, {T, D});
+    auto body = [&] {
+      for (int round = 0; round < 30; ++round) {
+        ops::linear(ctx, y, x, w);               // cuBLASLt
+        ops::add(ctx, h, y, x);                  // PDL, reads the GEMM's output
+        ops::rms_norm(ctx, x, h, gamma, 1e-5f);  // PDL, overwrites the next GEMM's input
+      }
+    };
+    device::copy(x, x0);
+    body();  // eager, and the warm-up of the host caches (cuBLASLt plans) before a capture
+    stream.synchronize();
+    if (graph) {
+      device::AllocPool pool;
+      device::Graph g;
+      {
+        const device::ScopedAllocPool scope(pool);
+        g = device::Graph::capture(ctx.stream, body);
+      }
+      device::copy(x, x0);
+      g.launch(ctx.stream);
+      stream.synchronize();
+    }
+    return device::to_host_f32(x);
+  };
+  for (bool graph : {false, true}) {
+    SCOPED_TRACE(graph ? "graph" : "eager");
+    const Tensor off = run(false, graph);
+    const Tensor on = run(true, graph);
+    for (int64_t i = 0; i < off.numel(); ++i) ASSERT_TRUE(std::isfinite(off.f32()[i])) << i;
+    EXPECT_ALL_CLOSE(on, off, (test::Tolerance{0, 0}));
+  }
+}
 
 }  // namespace
 }  // namespace chimera
