@@ -64,6 +64,9 @@ void add_bench(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   app.add_flag("!--no-cuda-graphs", o.cuda_graphs,
                "CUDA: run every decode step eagerly instead of replaying a CUDA graph per batch size");
+  app.add_flag("!--no-pdl", o.pdl,
+               "CUDA: launch kernels without programmatic dependent launch (each kernel starts only after its "
+               "predecessor has drained), to measure what PDL buys");
   app.add_option("--bandwidth-gbs", o.bandwidth_gbs,
                  "Memory bandwidth for the batch-1 roofline, GB/s (default: the H200's measured copy rate)")
       ->check(CLI::PositiveNumber)
@@ -311,6 +314,7 @@ int run_bench(const BenchOptions& o) {
     if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
     mo.device = Device::kCuda;
     mo.dtype = o.dtype == "float32" ? DType::kF32 : DType::kBF16;
+    if (!o.pdl) device::set_pdl_enabled(false);  // before any launch or graph capture
   } else if (!o.dtype.empty() && o.dtype != "float32") {
     invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);
   }
@@ -344,8 +348,10 @@ int run_bench(const BenchOptions& o) {
   const std::string act = std::string(dtype_name(m.model->activation_dtype()));
   const std::string wdt = std::string(dtype_name(run.weight_dtype));
 
-  fmt::print("chimera bench | {} | {} {} (weights {}) | {} | commit {}\n", model_name, o.device, act, wdt, device_desc,
-             CHIMERA_GIT_COMMIT);
+  // PDL as the kernels will see it: on by default on sm_90+, off with --no-pdl or CHIMERA_PDL=0.
+  const bool pdl = mo.device == Device::kCuda && device::pdl_enabled();
+  fmt::print("chimera bench | {} | {} {} (weights {}) | {} | PDL {} | commit {}\n", model_name, o.device, act, wdt,
+             device_desc, pdl ? "on" : "off", CHIMERA_GIT_COMMIT);
   fmt::print(
       "roofline   batch-1 decode {:.1f} tok/s = {:.3f} GB/token at {:.0f} GB/s ({:.3f} B active params, "
       "{:.3f} B read per token)\n",
@@ -381,10 +387,11 @@ int run_bench(const BenchOptions& o) {
   }
   if (!o.batch_sizes.empty()) {
     fmt::print(
-        "\ndecode ({}-token prefill per sequence; time per output token = step time, {} steps; CUDA graphs {})\n"
+        "\ndecode ({}-token prefill per sequence; time per output token = step time, {} steps; CUDA graphs {}; "
+        "PDL {})\n"
         "  {:>10} {:>12} {:>14} {:>14}\n",
-        o.decode_context, o.decode_steps, mo.device == Device::kCuda && o.cuda_graphs ? "on" : "off", "batch",
-        "TPOT ms", "tok/s", "vs roofline");
+        o.decode_context, o.decode_steps, mo.device == Device::kCuda && o.cuda_graphs ? "on" : "off",
+        pdl ? "on" : "off", "batch", "TPOT ms", "tok/s", "vs roofline");
     for (int32_t b : o.batch_sizes) {
       const bool graphs = mo.device == Device::kCuda && o.cuda_graphs;
       nlohmann::json r =
@@ -434,6 +441,7 @@ int run_bench(const BenchOptions& o) {
                      {"decode_steps", o.decode_steps},
                      {"warmup", o.warmup},
                      {"cuda_graphs", mo.device == Device::kCuda && o.cuda_graphs},
+                     {"pdl", pdl},
                      {"seed", o.seed},
                      {"max_num_batched_tokens", run.sched_defaults.max_num_batched_tokens},
                      {"sampling", "greedy, ignore_eos"},

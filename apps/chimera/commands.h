@@ -51,7 +51,8 @@ struct BenchOptions {
   int32_t decode_context = 1024;
   int32_t decode_steps = 32;
   int32_t warmup = 2;
-  bool cuda_graphs = true;  // --no-cuda-graphs: every decode step eager
+  bool cuda_graphs = true;        // --no-cuda-graphs: every decode step eager
+  bool pdl = true;                // --no-pdl: kernels launched without programmatic dependent launch (device_api.h)
   double bandwidth_gbs = 4200.0;  // runtime/roofline.h kH200MeasuredBandwidth
   uint64_t seed = 0;
   std::string json_out;

@@ -286,10 +286,10 @@ TEST(CliBench, TinyOnTheCpuPrintsTheTableAndWritesJson) {
   const fs::path json = fs::temp_directory_path() / "chimera_cli_bench.json";
   fs::remove(json);
   auto r = run_cli("bench --synthetic tiny --device cpu --input-lens 16,40 --batch-sizes 1,2 --decode-context 8 "
-                   "--decode-steps 4 --json-out " + json.string());
+                   "--decode-steps 4 --no-pdl --json-out " + json.string());
   ASSERT_EQ(r.status, 0) << r.out;
-  for (const char* s : {"chimera bench | synthetic tiny (8 layers)", "roofline   batch-1 decode", "prefill (1 sequence",
-                        "TTFT ms", "decode (8-token prefill", "TPOT ms", "vs roofline"}) {
+  for (const char* s : {"chimera bench | synthetic tiny (8 layers)", "| PDL off |", "roofline   batch-1 decode",
+                        "prefill (1 sequence", "TTFT ms", "decode (8-token prefill", "TPOT ms", "vs roofline"}) {
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
   }
   std::ifstream f(json);
@@ -301,6 +301,7 @@ TEST(CliBench, TinyOnTheCpuPrintsTheTableAndWritesJson) {
   }
   EXPECT_EQ(j["model"]["name"], "tiny");
   EXPECT_EQ(j["dtype"], "F32");
+  EXPECT_EQ(j["settings"]["pdl"], false);  // the CPU never launches kernels; --no-pdl is accepted anyway
   EXPECT_GT(j["roofline"]["batch1_tokens_per_s"].get<double>(), 0);
   EXPECT_GT(j["roofline"]["active_params"].get<int64_t>(), 0);
   ASSERT_EQ(j["prefill"].size(), 2u);

@@ -10,6 +10,7 @@
 //     `scripts/make_fixtures.py --bf16-logits-only`): the same teacher-forced positions, top-1 agreement >=
 //     kGpuBf16Top1Agreement (99 %, the bar) and per position max|logit - ref| <= kGpuBf16LogitsRelToMax
 //     * max|ref|. Skips (does not fail) when a fixture has no bf16 files.
+//   * decode with programmatic dependent launch off and on (eager and CUDA graphs): the same tokens and logits.
 // Every test skips cleanly without a GPU (or in a build without CUDA).
 #include <algorithm>
 #include <cmath>
@@ -175,6 +176,47 @@ TEST_P(GpuParity, CudaGraphDecodeEqualsEager) {
       const Tensor ref = Tensor::from_f32({rows, V}, e.logits);
       EXPECT_TRUE(logits_match(g.logits, ref, rows, V,
                                dt == DType::kF32 ? kGpuModelLogitsRelToMax : kGpuBf16GraphVsEagerRelToMax));
+    }
+  }
+}
+
+// Programmatic dependent launch (src/backends/cuda/launch.cuh) changes only when kernels may start, never what
+// they compute: decode with PDL off and on, eager and as CUDA graphs (captured under each setting), gives the
+// same tokens and logits within the graph-vs-eager bound (the same kernels and split plans, so in practice
+// identical). A kernel that read its predecessor's output before pdl_wait() would break this.
+TEST_P(GpuParity, PdlOnEqualsPdlOff) {
+  const Fixture f = load_fixture(GetParam());
+  const std::vector<int32_t> n_new = finish_apart(std::vector<int32_t>(f.prompts.size(), 24));
+  const bool saved = device::pdl_enabled();
+  struct Restore {
+    bool on;
+    ~Restore() { device::set_pdl_enabled(on); }
+  } restore{saved};
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, dt});
+    const int64_t V = l.config.vocab_size;
+    for (bool graphs : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} {} {}", f.name, dtype_name(dt), graphs ? "graphs" : "eager"));
+      device::set_pdl_enabled(false);
+      const BatchRun off = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = graphs});
+      device::set_pdl_enabled(true);
+      const BatchRun on = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = graphs});
+      EXPECT_EQ(on.graph_sizes, off.graph_sizes);
+      if (graphs) {
+        EXPECT_GE(on.graph_sizes.size(), 2u) << "the decode steps did not run as CUDA graphs";
+      }
+      for (size_t p = 0; p < f.prompts.size(); ++p) {
+        SCOPED_TRACE(fmt::format("prompt {}", p));
+        const RunResult& a = off.results[p];
+        const RunResult& b = on.results[p];
+        EXPECT_EQ(b.tokens, a.tokens);
+        const int64_t rows = static_cast<int64_t>(a.logits.size()) / V;
+        ASSERT_GT(rows, 0);
+        ASSERT_EQ(b.logits.size(), a.logits.size());
+        const Tensor ref = Tensor::from_f32({rows, V}, a.logits);
+        EXPECT_TRUE(logits_match(b.logits, ref, rows, V,
+                                 dt == DType::kF32 ? kGpuModelLogitsRelToMax : kGpuBf16GraphVsEagerRelToMax));
+      }
     }
   }
 }

@@ -12,8 +12,24 @@
 //   * only data nobody writes during the step (weights, norm gammas, biases) may be read before pdl_wait();
 //   * pdl_trigger() may be called anywhere (usually right after pdl_wait()); it only lets the NEXT kernel start
 //     its own prologue early: the next kernel's pdl_wait() still waits for this whole grid to finish.
+//   * every grid must reach pdl_wait() in at least one thread of every block (in practice: call it before any
+//     early return that a whole block can take). The wait is what chains the step: kernel N+1's wait covers
+//     kernel N's completion, and N completes only after its own wait covered N-1. A block that exits without
+//     waiting breaks that chain (its grid could complete before its predecessor), so a later kernel could
+//     overwrite a buffer an earlier one is still reading. Threads that touch nothing may exit before the wait.
 // A kernel launched without the attribute (PDL disabled, pre-sm_90, or a plain <<<>>> launch) sees both calls as
-// no-ops, so the same kernel serves both. cuBLASLt and memcpy nodes in between serialize as usual.
+// no-ops, so the same kernel serves both.
+//
+// Neighbours that are not launched here (cuBLASLt's GEMMs in gemm/linear.cu, which take no launch attribute;
+// the grouped expert GEMV/GEMM launches; memcpy / memset nodes; NCCL) stay correct on both sides:
+//   * before a PDL kernel: the PDL kernel may be scheduled early only if that predecessor kernel triggers
+//     (a library kernel may; a plain kernel triggers implicitly when it exits), and its pdl_wait() still waits
+//     for the predecessor's full completion and memory flush, so reading a cuBLASLt output after the wait is
+//     safe; a memcpy / memset node is a full dependency anyway;
+//   * after a PDL kernel: an operation launched without the attribute waits for the full completion of the
+//     previous kernel, as without PDL.
+// tests/backends/cuda/launch_test.cpp checks chains of dependent launches (with plain launches and memcpy nodes
+// mixed in), eager and captured in a CUDA graph, and PDL kernels around cuBLASLt GEMMs (same bits as without).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +52,13 @@ __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
+}
+
+// A hint that pulls the 128-byte line at p into L2: for a PDL prologue to start fetching constant weights
+// before pdl_wait() without holding registers across the wait.
+inline constexpr int kL2LineFloats = 32;  // floats per 128-byte line
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute when pdl_enabled(). Returns the launch's

@@ -14,6 +14,7 @@
 #include "backends/cuda/attention/attention_kernels.cuh"
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_ops.h"
+#include "backends/cuda/launch.cuh"
 #include "backends/device_api.h"
 
 namespace chimera::cuda {
@@ -49,6 +50,8 @@ int decode_tiles_per_split(const std::vector<attn::AttnSeq>& seqs, int kv_heads)
 __global__ void build_seqs_kernel(const int32_t* cu_seqlens, const int32_t* context_lens, int num_seqs,
                                   attn::AttnSeq* seqs) {
   const int s = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  pdl_wait();  // PDL: cu_seqlens / context_lens are step metadata; seqs may still be read by the previous step
+  pdl_trigger();
   if (s < num_seqs) seqs[s] = {cu_seqlens[s], cu_seqlens[s + 1] - cu_seqlens[s], context_lens[s], 0};
 }
 
@@ -166,7 +169,8 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
     device_seqs = device::empty(Device::kCuda, DType::kI32, {words});
     auto* dst = reinterpret_cast<attn::AttnSeq*>(device_seqs.data());
     const int n = static_cast<int>(seqs.size());
-    build_seqs_kernel<<<ceil_div(n, 128), 128, 0, stream>>>(cu_seqlens.device, context_lens.device, n, dst);
+    launch(build_seqs_kernel, dim3(static_cast<unsigned>(ceil_div(n, 128))), dim3(128), 0, stream,
+           cu_seqlens.device, context_lens.device, n, dst);
     CHIMERA_LAUNCH_CHECK("ops::attention (sequence table)");
     p.seqs = dst;
   } else {

@@ -16,6 +16,7 @@
 #include "backends/cuda/attention/attention_kernels.cuh"
 #include "backends/cuda/attention/mma_utils.cuh"
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace chimera::cuda::attn {
 namespace {
@@ -40,6 +41,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
   T* sV = sK + kStages * kTile * HD;      // [kStages][kTile][HD]
 
   const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
+  pdl_wait();  // PDL: the sequence table, q and the cache (this step's append) are earlier kernels' outputs
+  pdl_trigger();
   const AttnSeq sq = p.seqs[seq];
   if (sq.n_new == 0) return;
   const int kv_len = sq.ctx_len + sq.n_new;  // n_new == 1 on this path
@@ -189,6 +192,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
 template <typename T, int HD>
 __global__ void __launch_bounds__(HD) attention_decode_combine_kernel(AttentionParams p, DecodeWorkspace ws) {
   const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+  pdl_wait();  // PDL: the split kernel's partial results
+  pdl_trigger();
   const AttnSeq sq = p.seqs[seq];
   if (sq.n_new == 0) return;
   const int kv_len = sq.ctx_len + sq.n_new;
@@ -228,10 +233,10 @@ void launch_attention_decode(const AttentionParams& p, const DecodeWorkspace& ws
                           " sequences) exceeds 65535"));
   }
   const dim3 grid(ws.max_splits, p.num_kv_heads, p.num_seqs);
-  attention_decode_kernel<T, HD><<<grid, kThreads, smem, stream>>>(p, ws);
+  launch(attention_decode_kernel<T, HD>, grid, dim3(kThreads), smem, stream, p, ws);
   CHIMERA_LAUNCH_CHECK("ops::attention (decode)");
   if (ws.max_splits > 1) {
-    attention_decode_combine_kernel<T, HD><<<dim3(p.num_q_heads, p.num_seqs), HD, 0, stream>>>(p, ws);
+    launch(attention_decode_combine_kernel<T, HD>, dim3(p.num_q_heads, p.num_seqs), dim3(HD), 0, stream, p, ws);
     CHIMERA_LAUNCH_CHECK("ops::attention (decode combine)");
   }
 }

@@ -7,6 +7,7 @@
 
 #include "backends/cuda/attention/attention_kernels.cuh"
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace chimera::cuda::attn {
 namespace {
@@ -37,6 +38,8 @@ template <typename V>
 __global__ void append_kv_kernel(AttentionParams p, int elem_bytes) {
   const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  pdl_wait();  // PDL: the sequence table and k / v are step data; the cache rows may still be read by the previous step
+  pdl_trigger();
   if (t >= p.num_tokens) return;
   const int s = find_seq(p.seqs, p.num_seqs, t);
   const AttnSeq sq = p.seqs[s];
@@ -62,6 +65,8 @@ template <typename T, int VPL>
 __global__ void __launch_bounds__(128) attention_generic_kernel(AttentionParams p) {
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  pdl_wait();  // PDL: q, the sequence table and the cache are earlier kernels' outputs
+  pdl_trigger();
   if (wid >= static_cast<int64_t>(p.num_tokens) * p.num_q_heads) return;
   const int t = static_cast<int>(wid / p.num_q_heads), head = static_cast<int>(wid % p.num_q_heads);
   const int kvh = head / (p.num_q_heads / p.num_kv_heads);
@@ -154,11 +159,11 @@ void launch_append_kv(const AttentionParams& p, cudaStream_t stream) {
                     reinterpret_cast<uintptr_t>(p.k_cache) | reinterpret_cast<uintptr_t>(p.v_cache);
   bases |= static_cast<uintptr_t>(row_bytes);
   if (bases % 16 == 0) {
-    append_kv_kernel<uint4><<<grid, block, 0, stream>>>(p, elem);
+    launch(append_kv_kernel<uint4>, grid, block, 0, stream, p, elem);
   } else if (bases % 4 == 0) {
-    append_kv_kernel<uint32_t><<<grid, block, 0, stream>>>(p, elem);
+    launch(append_kv_kernel<uint32_t>, grid, block, 0, stream, p, elem);
   } else {
-    append_kv_kernel<uint16_t><<<grid, block, 0, stream>>>(p, elem);
+    launch(append_kv_kernel<uint16_t>, grid, block, 0, stream, p, elem);
   }
   CHIMERA_LAUNCH_CHECK("ops::attention (append_kv)");
 }
@@ -169,13 +174,13 @@ void launch_attention_generic(const AttentionParams& p, cudaStream_t stream) {
   if (warps == 0) return;
   const dim3 block(128), grid(ceil_div(warps, 4));
   if (p.head_dim <= 32) {
-    attention_generic_kernel<T, 1><<<grid, block, 0, stream>>>(p);
+    launch(attention_generic_kernel<T, 1>, grid, block, 0, stream, p);
   } else if (p.head_dim <= 64) {
-    attention_generic_kernel<T, 2><<<grid, block, 0, stream>>>(p);
+    launch(attention_generic_kernel<T, 2>, grid, block, 0, stream, p);
   } else if (p.head_dim <= 128) {
-    attention_generic_kernel<T, 4><<<grid, block, 0, stream>>>(p);
+    launch(attention_generic_kernel<T, 4>, grid, block, 0, stream, p);
   } else if (p.head_dim <= 256) {
-    attention_generic_kernel<T, 8><<<grid, block, 0, stream>>>(p);
+    launch(attention_generic_kernel<T, 8>, grid, block, 0, stream, p);
   } else {
     throw_runtime(str_cat("ops::attention: head_dim ", p.head_dim, " is not supported on CUDA (at most 256)"));
   }

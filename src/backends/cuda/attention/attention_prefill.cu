@@ -17,6 +17,7 @@
 #include "backends/cuda/attention/attention_kernels.cuh"
 #include "backends/cuda/attention/mma_utils.cuh"
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace chimera::cuda::attn {
 namespace {
@@ -41,6 +42,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_prefill_kernel(Attentio
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
+  pdl_wait();  // PDL: the tile list, q and the cache (this step's append) are earlier operations' outputs
+  pdl_trigger();
   const int head = blockIdx.x;
   const PrefillTile tile = tiles[blockIdx.y];
   const AttnSeq sq = p.seqs[tile.seq];
@@ -188,7 +191,7 @@ void launch_attention_prefill(const AttentionParams& p, const PrefillTile* tiles
     throw_runtime(str_cat("ops::attention: ", num_tiles, " prefill tiles exceed the grid limit of 65535"));
   }
   const dim3 grid(p.num_q_heads, num_tiles), block(kThreads);
-  attention_prefill_kernel<T, HD><<<grid, block, smem, stream>>>(p, tiles);
+  launch(attention_prefill_kernel<T, HD>, grid, block, smem, stream, p, tiles);
   CHIMERA_LAUNCH_CHECK("ops::attention (prefill)");
 }
 

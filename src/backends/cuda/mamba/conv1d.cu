@@ -16,6 +16,7 @@
 // the slot after reading the old state into registers itself, so no other block touches that slot (slots
 // are distinct) and there is no read/write race inside the launch.
 #include "backends/cuda/cuda_ops.h"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/mamba/conv1d.cuh"
 #include "backends/cuda/mamba/mamba_common.cuh"
 
@@ -41,6 +42,8 @@ template <typename T, int K, bool kVec>
 __global__ void __launch_bounds__(kThreads, 4) causal_conv1d_kernel(const Conv1dParams p) {
   constexpr int E = kVec ? 16 / static_cast<int>(sizeof(T)) : 1;
   using XPack = Pack<T, E>;
+  pdl_wait();  // PDL: the tile list, x, slots and states are step data
+  pdl_trigger();
   const Conv1dTile tile = p.tiles[blockIdx.y];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tc = lane / kChanLanes, cl = lane % kChanLanes;
@@ -165,9 +168,9 @@ void launch_typed(const Conv1dParams& p, cudaStream_t stream) {
   q.taps_vec = vec && mamba::aligned16(p.weight) && p.weight_dtype == p.act &&
                (p.bias == nullptr || (mamba::aligned16(p.bias) && p.bias_dtype == p.act));
   if (vec) {
-    causal_conv1d_kernel<T, K, true><<<grid, kThreads, 0, stream>>>(q);
+    launch(causal_conv1d_kernel<T, K, true>, grid, dim3(kThreads), 0, stream, q);
   } else {
-    causal_conv1d_kernel<T, K, false><<<grid, kThreads, 0, stream>>>(q);
+    launch(causal_conv1d_kernel<T, K, false>, grid, dim3(kThreads), 0, stream, q);
   }
 }
 

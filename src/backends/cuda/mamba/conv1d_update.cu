@@ -1,11 +1,13 @@
 // causal_conv1d_update: one new token per slot (decode), conv1d.cuh for the math.
 //   x, out [batch, C] act dtype; conv_state [num_slots, C, K-1] state dtype, shifted left by one in place.
-// Fast kernel: a thread per (R rows, E = 16 / sizeof(act) channels; R = 1 for small grids, see below). The R slot ids and the R 16-byte x loads
-// go out first (x does not depend on the slot), the taps once for all R rows (16-byte vectors when they are
-// in the activation dtype), then the E * (K-1) state elements of each row (contiguous: 16- or 8-byte
+// Fast kernel: a thread per (R rows, E = 16 / sizeof(act) channels; R = 1 for small grids, see below). The taps
+// go out first, once for all R rows (16-byte vectors when they are in the activation dtype; constant weights,
+// so under PDL they load while the previous kernel drains), then the R slot ids and the R 16-byte x loads (x
+// does not depend on the slot), then the E * (K-1) state elements of each row (contiguous: 16- or 8-byte
 // accesses). The FMA order is the prefill kernel's, so a one-token prefill and the update agree bit for bit.
 // Portable kernel (unaligned views, C not a multiple of E): a thread per element.
 #include "backends/cuda/mamba/conv1d.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/mamba/mamba_common.cuh"
 
 namespace chimera::cuda {
@@ -34,7 +36,11 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Co
   constexpr int E = 16 / static_cast<int>(sizeof(T));
   const int64_t C = p.C;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * E;
-  if (c0 >= C) return;
+  if (c0 >= C) return;  // touches nothing; thread 0 of every block stays, so each block waits below
+  float w[E][K], bias[E];
+  mamba::load_taps<T, E, K>(p.weight, p.weight_dtype, p.bias, p.bias_dtype, p.taps_vec, c0, w, bias);
+  pdl_wait();  // PDL: slots, x and conv_state are step data (earlier kernels' outputs)
+  pdl_trigger();
   const int b0 = blockIdx.y * R;
   int slot[R];
   Pack<T, E> xv[R];
@@ -48,8 +54,6 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Co
       xv[r].zero();
     }
   }
-  float w[E][K], bias[E];
-  mamba::load_taps<T, E, K>(p.weight, p.weight_dtype, p.bias, p.bias_dtype, p.taps_vec, c0, w, bias);
   Pack<S, E*(K - 1)> st[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -86,6 +90,8 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Co
 template <int K>
 __global__ void __launch_bounds__(kThreads) causal_conv1d_update_portable_kernel(const Conv1dParams p) {
   const int b = blockIdx.y;
+  pdl_wait();  // PDL: slots, x and conv_state are step data
+  pdl_trigger();
   const int slot = p.slots[b];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (slot < 0 || c >= p.C) return;
@@ -119,15 +125,15 @@ void launch_k(const Conv1dParams& p, cudaStream_t stream) {
         const int64_t chan_blocks = ceil_div(p.C, E * kThreads);
         if (chan_blocks * ceil_div(p.batch, R) >= int64_t{kMinBlocksPerSm} * mamba::num_sms()) {
           const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(ceil_div(p.batch, R)));
-          causal_conv1d_update_kernel<T, S, K, R><<<grid, kThreads, 0, stream>>>(q);
+          launch(causal_conv1d_update_kernel<T, S, K, R>, grid, dim3(kThreads), 0, stream, q);
         } else {
           const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(p.batch));
-          causal_conv1d_update_kernel<T, S, K, 1><<<grid, kThreads, 0, stream>>>(q);
+          launch(causal_conv1d_update_kernel<T, S, K, 1>, grid, dim3(kThreads), 0, stream, q);
         }
       });
     } else {
       const dim3 grid(static_cast<unsigned>(ceil_div(p.C, kThreads)), static_cast<unsigned>(p.batch));
-      causal_conv1d_update_portable_kernel<K><<<grid, kThreads, 0, stream>>>(p);
+      launch(causal_conv1d_update_portable_kernel<K>, grid, dim3(kThreads), 0, stream, p);
     }
   });
 }

@@ -15,6 +15,7 @@
 // Portable kernel: any P, N, alignment: a warp per row, lanes stride over N.
 #pragma once
 
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/mamba/mamba_common.cuh"
 #include "backends/cuda/mamba/selective_state_update.cuh"
 
@@ -41,18 +42,27 @@ struct Layout {
   static_assert(kVecsPerLane * kVecElems * kLanesPerRow == N, "N must be a multiple of 32 vectors or fit a warp");
 };
 
-// Per-head scalars shared by both kernels.
+// Per-head scalars shared by both kernels: the weights' part (dt_bias, A = -exp(A_log), D), read before
+// pdl_wait() since nothing writes them during a step, then dt and dA from this step's dt_raw.
+struct HeadWeights {
+  float dt_bias, A, d_skip;
+};
+
 struct HeadScalars {
   float dt, dA, d_skip;
 };
 
-__device__ __forceinline__ HeadScalars head_scalars(const SsuParams& p, int b, int h) {
+__device__ __forceinline__ HeadWeights head_weights(const SsuParams& p, int h) {
+  return {load_param(p.dt_bias, p.dt_bias_dtype, h), -expf(load_param(p.A_log, p.a_log_dtype, h)),
+          load_param(p.D, p.d_dtype, h)};
+}
+
+__device__ __forceinline__ HeadScalars head_scalars(const SsuParams& p, const HeadWeights& w, int b, int h) {
   HeadScalars s;
   const float raw = load_elem(p.dt_raw, p.act, static_cast<int64_t>(b) * p.H + h);
-  s.dt = discretize_dt(raw + load_param(p.dt_bias, p.dt_bias_dtype, h), p.dt_min, p.dt_max);
-  const float A = -expf(load_param(p.A_log, p.a_log_dtype, h));
-  s.dA = expf(s.dt * A);
-  s.d_skip = load_param(p.D, p.d_dtype, h);
+  s.dt = discretize_dt(raw + w.dt_bias, p.dt_min, p.dt_max);
+  s.dA = expf(s.dt * w.A);
+  s.d_skip = w.d_skip;
   return s;
 }
 
@@ -65,6 +75,9 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
   constexpr int kPasses = kRowsPerWarp / L::kRowsPerPass;
   constexpr int kE = L::kElemsPerLane;
   const int h = blockIdx.y, b = blockIdx.z;
+  const HeadWeights hw = head_weights(p, h);
+  pdl_wait();  // PDL: slots, dt_raw, x, B, C and the state are step data (earlier kernels' outputs)
+  pdl_trigger();
   const int slot = p.slots[b];
   if (slot < 0) return;  // pad: y and state untouched
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -88,7 +101,7 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
     }
   }
   // 2. Per-head scalars, x of this lane's rows, B and C at this lane's columns (tiny, cached).
-  const HeadScalars hs = head_scalars(p, b, h);
+  const HeadScalars hs = head_scalars(p, hw, b, h);
   const int64_t xrow = (static_cast<int64_t>(b) * p.H + h) * p.P;
   float xv[kPasses];
 #pragma unroll
@@ -144,11 +157,14 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const 
 template <typename S>
 __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kernel(const SsuParams p) {
   const int h = blockIdx.y, b = blockIdx.z;
+  const HeadWeights hw = head_weights(p, h);
+  pdl_wait();  // PDL: as in the fast kernel
+  pdl_trigger();
   const int slot = p.slots[b];
   const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (slot < 0 || row >= p.P) return;  // warp-uniform
   const int g = h / (p.H / p.G);
-  const HeadScalars hs = head_scalars(p, b, h);
+  const HeadScalars hs = head_scalars(p, hw, b, h);
   const int64_t xi = (static_cast<int64_t>(b) * p.H + h) * p.P + row;
   const float dtx = hs.dt * load_elem(p.x, p.act, xi);
   S* st = static_cast<S*>(p.state) + ((static_cast<int64_t>(slot) * p.H + h) * p.P + row) * p.N;
@@ -167,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kern
 template <typename S, int N, int kRowsPerWarp>
 void launch_fast(const SsuParams& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.P, kWarps * kRowsPerWarp), p.H, p.batch);
-  selective_state_update_kernel<S, N, kRowsPerWarp><<<grid, kThreads, 0, stream>>>(p);
+  launch(selective_state_update_kernel<S, N, kRowsPerWarp>, grid, dim3(kThreads), 0, stream, p);
 }
 
 template <typename S, int N>
@@ -209,7 +225,7 @@ void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream
     ssu::launch_fast_rows<S, 256>(p, stream);
   } else {
     const dim3 grid(ceil_div(p.P, ssu::kWarps), p.H, p.batch);
-    ssu::selective_state_update_portable_kernel<S><<<grid, ssu::kThreads, 0, stream>>>(p);
+    launch(ssu::selective_state_update_portable_kernel<S>, grid, dim3(ssu::kThreads), 0, stream, p);
   }
   CHIMERA_LAUNCH_CHECK("ops::selective_state_update");
 }

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/moe/moe_kernels.h"
 
 namespace chimera::cuda::moe {
@@ -57,6 +58,8 @@ __global__ void __launch_bounds__(kPermuteThreads) moe_permute_kernel(const Perm
   const int begin = min(p.P, warp * chunk), end = min(p.P, begin + chunk);
 
   for (int i = tid; i < kPermuteWarps * p.E; i += kPermuteThreads) hist[i] = 0;
+  pdl_wait();  // PDL: topk_ids are the router's output; sorted_pair / items may still be read by a predecessor
+  pdl_trigger();
   __syncthreads();
   for (int i = begin + lane; i < end; i += 32) {
     const int e = p.topk_ids[i];
@@ -120,6 +123,8 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const CombineParams p)
   __shared__ int s_order[32];
   __shared__ int s_n;
   const int t = static_cast<int>(blockIdx.x);
+  pdl_wait();  // PDL: ids and the expert outputs y are earlier kernels' outputs
+  pdl_trigger();
   const int32_t* ids = p.topk_ids + static_cast<int64_t>(t) * p.k;
   if (threadIdx.x < 32) {
     const int j = static_cast<int>(threadIdx.x);
@@ -175,7 +180,7 @@ void launch_moe_permute(const PermuteParams& p, cudaStream_t stream) {
     return true;
   }();
   (void)configured;
-  moe_permute_kernel<<<1, kPermuteThreads, smem, stream>>>(p);
+  launch(moe_permute_kernel, dim3(1), dim3(kPermuteThreads), smem, stream, p);
   CHIMERA_LAUNCH_CHECK("ops::moe_experts");
 }
 
@@ -184,9 +189,9 @@ void launch_moe_combine(const CombineParams& p, cudaStream_t stream) {
   if (p.k > 32) throw_runtime(str_cat("ops::moe_experts: top-", p.k, " is not supported on CUDA (k <= 32)"));
   CHIMERA_DISPATCH_FLOAT(p.out_dtype, "ops::moe_experts out", TO, {
     if (p.D % 4 == 0) {
-      moe_combine_kernel<TO, 4><<<p.T, 256, 0, stream>>>(p);
+      launch(moe_combine_kernel<TO, 4>, dim3(static_cast<unsigned>(p.T)), dim3(256), 0, stream, p);
     } else {
-      moe_combine_kernel<TO, 1><<<p.T, 256, 0, stream>>>(p);
+      launch(moe_combine_kernel<TO, 1>, dim3(static_cast<unsigned>(p.T)), dim3(256), 0, stream, p);
     }
   });
   CHIMERA_LAUNCH_CHECK("ops::moe_experts");

@@ -29,6 +29,7 @@
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_ops.h"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/moe/moe_kernels.h"
 #include "backends/device_api.h"
 
@@ -210,6 +211,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) router_topk_kernel(const 
   extern __shared__ float router_smem[];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int t = static_cast<int>(blockIdx.x) * kWarpsPerBlock + warp;
+  pdl_wait();  // PDL: the logits are the previous kernel's output
+  pdl_trigger();
   if (t >= p.T) return;  // whole warps only
   route_token_warp<NPER, KFIX, kGroups>(p, t, lane, router_smem + warp * (p.E + 2 * p.n_group));
 }
@@ -218,7 +221,8 @@ template <int NPER, int KFIX, bool kGroups>
 void launch_router(const RouterParams& p, cudaStream_t stream) {
   const int blocks = ceil_div(p.T, kWarpsPerBlock);
   const size_t smem = kGroups ? sizeof(float) * kWarpsPerBlock * (p.E + 2 * p.n_group) : 0;
-  router_topk_kernel<NPER, KFIX, kGroups><<<blocks, kWarpsPerBlock * 32, smem, stream>>>(p);
+  launch(router_topk_kernel<NPER, KFIX, kGroups>, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32), smem,
+         stream, p);
   CHIMERA_LAUNCH_CHECK("ops::router_topk");
 }
 
@@ -336,12 +340,15 @@ __device__ __forceinline__ void route_token_block(const RouterParams& p, int t) 
 }
 
 __global__ void __launch_bounds__(kBlockMaxThreads) router_topk_block_kernel(const RouterParams p) {
+  pdl_wait();  // PDL: the logits are the previous kernel's output
+  pdl_trigger();
   route_token_block(p, static_cast<int>(blockIdx.x));
 }
 
 void launch_router_block(const RouterParams& p, cudaStream_t stream) {
   const int threads = ceil_div(p.E, 32) * 32;
-  router_topk_block_kernel<<<static_cast<unsigned>(p.T), threads, 0, stream>>>(p);
+  launch(router_topk_block_kernel, dim3(static_cast<unsigned>(p.T)), dim3(static_cast<unsigned>(threads)), 0, stream,
+         p);
   CHIMERA_LAUNCH_CHECK("ops::router_topk");
 }
 
@@ -369,6 +376,17 @@ __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const Ga
   const int split = static_cast<int>(blockIdx.x);
   const int d0 = split * chunk, len = min(chunk, g.D - d0);  // len > 0: n_split = ceil(D / chunk)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int e = static_cast<int>(blockIdx.y) * kGateWarps + warp;
+
+  // PDL prologue: pull this warp's slice of the (constant) gate row into L2 while the previous kernel drains;
+  // x, the partials and the ticket word are step data, touched only after the wait.
+  if (e < E) {
+    for (int d = lane * kL2LineFloats; d < len; d += 32 * kL2LineFloats) {
+      prefetch_l2(g.gate + static_cast<int64_t>(e) * g.D + d0 + d);
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
 
   for (int i = static_cast<int>(threadIdx.x); i < T * len; i += kGateThreads) {
     const int t = i / len, d = i - t * len;
@@ -376,7 +394,6 @@ __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const Ga
   }
   __syncthreads();
 
-  const int e = static_cast<int>(blockIdx.y) * kGateWarps + warp;
   if (e < E) {
     float acc[kGateMaxTokens];
 #pragma unroll
@@ -465,7 +482,7 @@ void launch_gate(const GateLaunch& L, cudaStream_t stream) {
                        "ops::router_gate_topk");
   }
   const dim3 grid(static_cast<unsigned>(L.g.split.n_split), static_cast<unsigned>(ceil_div(L.g.route.E, kGateWarps)));
-  router_gate_topk_kernel<NPER, kGroups><<<grid, kGateThreads, smem, stream>>>(L);
+  launch(router_gate_topk_kernel<NPER, kGroups>, grid, dim3(kGateThreads), smem, stream, L);
   CHIMERA_LAUNCH_CHECK("ops::router_gate_topk");
 }
 

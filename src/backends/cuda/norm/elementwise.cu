@@ -2,6 +2,7 @@
 // a scalar tail; fp32 math, one rounding per stored element (the CPU reference rounds the same way in fp32).
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/cuda_vec.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace chimera::cuda {
 namespace {
@@ -40,6 +41,8 @@ __global__ void elementwise_kernel(const ElementwiseParams p) {
   const T* a = static_cast<const T*>(p.a);
   const T* b = static_cast<const T*>(p.b);
   T* out = static_cast<T*>(p.out);
+  pdl_wait();  // PDL: a and b are earlier kernels' outputs
+  pdl_trigger();
   for (int64_t i = first; i < n_vec; i += stride) {
     float va[N], vb[N];
     load_f32<T, N, false>(a + i * N, va);
@@ -76,9 +79,9 @@ void launch_elementwise(const ElementwiseParams& p, DType dtype, cudaStream_t st
     // Enough blocks to fill the chip several times over, no more (grid-stride beyond that).
     const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(groups, kThreads), 8LL * sms)));
     if (aligned) {
-      elementwise_kernel<kOp, T, kN><<<blocks, kThreads, 0, stream>>>(p);
+      launch(elementwise_kernel<kOp, T, kN>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p);
     } else {
-      elementwise_kernel<kOp, T, 1><<<blocks, kThreads, 0, stream>>>(p);
+      launch(elementwise_kernel<kOp, T, 1>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p);
     }
   });
   CHIMERA_LAUNCH_CHECK(op);

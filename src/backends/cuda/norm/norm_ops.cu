@@ -5,6 +5,7 @@
 
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/cuda_vec.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/norm/row_norm.cuh"
 
 namespace chimera::cuda {
@@ -31,6 +32,8 @@ struct EmbeddingParams {
 template <typename TIn, typename TOut, int N>
 __global__ void embedding_kernel(const EmbeddingParams p) {
   const int64_t t = blockIdx.x;
+  pdl_wait();  // PDL: the ids (step metadata) and, for ops::convert, the table are earlier kernels' outputs
+  pdl_trigger();
   const int64_t row = p.ids ? p.ids[t] : t;
   const TIn* src = static_cast<const TIn*>(p.table) + static_cast<size_t>(row) * static_cast<size_t>(p.hidden);
   TOut* dst = static_cast<TOut*>(p.out) + static_cast<size_t>(t) * static_cast<size_t>(p.hidden);
@@ -44,7 +47,8 @@ __global__ void embedding_kernel(const EmbeddingParams p) {
 template <typename TIn, typename TOut, int N>
 void launch_embedding(const EmbeddingParams& p, cudaStream_t stream) {
   const int threads = std::min(256, std::max(32, ceil_div(p.hidden / N, 32) * 32));
-  embedding_kernel<TIn, TOut, N><<<static_cast<unsigned>(p.tokens), threads, 0, stream>>>(p);
+  launch(embedding_kernel<TIn, TOut, N>, dim3(static_cast<unsigned>(p.tokens)), dim3(static_cast<unsigned>(threads)), 0,
+         stream, p);
   CHIMERA_LAUNCH_CHECK("ops::embedding");
 }
 

@@ -20,6 +20,7 @@
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_vec.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace chimera::cuda::norm {
 
@@ -212,6 +213,10 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
   const int n_vec = p.row_len / N;
   const size_t base = static_cast<size_t>(active ? row : 0) * static_cast<size_t>(p.row_len);
   const size_t w_base = static_cast<size_t>(active ? row % p.weight_rows : 0) * static_cast<size_t>(p.row_len);
+  // PDL: x, z and residual are the previous kernels' outputs, and residual/out may still be read by them. The
+  // weight (constant) is only needed after the reduction, where it is an L2 hit, so nothing is hoisted above.
+  pdl_wait();
+  pdl_trigger();
   float ss = 0.0f;
   if constexpr (kVecs > 0) {
     // All loads first (activations, then the L2-resident weights, which are not needed until after the
@@ -301,7 +306,8 @@ template <NormMode kMode, typename T, typename W, int N, int kVecs>
 void launch_cached(const RowNormParams& p, int tpr, cudaStream_t stream) {
   const int rpb = tpr <= 32 ? kSmallRowBlock / tpr : 1;
   const dim3 block(static_cast<unsigned>(tpr), static_cast<unsigned>(rpb));
-  row_norm_kernel<kMode, T, W, N, kVecs><<<static_cast<unsigned>(ceil_div(p.rows, rpb)), block, 0, stream>>>(p);
+  launch(row_norm_kernel<kMode, T, W, N, kVecs>, dim3(static_cast<unsigned>(ceil_div(p.rows, rpb))), block, 0, stream,
+         p);
 }
 
 // vecs_per_thread: 2 or 4 vector groups cached per thread, 0 = automatic. Two (twice the threads per row,
@@ -315,7 +321,7 @@ void launch_row_norm_n(const RowNormParams& p, int vecs_per_thread, cudaStream_t
   if (N == 1 || (vecs != 2 && vecs != 4)) vecs = 4;
   const int tpr = threads_per_row(n_vec, vecs);
   if (tpr == 0) {
-    row_norm_kernel<kMode, T, W, N, 0><<<static_cast<unsigned>(p.rows), kMaxThreads, 0, stream>>>(p);
+    launch(row_norm_kernel<kMode, T, W, N, 0>, dim3(static_cast<unsigned>(p.rows)), dim3(kMaxThreads), 0, stream, p);
   } else if constexpr (N > 1) {
     if (vecs == 2) {
       launch_cached<kMode, T, W, N, 2>(p, tpr, stream);

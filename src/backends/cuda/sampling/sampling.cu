@@ -21,6 +21,7 @@
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_ops.h"
+#include "backends/cuda/launch.cuh"
 #include "core/counter_rng.h"
 
 namespace chimera::cuda {
@@ -281,6 +282,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) 
   const int64_t r = blockIdx.x;
   const int V = p.vocab;
   const float* l = p.logits + r * V;
+  pdl_wait();  // PDL: the logits are the lm_head's output, the rows uploaded this step
+  pdl_trigger();
   const ops::SamplingRow row = p.rows[r];
   const int tid = threadIdx.x;
 
@@ -344,7 +347,7 @@ void sample_tokens(const ops::Context& ctx, const Tensor& out_ids, const Tensor&
   SampleParams p{out_ids.data_as<int32_t>(), logits.data_as<const float>(), nullptr, static_cast<int>(V)};
   p.rows =
       static_cast<const ops::SamplingRow*>(upload_scratch(rows.data(), rows.size_bytes(), stream, kRowsScratchSlot));
-  sample_kernel<<<static_cast<unsigned>(R), kThreads, 0, stream>>>(p);
+  launch(sample_kernel, dim3(static_cast<unsigned>(R)), dim3(kThreads), 0, stream, p);
   CHIMERA_LAUNCH_CHECK(op);
 }
 
