@@ -12,7 +12,7 @@
 // per_block with programmatic dependent launch, per_block without it, for residual + RMSNorm in bf16 at hidden
 // {2688, 4096, 8192} x tokens {1, 8, 32, 64, 128, 256}; a TABLE at the end with per_block / legacy.
 //
-// CHIMERA_ONESHOT_KERNEL (legacy, per_block; default legacy), when set, picks the ONESHOT kernel of every
+// CHIMERA_ONESHOT_KERNEL (legacy, per_block; default: AllReduceConfig's, per_block), when set, picks the ONESHOT kernel of every
 // instance of allreduce_latency and allreduce_sweep (the ONESHOT, AUTO and autotune columns; the table is then
 // swept with that kernel).
 //
@@ -205,11 +205,11 @@ bool env_forced(AllReduceStrategy* s) {
 
 dist::OneShotKernel env_oneshot_kernel(const char* what) {
   const char* v = std::getenv("CHIMERA_ONESHOT_KERNEL");
-  dist::OneShotKernel k = dist::OneShotKernel::kLegacy;
+  dist::OneShotKernel k = dist::AllReduceConfig{}.oneshot_kernel;  // the library default unless the env says
   if (v && *v) {
     const auto parsed = dist::oneshot_kernel_from_name(v);
     if (!parsed) {
-      std::printf("BENCH-ERROR %s: CHIMERA_ONESHOT_KERNEL=%s (supported: legacy, per_block); using legacy\n", what, v);
+      std::printf("BENCH-ERROR %s: CHIMERA_ONESHOT_KERNEL=%s (supported: legacy, per_block); using the default\n", what, v);
     } else {
       k = *parsed;
     }

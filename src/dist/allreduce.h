@@ -40,9 +40,9 @@ struct AllReduceConfig {
   // in-place residual is protected). A first call of a key inside a CUDA graph capture cannot be timed: it uses
   // the table and is tuned on the next call outside a capture.
   bool autotune = false;
-  // The ONESHOT kernel (allreduce_types.h). kLegacy until the per-block kernel is measured on 2 H200s (issue 5);
-  // the bench selects it with CHIMERA_ONESHOT_KERNEL (read there, never here).
-  OneShotKernel oneshot_kernel = OneShotKernel::kLegacy;
+  // The ONESHOT kernel (allreduce_types.h). kPerBlock: measured on 2 H200 (bf16 + residual + RMSNorm, 64 x 8192)
+  // 7.35 us against the legacy kernel's 9.51 us; kLegacy stays for comparison (CHIMERA_ONESHOT_KERNEL=legacy).
+  OneShotKernel oneshot_kernel = OneShotKernel::kPerBlock;
 };
 
 // One call. Tensors are [tokens, hidden] row-major, contiguous, 16-byte aligned, in `dtype` (bf16, fp16, fp32),
