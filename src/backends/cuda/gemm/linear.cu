@@ -15,7 +15,9 @@
 // streams would race on it (the engine runs one stream per thread).
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <unordered_map>
 
 #include "backends/cuda/cuda_ops.h"
@@ -23,6 +25,7 @@
 #include "backends/cuda/gemm/gemv.h"
 #include "backends/cuda/gemm/linear.h"
 #include "backends/device_api.h"
+#include "backends/profiler_events.h"
 
 namespace chimera::cuda {
 namespace {
@@ -89,6 +92,9 @@ struct LtState {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
+  // kAuto at decode sizes: whether the GEMV beat cuBLASLt on this shape when both were timed (first call outside a
+  // CUDA graph capture).
+  std::unordered_map<PlanKey, bool, PlanKeyHash> gemv_wins;
 };
 
 LtState& lt_state() {
@@ -155,6 +161,29 @@ const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias) {
 
 namespace {
 
+// Best of 5 timings of 3 back-to-back calls of fn on `stream` (microseconds per call); synchronises the stream. For
+// the one-time choice between two paths on a shape (the output is overwritten by the caller's real call).
+double time_us(void* stream, const std::function<void()>& fn) {
+  cudaStream_t s = as_stream(stream);
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  CHIMERA_CUDA_CHECK(cudaEventCreate(&e0), "ops::linear (path timing)");
+  CHIMERA_CUDA_CHECK(cudaEventCreate(&e1), "ops::linear (path timing)");
+  float best = 1e30f;
+  fn();  // first use: plans, attributes
+  for (int rep = 0; rep < 5; ++rep) {
+    CHIMERA_CUDA_CHECK(cudaEventRecord(e0, s), "ops::linear (path timing)");
+    for (int i = 0; i < 3; ++i) fn();
+    CHIMERA_CUDA_CHECK(cudaEventRecord(e1, s), "ops::linear (path timing)");
+    CHIMERA_CUDA_CHECK(cudaEventSynchronize(e1), "ops::linear (path timing)");
+    float ms = 0.0f;
+    CHIMERA_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1), "ops::linear (path timing)");
+    best = std::min(best, ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return 1000.0 * best / 3.0;
+}
+
 // The GEMV path's launch for out = x @ weight^T (+ bias) (+ relu^2).
 void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
               bool relu2) {
@@ -204,10 +233,6 @@ void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x,
     throw_runtime(str_cat(op, ": the GEMV path does not take x ", x.describe(), " @ weight ", weight.describe(),
                           " (T <= ", gemm::kGemvMaxTokens, ", 16-bit, K % 8 == 0, 16-byte aligned)"));
   }
-  if (path == LinearPath::kGemv || (path == LinearPath::kAuto && gemv_ok && T <= kLinearGemvAutoMaxTokens)) {
-    run_gemv(ctx, out, x, weight, bias, false);
-    return;
-  }
   LtState& st = lt_state();
   const PlanKey key{T,
                     in,
@@ -218,17 +243,42 @@ void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x,
                     alignment(x.data()),
                     alignment(out.data()),
                     bias ? alignment(bias.data()) : 256u};
-  const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
-  if (bias) {
-    const void* b = bias.data();
-    CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)),
+  const auto run_cublas = [&] {
+    const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
+    if (bias) {
+      const void* b = bias.data();
+      CHIMERA_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)), op);
+    }
+    const float alpha = 1.0f, beta = 0.0f;
+    CHIMERA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, weight.data(), plan.w, x.data(), plan.x, &beta,
+                                        out.data(), plan.y, out.data(), plan.y, &plan.algo, st.workspace,
+                                        kWorkspaceBytes, as_stream(ctx.stream)),
                          op);
+  };
+  const auto run_gemv_path = [&] { run_gemv(ctx, out, x, weight, bias, false); };
+
+  bool use_gemv = path == LinearPath::kGemv;
+  if (path == LinearPath::kAuto && gemv_ok && T <= kLinearGemvAutoMaxTokens) {
+    // Which path wins depends on the shape (bench linear_decode on the H200, T = 1: the GEMV 9.0 vs 10.5 us on the
+    // Nano out_proj, 2.6 vs 5.9 on its k/v projections, 165 vs 171 on the lm_head, but 18.4 vs 16.1 on its
+    // in_proj): time both once per shape and keep the winner. Inside a capture nothing can be timed: the GEMV is
+    // used and the next call outside a capture decides.
+    const auto it = st.gemv_wins.find(key);
+    if (it != st.gemv_wins.end()) {
+      use_gemv = it->second;
+    } else if (device::stream_capturing(ctx.stream)) {
+      use_gemv = true;
+    } else {
+      use_gemv = time_us(ctx.stream, run_gemv_path) <= time_us(ctx.stream, run_cublas);
+      st.gemv_wins.emplace(key, use_gemv);
+    }
   }
-  const float alpha = 1.0f, beta = 0.0f;
-  CHIMERA_CUBLAS_CHECK(
-      cublasLtMatmul(st.handle, plan.desc, &alpha, weight.data(), plan.w, x.data(), plan.x, &beta, out.data(), plan.y,
-                     out.data(), plan.y, &plan.algo, st.workspace, kWorkspaceBytes, as_stream(ctx.stream)),
-      op);
+  if (use_gemv) {
+    run_gemv_path();
+  } else {
+    run_cublas();
+  }
 }
 
 // down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel (at decode sizes the up GEMV applies relu^2); the [T, I] intermediate is in the
