@@ -77,9 +77,12 @@ TEST_P(PdlLaunch, DependentChainIsExact) {
   // (so the exact results above were not just plain serialisation); without it they never do.
   std::printf("  %d of %d PDL-launched kernel pairs overlapped\n", res.overlapped_pairs, res.pdl_pairs);
   ASSERT_GT(res.pdl_pairs, 100);
-  if (cc.pdl) {
+  // Eager launches come from the host one at a time, slower than these kernels run, so a predecessor has always
+  // finished before its successor is even submitted (measured on the H200: 0 of 199 overlapped eagerly, 199 of 199
+  // in a graph): only a graph, where the launches are queued on the device, can show the overlap.
+  if (cc.pdl && cc.graph) {
     EXPECT_GT(res.overlapped_pairs, 0) << "no kernel started before its predecessor finished: PDL was not applied";
-  } else {
+  } else if (!cc.pdl) {
     EXPECT_EQ(res.overlapped_pairs, 0);
   }
   for (size_t r = 0; r < inputs.size(); ++r) {
