@@ -28,7 +28,11 @@ struct EmbeddingParams {
   int hidden;
 };
 
-// One block per token; N elements per access (16-byte groups when D and the pointers allow).
+// Blocks (token, chunk of kEmbedChunk accesses of N elements, 16-byte groups when D and the pointers allow). Long
+// rows get several blocks: ops::convert of one 131072-wide logits row ran on one block before (18 us under ncu in
+// the Nano decode step, where the GPU sampler converts the lm_head row to fp32).
+constexpr int kEmbedChunk = 1024;  // accesses per block: 256 threads x 4
+
 template <typename TIn, typename TOut, int N>
 __global__ void embedding_kernel(const EmbeddingParams p) {
   const int64_t t = blockIdx.x;
@@ -37,7 +41,9 @@ __global__ void embedding_kernel(const EmbeddingParams p) {
   const int64_t row = p.ids ? p.ids[t] : t;
   const TIn* src = static_cast<const TIn*>(p.table) + static_cast<size_t>(row) * static_cast<size_t>(p.hidden);
   TOut* dst = static_cast<TOut*>(p.out) + static_cast<size_t>(t) * static_cast<size_t>(p.hidden);
-  for (int i = static_cast<int>(threadIdx.x); i < p.hidden / N; i += static_cast<int>(blockDim.x)) {
+  const int end = min(p.hidden / N, (static_cast<int>(blockIdx.y) + 1) * kEmbedChunk);
+  for (int i = static_cast<int>(blockIdx.y) * kEmbedChunk + static_cast<int>(threadIdx.x); i < end;
+       i += static_cast<int>(blockDim.x)) {
     float v[N];
     load_f32<TIn, N>(src + static_cast<size_t>(i) * N, v);
     store_f32<TOut, N>(dst + static_cast<size_t>(i) * N, v);
@@ -46,9 +52,10 @@ __global__ void embedding_kernel(const EmbeddingParams p) {
 
 template <typename TIn, typename TOut, int N>
 void launch_embedding(const EmbeddingParams& p, cudaStream_t stream) {
-  const int threads = std::min(256, std::max(32, ceil_div(p.hidden / N, 32) * 32));
-  launch(embedding_kernel<TIn, TOut, N>, dim3(static_cast<unsigned>(p.tokens)), dim3(static_cast<unsigned>(threads)), 0,
-         stream, p);
+  const int accesses = p.hidden / N;
+  const int threads = std::min(256, std::max(32, ceil_div(std::min(accesses, kEmbedChunk), 32) * 32));
+  const dim3 grid(static_cast<unsigned>(p.tokens), static_cast<unsigned>(std::max(1, ceil_div(accesses, kEmbedChunk))));
+  launch(embedding_kernel<TIn, TOut, N>, grid, dim3(static_cast<unsigned>(threads)), 0, stream, p);
   CHIMERA_LAUNCH_CHECK("ops::embedding");
 }
 
