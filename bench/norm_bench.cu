@@ -296,7 +296,8 @@ CHIMERA_BENCH(sample_tokens) {
   const int64_t V = 131072;
   for (int64_t R : {int64_t{1}, int64_t{4}, int64_t{64}, int64_t{256}}) {
     // Enough row sets that the graph's calls do not all hit L2 (256 MiB, as the other cases).
-    const int64_t n_sets = std::max<int64_t>(1, std::min<int64_t>(kGraphLaunches, int64_t(kRotateBytes / (4.0 * R * V))));
+    const int64_t n_sets =
+        std::max<int64_t>(1, std::min<int64_t>(kGraphLaunches, static_cast<int64_t>(kRotateBytes / (4.0 * R * V))));
     std::vector<Tensor> logits;
     for (int64_t i = 0; i < n_sets; ++i) logits.push_back(random(DType::kF32, {R, V}, -8.0f, 8.0f));
     Tensor ids = device::empty(Device::kCuda, DType::kI32, {R});

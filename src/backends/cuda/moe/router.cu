@@ -359,11 +359,12 @@ struct GateLaunch {
 };
 
 // Phase 1 of warp `e`'s expert over columns [d0, d0 + len) of every token: the partial dot products, warp-reduced,
-// stored to partial[split, t, e]. Lane l takes columns l*4 + 128 j (vec4) or l + 32 j: the gate values first (all of
-// them into registers: constant weights, no dependence on x), then x straight from global memory (L1: every warp of
-// the block reads the same chunk), so the gate and x loads are in flight together and no shared-memory staging
-// barrier sits on the chain. The fmaf order per lane (columns ascending) and the butterfly are the same as with
-// the former shared-memory staging: bit-identical partials.
+// stored to partial[split, t, e]. Lane l takes columns l*4 + 128 j (vec4) or l + 32 j: in the vec4 path the gate
+// values first (all of them into registers: constant weights, no dependence on x), then x straight from global
+// memory (L1: every warp of the block reads the same chunk), so the gate and x loads are in flight together and no
+// shared-memory staging barrier sits on the chain. The fmaf order per lane (columns ascending) and the butterfly
+// are the same as with the former shared-memory staging: bit-identical partials. Registers: 64 per thread (40 to
+// 64 before), still two 512-thread blocks per SM, except the group-limited 512-expert instance (96: one per SM).
 template <typename XT>
 __device__ __forceinline__ void gate_partial(const GateLaunch& L, int split, int d0, int len, int e, int lane) {
   const GateTopkParams& g = L.g;
@@ -397,22 +398,12 @@ __device__ __forceinline__ void gate_partial(const GateLaunch& L, int split, int
         }
       }
     }
-  } else {
-    constexpr int kSteps = kGateMaxChunk / 32;
-    float wv[kSteps];
+  } else {  // D % 4 != 0 (no model shape): streamed, one column per lane and step
+    for (int d = lane; d < len; d += 32) {
+      const float wv = __ldg(w + d);
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      const int d = lane + 32 * j;
-      wv[j] = d < len ? __ldg(w + d) : 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      const int d = lane + 32 * j;
-      if (d < len) {
-#pragma unroll
-        for (int t = 0; t < kGateMaxTokens; ++t) {
-          if (t < T) acc[t] = fmaf(wv[j], to_float<XT>(x[static_cast<int64_t>(t) * g.D + d0 + d]), acc[t]);
-        }
+      for (int t = 0; t < kGateMaxTokens; ++t) {
+        if (t < T) acc[t] = fmaf(wv, to_float<XT>(x[static_cast<int64_t>(t) * g.D + d0 + d]), acc[t]);
       }
     }
   }
