@@ -391,17 +391,19 @@ TEST_P(OpsAttention, CudaDecodeNanoHeadsBatch1And8) {
   run_decode(rng, {32, 2, 128}, random_lens(rng, 8, 1, 8192), 16, DType::kBF16);
 }
 
-// The split merge: fused into the decode kernel (last split of each (sequence, kv head), ticket) up to 6 * hd
-// splits, the combine kernel beyond. ~470 splits of one 64-dim kv head: the combine kernel; the same shape at
-// hd 128 and batch 1 / 3 at 1K: fused. The same launch twice in a row: the ticket words must be back at zero.
+// The split merge: fused into the decode kernel (last split of each (sequence, kv head), ticket) up to 32 splits,
+// the combine kernel beyond (attention_decode.cu, kFuseMaxSplits). Batch 1 at 1K (16 splits) twice in a row: the
+// ticket words must be back at zero; 32 and 33 splits (2047 / 2048 cached tokens): both sides of the bound; ~470
+// splits of a 64-dim head; mixed lengths and a group of 4 (MMA rows 4..15 unused).
 TEST_P(OpsAttention, CudaDecodeSplitMergeFusedAndCombineKernel) {
   if (!on_cuda()) GTEST_SKIP() << "CUDA-only sizes";
   auto rng = test::Rng::for_test();
-  run_decode(rng, {8, 1, 64}, {30001}, 64, DType::kBF16);                       // 469 splits > 384: combine kernel
-  run_decode(rng, {16, 1, 128}, {30001}, 64, DType::kBF16);                     // 469 splits <= 768: fused
-  for (int rep = 0; rep < 2; ++rep) run_decode(rng, {32, 2, 128}, {1023}, 64, DType::kBF16);  // 16 splits
+  for (int rep = 0; rep < 2; ++rep) run_decode(rng, {32, 2, 128}, {1023}, 64, DType::kBF16);
+  run_decode(rng, {32, 2, 128}, {2047}, 64, DType::kBF16);
+  run_decode(rng, {32, 2, 128}, {2048}, 16, DType::kBF16);
+  run_decode(rng, {8, 1, 64}, {30001}, 64, DType::kBF16);
   run_decode(rng, {32, 2, 128}, {1024, 1, 1000}, 16, DType::kF16);
-  run_decode(rng, {12, 3, 64}, random_lens(rng, 5, 0, 3000), 64, DType::kBF16);  // group 4: rows 4..15 unused
+  run_decode(rng, {12, 3, 64}, random_lens(rng, 5, 0, 3000), 64, DType::kBF16);
 }
 
 // Device-side metadata (what a captured decode step passes): splits planned for the block table's capacity.

@@ -8,13 +8,13 @@
 // owns keys 16w .. 16w+15 and keeps its own online softmax (m, l, O). At the end the 4 warps merge through
 // shared memory; a sequence with one split writes the output, otherwise the split writes O / l and (m, l)
 // to the workspace and the splits are merged with log-sum-exp weights:
-// - fused (the usual case): each split takes a ticket of its (sequence, kv head) after its writes; the last
-//   one merges all of them (merge_splits). A separate combine kernel behind a 34-CTA decode at batch 1 cost a
-//   whole second launch on the step's critical path (ncu, Nano 1K context: 8.3 us decode + 10.9 us combine,
-//   the combine being one thread per (head, dim) walking 17 splits with dependent L2 loads); the merge here
-//   loads every split's (m, l) at once (8 threads per row) and then the O partials as independent float4s.
-// - attention_decode_combine_kernel when the merge's (m, l) table does not fit the freed K / V stages
-//   (> 6 * head_dim splits) or there are more (sequence, kv head) pairs than ticket words.
+// - fused (up to kFuseMaxSplits splits): each split takes a ticket of its (sequence, kv head) after its
+//   writes; the last one merges all of them (merge_splits). A separate combine kernel behind a 34-CTA decode
+//   at batch 1 costs a whole second launch on the step's critical path (ncu, Nano 1K context: 8.3 us decode +
+//   10.9 us combine, the combine being one thread per (head, dim) walking 17 splits with dependent L2 loads);
+//   the merge here loads every split's (m, l) at once (8 threads per row), then the O partials 8 at a time.
+// - attention_decode_combine_kernel for more splits (one SM would read all their partials), or where the
+//   merge's (m, l) table does not fit the freed K / V stages or there are more pairs than ticket words.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -36,6 +36,12 @@ template <int HD>
 constexpr int decode_smem_bytes() {
   return (16 + 2 * kStages * kTile) * HD * 2;  // Q (16 rows) + kStages of K and V tiles, 16-bit elements
 }
+
+// The fused merge reads num_splits x group x HD fp32 partials from L2 on ONE SM (139 KB at 17 splits, Nano at 1K):
+// cheaper than a second launch for a few splits, not for hundreds (the combine kernel spreads them over
+// q heads x sequences blocks). Unmeasured bound, see set_decode_merge_mode to compare both on the GPU.
+constexpr int kFuseMaxSplits = 32;
+std::atomic<int> g_merge_mode{0};
 
 // Fused merge: one ticket word per (sequence, kv head) and host-thread slot (as router.cu's g_gate_tickets).
 // Zero at module load; atomicInc wraps each word back to zero once all of its splits arrived, so every launch
@@ -96,14 +102,23 @@ __device__ void merge_splits(const AttentionParams& p, const DecodeWorkspace& ws
     const int r = idx / C4, c = idx % C4;
     const float4* po = reinterpret_cast<const float4*>(ws.part_o + (part0 * 16 + r) * HD) + c;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
-    for (int i = 0; i < num_splits; ++i) {
-      const float w = sWL[r * num_splits + i].x;
-      const float4 o = __ldcg(po + static_cast<int64_t>(i) * 16 * C4);
-      acc.x += w * o.x;
-      acc.y += w * o.y;
-      acc.z += w * o.z;
-      acc.w += w * o.w;
+    // Eight L2 loads in flight per thread, then added in split order.
+    for (int i0 = 0; i0 < num_splits; i0 += 8) {
+      float4 o[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        o[j] = i0 + j < num_splits ? __ldcg(po + static_cast<int64_t>(i0 + j) * 16 * C4) : make_float4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (i0 + j < num_splits) {
+          const float w = sWL[r * num_splits + i0 + j].x;
+          acc.x += w * o[j].x;
+          acc.y += w * o[j].y;
+          acc.z += w * o[j].z;
+          acc.w += w * o[j].w;
+        }
+      }
     }
     const float l = s_l[r];
     T* orow = obase + r * HD + 4 * c;
@@ -296,9 +311,12 @@ __global__ void __launch_bounds__(HD) attention_decode_combine_kernel(AttentionP
   const int group = p.num_q_heads / p.num_kv_heads;
   const int kvh = head / group, r = head % group;
   const int64_t part0 = (static_cast<int64_t>(seq) * p.num_kv_heads + kvh) * ws.max_splits;
+  // Unrolled so that several splits' loads are in flight (the sums keep split order).
   float mx = -INFINITY;
+#pragma unroll 8
   for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, ws.part_ml[(part0 + i) * 16 + r].x);
   float l = 0.0f, acc = 0.0f;
+#pragma unroll 8
   for (int i = 0; i < num_splits; ++i) {
     const float2 ml = ws.part_ml[(part0 + i) * 16 + r];
     const float w = ml.y * exp2f(ml.x - mx);
@@ -333,8 +351,10 @@ void launch_attention_decode(const AttentionParams& p, const DecodeWorkspace& ws
                           " sequences) exceeds 65535"));
   }
   DecodeWorkspace w = ws;
-  const bool fuse = ws.max_splits > 1 && ws.max_splits <= merge_max_splits<HD>() &&
+  const int mode = g_merge_mode.load(std::memory_order_relaxed);
+  const bool fits = ws.max_splits > 1 && ws.max_splits <= merge_max_splits<HD>() &&
                     int64_t{p.num_seqs} * p.num_kv_heads <= kTicketGroups;
+  const bool fuse = fits && mode != 2 && (mode == 1 || ws.max_splits <= kFuseMaxSplits);
   w.ticket_slot = fuse ? ticket_slot() : -1;
   const dim3 grid(ws.max_splits, p.num_kv_heads, p.num_seqs);
   attention_decode_kernel<T, HD><<<grid, kThreads, smem, stream>>>(p, w);
@@ -344,6 +364,8 @@ void launch_attention_decode(const AttentionParams& p, const DecodeWorkspace& ws
     CHIMERA_LAUNCH_CHECK("ops::attention (decode combine)");
   }
 }
+
+void set_decode_merge_mode(int mode) { g_merge_mode.store(mode, std::memory_order_relaxed); }
 
 template void launch_attention_decode<__nv_bfloat16, 64>(const AttentionParams&, const DecodeWorkspace&, cudaStream_t);
 template void launch_attention_decode<__nv_bfloat16, 128>(const AttentionParams&, const DecodeWorkspace&,

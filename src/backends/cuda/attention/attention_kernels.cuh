@@ -54,7 +54,7 @@ inline constexpr int kPrefillBlockN = 64;  // keys per pipeline stage
 // (sequence, kv head) are cut into splits = ceil(n_tiles / tiles_per_split) near-equal ranges (split i
 // takes tiles [i * n_tiles / splits, (i + 1) * n_tiles / splits)); each split is one CTA. With more than
 // one split, the partial results land in the workspace and the last split of each (sequence, kv head) to
-// finish merges them (a separate combine kernel where the merge does not fit; attention_decode.cu).
+// finish merges them (few splits) or a combine kernel does (attention_decode.cu).
 inline constexpr int kDecodeTileKeys = 64;  // keys per pipeline stage (16 per warp)
 inline constexpr int kDecodeMaxGroup = 16;  // query heads of one kv head packed into the MMA's 16 rows
 __host__ __device__ inline int decode_num_splits(int kv_len, int tiles_per_split) {
@@ -82,6 +82,10 @@ void launch_attention_generic(const AttentionParams& p, cudaStream_t stream);
 template <typename T, int HD>
 void launch_attention_prefill(const AttentionParams& p, const PrefillTile* tiles, int num_tiles,
                               cudaStream_t stream);
+
+// Benchmarks (bench/attention_bench.cu) only: how decode merges its splits. 0 = automatic, 1 = the fused merge
+// wherever it fits, 2 = always the combine kernel. Process-wide, read at each launch.
+void set_decode_merge_mode(int mode);
 
 // One new token per sequence over a long paged context, split across CTAs, then combined.
 template <typename T, int HD>
