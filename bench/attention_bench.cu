@@ -3,7 +3,8 @@
 //   prefill: one sequence of 1K / 8K / 32K tokens (append + causal prefill) -> TFLOP/s of the causal
 //            attention (4 * hd * Qh * T(T+1)/2 useful FLOPs).
 //   decode:  batch 1 / 8 / 64 / 256, one new token over 1K / 8K cached tokens -> GB/s of the KV read
-//            (B * (ctx + 1) * KVh * hd * 2 (k and v) * 2 bytes, plus q, out and the appended row).
+//            (B * (ctx + 1) * KVh * hd * 2 (k and v) * 2 bytes, plus q, out and the appended row); at B <= 8 also
+//            the device time inside a CUDA graph (device-side metadata, as a captured decode step).
 // bench/peers/attention_peers.py times torch SDPA (flash backend, dense KV) on the same shapes.
 #include <cuda_bf16.h>
 
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cuda/attention/attention_kernels.cuh"
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
 #include "ops/ops.h"
@@ -83,8 +85,35 @@ void bench_decode(const Context& ctx, int64_t B, int64_t context) {
   const ops::Context c{Device::kCuda, nullptr};
   const double kv_bytes = double(B) * (context + 1) * kKVh * kHd * 2 * 2;
   const double bytes = kv_bytes + double(B) * kHd * 2 * (2 * kQh + 2 * kKVh);
-  ctx.run("attention_decode", "B=" + std::to_string(B) + " ctx=" + std::to_string(context) + " " + heads_text(), bytes,
-          0.0, [&] { ops::attention(c, out, q, k, v, cache, cu, ctx_lens, tables, 1.0f / std::sqrt(float(kHd))); });
+  const std::string shape = "B=" + std::to_string(B) + " ctx=" + std::to_string(context) + " " + heads_text();
+  ctx.run("attention_decode", shape, bytes, 0.0,
+          [&] { ops::attention(c, out, q, k, v, cache, cu, ctx_lens, tables, 1.0f / std::sqrt(float(kHd))); });
+  if (B <= 8) {
+    // Inside a CUDA graph with device-side metadata, as a captured decode step runs it (append, the device
+    // sequence table, decode and the split merge; splits planned for the block table's capacity). The split
+    // merge three ways: automatic, fused into the decode kernel, the combine kernel; CHECK: the last two agree.
+    const Tensor cu_dev = device::to_device(Tensor::from_i32({B + 1}, cu), Device::kCuda);
+    const Tensor ctx_dev = device::to_device(Tensor::from_i32({B}, ctx_lens), Device::kCuda);
+    const ops::Indices cu_idx(cu, cu_dev.i32()), ctx_idx(ctx_lens, ctx_dev.i32());
+    std::vector<Tensor> outs;
+    for (int mode : {0, 1, 2}) {
+      cuda::attn::set_decode_merge_mode(mode);
+      const char* name =
+          mode == 0 ? "attention_decode" : mode == 1 ? "attention_decode-fused" : "attention_decode-combine";
+      ctx.run_graph(name, shape, bytes, 0.0, [&](cudaStream_t st, int) {
+        ops::attention(ops::Context{Device::kCuda, st}, out, q, k, v, cache, cu_idx, ctx_idx, tables,
+                       1.0f / std::sqrt(float(kHd)));
+      });
+      outs.push_back(device::to_host_f32(out));
+    }
+    cuda::attn::set_decode_merge_mode(0);
+    double diff = 0.0;
+    for (int64_t i = 0; i < outs[1].numel(); ++i) {
+      diff = std::max(diff, double(std::fabs(outs[1].f32()[i] - outs[2].f32()[i])));
+    }
+    std::printf("CHECK attention_decode %s fused-vs-combine max_abs_diff=%.3g %s\n", shape.c_str(), diff,
+                diff <= 1e-2 ? "close" : "DIFFERENT");
+  }
 }
 
 }  // namespace

@@ -122,7 +122,7 @@ void bench_router_gate(const Context& ctx, const char* model, int64_t E, int64_t
   const Tensor gate = random_f32({E, D}, 1.0f / std::sqrt(static_cast<float>(D)), 31);
   const Tensor bias = random_f32({E}, 0.05f, 37);
   const ops::RouterParams rp{k, n_group, topk_group, true, scale};
-  for (int64_t T : {1, 8, 64}) {
+  for (int64_t T : {1, 2, 4, 8, 64}) {
     const Tensor x = to_dtype(random_f32({T, D}, 1.0f, static_cast<uint32_t>(300 + T)), DType::kBF16);
     Tensor ids = device::empty(Device::kCuda, DType::kI32, {T, k});
     Tensor w = device::empty(Device::kCuda, DType::kF32, {T, k});

@@ -290,12 +290,17 @@ CHIMERA_BENCH(linear_decode) {
   }
 }
 
-// Sampling over the 131072-token vocabulary: greedy, and temperature + top-k 50 + top-p 0.9.
+// Sampling over the 131072-token vocabulary: greedy, and temperature + top-k 50 + top-p 0.9. Greedy at decode
+// batch sizes also inside a CUDA graph (no row upload on that path, so it captures): the device time per call.
 CHIMERA_BENCH(sample_tokens) {
   const ops::Context c{Device::kCuda, nullptr};
   const int64_t V = 131072;
-  for (int64_t R : {int64_t{1}, int64_t{64}, int64_t{256}}) {
-    const Tensor logits = random(DType::kF32, {R, V}, -8.0f, 8.0f);
+  for (int64_t R : {int64_t{1}, int64_t{4}, int64_t{64}, int64_t{256}}) {
+    // Enough row sets that the graph's calls do not all hit L2 (256 MiB, as the other cases).
+    const int64_t n_sets =
+        std::max<int64_t>(1, std::min<int64_t>(kGraphLaunches, static_cast<int64_t>(kRotateBytes / (4.0 * R * V))));
+    std::vector<Tensor> logits;
+    for (int64_t i = 0; i < n_sets; ++i) logits.push_back(random(DType::kF32, {R, V}, -8.0f, 8.0f));
     Tensor ids = device::empty(Device::kCuda, DType::kI32, {R});
     for (const bool greedy : {true, false}) {
       std::vector<ops::SamplingRow> rows(static_cast<size_t>(R));
@@ -303,7 +308,12 @@ CHIMERA_BENCH(sample_tokens) {
         rows[r] = greedy ? ops::SamplingRow{} : ops::SamplingRow{0.8f, 50, 0.9f, 7, r};
       }
       const std::string shape = "R=" + std::to_string(R) + " V=131072 f32 " + (greedy ? "greedy" : "t0.8_k50_p0.9");
-      ctx.run("sample_tokens", shape, 4.0 * R * V, 0, [&] { ops::sample_tokens(c, ids, logits, rows); });
+      ctx.run("sample_tokens", shape, 4.0 * R * V, 0, [&] { ops::sample_tokens(c, ids, logits[0], rows); });
+      if (greedy && R <= 64) {
+        ctx.run_graph("sample_tokens", shape, 4.0 * R * V, 0, [&](cudaStream_t st, int i) {
+          ops::sample_tokens(ops::Context{Device::kCuda, st}, ids, logits[static_cast<size_t>(i % n_sets)], rows);
+        });
+      }
     }
   }
 }

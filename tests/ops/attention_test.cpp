@@ -217,8 +217,10 @@ class OpsAttention : public BackendTest {
   }
 
   // One decode step (one new token per sequence) over caches of ctx_lens tokens written from the host.
+  // device_meta: cu_seqlens / context_lens also on the device (a captured step's inputs), so the split plan is
+  // sized for the block table's capacity and each sequence's CTAs past its own split count exit.
   void run_decode(test::Rng& rng, const AttnCase& c, const std::vector<int32_t>& ctx_lens, int64_t block_size,
-                  DType dtype) const {
+                  DType dtype, bool device_meta = false) const {
     const size_t S = ctx_lens.size();
     std::vector<int32_t> lens(S);
     for (size_t s = 0; s < S; ++s) lens[s] = ctx_lens[s] + 1;
@@ -250,8 +252,16 @@ class OpsAttention : public BackendTest {
       row_pos[s] = ctx_lens[s];
     }
     Tensor out = output(dtype, {T, c.Qh, c.hd});
-    ops::attention(ctx(), out, on_backend(qs, dtype), on_backend(ks, dtype), on_backend(vs, dtype), cache, cu,
-                   ctx_lens, on_backend(l.tables), 1.0f / std::sqrt(float(c.hd)));
+    Tensor cu_dev, ctx_dev;
+    ops::Indices cu_idx(cu), ctx_idx(ctx_lens);
+    if (device_meta) {
+      cu_dev = on_backend(Tensor::from_i32({int64_t(cu.size())}, cu));
+      ctx_dev = on_backend(Tensor::from_i32({int64_t(S)}, ctx_lens));
+      cu_idx = ops::Indices(cu, cu_dev.i32());
+      ctx_idx = ops::Indices(ctx_lens, ctx_dev.i32());
+    }
+    ops::attention(ctx(), out, on_backend(qs, dtype), on_backend(ks, dtype), on_backend(vs, dtype), cache, cu_idx,
+                   ctx_idx, on_backend(l.tables), 1.0f / std::sqrt(float(c.hd)));
     check_rows(out, d, c, row_seq, row_pos, {}, dtype);
     check_cache(cache, d, l, lens, block_size);
   }
@@ -379,6 +389,30 @@ TEST_P(OpsAttention, CudaDecodeNanoHeadsBatch1And8) {
   auto rng = test::Rng::for_test();
   run_decode(rng, {32, 2, 128}, {8191}, 64, DType::kBF16);
   run_decode(rng, {32, 2, 128}, random_lens(rng, 8, 1, 8192), 16, DType::kBF16);
+}
+
+// The split merge: fused into the decode kernel (last split of each (sequence, kv head), ticket) up to 32 splits,
+// the combine kernel beyond (attention_decode.cu, kFuseMaxSplits). Batch 1 at 1K (16 splits) twice in a row: the
+// ticket words must be back at zero; 32 and 33 splits (2047 / 2048 cached tokens): both sides of the bound; ~470
+// splits of a 64-dim head; mixed lengths and a group of 4 (MMA rows 4..15 unused).
+TEST_P(OpsAttention, CudaDecodeSplitMergeFusedAndCombineKernel) {
+  if (!on_cuda()) GTEST_SKIP() << "CUDA-only sizes";
+  auto rng = test::Rng::for_test();
+  for (int rep = 0; rep < 2; ++rep) run_decode(rng, {32, 2, 128}, {1023}, 64, DType::kBF16);
+  run_decode(rng, {32, 2, 128}, {2047}, 64, DType::kBF16);
+  run_decode(rng, {32, 2, 128}, {2048}, 16, DType::kBF16);
+  run_decode(rng, {8, 1, 64}, {30001}, 64, DType::kBF16);
+  run_decode(rng, {32, 2, 128}, {1024, 1, 1000}, 16, DType::kF16);
+  run_decode(rng, {12, 3, 64}, random_lens(rng, 5, 0, 3000), 64, DType::kBF16);
+}
+
+// Device-side metadata (what a captured decode step passes): splits planned for the block table's capacity.
+TEST_P(OpsAttention, CudaDecodeDeviceMetadata) {
+  if (!on_cuda()) GTEST_SKIP() << "CUDA-only sizes";
+  auto rng = test::Rng::for_test();
+  run_decode(rng, {32, 2, 128}, {1023}, 64, DType::kBF16, true);
+  run_decode(rng, {32, 2, 128}, {5000, 0, 77, 1024}, 16, DType::kBF16, true);
+  run_decode(rng, {32, 8, 64}, random_lens(rng, 9, 0, 2000), 64, DType::kF16, true);
 }
 
 TEST_P(OpsAttention, CudaDecodeNanoHeadsBatch8F32) {

@@ -328,7 +328,7 @@ constexpr GateCase kGateCases[] = {{128, 6, 1, 1, 2.5f, 2688}, {512, 22, 1, 1, 5
                                    {512, 22, 8, 2, 5.0f, 4096}, {16, 3, 4, 2, 2.5f, 40},    {33, 5, 1, 1, 1.0f, 37},
                                    {100, 7, 1, 1, 1.0f, 200},   {8, 2, 1, 1, 1.0f, 4}};
 // 1..16: the fused CUDA kernel (decode sizes); 17, 64: the convert + GEMM + router_topk path.
-constexpr int64_t kGateTokens[] = {1, 2, 3, 8, 16, 17, 64};
+constexpr int64_t kGateTokens[] = {1, 2, 3, 4, 8, 16, 17, 64};
 
 TEST_P(OpsRouterGate, ExactLogitsGiveTheReferenceChoices) {
   auto rng = test::Rng::for_test();

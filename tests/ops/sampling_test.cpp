@@ -2,6 +2,7 @@
 // greedy and top_k = 1 bit-equal, seeded draws equal in >= 99% of cases, empirical frequencies right.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -55,6 +56,82 @@ TEST_P(OpsSampling, GreedyAndTopKOneAreTheArgmax) {
     for (int64_t r = 0; r < R; ++r) {
       const float* row = logits.f32() + r * V;
       ASSERT_EQ(want[r], std::max_element(row, row + V) - row);
+    }
+  }
+}
+
+// Greedy with few rows: the CUDA path splits each row over many blocks (sampling.cu, greedy_split_kernel), so
+// planted maxima sit in different blocks' chunks and the lowest id must still win; NaN, -0 / +0 and -inf rows
+// follow std::max_element (a NaN at id 0 wins, a NaN elsewhere never does; -0 ties +0). Both the vectorised
+// (V % 4 == 0) and the scalar layout, and row counts on both sides of the split path's 64-row limit.
+TEST_P(OpsSampling, GreedyFewRowsMatchMaxElement) {
+  auto rng = test::Rng::for_test();
+  const float kNan = std::nanf("");
+  const float kInf = std::numeric_limits<float>::infinity();
+  for (int64_t R : {1, 2, 3, 7, 64, 65}) {
+    for (int64_t V : {2, 1025, 4099, 100003, 131071, 131072, 262148}) {
+      if (R > 7 && V > 4099 && V != 131072) continue;  // keep the CPU side short
+      SCOPED_TRACE(::testing::Message() << "R=" << R << " V=" << V);
+      Tensor logits = rng.normal_tensor({R, V}, 3.0f);
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = logits.f32() + r * V;
+        const float mx = *std::max_element(row, row + V) + 1.0f;
+        const int64_t a = rng.integer(0, V - 1), b = rng.integer(0, V - 1);
+        switch ((r + V) % 6) {
+          case 0:  // two equal maxima, usually in different chunks
+            row[a] = mx;
+            row[b] = mx;
+            break;
+          case 1:  // NaN at id 0 wins
+            row[0] = kNan;
+            row[a] = mx;
+            break;
+          case 2:  // NaNs elsewhere never win, not even over the maximum's id
+            row[a] = mx;
+            row[b] = kNan;
+            row[V - 1] = kNan;
+            if (a != 0) row[a - 1] = kNan;
+            break;
+          case 3:  // every logit -inf but one -0 and one +0: the lower id of the two
+            std::fill(row, row + V, -kInf);
+            row[a] = -0.0f;
+            row[b] = 0.0f;
+            break;
+          case 4:  // all -inf: id 0
+            std::fill(row, row + V, -kInf);
+            break;
+          default:  // the maximum at the very end
+            row[V - 1] = mx;
+            break;
+        }
+      }
+      std::vector<ops::SamplingRow> rows(R);
+      for (int64_t r = 0; r < R; r += 3) rows[r] = ops::SamplingRow{0.9f, 1, 1.0f, 1, 2};  // top_k 1: greedy
+      const auto [got, want] = both(logits, rows);
+      EXPECT_EQ(got, want);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* row = logits.f32() + r * V;
+        ASSERT_EQ(want[r], std::max_element(row, row + V) - row) << "row " << r;
+      }
+    }
+  }
+}
+
+// One sampled row among greedy ones keeps the whole batch on the one-block-per-row kernel; greedy rows there
+// must agree with the split path's answers for the same logits.
+TEST_P(OpsSampling, GreedyRowsBesideASampledRow) {
+  auto rng = test::Rng::for_test();
+  const int64_t R = 5, V = 40961;
+  const Tensor logits = tied_logits(rng, R, V);
+  std::vector<ops::SamplingRow> rows(R);
+  const auto [greedy_only, want] = both(logits, rows);
+  rows[2] = ops::SamplingRow{1.0f, 0, 1.0f, 11, 3};
+  const auto [mixed, mixed_want] = both(logits, rows);
+  EXPECT_EQ(greedy_only, want);
+  EXPECT_EQ(mixed, mixed_want);
+  for (int64_t r = 0; r < R; ++r) {
+    if (r != 2) {
+      EXPECT_EQ(mixed[r], greedy_only[r]) << "row " << r;
     }
   }
 }

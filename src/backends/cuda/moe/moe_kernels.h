@@ -31,16 +31,17 @@ void launch_router_topk(const RouterParams& p, cudaStream_t stream);
 // ---- router gate + top-k in one launch (router.cu; ops::router_gate_topk at decode sizes) ------------------------
 // logits[t, e] = sum_d x[t, d] * gate[e, d] in fp32, then router_topk's selection, in ONE kernel instead of three
 // (x -> fp32 convert, cuBLASLt GEMM, router_topk). Grid: n_split column chunks x ceil(E / kGateWarps) expert
-// groups, kGateWarps warps per block. Block (s, g) stages x[:, s * chunk : (s + 1) * chunk] in shared memory as
-// fp32; its warp w takes expert g * kGateWarps + w, lanes strided over the chunk (16-byte gate loads when D % 4 ==
-// 0), and stores the warp-reduced partial dot product of every token to partial[s, t, e]. The last block to finish
+// groups, kGateWarps warps per block. In block (s, g) warp w takes expert g * kGateWarps + w over the columns
+// s * chunk .. (s + 1) * chunk - 1, lanes strided over the chunk (16-byte gate loads when D % 4 == 0; the lane's
+// gate values into registers first, then x straight from global memory, so both loads overlap), and stores the
+// warp-reduced partial dot product of every token to partial[s, t, e]. The last block to finish
 // (a ticket counter that wraps back to zero, so a graph replay finds it ready) sums the partials in split order
 // (deterministic: the same logits on every run) into shared memory and routes the T tokens with router_topk's own
 // device code: one warp per token, or the block-per-token select token after token. The logits differ from
 // cuBLASLt's by fp32 summation order only.
 inline constexpr int kGateMaxTokens = 16;      // the selection's one warp per token; larger T: the three-op path
 inline constexpr int kGateWarps = 16;          // warps per block (512 threads: also the block-select width)
-inline constexpr int kGateMaxChunk = 512;      // columns per split (x staging: T x chunk fp32 <= 32 KiB)
+inline constexpr int kGateMaxChunk = 512;      // columns per split (a lane holds chunk / 32 gate values)
 inline constexpr int kGateTargetBlocks = 132;  // about one block per H200 SM (more splits: more partials to sum)
 inline constexpr size_t kGateMaxSmemBytes = 100 * 1024;
 struct GateSplit {

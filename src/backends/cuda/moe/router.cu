@@ -365,9 +365,69 @@ struct GateLaunch {
   bool vec4;  // 16-byte gate loads: D % 4 == 0 and an aligned gate
 };
 
+// Phase 1 of warp `e`'s expert over columns [d0, d0 + len) of every token: the partial dot products, warp-reduced,
+// stored to partial[split, t, e]. Lane l takes columns l*4 + 128 j (vec4) or l + 32 j: in the vec4 path the gate
+// values first (all of them into registers: constant weights, no dependence on x), then x straight from global
+// memory (L1: every warp of the block reads the same chunk), so the gate and x loads are in flight together and no
+// shared-memory staging barrier sits on the chain. The fmaf order per lane (columns ascending) and the butterfly
+// are the same as with the former shared-memory staging: bit-identical partials. Registers: 64 per thread (40 to
+// 64 before), still two 512-thread blocks per SM, except the group-limited 512-expert instance (96: one per SM).
+template <typename XT>
+__device__ __forceinline__ void gate_partial(const GateLaunch& L, int split, int d0, int len, int e, int lane) {
+  const GateTopkParams& g = L.g;
+  const int T = g.route.T, E = g.route.E;
+  const XT* x = static_cast<const XT*>(g.x);
+  const float* w = g.gate + static_cast<int64_t>(e) * g.D + d0;
+  float acc[kGateMaxTokens];
+#pragma unroll
+  for (int t = 0; t < kGateMaxTokens; ++t) acc[t] = 0.0f;
+  if (L.vec4) {  // chunk and d0 are multiples of 4: 16-byte aligned gate rows
+    constexpr int kSteps = kGateMaxChunk / 128;
+    float4 wv[kSteps];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const int d = lane * 4 + 128 * j;
+      wv[j] = d < len ? __ldg(reinterpret_cast<const float4*>(w + d)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const int d = lane * 4 + 128 * j;
+      if (d < len) {
+#pragma unroll
+        for (int t = 0; t < kGateMaxTokens; ++t) {
+          if (t < T) {
+            const XT* xr = x + static_cast<int64_t>(t) * g.D + d0 + d;
+            acc[t] = fmaf(wv[j].x, to_float<XT>(xr[0]), acc[t]);
+            acc[t] = fmaf(wv[j].y, to_float<XT>(xr[1]), acc[t]);
+            acc[t] = fmaf(wv[j].z, to_float<XT>(xr[2]), acc[t]);
+            acc[t] = fmaf(wv[j].w, to_float<XT>(xr[3]), acc[t]);
+          }
+        }
+      }
+    }
+  } else {  // D % 4 != 0 (no model shape): streamed, one column per lane and step
+    for (int d = lane; d < len; d += 32) {
+      const float wv = __ldg(w + d);
+#pragma unroll
+      for (int t = 0; t < kGateMaxTokens; ++t) {
+        if (t < T) acc[t] = fmaf(wv, to_float<XT>(x[static_cast<int64_t>(t) * g.D + d0 + d]), acc[t]);
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kGateMaxTokens; ++t) {
+    if (t < T) {
+      float v = acc[t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+      if (lane == 0) g.partial[(static_cast<int64_t>(split) * T + t) * E + e] = v;
+    }
+  }
+}
+
 template <int NPER, bool kGroups>
 __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const GateLaunch L) {
-  // Phase 1: x chunk [T][chunk] fp32. Phase 2: logits [T][E], then (kGroups) each warp's E + 2 n_group floats.
+  // Phase 2: logits [T][E], then (kGroups) each warp's E + 2 n_group floats.
   extern __shared__ float4 gate_smem4[];
   float* smem = reinterpret_cast<float*>(gate_smem4);
   __shared__ bool s_last;
@@ -388,48 +448,13 @@ __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const Ga
   pdl_wait();
   pdl_trigger();
 
-  for (int i = static_cast<int>(threadIdx.x); i < T * len; i += kGateThreads) {
-    const int t = i / len, d = i - t * len;
-    smem[t * chunk + d] = load_elem(g.x, g.x_dtype, static_cast<int64_t>(t) * g.D + d0 + d);
-  }
-  __syncthreads();
-
   if (e < E) {
-    float acc[kGateMaxTokens];
-#pragma unroll
-    for (int t = 0; t < kGateMaxTokens; ++t) acc[t] = 0.0f;
-    const float* w = g.gate + static_cast<int64_t>(e) * g.D + d0;
-    if (L.vec4) {  // chunk and d0 are multiples of 4: 16-byte aligned gate and shared rows
-      for (int d = lane * 4; d < len; d += 128) {
-        const float4 wv = __ldg(reinterpret_cast<const float4*>(w + d));
-#pragma unroll
-        for (int t = 0; t < kGateMaxTokens; ++t) {
-          if (t < T) {
-            const float4 xv = *reinterpret_cast<const float4*>(smem + t * chunk + d);
-            acc[t] = fmaf(wv.x, xv.x, acc[t]);
-            acc[t] = fmaf(wv.y, xv.y, acc[t]);
-            acc[t] = fmaf(wv.z, xv.z, acc[t]);
-            acc[t] = fmaf(wv.w, xv.w, acc[t]);
-          }
-        }
-      }
+    if (g.x_dtype == DType::kBF16) {
+      gate_partial<__nv_bfloat16>(L, split, d0, len, e, lane);
+    } else if (g.x_dtype == DType::kF16) {
+      gate_partial<__half>(L, split, d0, len, e, lane);
     } else {
-      for (int d = lane; d < len; d += 32) {
-        const float wv = __ldg(w + d);
-#pragma unroll
-        for (int t = 0; t < kGateMaxTokens; ++t) {
-          if (t < T) acc[t] = fmaf(wv, smem[t * chunk + d], acc[t]);
-        }
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < kGateMaxTokens; ++t) {
-      if (t < T) {
-        float v = acc[t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-        if (lane == 0) g.partial[(static_cast<int64_t>(split) * T + t) * E + e] = v;
-      }
+      gate_partial<float>(L, split, d0, len, e, lane);
     }
   }
 
@@ -445,10 +470,22 @@ __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const Ga
   __threadfence();
 
   // Phase 2: logits = the partials summed in split order (L2 reads: other SMs wrote them).
+  // Eight independent L2 loads in flight per step, added in split order (the same sums as one at a time).
   float* s_logits = smem;
+  const int n_split = g.split.n_split;
   for (int i = static_cast<int>(threadIdx.x); i < T * E; i += kGateThreads) {
+    const float* src = g.partial + i;
+    const int64_t stride = static_cast<int64_t>(T) * E;
     float v = 0.0f;
-    for (int s = 0; s < g.split.n_split; ++s) v += __ldcg(g.partial + static_cast<int64_t>(s) * T * E + i);
+    int s = 0;
+    for (; s + 8 <= n_split; s += 8) {
+      float q[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q[j] = __ldcg(src + (s + j) * stride);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v += q[j];
+    }
+    for (; s < n_split; ++s) v += __ldcg(src + s * stride);
     s_logits[i] = v;
   }
   __syncthreads();
@@ -466,11 +503,11 @@ __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const Ga
   }
 }
 
-size_t gate_smem_bytes(int T, int E, int n_group, int chunk) {
-  const size_t phase1 = sizeof(float) * static_cast<size_t>(T) * static_cast<size_t>(chunk);
+// Phase 2's logits (and the group-limited warps' scratch); phase 1 needs no shared memory.
+size_t gate_smem_bytes(int T, int E, int n_group, int /*chunk*/) {
   size_t phase2 = sizeof(float) * static_cast<size_t>(T) * static_cast<size_t>(E);
   if (n_group > 1) phase2 += sizeof(float) * static_cast<size_t>(T) * static_cast<size_t>(E + 2 * n_group);
-  return std::max(phase1, phase2);
+  return phase2;
 }
 
 template <int NPER, bool kGroups>

@@ -1,6 +1,7 @@
 // Token sampling on the GPU, the same function as the CPU reference (backends/cpu/sampling.cpp):
-// greedy argmax (ties -> lowest id), or temperature / top-k / top-p / inverse-CDF sampling in descending
-// logit order (ties: lower id first) with the counter-based uniform of core/counter_rng.h.
+// greedy argmax (the first maximum, as std::max_element: ties -> lowest id, a NaN wins only at id 0), or
+// temperature / top-k / top-p / inverse-CDF sampling in descending logit order (ties: lower id first) with the
+// counter-based uniform of core/counter_rng.h.
 //
 // No sort. Each step of the reference is "the first element of the sorted order at which a running total
 // reaches a target", so each is a radix select over the order-preserving 32-bit key of the logit, 8 bits per
@@ -17,6 +18,15 @@
 // combine (match_any + reduce) before a single leader updates the warp's histogram: no atomic contention.
 //
 // One block of kThreads per row; greedy rows take one pass over the row, sampled rows about 14.
+//
+// Greedy with few rows (a decode step at batch 1..64, every row greedy): one block per row would leave one SM
+// reading the whole 512 KB row (23.7 us at V = 131072 on the H200). greedy_split_kernel instead cuts each row
+// into up to 128 chunks of >= 1024 logits, one block each; a block folds its chunk into one 64-bit key
+// (order-preserving logit in the high word, ~id in the low word, so the maximum key is "largest logit, then
+// lowest id") and atomicMax-es it into the row's word; the last block of the grid (ticket) turns the words
+// into ids and resets them, so the scratch is zero again for the next launch or graph replay.
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "backends/cuda/cuda_common.cuh"
@@ -51,6 +61,22 @@ __device__ __forceinline__ float float_of(uint32_t key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
+// The key of logit v at id i: the maximum key is the reference's std::max_element, the first maximum.
+// max_element compares with <, so a NaN never replaces a maximum found earlier and nothing replaces a NaN at
+// id 0: NaN at id 0 -> ~0 (wins), NaN elsewhere -> 0 (loses to every number). -0 and +0 share a key (tie).
+__device__ __forceinline__ unsigned long long greedy_key(float v, int i) {
+  if (isnan(v)) return i == 0 ? ~0ull : 0ull;
+  return (static_cast<unsigned long long>(key_of(v)) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
+}
+__device__ __forceinline__ int greedy_id(unsigned long long k) {
+  return static_cast<int>(0xffffffffu - static_cast<uint32_t>(k));
+}
+
+__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long k) {
+  for (int off = 16; off > 0; off /= 2) k = max(k, __shfl_xor_sync(0xffffffffu, k, off));
+  return k;
+}
+
 // Softmax numerator exp((l - max) / T) in double (as the reference), as 40-bit fixed point.
 __device__ __forceinline__ uint64_t mass_of(float l, float mx, float t) {
   const double e = exp((static_cast<double>(l) - static_cast<double>(mx)) / static_cast<double>(t));
@@ -63,8 +89,6 @@ struct Shared {
   unsigned long long bucket_mass[kBuckets];
   int bucket_count[kBuckets];
   unsigned long long red_u[kWarps];
-  float red_v[kWarps];
-  int red_i[kWarps];
   int scan[kThreads];
   int chosen;
   unsigned long long mass_above;
@@ -83,31 +107,15 @@ __device__ uint64_t block_sum(uint64_t v, Shared& sh) {
   return s;
 }
 
-// First maximum (lowest id among equal maxima), as std::max_element.
-__device__ void block_argmax(float& v, int& i, Shared& sh) {
-  for (int off = 16; off > 0; off /= 2) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, off);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, off);
-    if (ov > v || (ov == v && oi < i)) {
-      v = ov;
-      i = oi;
-    }
-  }
+// The block's maximum greedy_key (every thread gets it).
+__device__ unsigned long long block_max_key(unsigned long long k, Shared& sh) {
+  k = warp_max_u64(k);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();
-  if (lane == 0) {
-    sh.red_v[warp] = v;
-    sh.red_i[warp] = i;
-  }
+  if (lane == 0) sh.red_u[warp] = k;
   __syncthreads();
-  v = sh.red_v[0];
-  i = sh.red_i[0];
-  for (int w = 1; w < kWarps; ++w) {
-    if (sh.red_v[w] > v || (sh.red_v[w] == v && sh.red_i[w] < i)) {
-      v = sh.red_v[w];
-      i = sh.red_i[w];
-    }
-  }
+  for (int w = 0; w < kWarps; ++w) k = max(k, sh.red_u[w]);
+  return k;
 }
 
 // Calls f(value, index, valid) for the row in steps of four consecutive elements per thread (one 16-byte load when
@@ -287,21 +295,17 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) 
   const ops::SamplingRow row = p.rows[r];
   const int tid = threadIdx.x;
 
-  float best = -INFINITY;
-  int best_i = V;  // "none yet": loses every tie against a real index
-  for (int i = tid; i < V; i += kThreads) {
-    const float v = l[i];
-    if (v > best || best_i == V) {
-      best = v;
-      best_i = i;
-    }
-  }
-  block_argmax(best, best_i, sh);
+  // The first maximum, as std::max_element (greedy_key).
+  unsigned long long best = 0;
+  for_each4(l, V, [&](float v, int i, bool valid) {
+    if (valid) best = max(best, greedy_key(v, i));
+  });
+  const int best_i = greedy_id(block_max_key(best, sh));
   if (row.temperature == 0.0f || row.top_k == 1) {
     if (tid == 0) p.out_ids[r] = best_i;
     return;
   }
-  const float mx = best, t = row.temperature;
+  const float mx = l[best_i], t = row.temperature;
 
   // Z: the softmax mass of the top-k (or of every token). Later steps only look at keys >= min_key.
   uint32_t min_key = 0;
@@ -332,6 +336,78 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) 
   if (tid == 0) p.out_ids[r] = id;
 }
 
+// ---- greedy rows split over many blocks (see the header) ------------------------------------------------------
+constexpr int kGreedyMaxRows = 64;               // the split path's rows: one scratch word each
+constexpr int kGreedyTargetBlocks = 2 * 132;     // about two blocks per H200 SM
+constexpr int kGreedyMinChunk = 4 * kThreads;    // one float4 per thread
+constexpr int kGreedyMaxSplits = 128;
+constexpr int kTicketSlots = 64;                 // one per host thread (mod 64), as router.cu's g_gate_tickets
+// Zero at module load; every launch leaves its slot's words and ticket at zero.
+__device__ unsigned long long g_greedy_best[kTicketSlots][kGreedyMaxRows];
+__device__ unsigned int g_greedy_tickets[kTicketSlots];
+
+struct GreedyParams {
+  int32_t* out_ids;     // [R]
+  const float* logits;  // [R, V]
+  int vocab;
+  int chunk;            // logits per block, a multiple of 4; grid.x = ceil(V / chunk)
+  int slot;             // ticket slot of the calling host thread
+  bool vec4;            // 16-byte loads: V % 4 == 0 and aligned logits
+};
+
+// grid (splits, R), kThreads. Block (s, r) takes logits [s * chunk, min(V, (s + 1) * chunk)) of row r.
+__global__ void __launch_bounds__(kThreads) greedy_split_kernel(const GreedyParams p) {
+  __shared__ unsigned long long s_warp[kWarps];
+  __shared__ bool s_last;
+  const int r = static_cast<int>(blockIdx.y), tid = static_cast<int>(threadIdx.x);
+  const int c0 = static_cast<int>(blockIdx.x) * p.chunk, c1 = min(p.vocab, c0 + p.chunk);
+  const float* l = p.logits + static_cast<int64_t>(r) * p.vocab;
+  pdl_wait();  // the logits come from the previous kernel
+  pdl_trigger();
+
+  unsigned long long best = 0;
+  if (p.vec4) {  // c0, c1 and the row start are multiples of 4: whole float4s
+    for (int i = c0 + 4 * tid; i < c1; i += 4 * kThreads) {
+      const float4 q = __ldg(reinterpret_cast<const float4*>(l + i));
+      best = max(best, max(max(greedy_key(q.x, i), greedy_key(q.y, i + 1)),
+                           max(greedy_key(q.z, i + 2), greedy_key(q.w, i + 3))));
+    }
+  } else {
+    for (int i = c0 + tid; i < c1; i += kThreads) best = max(best, greedy_key(__ldg(l + i), i));
+  }
+  best = warp_max_u64(best);
+  if (tid % 32 == 0) s_warp[tid / 32] = best;
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < kWarps; ++w) best = max(best, s_warp[w]);
+    atomicMax(&g_greedy_best[p.slot][r], best);
+    __threadfence();  // the maximum before the ticket
+    const unsigned int n_blocks = gridDim.x * gridDim.y;
+    s_last = atomicInc(&g_greedy_tickets[p.slot], n_blocks - 1) == n_blocks - 1;  // wraps back to zero
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // Every row has a nonzero key (a number at id 0, or ~0 for a NaN there); read it and leave zero behind.
+  for (int row = tid; row < static_cast<int>(gridDim.y); row += kThreads) {
+    p.out_ids[row] = greedy_id(atomicExch(&g_greedy_best[p.slot][row], 0ull));
+  }
+}
+
+int greedy_ticket_slot() {
+  static std::atomic<int> next{0};
+  thread_local const int slot = next.fetch_add(1) % kTicketSlots;
+  return slot;
+}
+
+// Blocks per row for the split path, or 1 where one block per row already fills the GPU (or V is short).
+int greedy_splits(int64_t R, int64_t V) {
+  if (R > kGreedyMaxRows) return 1;
+  const int64_t want = (kGreedyTargetBlocks + R - 1) / R;
+  const int64_t most = std::min<int64_t>(kGreedyMaxSplits, (V + kGreedyMinChunk - 1) / kGreedyMinChunk);
+  return static_cast<int>(std::max<int64_t>(1, std::min(want, most)));
+}
+
 }  // namespace
 
 void sample_tokens(const ops::Context& ctx, const Tensor& out_ids, const Tensor& logits,
@@ -344,6 +420,17 @@ void sample_tokens(const ops::Context& ctx, const Tensor& out_ids, const Tensor&
     throw_runtime(str_cat(op, ": logits ", logits.describe(), " exceed the CUDA sampler's 2^24 vocabulary"));
   }
   const cudaStream_t stream = as_stream(ctx.stream);
+  bool all_greedy = true;
+  for (const ops::SamplingRow& row : rows) all_greedy = all_greedy && (row.temperature == 0.0f || row.top_k == 1);
+  const int splits = all_greedy ? greedy_splits(R, V) : 1;
+  if (splits > 1) {  // no row parameters needed: nothing to upload (and the launch can be graph-captured)
+    const int chunk = ceil_div(ceil_div(V, splits), 4) * 4;
+    const GreedyParams g{out_ids.data_as<int32_t>(), logits.data_as<const float>(), static_cast<int>(V), chunk,
+                         greedy_ticket_slot(), V % 4 == 0 && reinterpret_cast<uintptr_t>(logits.data()) % 16 == 0};
+    const dim3 grid(static_cast<unsigned>(ceil_div(V, chunk)), static_cast<unsigned>(R));
+    CHIMERA_CUDA_CHECK(launch(greedy_split_kernel, grid, dim3(kThreads), 0, stream, g), op);
+    return;
+  }
   SampleParams p{out_ids.data_as<int32_t>(), logits.data_as<const float>(), nullptr, static_cast<int>(V)};
   p.rows =
       static_cast<const ops::SamplingRow*>(upload_scratch(rows.data(), rows.size_bytes(), stream, kRowsScratchSlot));
