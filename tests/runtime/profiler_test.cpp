@@ -128,7 +128,9 @@ TEST_P(ProfilerTest, TinyModelPrefillAndDecodeStepsByOpKind) {
   // Decode: conv update + selective state update + gated norm, or on CUDA at small batch the fused op instead.
   const int64_t fused = calls(dec, "mamba_decode_update");
   EXPECT_TRUE(fused == 0 || fused == n_mamba) << fused;
-  if (GetParam() == Device::kCpu) EXPECT_EQ(fused, 0);
+  if (GetParam() == Device::kCpu) {
+    EXPECT_EQ(fused, 0);
+  }
   EXPECT_EQ(calls(dec, "causal_conv1d_update"), n_mamba - fused);
   EXPECT_EQ(calls(dec, "selective_state_update"), n_mamba - fused);
   EXPECT_EQ(calls(dec, "ssd_chunk_scan"), 0);
