@@ -33,7 +33,7 @@ void require(const void* p, bool needed, const char* name, FusionPattern pattern
 
 // One rank's workspace (one cudaMalloc, peer-mapped by every other rank):
 //   lamport  [3][n_ranks][M]   pre-filled with the empty pattern
-//   staging  [M]               TWOSHOT: this rank's input
+//   staging  [n_ranks - 1][M]  TWOSHOT: the peers' parts of this rank's shares
 //   reduced  [M]               TWOSHOT: the sums
 //   flags    [kMaxBlocks][kMaxRanks] u32, epochs [kMaxBlocks] u32, LamportState, LamportBlockState [kOneShotGrid]
 struct AllReduceFusion::RankState {
@@ -52,8 +52,10 @@ struct AllReduceFusion::RankState {
 AllReduceFusion::AllReduceFusion(const Communicator& comm, const Topology& topology, AllReduceConfig config)
     : comm_(comm), config_(config) {
   const int n = comm.size();
-  if (config_.max_message_bytes <= 0 || config_.max_message_bytes % 16 != 0) {
-    invalid_input("dist::AllReduceFusion: max_message_bytes {} must be a positive multiple of 16",
+  // < 2^35 bytes: the TWOSHOT kernel indexes a message's 16-byte vectors in 32 bits.
+  if (config_.max_message_bytes <= 0 || config_.max_message_bytes % 16 != 0 ||
+      config_.max_message_bytes >= (int64_t{1} << 35)) {
+    invalid_input("dist::AllReduceFusion: max_message_bytes {} must be a positive multiple of 16 below 32 GiB",
                   config_.max_message_bytes);
   }
   for (int r = 0; r < comm.local_ranks(); ++r) ranks_.push_back(std::make_unique<RankState>());
@@ -63,7 +65,7 @@ AllReduceFusion::AllReduceFusion(const Communicator& comm, const Topology& topol
 
   const int64_t m = config_.max_message_bytes;
   const int64_t lamport_bytes = int64_t{kLamportSlots} * n * m;
-  const int64_t staging_off = lamport_bytes, reduced_off = staging_off + m, flags_off = reduced_off + m;
+  const int64_t staging_off = lamport_bytes, reduced_off = staging_off + int64_t{n - 1} * m, flags_off = reduced_off + m;
   const int64_t epochs_off = align_up(flags_off + int64_t{kMaxBlocks} * kMaxRanks * 4, 256);
   const int64_t state_off = align_up(epochs_off + int64_t{kMaxBlocks} * 4, 256);
   const int64_t blocks_off = align_up(state_off + static_cast<int64_t>(sizeof(cuda::dist::LamportState)), 256);

@@ -31,7 +31,7 @@ struct AllReduceConfig {
   // CHIMERA_ALLREDUCE_STRATEGY environment variable, read once there); never read from the environment here.
   AllReduceStrategy strategy = AllReduceStrategy::kAuto;
   // Workspace capacity per message: max tokens x hidden x element size (seed: 64 MiB). Each rank allocates
-  // 3 x n_ranks x this (Lamport) + 2 x this (TWOSHOT staging, sums). Larger messages go to NCCL.
+  // 3 x n_ranks x this (Lamport) + n_ranks x this (TWOSHOT staging, sums). Larger messages go to NCCL.
   int64_t max_message_bytes = int64_t{64} << 20;
   // With strategy kAuto: instead of the lookup table, time every eligible strategy end to end (NCCL with its
   // separate norm kernel) the first time a (pattern, dtype, hidden bucket, tokens bucket) is seen, on the caller's

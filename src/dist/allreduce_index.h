@@ -58,8 +58,8 @@ CHIMERA_HD int64_t lamport_clear_offset(int slot, int64_t j, int n_ranks, int64_
 
 // ---- TWOSHOT ownership ------------------------------------------------------------------------------------
 // Every row (token) is split into n_ranks contiguous ranges of 16-byte vectors; rank r reduces range r of the
-// row (reads it from every rank's staging buffer, sums in rank order, writes the sum into every rank's reduced
-// buffer). Splitting each row, rather than the token list, keeps one block on one set of rows through both
+// row (every peer pushed its part of range r into r's staging buffer; r sums in rank order, its own part from
+// its input, and writes the sum into every rank's reduced buffer). Splitting each row, rather than the token list, keeps one block on one set of rows through both
 // phases on every rank, so the per-block barriers order every write a block later reads (the all-gather of
 // row t reads only what the peers' block of row t wrote before they reached barrier 2). The first
 // n_vecs % n_ranks ranks own one vector more, so ranges differ by at most one vector and cover the row.
@@ -72,6 +72,9 @@ CHIMERA_HD Range twoshot_range(int rank, int n_ranks, int64_t n_vecs) {
   const int64_t begin = rank * base + (rank < extra ? rank : extra);
   return Range{begin, begin + base + (rank < extra ? 1 : 0)};
 }
+// Where rank `src` pushes its part of rank `dst`'s shares: region src < dst ? src : src - 1 of dst's staging
+// buffer, [n_ranks - 1][max message] (a rank never pushes to itself: it reads its own part from its input).
+CHIMERA_HD int twoshot_staging_region(int src, int dst) { return src < dst ? src : src - 1; }
 // Which rank reduces vector v of a row of n_vecs (the inverse of twoshot_range).
 CHIMERA_HD int twoshot_owner(int64_t v, int n_ranks, int64_t n_vecs) {
   const int64_t base = n_vecs / n_ranks, extra = n_vecs % n_ranks;

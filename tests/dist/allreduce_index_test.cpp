@@ -36,6 +36,22 @@ TEST_P(RanksTest, TwoShotRangesPartitionEveryRow) {
   }
 }
 
+TEST_P(RanksTest, TwoShotStagingRegionsAreOnePerPeer) {
+  // Every rank d's staging holds n - 1 regions: each peer s != d pushes into its own one, all in range.
+  const int n = GetParam();
+  for (int d = 0; d < n; ++d) {
+    std::vector<int> users(static_cast<size_t>(n - 1), 0);
+    for (int s = 0; s < n; ++s) {
+      if (s == d) continue;
+      const int region = twoshot_staging_region(s, d);
+      ASSERT_GE(region, 0) << s << " -> " << d;
+      ASSERT_LT(region, n - 1) << s << " -> " << d;
+      ++users[static_cast<size_t>(region)];
+    }
+    for (int u : users) EXPECT_EQ(u, 1) << "rank " << d;
+  }
+}
+
 TEST_P(RanksTest, LamportRegionsDoNotOverlap) {
   const int n = GetParam();
   const int64_t stride = 1000, msg = 640;  // a message smaller than the capacity

@@ -656,7 +656,16 @@ TEST_F(AllReduceTwoGpu, BackToBackCallsWithoutHostSync) {
   // changes from call to call (the per-block kernel's clear extents must follow); the last call takes every row.
   // Each call updates the residual in place, so an error in any call reaches the final residual_out, which is
   // checked against a host replay of the chain (same fp32 order as the kernels, rounded to the dtype per call).
-  constexpr int kCalls = 200;
+  // Call j reads input set j % kSets (different values at the same addresses): a kernel that read a peer's data
+  // of the previous call (a staging / Lamport buffer reused too early) would add the wrong set's values.
+  //
+  // The replay rounds like the strategy that ran each call: ONESHOT adds the fp32 sum to the residual and rounds
+  // once; TWOSHOT (its all-gather moves dtype values) and NCCL (its output is in the dtype) round the sum to the
+  // dtype first. One call's double rounding stays within the tolerance, but the in-place chain amplifies it: once
+  // the bf16 residual's step (0.5 from 64) is about the sum, a sum near a tie (0.748 -> 0.75) adds 0.5 per call
+  // single-rounded and 0.5 or 1 (ties to even) double-rounded. A replay that rounded once for TWOSHOT reproduced
+  // the first H200 failure exactly on the host (14411 and 14530 of 430080; got 180 want 122.248 at element 131).
+  constexpr int kCalls = 200, kSets = 3;
   constexpr int64_t kHidden = 2688, kRows = 160;
   const int64_t tokens_list[] = {1, 7, 64, 129, 160, 2, 33};
   const bool pdl_before = device::pdl_enabled();
@@ -665,33 +674,50 @@ TEST_F(AllReduceTwoGpu, BackToBackCallsWithoutHostSync) {
     for (Variant v : {kOneShotLegacy, kOneShotPerBlock, kAutoPerBlock, kTwoShot}) {
       for (DType t : {DType::kBF16, DType::kF32}) {
         const std::string name = variant_name(v) + " " + std::string(dtype_name(t)) + (pdl ? " pdl" : " no pdl");
-        const CallData d = make_data(t, kRows, kHidden, 5000 + static_cast<uint64_t>(v.strategy) * 16 +
-                                                            static_cast<uint64_t>(v.oneshot) * 4 + (pdl ? 2 : 0) +
-                                                            (t == DType::kF32 ? 1 : 0));
+        const uint64_t seed = 5000 + static_cast<uint64_t>(v.strategy) * 16 + static_cast<uint64_t>(v.oneshot) * 4 +
+                              (pdl ? 2 : 0) + (t == DType::kF32 ? 1 : 0);
+        // Set 0 also gives the starting residual and the norm weight.
+        std::vector<CallData> sets;
+        for (int k = 0; k < kSets; ++k) sets.push_back(make_data(t, kRows, kHidden, seed + 1000 * static_cast<uint64_t>(k)));
+        const CallData& d = sets[0];
         std::vector<int64_t> tokens(kCalls);
         for (int j = 0; j < kCalls; ++j) tokens[static_cast<size_t>(j)] = tokens_list[mix(11, static_cast<uint64_t>(j)) % 7];
         tokens.back() = kRows;
-        // Host replay: residual <- round(((0 + in0) + in1) + residual) on the first tokens[j] rows, call by call.
-        CallData last = d;
-        HostArray chain = d.residual;
+        // Host replay of calls 0 .. kCalls - 2 on their first tokens[j] rows:
+        //   ONESHOT:        residual <- round((0 + in0) + in1 + residual)
+        //   TWOSHOT, NCCL:  residual <- round(round((0 + in0) + in1) + residual)
+        HostArray chain = d.residual, sum;
         for (int j = 0; j + 1 < kCalls; ++j) {
-          const size_t n = static_cast<size_t>(tokens[static_cast<size_t>(j)] * kHidden);
-          for (size_t i = 0; i < n; ++i) {
-            chain.values[i] = ((0.0f + d.input[0].values[i]) + d.input[1].values[i]) + chain.values[i];
-          }
+          const CallData& s = sets[static_cast<size_t>(j % kSets)];
+          AllReduceParams q = params_for(0, d, FusionPattern::kResidualRmsNorm, true);
+          q.tokens = tokens[static_cast<size_t>(j)];
+          const AllReduceStrategy took = fusion_[v]->choose(q);
+          const size_t n = static_cast<size_t>(q.tokens * kHidden);
+          sum.values.resize(n);
+          for (size_t i = 0; i < n; ++i) sum.values[i] = (0.0f + s.input[0].values[i]) + s.input[1].values[i];
+          if (took != AllReduceStrategy::kOneShot) round_to(t, sum);
+          for (size_t i = 0; i < n; ++i) chain.values[i] = sum.values[i] + chain.values[i];
           round_to(t, chain);
         }
+        CallData last = sets[static_cast<size_t>((kCalls - 1) % kSets)];
         last.residual = chain;  // the residual the last call sees
+        last.weight = d.weight;
         const Reference ref = reference(last);
         comm_->run_ranks([&](int r) {
           upload(r, last, &ref);
-          // the chain starts from d's residual, not the replayed one
+          // every set's input side by side in the input buffer; the chain starts from d's residual
+          for (int k = 0; k < kSets; ++k) {
+            check_cuda(cudaMemcpy(static_cast<char*>(buffers_[r].input) + static_cast<size_t>(k) * d.bytes(),
+                                  sets[static_cast<size_t>(k)].input[r].bytes.data(), d.bytes(), cudaMemcpyHostToDevice),
+                       "upload input set");
+          }
           check_cuda(cudaMemcpy(buffers_[r].residual_in, d.residual.bytes.data(), d.bytes(), cudaMemcpyHostToDevice),
                      "upload residual");
           poison(r, d, true);
           for (int j = 0; j < kCalls; ++j) {
             AllReduceParams p = params_for(r, d, FusionPattern::kResidualRmsNorm, true);
             p.tokens = tokens[static_cast<size_t>(j)];
+            p.input = static_cast<const char*>(buffers_[r].input) + static_cast<size_t>(j % kSets) * d.bytes();
             fusion_[v]->run(r, p, buffers_[r].stream);
           }
           check_cuda(cudaStreamSynchronize(buffers_[r].stream), "rank stream");

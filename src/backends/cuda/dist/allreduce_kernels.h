@@ -54,10 +54,12 @@ struct PeerArgs {
   int rank;
   int n_ranks;
   void* lamport[kMaxRanks];       // [3][n_ranks][slot_stride_bytes] each, pre-filled with the empty pattern
-  int64_t lamport_stride_bytes;   // bytes of one rank's region in one slot (= max message bytes)
+  int64_t lamport_stride_bytes;   // bytes of one rank's region in one slot (= max message bytes); also the
+                                  // bytes of one TWOSHOT staging region
   LamportState* lamport_state;    // this rank's (legacy ONESHOT)
   LamportBlockState* lamport_blocks;  // this rank's, [kOneShotGrid] (per-block ONESHOT)
-  void* staging[kMaxRanks];       // TWOSHOT: every rank's copy of its input, [max message bytes]
+  void* staging[kMaxRanks];       // TWOSHOT: every rank's [n_ranks - 1][max message bytes] regions, where the
+                                  // peers push their parts of its shares (twoshot_staging_region)
   void* reduced[kMaxRanks];       // TWOSHOT: every rank's buffer of sums, [max message bytes]
   uint32_t* flags[kMaxRanks];     // TWOSHOT barrier flags of every rank: [kMaxBlocks][kMaxRanks] epochs
   uint32_t* epochs;               // TWOSHOT: this rank's barrier count per block, [kMaxBlocks]
@@ -72,8 +74,9 @@ void launch_oneshot(DType dtype, FusionPattern pattern, const FusionArgs& args, 
 // Never mix it with launch_oneshot on one workspace (different slot counters).
 void launch_oneshot_per_block(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,
                               void* stream);
-// TWOSHOT (seed 4.2.2): stage the input, barrier, reduce this rank's share of every row from all ranks and
-// write it to all ranks, barrier, fuse from the local buffer. One kernel; graph-capturable.
+// TWOSHOT (seed 4.2.2): push each peer's share of the input into its staging buffer, barrier, reduce this rank's
+// share of every row and write it to all ranks, barrier, fuse from the local buffer. One kernel, launched with
+// programmatic dependent launch when device::pdl_enabled(); graph-capturable.
 void launch_twoshot(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,
                     void* stream);
 // The NCCL path's epilogue: args.input already holds the full sum; residual add + RMSNorm (+ FP8) in one pass.
