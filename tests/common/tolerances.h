@@ -61,5 +61,11 @@ inline constexpr double kGpuBf16Top1Agreement = 0.99;
 // gap to issue 4's 99 % is reported, not hidden.
 inline constexpr double kGpuBf16Top1AgreementSuperLike = 0.97;
 inline constexpr double kGpuBf16LogitsRelToMaxSuperLike = 0.08;
+// The CPU backend on bf16 weights (fp32 math; models/nemotron_h_bf16_test.cpp) vs the same transformers bf16 logits,
+// same measure: issue 4's bar for every fixture, super_like included. Measured 2026-11-30: all_kinds 171 / 171,
+// p90 0.019; legacy_dense 163 / 163, p90 0.019; super_like 170 / 171 = 99.4 %, p90 0.026 (its one miss is a router
+// near-tie in the last MoE layer; one more flip would fail the bar, see the super_like note above).
+inline constexpr double kCpuBf16WeightsTop1Agreement = 0.99;
+inline constexpr double kCpuBf16WeightsLogitsRelToMax = 0.05;
 
 }  // namespace chimera::test
