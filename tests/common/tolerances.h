@@ -49,12 +49,23 @@ inline constexpr double kGpuBf16TieMargin = 1.0 / 64;
 inline constexpr double kGpuBf16LogitsRelToMax = 0.05;
 inline constexpr double kGpuBf16Top1Agreement = 0.99;
 // super_like (LatentMoE, 16 experts top-3, groups, scale 2.5, correction bias std 0.5) does NOT meet the bar above:
-// measured on the H200 (2026-11-30) 166 / 171 = 97.1 % of decidable positions and p90 0.071; transformers' own bf16
-// run there differs from its fp32 run by up to 0.28 of max|logit| between its cached and full forwards (the torch
-// Mamba path rounds dt, the conv and the gated norm to bf16 where Chimera follows the kernel path), and five
-// positions with margins of 3-19 % flip. Its bounds hold the measured level so a regression still fails; the gap
-// to issue 4's 99 % is reported, not hidden.
+// measured on the H200 (2026-11-30) 166 / 171 = 97.1 % of decidable positions and p90 0.071. The cause is its
+// routers, not one missing bf16 rounding (scripts/bf16_divergence.py, CPU, 2026-11-30): 44 of its 185 positions
+// have a top-3 selection margin (3rd vs 4th biased score, scores ~1) below 0.01 in some MoE layer, bf16 activation
+// noise (~1-2 % of the router input after six layers) flips such choices (8 of 555 decisions differ between
+// transformers bf16 and fp32 math on the same bf16 weights), and a flipped row's logits move by 0.14-0.38 of
+// max|logit|. Which rows flip depends on where each implementation rounds: transformers bf16 with only its Mamba
+// mixers in fp32 scores 98.25 %, fp32 transformers 98.25 %, Chimera's CPU backend on bf16 weights (fp32 math)
+// 99.42 % (p90 0.026), transformers CPU bf16 vs its GPU bf16 100 % (p90 0.009); all reach 100 % on the positions
+// whose smallest router margin is above 0.01. Its bounds hold the measured level so a regression still fails; the
+// gap to issue 4's 99 % is reported, not hidden.
 inline constexpr double kGpuBf16Top1AgreementSuperLike = 0.97;
 inline constexpr double kGpuBf16LogitsRelToMaxSuperLike = 0.08;
+// The CPU backend on bf16 weights (fp32 math; models/nemotron_h_bf16_test.cpp) vs the same transformers bf16 logits,
+// same measure: issue 4's bar for every fixture, super_like included. Measured 2026-11-30: all_kinds 171 / 171,
+// p90 0.019; legacy_dense 163 / 163, p90 0.019; super_like 170 / 171 = 99.4 %, p90 0.026 (its one miss is a router
+// near-tie in the last MoE layer; one more flip would fail the bar, see the super_like note above).
+inline constexpr double kCpuBf16WeightsTop1Agreement = 0.99;
+inline constexpr double kCpuBf16WeightsLogitsRelToMax = 0.05;
 
 }  // namespace chimera::test

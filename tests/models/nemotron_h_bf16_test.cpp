@@ -1,0 +1,105 @@
+// The CPU backend on bf16 weights against transformers run in bf16 (issue 4's bar, logits_bf16_<p>.npy made by
+// `scripts/make_fixtures.py --bf16-logits-only` on the GPU). Each fixture's fp32 checkpoint is rewritten in bf16
+// the way transformers' from_pretrained(dtype=bfloat16) rounds it (every tensor but the routers'
+// e_score_correction_bias, which transformers keeps in fp32), then the CPU backend (fp32 math on those weights)
+// runs prompt + reference continuation in one prefill, and its rows are measured exactly as the GPU test
+// (nemotron_h_gpu_test.cpp) measures the CUDA bf16 engine: top-1 agreement over the decidable positions and the
+// 90th percentile of max|logit - ref| / max|ref|. This separates what the bf16 weights do from what the GPU's
+// bf16 activations do (scripts/bf16_divergence.py does the same split in transformers).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include <gtest/gtest.h>
+
+#include "backends/device_api.h"
+#include "common/tolerances.h"
+#include "core/error.h"
+#include "io/io_test_util.h"
+#include "io/npy.h"
+#include "models/model_fixtures.h"
+
+namespace chimera {
+namespace {
+
+using namespace chimera::test;  // the fixture helpers
+
+// `src` with every float tensor rounded to bf16 except the correction biases, written to `dir` with config.json.
+void write_bf16_checkpoint(const fs::path& src, const fs::path& dir) {
+  const Checkpoint ckpt = Checkpoint::open(src);
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const std::string& name : ckpt.names()) {
+    const Tensor t = ckpt.tensor(name);
+    const bool keep = name.ends_with("e_score_correction_bias") || !dtype_is_float(t.dtype());
+    tensors.emplace_back(name, keep ? t : device::to_device(t, Device::kCpu, DType::kBF16));
+  }
+  write_safetensors(dir / "model.safetensors", tensors);
+  fs::copy_file(src / "config.json", dir / "config.json");
+}
+
+class CpuBf16Weights : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CpuBf16Weights, MatchesTransformersBf16) {
+  const Fixture f = load_fixture(GetParam());
+  for (size_t p = 0; p < f.prompts.size(); ++p) {
+    if (!fs::exists(f.dir / fmt::format("logits_bf16_{}.npy", p))) {
+      GTEST_SKIP() << f.name << " has no logits_bf16_" << p << ".npy";
+    }
+  }
+  TempDir dir;
+  write_bf16_checkpoint(f.dir, dir.path());
+  LoadedFixture l = load_model(dir.path());
+  const int64_t V = l.config.vocab_size;
+  int64_t decidable = 0, agree_decidable = 0;
+  std::vector<double> row_err;  // per position max|logit - ref| / max|ref|
+  for (size_t p = 0; p < f.prompts.size(); ++p) {
+    SCOPED_TRACE(fmt::format("{} prompt {}", f.name, p));
+    const Tensor ref = read_npy(f.dir / fmt::format("logits_bf16_{}.npy", p));
+    std::vector<int32_t> all = f.prompts[p];
+    all.insert(all.end(), f.greedy[p].begin(), f.greedy[p].end() - 1);
+    const auto rows = static_cast<int64_t>(all.size());
+    ASSERT_EQ(ref.shape(), (Shape{rows, V}));
+    // Teacher forcing as one prefill: fp32 math gives the same rows as prefill + decode (TransformersParity).
+    const RunResult r = run_prompt(*l.model, all, 1, 4096);
+    ASSERT_GE(static_cast<int64_t>(r.logits.size()), rows * V);
+    for (int64_t row = 0; row < rows; ++row) {
+      const float* g = r.logits.data() + row * V;
+      const float* w = ref.f32() + row * V;
+      const int64_t top_got = std::max_element(g, g + V) - g, top_ref = std::max_element(w, w + V) - w;
+      float second = -INFINITY, max_abs = 0.0f, err = 0.0f;
+      for (int64_t v = 0; v < V; ++v) {
+        if (v != top_ref) second = std::max(second, w[v]);
+        max_abs = std::max(max_abs, std::fabs(w[v]));
+        err = std::max(err, std::fabs(g[v] - w[v]));
+      }
+      row_err.push_back(max_abs > 0 ? err / max_abs : err);
+      // Decidable: the reference's top-2 margin above kGpuBf16TieMargin of its largest |logit| (the GPU test's rule).
+      if (w[top_ref] - second > kGpuBf16TieMargin * max_abs) {
+        ++decidable;
+        agree_decidable += top_got == top_ref;
+        if (top_got != top_ref) {
+          std::printf("[ cpu bf16w ] %s prompt %zu row %lld: top-1 %lld, transformers bf16 %lld (margin %.2e of "
+                      "max|logit|)\n",
+                      f.name.c_str(), p, static_cast<long long>(row), static_cast<long long>(top_got),
+                      static_cast<long long>(top_ref), (w[top_ref] - second) / max_abs);
+        }
+      }
+    }
+  }
+  std::sort(row_err.begin(), row_err.end());
+  const double p90 = row_err[static_cast<size_t>(0.9 * static_cast<double>(row_err.size() - 1))];
+  const double rate = static_cast<double>(agree_decidable) / static_cast<double>(std::max<int64_t>(decidable, 1));
+  std::printf("[ cpu bf16w ] %s vs transformers bf16: top-1 %lld / %lld = %.2f %% of decidable positions (bar %.0f %%), "
+              "max|logit - ref| / max|ref| p90 %.3e (bound %.2g), max %.3e\n",
+              f.name.c_str(), static_cast<long long>(agree_decidable), static_cast<long long>(decidable), 100.0 * rate,
+              100.0 * kCpuBf16WeightsTop1Agreement, p90, kCpuBf16WeightsLogitsRelToMax, row_err.back());
+  ASSERT_GT(decidable, 100);  // the measure means something only over many positions
+  EXPECT_GE(rate, kCpuBf16WeightsTop1Agreement);
+  EXPECT_LE(p90, kCpuBf16WeightsLogitsRelToMax);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CpuBf16Weights, ::testing::ValuesIn(fixture_names()),
+                         [](const auto& param_info) { return param_info.param; });
+
+}  // namespace
+}  // namespace chimera
