@@ -87,6 +87,43 @@ constexpr int vec_width() {
   return 16 / static_cast<int>(sizeof(T));
 }
 
+// 8 packed 16-bit values (one 16-byte access of bf16 / f16) -> fp32: the GEMV kernels' weight and activation chunks.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]);
+template <>
+__device__ __forceinline__ void unpack8<__nv_bfloat16>(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // bf16 -> f32 is a shift: low half is element 2i, high half 2i + 1
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+template <>
+__device__ __forceinline__ void unpack8<__half>(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2 h;
+    static_assert(sizeof(h) == sizeof(uint32_t));
+    __builtin_memcpy(&h, &w[i], sizeof(h));
+    const float2 p = __half22float2(h);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+// A 16-byte load of data read once per step and never written while the kernel runs (streamed weights): the
+// non-coherent path without L1 allocation. volatile keeps the loads where they are written (issued ahead of the
+// FMAs that consume the previous ones); the registers are waited for only where they are used.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // True when every pointer is 16-byte aligned (then element offsets that are multiples of the vector width
 // keep every access aligned).
 inline bool vec_aligned(std::initializer_list<const void*> ptrs) {

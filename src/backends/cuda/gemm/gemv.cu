@@ -28,6 +28,7 @@
 #include <algorithm>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
 
 namespace chimera::cuda::gemm {
@@ -36,42 +37,6 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 8;  // 16-byte weight loads in flight per lane per step
-
-template <typename T>
-struct Vec8;
-template <>
-struct Vec8<__nv_bfloat16> {
-  // 8 bf16 in a uint4 -> 8 floats (bf16 -> fp32 is a 16-bit shift).
-  __device__ __forceinline__ static void unpack(const uint4& u, float (&f)[8]) {
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
-  }
-};
-template <>
-struct Vec8<__half> {
-  __device__ __forceinline__ static void unpack(const uint4& u, float (&f)[8]) {
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
-    }
-  }
-};
-
-// Streaming 16-byte weight load: read once per step, so keep it out of L1.
-__device__ __forceinline__ uint4 load_weight(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // x: [T, K] T, w: [N, K] T, bias: [N] T or null, y: [T, N] T. Dynamic shared memory: x, [MT][K] T (zero rows
 // past T).
@@ -98,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int v = v0 + lane + u * 32;
-      wv[u] = row < p.N && v < v1 ? load_weight(wrow + v) : make_uint4(0, 0, 0, 0);
+      wv[u] = row < p.N && v < v1 ? ld_stream(wrow + v) : make_uint4(0, 0, 0, 0);
     }
   }
   pdl_wait();
@@ -127,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int vu = v + u * 32;
-            wv[u] = vu < v1 ? load_weight(wrow + vu) : make_uint4(0, 0, 0, 0);
+            wv[u] = vu < v1 ? ld_stream(wrow + vu) : make_uint4(0, 0, 0, 0);
           }
         }
         preloaded = false;
@@ -136,11 +101,11 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
           const int vu = v + u * 32;
           if (vu < v1) {
             float wf[8];
-            Vec8<T>::unpack(wv[u], wf);
+            unpack8<T>(wv[u], wf);
 #pragma unroll
             for (int t = 0; t < MT; ++t) {
               float xf[8];
-              Vec8<T>::unpack(xs[t * kv + vu], xf);
+              unpack8<T>(xs[t * kv + vu], xf);
               float s = acc[t];
 #pragma unroll
               for (int j = 0; j < 8; ++j) s = fmaf(wf[j], xf[j], s);

@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/moe/moe_kernels.h"
 
@@ -41,43 +42,6 @@ constexpr int kUnroll = 4;                 // 16-byte chunks per row and lane pe
 constexpr int kStepChunks = 32 * kUnroll;  // chunks of a row one step covers (1024 16-bit elements)
 constexpr int kRows = 2;                   // weight rows per warp (share the token chunks from smem)
 constexpr int kRowsPerBlock = kWarps * kRows;
-
-// Weight stream: read once, never written while the kernel runs: the non-coherent path, no L1 allocation.
-// volatile keeps the loads where they are written (issued before the staging barrier and before the FMAs of the
-// previous step); the registers are waited for only where they are used.
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-// 8 packed 16-bit values -> fp32.
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]);
-template <>
-__device__ __forceinline__ void unpack8<__nv_bfloat16>(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // bf16 -> f32 is a shift: low half is element 2i, high half 2i + 1
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-template <>
-__device__ __forceinline__ void unpack8<__half>(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __half2 h;
-    static_assert(sizeof(h) == sizeof(uint32_t));
-    __builtin_memcpy(&h, &w[i], sizeof(h));
-    const float2 p = __half22float2(h);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
