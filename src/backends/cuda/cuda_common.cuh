@@ -29,6 +29,9 @@ namespace chimera::cuda {
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
+// Multiprocessors of the calling thread's current device, queried once per device (device_api.cu). For grid sizing.
+int sm_count();
+
 // ---- element types -------------------------------------------------------------------------------
 template <typename T>
 __device__ __forceinline__ float to_float(T v);

@@ -329,4 +329,19 @@ void* upload_scratch(const void* host, size_t bytes, cudaStream_t stream, int sl
   return s.ptr[slot];
 }
 
+int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices] = {};  // 0: not queried yet
+  int dev = 0;
+  CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), "cuda::sm_count");
+  if (dev >= 0 && dev < kMaxDevices) {
+    const int cached = counts[dev].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int n = 0;
+  CHIMERA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "cuda::sm_count");
+  if (dev >= 0 && dev < kMaxDevices) counts[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 }  // namespace chimera::cuda

@@ -22,16 +22,6 @@ namespace {
 
 constexpr char kOp[] = "ops::attention";
 
-int num_sms() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), kOp);
-    CHIMERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), kOp);
-    return sms;
-  }();
-  return n;
-}
-
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // Target key tiles per decode split: about four CTAs per SM over the whole batch (balanced splits of
@@ -41,7 +31,7 @@ int decode_tiles_per_split(const std::vector<attn::AttnSeq>& seqs, int kv_heads)
   for (const auto& s : seqs) {
     if (s.n_new > 0) tiles += int64_t{kv_heads} * ceil_div(s.ctx_len + s.n_new, attn::kDecodeTileKeys);
   }
-  const int64_t target_ctas = int64_t{4} * num_sms();
+  const int64_t target_ctas = int64_t{4} * sm_count();
   return static_cast<int>(std::max<int64_t>(1, (tiles + target_ctas - 1) / target_ctas));
 }
 
@@ -60,7 +50,7 @@ __global__ void build_seqs_kernel(const int32_t* cu_seqlens, const int32_t* cont
 // sequence's own split count from its device AttnSeq (CTAs past it exit at once).
 void plan_splits_for_bound(attn::DecodeWorkspace& ws, int num_seqs, int kv_heads, int kv_bound) {
   const int64_t tiles = int64_t{num_seqs} * kv_heads * ceil_div(kv_bound, attn::kDecodeTileKeys);
-  const int64_t target_ctas = int64_t{4} * num_sms();
+  const int64_t target_ctas = int64_t{4} * sm_count();
   ws.tiles_per_split = static_cast<int>(std::max<int64_t>(1, (tiles + target_ctas - 1) / target_ctas));
   ws.max_splits = attn::decode_num_splits(kv_bound, ws.tiles_per_split);
 }

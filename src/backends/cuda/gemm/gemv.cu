@@ -6,7 +6,7 @@
 // (ncu on the H200, one Nano batch-1 decode step: 93 reduce kernels among the 116 dense layers; in a CUDA graph
 // cuBLASLt reaches 0.79 of the weight floor on the Nano in_proj but 0.49 on its out_proj). This kernel reads each
 // weight byte once with 16-byte loads, keeps x in shared memory, and writes y directly (no workspace, no second
-// kernel). cuda::linear uses it up to kLinearGemvAutoMaxTokens tokens (linear.h), where it measured ahead.
+// kernel). cuda::linear times it against cuBLASLt once per shape up to kLinearGemvAutoMaxTokens tokens (linear.h).
 //
 // Work split: a block is 8 warps; a row of W (one output feature) is shared by `warps_per_row` warps (1, 2, 4 or 8,
 // chosen so that small-N layers still put every SM to work), each taking a contiguous range of the row's 16-byte
@@ -152,16 +152,6 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
       static_cast<T*>(p.y)[static_cast<int64_t>(lane) * p.N + row] = v;
     }
   }
-}
-
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    return sms > 0 ? sms : 1;
-  }();
-  return n;
 }
 
 template <typename T, int MT, bool kRelu2>

@@ -123,7 +123,7 @@ void launch_k(const Conv1dParams& p, cudaStream_t stream) {
       CHIMERA_DISPATCH_FLOAT(p.state_dtype, "ops::causal_conv1d_update conv_state", S, {
         constexpr int R = kRowsPerThread<T, S>;
         const int64_t chan_blocks = ceil_div(p.C, E * kThreads);
-        if (chan_blocks * ceil_div(p.batch, R) >= int64_t{kMinBlocksPerSm} * mamba::num_sms()) {
+        if (chan_blocks * ceil_div(p.batch, R) >= int64_t{kMinBlocksPerSm} * sm_count()) {
           const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(ceil_div(p.batch, R)));
           launch(causal_conv1d_update_kernel<T, S, K, R>, grid, dim3(kThreads), 0, stream, q);
         } else {

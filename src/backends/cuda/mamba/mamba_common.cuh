@@ -211,7 +211,4 @@ __device__ __forceinline__ void load_taps(const void* weight, DType weight_dtype
   }
 }
 
-// Multiprocessors of the current device (cached per process; the engine uses one device).
-int num_sms();
-
 }  // namespace chimera::cuda::mamba

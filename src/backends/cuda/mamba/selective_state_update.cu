@@ -6,17 +6,6 @@
 
 namespace chimera::cuda {
 
-namespace mamba {
-int num_sms() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), "mamba::num_sms");
-    CHIMERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "mamba::num_sms");
-    return sms;
-  }();
-  return n;
-}
-}  // namespace mamba
 
 void launch_selective_state_update(const SsuParams& p, cudaStream_t stream) {
   CHIMERA_DISPATCH_FLOAT(p.state_dtype, "ops::selective_state_update ssm_state", S,

@@ -193,7 +193,7 @@ void launch_fast_rows(const SsuParams& p, cudaStream_t stream) {
     // ~2 KB of state per warp (a power of two in [4, 16]), halved while there are < 2 blocks per SM.
     rows = 4;
     while (rows < 16 && 2 * rows * N * static_cast<int>(sizeof(S)) <= 2048) rows *= 2;
-    const int64_t sms = mamba::num_sms();
+    const int64_t sms = sm_count();
     while (rows > 4 && static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kWarps * rows) < 2 * sms) rows /= 2;
   }
   switch (rows) {

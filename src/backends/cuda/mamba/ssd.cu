@@ -20,19 +20,6 @@ namespace {
 
 constexpr int kMaxSuperchunk = 16;
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) !=
-                                                  cudaSuccess) {
-      (void)cudaGetLastError();
-      return 132;
-    }
-    return v;
-  }();
-  return n;
-}
-
 ParamType param_type(const Tensor& t, const char* op, const char* name) {
   switch (t.dtype()) {
     case DType::kF32:

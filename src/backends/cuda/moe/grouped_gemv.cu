@@ -229,16 +229,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
   }
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), "ops::moe_experts");
-    CHIMERA_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev), "ops::moe_experts");
-    return v;
-  }();
-  return n;
-}
-
 template <typename T, int NT, bool kUp>
 void launch(const GemvArgs& a, cudaStream_t stream) {
   // Units: an upper bound (max_items routed items); the kernel reads the real count.

@@ -66,12 +66,7 @@ __global__ void elementwise_kernel(const ElementwiseParams p) {
 template <Elementwise kOp>
 void launch_elementwise(const ElementwiseParams& p, DType dtype, cudaStream_t stream, const char* op) {
   if (p.n == 0) return;
-  static const int sms = [op] {
-    int n = 0, dev = 0;
-    CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), op);
-    CHIMERA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), op);
-    return n;
-  }();
+  const int sms = sm_count();
   const bool aligned = vec_aligned({p.out, p.a, p.b});
   CHIMERA_DISPATCH_FLOAT(dtype, op, T, {
     constexpr int kN = vec_width<T>();
