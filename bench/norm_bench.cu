@@ -201,40 +201,49 @@ CHIMERA_BENCH(embedding_bf16) {
   }
 }
 
+// A dense layer's shape (bf16 weight [out, in]) and `n` rotated sets of x [T, in], W, y [T, out] for it.
+struct LinearProj {
+  const char* name;
+  int64_t in, out;
+};
+struct LinearSet {
+  Tensor x, w, y;
+};
+std::vector<LinearSet> linear_sets(const LinearProj& p, int64_t T, int n) {
+  std::vector<LinearSet> sets;
+  const float ws = 1.0f / std::sqrt(static_cast<float>(p.in));
+  for (int i = 0; i < n; ++i) {
+    sets.push_back({random(DType::kBF16, {T, p.in}), random(DType::kBF16, {p.out, p.in}, -ws, ws),
+                    random(DType::kBF16, {T, p.out})});
+  }
+  return sets;
+}
+std::string linear_shape(const LinearProj& p, int64_t T) {
+  return "T=" + std::to_string(T) + " in=" + std::to_string(p.in) + " out=" + std::to_string(p.out) + " bf16 (" +
+         p.name + ")";
+}
+
 // The projections of Nano (D 2688, Di 4096, in_proj 10304 rows) and Super (D 4096, Di 8192, 18560 rows),
 // and the 131072-row lm_head.
 CHIMERA_BENCH(linear_bf16) {
   const ops::Context c{Device::kCuda, nullptr};
-  struct Proj {
-    const char* name;
-    int64_t in, out;
-  };
-  const Proj projs[] = {{"nano_in_proj", 2688, 10304},  {"nano_out_proj", 4096, 2688},
-                        {"nano_lm_head", 2688, 131072}, {"super_in_proj", 4096, 18560},
-                        {"super_out_proj", 8192, 4096}, {"super_lm_head", 4096, 131072}};
-  for (const Proj& p : projs) {
+  const LinearProj projs[] = {{"nano_in_proj", 2688, 10304},  {"nano_out_proj", 4096, 2688},
+                              {"nano_lm_head", 2688, 131072}, {"super_in_proj", 4096, 18560},
+                              {"super_out_proj", 8192, 4096}, {"super_lm_head", 4096, 131072}};
+  for (const LinearProj& p : projs) {
     for (int64_t T : {int64_t{1}, int64_t{64}, int64_t{4096}}) {
       const double bytes = 2.0 * (p.out * p.in + T * p.in + T * p.out);
       const double flops = 2.0 * T * p.in * p.out;
-      struct Set {
-        Tensor x, w, y;
-      };
-      std::vector<Set> sets;
-      const float ws = 1.0f / std::sqrt(static_cast<float>(p.in));
-      for (int i = 0; i < rotations(bytes); ++i) {
-        sets.push_back({random(DType::kBF16, {T, p.in}), random(DType::kBF16, {p.out, p.in}, -ws, ws),
-                        random(DType::kBF16, {T, p.out})});
-      }
+      const std::vector<LinearSet> sets = linear_sets(p, T, rotations(bytes));
       size_t k = 0;
-      const std::string shape = "T=" + std::to_string(T) + " in=" + std::to_string(p.in) +
-                                " out=" + std::to_string(p.out) + " bf16 (" + p.name + ")";
+      const std::string shape = linear_shape(p, T);
       ctx.run("linear", shape, bytes, flops, [&] {
-        const Set& s = sets[k++ % sets.size()];
+        const LinearSet& s = sets[k++ % sets.size()];
         ops::linear(c, s.y, s.x, s.w);
       });
       if (T <= 64) {  // launch-bound sizes: also the device time inside a graph
         ctx.run_graph("linear", shape, bytes, flops, [&](cudaStream_t st, int i) {
-          const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+          const LinearSet& s = sets[static_cast<size_t>(i) % sets.size()];
           ops::linear(ops::Context{Device::kCuda, st}, s.y, s.x, s.w);
         });
       }
@@ -245,30 +254,19 @@ CHIMERA_BENCH(linear_bf16) {
 // Decode-size dense layers (T = 1, 2, 4, 8) at every projection shape of a Nano / Super decode step: the GEMV path
 // (with and without PDL) against cuBLASLt, device time per call in a CUDA graph; floor = bytes / 4.2 TB/s.
 CHIMERA_BENCH(linear_decode) {
-  struct Proj {
-    const char* name;
-    int64_t in, out;
-  };
-  const Proj projs[] = {{"nano_in_proj", 2688, 10304}, {"nano_out_proj", 4096, 2688}, {"nano_shared_up", 2688, 3712},
-                        {"nano_shared_down", 3712, 2688}, {"nano_q_proj", 2688, 4096}, {"nano_kv_proj", 2688, 256},
-                        {"nano_o_proj", 4096, 2688}, {"nano_lm_head", 2688, 131072}, {"super_in_proj", 4096, 18560},
-                        {"super_out_proj", 8192, 4096}, {"super_latent_in", 4096, 1024}};
+  const LinearProj projs[] = {{"nano_in_proj", 2688, 10304},     {"nano_out_proj", 4096, 2688},
+                              {"nano_shared_up", 2688, 3712},    {"nano_shared_down", 3712, 2688},
+                              {"nano_q_proj", 2688, 4096},       {"nano_kv_proj", 2688, 256},
+                              {"nano_o_proj", 4096, 2688},       {"nano_lm_head", 2688, 131072},
+                              {"super_in_proj", 4096, 18560},    {"super_out_proj", 8192, 4096},
+                              {"super_latent_in", 4096, 1024}};
   const bool pdl_default = device::pdl_enabled();
-  for (const Proj& p : projs) {
+  for (const LinearProj& p : projs) {
     for (int64_t T : {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}}) {
       const double bytes = 2.0 * (p.out * p.in + T * p.in + T * p.out);
       const double flops = 2.0 * T * p.in * p.out;
-      struct Set {
-        Tensor x, w, y;
-      };
-      std::vector<Set> sets;
-      const float ws = 1.0f / std::sqrt(static_cast<float>(p.in));
-      for (int i = 0; i < rotations(bytes); ++i) {
-        sets.push_back({random(DType::kBF16, {T, p.in}), random(DType::kBF16, {p.out, p.in}, -ws, ws),
-                        random(DType::kBF16, {T, p.out})});
-      }
-      const std::string shape = "T=" + std::to_string(T) + " in=" + std::to_string(p.in) +
-                                " out=" + std::to_string(p.out) + " bf16 (" + p.name + ")";
+      const std::vector<LinearSet> sets = linear_sets(p, T, rotations(bytes));
+      const std::string shape = linear_shape(p, T);
       struct Variant {
         const char* kernel;
         cuda::LinearPath path;
@@ -281,7 +279,7 @@ CHIMERA_BENCH(linear_decode) {
         if (v.path == cuda::LinearPath::kGemv && !cuda::linear_gemv_supported(sets[0].y, sets[0].x, sets[0].w)) continue;
         device::set_pdl_enabled(v.pdl);
         ctx.run_graph(v.kernel, shape, bytes, flops, [&](cudaStream_t st, int i) {
-          const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+          const LinearSet& s = sets[static_cast<size_t>(i) % sets.size()];
           cuda::linear_on_path(ops::Context{Device::kCuda, st}, s.y, s.x, s.w, Tensor(), v.path);
         });
       }
