@@ -698,6 +698,17 @@ Tensor run_path(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, c
   return device::to_host_f32(o);
 }
 
+// The GEMV path with the permutation and the combine as their own launches instead of folded into the two GEMV
+// launches (moe_kernels.h, GemvFold): the folded results must be bit-identical.
+Tensor run_path_unfolded(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
+                         cuda::moe::ExpertsPath path) {
+  struct Restore {
+    ~Restore() { cuda::moe::set_gemv_fold(true); }
+  } restore;
+  cuda::moe::set_gemv_fold(false);
+  return run_path(x, dt, ids, w, s, path);
+}
+
 // The decode GEMV path (grouped_gemv.cu) forced at every tile of tokens (1, 2, 4, 8 per work item, and more
 // tokens per expert than a tile: several items for one expert) in bf16 and f16: against the CPU reference,
 // bit-identical on a second run, and close to the tensor-core path on the same inputs.
@@ -719,6 +730,7 @@ void gemv_path_case(const GemvCase& c, std::initializer_list<int64_t> tokens) {
       EXPECT_TRUE(test::nmse_close(pick_rows(got, rows), cpu_reference_rows(x, ids, w, s.up, s.down, rows),
                                    test::kBF16ReductionNmse, test::kBF16Reduction));
       EXPECT_TRUE(test::bit_equal(run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
+      EXPECT_TRUE(test::bit_equal(run_path_unfolded(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
       EXPECT_TRUE(test::nmse_close(got, run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kMma),
                                    test::kBF16ReductionNmse, test::kBF16Reduction));
     }
@@ -733,6 +745,8 @@ TEST_P(OpsMoe, GemvPathMatchesTheCpuReference) {
   if (!on_cuda()) GTEST_SKIP() << "the CUDA GEMV path";
   gemv_path_case({8, 2, 72, 200}, {1, 2, 3, 4, 5, 8, 17, 40});
   gemv_path_case({12, 3, 1096, 200}, {1, 2, 3, 5, 8, 17, 40});
+  // Super's routing width: 512 experts, top-22 (P = 176 pairs at T = 8: the folded block sort's widest case).
+  gemv_path_case({512, 22, 1024, 264}, {1, 3, 8});
 }
 
 // The Nano expert sizes (Din 2688, I 1856: 336 and 232 chunks per row, neither a multiple of a step).
@@ -775,6 +789,8 @@ TEST_P(OpsMoe, GemvPathSharedAndRepeatedExperts) {
         EXPECT_TRUE(test::nmse_close(got, cpu_reference_rows(x, ids, w, s.up, s.down, all_rows(T)),
                                      test::kBF16ReductionNmse, test::kBF16Reduction));
         EXPECT_TRUE(test::bit_equal(run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
+        EXPECT_TRUE(
+            test::bit_equal(run_path_unfolded(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
       }
     }
   }

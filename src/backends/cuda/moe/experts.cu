@@ -2,6 +2,9 @@
 // (x routing weight) -> combine, four launches on ctx.stream with no host synchronisation (the tile counts live
 // on the device; the grids are sized by an upper bound and surplus blocks exit at once).
 //
+// At decode sizes on the GEMV path the permutation runs inside the up launch and the combine inside the down launch
+// (moe_kernels.h, GemvFold): router + 2 launches per MoE layer.
+//
 // With the layer's shared expert (ops::moe_experts_shared) on the GEMV path: its up and down run as extra units of
 // the two GEMV launches (grouped_gemv.cu), so a decode MoE layer is router + 4 launches instead of router + 4 + 3
 // (cuBLASLt up, relu2, cuBLASLt down); elsewhere the shared expert is cuda::relu2_mlp after the routed experts.
@@ -11,6 +14,7 @@
 // above (grouped_gemm_mma.cu); anything else, fp32 activations in particular -> fp32 SIMT (grouped_gemm_simt.cu).
 // Why not CUTLASS or cuBLAS grouped GEMM: see docs/moe_cuda.md.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -88,7 +92,12 @@ const char* path_name(moe::ExpertsPath path) {
   }
 }
 
+std::atomic<bool> g_gemv_fold{true};
+bool gemv_fold_enabled() { return g_gemv_fold.load(std::memory_order_relaxed); }
+
 }  // namespace
+
+void moe::set_gemv_fold(bool fold) { g_gemv_fold.store(fold, std::memory_order_relaxed); }
 
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
@@ -189,7 +198,10 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   pp.sorted_pair = sorted_pair;
   pp.items = items;
   pp.n_items = n_items;
-  moe::launch_moe_permute(pp, stream);
+  // Decode: the permutation inside the up launch and the combine inside the down launch (moe_kernels.h, GemvFold).
+  const bool fold = gemv && gemv_fold_enabled() && P <= moe::kGemvFoldMaxPairs && T <= tile_rows;
+  unsigned int* fold_counts = fold ? moe::gemv_fold_counts(T, Din) : nullptr;
+  if (!fold) moe::launch_moe_permute(pp, stream);
 
   const void* const* tables = pointer_tables().get(up_proj, down_proj);
   moe::GemmParams g{};
@@ -222,8 +234,26 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
       shared_down = {shared->down_proj.data(), hs.data(), shared->out.data(), static_cast<int>(shared->out.dim(1)),
                      static_cast<int>(hs.dim(1)), static_cast<int>(T)};
     }
-    moe::launch_moe_gemv(up, shared_up, x.dtype(), tile_rows, true, stream);
-    moe::launch_moe_gemv(down, shared_down, x.dtype(), tile_rows, false, stream);
+    moe::GemvFold fold_up{}, fold_down{};
+    if (fold) {
+      fold_up.topk_ids = topk_ids.data_as<int32_t>();
+      fold_up.T = static_cast<int>(T);
+      fold_up.E = E;
+      fold_up.sorted_pair = sorted_pair;
+      fold_up.items = items;
+      fold_up.n_items = n_items;
+      if (fold_counts != nullptr) {
+        fold_down = fold_up;
+        fold_down.combined = out.data();
+        fold_down.counts = fold_counts;
+      }
+    }
+    moe::launch_moe_gemv(up, shared_up, x.dtype(), tile_rows, true, stream, fold_up);
+    moe::launch_moe_gemv(down, shared_down, x.dtype(), tile_rows, false, stream, fold_down);
+    if (fold_down.combined != nullptr) {
+      if (!fuse_shared) shared_separately();
+      return;
+    }
   } else if (mma) {
     moe::launch_moe_gemm_mma(up, x.dtype(), tile, true, stream);
     moe::launch_moe_gemm_mma(down, x.dtype(), tile, false, stream);

@@ -26,7 +26,10 @@
 // deterministic and independent of the grid size. No host sync: the unit count is read on the device, so the
 // launch can be captured in a CUDA graph.
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_vec.cuh"
@@ -53,7 +56,104 @@ struct GemvArgs {
   GemmParams g;      // routed experts; g.n_tiles = ceil(g.N / kRowsPerBlock)
   GemvShared s;      // s.weight == nullptr: no shared expert
   int shared_tiles;  // ceil(s.N / kRowsPerBlock), 0 without a shared expert
+  GemvFold f;        // f.topk_ids == nullptr: permutation / combine launched separately
 };
+
+// The fold's count words: one slot per host thread (launches from one thread are stream-ordered, as the router's
+// tickets), zero at module load and left at zero by every launch.
+constexpr int kFoldSlots = 32;
+constexpr int kFoldWords = 16384;  // T x ceil(N / kRows): Nano (N 2688) at T = 8 is 10752
+__device__ unsigned int g_fold_counts[kFoldSlots][kFoldWords];
+
+// The up launch's own permutation (GemvFold): pairs sorted by (expert, pair id), the work items of NT rows.
+struct PermuteSmem {
+  int ids[kGemvFoldMaxPairs];
+  int sorted[kGemvFoldMaxPairs];
+  int flag[kGemvFoldMaxPairs];  // by rank: 1 where an item starts
+  int4 items[kGemvFoldMaxPairs];
+};
+static_assert(kGemvFoldMaxPairs <= kThreads, "one thread per pair");
+
+// Thread i < P takes pair i: its rank among the valid pairs in (expert, pair id) order, its position among its
+// expert's pairs and the expert's count, by one pass over the P ids in shared memory (P <= 256: cheaper than a
+// launch). An item starts at every NT-th pair of an expert; its index is the number of starts at lower ranks, so
+// the items come out expert-major with the rows and counts of launch_moe_permute. Block 0 also writes the result
+// to global memory for the down launch. Returns the item count. All threads of the block must call it.
+template <int NT>
+__device__ int block_permute(const GemvArgs& a, PermuteSmem& ps) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int P = a.f.T * a.g.top_k, E = a.f.E;
+  if (tid < P) ps.ids[tid] = a.f.topk_ids[tid];
+  __syncthreads();
+  int e = -1, rank = 0, pos = 0, cnt = 0;
+  bool valid = false;
+  if (tid < P) {
+    e = ps.ids[tid];
+    valid = e >= 0 && e < E;
+    for (int j = 0; j < P; ++j) {
+      const int ej = ps.ids[j];
+      const bool vj = ej >= 0 && ej < E;
+      rank += vj && (ej < e || (ej == e && j < tid)) ? 1 : 0;
+      pos += ej == e && j < tid ? 1 : 0;
+      cnt += ej == e ? 1 : 0;
+    }
+  }
+  const bool start = valid && pos % NT == 0;
+  if (valid) {
+    ps.sorted[rank] = tid;
+    ps.flag[rank] = start ? 1 : 0;
+  }
+  const int n_items = __syncthreads_count(start);
+  const bool writer = blockIdx.x == 0;
+  if (valid && writer) a.f.sorted_pair[rank] = tid;
+  if (start) {
+    int idx = 0;
+    for (int r = 0; r < rank; ++r) idx += ps.flag[r];
+    const int4 item = make_int4(e, rank, min(NT, cnt - pos), 0);
+    ps.items[idx] = item;
+    if (writer) a.f.items[idx] = item;
+  }
+  if (writer && tid == 0) *a.f.n_items = n_items;
+  __syncthreads();
+  return n_items;
+}
+
+// The combine of (token, this warp's kRows rows), by the warp that completed it: lane j < top_k holds choice j's y
+// values and its rank in (expert, choice) order; the sum runs in rank order from 0 (launch_moe_combine's order and
+// rounding), and lane 0 stores it and re-zeroes the count.
+template <typename T>
+__device__ void fold_combine_rows(const GemvArgs& a, int tok, int row0, int lane) {
+  const int k = a.g.top_k, E = a.f.E, N = a.g.N;
+  __threadfence();  // the other warps' y rows: they fenced before counting
+  const int e = lane < k ? __ldcg(a.f.topk_ids + static_cast<int64_t>(tok) * k + lane) : -1;
+  const bool valid = lane < k && e >= 0 && e < E;
+  int rank = 0;
+  for (int o = 0; o < k; ++o) {
+    const int eo = __shfl_sync(0xffffffffu, e, o);
+    rank += eo >= 0 && eo < E && (eo < e || (eo == e && o < lane)) ? 1 : 0;
+  }
+  const float* y = static_cast<const float*>(a.g.out) + (static_cast<int64_t>(tok) * k + lane) * N;
+  float v[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) v[r] = valid && row0 + r < N ? __ldcg(y + row0 + r) : 0.0f;
+  const int n = __popc(__ballot_sync(0xffffffffu, valid));
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
+  for (int q = 0; q < n; ++q) {
+    const int src = __ffs(__ballot_sync(0xffffffffu, valid && rank == q)) - 1;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[r] += __shfl_sync(0xffffffffu, v[r], src);
+  }
+  if (lane == 0) {
+    T* o = static_cast<T*>(a.f.combined) + static_cast<int64_t>(tok) * N;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (row0 + r < N) o[row0 + r] = from_float<T>(acc[r]);
+    }
+    a.f.counts[tok * ((N + kRows - 1) / kRows) + row0 / kRows] = 0u;
+  }
+}
 
 // One unit as this warp sees it (kept small: the current and the next one are live at once).
 struct Unit {
@@ -76,8 +176,8 @@ __device__ __forceinline__ Unit make_unit(const void* W, int N, int K, int tile,
 // Unit u of the launch in two halves, so the dependent reads of a routed unit (its work item, then the expert's
 // weight pointer) can straddle other work: item_of reads items[] (a placeholder for a shared unit), unit_of the
 // weight pointer. Shared units read no device state (allowed before pdl_wait()); routed ones only after it.
-__device__ __forceinline__ int4 item_of(const GemvArgs& a, int u) {
-  return u < a.shared_tiles ? make_int4(0, 0, 0, 0) : a.g.items[(u - a.shared_tiles) / a.g.n_tiles];
+__device__ __forceinline__ int4 item_of(const GemvArgs& a, const int4* items, int u) {
+  return u < a.shared_tiles ? make_int4(0, 0, 0, 0) : items[(u - a.shared_tiles) / a.g.n_tiles];
 }
 __device__ __forceinline__ Unit unit_of(const GemvArgs& a, int u, const int4& item, int warp) {
   if (u < a.shared_tiles) return make_unit(a.s.weight, a.s.N, a.s.K, u, a.s.T, 0, true, warp);
@@ -116,10 +216,40 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
   }
   pdl_wait();  // permute's items / the up kernel's h are visible from here; no global write before it
   pdl_trigger();
-  const int total = a.shared_tiles + *a.g.n_items * a.g.n_tiles;
+  // The work list: the permute launch's, or (fold, up) this block's own sort; (fold, down) the valid pairs per token.
+  using PermuteShared = std::conditional_t<kUp, PermuteSmem, char>;
+  __shared__ PermuteShared ps;
+  __shared__ int s_nvalid[kGemvMaxTokens];
+  const int4* items = a.g.items;
+  const int32_t* sorted_pair = a.g.sorted_pair;
+  int n_items = 0;
+  if constexpr (kUp) {
+    if (a.f.topk_ids != nullptr) {
+      n_items = block_permute<NT>(a, ps);
+      items = ps.items;
+      sorted_pair = ps.sorted;
+    } else {
+      n_items = *a.g.n_items;
+    }
+  } else {
+    n_items = *a.g.n_items;
+    if (a.f.combined != nullptr && tid < a.f.T) {  // read after the unit loop's first barrier
+      int nv = 0;
+      for (int j = 0; j < a.g.top_k; ++j) {
+        const int e = a.f.topk_ids[tid * a.g.top_k + j];
+        nv += e >= 0 && e < a.f.E ? 1 : 0;
+      }
+      s_nvalid[tid] = nv;
+      if (nv == 0 && blockIdx.x == 0) {  // no unit will combine this token: zeros, as the combine kernel writes
+        T* o = static_cast<T*>(a.f.combined) + static_cast<int64_t>(tid) * a.g.N;
+        for (int c = 0; c < a.g.N; ++c) o[c] = from_float<T>(0.0f);
+      }
+    }
+  }
+  const int total = a.shared_tiles + n_items * a.g.n_tiles;
   if (u >= total) return;  // uniform over the block, before any barrier
   if (!first_shared) {
-    cur = unit_of(a, u, item_of(a, u), warp);
+    cur = unit_of(a, u, item_of(a, items, u), warp);
     load_step(cur, 0);
   }
 
@@ -128,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
     // reads), the expert's weight pointer after the staging.
     const int un = u + static_cast<int>(gridDim.x);
     const bool has_next = un < total;
-    const int4 next_item = has_next ? item_of(a, un) : int4{};
+    const int4 next_item = has_next ? item_of(a, items, un) : int4{};
     __syncthreads();  // the previous unit's readers of xs are done
     // Stage the unit's token rows. Routed up: x row of the pair's token; routed down: h row r0 + m (permuted
     // order); shared: row m of its input.
@@ -137,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
       const uint4* X = static_cast<const uint4*>(cur.shared ? a.s.x : a.g.x);
       for (int i = tid; i < cur.nt * KC; i += kThreads) {
         const int m = i / KC, c = i - m * KC;
-        const int64_t src = cur.shared ? m : kUp ? a.g.sorted_pair[cur.r0 + m] / a.g.top_k : cur.r0 + m;
+        const int64_t src = cur.shared ? m : kUp ? sorted_pair[cur.r0 + m] / a.g.top_k : cur.r0 + m;
         xs[m * KC + c] = X[src * KC + c];
       }
     }
@@ -185,6 +315,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
     }
 
     // Reduce over the lanes; lane t stores token t's outputs (rows row0 .. row0 + kRows - 1).
+    int fin_tok = -1;  // (fold, down) the token whose rows this lane's store completed
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (t >= nt) break;
@@ -220,6 +351,19 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           if (row0 + r < N) y[row0 + r] = v[r] * w;
+        }
+        if (a.f.combined != nullptr) {
+          __threadfence();  // y before the count: the completing warp reads it
+          const int tok = pair / a.g.top_k;
+          const unsigned int done = atomicAdd(&a.f.counts[tok * ((N + kRows - 1) / kRows) + row0 / kRows], 1u) + 1u;
+          if (done == static_cast<unsigned int>(s_nvalid[tok])) fin_tok = tok;
+        }
+      }
+    }
+    if constexpr (!kUp) {
+      if (a.f.combined != nullptr && !cur.shared && cur.active()) {  // warp-uniform
+        for (unsigned int m = __ballot_sync(0xffffffffu, fin_tok >= 0); m != 0; m &= m - 1) {
+          fold_combine_rows<T>(a, __shfl_sync(0xffffffffu, fin_tok, __ffs(m) - 1), cur.row0, lane);
         }
       }
     }
@@ -276,8 +420,24 @@ bool gemv_fits(int64_t T, int64_t K) {
   return T <= kGemvMaxTokens && K % 8 == 0 && static_cast<int64_t>(gemv_tile_rows(T)) * K * 2 <= kGemvMaxSmemBytes;
 }
 
+unsigned int* gemv_fold_counts(int64_t T, int64_t N) {
+  if (T < 1 || N < 1 || T * ((N + kRows - 1) / kRows) > kFoldWords) return nullptr;
+  static std::atomic<int> next{0};
+  thread_local const int slot = next.fetch_add(1) % kFoldSlots;
+  thread_local std::array<unsigned int*, 64> base{};  // the symbol's address on each device
+  int dev = 0;
+  CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), "ops::moe_experts");
+  if (dev < 0 || dev >= static_cast<int>(base.size())) return nullptr;
+  if (base[static_cast<size_t>(dev)] == nullptr) {
+    void* p = nullptr;
+    CHIMERA_CUDA_CHECK(cudaGetSymbolAddress(&p, g_fold_counts), "ops::moe_experts");
+    base[static_cast<size_t>(dev)] = static_cast<unsigned int*>(p);
+  }
+  return base[static_cast<size_t>(dev)] + static_cast<size_t>(slot) * kFoldWords;
+}
+
 void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int tile_rows, bool up,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const GemvFold& fold) {
   const int kmax = std::max(p.K, shared.weight ? shared.K : 0);
   if (p.K % 8 != 0 || static_cast<int64_t>(tile_rows) * kmax * 2 > kGemvMaxSmemBytes) {
     throw_runtime(str_cat("ops::moe_experts: the GEMV path needs K % 8 == 0 and ", tile_rows,
@@ -287,7 +447,16 @@ void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int ti
     throw_runtime(str_cat("ops::moe_experts: the GEMV shared expert needs K % 8 == 0 and 1 <= T <= ", tile_rows,
                           " (K = ", shared.K, ", N = ", shared.N, ", T = ", shared.T, ")"));
   }
+  if (fold.topk_ids != nullptr) {
+    const bool ok = fold.T >= 1 && fold.T <= tile_rows && fold.T * p.top_k <= kGemvFoldMaxPairs &&
+                    (up ? fold.sorted_pair && fold.items && fold.n_items : fold.combined && fold.counts);
+    if (!ok) {
+      throw_runtime(str_cat("ops::moe_experts: GEMV fold with T = ", fold.T, ", top-", p.top_k, " (needs T <= ",
+                            tile_rows, ", T x top_k <= ", kGemvFoldMaxPairs, " and its output buffers)"));
+    }
+  }
   GemvArgs a{};
+  a.f = fold;
   a.g = p;
   a.g.n_tiles = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
   a.s = shared;

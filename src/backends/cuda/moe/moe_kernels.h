@@ -134,9 +134,32 @@ struct GemvShared {
   void* out = nullptr;           // up: hs [T, N]; down: shared_out [T, N]; activation dtype
   int N = 0, K = 0, T = 0;       // T <= tile_rows
 };
+// The permutation and the combine folded into the GEMV launches (decode: saves two of the four dependent launches
+// of a MoE layer, ~2-3 us each in a graph step).
+//   up   (topk_ids != nullptr): every block sorts the P <= kGemvFoldMaxPairs pairs itself (in shared memory, the
+//        same stable order and work items as launch_moe_permute), and block 0 writes sorted_pair / items / n_items
+//        for the down launch. No permute launch.
+//   down (combined != nullptr): after storing its y rows, a warp counts them per (token, row pair) in `counts`; the
+//        warp that completes a (token, row pair) sums the token's y rows in increasing (expert, choice) order
+//        (launch_moe_combine's order: bit-identical results) and writes combined[token, rows] in the activation
+//        dtype, then zeroes the count (the counts are zero between launches, so a graph replay finds them ready).
+//        Tokens without a valid pair get zeros. No combine launch.
+struct GemvFold {
+  const int32_t* topk_ids = nullptr;  // [T, top_k]: non-null = fold (up: the permutation; down: the combine)
+  int T = 0, E = 0;
+  int32_t* sorted_pair = nullptr;     // up: where block 0 writes the permutation for the down launch
+  int4* items = nullptr;
+  int32_t* n_items = nullptr;
+  void* combined = nullptr;           // down: [T, N] activation dtype
+  unsigned int* counts = nullptr;     // down: [T, ceil(N / 2)] zero on entry (gemv_fold_counts)
+};
+inline constexpr int kGemvFoldMaxPairs = 256;  // one thread per pair in the block sort
+// The zeroed count words of the calling host thread (one slot per thread, as the router's tickets), or nullptr when
+// T x ceil(N / 2) exceeds a slot: the caller then launches permute / combine as separate kernels.
+unsigned int* gemv_fold_counts(int64_t T, int64_t N);
 // PDL: launched through cuda::launch; the shared expert's weights (constants) are requested before pdl_wait().
 void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int tile_rows, bool up,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const GemvFold& fold = {});
 
 // fp32 SIMT path: any activation / weight dtype (converted to fp32 on load); h is fp32 here.
 inline constexpr int kSimtTileRows = 16;
