@@ -181,6 +181,23 @@ void bench_router_gate(const Context& ctx, const char* model, int64_t E, int64_t
     const bool same = std::equal(outs[0].i32(), outs[0].i32() + outs[0].numel(), outs[2].i32()) &&
                       std::memcmp(outs[1].data(), outs[3].data(), outs[1].nbytes()) == 0;
     std::printf("CHECK router_gate_topk %s warpsel-vs-blocksel %s\n", shape.c_str(), same ? "identical" : "DIFFERENT");
+    // The column split (fewer splits: fewer blocks in phase 1, fewer partials for the last block to sum) at
+    // T = 1 and 8, both selections: which split gate_topk_split should pick.
+    if (T != 1 && T != 8) continue;
+    const cuda::moe::GateSplit def = g.split;
+    for (int want : {1, 2, 3, 4, 6, 8, 12}) {
+      const int chunk = static_cast<int>((D + want - 1) / want + 3) / 4 * 4;
+      if (chunk > cuda::moe::kGateMaxChunk) continue;
+      g.split = {static_cast<int>((D + chunk - 1) / chunk), chunk};
+      if (g.split.n_split >= def.n_split) continue;
+      for (int select : {1, 2}) {
+        g.select = select;
+        ctx.run_graph(std::string("router_gate_topk-split") + std::to_string(g.split.n_split) +
+                          (select == 1 ? "-warpsel" : "-blocksel"),
+                      shape, bytes, 0, [&](cudaStream_t st, int) { cuda::moe::launch_router_gate_topk(g, st); });
+      }
+    }
+    g.split = def;
   }
 }
 

@@ -526,9 +526,10 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
   const int64_t T = b.num_tokens(), Qh = c.num_attention_heads, KVh = c.num_key_value_heads, hd = c.head_dim;
   Tensor q = act(ctx, {T, Qh * hd});
   Tensor k = act(ctx, {T, KVh * hd}), v = act(ctx, {T, KVh * hd});
-  ops::linear(ctx, q, x, w.q_proj);
-  ops::linear(ctx, k, x, w.k_proj);
-  ops::linear(ctx, v, x, w.v_proj);
+  // One op for the three projections of the same x (on CUDA at decode sizes one GEMV launch).
+  const Tensor qkv_out[] = {q, k, v};
+  const Tensor qkv_w[] = {w.q_proj, w.k_proj, w.v_proj};
+  ops::linear_multi(ctx, qkv_out, x, qkv_w);
   // No positional encoding of any kind (model-spec 4): the Mamba layers carry position.
   Tensor o = act(ctx, {T, Qh, hd});
   const StepBatch::DeviceMeta* dm = b.device_meta;

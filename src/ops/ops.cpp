@@ -265,6 +265,27 @@ void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor
   c.dispatch([&] { cpu::linear(out, x, weight, bias); }, [&] { CHIMERA_CUDA_CALL(cuda::linear(ctx, out, x, weight, bias)); });
 }
 
+void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor& x, std::span<const Tensor> weights) {
+  const Check c(ctx, "linear_multi");
+  if (outs.size() != weights.size() || weights.empty() || weights.size() > 3) {
+    c.fail("{} outputs for {} weights (1 to 3 of each, one output per weight)", outs.size(), weights.size());
+  }
+  c.f32("x", x, 2);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const std::string w = fmt::format("weights[{}]", i), o = fmt::format("outs[{}]", i);
+    c.weight(w.c_str(), weights[i], 2);
+    c.shape(w.c_str(), weights[i], {weights[i].dim(0), x.dim(1)}, "x", x);
+    c.f32(o.c_str(), outs[i], 2);
+    c.shape(o.c_str(), outs[i], {x.dim(0), weights[i].dim(0)}, "x @ weight^T with weight", weights[i]);
+    c.no_alias(o.c_str(), outs[i], "x", x);
+  }
+  c.dispatch(
+      [&] {
+        for (size_t i = 0; i < weights.size(); ++i) cpu::linear(outs[i], x, weights[i], Tensor());
+      },
+      [&] { CHIMERA_CUDA_CALL(cuda::linear_multi(ctx, outs, x, weights)); });
+}
+
 void relu2(const Context& ctx, const Tensor& x) {
   const Check c(ctx, "relu2");
   c.f32("x", x, -1);

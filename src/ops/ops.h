@@ -84,6 +84,11 @@ void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, cons
 void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
             const Tensor& bias = Tensor());
 
+// The same x through 1..3 weights (no bias): exactly linear(outs[i], x, weights[i]) for each i (the CPU runs those).
+// On CUDA at decode sizes (T <= 2, 16-bit) one GEMV launch streams all the weights: an attention layer's q, k and
+// v projections as one launch instead of three dependent ones. outs[i]: [T, weights[i].dim(0)].
+void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor& x, std::span<const Tensor> weights);
+
 // x = relu(x)^2 in place (any shape).
 void relu2(const Context& ctx, const Tensor& x);
 

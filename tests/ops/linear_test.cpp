@@ -165,6 +165,44 @@ TEST_P(OpsLinear, GemvPathAtDecodeSizes) {
 #endif
 }
 
+// ops::linear_multi: the same x through 1..3 weights (an attention layer's q, k, v). Each output against the oracle,
+// on both backends, every weight dtype, T = 1, 2 (one GEMV launch on CUDA at 16 bits) and 3, 17 (one linear per
+// part); row counts that put part boundaries inside a row group (7 + 9 + 1, the Nano q / k / v 4096 + 256 + 256);
+// mismatched lists and a wrong output shape are refused naming the op and the tensor.
+TEST_P(OpsLinear, MultiMatchesOneLinearPerWeight) {
+  auto rng = test::Rng::for_test();
+  struct Case {
+    int64_t K;
+    std::vector<int64_t> N;
+  };
+  const std::vector<Case> cases = {{40, {7, 9, 1}}, {64, {16}}, {200, {33, 8}}, {2688, {4096, 256, 256}}};
+  for (DType wt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const DType act = act_for(wt);
+    for (const Case& c : cases) {
+      for (int64_t T : {1, 2, 3, 17}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(wt) << " T=" << T << " K=" << c.K << " parts=" << c.N.size());
+        const Tensor x = rounded(rng.uniform_tensor({T, c.K}, -1.0f, 1.0f), act);
+        std::vector<Tensor> ws, dws, ys;
+        for (int64_t n : c.N) {
+          ws.push_back(test::cast_to(rng.uniform_tensor({n, c.K}, -0.05f, 0.05f), wt));
+          dws.push_back(on_backend(ws.back()));
+          ys.push_back(output(act, {T, n}));
+        }
+        ops::linear_multi(ctx(), ys, on_backend(x, act), dws);
+        for (size_t i = 0; i < ws.size(); ++i) EXPECT_TRUE(close(host_f32(ys[i]), naive_linear(x, ws[i]), act)) << i;
+      }
+    }
+  }
+  const Tensor x = on_backend(rng.normal_tensor({2, 32}), DType::kF32);
+  const Tensor w = on_backend(rng.normal_tensor({5, 32}));
+  const Tensor good = output(DType::kF32, {2, 5}), bad = output(DType::kF32, {2, 6});
+  const Tensor ws[] = {w, w};
+  const Tensor one[] = {good}, two_bad[] = {good, bad};
+  EXPECT_TRUE(test::throws_error([&] { ops::linear_multi(ctx(), one, x, ws); }, ErrorKind::kRuntime,
+                                 "ops::linear_multi: 1 outputs for 2 weights"));
+  EXPECT_TRUE(test::throws_error([&] { ops::linear_multi(ctx(), two_bad, x, ws); }, ErrorKind::kRuntime, "outs[1]"));
+}
+
 // CPU: the result does not depend on the thread count; CUDA: two calls give the same bits (cuBLASLt's
 // algorithm is chosen once per shape and cached).
 TEST_P(OpsLinear, ResultIsDeterministic) {

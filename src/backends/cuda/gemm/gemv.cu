@@ -38,8 +38,23 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 8;  // 16-byte weight loads in flight per lane per step
 
-// x: [T, K] T, w: [N, K] T, bias: [N] T or null, y: [T, N] T. Dynamic shared memory: x, [MT][K] T (zero rows
-// past T).
+// Launch row -> (part, row within the part). Selected, not indexed, so the parameter array stays in the constant
+// bank (a dynamic index would copy it to local memory).
+struct PartRow {
+  GemvPart part;
+  int row;
+};
+__device__ __forceinline__ PartRow part_row(const GemvParams& p, int row) {
+  if (p.n_parts > 1 && row >= p.parts[0].N) {
+    row -= p.parts[0].N;
+    if (p.n_parts > 2 && row >= p.parts[1].N) return PartRow{p.parts[2], row - p.parts[1].N};
+    return PartRow{p.parts[1], row};
+  }
+  return PartRow{p.parts[0], row};
+}
+
+// x: [T, K] T, w_i: [N_i, K] T, bias_i: [N_i] T or null, y_i: [T, N_i] T. Dynamic shared memory: x, [MT][K] T
+// (zero rows past T).
 template <typename T, int MT, bool kRelu2>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   extern __shared__ uint4 gemv_smem[];
@@ -53,13 +68,13 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   const int per_part = (kv + wpr - 1) / wpr;
   const int v0 = part * per_part, v1 = min(kv, v0 + per_part);
   const int n_groups = (p.N + rows_per_group - 1) / rows_per_group;
-  const uint4* w = static_cast<const uint4*>(p.w);
 
   // Prologue before the grid dependency: this warp's first weight vectors of its first row.
   uint4 wv[kUnroll];
   int row = static_cast<int>(blockIdx.x) * rows_per_group + warp / wpr;
   {
-    const uint4* wrow = w + static_cast<int64_t>(row) * kv;
+    const PartRow pr = part_row(p, min(row, p.N - 1));
+    const uint4* wrow = static_cast<const uint4*>(pr.part.w) + static_cast<int64_t>(pr.row) * kv;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int v = v0 + lane + u * 32;
@@ -82,7 +97,8 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   for (int g = static_cast<int>(blockIdx.x); g < n_groups; g += static_cast<int>(gridDim.x)) {
     row = g * rows_per_group + warp / wpr;
     const bool active = row < p.N;
-    const uint4* wrow = w + static_cast<int64_t>(row) * kv;
+    const PartRow pr = part_row(p, min(row, p.N - 1));
+    const uint4* wrow = static_cast<const uint4*>(pr.part.w) + static_cast<int64_t>(pr.row) * kv;
     float acc[MT];
 #pragma unroll
     for (int t = 0; t < MT; ++t) acc[t] = 0.0f;
@@ -143,13 +159,13 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
       for (int t = 0; t < MT; ++t) {
         if (t == lane) s = acc[t];
       }
-      if (p.bias != nullptr) s += to_float(static_cast<const T*>(p.bias)[row]);
+      if (pr.part.bias != nullptr) s += to_float(static_cast<const T*>(pr.part.bias)[pr.row]);
       T v = from_float<T>(s);
       if constexpr (kRelu2) {
         const float r = fmaxf(to_float(v), 0.0f);
         v = from_float<T>(r * r);
       }
-      static_cast<T*>(p.y)[static_cast<int64_t>(lane) * p.N + row] = v;
+      static_cast<T*>(pr.part.y)[static_cast<int64_t>(lane) * pr.part.N + pr.row] = v;
     }
   }
 }
@@ -204,6 +220,12 @@ int gemv_warps_per_row(int64_t N) {
 void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stream) {
   if (p.warps_per_row < 1 || p.warps_per_row > kWarps || kWarps % p.warps_per_row != 0) {
     throw_runtime(str_cat("ops::linear (gemv): warps_per_row ", p.warps_per_row, " must divide ", kWarps));
+  }
+  int64_t rows = 0;
+  for (int i = 0; i < p.n_parts && i < kGemvMaxParts; ++i) rows += p.parts[i].N;
+  if (p.n_parts < 1 || p.n_parts > kGemvMaxParts || rows != p.N || rows >= (int64_t{1} << 31) / p.K) {
+    throw_runtime(str_cat("ops::linear (gemv): ", p.n_parts, " parts with ", rows, " rows for N = ", p.N,
+                          " (1..", kGemvMaxParts, " parts whose rows add up to N)"));
   }
   switch (dtype) {
     case DType::kBF16:

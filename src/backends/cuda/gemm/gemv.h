@@ -13,14 +13,24 @@ namespace chimera::cuda::gemm {
 constexpr int64_t kGemvMaxTokens = 8;
 constexpr int64_t kGemvMaxSmemBytes = 100 * 1024;  // x staged in shared memory: tokens (rounded up to 1/2/4/8) x K x 2
 
-// y[T, N] = x[T, K] @ w[N, K]^T (+ bias[N]) (then relu^2 when asked), all of one 16-bit dtype, contiguous rows.
-struct GemvParams {
-  const void* x = nullptr;
+// y_i[T, N_i] = x[T, K] @ w_i[N_i, K]^T (+ bias_i[N_i]) (then relu^2 when asked) for 1..kGemvMaxParts weight
+// matrices of the same x in ONE launch (an attention layer's q, k and v projections: one weight stream instead of
+// three dependent launches), all of one 16-bit dtype, contiguous rows. The launch's rows are the parts' rows one
+// after the other (row r of part i is launch row N_0 + ... + N_{i-1} + r).
+constexpr int kGemvMaxParts = 3;
+struct GemvPart {
   const void* w = nullptr;
   const void* bias = nullptr;  // null: none
   void* y = nullptr;
-  int T = 0, K = 0, N = 0;
-  int warps_per_row = 1;  // 1, 2, 4 or 8 (gemv_warps_per_row)
+  int N = 0;
+};
+struct GemvParams {
+  const void* x = nullptr;
+  GemvPart parts[kGemvMaxParts];
+  int n_parts = 1;
+  int T = 0, K = 0;
+  int N = 0;              // the launch's rows: the sum of the parts' N
+  int warps_per_row = 1;  // 1, 2, 4 or 8 (gemv_warps_per_row of N)
 };
 
 // Whether the GEMV handles this shape: 1 <= T <= 8, K % 8 == 0, BF16/F16, 16-byte aligned x, w and y, x fits in

@@ -189,9 +189,7 @@ void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const
               bool relu2) {
   gemm::GemvParams p;
   p.x = x.data();
-  p.w = weight.data();
-  p.bias = bias ? bias.data() : nullptr;
-  p.y = out.data();
+  p.parts[0] = {weight.data(), bias ? bias.data() : nullptr, out.data(), static_cast<int>(weight.dim(0))};
   p.T = static_cast<int>(x.dim(0));
   p.K = static_cast<int>(x.dim(1));
   p.N = static_cast<int>(weight.dim(0));
@@ -279,6 +277,32 @@ void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x,
   } else {
     run_cublas();
   }
+}
+
+void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const Tensor& x,
+                  std::span<const Tensor> weights) {
+  // One GEMV launch for all parts when each of them is a GEMV shape at a decode size; else one linear per part.
+  bool one_launch = x.dim(0) <= kLinearGemvAutoMaxTokens && weights.size() <= gemm::kGemvMaxParts;
+  int64_t rows = 0;
+  for (size_t i = 0; one_launch && i < weights.size(); ++i) {
+    one_launch = weights[i].dtype() == x.dtype() && outs[i].dtype() == x.dtype() && gemv_fits(outs[i], x, weights[i]);
+    rows += weights[i].dim(0);
+  }
+  if (!one_launch || x.dim(0) == 0 || rows >= (int64_t{1} << 31) / std::max<int64_t>(1, x.dim(1))) {
+    for (size_t i = 0; i < weights.size(); ++i) cuda::linear(ctx, outs[i], x, weights[i], Tensor());
+    return;
+  }
+  gemm::GemvParams p;
+  p.x = x.data();
+  p.n_parts = static_cast<int>(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    p.parts[i] = {weights[i].data(), nullptr, outs[i].data(), static_cast<int>(weights[i].dim(0))};
+  }
+  p.T = static_cast<int>(x.dim(0));
+  p.K = static_cast<int>(x.dim(1));
+  p.N = static_cast<int>(rows);
+  p.warps_per_row = gemm::gemv_warps_per_row(p.N);
+  gemm::launch_gemv(p, x.dtype(), false, as_stream(ctx.stream));
 }
 
 // down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel (at decode sizes the up GEMV applies relu^2); the [T, I] intermediate is in the

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -92,7 +93,11 @@ const char* path_name(moe::ExpertsPath path) {
   }
 }
 
-std::atomic<bool> g_gemv_fold{true};
+// Default on; CHIMERA_MOE_GEMV_FOLD=0 in the environment turns it off (A/B runs of the whole engine).
+std::atomic<bool> g_gemv_fold{[] {
+  const char* v = std::getenv("CHIMERA_MOE_GEMV_FOLD");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}()};
 bool gemv_fold_enabled() { return g_gemv_fold.load(std::memory_order_relaxed); }
 
 }  // namespace

@@ -16,7 +16,8 @@ enum class ExpertsPath { kAuto, kGemv, kMma, kSimt };
 // dtypes fit (moe_kernels.h, GemvShared), it runs as extra units of the up and down launches; otherwise (any other
 // path, or a shared expert outside the GEMV domain) it runs as cuda::relu2_mlp after the routed experts.
 // Benchmarks and tests: false runs the permutation and the combine as their own launches on the GEMV path too
-// (default true: folded into the two GEMV launches, bit-identical results). Process-wide.
+// (default true: folded into the two GEMV launches, bit-identical results; CHIMERA_MOE_GEMV_FOLD=0 sets the
+// default false). Process-wide.
 void set_gemv_fold(bool fold);
 
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
