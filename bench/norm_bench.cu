@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/gemm/gemv.h"
 #include "backends/cuda/gemm/linear.h"
 #include "backends/cuda/norm/row_norm.cuh"
 #include "backends/device_api.h"
@@ -284,6 +285,22 @@ CHIMERA_BENCH(linear_decode) {
         });
       }
       device::set_pdl_enabled(pdl_default);
+      // The GEMV at fixed warps per row (the automatic rule: gemv.cu, auto_warps_per_row).
+      if (T <= 2 && cuda::linear_gemv_supported(sets[0].y, sets[0].x, sets[0].w)) {
+        for (int wpr : {1, 2, 4}) {
+          ctx.run_graph("linear_gemv_wpr" + std::to_string(wpr), shape, bytes, flops, [&](cudaStream_t st, int i) {
+            const LinearSet& s = sets[static_cast<size_t>(i) % sets.size()];
+            cuda::gemm::GemvParams g;
+            g.x = s.x.data();
+            g.parts[0] = {s.w.data(), nullptr, s.y.data(), static_cast<int>(p.out)};
+            g.T = static_cast<int>(T);
+            g.K = static_cast<int>(p.in);
+            g.N = static_cast<int>(p.out);
+            g.warps_per_row = wpr;
+            cuda::gemm::launch_gemv(g, s.x.dtype(), false, st);
+          });
+        }
+      }
     }
   }
 }

@@ -703,9 +703,18 @@ Tensor run_path(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, c
 Tensor run_path_unfolded(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
                          cuda::moe::ExpertsPath path) {
   struct Restore {
-    ~Restore() { cuda::moe::set_gemv_fold(true); }
+    ~Restore() { cuda::moe::set_gemv_fold(1); }
   } restore;
-  cuda::moe::set_gemv_fold(false);
+  cuda::moe::set_gemv_fold(0);
+  return run_path(x, dt, ids, w, s, path);
+}
+// The same with the combine folded into the down launch too (set_gemv_fold(2)).
+Tensor run_path_fold_combine(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
+                             cuda::moe::ExpertsPath path) {
+  struct Restore {
+    ~Restore() { cuda::moe::set_gemv_fold(1); }
+  } restore;
+  cuda::moe::set_gemv_fold(2);
   return run_path(x, dt, ids, w, s, path);
 }
 
@@ -731,6 +740,7 @@ void gemv_path_case(const GemvCase& c, std::initializer_list<int64_t> tokens) {
                                    test::kBF16ReductionNmse, test::kBF16Reduction));
       EXPECT_TRUE(test::bit_equal(run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
       EXPECT_TRUE(test::bit_equal(run_path_unfolded(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
+      EXPECT_TRUE(test::bit_equal(run_path_fold_combine(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
       EXPECT_TRUE(test::nmse_close(got, run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kMma),
                                    test::kBF16ReductionNmse, test::kBF16Reduction));
     }
@@ -791,6 +801,8 @@ TEST_P(OpsMoe, GemvPathSharedAndRepeatedExperts) {
         EXPECT_TRUE(test::bit_equal(run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
         EXPECT_TRUE(
             test::bit_equal(run_path_unfolded(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
+        EXPECT_TRUE(
+            test::bit_equal(run_path_fold_combine(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
       }
     }
   }

@@ -170,6 +170,19 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   }
 }
 
+// Warps per row: enough warps for every SM to hold ~16 of them streaming (split rows when N alone is too few);
+// then, while the GPU still holds all the warps at once, split further until a warp's share of a row is ONE load
+// step (kUnroll x 32 vectors): the whole weight is then requested in the first round trip, part of it before the
+// PDL wait, instead of a second step waiting for the first (the Nano out_proj, 4096 columns = 512 vectors per row:
+// 2 steps at one warp per row, 1 step at two).
+int auto_warps_per_row(int64_t N, int64_t K, int64_t resident_warps) {
+  const int64_t vectors = K / 8;
+  int wpr = 1;
+  while (wpr < kWarps && N * wpr < static_cast<int64_t>(sm_count()) * 16) wpr *= 2;
+  while (wpr < kWarps && (vectors + wpr - 1) / wpr > kUnroll * 32 && N * wpr * 2 <= resident_warps) wpr *= 2;
+  return wpr;
+}
+
 template <typename T, int MT, bool kRelu2>
 void launch_mt(const GemvParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(T) * static_cast<size_t>(MT) * static_cast<size_t>(p.K);
@@ -181,12 +194,14 @@ void launch_mt(const GemvParams& p, cudaStream_t stream) {
   int per_sm = 0;
   CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem),
                      "ops::linear (gemv occupancy)");
-  const int rows_per_group = kWarps / p.warps_per_row;
+  GemvParams q = p;
+  if (q.warps_per_row == 0) q.warps_per_row = auto_warps_per_row(q.N, q.K, std::max(1, per_sm) * sm_count() * kWarps);
+  const int rows_per_group = kWarps / q.warps_per_row;
   const int n_groups = (p.N + rows_per_group - 1) / rows_per_group;
   const int resident = std::max(1, per_sm) * sm_count();
   const int rounds = (n_groups + resident - 1) / resident;
   const int blocks = (n_groups + rounds - 1) / rounds;  // every block does `rounds` groups (the last maybe fewer)
-  CHIMERA_CUDA_CHECK(launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p),
+  CHIMERA_CUDA_CHECK(launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, q),
                      "ops::linear (gemv)");
 }
 
@@ -209,17 +224,9 @@ bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x,
   return int64_t{2} * mt * K <= kGemvMaxSmemBytes && N < (int64_t{1} << 31) / K;
 }
 
-int gemv_warps_per_row(int64_t N) {
-  // Enough warps for every SM to hold ~16 of them streaming: split rows only when N alone is too few.
-  const int64_t want = static_cast<int64_t>(sm_count()) * 16;
-  int wpr = 1;
-  while (wpr < kWarps && N * wpr < want) wpr *= 2;
-  return wpr;
-}
-
 void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stream) {
-  if (p.warps_per_row < 1 || p.warps_per_row > kWarps || kWarps % p.warps_per_row != 0) {
-    throw_runtime(str_cat("ops::linear (gemv): warps_per_row ", p.warps_per_row, " must divide ", kWarps));
+  if (p.warps_per_row < 0 || p.warps_per_row > kWarps || (p.warps_per_row > 0 && kWarps % p.warps_per_row != 0)) {
+    throw_runtime(str_cat("ops::linear (gemv): warps_per_row ", p.warps_per_row, " must divide ", kWarps, " (or 0)"));
   }
   int64_t rows = 0;
   for (int i = 0; i < p.n_parts && i < kGemvMaxParts; ++i) rows += p.parts[i].N;

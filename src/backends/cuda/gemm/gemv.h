@@ -30,14 +30,12 @@ struct GemvParams {
   int n_parts = 1;
   int T = 0, K = 0;
   int N = 0;              // the launch's rows: the sum of the parts' N
-  int warps_per_row = 1;  // 1, 2, 4 or 8 (gemv_warps_per_row of N)
+  int warps_per_row = 0;  // 1, 2, 4 or 8 warps share a row; 0: chosen at launch (launch_gemv has the rule)
 };
 
 // Whether the GEMV handles this shape: 1 <= T <= 8, K % 8 == 0, BF16/F16, 16-byte aligned x, w and y, x fits in
 // shared memory.
 bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x, const void* w, const void* y);
-// Warps sharing one output row for N rows (more for small N, so every SM streams).
-int gemv_warps_per_row(int64_t N);
 void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stream);
 
 }  // namespace chimera::cuda::gemm

@@ -193,7 +193,6 @@ void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const
   p.T = static_cast<int>(x.dim(0));
   p.K = static_cast<int>(x.dim(1));
   p.N = static_cast<int>(weight.dim(0));
-  p.warps_per_row = gemm::gemv_warps_per_row(p.N);
   gemm::launch_gemv(p, x.dtype(), relu2, as_stream(ctx.stream));
 }
 
@@ -301,7 +300,6 @@ void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const T
   p.T = static_cast<int>(x.dim(0));
   p.K = static_cast<int>(x.dim(1));
   p.N = static_cast<int>(rows);
-  p.warps_per_row = gemm::gemv_warps_per_row(p.N);
   gemm::launch_gemv(p, x.dtype(), false, as_stream(ctx.stream));
 }
 

@@ -93,16 +93,18 @@ const char* path_name(moe::ExpertsPath path) {
   }
 }
 
-// Default on; CHIMERA_MOE_GEMV_FOLD=0 in the environment turns it off (A/B runs of the whole engine).
-std::atomic<bool> g_gemv_fold{[] {
+// 0: permute and combine launched; 1 (default): the permutation folded into the up launch; 2: also the combine
+// folded into the down launch. CHIMERA_MOE_GEMV_FOLD=0|1|2 sets the default (A/B runs of the whole engine).
+std::atomic<int> g_gemv_fold{[] {
   const char* v = std::getenv("CHIMERA_MOE_GEMV_FOLD");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return v == nullptr ? 1 : std::clamp(std::atoi(v), 0, 2);
 }()};
-bool gemv_fold_enabled() { return g_gemv_fold.load(std::memory_order_relaxed); }
+bool gemv_fold_enabled() { return g_gemv_fold.load(std::memory_order_relaxed) >= 1; }
+bool gemv_fold_combine_enabled() { return g_gemv_fold.load(std::memory_order_relaxed) >= 2; }
 
 }  // namespace
 
-void moe::set_gemv_fold(bool fold) { g_gemv_fold.store(fold, std::memory_order_relaxed); }
+void moe::set_gemv_fold(int fold) { g_gemv_fold.store(std::clamp(fold, 0, 2), std::memory_order_relaxed); }
 
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
@@ -205,7 +207,7 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   pp.n_items = n_items;
   // Decode: the permutation inside the up launch and the combine inside the down launch (moe_kernels.h, GemvFold).
   const bool fold = gemv && gemv_fold_enabled() && P <= moe::kGemvFoldMaxPairs && T <= tile_rows;
-  unsigned int* fold_counts = fold ? moe::gemv_fold_counts(T, Din) : nullptr;
+  unsigned int* fold_counts = fold && gemv_fold_combine_enabled() ? moe::gemv_fold_counts(T, Din) : nullptr;
   if (!fold) moe::launch_moe_permute(pp, stream);
 
   const void* const* tables = pointer_tables().get(up_proj, down_proj);

@@ -15,10 +15,11 @@ enum class ExpertsPath { kAuto, kGemv, kMma, kSimt };
 // shared (optional): the layer's shared expert (ops::moe_experts_shared). On the GEMV path, when its sizes and
 // dtypes fit (moe_kernels.h, GemvShared), it runs as extra units of the up and down launches; otherwise (any other
 // path, or a shared expert outside the GEMV domain) it runs as cuda::relu2_mlp after the routed experts.
-// Benchmarks and tests: false runs the permutation and the combine as their own launches on the GEMV path too
-// (default true: folded into the two GEMV launches, bit-identical results; CHIMERA_MOE_GEMV_FOLD=0 sets the
-// default false). Process-wide.
-void set_gemv_fold(bool fold);
+// Benchmarks and tests: what of the GEMV path's permutation and combine is folded into its two launches
+// (moe_kernels.h, GemvFold; results bit-identical either way): 0 none (their own launches), 1 the permutation
+// (the default), 2 the permutation and the combine (measured slower: the count's fence in the down kernel waits for
+// the next unit's prefetched weight loads). CHIMERA_MOE_GEMV_FOLD=0|1|2 sets the default. Process-wide.
+void set_gemv_fold(int fold);
 
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                          const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
