@@ -38,7 +38,7 @@ echo "CUDA OK: $(grep -E 'OK \] .*/Cuda' "$OUT/tests.log" | sed -E 's/.*\] OpsSs
 el tested
 
 SMALL='OpsSsd.CudaSixteenBitStatesActivationsAndParams/Cuda:OpsSsd.CudaPackedBatchSuperchunks/Cuda'
-SMALL+=':OpsSsd.CudaRecurrenceSixteenBit/Cuda:OpsSsd.ChunkScanMatchesRecurrence/Cuda'
+SMALL+=':OpsSsd.CudaRecurrenceSixteenBit/Cuda:OpsSsd.ChunkScanMatchesRecurrence/Cuda:OpsSsd.CudaGroupCbSmall/Cuda'
 if [ "$(left $((BUDGET - 85)))" -gt 10 ]; then
   timeout "$(left $((BUDGET - 85)))" compute-sanitizer --tool memcheck ./b/chimera_tests --gtest_filter="$SMALL" \
     >"$OUT/memcheck.log" 2>&1
@@ -46,7 +46,7 @@ if [ "$(left $((BUDGET - 85)))" -gt 10 ]; then
   grep -E -m5 "Invalid|out of bounds|Address| at " "$OUT/memcheck.log" | cut -c1-200
 fi
 el memchecked
-RACE='OpsSsd.CudaSixteenBitStatesActivationsAndParams/Cuda:OpsSsd.DtLimitsClampBothPaths/Cuda'
+RACE='OpsSsd.CudaSixteenBitStatesActivationsAndParams/Cuda:OpsSsd.DtLimitsClampBothPaths/Cuda:OpsSsd.CudaGroupCbSmall/Cuda'
 if [ "$(left $((BUDGET - 68)))" -gt 10 ]; then
   timeout "$(left $((BUDGET - 68)))" compute-sanitizer --tool racecheck ./b/chimera_tests --gtest_filter="$RACE" \
     >"$OUT/racecheck.log" 2>&1

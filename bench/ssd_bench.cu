@@ -103,11 +103,13 @@ void prefill(const Context& ctx, const char* model, int64_t H, const std::vector
 std::string describe(const cuda::SsdOptions& o, const cuda::SsdRunner& r) {
   if (o.portable) return "portable";
   return "M=" + (o.superchunk ? std::to_string(o.superchunk) : "auto(" + std::to_string(r.superchunk()) + ")") +
-         " state_heads=" + std::to_string(o.state_heads) + (o.fused_cb ? " fused_cb" : " tiled_cb");
+         " state_heads=" + std::to_string(o.state_heads) +
+         (o.group_cb ? " group_cb" : (o.fused_cb ? " fused_cb" : " tiled_cb"));
 }
 
-// Where the time goes: each stage alone, for the default kernels (first), the run-1 kernels (one head per
-// state block, C.B^T tile by tile), each change alone, and superchunks of 4, 8, 16 chunks.
+// Where the time goes: each stage alone, for the default kernels (first), group_cb (C.B^T once per chunk and
+// group in stage chunk_bmm, 2 heads per scan block) second, the run-1 kernels (one head per state block, C.B^T
+// tile by tile), each change alone, and superchunks of 4, 8, 16 chunks.
 // Stage FLOPs: chunk_state 2 Q P N per chunk and head; chunk_scan the rest plus the state steps it repeats
 // inside superchunks ((M - 1) / M of chunk_state's). Stage bytes: what the stage must move at least.
 void stages(const Context& ctx, const char* model, int64_t H, int32_t T) {
@@ -115,8 +117,15 @@ void stages(const Context& ctx, const char* model, int64_t H, int32_t T) {
   const double chunks = static_cast<double>((T + kChunk - 1) / kChunk), Q = kChunk;
   const double state_flops = chunks * H * 2.0 * Q * kP * kN;
   const cuda::SsdOptions variants[] = {
-      {0, 2, true, false}, {0, 1, false, false}, {0, 1, true, false}, {0, 2, false, false},
-      {4, 2, true, false}, {8, 2, true, false},  {16, 2, true, false},
+      {},
+      {.group_cb = true},
+      {.state_heads = 1, .fused_cb = false},
+      {.state_heads = 1},
+      {.fused_cb = false},
+      {.superchunk = 4},
+      {.superchunk = 8},
+      {.superchunk = 16},
+      {.superchunk = 8, .group_cb = true},
   };
   for (const cuda::SsdOptions& o : variants) {
     const cuda::SsdRunner r = pr.runner(o);
@@ -128,10 +137,24 @@ void stages(const Context& ctx, const char* model, int64_t H, int32_t T) {
     ctx.run(k + "-cumsum", shape, T * H * (2.0 + 8.0), 0.0, [&] { r.chunk_cumsum(); });
     ctx.run(k + "-chunk_state", shape, 2.0 * T * (H * kP + kG * kN) + state_bytes, state_flops,
             [&] { r.chunk_state(); });
+    if (r.uses_group_cb()) {
+      // C, B read, C.B^T (36 of 64 tiles, fp32) written once per chunk and group.
+      ctx.run(k + "-chunk_bmm", shape, chunks * kG * (2.0 * Q * kN * 2.0 + cuda::kSsdCbChunkFloats * 4.0),
+              chunks * kG * 2.0 * Q * Q * kN * (36.0 / 64.0), [&] { r.chunk_bmm(); });
+    }
     ctx.run(k + "-state_passing", shape, 3.0 * state_bytes, 0.0, [&] { r.state_passing(); });
     ctx.run(k + "-chunk_scan", shape, 2.0 * T * (2.0 * H * kP + 2.0 * kG * kN) + state_bytes,
             pr.flops - state_flops * (1.0 / r.superchunk()), [&] { r.chunk_scan(); });
     ctx.run(k + "-all", shape, pr.bytes, pr.flops, [&] { r.run(); });
+  }
+}
+
+// The whole op (host plan included, as ops::ssd_chunk_scan) for the default kernels and group_cb side by side.
+void prefill_variants(const Context& ctx, const char* model, int64_t H, const std::vector<int32_t>& lens) {
+  const Problem pr(H, lens);
+  for (const cuda::SsdOptions& o : {cuda::SsdOptions{}, cuda::SsdOptions{.group_cb = true}}) {
+    const std::string shape = pr.shape + " " + describe(o, pr.runner(o));
+    ctx.run(std::string("ssd_variant-") + model, shape, pr.bytes, pr.flops, [&] { pr.runner(o).run(); });
   }
 }
 
@@ -185,11 +208,20 @@ CHIMERA_BENCH(ssd_stages) {
   stages(ctx, "nano", 64, 8192);
 }
 
+CHIMERA_BENCH(ssd_prefill_variants) {
+  for (int32_t T : {1024, 8192, 32768}) prefill_variants(ctx, "nano", 64, {T});
+  for (int32_t T : {1024, 8192, 32768}) prefill_variants(ctx, "super", 128, {T});
+  prefill_variants(ctx, "super", 128, std::vector<int32_t>(16, 512));
+}
+
 CHIMERA_BENCH(ssd_cross_check) {
   (void)ctx;
-  cross_check("nano", 64, 8192, {0, 1, true, true});      // the portable fp32 kernels
-  cross_check("super", 128, 32768, {0, 1, false, false});  // the kernels of the first GPU run
-  cross_check("super", 128, 32768, {16, 1, true, false});
+  cross_check("nano", 64, 8192, {.state_heads = 1, .portable = true});                 // the portable fp32 kernels
+  cross_check("super", 128, 32768, {.state_heads = 1, .fused_cb = false});              // the first GPU run's
+  cross_check("super", 128, 32768, {.superchunk = 16, .state_heads = 1});
+  cross_check("super", 128, 32768, {.group_cb = true});                                 // expect 0 (same bits)
+  cross_check("nano", 64, 8192, {.group_cb = true});
+  cross_check("super", 128, 8192, {.superchunk = 3, .group_cb = true});
 }
 
 }  // namespace chimera::bench

@@ -6,10 +6,14 @@
 #include <cmath>
 #include <initializer_list>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "common/backend_param.h"
 #include "common/compare.h"
+#ifdef CHIMERA_HAVE_CUDA
+#include "backends/cuda/mamba/ssd_kernels.cuh"
+#endif
 
 namespace chimera {
 namespace {
@@ -123,7 +127,7 @@ constexpr SsmCase kNano{64, 64, 8, 128};
 constexpr SsmCase kSuper{128, 64, 8, 128};
 
 class OpsSsd : public BackendTest {
- protected:
+ public:
   // A host F32 tensor on the backend under test, stored as `dtype` (the CPU reference takes F32 only;
   // its copy is a plain clone so CPU-only machines need no CUDA runtime).
   Tensor dev(const Tensor& host, DType dtype = DType::kF32) const {
@@ -149,6 +153,22 @@ class OpsSsd : public BackendTest {
     return t;
   }
 
+#ifdef CHIMERA_HAVE_CUDA
+  // A tensor-core variant to run instead of ops::ssd_chunk_scan's defaults (CUDA only, through cuda::SsdRunner
+  // with the same inputs, which ops:: would have validated).
+  std::optional<cuda::SsdOptions> variant;
+#endif
+  void scan_on_backend(const Tensor& y, const SsmInputs& d, const Tensor& state, const std::vector<int32_t>& cu,
+                       const std::vector<int32_t>& slots, int64_t chunk) const {
+#ifdef CHIMERA_HAVE_CUDA
+    if (on_cuda() && variant) {
+      cuda::SsdRunner(y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slots, chunk, nullptr, *variant).run();
+      return;
+    }
+#endif
+    ops::ssd_chunk_scan(ctx(), y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slots, chunk);
+  }
+
   // One ssd_chunk_scan on the backend (activations stored as `act`, parameters as `weights`, the state as
   // `state_dtype`) against the CPU reference run on the same rounded values: y, final states, pad rows,
   // untouched slots. F32 everywhere -> the fp32 reduction rows; any 16-bit storage -> the bf16 rows.
@@ -170,7 +190,7 @@ class OpsSsd : public BackendTest {
     const SsmInputs d = dev(ref, act, weights);
     const Tensor y = poisoned(act, in.x.shape());
     const Tensor state = dev(state0, state_dtype);
-    ops::ssd_chunk_scan(ctx(), y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slots, chunk);
+    scan_on_backend(y, d, state, cu, slots, chunk);
     Tensor got = host_f32(y);
     const Tensor got_state = host_f32(state);
 
@@ -429,8 +449,7 @@ struct BatchCase {
   int32_t max_len;
 };
 
-TEST_P(OpsSsd, CudaPackedBatchesMixedLengths) {
-  if (!on_cuda()) GTEST_SKIP() << "bf16 activations are a CUDA path";
+void packed_batches(const OpsSsd& t, std::initializer_list<DType> acts) {
   auto rng = test::Rng::for_test();
   const BatchCase cases[] = {{1, {24, 64, 8, 128}, 400}, {17, {10, 64, 2, 128}, 300}, {64, {7, 64, 1, 128}, 100}};
   for (const BatchCase& b : cases) {
@@ -439,8 +458,13 @@ TEST_P(OpsSsd, CudaPackedBatchesMixedLengths) {
     for (int64_t s = 0; s < b.batch; ++s) {
       lens.push_back(s < 6 && b.batch > 1 ? fixed[s] : static_cast<int32_t>(rng.integer(1, b.max_len)));
     }
-    run_batch(rng, b.shape, lens);
+    t.run_batch(rng, b.shape, lens, acts);
   }
+}
+
+TEST_P(OpsSsd, CudaPackedBatchesMixedLengths) {
+  if (!on_cuda()) GTEST_SKIP() << "bf16 activations are a CUDA path";
+  packed_batches(*this, {DType::kBF16, DType::kF32});
 }
 
 // A batch whose chunk count makes the tensor-core path group chunks into superchunks (of 2 here) across
@@ -504,6 +528,74 @@ TEST_P(OpsSsd, CudaRecurrenceSixteenBit) {
     expect_unused_slots_kept(got_state, state0, lens, slots);
   }
 }
+
+#ifdef CHIMERA_HAVE_CUDA
+// ---- group_cb: C.B^T once per (chunk, group) in its own stage, a scan of 2 heads per block reading it ------
+// Against the CPU reference on the cases above: awkward single prompts (non-zero state from slot 1), packed
+// batches with pads, empty prompts and odd heads per group (3, 5, 7: the second head of a block idle), chunk-
+// crossing lengths, 16-bit states / activations / parameters, dt limits; superchunks of 1 (no state step in the
+// scan) and 3 (odd) as well as the automatic length.
+TEST_P(OpsSsd, CudaGroupCbMatchesReference) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
+  for (int m : {0, 1, 3}) {
+    SCOPED_TRACE(::testing::Message() << "group_cb superchunk=" << m);
+    variant = cuda::SsdOptions{.superchunk = m, .group_cb = true};
+    awkward_lengths(DType::kBF16, {4099});
+    auto rng = test::Rng::for_test();
+    run_batch(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, {DType::kBF16});
+    if (m != 0) continue;
+    awkward_lengths(DType::kBF16, {1, 3, 17, 111, 989});
+    packed_batches(*this, {DType::kBF16});
+    const std::vector<int32_t> lens = {300, 0, 129, 1}, slots = {2, 0, -1, 4};
+    check_scan(rng, kNano, lens, slots, 6, 128, DType::kBF16, DType::kBF16);
+    check_scan(rng, {16, 64, 2, 128}, lens, slots, 6, 128, DType::kF16, DType::kF16, DType::kBF16);
+    check_scan(rng, {16, 64, 8, 128}, lens, slots, 6, 128, DType::kBF16, DType::kF32, DType::kF32, 0.02f, 0.08f);
+  }
+}
+
+// Small enough for compute-sanitizer (memcheck, racecheck: the scan refills its single-buffered C, C.B^T and B
+// tiles while other warps compute): 2 heads per group and 5 (odd), superchunks of 2 over 3- and 2-chunk prompts.
+TEST_P(OpsSsd, CudaGroupCbSmall) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
+  auto rng = test::Rng::for_test();
+  variant = cuda::SsdOptions{.superchunk = 2, .group_cb = true};
+  const std::vector<int32_t> lens = {300, 0, 129, 1, 256}, slots = {2, 0, -1, 4, 1};
+  check_scan(rng, {4, 64, 2, 128}, lens, slots, 6, 128, DType::kBF16);
+  check_scan(rng, {10, 64, 2, 128}, lens, slots, 6, 128, DType::kBF16);
+}
+
+// group_cb computes every output element with the same sequence of operations as the default kernels (C.B^T by
+// the same mma chain over k = N, then the same scaling and the same order of tiles): identical bits.
+TEST_P(OpsSsd, CudaGroupCbSameBitsAsDefault) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
+  auto rng = test::Rng::for_test();
+  struct Case {
+    SsmCase shape;
+    std::vector<int32_t> lens;
+  };
+  const Case cases[] = {{kSuper, {989}}, {kNano, {0, 1, 128, 1000, 700, 129, 300}}, {{10, 64, 2, 128}, {4099}}};
+  for (const Case& c : cases) {
+    const auto cu = cu_from(c.lens);
+    const int64_t batch = static_cast<int64_t>(c.lens.size());
+    std::vector<int32_t> slots(static_cast<size_t>(batch));
+    std::iota(slots.begin(), slots.end(), 0);
+    const SsmInputs d = dev(make_inputs(rng, cu.back(), c.shape), DType::kBF16);
+    const Tensor state0 = rng.normal_tensor({batch, c.shape.H, c.shape.P, c.shape.N}, 0.5f);
+    Tensor out[2][2];  // [default, group_cb][y, state]
+    for (int v = 0; v < 2; ++v) {
+      const Tensor y = poisoned(DType::kBF16, d.x.shape()), state = dev(state0);
+      cuda::SsdRunner(y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slots, 128, nullptr,
+                      cuda::SsdOptions{.group_cb = v == 1})
+          .run();
+      out[v][0] = host_f32(y);
+      out[v][1] = host_f32(state);
+    }
+    SCOPED_TRACE(::testing::Message() << "H=" << c.shape.H << " T=" << cu.back());
+    EXPECT_TRUE(test::bit_equal(out[1][0], out[0][0])) << "y";
+    EXPECT_TRUE(test::bit_equal(out[1][1], out[0][1])) << "final states";
+  }
+}
+#endif
 
 // Mixed dtypes in one call fail loudly on CUDA.
 TEST_P(OpsSsd, CudaRejectsMixedActivationDtypes) {

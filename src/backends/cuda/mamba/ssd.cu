@@ -133,6 +133,7 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   }
   use_mma_ = !options.portable && x.dtype() != DType::kF32 && P == kSsdMmaHeadDim && N == kSsdMmaStateSize &&
              chunk_size == kSsdMmaChunk && aligned16(x) && aligned16(B) && aligned16(C) && aligned16(y);
+  group_cb_ = use_mma_ && options.group_cb;
   superchunk_ = !use_mma_                ? 1
                 : options.superchunk > 0 ? options.superchunk
                                          : pick_superchunk(cu_seqlens, slots, chunk_size, H);
@@ -155,6 +156,8 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   const size_t w_states = ws.reserve(static_cast<size_t>(plan.n_supers()) * static_cast<size_t>(H * P * N));
   const size_t w_entering = ws.reserve(static_cast<size_t>(plan.n_supers()) * static_cast<size_t>(H * P * N));
   const size_t w_decay = ws.reserve(static_cast<size_t>(plan.n_supers()) * static_cast<size_t>(H));
+  const size_t w_cb =
+      ws.reserve(group_cb_ ? static_cast<size_t>(plan.n_chunks()) * static_cast<size_t>(G) * kSsdCbChunkFloats : 0);
   workspace_ = ws.allocate();
 
   p_.x = x.data();
@@ -186,6 +189,7 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   p_.states = ws.at(w_states);
   p_.entering = ws.at(w_entering);
   p_.decay = ws.at(w_decay);
+  p_.cb = group_cb_ ? ws.at(w_cb) : nullptr;
 }
 
 void SsdRunner::prepare() const {
@@ -194,6 +198,13 @@ void SsdRunner::prepare() const {
 
 void SsdRunner::chunk_cumsum() const {
   CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, { launch_ssd_chunk_cumsum<T>(p_, stream_); });
+}
+
+void SsdRunner::chunk_bmm() const {
+  if (!group_cb_) return;
+  CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, {
+    if constexpr (!std::is_same_v<T, float>) launch_ssd_chunk_bmm_mma<T>(p_, stream_);
+  });
 }
 
 void SsdRunner::chunk_state() const {
@@ -216,6 +227,8 @@ void SsdRunner::chunk_scan() const {
   CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, {
     if constexpr (std::is_same_v<T, float>) {
       launch_ssd_chunk_scan_portable<T>(p_, stream_);
+    } else if (group_cb_) {
+      launch_ssd_chunk_scan_group_mma<T>(p_, stream_);
     } else if (use_mma_) {
       launch_ssd_chunk_scan_mma<T>(p_, options_.fused_cb, stream_);
     } else {
@@ -228,6 +241,7 @@ void SsdRunner::run() const {
   if (empty()) return;
   prepare();
   chunk_cumsum();
+  chunk_bmm();
   chunk_state();
   state_passing();
   chunk_scan();

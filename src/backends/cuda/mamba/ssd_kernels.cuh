@@ -11,6 +11,9 @@
 //   4. state_passing     from ssm_state[slot]: entering[sc] <- the state entering superchunk sc; final -> ssm_state
 //   5. chunk_scan        per superchunk and head, chunk by chunk: y = Y_diag + exp(Acum) C S^T + D x, then the
 //                        state advanced over the chunk (the chunk_state step) for the next chunk.
+// With SsdOptions::group_cb the tensor-core path adds
+//   2b. chunk_bmm        C.B^T once per (chunk, group) (as mamba_ssm's _bmm_chunk_fwd), fp32 -> cb, and the scan
+//                        runs two heads of a group per block on it instead of recomputing C.B^T for every head.
 // mamba_ssm materialises the state entering every chunk (M = 1); a superchunk of M chunks writes 1/M of
 // that state traffic and pays one extra state step per chunk in the scan. The portable kernels use M = 1.
 #pragma once
@@ -54,6 +57,7 @@ struct SsdParams {
   float* states = nullptr;     // [n_supers, H, P, N]: superchunk end states from a zero start (stage 3)
   float* entering = nullptr;   // [n_supers, H, P, N]: the state entering each superchunk (stage 4)
   float* decay = nullptr;      // [n_supers, H]: prod over the superchunk's chunks of exp(dA_cumsum[last])
+  float* cb = nullptr;         // [n_chunks, G, kSsdCbTiles, 32, 8]: C.B^T (group_cb only; layout in ssd_mma.cu)
 };
 
 // Element types of the fp32 parameter inputs (A_log, D, dt_bias may each be F32, BF16 or F16).
@@ -85,6 +89,14 @@ template <typename T>
 void launch_ssd_chunk_state_mma(const SsdParams& p, int heads_per_block, cudaStream_t stream);
 template <typename T>
 void launch_ssd_chunk_scan_mma(const SsdParams& p, bool fused_cb, cudaStream_t stream);
+// The group_cb pair: chunk_bmm writes C.B^T of every chunk and group (the kSsdCbTiles 16 x 16 tiles on or below
+// the diagonal, fp32) to p.cb; the scan reads it, one block per (superchunk, 2 heads of a group).
+inline constexpr int kSsdCbTiles = (kSsdMmaChunk / 16) * (kSsdMmaChunk / 16 + 1) / 2;  // 36
+inline constexpr int kSsdCbChunkFloats = kSsdCbTiles * 32 * 8;                            // per (chunk, group)
+template <typename T>
+void launch_ssd_chunk_bmm_mma(const SsdParams& p, cudaStream_t stream);
+template <typename T>
+void launch_ssd_chunk_scan_group_mma(const SsdParams& p, cudaStream_t stream);
 
 // The plain per-token recurrence (model-spec 3.3), one block per (sequence, head).
 struct SsmRecurrenceParams {
@@ -114,6 +126,9 @@ struct SsdOptions {
   int state_heads = 2;      // heads sharing one block (and one B tile) in chunk_state: 1 or 2
   bool fused_cb = true;     // chunk_scan computes C.B^T and Y_off in one pass
   bool portable = false;    // force the portable fp32 kernels (the benchmark's cross-check)
+  // C.B^T once per (chunk, group) in its own stage (chunk_bmm) and a scan of 2 heads per block that reads it
+  // (fused_cb then unused). Same bits as the default kernels.
+  bool group_cb = false;
 };
 
 class SsdRunner {
@@ -123,9 +138,11 @@ class SsdRunner {
             std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, SsdOptions options = {});
   bool empty() const { return p_.n_chunks == 0; }  // every sequence a pad or empty: nothing to launch
   bool uses_mma() const { return use_mma_; }
+  bool uses_group_cb() const { return group_cb_; }
   int superchunk() const { return superchunk_; }
   void prepare() const;        // stage 1
   void chunk_cumsum() const;   // stage 2
+  void chunk_bmm() const;      // stage 2b (group_cb only; otherwise nothing)
   void chunk_state() const;    // stage 3
   void state_passing() const;  // stage 4 (reads and writes ssm_state)
   void chunk_scan() const;     // stage 5
@@ -140,6 +157,7 @@ class SsdRunner {
   const void* dt_bias_;
   ParamType a_type_, d_type_, b_type_;
   bool use_mma_ = false;
+  bool group_cb_ = false;
   int superchunk_ = 1;
   SsdOptions options_;
   cudaStream_t stream_;

@@ -472,6 +472,300 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
   }
 }
 
+// ---- group_cb: C.B^T once per (chunk, group), a scan of two heads per block reading it ------------------
+// The default scan recomputes C.B^T (causal half of 128 x 128 x 128 per chunk) for every head although C and B
+// belong to the group (16 heads per group at Super, 8 at Nano): ~30 % of its mma work. Here stage 2b computes it
+// once per (chunk, group) and the scan, one block per (superchunk, 2 heads of a group), reads it; the two heads
+// also share the block's B and C tiles, so a head-chunk fetches x 16 KB + (B 32 + C 32 + C.B^T 36 KB) / 2 = 66 KB
+// instead of 80 KB, and 16 warps are resident per SM instead of 8.
+//
+// cb layout: per (chunk, group) the 36 tiles (r, j <= r) of 16 x 16 (rows l = 16 r + .., columns s = 16 j + ..),
+// tile index r (r + 1) / 2 + j, each stored as the mma accumulators of its 32 lanes: lane * 8 + nt * 4 + e is
+// accumulator e of n8-tile nt (rows gid | gid + 8, columns 2 t4 (+1)). A scan lane then reads its A fragment
+// source with two 16-byte shared loads (conflict-free), and the values are those the default scan computes in
+// registers (same mma sequence over k = N), so both give the same bits.
+constexpr int kCbTileFloats = 32 * 8;
+static_assert(kSsdCbChunkFloats == kSsdCbTiles * kCbTileFloats, "cb tile layout");
+
+template <typename T>
+struct BmmSmem {
+  T bs[kQ * kBStride];
+  T cs[kQ * kBStride];
+};
+
+// Stage 2b: one block of 8 warps per (chunk, group); warp w computes tiles w, w + 8, ... (4 or 5 of the 36).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ssd_chunk_bmm_mma_kernel(SsdParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<BmmSmem<T>*>(smem_raw);
+  const int ci = blockIdx.x / p.G, g = blockIdx.x % p.G;
+  const int2 ch = p.chunks[ci];
+  const int len = ch.y - ch.x;
+#pragma unroll
+  for (int i = 0; i < kQ * kN / 8 / kThreads; ++i) {
+    load_bc(sm.bs, p.B, p, ch.x, len, g, threadIdx.x + i * kThreads);
+    load_bc(sm.cs, p.C, p, ch.x, len, g, threadIdx.x + i * kThreads);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  const Lane ln(threadIdx.x % 32);
+  float* out = p.cb + (static_cast<size_t>(ci) * p.G + g) * kSsdCbChunkFloats;
+  for (int t = warp; t < kSsdCbTiles; t += kThreads / 32) {
+    int r = 0;
+    while ((r + 1) * (r + 2) / 2 <= t) ++r;
+    const int j = t - r * (r + 1) / 2;
+    float cb[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      uint32_t a[4], b[4];
+      ldsm_x4(a, &sm.cs[(r * 16 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+      ldsm_x4(b, &sm.bs[(j * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
+      mma_16816<T>(cb[0], a, b[0], b[1]);
+      mma_16816<T>(cb[1], a, b[2], b[3]);
+    }
+    float4* dst = reinterpret_cast<float4*>(out + t * kCbTileFloats + ln.lane * 8);
+    dst[0] = make_float4(cb[0][0], cb[0][1], cb[0][2], cb[0][3]);
+    dst[1] = make_float4(cb[1][0], cb[1][1], cb[1][2], cb[1][3]);
+  }
+}
+
+// The group scan's shared memory (214 KB): x, dt, dA_cumsum of both heads double-buffered; C.B^T, C and B
+// single-buffered, each refilled for the next chunk as soon as the phase that reads it is over (C after Y_off,
+// C.B^T after Y_diag, B after the state step), so its copy overlaps the rest of this chunk and the next one's
+// first phases; the entering state of each head in T.
+constexpr int kGroupHeads = 2;
+constexpr int kGroupThreads = kGroupHeads * kThreads;  // 16 warps: 8 per head
+template <typename T>
+struct GroupStage {
+  T xs[kGroupHeads][kQ * kXStride];
+  float dt[kGroupHeads][kQ];
+  float acs[kGroupHeads][kQ];  // rows past the chunk's end zero-filled (finite; dt = 0 there)
+};
+template <typename T>
+struct GroupScanSmem {
+  GroupStage<T> stage[2];
+  float cb[kSsdCbChunkFloats];
+  T cs[kQ * kBStride];
+  T bs[kQ * kBStride];
+  T sb[kGroupHeads][kP * kBStride];
+};
+
+// Copies of chunk rows [begin, begin + len) for heads h0 .. h0 + nh - 1 of group g, spread over the block's
+// kGroupThreads threads; the caller commits.
+template <typename T>
+__device__ __forceinline__ void load_group_stage(GroupStage<T>& t, const SsdParams& p, int begin, int len, int h0,
+                                                 int nh) {
+  const int tid = threadIdx.x;
+  constexpr int kXVec = kQ * kP / 8;
+#pragma unroll
+  for (int i = 0; i < kGroupHeads * kXVec / kGroupThreads; ++i) {
+    const int idx = tid + i * kGroupThreads, hh = idx / kXVec;
+    if (hh < nh) load_x(t.xs[hh], p, begin, len, h0 + hh, idx % kXVec);
+  }
+  static_assert(kGroupThreads == kGroupHeads * 2 * kQ, "one dt / dA_cumsum row per thread");
+  const int hh = tid / (2 * kQ), which = (tid / kQ) % 2;
+  if (hh < nh) load_dt(which == 0 ? t.dt[hh] : t.acs[hh], p, begin, len, h0 + hh, which, tid % kQ);
+}
+template <typename T>
+__device__ __forceinline__ void load_group_bc(T* tile, const void* src, const SsdParams& p, int begin, int len, int g) {
+#pragma unroll
+  for (int i = 0; i < kQ * kN / 8 / kGroupThreads; ++i) load_bc(tile, src, p, begin, len, g, threadIdx.x + i * kGroupThreads);
+}
+__device__ __forceinline__ void load_group_cb(float* cb, const SsdParams& p, int chunk, int g) {
+  const float* src = p.cb + (static_cast<size_t>(chunk) * p.G + g) * kSsdCbChunkFloats;
+  constexpr int kVec = kSsdCbChunkFloats / 4;
+#pragma unroll
+  for (int i = 0; i < (kVec + kGroupThreads - 1) / kGroupThreads; ++i) {
+    const int v = threadIdx.x + i * kGroupThreads;
+    if (v < kVec) cp_async16(&cb[v * 4], src + v * 4, true);
+  }
+}
+
+// Stage 5 on stage 2b's C.B^T: one block per (superchunk, 2 heads of a group), 8 warps per head (the second
+// head's warps idle, but still copy and synchronise, when the group has an odd head count). Per chunk:
+//   Y_off  = exp(Acum[l]) * C[l] . S_in^T          warp (rp, ph) of its head: row tiles rp and 7 - rp (so every
+//   Y_diag = sum_{s <= l} cb[l][s] exp(..) dt[s] x[s]  warp has 9 of the 36 causal tiles), columns p in
+//   y      = Y_off + Y_diag + D x                      [32 ph, 32 ph + 32)
+//   state step as stage 3 (warp's rows p0.., columns n0.., as the default scan), unless the superchunk ends.
+// cp.async groups are committed in a fixed order, one per copy kind and chunk, empty when there is nothing to
+// copy: stage(c + 1) at the top of chunk c, C(c + 1) after its Y_off, cb(c + 1) after its Y_diag, B(c + 1) after
+// its state step; so "wait until at most k groups are pending" names one copy (see the waits below).
+template <typename T>
+__global__ void __launch_bounds__(kGroupThreads, 1) ssd_chunk_scan_group_mma_kernel(SsdParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<GroupScanSmem<T>*>(smem_raw);
+  const int per_group = (p.heads_per_group + kGroupHeads - 1) / kGroupHeads;  // blocks per group and superchunk
+  const int sc = blockIdx.x / (p.G * per_group), rest = blockIdx.x % (p.G * per_group);
+  const int g = rest / per_group, h0 = g * p.heads_per_group + (rest % per_group) * kGroupHeads;
+  const int nh = min(kGroupHeads, (g + 1) * p.heads_per_group - h0);
+  const int2 su = p.supers[sc];
+  const int warp = threadIdx.x / 32, hh = warp / 8, hw = warp % 8;
+  const bool active = hh < nh;
+  const int h = h0 + (active ? hh : 0);
+  const Lane ln(threadIdx.x % 32);
+  const int p0 = (hw & 3) * 16, n0 = (hw >> 2) * 64;  // state step tiling (as the default scan)
+  const int ra = hw >> 1, rb = 7 - ra, pc0 = (hw & 1) * 32;  // output tiling: row tiles ra < rb, 32 columns
+  float st[8][4];
+  {
+    const float* s_in = p.entering + (static_cast<size_t>(sc) * p.H + h) * (kP * kN);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
+        const float2 v = active ? *reinterpret_cast<const float2*>(&s_in[pr * kN + nc]) : make_float2(0.0f, 0.0f);
+        st[j][2 * half] = v.x;
+        st[j][2 * half + 1] = v.y;
+      }
+    }
+  }
+  const float d_skip = active ? p.D[h] : 0.0f;
+  T* y = static_cast<T*>(p.y);
+  T* sb = sm.sb[hh < nh ? hh : 0];
+  {
+    const int2 ch = p.chunks[su.x];
+    const int len = ch.y - ch.x;
+    load_group_stage(sm.stage[0], p, ch.x, len, h0, nh);
+    cp_async_commit();
+    load_group_bc(sm.cs, p.C, p, ch.x, len, g);
+    cp_async_commit();
+    load_group_cb(sm.cb, p, su.x, g);
+    cp_async_commit();
+    if (su.y > 1) load_group_bc(sm.bs, p.B, p, ch.x, len, g);
+    cp_async_commit();
+  }
+  for (int ci = 0; ci < su.y; ++ci) {
+    const int2 ch = p.chunks[su.x + ci];
+    const int len = ch.y - ch.x;
+    const bool more = ci + 1 < su.y;
+    const int2 nx = p.chunks[su.x + (more ? ci + 1 : ci)];
+    // The entering state, rounded to T, as the B operand of Y_off (sb was last read by the previous Y_off).
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
+          *reinterpret_cast<uint32_t*>(&sb[pr * kBStride + nc]) = pack2<T>(st[j][2 * half], st[j][2 * half + 1]);
+        }
+      }
+    }
+    if (more) load_group_stage(sm.stage[(ci + 1) & 1], p, nx.x, nx.y - nx.x, h0, nh);
+    cp_async_commit();
+    cp_async_wait<3>();  // pending at most: cb(c), B(c), stage(c + 1) -> stage(c) and C(c) landed
+    __syncthreads();
+    const auto& t = sm.stage[ci & 1];
+    const float* acs = t.acs[active ? hh : 0];
+    const float* dts = t.dt[active ? hh : 0];
+    const T* xs = t.xs[active ? hh : 0];
+
+    // Y_off over k = N: A = C rows of tiles ra and rb, B[k = n][col = p] = sb[p][n] (non-transposed ldmatrix).
+    float acc[2][4][4] = {};
+    if (active) {
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        uint32_t a0[4], a1[4];
+        ldsm_x4(a0, &sm.cs[(ra * 16 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+        ldsm_x4(a1, &sm.cs[(rb * 16 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t b[4];
+          ldsm_x4(b, &sb[(pc0 + np * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
+          mma_16816<T>(acc[0][2 * np], a0, b[0], b[1]);
+          mma_16816<T>(acc[0][2 * np + 1], a0, b[2], b[3]);
+          mma_16816<T>(acc[1][2 * np], a1, b[0], b[1]);
+          mma_16816<T>(acc[1][2 * np + 1], a1, b[2], b[3]);
+        }
+      }
+    }
+    const int la0 = ra * 16 + ln.gid, lb0 = rb * 16 + ln.gid;
+    const float ala0 = acs[la0], ala1 = acs[la0 + 8], alb0 = acs[lb0], alb1 = acs[lb0 + 8];
+    {
+      const float e[2][2] = {{__expf(ala0), __expf(ala1)}, {__expf(alb0), __expf(alb1)}};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          acc[r][q][0] *= e[r][0];
+          acc[r][q][1] *= e[r][0];
+          acc[r][q][2] *= e[r][1];
+          acc[r][q][3] *= e[r][1];
+        }
+      }
+    }
+    cp_async_wait<2>();  // pending at most: B(c), stage(c + 1) -> cb(c) landed
+    __syncthreads();     // and every warp is past Y_off: C may be refilled
+    if (more) load_group_bc(sm.cs, p.C, p, nx.x, nx.y - nx.x, g);
+    cp_async_commit();
+
+    // Y_diag, column tile j by column tile j (ascending, as the default scan): the x fragments of tile j serve
+    // both row tiles; cb tile (r, j) scaled and masked by cb_to_a into the A fragment.
+    if (active) {
+#pragma unroll 1  // fully unrolled, the kernel spills more (it sits at the 128-register limit of 512 threads)
+      for (int j = 0; j < kQ / 16; ++j) {
+        if (j <= rb) {
+          uint32_t b[2][4];
+#pragma unroll
+          for (int np = 0; np < 2; ++np) {
+            ldsm_x4_trans(b[np],
+                          &xs[(j * 16 + ln.mrow + (ln.mat & 1) * 8) * kXStride + pc0 + np * 16 + (ln.mat >> 1) * 8]);
+          }
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int rt = r ? rb : ra;
+            if (r == 1 || j <= ra) {
+              const float4* src =
+                  reinterpret_cast<const float4*>(&sm.cb[(rt * (rt + 1) / 2 + j) * kCbTileFloats + ln.lane * 8]);
+              const float4 c0 = src[0], c1 = src[1];
+              const float cbf[2][4] = {{c0.x, c0.y, c0.z, c0.w}, {c1.x, c1.y, c1.z, c1.w}};
+              const int l0 = rt * 16 + ln.gid;
+              uint32_t af[4];
+              cb_to_a<T>(af, cbf, acs, dts, j, l0, l0 + 8, r ? alb0 : ala0, r ? alb1 : ala1, ln);
+#pragma unroll
+              for (int np = 0; np < 2; ++np) {
+                mma_16816<T>(acc[r][2 * np], af, b[np][0], b[np][1]);
+                mma_16816<T>(acc[r][2 * np + 1], af, b[np][2], b[np][3]);
+              }
+            }
+          }
+        }
+      }
+      // + D x, stored as T.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int pc = pc0 + q * 8 + 2 * ln.t4;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int l = (r ? rb : ra) * 16 + ln.gid + half * 8;
+            if (l < len) {
+              const float2 xv = unpack2<T>(*reinterpret_cast<const uint32_t*>(&xs[l * kXStride + pc]));
+              const uint32_t out =
+                  pack2<T>(acc[r][q][2 * half] + d_skip * xv.x, acc[r][q][2 * half + 1] + d_skip * xv.y);
+              *reinterpret_cast<uint32_t*>(&y[(static_cast<size_t>(ch.x + l) * p.H + h) * kP + pc]) = out;
+            }
+          }
+        }
+      }
+    }
+    cp_async_wait<2>();  // pending at most: stage(c + 1), C(c + 1) -> B(c) landed
+    __syncthreads();     // and every warp is past Y_diag: cb may be refilled
+    if (more) load_group_cb(sm.cb, p, su.x + ci + 1, g);
+    cp_async_commit();
+
+    if (more) {
+      if (active) state_step(st, xs, sm.bs, acs, dts, len, p0, n0, ln);
+      __syncthreads();  // every warp is past the state step: B and this stage may be refilled
+      if (ci + 2 < su.y) load_group_bc(sm.bs, p.B, p, nx.x, nx.y - nx.x, g);
+    }
+    cp_async_commit();
+  }
+  cp_async_wait<0>();  // nothing left in flight when the block exits
+}
+
 template <typename Kernel>
 void set_smem(Kernel kernel, size_t bytes, const char* op) {
   CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -520,9 +814,34 @@ void launch_ssd_chunk_scan_mma(const SsdParams& p, bool fused_cb, cudaStream_t s
   }
 }
 
+template <typename T>
+void launch_ssd_chunk_bmm_mma(const SsdParams& p, cudaStream_t stream) {
+  constexpr size_t smem = sizeof(BmmSmem<T>);
+  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_bmm mma)";
+  set_smem(ssd_chunk_bmm_mma_kernel<T>, smem, kOp);
+  ssd_chunk_bmm_mma_kernel<T>
+      <<<static_cast<unsigned>(p.n_chunks) * static_cast<unsigned>(p.G), kThreads, smem, stream>>>(p);
+  CHIMERA_LAUNCH_CHECK(kOp);
+}
+
+template <typename T>
+void launch_ssd_chunk_scan_group_mma(const SsdParams& p, cudaStream_t stream) {
+  constexpr size_t smem = sizeof(GroupScanSmem<T>);
+  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_scan group mma)";
+  set_smem(ssd_chunk_scan_group_mma_kernel<T>, smem, kOp);
+  const unsigned per_group = static_cast<unsigned>((p.heads_per_group + kGroupHeads - 1) / kGroupHeads);
+  const unsigned blocks = static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.G) * per_group;
+  ssd_chunk_scan_group_mma_kernel<T><<<blocks, kGroupThreads, smem, stream>>>(p);
+  CHIMERA_LAUNCH_CHECK(kOp);
+}
+
 template void launch_ssd_chunk_state_mma<__nv_bfloat16>(const SsdParams&, int, cudaStream_t);
 template void launch_ssd_chunk_state_mma<__half>(const SsdParams&, int, cudaStream_t);
 template void launch_ssd_chunk_scan_mma<__nv_bfloat16>(const SsdParams&, bool, cudaStream_t);
 template void launch_ssd_chunk_scan_mma<__half>(const SsdParams&, bool, cudaStream_t);
+template void launch_ssd_chunk_bmm_mma<__nv_bfloat16>(const SsdParams&, cudaStream_t);
+template void launch_ssd_chunk_bmm_mma<__half>(const SsdParams&, cudaStream_t);
+template void launch_ssd_chunk_scan_group_mma<__nv_bfloat16>(const SsdParams&, cudaStream_t);
+template void launch_ssd_chunk_scan_group_mma<__half>(const SsdParams&, cudaStream_t);
 
 }  // namespace chimera::cuda
