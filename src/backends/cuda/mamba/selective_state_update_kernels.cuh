@@ -12,8 +12,20 @@
 //   Rows per warp: about 2 KB of state per warp (fp32 N=128: 4 rows, bf16: 8; measured best on the H200 at
 //   batch 64 and 256, see bench/mamba_notes.md), halved while the grid would leave SMs idle (the seed's
 //   dim-tiling rule: tile when there are fewer than 2 blocks per SM).
+// Persistent kernel (SsuKernel::kPersistent): the same lane mapping and math (identical bits), but a resident
+//   grid (occupancy x SMs, 4 warps a block) in which warp w walks the contiguous run of units
+//   [w * U / W, (w + 1) * U / W) of the U = batch * H * ceil(P / kUnitRows) units (sequence, head, row tile),
+//   tile fastest. A unit is kUnitRows = unit_bytes / (N * sizeof(S)) rows: 4 KB of state (bf16 N = 128: 16
+//   rows, 128 bytes a lane). Two register buffers: the next unit's state loads (and its x, dt_raw) are issued
+//   before the current unit's update, stores and reduction, so every warp keeps a unit of loads in flight
+//   (16 warps / SM x 4 KB = 64 KB+ per SM) across the whole step: no per-block launch, slot look-up or
+//   prologue between the loads, and one tail for the grid instead of one per block. Consecutive units of a
+//   warp share the sequence (slot looked up once per sequence), mostly the head (dt, dA recomputed when it
+//   changes) and the group (B, C reloaded when it changes: every H / G * P / kUnitRows units).
 // Portable kernel: any P, N, alignment: a warp per row, lanes stride over N.
 #pragma once
+
+#include <algorithm>
 
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mamba/mamba_common.cuh"
@@ -153,6 +165,182 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const 
   }
 }
 
+// ---- persistent kernel ----------------------------------------------------------------------------
+// Resident blocks per SM the persistent kernel is compiled for (registers: two buffers of 128 bytes of state
+// a lane at 4 KB units, 64 at 2 KB units, plus B, C at the lane's columns and the unit bookkeeping):
+// 4 KB units: 16 warps / SM (128 registers); 2 KB units: 20 warps / SM (102 registers).
+template <int kUnitBytes>
+constexpr int kPersistMinBlocks = kUnitBytes >= 4096 ? 4 : 5;
+
+// One unit in flight: where it is and what was loaded for it (state, this lane's x, the head's dt_raw).
+template <typename S, int N, int kUnitRows>
+struct PersistUnit {
+  using L = Layout<S, N>;
+  static constexpr int kPasses = kUnitRows / L::kRowsPerPass;
+  int b, h, row0, slot;  // slot < 0: a pad sequence, nothing loaded or stored
+  float x;               // x[b, h, row0 + lane % kUnitRows] (lanes past P: 0)
+  float dt_raw;
+  Pack<S, L::kVecElems> st[kPasses][L::kVecsPerLane];
+};
+
+// grid (resident blocks), kThreads; see the file comment. kUnitRows <= 32 (x is one value a lane).
+template <typename S, int N, int kUnitRows, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_persistent_kernel(const SsuParams p) {
+  using L = Layout<S, N>;
+  using Unit = PersistUnit<S, N, kUnitRows>;
+  constexpr int kPasses = Unit::kPasses;
+  constexpr int kE = L::kElemsPerLane;
+  static_assert(kUnitRows % L::kRowsPerPass == 0 && kUnitRows <= 32, "a unit is whole passes, <= 32 rows");
+  pdl_wait();  // PDL: slots, dt_raw, x, B, C and the state are step data; nothing constant is worth preloading
+  pdl_trigger();
+  const int lane = threadIdx.x % 32;
+  const int seg = lane % L::kLanesPerRow, sub = lane / L::kLanesPerRow;
+  // 32-bit unit indices (the launcher checks units < 2^31): fewer registers and cheaper divisions.
+  const int tiles = (p.P + kUnitRows - 1) / kUnitRows;
+  const int64_t units = static_cast<int64_t>(p.batch) * p.H * tiles;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int u_begin = static_cast<int>(w * units / warps), u_end = static_cast<int>((w + 1) * units / warps);
+  const int heads_per_group = p.H / p.G;
+
+  int slot_b = -1, slot_id = -1;  // the slot of sequence slot_b (looked up once per sequence)
+  // Issue unit u's loads into `un` (warp-uniform control flow).
+  auto issue = [&](Unit& un, int u) {
+    const int bh = u / tiles;
+    un.row0 = (u - bh * tiles) * kUnitRows;
+    un.h = bh % p.H;
+    un.b = bh / p.H;
+    if (un.b != slot_b) {
+      slot_b = un.b;
+      slot_id = p.slots[un.b];
+    }
+    un.slot = slot_id;
+    if (un.slot < 0) return;
+    const S* state = static_cast<const S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = un.row0 + i * L::kRowsPerPass + sub;
+#pragma unroll
+      for (int v = 0; v < L::kVecsPerLane; ++v) {
+        if (row < p.P) {
+          un.st[i][v].template load<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        } else {
+          un.st[i][v].zero();
+        }
+      }
+    }
+    const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
+    const int xr = un.row0 + lane % kUnitRows;
+    un.x = xr < p.P ? load_elem(p.x, p.act, bh_i * p.P + xr) : 0.0f;
+    un.dt_raw = load_elem(p.dt_raw, p.act, bh_i);
+  };
+
+  int hs_key = -1, bc_key = -1;  // b * H + h of hs, b * G + g of Bv / Cv
+  HeadScalars hs{0.0f, 0.0f, 0.0f};
+  float Bv[kE], Cv[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) Bv[e] = Cv[e] = 0.0f;
+  // Update, write back and reduce unit `un` (its loads were issued one unit earlier).
+  auto process = [&](const Unit& un) {
+    if (un.slot < 0) return;  // pad: y and state untouched
+    const int bh_i = un.b * p.H + un.h;
+    if (bh_i != hs_key) {  // head_scalars() with the prefetched dt_raw: the same expressions, the same bits
+      hs_key = bh_i;
+      const HeadWeights hw = head_weights(p, un.h);
+      hs.dt = discretize_dt(un.dt_raw + hw.dt_bias, p.dt_min, p.dt_max);
+      hs.dA = expf(hs.dt * hw.A);
+      hs.d_skip = hw.d_skip;
+    }
+    const int bg = un.b * p.G + un.h / heads_per_group;
+    if (bg != bc_key) {
+      bc_key = bg;
+#pragma unroll
+      for (int v = 0; v < L::kVecsPerLane; ++v) {
+#pragma unroll
+        for (int e = 0; e < L::kVecElems; ++e) {
+          const int col = (v * L::kLanesPerRow + seg) * L::kVecElems + e;
+          Bv[v * L::kVecElems + e] = load_elem(p.B, p.act, static_cast<int64_t>(bg) * N + col);
+          Cv[v * L::kVecElems + e] = load_elem(p.C, p.act, static_cast<int64_t>(bg) * N + col);
+        }
+      }
+    }
+    S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = un.row0 + i * L::kRowsPerPass + sub;
+      const float xv = __shfl_sync(0xffffffffu, un.x, i * L::kRowsPerPass + sub);
+      const float dtx = hs.dt * xv;
+      float acc = 0.0f;
+      Pack<S, L::kVecElems> st[L::kVecsPerLane];
+#pragma unroll
+      for (int v = 0; v < L::kVecsPerLane; ++v) {
+        st[v] = un.st[i][v];
+#pragma unroll
+        for (int e = 0; e < L::kVecElems; ++e) {
+          const float s = fmaf(st[v].get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
+          st[v].set(e, s);
+          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
+        }
+        if (row < p.P) {
+          st[v].template store<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        }
+      }
+#pragma unroll
+      for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
+    }
+  };
+
+  if (u_begin >= u_end) return;
+  Unit a, c;  // two register buffers, used alternately (static indexing keeps them in registers)
+  int u = u_begin;
+  issue(a, u);
+  while (true) {
+    if (u + 1 < u_end) issue(c, u + 1);
+    process(a);
+    if (++u >= u_end) break;
+    if (u + 1 < u_end) issue(a, u + 1);
+    process(c);
+    if (++u >= u_end) break;
+  }
+}
+
+template <typename S, int N, int kUnitBytes>
+void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
+  constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
+  constexpr int kMinBlocks = kPersistMinBlocks<kUnitBytes>;
+  auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks>;
+  static const int per_sm = [&] {
+    int n = 0;
+    CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0),
+                       "ops::selective_state_update (occupancy)");
+    return std::max(n, 1);
+  }();
+  const int64_t units = static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows);
+  if (units >= (int64_t{1} << 31)) {
+    throw_runtime(str_cat("ops::selective_state_update: ", units, " persistent units exceed 2^31 (use the grid kernel)"));
+  }
+  // Every warp the same number of units (the last ones maybe one fewer), so the warps finish together.
+  int64_t resident_warps = static_cast<int64_t>(per_sm) * kWarps * sm_count();
+  if (p.persist_warps > 0) resident_warps = std::min<int64_t>(resident_warps, p.persist_warps);
+  const int64_t rounds = ceil_div(units, resident_warps);
+  const int64_t blocks = ceil_div(ceil_div(units, rounds), int64_t{kWarps});
+  launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p);
+}
+
+template <typename S, int N>
+void launch_persistent(const SsuParams& p, cudaStream_t stream) {
+  switch (p.unit_bytes) {
+    case 0:
+    case 4096:
+      return launch_persistent_bytes<S, N, 4096>(p, stream);
+    case 2048:
+      return launch_persistent_bytes<S, N, 2048>(p, stream);
+    default:
+      throw_runtime(str_cat("ops::selective_state_update: unit_bytes ", p.unit_bytes, " is not supported (0, 2048, 4096)"));
+  }
+}
+
 // Portable: grid (ceil(P / kWarps), H, batch); warp w of block x handles row x * kWarps + w.
 template <typename S>
 __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kernel(const SsuParams p) {
@@ -217,7 +405,15 @@ void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream
     throw_runtime(str_cat("ops::selective_state_update: batch ", p.batch, " or heads ", p.H, " exceeds 65535"));
   }
   const bool fast = mamba::aligned16(p.state) && (p.N == 64 || p.N == 128 || p.N == 256);
-  if (fast && p.N == 64) {
+  if (fast && p.kernel == SsuKernel::kPersistent) {
+    if (p.N == 64) {
+      ssu::launch_persistent<S, 64>(p, stream);
+    } else if (p.N == 128) {
+      ssu::launch_persistent<S, 128>(p, stream);
+    } else {
+      ssu::launch_persistent<S, 256>(p, stream);
+    }
+  } else if (fast && p.N == 64) {
     ssu::launch_fast_rows<S, 64>(p, stream);
   } else if (fast && p.N == 128) {
     ssu::launch_fast_rows<S, 128>(p, stream);
