@@ -79,9 +79,11 @@ std::string ssu_shape(const SsuModel& m, int batch, DType state) {
 
 // rows_per_warp < 0: through ops:: instead of the launcher.
 // graph: also the device time per launch inside a CUDA graph (run_graph).
-// persist_unit > 0: the persistent kernel with that many bytes of state per warp unit.
+// persist_unit > 0: the persistent kernel with that many bytes of state per warp unit (async: the
+// cp.async-staged one).
 void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
-               const std::string& kernel, bool plain = false, bool graph = false, int persist_unit = 0) {
+               const std::string& kernel, bool plain = false, bool graph = false, int persist_unit = 0,
+               bool async = false) {
   const DType act = DType::kBF16;
   const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
   const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
@@ -112,7 +114,10 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   p.batch = batch, p.H = m.H, p.P = m.P, p.N = m.N, p.G = m.G;
   p.rows_per_warp = std::max(rows_per_warp, 0);
   p.plain_state_access = plain;
-  if (persist_unit > 0) p.kernel = cuda::SsuKernel::kPersistent, p.unit_bytes = persist_unit;
+  if (persist_unit > 0) {
+    p.kernel = async ? cuda::SsuKernel::kPersistentAsync : cuda::SsuKernel::kPersistent;
+    p.unit_bytes = persist_unit;
+  }
   int call = 0;
   const ops::Context octx{Device::kCuda, nullptr};
   ctx.run(kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, 0.0, [&] {
@@ -142,13 +147,16 @@ CHIMERA_BENCH(mamba_ssu) {
   }
 }
 
-// The persistent kernel (4 KB and 2 KB units) next to the grid kernel ("ssu" above, same shapes), graph timing.
+// The persistent kernels (register double buffer / cp.async-staged; 4 KB and 2 KB units) next to the grid
+// kernel ("ssu" above, same shapes), graph timing.
 CHIMERA_BENCH(mamba_ssu_persist) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
       for (int batch : {8, 64, 256}) {
         bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist4k", false, true, 4096);
         bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist2k", false, true, 2048);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-async4k", false, true, 4096, true);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-async2k", false, true, 2048, true);
       }
     }
   }

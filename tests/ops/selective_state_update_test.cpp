@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "common/backend_param.h"
@@ -287,10 +288,14 @@ TEST_P(OpsSelectiveStateUpdate, CudaRejectsMixedActivationDtypes) {
 TEST_P(OpsSelectiveStateUpdate, PersistentKernelMatchesNaive) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
-  launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistent);
-  for (int unit : {0, 2048}) {
+  for (const auto& [kernel, unit] : std::initializer_list<std::pair<cuda::SsuKernel, int>>{
+           {cuda::SsuKernel::kPersistent, 0},
+           {cuda::SsuKernel::kPersistent, 2048},
+           {cuda::SsuKernel::kPersistentAsync, 0},
+           {cuda::SsuKernel::kPersistentAsync, 2048}}) {
+    launcher_kernel_ = static_cast<int>(kernel);
     unit_bytes_ = unit;
-    SCOPED_TRACE(::testing::Message() << "unit_bytes=" << unit);
+    SCOPED_TRACE(::testing::Message() << "kernel=" << static_cast<int>(kernel) << " unit_bytes=" << unit);
     for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
       check_random(rng, {128, 64, 8, 128}, 9, DType::kBF16, sd);  // Super heads
       check_random(rng, {5, 64, 1, 64}, 7, DType::kBF16, sd);     // N = 64, odd heads
@@ -310,7 +315,10 @@ TEST_P(OpsSelectiveStateUpdate, PersistentKernelMatchesNaive) {
   SsuInputs in = make_inputs(rng, 6, {4, 64, 2, 128});
   in.p.dt_min = 0.02f;
   in.p.dt_max = 0.08f;
-  check_step(in, {7, 0, 3, -1, 5, 2}, on_backend(random_state(rng, {8, 4, 64, 128})), DType::kF32);
+  for (cuda::SsuKernel kernel : {cuda::SsuKernel::kPersistent, cuda::SsuKernel::kPersistentAsync}) {
+    launcher_kernel_ = static_cast<int>(kernel), unit_bytes_ = 0;
+    check_step(in, {7, 0, 3, -1, 5, 2}, on_backend(random_state(rng, {8, 4, 64, 128})), DType::kF32);
+  }
 }
 
 // The fast kernel's row tilings (4, 8, 16 rows per warp; 0 = the occupancy rule), state access variants and
@@ -329,8 +337,9 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
   const Tensor state0 = random_state(rng, {7, s.H, s.P, s.N});
   for (DType sd : {DType::kF32, DType::kBF16}) {
     Tensor ref_y, ref_state;
-    // rows 4, 8, 16 and 0 (the rule) for the grid kernel; -4096 / -2048: the persistent kernel's units.
-    for (int rows : {0, 4, 8, 16, -4096, -2048}) {
+    // rows 4, 8, 16 and 0 (the rule) for the grid kernel; -4096 / -2048: the persistent kernel's units;
+    // -14096 / -12048: the cp.async-staged persistent kernel's.
+    for (int rows : {0, 4, 8, 16, -4096, -2048, -14096, -12048}) {
       SCOPED_TRACE(::testing::Message() << "state=" << dtype_name(sd) << " rows_per_warp=" << rows);
       const Tensor state = on_backend(state0, sd);
       const Tensor y = output(DType::kBF16, in.x.shape());
@@ -343,7 +352,10 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
       p.batch = int(batch), p.H = int(s.H), p.P = int(s.P), p.N = int(s.N), p.G = int(s.G);
       p.rows_per_warp = std::max(rows, 0);
       p.plain_state_access = rows == 8;  // the benchmark-only plain loads / stores compute the same bits
-      if (rows < 0) p.kernel = cuda::SsuKernel::kPersistent, p.unit_bytes = -rows;
+      if (rows < 0) {
+        p.kernel = rows < -10000 ? cuda::SsuKernel::kPersistentAsync : cuda::SsuKernel::kPersistent;
+        p.unit_bytes = -rows % 10000;
+      }
       cuda::launch_selective_state_update(p, nullptr);
       device::synchronize(Device::kCuda);
       const Tensor hy = device::to_host(y), hs = device::to_host(state);

@@ -200,7 +200,8 @@ template <int kRowsL>
 constexpr int kPersistMinBlocks = kRowsL >= 8 ? 3 : 4;
 
 template <typename T, int K, int kRowsL>
-__global__ void __launch_bounds__(kThreads, kPersistMinBlocks<kRowsL>) causal_conv1d_persistent_kernel(const Conv1dParams p) {
+__global__ void __launch_bounds__(kThreads, kPersistMinBlocks<kRowsL>)
+    causal_conv1d_persistent_kernel(const Conv1dParams p) {
   constexpr int E = 16 / static_cast<int>(sizeof(T));
   constexpr int kUnit = kTimeLanes * kRowsL;      // tokens per unit
   constexpr int kSub = kConv1dTileRows / kUnit;  // units per tile
@@ -263,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, kPersistMinBlocks<kRowsL>) causal_co
 #pragma unroll
     for (int r = 0; r < kRowsL; ++r) {
       const bool valid = chan_ok && t_first + r < len;
-      cp_async16(rows_at(stage, r, lane), valid ? static_cast<const void*>(x + static_cast<int64_t>(t_first + r) * C) : p.x,
-                 valid);
+      const void* src = valid ? static_cast<const void*>(x + static_cast<int64_t>(t_first + r) * C) : p.x;
+      cp_async16(rows_at(stage, r, lane), src, valid);
     }
   };
 

@@ -41,8 +41,8 @@ struct Conv1dParams {
   // Prefill kernel (benchmarks and tests pick; the ops:: adapter leaves 0):
   //   0 / 1: the tile kernel, a block per (channel block, tile);
   //   2: the persistent kernel, a resident grid in which each warp keeps one channel group (8 lanes x 16
-  //      bytes) and walks an equal run of consecutive tiles, the next unit's loads issued before the
-  //      current unit's math, taps loaded once, left inputs carried in registers (conv1d.cu).
+  //      bytes) and walks an equal run of consecutive 32- or 16-token units, staged through shared memory
+  //      by cp.async three units deep; left inputs from the previous unit's staged rows (conv1d.cu).
   int prefill_kernel = 0;
   int prefill_persist_rows = 0;  // persistent kernel: tokens per time lane, 8 (32-token units) or 4; 0 = 8
   // Persistent kernel: time runs per channel group. 0 = as many as the resident warps allow; > 0 caps it

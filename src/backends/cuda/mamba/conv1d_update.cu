@@ -22,12 +22,12 @@ using mamba::store_elem;
 constexpr int kThreads = 128;
 
 // Rows per thread: 4, or 2 when the state is wider than the activations (register budget); 1 when that
-// would leave fewer than kMinBlocksPerSm blocks per multiprocessor. Benchmarks and tests may force the rows
-// (1, 2, 4) and the block size (32, 64, 128 threads: e.g. 4 rows x 32 threads keeps the 640 blocks of the
-// Super batch-64 grid while loading each tap vector once per 4 rows instead of once per row). At decode sizes the grid is small (Super,
+// would leave fewer than kMinBlocksPerSm blocks per multiprocessor. At decode sizes the grid is small (Super,
 // C = 10240, batch 64: 10 x 16 = 160 blocks of 128 threads on 132 SMs), so a quarter of the SMs ran two
 // blocks and the rest one: the busiest SM moved twice the average bytes. One row per thread gives 640
 // blocks (4.8 per SM). The math per row is the same code, so results are identical for every R.
+// Benchmarks and tests may force the rows (1, 2, 4) and the block size (32, 64, 128 threads): e.g. 4 rows x
+// 32 threads keeps the 640 blocks of Super batch 64 while loading each tap vector once per 4 rows, not per row.
 template <typename T, typename S>
 constexpr int kRowsPerThread = sizeof(S) > sizeof(T) ? 2 : 4;
 constexpr int kMinBlocksPerSm = 4;
@@ -125,7 +125,8 @@ void launch_k(const Conv1dParams& p, cudaStream_t stream) {
       CHIMERA_DISPATCH_FLOAT(p.state_dtype, "ops::causal_conv1d_update conv_state", S, {
         const int threads = p.update_threads != 0 ? p.update_threads : kThreads;
         if (threads != 32 && threads != 64 && threads != 128) {
-          throw_runtime(str_cat("ops::causal_conv1d_update: update_threads ", threads, " is not supported (0, 32, 64, 128)"));
+          throw_runtime(
+              str_cat("ops::causal_conv1d_update: update_threads ", threads, " is not supported (0, 32, 64, 128)"));
         }
         const int64_t chan_blocks = ceil_div(p.C, E * threads);
         int rows = p.update_rows;

@@ -20,7 +20,9 @@ namespace chimera::cuda {
 //     issues the next unit's state loads before the current unit's math and stores (double-buffered in
 //     registers), so a warp always has a unit of state in flight and no block launches, slot look-ups or
 //     per-block prologues sit between the loads.
-enum class SsuKernel : int8_t { kAuto, kGrid, kPersistent };
+//   kPersistentAsync: the same walk with the state staged global -> shared by cp.async, three stages a warp
+//     (two units in flight during the math, no registers held by data in flight).
+enum class SsuKernel : int8_t { kAuto, kGrid, kPersistent, kPersistentAsync };
 
 struct SsuParams {
   const void* x;       // [batch, H, P]   act dtype
@@ -44,16 +46,17 @@ struct SsuParams {
   bool plain_state_access = false;
   // kAuto: the grid kernel (the measured default; see bench/mamba_notes.md).
   SsuKernel kernel = SsuKernel::kAuto;
-  // Persistent kernel: bytes of state per warp unit (rows = unit_bytes / (N * sizeof(state))): 0 = 4096,
-  // or 2048 (twice the resident warps, half the registers each).
+  // Persistent kernels: bytes of state per warp unit (rows = unit_bytes / (N * sizeof(state))): 0 = 4096,
+  // or 2048 (more resident warps, half the registers / shared memory each).
   int unit_bytes = 0;
-  // Persistent kernel: 0 = the resident warps; > 0 caps the warps (tests: long runs at small sizes).
+  // Persistent kernels: 0 = the resident warps; > 0 caps the warps (tests: long runs at small sizes).
   int persist_warps = 0;
 };
 
 // Launches the update on `stream`. Fast path: N in {64, 128, 256} with a 16-byte aligned state (16-byte
-// vector state access, one row segment per lane group, shuffle reduction; p.kernel picks the grid or the
-// persistent kernel, which compute identical bits); otherwise a portable warp-per-row kernel. Throws (naming ops::selective_state_update) on unsupported dtypes or launch errors.
+// vector state access, one row segment per lane group, shuffle reduction; p.kernel picks the grid or a
+// persistent kernel, which compute identical bits); otherwise a portable warp-per-row kernel. Throws (naming
+// ops::selective_state_update) on unsupported dtypes or launch errors.
 void launch_selective_state_update(const SsuParams& p, cudaStream_t stream);
 
 // Per state dtype (explicit instantiations in selective_state_update_{f32,bf16,f16}.cu).
