@@ -15,6 +15,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/cuda/cuda_common.cuh"
@@ -78,8 +79,11 @@ std::string ssu_shape(const SsuModel& m, int batch, DType state) {
 
 // rows_per_warp < 0: through ops:: instead of the launcher.
 // graph: also the device time per launch inside a CUDA graph (run_graph).
+// persist_unit > 0: the persistent kernel with that many bytes of state per warp unit (async: the
+// cp.async-staged one).
 void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
-               const std::string& kernel, bool plain = false, bool graph = false) {
+               const std::string& kernel, bool plain = false, bool graph = false, int persist_unit = 0,
+               bool async = false) {
   const DType act = DType::kBF16;
   const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
   const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
@@ -110,6 +114,10 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   p.batch = batch, p.H = m.H, p.P = m.P, p.N = m.N, p.G = m.G;
   p.rows_per_warp = std::max(rows_per_warp, 0);
   p.plain_state_access = plain;
+  if (persist_unit > 0) {
+    p.kernel = async ? cuda::SsuKernel::kPersistentAsync : cuda::SsuKernel::kPersistent;
+    p.unit_bytes = persist_unit;
+  }
   int call = 0;
   const ops::Context octx{Device::kCuda, nullptr};
   ctx.run(kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, 0.0, [&] {
@@ -139,6 +147,21 @@ CHIMERA_BENCH(mamba_ssu) {
   }
 }
 
+// The persistent kernels (register double buffer / cp.async-staged; 4 KB and 2 KB units) next to the grid
+// kernel ("ssu" above, same shapes), graph timing.
+CHIMERA_BENCH(mamba_ssu_persist) {
+  for (const SsuModel* m : {&kSuper, &kNano}) {
+    for (DType sd : {DType::kF32, DType::kBF16}) {
+      for (int batch : {8, 64, 256}) {
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist4k", false, true, 4096);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist2k", false, true, 2048);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-async4k", false, true, 4096, true);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-async2k", false, true, 2048, true);
+      }
+    }
+  }
+}
+
 // Row tilings of the fast kernel, plain (not cache-streaming) state access, and the ops:: path.
 CHIMERA_BENCH(mamba_ssu_variants) {
   for (DType sd : {DType::kF32, DType::kBF16}) {
@@ -154,7 +177,9 @@ CHIMERA_BENCH(mamba_ssu_variants) {
 constexpr int kConvDim = 10240;  // Super: Di + 2 * G * N
 constexpr int kConvK = 4;
 
-void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len) {
+// kernel: "conv1d-prefill" (the tile kernel), "conv1d-prefill-persist8" / "-persist4" (the persistent kernel
+// with 8 / 4 tokens per time lane).
+void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::string& kernel = "conv1d-prefill") {
   const DType act = DType::kBF16;
   const int64_t T = static_cast<int64_t>(n_seqs) * seq_len, C = kConvDim;
   const double bytes = 2.0 * T * C * dtype_size(act) + 2.0 * n_seqs * C * (kConvK - 1) * dtype_size(act) +
@@ -184,21 +209,26 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len) {
   p.x = x.data(), p.out = out.data(), p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.n_tiles = n_tiles;
+  if (kernel != "conv1d-prefill") {
+    p.prefill_kernel = 2;
+    p.prefill_persist_rows = kernel == "conv1d-prefill-persist4" ? 4 : 8;
+  }
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_T" + std::to_string(T) + "_seqs" +
                             std::to_string(n_seqs) + "_act-bf16";
-  ctx.run("conv1d-prefill", shape, bytes, 0.0, [&] {
+  ctx.run(kernel, shape, bytes, 0.0, [&] {
     p.tiles = reinterpret_cast<const cuda::Conv1dTile*>(tiles[static_cast<size_t>(call++ % sets)].data());
     cuda::launch_causal_conv1d(p, nullptr);
   });
-  ctx.run_graph("conv1d-prefill", shape, bytes, 0, [&](cudaStream_t st, int i) {
+  ctx.run_graph(kernel, shape, bytes, 0, [&](cudaStream_t st, int i) {
     cuda::Conv1dParams q = p;
     q.tiles = reinterpret_cast<const cuda::Conv1dTile*>(tiles[static_cast<size_t>(i % sets)].data());
     cuda::launch_causal_conv1d(q, st);
   });
 }
 
-void bench_conv_update(const Context& ctx, int batch) {
+// rows / threads: the update kernel's shape (0: the automatic rule); the kernel name says which.
+void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads = 0) {
   const DType act = DType::kBF16;
   const int64_t C = kConvDim;
   const double bytes = 2.0 * batch * C * dtype_size(act) + 2.0 * batch * C * (kConvK - 1) * dtype_size(act) +
@@ -216,16 +246,20 @@ void bench_conv_update(const Context& ctx, int batch) {
   p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.batch = batch;
+  p.update_rows = rows, p.update_threads = threads;
+  const std::string kernel = rows == 0 && threads == 0 ? std::string("conv1d-update")
+                                                       : "conv1d-update-r" + std::to_string(rows) + "t" +
+                                                             std::to_string(threads);
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_b" + std::to_string(batch) + "_act-bf16";
-  ctx.run("conv1d-update", shape, bytes, 0.0, [&] {
+  ctx.run(kernel, shape, bytes, 0.0, [&] {
     const int64_t set = call++ % sets;
     p.x = static_cast<const char*>(x.data()) + set * batch * C * dtype_size(act);
     p.out = static_cast<char*>(out.data()) + set * batch * C * dtype_size(act);
     p.slots = slots.i32() + set * batch;
     cuda::launch_causal_conv1d_update(p, nullptr);
   });
-  ctx.run_graph("conv1d-update", shape, bytes, 0, [&](cudaStream_t st, int i) {
+  ctx.run_graph(kernel, shape, bytes, 0, [&](cudaStream_t st, int i) {
     const int64_t set = i % sets;
     cuda::Conv1dParams q = p;
     q.x = static_cast<const char*>(x.data()) + set * batch * C * dtype_size(act);
@@ -239,6 +273,20 @@ CHIMERA_BENCH(mamba_conv1d) {
   for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens);
   bench_conv_prefill(ctx, 8, 1024);
   for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch);
+}
+
+// The persistent prefill kernel and forced update shapes, next to the defaults above (same shapes).
+CHIMERA_BENCH(mamba_conv1d_variants) {
+  for (const char* k : {"conv1d-prefill-persist8", "conv1d-prefill-persist4"}) {
+    for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens, k);
+    bench_conv_prefill(ctx, 8, 1024, k);
+  }
+  for (int batch : {64, 256}) {
+    for (const auto& [rows, threads] :
+         std::initializer_list<std::pair<int, int>>{{1, 128}, {1, 64}, {2, 64}, {2, 32}, {4, 32}, {4, 64}, {4, 128}}) {
+      bench_conv_update(ctx, batch, rows, threads);
+    }
+  }
 }
 
 // ---- fused decode step: conv update + SSU + gated norm vs the three ops -----------------------------------

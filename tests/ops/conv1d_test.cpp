@@ -7,6 +7,9 @@
 
 #include "common/backend_param.h"
 #include "common/compare.h"
+#ifdef CHIMERA_HAVE_CUDA
+#include "backends/cuda/mamba/conv1d.cuh"
+#endif
 
 namespace chimera {
 namespace {
@@ -71,6 +74,43 @@ RandomBatch random_batch(test::Rng& rng, int n_seqs, int max_len) {
 
 class OpsConv1d : public BackendTest {
  protected:
+  // CUDA launcher-level variants (Conv1dParams fields; all 0: through ops::).
+  int prefill_kernel_ = 0, persist_rows_ = 0, persist_chunks_ = 0, update_rows_ = 0, update_threads_ = 0;
+  bool variant() const { return prefill_kernel_ != 0 || update_rows_ != 0 || update_threads_ != 0; }
+
+  // The ops:: adapters' job, through the launchers with the variant fields set (CUDA only).
+  void launch_variant(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& state,
+                      const std::vector<int32_t>& cu, const std::vector<int32_t>& slots, bool silu, bool update) {
+#ifdef CHIMERA_HAVE_CUDA
+    cuda::Conv1dParams p;
+    p.x = x.data(), p.out = out.data(), p.weight = w.data(), p.bias = bias ? bias.data() : nullptr;
+    p.conv_state = state.data();
+    p.act = x.dtype(), p.weight_dtype = w.dtype(), p.bias_dtype = bias ? bias.dtype() : DType::kF32;
+    p.state_dtype = state.dtype();
+    p.C = x.dim(1), p.K = int(w.dim(-1)), p.silu = silu;
+    p.prefill_kernel = prefill_kernel_, p.prefill_persist_rows = persist_rows_, p.persist_chunks = persist_chunks_;
+    p.update_rows = update_rows_, p.update_threads = update_threads_;
+    Tensor meta;
+    if (update) {
+      meta = on_backend(Tensor::from_i32({int64_t(slots.size())}, slots));
+      p.slots = meta.i32(), p.batch = int(slots.size());
+      cuda::launch_causal_conv1d_update(p, nullptr);
+    } else {
+      const std::vector<cuda::Conv1dTile> tiles = cuda::conv1d_tiles(cu, slots);
+      if (tiles.empty()) return;
+      std::vector<int32_t> flat;
+      for (const cuda::Conv1dTile& t : tiles) flat.insert(flat.end(), {t.row_begin, t.len, t.t0, t.slot});
+      meta = on_backend(Tensor::from_i32({int64_t(flat.size())}, flat));
+      p.tiles = reinterpret_cast<const cuda::Conv1dTile*>(meta.i32()), p.n_tiles = int(tiles.size());
+      cuda::launch_causal_conv1d(p, nullptr);
+    }
+    device::synchronize(Device::kCuda);
+#else
+    (void)out, (void)x, (void)w, (void)bias, (void)state, (void)cu, (void)slots, (void)silu, (void)update;
+    FAIL() << "launcher variants are CUDA-only";
+#endif
+  }
+
   // Runs causal_conv1d on the backend under test with x in `act`, the state in `state_dtype`, and checks
   // out and the final state against the naive oracle fed the same rounded values. Unused and pad slots
   // must keep their bits.
@@ -83,7 +123,11 @@ class OpsConv1d : public BackendTest {
     const Tensor state = on_backend(rng.normal_tensor({num_slots, C, K - 1}), state_dtype);
     const Tensor state0 = host_f32(state);
     const Tensor out = output(act, {T, C});
-    ops::causal_conv1d(ctx(), out, x, w, bias, state, cu, slots, silu);
+    if (variant()) {
+      launch_variant(out, x, w, bias, state, cu, slots, silu, false);
+    } else {
+      ops::causal_conv1d(ctx(), out, x, w, bias, state, cu, slots, silu);
+    }
 
     Tensor want = Tensor::empty(DType::kF32, {T, C}), want_state = state0.clone();
     test::poison(want);
@@ -110,7 +154,11 @@ class OpsConv1d : public BackendTest {
     const Tensor state = on_backend(rng.normal_tensor({num_slots, C, K - 1}), state_dtype);
     const Tensor state0 = host_f32(state);
     const Tensor out = output(act, {Bn, C});
-    ops::causal_conv1d_update(ctx(), out, x, w, bias, state, slots, true);
+    if (variant()) {
+      launch_variant(out, x, w, bias, state, {}, slots, true, true);
+    } else {
+      ops::causal_conv1d_update(ctx(), out, x, w, bias, state, slots, true);
+    }
 
     Tensor want = Tensor::empty(DType::kF32, {Bn, C}), want_state = state0.clone();
     test::poison(want);
@@ -310,6 +358,106 @@ TEST_P(OpsConv1d, UpdateBf16EveryStateDtype) {
   }
   SCOPED_TRACE("f32 activations, f16 state, K=2; element-wise path (C = 66)");
   check_update(rng, {2, -1, 0}, 4, 66, 2, DType::kF32, DType::kF16, DType::kF32);
+}
+
+// The persistent prefill kernel (32- and 16-token units) against the oracle: mixed lengths with pads, empty and
+// sub-K-1 sequences, sequences ending inside a unit and crossing many (left inputs from the previous unit),
+// every K, f32 and bf16 activations, every state dtype, and runs of more than 32 tiles per warp (the tile
+// list is broadcast 32 tiles at a time).
+TEST_P(OpsConv1d, PersistentPrefillMatchesNaive) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  prefill_kernel_ = 2;
+  for (int rows : {0, 4}) {
+    persist_rows_ = rows;
+    SCOPED_TRACE(::testing::Message() << "persist_rows=" << rows);
+    const std::vector<int32_t> lens = {17, 1, 2, 5, 0, 13, 70, 33};
+    const std::vector<int32_t> slots = {5, 0, 3, -1, 6, 2, 9, 1};
+    for (int64_t K : {4, 3, 2}) {
+      SCOPED_TRACE(::testing::Message() << "K=" << K);
+      check_prefill(rng, cu_from(lens), slots, 10, 264, K, DType::kF32, DType::kF32, DType::kF32, K != 3);
+    }
+    for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
+      const RandomBatch rb = random_batch(rng, 7, 70);
+      SCOPED_TRACE(::testing::Message() << "bf16, state=" << dtype_name(sd));
+      check_prefill(rng, rb.cu, rb.slots, rb.num_slots, 4480, 4, DType::kBF16, sd, DType::kBF16, true);
+    }
+    // One warp per channel group walking every unit (> 32 tiles: the tile list is re-broadcast), then
+    // three: runs that start mid-sequence (left inputs loaded) and cross sequences, pads and empty ones.
+    for (int chunks : {1, 3}) {
+      persist_chunks_ = chunks;
+      SCOPED_TRACE(::testing::Message() << "persist_chunks=" << chunks);
+      check_prefill(rng, {0, 4099}, {1}, 3, 64, 4, DType::kBF16, DType::kF32, DType::kBF16, true);
+      const RandomBatch rb = random_batch(rng, 12, 100);
+      check_prefill(rng, rb.cu, rb.slots, rb.num_slots, 264, 4, DType::kF32, DType::kF32, DType::kF32, true);
+      check_prefill(rng, rb.cu, rb.slots, rb.num_slots, 264, 3, DType::kBF16, DType::kBF16, DType::kBF16, true);
+    }
+    persist_chunks_ = 0;
+  }
+}
+
+// As above at the Super width with long prompts (kept apart so the test above stays small enough for the
+// sanitizers).
+TEST_P(OpsConv1d, PersistentPrefillLongPromptsAtSuperWidth) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  prefill_kernel_ = 2;
+  for (int rows : {0, 4}) {
+    persist_rows_ = rows;
+    SCOPED_TRACE(::testing::Message() << "persist_rows=" << rows);
+    check_prefill(rng, {0, 989, 1100, 3000}, {3, 0, 1}, 4, 10240, 4, DType::kBF16, DType::kBF16, DType::kBF16, true);
+  }
+}
+
+// The persistent prefill kernel and the tile kernel give identical bits (same FMA order, carried left inputs
+// equal to loaded ones), split or not.
+TEST_P(OpsConv1d, PersistentPrefillEqualsTileKernel) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  const std::vector<int32_t> cu = cu_from({300, 7, 0, 1024, 45}), slots = {2, 4, 0, -1, 1};
+  const int64_t C = 10240, K = 4, T = cu.back();
+  const Tensor x = on_backend(rng.normal_tensor({T, C}), DType::kBF16);
+  const Tensor w = on_backend(test::cast_to(rng.normal_tensor({C, 1, K}, 0.5f), DType::kBF16));
+  const Tensor bias = on_backend(test::cast_to(rng.normal_tensor({C}), DType::kBF16));
+  const Tensor state0 = rng.normal_tensor({5, C, K - 1});
+  Tensor ref_out, ref_state;
+  // 0: the tile kernel; 8 / 4: the persistent kernel's tokens per time lane (resident grid, then 2 runs per
+  // channel group).
+  for (int cfg : {0, 8, 4, -8, -4}) {
+    SCOPED_TRACE(::testing::Message() << "cfg=" << cfg);
+    prefill_kernel_ = cfg == 0 ? 1 : 2, persist_rows_ = std::abs(cfg), persist_chunks_ = cfg < 0 ? 2 : 0;
+    const Tensor out = output(DType::kBF16, {T, C}), state = on_backend(state0, DType::kBF16);
+    launch_variant(out, x, w, bias, state, cu, slots, true, false);
+    const Tensor ho = device::to_host(out), hs = device::to_host(state);
+    if (cfg == 0) {
+      ref_out = ho, ref_state = hs;
+    } else {
+      EXPECT_TRUE(test::bit_equal(ho, ref_out));
+      EXPECT_TRUE(test::bit_equal(hs, ref_state));
+    }
+  }
+}
+
+// Every update kernel shape (rows per thread x threads per block) against the oracle, with pads and permuted
+// slots, bf16 activations and every state dtype, C not a multiple of the block's channels.
+TEST_P(OpsConv1d, UpdateShapesMatchNaive) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  for (int rows : {1, 2, 4}) {
+    for (int threads : {32, 64, 128}) {
+      update_rows_ = rows, update_threads_ = threads;
+      for (int n : {1, 7, 64}) {
+        const RandomBatch rb = random_batch(rng, n, 1);
+        for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
+          SCOPED_TRACE(::testing::Message() << "rows=" << rows << " threads=" << threads << " batch=" << n
+                                            << " state=" << dtype_name(sd));
+          check_update(rng, rb.slots, rb.num_slots, 2688, 4, DType::kBF16, sd, DType::kBF16);
+        }
+      }
+      SCOPED_TRACE("f32 activations and state, K = 3, C = 264");
+      check_update(rng, {2, -1, 0, 5, 3}, 6, 264, 3, DType::kF32, DType::kF32, DType::kF32);
+    }
+  }
 }
 
 TEST_P(OpsConv1d, CudaRejectsWhatItDoesNotSupport) {

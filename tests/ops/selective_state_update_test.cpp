@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "common/backend_param.h"
@@ -102,7 +103,11 @@ class OpsSelectiveStateUpdate : public BackendTest {
     p.dt_bias = on_backend(in.p.dt_bias);
     const Tensor state0 = host_f32(state);
     const Tensor y = output(act, in.x.shape());
-    ops::selective_state_update(ctx(), y, x, dt, B, C, p, state, slots);
+    if (launcher_kernel_ == 0) {
+      ops::selective_state_update(ctx(), y, x, dt, B, C, p, state, slots);
+    } else {
+      launch_variant(y, x, dt, B, C, p, state, slots);
+    }
 
     SsuInputs rin = in;  // the oracle sees the rounded activations
     rin.x = host_f32(x), rin.dt_raw = host_f32(dt), rin.B = host_f32(B), rin.C = host_f32(C);
@@ -130,6 +135,32 @@ class OpsSelectiveStateUpdate : public BackendTest {
         ASSERT_TRUE(test::bit_equal(got_state.select(s), state0.select(s))) << "slot " << s;
       }
     }
+  }
+
+  // CUDA launcher-level variant (SsuKernel as int, 0 = through ops::) and its unit size.
+  int launcher_kernel_ = 0, unit_bytes_ = 0, persist_warps_ = 0;
+
+  void launch_variant(const Tensor& y, const Tensor& x, const Tensor& dt, const Tensor& B, const Tensor& C,
+                      const ops::SsmParams& sp, const Tensor& state, const std::vector<int32_t>& slot_ids) {
+#ifdef CHIMERA_HAVE_CUDA
+    const Tensor slots = on_backend(Tensor::from_i32({int64_t(slot_ids.size())}, slot_ids));
+    cuda::SsuParams p;
+    p.x = x.data(), p.dt_raw = dt.data(), p.B = B.data(), p.C = C.data(), p.y = y.data();
+    p.state = state.data(), p.slots = slots.i32();
+    p.A_log = sp.A_log.data(), p.D = sp.D.data(), p.dt_bias = sp.dt_bias.data();
+    p.act = x.dtype(), p.state_dtype = state.dtype();
+    p.a_log_dtype = sp.A_log.dtype(), p.d_dtype = sp.D.dtype(), p.dt_bias_dtype = sp.dt_bias.dtype();
+    p.dt_min = sp.dt_min, p.dt_max = sp.dt_max;
+    p.batch = int(x.dim(0)), p.H = int(x.dim(1)), p.P = int(x.dim(2)), p.G = int(B.dim(1)), p.N = int(B.dim(2));
+    p.kernel = static_cast<cuda::SsuKernel>(launcher_kernel_);
+    p.unit_bytes = unit_bytes_;
+    p.persist_warps = persist_warps_;
+    cuda::launch_selective_state_update(p, nullptr);
+    device::synchronize(Device::kCuda);
+#else
+    (void)y, (void)x, (void)dt, (void)B, (void)C, (void)sp, (void)state, (void)slot_ids;
+    FAIL() << "launcher variants are CUDA-only";
+#endif
   }
 
   void check_random(test::Rng& rng, const SsuShape& s, int64_t batch, DType act, DType state_dtype) {
@@ -251,8 +282,47 @@ TEST_P(OpsSelectiveStateUpdate, CudaRejectsMixedActivationDtypes) {
 }
 
 #ifdef CHIMERA_HAVE_CUDA
-// The fast kernel's row tilings (4, 8, 16 rows per warp; 0 = the occupancy rule) and state access variants
-// compute every element the same way: identical bits, for an fp32 and a bf16 state.
+// The persistent kernel (4 KB and 2 KB units) against the oracle: N = 64 / 128 / 256, P not a multiple of the
+// unit's rows (13, 80 with 16- and 32-row units), G = 1 and G = H, batches 1 to 64 with pads (every fifth
+// sequence) and permuted slots, every state dtype, bf16 and f32 activations, dt limits.
+TEST_P(OpsSelectiveStateUpdate, PersistentKernelMatchesNaive) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  for (const auto& [kernel, unit] : std::initializer_list<std::pair<cuda::SsuKernel, int>>{
+           {cuda::SsuKernel::kPersistent, 0},
+           {cuda::SsuKernel::kPersistent, 2048},
+           {cuda::SsuKernel::kPersistentAsync, 0},
+           {cuda::SsuKernel::kPersistentAsync, 2048}}) {
+    launcher_kernel_ = static_cast<int>(kernel);
+    unit_bytes_ = unit;
+    SCOPED_TRACE(::testing::Message() << "kernel=" << static_cast<int>(kernel) << " unit_bytes=" << unit);
+    for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
+      check_random(rng, {128, 64, 8, 128}, 9, DType::kBF16, sd);  // Super heads
+      check_random(rng, {5, 64, 1, 64}, 7, DType::kBF16, sd);     // N = 64, odd heads
+      check_random(rng, {2, 13, 2, 256}, 3, DType::kBF16, sd);    // N = 256, P = 13
+      check_random(rng, {3, 80, 3, 128}, 17, DType::kF32, sd);    // P = 80, G = H
+      check_random(rng, {6, 16, 2, 128}, 1, DType::kF32, sd);     // one sequence: fewer units than warps
+    }
+    check_random(rng, {64, 64, 8, 128}, 64, DType::kBF16, DType::kBF16);  // Nano, batch 64
+    for (int warps : {1, 3, 7}) {  // a few warps walking long runs across heads, groups and sequences (pads)
+      persist_warps_ = warps;
+      SCOPED_TRACE(::testing::Message() << "persist_warps=" << warps);
+      check_random(rng, {16, 64, 4, 128}, 6, DType::kBF16, DType::kBF16);
+      check_random(rng, {3, 13, 3, 256}, 11, DType::kF32, DType::kF32);
+    }
+    persist_warps_ = 0;
+  }
+  SsuInputs in = make_inputs(rng, 6, {4, 64, 2, 128});
+  in.p.dt_min = 0.02f;
+  in.p.dt_max = 0.08f;
+  for (cuda::SsuKernel kernel : {cuda::SsuKernel::kPersistent, cuda::SsuKernel::kPersistentAsync}) {
+    launcher_kernel_ = static_cast<int>(kernel), unit_bytes_ = 0;
+    check_step(in, {7, 0, 3, -1, 5, 2}, on_backend(random_state(rng, {8, 4, 64, 128})), DType::kF32);
+  }
+}
+
+// The fast kernel's row tilings (4, 8, 16 rows per warp; 0 = the occupancy rule), state access variants and
+// the persistent kernel compute every element the same way: identical bits, for an fp32 and a bf16 state.
 TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
@@ -267,7 +337,9 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
   const Tensor state0 = random_state(rng, {7, s.H, s.P, s.N});
   for (DType sd : {DType::kF32, DType::kBF16}) {
     Tensor ref_y, ref_state;
-    for (int rows : {0, 4, 8, 16}) {
+    // rows 4, 8, 16 and 0 (the rule) for the grid kernel; -4096 / -2048: the persistent kernel's units;
+    // -14096 / -12048: the cp.async-staged persistent kernel's.
+    for (int rows : {0, 4, 8, 16, -4096, -2048, -14096, -12048}) {
       SCOPED_TRACE(::testing::Message() << "state=" << dtype_name(sd) << " rows_per_warp=" << rows);
       const Tensor state = on_backend(state0, sd);
       const Tensor y = output(DType::kBF16, in.x.shape());
@@ -278,8 +350,12 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
       p.act = DType::kBF16, p.state_dtype = sd;
       p.dt_min = 0.0f, p.dt_max = INFINITY;
       p.batch = int(batch), p.H = int(s.H), p.P = int(s.P), p.N = int(s.N), p.G = int(s.G);
-      p.rows_per_warp = rows;
+      p.rows_per_warp = std::max(rows, 0);
       p.plain_state_access = rows == 8;  // the benchmark-only plain loads / stores compute the same bits
+      if (rows < 0) {
+        p.kernel = rows < -10000 ? cuda::SsuKernel::kPersistentAsync : cuda::SsuKernel::kPersistent;
+        p.unit_bytes = -rows % 10000;
+      }
       cuda::launch_selective_state_update(p, nullptr);
       device::synchronize(Device::kCuda);
       const Tensor hy = device::to_host(y), hs = device::to_host(state);

@@ -26,16 +26,18 @@ constexpr int kThreads = 128;
 // C = 10240, batch 64: 10 x 16 = 160 blocks of 128 threads on 132 SMs), so a quarter of the SMs ran two
 // blocks and the rest one: the busiest SM moved twice the average bytes. One row per thread gives 640
 // blocks (4.8 per SM). The math per row is the same code, so results are identical for every R.
+// Benchmarks and tests may force the rows (1, 2, 4) and the block size (32, 64, 128 threads): e.g. 4 rows x
+// 32 threads keeps the 640 blocks of Super batch 64 while loading each tap vector once per 4 rows, not per row.
 template <typename T, typename S>
 constexpr int kRowsPerThread = sizeof(S) > sizeof(T) ? 2 : 4;
 constexpr int kMinBlocksPerSm = 4;
 
-// grid (ceil(C / (E * kThreads)), ceil(batch / R)).
+// grid (ceil(C / (E * blockDim.x)), ceil(batch / R)), blockDim.x <= kThreads (32, 64 or 128).
 template <typename T, typename S, int K, int R>
 __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Conv1dParams p) {
   constexpr int E = 16 / static_cast<int>(sizeof(T));
   const int64_t C = p.C;
-  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * E;
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * E;
   if (c0 >= C) return;  // touches nothing; thread 0 of every block stays, so each block waits below
   float w[E][K], bias[E];
   mamba::load_taps<T, E, K>(p.weight, p.weight_dtype, p.bias, p.bias_dtype, p.taps_vec, c0, w, bias);
@@ -121,14 +123,30 @@ void launch_k(const Conv1dParams& p, cudaStream_t stream) {
       q.taps_vec = mamba::aligned16(p.weight) && p.weight_dtype == p.act &&
                    (p.bias == nullptr || (mamba::aligned16(p.bias) && p.bias_dtype == p.act));
       CHIMERA_DISPATCH_FLOAT(p.state_dtype, "ops::causal_conv1d_update conv_state", S, {
-        constexpr int R = kRowsPerThread<T, S>;
-        const int64_t chan_blocks = ceil_div(p.C, E * kThreads);
-        if (chan_blocks * ceil_div(p.batch, R) >= int64_t{kMinBlocksPerSm} * sm_count()) {
-          const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(ceil_div(p.batch, R)));
-          launch(causal_conv1d_update_kernel<T, S, K, R>, grid, dim3(kThreads), 0, stream, q);
-        } else {
-          const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(p.batch));
-          launch(causal_conv1d_update_kernel<T, S, K, 1>, grid, dim3(kThreads), 0, stream, q);
+        const int threads = p.update_threads != 0 ? p.update_threads : kThreads;
+        if (threads != 32 && threads != 64 && threads != 128) {
+          throw_runtime(
+              str_cat("ops::causal_conv1d_update: update_threads ", threads, " is not supported (0, 32, 64, 128)"));
+        }
+        const int64_t chan_blocks = ceil_div(p.C, E * threads);
+        int rows = p.update_rows;
+        if (rows == 0) {
+          rows = kRowsPerThread<T, S>;
+          if (chan_blocks * ceil_div(p.batch, rows) < int64_t{kMinBlocksPerSm} * sm_count()) rows = 1;
+        }
+        const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(ceil_div(p.batch, rows)));
+        switch (rows) {
+          case 1:
+            launch(causal_conv1d_update_kernel<T, S, K, 1>, grid, dim3(threads), 0, stream, q);
+            break;
+          case 2:
+            launch(causal_conv1d_update_kernel<T, S, K, 2>, grid, dim3(threads), 0, stream, q);
+            break;
+          case 4:
+            launch(causal_conv1d_update_kernel<T, S, K, 4>, grid, dim3(threads), 0, stream, q);
+            break;
+          default:
+            throw_runtime(str_cat("ops::causal_conv1d_update: update_rows ", rows, " is not supported (0, 1, 2, 4)"));
         }
       });
     } else {

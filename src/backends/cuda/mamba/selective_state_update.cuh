@@ -14,6 +14,16 @@
 
 namespace chimera::cuda {
 
+// Which fast kernel runs (benchmarks and tests pick; the ops:: adapter leaves kAuto).
+//   kGrid: a block per (row tile, head, sequence), the seed's simple kernel with its dim-tiled grid.
+//   kPersistent: a resident grid; each warp walks a contiguous run of (sequence, head, row tile) units and
+//     issues the next unit's state loads before the current unit's math and stores (double-buffered in
+//     registers), so a warp always has a unit of state in flight and no block launches, slot look-ups or
+//     per-block prologues sit between the loads.
+//   kPersistentAsync: the same walk with the state staged global -> shared by cp.async, three stages a warp
+//     (two units in flight during the math, no registers held by data in flight).
+enum class SsuKernel : int8_t { kAuto, kGrid, kPersistent, kPersistentAsync };
+
 struct SsuParams {
   const void* x;       // [batch, H, P]   act dtype
   const void* dt_raw;  // [batch, H]      act dtype
@@ -32,13 +42,21 @@ struct SsuParams {
   // Rows of P per warp in the fast kernel: 0 picks by occupancy (the seed's dim tiling for small batches);
   // 4, 8 or 16 force one (benchmarks).
   int rows_per_warp = 0;
-  // Plain loads / stores of the state instead of the cache-streaming ones (benchmarks).
+  // Plain loads / stores of the state instead of the cache-streaming ones (benchmarks; grid kernel only).
   bool plain_state_access = false;
+  // kAuto: the grid kernel (the measured default; see bench/mamba_notes.md).
+  SsuKernel kernel = SsuKernel::kAuto;
+  // Persistent kernels: bytes of state per warp unit (rows = unit_bytes / (N * sizeof(state))): 0 = 4096,
+  // or 2048 (more resident warps, half the registers / shared memory each).
+  int unit_bytes = 0;
+  // Persistent kernels: 0 = the resident warps; > 0 caps the warps (tests: long runs at small sizes).
+  int persist_warps = 0;
 };
 
 // Launches the update on `stream`. Fast path: N in {64, 128, 256} with a 16-byte aligned state (16-byte
-// vector state access, one row segment per lane group, shuffle reduction); otherwise a portable warp-per-row
-// kernel. Throws (naming ops::selective_state_update) on unsupported dtypes or launch errors.
+// vector state access, one row segment per lane group, shuffle reduction; p.kernel picks the grid or a
+// persistent kernel, which compute identical bits); otherwise a portable warp-per-row kernel. Throws (naming
+// ops::selective_state_update) on unsupported dtypes or launch errors.
 void launch_selective_state_update(const SsuParams& p, cudaStream_t stream);
 
 // Per state dtype (explicit instantiations in selective_state_update_{f32,bf16,f16}.cu).

@@ -12,8 +12,22 @@
 //   Rows per warp: about 2 KB of state per warp (fp32 N=128: 4 rows, bf16: 8; measured best on the H200 at
 //   batch 64 and 256, see bench/mamba_notes.md), halved while the grid would leave SMs idle (the seed's
 //   dim-tiling rule: tile when there are fewer than 2 blocks per SM).
+// Persistent kernel (SsuKernel::kPersistent): the same lane mapping and math (identical bits), but a resident
+//   grid (occupancy x SMs, 4 warps a block) in which warp w walks the contiguous run of units
+//   [w * U / W, (w + 1) * U / W) of the U = batch * H * ceil(P / kUnitRows) units (sequence, head, row tile),
+//   tile fastest. A unit is kUnitRows = unit_bytes / (N * sizeof(S)) rows: 4 KB of state (bf16 N = 128: 16
+//   rows, 128 bytes a lane). Two register buffers: the next unit's state loads (and its x, dt_raw) are issued
+//   before the current unit's update, stores and reduction, so every warp keeps a unit of loads in flight
+//   (16 warps / SM x 4 KB = 64 KB+ per SM) across the whole step: no per-block launch, slot look-up or
+//   prologue between the loads, and one tail for the grid instead of one per block. Consecutive units of a
+//   warp share the sequence (slot looked up once per sequence), mostly the head (dt, dA recomputed when it
+//   changes) and the group (B, C reloaded when it changes: every H / G * P / kUnitRows units).
+// cp.async-staged persistent kernel (SsuKernel::kPersistentAsync): the same walk and math, the state staged
+//   through shared memory three units deep instead of a register double buffer (see its section below).
 // Portable kernel: any P, N, alignment: a warp per row, lanes stride over N.
 #pragma once
+
+#include <algorithm>
 
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mamba/mamba_common.cuh"
@@ -153,6 +167,376 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const 
   }
 }
 
+// ---- persistent kernel ----------------------------------------------------------------------------
+// Resident blocks per SM the persistent kernel is compiled for (registers: two buffers of 128 bytes of state
+// a lane at 4 KB units, 64 at 2 KB units, plus B, C at the lane's columns and the unit bookkeeping):
+// 4 KB units: 16 warps / SM (128 registers); 2 KB units: 20 warps / SM (102 registers).
+template <int kUnitBytes>
+constexpr int kPersistMinBlocks = kUnitBytes >= 4096 ? 4 : 5;
+
+// One unit in flight: where it is and what was loaded for it (state, this lane's x, the head's dt_raw).
+template <typename S, int N, int kUnitRows>
+struct PersistUnit {
+  using L = Layout<S, N>;
+  static constexpr int kPasses = kUnitRows / L::kRowsPerPass;
+  int b, h, row0, slot;  // slot < 0: a pad sequence, nothing loaded or stored
+  float x;               // x[b, h, row0 + lane % kUnitRows] (lanes past P: 0)
+  float dt_raw;
+  Pack<S, L::kVecElems> st[kPasses][L::kVecsPerLane];
+};
+
+// grid (resident blocks), kThreads; see the file comment. kUnitRows <= 32 (x is one value a lane).
+template <typename S, int N, int kUnitRows, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_persistent_kernel(const SsuParams p) {
+  using L = Layout<S, N>;
+  using Unit = PersistUnit<S, N, kUnitRows>;
+  constexpr int kPasses = Unit::kPasses;
+  constexpr int kE = L::kElemsPerLane;
+  static_assert(kUnitRows % L::kRowsPerPass == 0 && kUnitRows <= 32, "a unit is whole passes, <= 32 rows");
+  pdl_wait();  // PDL: slots, dt_raw, x, B, C and the state are step data; nothing constant is worth preloading
+  pdl_trigger();
+  const int lane = threadIdx.x % 32;
+  const int seg = lane % L::kLanesPerRow, sub = lane / L::kLanesPerRow;
+  // 32-bit unit indices (the launcher checks units < 2^31): fewer registers and cheaper divisions.
+  const int tiles = (p.P + kUnitRows - 1) / kUnitRows;
+  const int64_t units = static_cast<int64_t>(p.batch) * p.H * tiles;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int u_begin = static_cast<int>(w * units / warps), u_end = static_cast<int>((w + 1) * units / warps);
+  const int heads_per_group = p.H / p.G;
+
+  int slot_b = -1, slot_id = -1;  // the slot of sequence slot_b (looked up once per sequence)
+  // Issue unit u's loads into `un` (warp-uniform control flow).
+  auto issue = [&](Unit& un, int u) {
+    const int bh = u / tiles;
+    un.row0 = (u - bh * tiles) * kUnitRows;
+    un.h = bh % p.H;
+    un.b = bh / p.H;
+    if (un.b != slot_b) {
+      slot_b = un.b;
+      slot_id = p.slots[un.b];
+    }
+    un.slot = slot_id;
+    if (un.slot < 0) return;
+    const S* state = static_cast<const S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = un.row0 + i * L::kRowsPerPass + sub;
+#pragma unroll
+      for (int v = 0; v < L::kVecsPerLane; ++v) {
+        if (row < p.P) {
+          un.st[i][v].template load<true>(state + static_cast<int64_t>(row) * N +
+                                          (v * L::kLanesPerRow + seg) * L::kVecElems);
+        } else {
+          un.st[i][v].zero();
+        }
+      }
+    }
+    const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
+    const int xr = un.row0 + lane % kUnitRows;
+    un.x = xr < p.P ? load_elem(p.x, p.act, bh_i * p.P + xr) : 0.0f;
+    un.dt_raw = load_elem(p.dt_raw, p.act, bh_i);
+  };
+
+  int hs_key = -1, bc_key = -1;  // b * H + h of hs, b * G + g of Bv / Cv
+  HeadScalars hs{0.0f, 0.0f, 0.0f};
+  float Bv[kE], Cv[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) Bv[e] = Cv[e] = 0.0f;
+  // Update, write back and reduce unit `un` (its loads were issued one unit earlier).
+  auto process = [&](const Unit& un) {
+    if (un.slot < 0) return;  // pad: y and state untouched
+    const int bh_i = un.b * p.H + un.h;
+    if (bh_i != hs_key) {  // head_scalars() with the prefetched dt_raw: the same expressions, the same bits
+      hs_key = bh_i;
+      const HeadWeights hw = head_weights(p, un.h);
+      hs.dt = discretize_dt(un.dt_raw + hw.dt_bias, p.dt_min, p.dt_max);
+      hs.dA = expf(hs.dt * hw.A);
+      hs.d_skip = hw.d_skip;
+    }
+    const int bg = un.b * p.G + un.h / heads_per_group;
+    if (bg != bc_key) {
+      bc_key = bg;
+#pragma unroll
+      for (int v = 0; v < L::kVecsPerLane; ++v) {
+#pragma unroll
+        for (int e = 0; e < L::kVecElems; ++e) {
+          const int col = (v * L::kLanesPerRow + seg) * L::kVecElems + e;
+          Bv[v * L::kVecElems + e] = load_elem(p.B, p.act, static_cast<int64_t>(bg) * N + col);
+          Cv[v * L::kVecElems + e] = load_elem(p.C, p.act, static_cast<int64_t>(bg) * N + col);
+        }
+      }
+    }
+    S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = un.row0 + i * L::kRowsPerPass + sub;
+      const float xv = __shfl_sync(0xffffffffu, un.x, i * L::kRowsPerPass + sub);
+      const float dtx = hs.dt * xv;
+      float acc = 0.0f;
+      Pack<S, L::kVecElems> st[L::kVecsPerLane];
+#pragma unroll
+      for (int v = 0; v < L::kVecsPerLane; ++v) {
+        st[v] = un.st[i][v];
+#pragma unroll
+        for (int e = 0; e < L::kVecElems; ++e) {
+          const float s = fmaf(st[v].get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
+          st[v].set(e, s);
+          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
+        }
+        if (row < p.P) {
+          st[v].template store<true>(state + static_cast<int64_t>(row) * N +
+                                     (v * L::kLanesPerRow + seg) * L::kVecElems);
+        }
+      }
+#pragma unroll
+      for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
+    }
+  };
+
+  if (u_begin >= u_end) return;
+  Unit a, c;  // two register buffers, used alternately (static indexing keeps them in registers)
+  int u = u_begin;
+  issue(a, u);
+  while (true) {
+    if (u + 1 < u_end) issue(c, u + 1);
+    process(a);
+    if (++u >= u_end) break;
+    if (u + 1 < u_end) issue(a, u + 1);
+    process(c);
+    if (++u >= u_end) break;
+  }
+}
+
+// ---- persistent kernel, cp.async-staged (SsuKernel::kPersistentAsync) ----------------------------------
+// The persistent kernel's walk, units and math (identical bits), but a unit's state goes global -> shared with
+// cp.async (16 bytes a lane a vector, zero-filled past P), kAsyncStages = 3 stages a warp: units u+1 and u+2
+// are in flight while u computes, and no registers are held by data in flight (the register kernel holds one
+// unit in flight in 64 registers). Each lane reads back only the vectors it copied, so its own
+// cp.async.wait_group is the only synchronisation. The loop is unrolled by the stage count so each unit's
+// bookkeeping (slot, head, row, x, dt_raw) stays in registers. Stores go from registers (streaming).
+constexpr int kAsyncStages = 3;
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {  // zero-fill when !valid
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+template <int kUnitBytes>
+constexpr int kAsyncMinBlocks = kUnitBytes >= 4096 ? 4 : 6;  // 4 KB: shared memory allows 4 blocks (48 KB each)
+
+struct AsyncUnit {
+  int b, h, row0, slot;  // slot < 0: a pad sequence, nothing copied or stored
+  float x, dt_raw;
+};
+
+template <typename S, int N, int kUnitRows>
+__global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * static_cast<int>(sizeof(S))>)
+    selective_state_update_async_kernel(const SsuParams p) {
+  using L = Layout<S, N>;
+  constexpr int kPasses = kUnitRows / L::kRowsPerPass;
+  constexpr int kVecs = kPasses * L::kVecsPerLane;  // 16-byte vectors a lane per unit
+  constexpr int kE = L::kElemsPerLane;
+  static_assert(kUnitRows % L::kRowsPerPass == 0 && kUnitRows <= 32, "a unit is whole passes, <= 32 rows");
+  extern __shared__ uint4 s_state[];  // [kAsyncStages][kWarps][kVecs][32 lanes]
+  pdl_wait();  // PDL: slots, dt_raw, x, B, C and the state are step data
+  pdl_trigger();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int seg = lane % L::kLanesPerRow, sub = lane / L::kLanesPerRow;
+  const int tiles = (p.P + kUnitRows - 1) / kUnitRows;
+  const int64_t units = static_cast<int64_t>(p.batch) * p.H * tiles;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int u_begin = static_cast<int>(w * units / warps), u_end = static_cast<int>((w + 1) * units / warps);
+  const int heads_per_group = p.H / p.G;
+  auto vec_at = [&](int stage, int k) -> uint4* { return s_state + ((stage * kWarps + warp) * kVecs + k) * 32 + lane; };
+
+  int slot_b = -1, slot_id = -1;
+  auto issue = [&](AsyncUnit& un, int u, int stage) {
+    const int bh = u / tiles;
+    un.row0 = (u - bh * tiles) * kUnitRows;
+    un.h = bh % p.H;
+    un.b = bh / p.H;
+    if (un.b != slot_b) {
+      slot_b = un.b;
+      slot_id = p.slots[un.b];
+    }
+    un.slot = slot_id;
+    if (un.slot < 0) return;
+    const S* state = static_cast<const S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = un.row0 + i * L::kRowsPerPass + sub;
+#pragma unroll
+      for (int v = 0; v < L::kVecsPerLane; ++v) {
+        const bool ok = row < p.P;
+        cp_async16(vec_at(stage, i * L::kVecsPerLane + v),
+                   ok ? static_cast<const void*>(state + static_cast<int64_t>(row) * N +
+                                                 (v * L::kLanesPerRow + seg) * L::kVecElems)
+                      : p.state,
+                   ok);
+      }
+    }
+    const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
+    const int xr = un.row0 + lane % kUnitRows;
+    un.x = xr < p.P ? load_elem(p.x, p.act, bh_i * p.P + xr) : 0.0f;
+    un.dt_raw = load_elem(p.dt_raw, p.act, bh_i);
+  };
+
+  int hs_key = -1, bc_key = -1;
+  HeadScalars hs{0.0f, 0.0f, 0.0f};
+  float Bv[kE], Cv[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) Bv[e] = Cv[e] = 0.0f;
+  auto process = [&](const AsyncUnit& un, int stage) {
+    if (un.slot < 0) return;
+    const int bh_i = un.b * p.H + un.h;
+    if (bh_i != hs_key) {
+      hs_key = bh_i;
+      const HeadWeights hw = head_weights(p, un.h);
+      hs.dt = discretize_dt(un.dt_raw + hw.dt_bias, p.dt_min, p.dt_max);
+      hs.dA = expf(hs.dt * hw.A);
+      hs.d_skip = hw.d_skip;
+    }
+    const int bg = un.b * p.G + un.h / heads_per_group;
+    if (bg != bc_key) {
+      bc_key = bg;
+#pragma unroll
+      for (int v = 0; v < L::kVecsPerLane; ++v) {
+#pragma unroll
+        for (int e = 0; e < L::kVecElems; ++e) {
+          const int col = (v * L::kLanesPerRow + seg) * L::kVecElems + e;
+          Bv[v * L::kVecElems + e] = load_elem(p.B, p.act, static_cast<int64_t>(bg) * N + col);
+          Cv[v * L::kVecElems + e] = load_elem(p.C, p.act, static_cast<int64_t>(bg) * N + col);
+        }
+      }
+    }
+    S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = un.row0 + i * L::kRowsPerPass + sub;
+      const float xv = __shfl_sync(0xffffffffu, un.x, i * L::kRowsPerPass + sub);
+      const float dtx = hs.dt * xv;
+      float acc = 0.0f;
+#pragma unroll
+      for (int v = 0; v < L::kVecsPerLane; ++v) {
+        Pack<S, L::kVecElems> st;
+        const uint4 raw = *vec_at(stage, i * L::kVecsPerLane + v);
+        st.w[0] = raw.x, st.w[1] = raw.y, st.w[2] = raw.z, st.w[3] = raw.w;
+#pragma unroll
+        for (int e = 0; e < L::kVecElems; ++e) {
+          const float s = fmaf(st.get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
+          st.set(e, s);
+          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
+        }
+        if (row < p.P) {
+          st.template store<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        }
+      }
+#pragma unroll
+      for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
+    }
+  };
+
+  if (u_begin >= u_end) return;
+  static_assert(kAsyncStages == 3, "the loop below rotates three units");
+  AsyncUnit m0{}, m1{}, m2{};
+  int u = u_begin;
+  issue(m0, u, 0);
+  cp_async_commit();
+  if (u + 1 < u_end) issue(m1, u + 1, 1);
+  cp_async_commit();
+  // Per unit: copy unit u+2 into the stage unit u-1 used, wait for unit u (all but the two newest groups).
+  while (true) {
+    if (u + 2 < u_end) issue(m2, u + 2, 2);
+    cp_async_commit();
+    cp_async_wait<2>();
+    process(m0, 0);
+    if (++u >= u_end) break;
+    if (u + 2 < u_end) issue(m0, u + 2, 0);
+    cp_async_commit();
+    cp_async_wait<2>();
+    process(m1, 1);
+    if (++u >= u_end) break;
+    if (u + 2 < u_end) issue(m1, u + 2, 1);
+    cp_async_commit();
+    cp_async_wait<2>();
+    process(m2, 2);
+    if (++u >= u_end) break;
+  }
+  cp_async_wait<0>();
+}
+
+// Every warp the same number of units (the last ones maybe one fewer), so the warps finish together.
+template <typename Kernel>
+void launch_persistent_grid(Kernel* kernel, int per_sm, int64_t units, size_t smem, const SsuParams& p,
+                            cudaStream_t stream) {
+  if (units >= (int64_t{1} << 31)) {
+    throw_runtime(
+        str_cat("ops::selective_state_update: ", units, " persistent units exceed 2^31 (use the grid kernel)"));
+  }
+  int64_t resident_warps = static_cast<int64_t>(per_sm) * kWarps * sm_count();
+  if (p.persist_warps > 0) resident_warps = std::min<int64_t>(resident_warps, p.persist_warps);
+  const int64_t rounds = ceil_div(units, resident_warps);
+  const int64_t blocks = ceil_div(ceil_div(units, rounds), int64_t{kWarps});
+  launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p);
+}
+
+template <typename S, int N, int kUnitBytes>
+void launch_async_bytes(const SsuParams& p, cudaStream_t stream) {
+  constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
+  constexpr size_t smem = size_t{kAsyncStages} * kWarps * kUnitBytes;
+  auto* kernel = selective_state_update_async_kernel<S, N, kRows>;
+  // The opt-in above 48 KB is per device: set it on every launch (a cheap host call), occupancy once.
+  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                     "ops::selective_state_update (async)");
+  static const int per_sm = [&] {
+    int n = 0;
+    CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem),
+                       "ops::selective_state_update (occupancy)");
+    return std::max(n, 1);
+  }();
+  launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), smem, p, stream);
+}
+
+template <typename S, int N, int kUnitBytes>
+void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
+  constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
+  constexpr int kMinBlocks = kPersistMinBlocks<kUnitBytes>;
+  auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks>;
+  static const int per_sm = [&] {
+    int n = 0;
+    CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0),
+                       "ops::selective_state_update (occupancy)");
+    return std::max(n, 1);
+  }();
+  launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), 0, p, stream);
+}
+
+template <typename S, int N>
+void launch_persistent(const SsuParams& p, cudaStream_t stream) {
+  const bool async = p.kernel == SsuKernel::kPersistentAsync;
+  switch (p.unit_bytes) {
+    case 0:
+    case 4096:
+      return async ? launch_async_bytes<S, N, 4096>(p, stream) : launch_persistent_bytes<S, N, 4096>(p, stream);
+    case 2048:
+      return async ? launch_async_bytes<S, N, 2048>(p, stream) : launch_persistent_bytes<S, N, 2048>(p, stream);
+    default:
+      throw_runtime(
+          str_cat("ops::selective_state_update: unit_bytes ", p.unit_bytes, " is not supported (0, 2048, 4096)"));
+  }
+}
+
 // Portable: grid (ceil(P / kWarps), H, batch); warp w of block x handles row x * kWarps + w.
 template <typename S>
 __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kernel(const SsuParams p) {
@@ -217,7 +601,15 @@ void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream
     throw_runtime(str_cat("ops::selective_state_update: batch ", p.batch, " or heads ", p.H, " exceeds 65535"));
   }
   const bool fast = mamba::aligned16(p.state) && (p.N == 64 || p.N == 128 || p.N == 256);
-  if (fast && p.N == 64) {
+  if (fast && (p.kernel == SsuKernel::kPersistent || p.kernel == SsuKernel::kPersistentAsync)) {
+    if (p.N == 64) {
+      ssu::launch_persistent<S, 64>(p, stream);
+    } else if (p.N == 128) {
+      ssu::launch_persistent<S, 128>(p, stream);
+    } else {
+      ssu::launch_persistent<S, 256>(p, stream);
+    }
+  } else if (fast && p.N == 64) {
     ssu::launch_fast_rows<S, 64>(p, stream);
   } else if (fast && p.N == 128) {
     ssu::launch_fast_rows<S, 128>(p, stream);
