@@ -78,8 +78,9 @@ std::string ssu_shape(const SsuModel& m, int batch, DType state) {
 
 // rows_per_warp < 0: through ops:: instead of the launcher.
 // graph: also the device time per launch inside a CUDA graph (run_graph).
+// hf: SsuParams::hf_rounding (transformers' rounding points, a separate kernel instance).
 void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
-               const std::string& kernel, bool plain = false, bool graph = false) {
+               const std::string& kernel, bool plain = false, bool graph = false, bool hf = false) {
   const DType act = DType::kBF16;
   const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
   const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
@@ -110,6 +111,7 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   p.batch = batch, p.H = m.H, p.P = m.P, p.N = m.N, p.G = m.G;
   p.rows_per_warp = std::max(rows_per_warp, 0);
   p.plain_state_access = plain;
+  p.hf_rounding = hf;
   int call = 0;
   const ops::Context octx{Device::kCuda, nullptr};
   ctx.run(kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, 0.0, [&] {
@@ -134,7 +136,10 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
 CHIMERA_BENCH(mamba_ssu) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
-      for (int batch : {1, 8, 64, 256}) bench_ssu(ctx, *m, batch, sd, 0, "ssu", false, batch >= 64);
+      for (int batch : {1, 8, 64, 256}) {
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu", false, batch >= 64);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-hf", false, batch >= 64, /*hf=*/true);  // next to the default
+      }
     }
   }
 }
@@ -198,7 +203,7 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len) {
   });
 }
 
-void bench_conv_update(const Context& ctx, int batch) {
+void bench_conv_update(const Context& ctx, int batch, bool hf = false) {
   const DType act = DType::kBF16;
   const int64_t C = kConvDim;
   const double bytes = 2.0 * batch * C * dtype_size(act) + 2.0 * batch * C * (kConvK - 1) * dtype_size(act) +
@@ -216,16 +221,18 @@ void bench_conv_update(const Context& ctx, int batch) {
   p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.batch = batch;
+  p.hf_rounding = hf;
+  const char* name = hf ? "conv1d-update-hf" : "conv1d-update";
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_b" + std::to_string(batch) + "_act-bf16";
-  ctx.run("conv1d-update", shape, bytes, 0.0, [&] {
+  ctx.run(name, shape, bytes, 0.0, [&] {
     const int64_t set = call++ % sets;
     p.x = static_cast<const char*>(x.data()) + set * batch * C * dtype_size(act);
     p.out = static_cast<char*>(out.data()) + set * batch * C * dtype_size(act);
     p.slots = slots.i32() + set * batch;
     cuda::launch_causal_conv1d_update(p, nullptr);
   });
-  ctx.run_graph("conv1d-update", shape, bytes, 0, [&](cudaStream_t st, int i) {
+  ctx.run_graph(name, shape, bytes, 0, [&](cudaStream_t st, int i) {
     const int64_t set = i % sets;
     cuda::Conv1dParams q = p;
     q.x = static_cast<const char*>(x.data()) + set * batch * C * dtype_size(act);
@@ -238,7 +245,10 @@ void bench_conv_update(const Context& ctx, int batch) {
 CHIMERA_BENCH(mamba_conv1d) {
   for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens);
   bench_conv_prefill(ctx, 8, 1024);
-  for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch);
+  for (int batch : {1, 64, 256}) {
+    bench_conv_update(ctx, batch);
+    bench_conv_update(ctx, batch, /*hf=*/true);
+  }
 }
 
 // ---- fused decode step: conv update + SSU + gated norm vs the three ops -----------------------------------
@@ -319,8 +329,15 @@ void bench_mamba_decode(const Context& ctx, const SsuModel& m, int batch, DType 
                                 Cm.reshape({B, m.G, m.N}), sp, ssm_state, set_slots(i));
     ops::gated_rms_norm(c, out, y.reshape({B, Di}), z, norm_w, m.G, eps);
   });
-  std::printf("RATIO mamba-decode %s fused_us=%.2f three_ops_us=%.2f speedup=%.2fx\n", shape.c_str(), fused_us,
-              three_us, three_us / fused_us);
+  // The fused kernel's hf_rounding instance (transformers' rounding points), next to the default one.
+  const double hf_us = ctx.run_graph("mamba-decode-fused-hf", shape, bytes, 0, [&](cudaStream_t st, int i) {
+    ops::Context c{Device::kCuda, st};
+    c.hf_rounding = true;
+    ops::mamba_decode_update(c, out, zxbcdt, conv_w, conv_b, sp, norm_w, m.G, eps, conv_state, ssm_state,
+                             set_slots(i));
+  });
+  std::printf("RATIO mamba-decode %s fused_us=%.2f three_ops_us=%.2f speedup=%.2fx fused_hf_us=%.2f hf/default=%.3f\n",
+              shape.c_str(), fused_us, three_us, three_us / fused_us, hf_us, hf_us / fused_us);
 }
 
 CHIMERA_BENCH(mamba_decode_fused) {

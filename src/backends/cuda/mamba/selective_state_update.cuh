@@ -34,6 +34,11 @@ struct SsuParams {
   int rows_per_warp = 0;
   // Plain loads / stores of the state instead of the cache-streaming ones (benchmarks).
   bool plain_state_access = false;
+  // ops::Context::hf_rounding: transformers' torch decode step (model-spec 8.4) instead of fp32 throughout, for
+  // 16-bit activations (a separate kernel instance; the default one is unchanged):
+  //   dt = round(softplus(round(dt_raw + dt_bias)));  dB = round(dt * B);  S = S * dA + round(dB * x)  (fp32 S)
+  //   y = round(round(sum_n round(S[n]) * C[n]) + round(x * D))
+  bool hf_rounding = false;
 };
 
 // Launches the update on `stream`. Fast path: N in {64, 128, 256} with a 16-byte aligned state (16-byte
