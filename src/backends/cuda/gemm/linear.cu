@@ -94,7 +94,10 @@ struct LtState {
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
   // kAuto at decode sizes: whether the GEMV beat cuBLASLt on this shape when both were timed (first call outside a
   // CUDA graph capture).
-  std::unordered_map<PlanKey, bool, PlanKeyHash> gemv_wins;
+  // kAuto at decode sizes: the path measured fastest per shape: 0 = cuBLASLt, w > 0 = the GEMV at w warps per row.
+  std::unordered_map<PlanKey, int, PlanKeyHash> decode_choice;
+  // linear_multi's one GEMV launch: the warps per row measured fastest per shape (out = the parts' rows).
+  std::unordered_map<PlanKey, int, PlanKeyHash> multi_choice;
 };
 
 LtState& lt_state() {
@@ -186,8 +189,9 @@ double time_us(void* stream, const std::function<void()>& fn) {
 
 // The GEMV path's launch for out = x @ weight^T (+ bias) (+ relu^2).
 void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
-              bool relu2) {
+              bool relu2, int warps_per_row = 0) {
   gemm::GemvParams p;
+  p.warps_per_row = warps_per_row;
   p.x = x.data();
   p.parts[0] = {weight.data(), bias ? bias.data() : nullptr, out.data(), static_cast<int>(weight.dim(0))};
   p.T = static_cast<int>(x.dim(0));
@@ -253,26 +257,33 @@ void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x,
                                         kWorkspaceBytes, as_stream(ctx.stream)),
                          op);
   };
-  const auto run_gemv_path = [&] { run_gemv(ctx, out, x, weight, bias, false); };
 
-  bool use_gemv = path == LinearPath::kGemv;
+  int gemv_wpr = path == LinearPath::kGemv ? 0 : -1;  // -1: cuBLASLt; 0: the GEMV's own rule; w: w warps per row
   if (path == LinearPath::kAuto && gemv_ok && T <= kLinearGemvAutoMaxTokens) {
-    // Which path wins depends on the shape (bench linear_decode on the H200, T = 1: the GEMV 9.0 vs 10.5 us on the
-    // Nano out_proj, 2.6 vs 5.9 on its k/v projections, 165 vs 171 on the lm_head, but 18.4 vs 16.1 on its
-    // in_proj): time both once per shape and keep the winner. Inside a capture nothing can be timed: the GEMV is
-    // used and the next call outside a capture decides.
-    const auto it = st.gemv_wins.find(key);
-    if (it != st.gemv_wins.end()) {
-      use_gemv = it->second;
+    // Which path wins depends on the shape (bench linear_decode on the H200, T = 1, graph: the GEMV 8.7 vs 10.5 us
+    // on the Nano out_proj, 2.3 vs 5.9 on its k/v projections, but 17.7 vs 17.2 on its in_proj), and so does the
+    // GEMV's best split of a row over warps (q_proj 10.2 / 8.9 / 11.2 us at 1 / 2 / 4 warps per row, out_proj 8.7 /
+    // 9.0 / 9.5, Super out_proj 23.9 / 19.7 / 18.9): time cuBLASLt and the GEMV at 1, 2 and 4 warps per row once per
+    // shape and keep the fastest. Inside a capture nothing can be timed: the GEMV with its own rule runs and the
+    // next call outside a capture decides.
+    const auto it = st.decode_choice.find(key);
+    if (it != st.decode_choice.end()) {
+      gemv_wpr = it->second > 0 ? it->second : -1;
     } else if (device::stream_capturing(ctx.stream)) {
-      use_gemv = true;
+      gemv_wpr = 0;
     } else {
-      use_gemv = time_us(ctx.stream, run_gemv_path) <= time_us(ctx.stream, run_cublas);
-      st.gemv_wins.emplace(key, use_gemv);
+      int best = 0;
+      double best_us = time_us(ctx.stream, run_cublas);
+      for (int w : {1, 2, 4}) {
+        const double us = time_us(ctx.stream, [&] { run_gemv(ctx, out, x, weight, bias, false, w); });
+        if (us < best_us) best = w, best_us = us;
+      }
+      st.decode_choice.emplace(key, best);
+      gemv_wpr = best > 0 ? best : -1;
     }
   }
-  if (use_gemv) {
-    run_gemv_path();
+  if (gemv_wpr >= 0) {
+    run_gemv(ctx, out, x, weight, bias, false, gemv_wpr);
   } else {
     run_cublas();
   }
@@ -300,7 +311,24 @@ void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const T
   p.T = static_cast<int>(x.dim(0));
   p.K = static_cast<int>(x.dim(1));
   p.N = static_cast<int>(rows);
-  gemm::launch_gemv(p, x.dtype(), false, as_stream(ctx.stream));
+  // Warps per row as cuda::linear picks them: timed once per shape outside a capture (1, 2, 4).
+  LtState& st = lt_state();
+  const PlanKey key{x.dim(0), x.dim(1), rows, x.dtype(), false, 256u, alignment(x.data()), 256u, 256u};
+  const auto run = [&](int w) {
+    p.warps_per_row = w;
+    gemm::launch_gemv(p, x.dtype(), false, as_stream(ctx.stream));
+  };
+  const auto it = st.multi_choice.find(key);
+  if (it != st.multi_choice.end()) return run(it->second);
+  if (device::stream_capturing(ctx.stream)) return run(0);
+  int best = 1;
+  double best_us = 1e30;
+  for (int w : {1, 2, 4}) {
+    const double us = time_us(ctx.stream, [&] { run(w); });
+    if (us < best_us) best = w, best_us = us;
+  }
+  st.multi_choice.emplace(key, best);
+  run(best);
 }
 
 // down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel (at decode sizes the up GEMV applies relu^2); the [T, I] intermediate is in the

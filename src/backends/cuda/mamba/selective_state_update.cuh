@@ -44,13 +44,18 @@ struct SsuParams {
   int rows_per_warp = 0;
   // Plain loads / stores of the state instead of the cache-streaming ones (benchmarks; grid kernel only).
   bool plain_state_access = false;
-  // kAuto: the grid kernel (the measured default; see bench/mamba_notes.md).
+  // kAuto: the persistent kernel from batch 64, the grid kernel below (measured: bench/mamba_notes.md).
   SsuKernel kernel = SsuKernel::kAuto;
   // Persistent kernels: bytes of state per warp unit (rows = unit_bytes / (N * sizeof(state))): 0 = 4096,
   // or 2048 (more resident warps, half the registers / shared memory each).
   int unit_bytes = 0;
   // Persistent kernels: 0 = the resident warps; > 0 caps the warps (tests: long runs at small sizes).
   int persist_warps = 0;
+  // ops::Context::hf_rounding: transformers' torch decode step (model-spec 8.4) instead of fp32 throughout, for
+  // 16-bit activations (a separate kernel instance; the default one is unchanged):
+  //   dt = round(softplus(round(dt_raw + dt_bias)));  dB = round(dt * B);  S = S * dA + round(dB * x)  (fp32 S)
+  //   y = round(round(sum_n round(S[n]) * C[n]) + round(x * D))
+  bool hf_rounding = false;
 };
 
 // Launches the update on `stream`. Fast path: N in {64, 128, 256} with a 16-byte aligned state (16-byte
