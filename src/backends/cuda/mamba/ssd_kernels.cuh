@@ -25,7 +25,9 @@
 #include <vector>
 
 #include "backends/cuda/cuda_common.cuh"
+#ifdef __CUDACC__  // device helpers below; host code (tests) includes this header for SsdOptions
 #include "backends/cuda/cuda_vec.cuh"
+#endif
 #include "ops/ops.h"
 
 namespace chimera::cuda {
@@ -178,6 +180,7 @@ __device__ __forceinline__ float ssd_discretize_dt(float raw, float bias, float 
   return sp < lo ? lo : (hi < sp ? hi : sp);
 }
 
+#ifdef __CUDACC__
 // The same for activations of type T; hf: transformers' torch path, softplus(dt_raw + dt_bias) on 16-bit tensors
 // (the sum and the softplus rounded to T).
 template <typename T>
@@ -187,5 +190,6 @@ __device__ __forceinline__ float ssd_discretize_dt_as(float raw, float bias, flo
   const float sp = round_to<T>(v > 20.0f ? v : log1pf(expf(v)));
   return sp < lo ? lo : (hi < sp ? hi : sp);
 }
+#endif  // __CUDACC__
 
 }  // namespace chimera::cuda
