@@ -80,10 +80,10 @@ std::string ssu_shape(const SsuModel& m, int batch, DType state) {
 // rows_per_warp < 0: through ops:: instead of the launcher.
 // graph: also the device time per launch inside a CUDA graph (run_graph).
 // persist_unit > 0: the persistent kernel with that many bytes of state per warp unit (async: the
-// cp.async-staged one). hf: SsuParams::hf_rounding (transformers' rounding points, a separate kernel instance).
+// cp.async-staged one).
 void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
                const std::string& kernel, bool plain = false, bool graph = false, int persist_unit = 0,
-               bool async = false, bool hf = false) {
+               bool async = false) {
   const DType act = DType::kBF16;
   const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
   const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
@@ -118,7 +118,6 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
     p.kernel = async ? cuda::SsuKernel::kPersistentAsync : cuda::SsuKernel::kPersistent;
     p.unit_bytes = persist_unit;
   }
-  p.hf_rounding = hf;
   int call = 0;
   const ops::Context octx{Device::kCuda, nullptr};
   ctx.run(kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, 0.0, [&] {
@@ -143,10 +142,7 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
 CHIMERA_BENCH(mamba_ssu) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
-      for (int batch : {1, 8, 64, 256}) {
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu", false, batch >= 64);
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu-hf", false, batch >= 64, 0, false, /*hf=*/true);  // next to the default
-      }
+      for (int batch : {1, 8, 64, 256}) bench_ssu(ctx, *m, batch, sd, 0, "ssu", false, batch >= 64);
     }
   }
 }
@@ -231,9 +227,8 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::
   });
 }
 
-// rows / threads: the update kernel's shape (0: the automatic rule); the kernel name says which. hf: the
-// transformers rounding points.
-void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads = 0, bool hf = false) {
+// rows / threads: the update kernel's shape (0: the automatic rule); the kernel name says which.
+void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads = 0) {
   const DType act = DType::kBF16;
   const int64_t C = kConvDim;
   const double bytes = 2.0 * batch * C * dtype_size(act) + 2.0 * batch * C * (kConvK - 1) * dtype_size(act) +
@@ -252,11 +247,9 @@ void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads 
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.batch = batch;
   p.update_rows = rows, p.update_threads = threads;
-  p.hf_rounding = hf;
-  const std::string kernel = hf ? std::string("conv1d-update-hf")
-                             : rows == 0 && threads == 0 ? std::string("conv1d-update")
-                                                         : "conv1d-update-r" + std::to_string(rows) + "t" +
-                                                               std::to_string(threads);
+  const std::string kernel = rows == 0 && threads == 0 ? std::string("conv1d-update")
+                                                       : "conv1d-update-r" + std::to_string(rows) + "t" +
+                                                             std::to_string(threads);
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_b" + std::to_string(batch) + "_act-bf16";
   ctx.run(kernel, shape, bytes, 0.0, [&] {
@@ -279,10 +272,7 @@ void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads 
 CHIMERA_BENCH(mamba_conv1d) {
   for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens);
   bench_conv_prefill(ctx, 8, 1024);
-  for (int batch : {1, 64, 256}) {
-    bench_conv_update(ctx, batch);
-    bench_conv_update(ctx, batch, 0, 0, /*hf=*/true);
-  }
+  for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch);
 }
 
 // The persistent prefill kernel and forced update shapes, next to the defaults above (same shapes).
@@ -377,15 +367,8 @@ void bench_mamba_decode(const Context& ctx, const SsuModel& m, int batch, DType 
                                 Cm.reshape({B, m.G, m.N}), sp, ssm_state, set_slots(i));
     ops::gated_rms_norm(c, out, y.reshape({B, Di}), z, norm_w, m.G, eps);
   });
-  // The fused kernel's hf_rounding instance (transformers' rounding points), next to the default one.
-  const double hf_us = ctx.run_graph("mamba-decode-fused-hf", shape, bytes, 0, [&](cudaStream_t st, int i) {
-    ops::Context c{Device::kCuda, st};
-    c.hf_rounding = true;
-    ops::mamba_decode_update(c, out, zxbcdt, conv_w, conv_b, sp, norm_w, m.G, eps, conv_state, ssm_state,
-                             set_slots(i));
-  });
-  std::printf("RATIO mamba-decode %s fused_us=%.2f three_ops_us=%.2f speedup=%.2fx fused_hf_us=%.2f hf/default=%.3f\n",
-              shape.c_str(), fused_us, three_us, three_us / fused_us, hf_us, hf_us / fused_us);
+  std::printf("RATIO mamba-decode %s fused_us=%.2f three_ops_us=%.2f speedup=%.2fx\n", shape.c_str(), fused_us,
+              three_us, three_us / fused_us);
 }
 
 CHIMERA_BENCH(mamba_decode_fused) {

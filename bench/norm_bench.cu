@@ -81,15 +81,12 @@ CHIMERA_BENCH(add_rms_norm_bf16) {
         const Set& s = sets[k++ % sets.size()];
         ops::add_rms_norm(c, s.res, s.out, s.x, w, 1e-5f);
       });
-      // The default launch (2 vector groups per thread), the 4-per-thread variant and the default with
-      // transformers' rounding (round_normed, ops::Context::hf_rounding), on device time.
-      for (int variant : {0, 1, 2}) {
-        const int vecs = variant == 1 ? 4 : 0;
-        const char* name = variant == 0 ? "add_rms_norm" : variant == 1 ? "add_rms_norm-v4" : "add_rms_norm-hf";
-        ctx.run_graph(name, shape, bytes, 0, [&](cudaStream_t st, int i) {
+      // The default launch (2 vector groups per thread) and the 4-per-thread variant, on device time.
+      for (int vecs : {0, 4}) {
+        ctx.run_graph(vecs == 0 ? "add_rms_norm" : "add_rms_norm-v4", shape, bytes, 0, [&](cudaStream_t st, int i) {
           const Set& s = sets[static_cast<size_t>(i) % sets.size()];
           const cuda::norm::RowNormParams p{s.out.data(),        s.x.data(), nullptr, s.res.data(), w.data(), T,
-                                            static_cast<int>(D), 1,          1e-5f,   variant == 2};
+                                            static_cast<int>(D), 1,          1e-5f};
           cuda::norm::launch_add_rms_norm(p, DType::kBF16, DType::kBF16, st, vecs);
         });
       }
@@ -149,13 +146,11 @@ CHIMERA_BENCH(rms_norm_bf16) {
         const auto& s = sets[k++ % sets.size()];
         ops::rms_norm(c, s.second, s.first, w, 1e-5f);
       });
-      for (int variant : {0, 1, 2}) {  // default, 4 vector groups per thread, transformers' rounding
-        const int vecs = variant == 1 ? 4 : 0;
-        const char* name = variant == 0 ? "rms_norm" : variant == 1 ? "rms_norm-v4" : "rms_norm-hf";
-        ctx.run_graph(name, shape, bytes, 0, [&](cudaStream_t st, int i) {
+      for (int vecs : {0, 4}) {
+        ctx.run_graph(vecs == 0 ? "rms_norm" : "rms_norm-v4", shape, bytes, 0, [&](cudaStream_t st, int i) {
           const auto& s = sets[static_cast<size_t>(i) % sets.size()];
-          const cuda::norm::RowNormParams p{s.second.data(), s.first.data(),      nullptr, nullptr,    w.data(),
-                                            T,               static_cast<int>(D), 1,       1e-5f, variant == 2};
+          const cuda::norm::RowNormParams p{
+              s.second.data(), s.first.data(), nullptr, nullptr, w.data(), T, static_cast<int>(D), 1, 1e-5f};
           cuda::norm::launch_rms_norm(p, DType::kBF16, DType::kBF16, st, vecs);
         });
       }

@@ -67,9 +67,6 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   app.add_flag("!--no-pdl", o.pdl,
                "CUDA: launch kernels without programmatic dependent launch (each kernel starts only after its "
                "predecessor has drained), to measure what PDL buys");
-  app.add_flag("--hf-rounding", o.hf_rounding,
-               "CUDA, 16-bit: round where transformers' bf16 forward rounds (ModelOptions::hf_rounding), to measure "
-               "what that costs");
   app.add_option("--bandwidth-gbs", o.bandwidth_gbs,
                  "Memory bandwidth for the batch-1 roofline, GB/s (default: the H200's measured copy rate)")
       ->check(CLI::PositiveNumber)
@@ -317,7 +314,6 @@ int run_bench(const BenchOptions& o) {
     if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
     mo.device = Device::kCuda;
     mo.dtype = o.dtype == "float32" ? DType::kF32 : DType::kBF16;
-    mo.hf_rounding = o.hf_rounding;
     if (!o.pdl) device::set_pdl_enabled(false);  // before any launch or graph capture
   } else if (!o.dtype.empty() && o.dtype != "float32") {
     invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);

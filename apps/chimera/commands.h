@@ -53,7 +53,6 @@ struct BenchOptions {
   int32_t warmup = 2;
   bool cuda_graphs = true;        // --no-cuda-graphs: every decode step eager
   bool pdl = true;                // --no-pdl: kernels launched without programmatic dependent launch (device_api.h)
-  bool hf_rounding = false;       // --hf-rounding: ModelOptions::hf_rounding (transformers' bf16 rounding points)
   double bandwidth_gbs = 4200.0;  // runtime/roofline.h kH200MeasuredBandwidth
   uint64_t seed = 0;
   std::string json_out;

@@ -323,7 +323,6 @@ NemotronH NemotronH::bind(const ModelConfig& config, WeightTable& w, const Model
   m.config_ = config;
   m.device_ = options.device;
   m.act_dtype_ = options.device == Device::kCpu ? DType::kF32 : options.dtype;
-  m.hf_rounding_ = options.hf_rounding;
   std::optional<Uploader> uploader;
   if (m.device_ == Device::kCuda) uploader.emplace(m.act_dtype_, c.layers.size());
   const bool per_layer = uploader && w.synthetic();
@@ -580,9 +579,7 @@ Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelStat
   return ctx.device == Device::kCpu ? logits : device::to_host_f32(logits);
 }
 
-Tensor NemotronH::forward_device(const ops::Context& step_ctx, const StepBatch& b, ModelState& state) const {
-  ops::Context ctx = step_ctx;  // every op of the step sees the model's rounding choice
-  ctx.hf_rounding = ctx.hf_rounding || hf_rounding_;
+Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
   b.validate();
   if (ctx.device != device_) {
     runtime_error("NemotronH::forward: the model was loaded for the {} but the context is {}",

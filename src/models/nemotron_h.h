@@ -62,8 +62,6 @@ struct MoeWeights {
 struct ModelOptions {
   Device device = Device::kCpu;
   DType dtype = DType::kBF16;
-  // CUDA with 16-bit activations: round at transformers' bf16 rounding points (ops::Context::hf_rounding).
-  bool hf_rounding = false;
 };
 
 struct LayerWeights {
@@ -93,7 +91,6 @@ class NemotronH {
   Device device() const { return device_; }
   // The dtype of every activation, the conv state and the KV cache: F32 on the CPU, options.dtype on CUDA.
   DType activation_dtype() const { return act_dtype_; }
-  bool hf_rounding() const { return hf_rounding_; }
   const std::map<std::string, Tensor>& mtp_tensors() const { return mtp_; }
   // Parameter count per layer kind name ("embeddings", "mamba", ..., "lm_head").
   std::map<std::string, int64_t> parameter_counts() const;
@@ -124,7 +121,6 @@ class NemotronH {
   ModelConfig config_;
   Device device_ = Device::kCpu;
   DType act_dtype_ = DType::kF32;
-  bool hf_rounding_ = false;  // ModelOptions::hf_rounding, passed to every op through ops::Context
   Tensor embeddings_;  // [V, D]
   std::vector<LayerWeights> layers_;
   Tensor norm_f_;   // [D]

@@ -31,11 +31,6 @@ struct Context {
   // When set and armed (Profiler::begin_step), every op is bracketed by an NVTX range and timed (CUDA events
   // on `stream`; steady_clock on the CPU). Null: no cost beyond one pointer test per op.
   Profiler* profiler = nullptr;
-  // 16-bit activations on CUDA: round where transformers' bf16 forward rounds (its torch Mamba path, eager
-  // attention and experts; model-spec 8) instead of once per fused kernel. Each CUDA op documents the points it
-  // adds; with fp32 activations and on the CPU backend (fp32) it changes nothing. Set from
-  // ModelOptions::hf_rounding by the model (NemotronH::forward_device), or directly by op tests and benches.
-  bool hf_rounding = false;
 };
 
 // Int32 metadata of a step: token ids, state slots, sequence offsets, context lengths. `host` always holds the

@@ -128,13 +128,6 @@ void zero_pad_rows(const std::vector<int32_t>& slots, std::initializer_list<Tens
 
 class OpsMambaDecodeUpdate : public BackendTest {
  protected:
-  // ops::Context::hf_rounding for every op of check() (the fused op and the three ops it is compared with).
-  bool hf_ = false;
-  ops::Context ctx() const {
-    ops::Context c = BackendTest::ctx();
-    c.hf_rounding = hf_;
-    return c;
-  }
   // Did (or would) the fused kernel run? On the CPU, and for sizes CUDA composes, pad rows are handled by the
   // composition (CPU: untouched; CUDA: unspecified).
   bool fused(const OnDevice& o, const Dims& d) const {
@@ -265,25 +258,6 @@ TEST_P(OpsMambaDecodeUpdate, Bf16ActivationsAndStates) {
   }
   check(rng, nano, 9, DType::kF16, DType::kF16);
   check(rng, nano, 4, DType::kF32, DType::kBF16);  // state narrower than the activations
-}
-
-// transformers' rounding points (ops::Context::hf_rounding): the fused kernel's hf instance against the three ops'
-// (conv update, selective state update: the same roundings, so the states stay bit-identical; the gated norm
-// rounds x_hat only in the fused decode kernel, an ulp of the output at most) and against the fp32 CPU reference
-// within the bf16 tolerances. Awkward sizes: K 3, P 13, N 16 / 64 / 256, one and two groups, odd batches.
-TEST_P(OpsMambaDecodeUpdate, Bf16TransformersRounding) {
-  if (!on_cuda()) GTEST_SKIP() << "16-bit activations are CUDA-only (the CPU reference is F32)";
-  hf_ = true;
-  auto rng = test::Rng::for_test();
-  const Dims nano{64, 64, 8, 128, 4};
-  for (DType sd : {DType::kF32, DType::kBF16}) {
-    for (int64_t batch : {1, 3, 17}) check(rng, nano, batch, DType::kBF16, sd);
-    check(rng, {12, 13, 2, 64, 3}, 5, DType::kBF16, sd);
-    check(rng, {6, 16, 1, 256, 4}, 3, DType::kBF16, sd, 2);
-    check(rng, {16, 8, 4, 16, 4}, 5, DType::kBF16, sd, 3);  // super_like's Mamba shape
-  }
-  check(rng, nano, 9, DType::kF16, DType::kF16);
-  check(rng, nano, 4, DType::kF32, DType::kF32);  // fp32 activations: hf_rounding changes nothing
 }
 
 TEST_P(OpsMambaDecodeUpdate, RejectsMismatchedShapes) {

@@ -18,7 +18,6 @@
 #include <algorithm>
 
 #include "backends/cuda/cuda_ops.h"
-#include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mamba/conv1d.cuh"
 #include "backends/cuda/mamba/mamba_common.cuh"
@@ -121,10 +120,7 @@ __global__ void __launch_bounds__(kThreads, 4) causal_conv1d_kernel(const Conv1d
         a0 = __fmaf_rn(w[e][j], hist(r + j, e), a0);
         a1 = __fmaf_rn(w[e][j], hist(r + 1 + j, e), a1);
       }
-      if (p.silu && p.hf_rounding) {  // transformers: the conv output is a bf16 tensor, then SiLU
-        a0 = mamba::silu_accurate(round_to<T>(a0));
-        a1 = mamba::silu_accurate(round_to<T>(a1));
-      } else if (p.silu) {
+      if (p.silu) {
         a0 = silu_fast(a0);
         a1 = silu_fast(a1);
       }
@@ -507,7 +503,6 @@ void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, 
                    const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
                    bool silu) {
   Conv1dParams p = conv_params("ops::causal_conv1d", out, x, weight, bias, conv_state, silu);
-  p.hf_rounding = ctx.hf_rounding;
   const auto* xo = static_cast<const char*>(x.data());
   const auto* oo = static_cast<const char*>(out.data());
   if (x.nbytes() > 0 && xo < oo + out.nbytes() && oo < xo + x.nbytes()) {
@@ -525,7 +520,6 @@ void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, 
 void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
                           const Tensor& bias, const Tensor& conv_state, const ops::Indices& slots, bool silu) {
   Conv1dParams p = conv_params("ops::causal_conv1d_update", out, x, weight, bias, conv_state, silu);
-  p.hf_rounding = ctx.hf_rounding;
   if (slots.empty()) return;
   const cudaStream_t stream = as_stream(ctx.stream);
   p.slots = slots.device ? slots.device

@@ -33,10 +33,6 @@ struct Conv1dParams {
   int64_t C = 0;
   int K = 0;
   bool silu = true;
-  // ops::Context::hf_rounding, 16-bit activations: transformers' rounding points with silu (model-spec 8.4).
-  // Prefill (its conv into bf16, then SiLU): out = round(silu(round(bias + sum w x))). Decode (its torch.sum over
-  // the cached window): mamba::conv_update_hf. Ignored without silu.
-  bool hf_rounding = false;
   // Set by the launchers: weight (and bias) in the activation dtype and 16-byte aligned -> vector tap loads.
   bool taps_vec = false;
   // prefill

@@ -4,11 +4,9 @@
 // go out first, once for all R rows (16-byte vectors when they are in the activation dtype; constant weights,
 // so under PDL they load while the previous kernel drains), then the R slot ids and the R 16-byte x loads (x
 // does not depend on the slot), then the E * (K-1) state elements of each row (contiguous: 16- or 8-byte
-// accesses). The FMA order is the prefill kernel's, so a one-token prefill and the update agree bit for bit
-// (not under hf_rounding: transformers rounds its prefill and decode convs at different points, conv1d.cuh).
+// accesses). The FMA order is the prefill kernel's, so a one-token prefill and the update agree bit for bit.
 // Portable kernel (unaligned views, C not a multiple of E): a thread per element.
 #include "backends/cuda/mamba/conv1d.cuh"
-#include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mamba/mamba_common.cuh"
 
@@ -76,19 +74,11 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Co
     o.zero();
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      if (p.silu && p.hf_rounding) {
-        float hist[K];
+      float acc = bias[e];
 #pragma unroll
-        for (int j = 0; j < K - 1; ++j) hist[j] = st[r].get(e * (K - 1) + j);
-        hist[K - 1] = xv[r].get(e);
-        o.set(e, mamba::conv_update_hf<K>(w[e], hist, bias[e], [](float v) { return round_to<T>(v); }));
-      } else {
-        float acc = bias[e];
-#pragma unroll
-        for (int j = 0; j < K - 1; ++j) acc = __fmaf_rn(w[e][j], st[r].get(e * (K - 1) + j), acc);
-        acc = __fmaf_rn(w[e][K - 1], xv[r].get(e), acc);
-        o.set(e, p.silu ? silu_fast(acc) : acc);
-      }
+      for (int j = 0; j < K - 1; ++j) acc = __fmaf_rn(w[e][j], st[r].get(e * (K - 1) + j), acc);
+      acc = __fmaf_rn(w[e][K - 1], xv[r].get(e), acc);
+      o.set(e, p.silu ? silu_fast(acc) : acc);
 #pragma unroll
       for (int j = 0; j + 1 < K - 1; ++j) next.set(e * (K - 1) + j, st[r].get(e * (K - 1) + j + 1));
       next.set(e * (K - 1) + K - 2, xv[r].get(e));
@@ -113,26 +103,13 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_portable_kernel
 #pragma unroll
   for (int j = 0; j < K - 1; ++j) st[j] = load_elem(p.conv_state, p.state_dtype, s0 + j);
   float acc = p.bias != nullptr ? load_param(p.bias, p.bias_dtype, c) : 0.0f;
-  float out;
-  if (p.silu && p.hf_rounding) {
-    float w[K], hist[K];
 #pragma unroll
-    for (int j = 0; j < K; ++j) {
-      w[j] = load_param(p.weight, p.weight_dtype, c * K + j);
-      hist[j] = j < K - 1 ? st[j] : xn;
-    }
-    const DType act = p.act;
-    out = mamba::conv_update_hf<K>(w, hist, acc, [act](float v) { return mamba::round_dtype(v, act); });
-  } else {
-#pragma unroll
-    for (int j = 0; j < K - 1; ++j) acc = __fmaf_rn(load_param(p.weight, p.weight_dtype, c * K + j), st[j], acc);
-    acc = __fmaf_rn(load_param(p.weight, p.weight_dtype, c * K + K - 1), xn, acc);
-    out = p.silu ? silu_fast(acc) : acc;
-  }
+  for (int j = 0; j < K - 1; ++j) acc = __fmaf_rn(load_param(p.weight, p.weight_dtype, c * K + j), st[j], acc);
+  acc = __fmaf_rn(load_param(p.weight, p.weight_dtype, c * K + K - 1), xn, acc);
 #pragma unroll
   for (int j = 0; j + 1 < K - 1; ++j) store_elem(p.conv_state, p.state_dtype, s0 + j, st[j + 1]);
   store_elem(p.conv_state, p.state_dtype, s0 + K - 2, xn);
-  store_elem(p.out, p.act, b * p.C + c, out);
+  store_elem(p.out, p.act, b * p.C + c, p.silu ? silu_fast(acc) : acc);
 }
 
 template <int K>

@@ -170,61 +170,6 @@ __device__ __forceinline__ float discretize_dt(float v, float dt_min, float dt_m
   return fminf(fmaxf(sp, dt_min), dt_max);
 }
 
-// ---- transformers' bf16 rounding points (ops::Context::hf_rounding; model-spec 8.4, its torch Mamba path) --------
-// Rounds v to the runtime activation dtype `t` and back (identity for F32): the kernels whose element type is a
-// runtime value (the selective state update) round through this; templated ones use round_to<T>.
-__device__ __forceinline__ float round_dtype(float v, DType t) {
-  switch (t) {
-    case DType::kBF16:
-      return __bfloat162float(__float2bfloat16_rn(v));
-    case DType::kF16:
-      return __half2float(__float2half_rn(v));
-    default:
-      return v;
-  }
-}
-
-// SiLU as torch computes it for a 16-bit tensor (fp32 opmath, accurate exp and an IEEE divide): the value that the
-// rounding right after it sees; silu_fast differs by a few fp32 ulp, which can move a bf16 rounding.
-__device__ __forceinline__ float silu_accurate(float v) { return v / (1.0f + expf(-v)); }
-
-// dt in transformers' torch path: softplus(dt_raw + dt_bias) evaluated on 16-bit tensors, so the sum and the
-// softplus are each rounded to the activation dtype (round), then the clamp. The kernels use this under
-// hf_rounding instead of discretize_dt (fp32 throughout, as mamba_ssm's kernels).
-template <typename Round>
-__device__ __forceinline__ float discretize_dt_hf(float raw, float bias, float dt_min, float dt_max, Round round) {
-  const float v = round(raw + bias);
-  const float sp = round(v > 20.0f ? v : log1pf(expf(v)));
-  return fminf(fmaxf(sp, dt_min), dt_max);
-}
-
-// The conv output of one channel in transformers' decode step (torch_forward with a cached state):
-//   sum(conv_state * w, -1) on 16-bit tensors: each product rounded, the K-term sum (fp32) rounded;
-//   += bias: rounded; SiLU: rounded by the caller's store.
-// hist[j] = the input at tap j (the K-1 state columns, then the new input), all values of the activation dtype.
-template <int K, typename Round>
-__device__ __forceinline__ float conv_update_hf(const float (&w)[K], const float (&hist)[K], float bias, Round round) {
-  float s = 0.0f;
-#pragma unroll
-  for (int j = 0; j < K; ++j) s += round(w[j] * hist[j]);
-  return silu_accurate(round(round(s) + bias));
-}
-
-// One SSM state element of transformers' torch decode step (hf_rounding), given dB = round(dt * B[n]) of its
-// column: dBx = round(dB * x); S' = S * dA + dBx as torch's separate fp32 multiply and add (no FMA). The state
-// itself stays fp32 (the cache keeps the fp32 value; only the y contraction reads it rounded, see below).
-template <typename Round>
-__device__ __forceinline__ float ssm_state_hf(float s, float dA, float dB, float x, Round round) {
-  return __fadd_rn(__fmul_rn(s, dA), round(dB * x));
-}
-
-// y of one state row in transformers' decode step, from acc = sum_n round(S'[n]) * C[n] (the bmm of the state
-// cast to C's dtype, fp32 accumulate): y = round(round(acc) + round(x * D)).
-template <typename Round>
-__device__ __forceinline__ float ssm_y_hf(float acc, float x, float d_skip, Round round) {
-  return round(round(acc) + round(x * d_skip));
-}
-
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Conv taps and bias of E consecutive channels c0.. (weight [C, K], bias [C] or null), as fp32, through the

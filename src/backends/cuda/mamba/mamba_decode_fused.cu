@@ -99,7 +99,6 @@ void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tenso
   MambaDecodeParams p =
       decode_params(out, zxbcdt, conv_weight, conv_bias, sp, norm_weight, n_groups, eps, conv_state, ssm_state);
   if (p.batch == 0) return;
-  p.hf_rounding = ctx.hf_rounding;
   const cudaStream_t stream = as_stream(ctx.stream);
   p.slots = slots.device ? slots.device
                          : static_cast<const int32_t*>(

@@ -46,11 +46,6 @@ struct MambaDecodeParams {
   int batch = 0, H = 0, P = 0, N = 0, G = 0, K = 0;
   // CTAs per cluster (a divisor of H / G); 0: the launcher picks (mamba_decode_fused_cluster).
   int cluster = 0;
-  // ops::Context::hf_rounding: transformers' torch decode step instead of the three ops' roundings (a separate
-  // kernel instance; the default one is unchanged): the conv as mamba::conv_update_hf, dt, the state and y as
-  // SsuParams::hf_rounding, and the gated norm's x_hat rounded before the weight multiply (its input y is a bf16
-  // tensor there): out = round(w * round(x_hat)).
-  bool hf_rounding = false;
 };
 
 // The cluster size the fused kernel would run these sizes with, or 0 when it cannot (N not in {16, 32, 64, 128, 256},

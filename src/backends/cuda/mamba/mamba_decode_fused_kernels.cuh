@@ -18,8 +18,6 @@
 //      cluster's partials in rank order through distributed shared memory; out = w * (u * rsqrt(mean + eps)).
 //   A final split barrier (arrive after the remote reads, wait before exit) keeps every CTA's shared memory alive
 //   while the others read it.
-// kHf (MambaDecodeParams::hf_rounding): phases 2, 4 and 5 round where transformers' torch decode step rounds
-// (mamba_common.cuh: conv_update_hf, discretize_dt_hf, ssm_state_hf, ssm_y_hf; x_hat rounded before the weight).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -64,7 +62,7 @@ inline size_t smem_bytes(int nx, int N, int K) {
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
-template <typename T, typename S, int N, bool kHf>
+template <typename T, typename S, int N>
 __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const MambaDecodeParams p) {
   using L = ssu::Layout<S, N>;
   constexpr int kRows = kRowsPerWarp<S, N>;
@@ -161,24 +159,14 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
     float prev[kMaxK];
 #pragma unroll
     for (int j = 0; j < kMaxK; ++j) prev[j] = j < K - 1 ? load_elem(p.conv_state, p.conv_state_dtype, s0 + j) : 0.0f;
-    if constexpr (kHf) {
-      float w[kMaxK], hist[kMaxK];  // taps past K are zero, and so are their inputs here
+    float acc = cbias[it], w_last = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kMaxK; ++j) {
-        w[j] = taps[it][j];
-        hist[j] = j < K - 1 ? prev[j] : (j == K - 1 ? xin : 0.0f);
-      }
-      conv_out[i] = round_to<T>(mamba::conv_update_hf<kMaxK>(w, hist, cbias[it], [](float v) { return round_to<T>(v); }));
-    } else {
-      float acc = cbias[it], w_last = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kMaxK; ++j) {
-        if (j < K - 1) acc = __fmaf_rn(taps[it][j], prev[j], acc);
-        if (j == K - 1) w_last = taps[it][j];
-      }
-      acc = __fmaf_rn(w_last, xin, acc);
-      conv_out[i] = round_to<T>(silu_fast(acc));
+    for (int j = 0; j < kMaxK; ++j) {
+      if (j < K - 1) acc = __fmaf_rn(taps[it][j], prev[j], acc);
+      if (j == K - 1) w_last = taps[it][j];
     }
+    acc = __fmaf_rn(w_last, xin, acc);
+    conv_out[i] = round_to<T>(silu_fast(acc));
 #pragma unroll
     for (int j = 0; j + 1 < kMaxK; ++j) {
       if (j >= K - 1) continue;
@@ -220,39 +208,25 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
   for (int k = 0; k < hpc * n_chunks; ++k) {
     const int hl = k / n_chunks, rb = (k % n_chunks) * kChunkRows, h = head0 + hl;
     if (k > 0) load_chunk(k);
-    [[maybe_unused]] const auto round = [](float v) { return round_to<T>(v); };
     const float raw = to_float<T>(row_in[Di + Cd + h]);
-    const float dt_bias = load_param(p.dt_bias, p.dt_bias_dtype, h);
-    const float dt = kHf ? mamba::discretize_dt_hf(raw, dt_bias, p.dt_min, p.dt_max, round)
-                         : mamba::discretize_dt(raw + dt_bias, p.dt_min, p.dt_max);
+    const float dt = mamba::discretize_dt(raw + load_param(p.dt_bias, p.dt_bias_dtype, h), p.dt_min, p.dt_max);
     const float A = -expf(load_param(p.A_log, p.a_log_dtype, h));
     const float dA = expf(dt * A);
     const float d_skip = load_param(p.D, p.d_dtype, h);
     S* const state = state_base + static_cast<int64_t>(hl) * P * N;
-    [[maybe_unused]] float dBv[kHf ? kE : 1];  // hf: round(dt * B) per column
-    if constexpr (kHf) {
-#pragma unroll
-      for (int e = 0; e < kE; ++e) dBv[e] = round(dt * Bv[e]);
-    }
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = rb + warp * kRows + sub + i * L::kRowsPerPass;
       const float xv = row < P ? conv_out[hl * P + row] : 0.0f;
-      [[maybe_unused]] const float dtx = dt * xv;
+      const float dtx = dt * xv;
       float acc = 0.0f;
 #pragma unroll
       for (int v = 0; v < L::kVecsPerLane; ++v) {
 #pragma unroll
         for (int e = 0; e < L::kVecElems; ++e) {
-          if constexpr (kHf) {
-            const float s = mamba::ssm_state_hf(st[i][v].get(e), dA, dBv[v * L::kVecElems + e], xv, round);
-            st[i][v].set(e, s);
-            acc = fmaf(round(s), Cv[v * L::kVecElems + e], acc);
-          } else {
-            const float s = fmaf(st[i][v].get(e), dA, dtx * Bv[v * L::kVecElems + e]);
-            st[i][v].set(e, s);
-            acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-          }
+          const float s = fmaf(st[i][v].get(e), dA, dtx * Bv[v * L::kVecElems + e]);
+          st[i][v].set(e, s);
+          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
         }
         if (row < P) {
           st[i][v].template store<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
@@ -260,9 +234,7 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
       }
 #pragma unroll
       for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      if (seg == 0 && row < P) {
-        y_s[hl * P + row] = kHf ? mamba::ssm_y_hf(acc, xv, d_skip, round) : round_to<T>(acc + d_skip * xv);
-      }
+      if (seg == 0 && row < P) y_s[hl * P + row] = round_to<T>(acc + d_skip * xv);
     }
   }
   __syncthreads();
@@ -295,21 +267,21 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
 #pragma unroll
   for (int k = 0; k < kNormIters; ++k) {
     const int i = tid + k * kThreads;
-    if (i < nx) out[i] = from_float<T>(nw[k] * (kHf ? round_to<T>(u[k] * inv) : u[k] * inv));
+    if (i < nx) out[i] = from_float<T>(nw[k] * (u[k] * inv));
   }
   cluster_wait();  // nobody leaves while a peer may still read its cta_ss
 }
 
 // Whether `cluster` CTAs of this kernel with `smem` bytes can be co-scheduled (cached: the occupancy query
 // is not free and the answer does not change within a process).
-template <typename T, typename S, int N, bool kHf>
+template <typename T, typename S, int N>
 bool cluster_fits(int cluster, size_t smem) {
   static std::mutex mu;
   static std::map<std::pair<int, size_t>, bool> cache;
   const std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_pair(cluster, smem);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
-  auto* kernel = mamba_decode_fused_kernel<T, S, N, kHf>;
+  auto* kernel = mamba_decode_fused_kernel<T, S, N>;
   bool ok = true;
   if (cluster > 8) {
     ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
@@ -339,8 +311,8 @@ bool cluster_fits(int cluster, size_t smem) {
 }
 
 // The cluster size for these sizes (see mamba_decode_fused_cluster), launching when `launch`.
-template <typename T, typename S, int N, bool kHf>
-int plan_or_launch_as(const MambaDecodeParams& p, cudaStream_t stream, bool launch) {
+template <typename T, typename S, int N>
+int plan_or_launch(const MambaDecodeParams& p, cudaStream_t stream, bool launch) {
   const int hpg = p.H / p.G;
   int candidates[8];
   int n = 0;
@@ -357,22 +329,16 @@ int plan_or_launch_as(const MambaDecodeParams& p, cudaStream_t stream, bool laun
     const int nx = hpg / cs * p.P;
     if (nx > kMaxHeadChannels || nx + 2 * N > kMaxChannels) continue;
     const size_t smem = smem_bytes(nx, N, p.K);
-    if (!cluster_fits<T, S, N, kHf>(cs, smem)) continue;
+    if (!cluster_fits<T, S, N>(cs, smem)) continue;
     if (launch) {
       const dim3 grid(static_cast<unsigned>(p.G * cs), static_cast<unsigned>(p.batch));
-      CHIMERA_CUDA_CHECK(launch_cluster(mamba_decode_fused_kernel<T, S, N, kHf>, grid, dim3(kThreads), smem, stream,
+      CHIMERA_CUDA_CHECK(launch_cluster(mamba_decode_fused_kernel<T, S, N>, grid, dim3(kThreads), smem, stream,
                                         static_cast<unsigned>(cs), p),
                          "ops::mamba_decode_update");
     }
     return cs;
   }
   return 0;
-}
-
-template <typename T, typename S, int N>
-int plan_or_launch(const MambaDecodeParams& p, cudaStream_t stream, bool launch) {
-  return p.hf_rounding ? plan_or_launch_as<T, S, N, true>(p, stream, launch)
-                       : plan_or_launch_as<T, S, N, false>(p, stream, launch);
 }
 
 }  // namespace mamba_fused

@@ -40,7 +40,6 @@ void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tens
   p.dt_bias_dtype = sp.dt_bias.dtype();
   p.dt_min = sp.dt_min;
   p.dt_max = sp.dt_max;
-  p.hf_rounding = ctx.hf_rounding;
   p.batch = static_cast<int>(x.dim(0));
   p.H = static_cast<int>(x.dim(1));
   p.P = static_cast<int>(x.dim(2));

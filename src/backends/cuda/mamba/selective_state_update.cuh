@@ -51,11 +51,6 @@ struct SsuParams {
   int unit_bytes = 0;
   // Persistent kernels: 0 = the resident warps; > 0 caps the warps (tests: long runs at small sizes).
   int persist_warps = 0;
-  // ops::Context::hf_rounding: transformers' torch decode step (model-spec 8.4) instead of fp32 throughout, for
-  // 16-bit activations (a separate kernel instance; the default one is unchanged):
-  //   dt = round(softplus(round(dt_raw + dt_bias)));  dB = round(dt * B);  S = S * dA + round(dB * x)  (fp32 S)
-  //   y = round(round(sum_n round(S[n]) * C[n]) + round(x * D))
-  bool hf_rounding = false;
 };
 
 // Launches the update on `stream`. Fast path: N in {64, 128, 256} with a 16-byte aligned state (16-byte

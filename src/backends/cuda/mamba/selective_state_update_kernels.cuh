@@ -71,21 +71,10 @@ __device__ __forceinline__ HeadWeights head_weights(const SsuParams& p, int h) {
           load_param(p.D, p.d_dtype, h)};
 }
 
-// Rounding to the activation dtype (runtime) for the hf_rounding instances.
-struct RoundAct {
-  DType act;
-  __device__ __forceinline__ float operator()(float v) const { return mamba::round_dtype(v, act); }
-};
-
-template <bool kHf = false>
 __device__ __forceinline__ HeadScalars head_scalars(const SsuParams& p, const HeadWeights& w, int b, int h) {
   HeadScalars s;
   const float raw = load_elem(p.dt_raw, p.act, static_cast<int64_t>(b) * p.H + h);
-  if constexpr (kHf) {
-    s.dt = mamba::discretize_dt_hf(raw, w.dt_bias, p.dt_min, p.dt_max, RoundAct{p.act});
-  } else {
-    s.dt = discretize_dt(raw + w.dt_bias, p.dt_min, p.dt_max);
-  }
+  s.dt = discretize_dt(raw + w.dt_bias, p.dt_min, p.dt_max);
   s.dA = expf(s.dt * w.A);
   s.d_skip = w.d_skip;
   return s;
@@ -93,8 +82,7 @@ __device__ __forceinline__ HeadScalars head_scalars(const SsuParams& p, const He
 
 // state: [num_slots, H, P, N] S; see the file comment for the mapping.
 // kStream: cache-streaming hints on the state loads and stores (default; the plain variant is a benchmark).
-// kHf: transformers' rounding points (SsuParams::hf_rounding).
-template <typename S, int N, int kRowsPerWarp, bool kStream, bool kHf = false>
+template <typename S, int N, int kRowsPerWarp, bool kStream>
 __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) {
   using L = Layout<S, N>;
   static_assert(kRowsPerWarp % L::kRowsPerPass == 0, "rows per warp must be whole passes");
@@ -127,7 +115,7 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
     }
   }
   // 2. Per-head scalars, x of this lane's rows, B and C at this lane's columns (tiny, cached).
-  const HeadScalars hs = head_scalars<kHf>(p, hw, b, h);
+  const HeadScalars hs = head_scalars(p, hw, b, h);
   const int64_t xrow = (static_cast<int64_t>(b) * p.H + h) * p.P;
   float xv[kPasses];
 #pragma unroll
@@ -146,31 +134,19 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
       Cv[v * L::kVecElems + e] = load_elem(p.C, p.act, bc + col);
     }
   }
-  [[maybe_unused]] const RoundAct round{p.act};
-  [[maybe_unused]] float dBv[kHf ? kE : 1];  // hf: round(dt * B) per column
-  if constexpr (kHf) {
-#pragma unroll
-    for (int e = 0; e < kE; ++e) dBv[e] = round(hs.dt * Bv[e]);
-  }
   // 3. Update, write back, reduce y over the row's lanes.
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int row = row0 + i * L::kRowsPerPass;
-    [[maybe_unused]] const float dtx = hs.dt * xv[i];
+    const float dtx = hs.dt * xv[i];
     float acc = 0.0f;
 #pragma unroll
     for (int v = 0; v < L::kVecsPerLane; ++v) {
 #pragma unroll
       for (int e = 0; e < L::kVecElems; ++e) {
-        if constexpr (kHf) {
-          const float s = mamba::ssm_state_hf(st[i][v].get(e), hs.dA, dBv[v * L::kVecElems + e], xv[i], round);
-          st[i][v].set(e, s);
-          acc = fmaf(round(s), Cv[v * L::kVecElems + e], acc);
-        } else {
-          const float s = fmaf(st[i][v].get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
-          st[i][v].set(e, s);
-          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-        }
+        const float s = fmaf(st[i][v].get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
+        st[i][v].set(e, s);
+        acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
       }
       if (row < p.P) {
         st[i][v].template store<kStream>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
@@ -178,18 +154,13 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
     }
 #pragma unroll
     for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (seg == 0 && row < p.P) {
-      const float y = kHf ? mamba::ssm_y_hf(acc, xv[i], hs.d_skip, round) : acc + hs.d_skip * xv[i];
-      store_elem(p.y, p.act, xrow + row, y);
-    }
+    if (seg == 0 && row < p.P) store_elem(p.y, p.act, xrow + row, acc + hs.d_skip * xv[i]);
   }
 }
 
-template <typename S, int N, int kRowsPerWarp, bool kHf>
+template <typename S, int N, int kRowsPerWarp>
 __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const SsuParams p) {
-  if constexpr (kHf) {
-    selective_state_update_body<S, N, kRowsPerWarp, true, true>(p);
-  } else if (p.plain_state_access) {
+  if (p.plain_state_access) {
     selective_state_update_body<S, N, kRowsPerWarp, false>(p);
   } else {
     selective_state_update_body<S, N, kRowsPerWarp, true>(p);
@@ -577,40 +548,26 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kern
   const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (slot < 0 || row >= p.P) return;  // warp-uniform
   const int g = h / (p.H / p.G);
-  const bool hf = p.hf_rounding;  // rare (a parity mode), and this kernel is the portable fallback: a runtime branch
-  const HeadScalars hs = hf ? head_scalars<true>(p, hw, b, h) : head_scalars<false>(p, hw, b, h);
-  const RoundAct round{p.act};
+  const HeadScalars hs = head_scalars(p, hw, b, h);
   const int64_t xi = (static_cast<int64_t>(b) * p.H + h) * p.P + row;
-  const float xv = load_elem(p.x, p.act, xi);
-  const float dtx = hs.dt * xv;
+  const float dtx = hs.dt * load_elem(p.x, p.act, xi);
   S* st = static_cast<S*>(p.state) + ((static_cast<int64_t>(slot) * p.H + h) * p.P + row) * p.N;
   const int64_t bc = (static_cast<int64_t>(b) * p.G + g) * p.N;
   float acc = 0.0f;
   for (int n = lane; n < p.N; n += 32) {
-    const float bn = load_elem(p.B, p.act, bc + n), cn = load_elem(p.C, p.act, bc + n);
-    if (hf) {
-      const float s = mamba::ssm_state_hf(to_float(st[n]), hs.dA, round(hs.dt * bn), xv, round);
-      st[n] = from_float<S>(s);
-      acc = fmaf(round(s), cn, acc);
-    } else {
-      const float s = fmaf(to_float(st[n]), hs.dA, dtx * bn);
-      st[n] = from_float<S>(s);
-      acc = fmaf(s, cn, acc);
-    }
+    const float s = fmaf(to_float(st[n]), hs.dA, dtx * load_elem(p.B, p.act, bc + n));
+    st[n] = from_float<S>(s);
+    acc = fmaf(s, load_elem(p.C, p.act, bc + n), acc);
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) store_elem(p.y, p.act, xi, hf ? mamba::ssm_y_hf(acc, xv, hs.d_skip, round) : acc + hs.d_skip * xv);
+  if (lane == 0) store_elem(p.y, p.act, xi, acc + hs.d_skip * load_elem(p.x, p.act, xi));
 }
 
 template <typename S, int N, int kRowsPerWarp>
 void launch_fast(const SsuParams& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.P, kWarps * kRowsPerWarp), p.H, p.batch);
-  if (p.hf_rounding) {
-    launch(selective_state_update_kernel<S, N, kRowsPerWarp, true>, grid, dim3(kThreads), 0, stream, p);
-  } else {
-    launch(selective_state_update_kernel<S, N, kRowsPerWarp, false>, grid, dim3(kThreads), 0, stream, p);
-  }
+  launch(selective_state_update_kernel<S, N, kRowsPerWarp>, grid, dim3(kThreads), 0, stream, p);
 }
 
 template <typename S, int N>
@@ -646,10 +603,9 @@ void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream
   const bool fast = mamba::aligned16(p.state) && (p.N == 64 || p.N == 128 || p.N == 256);
   // kAuto: the persistent kernel from batch 64 (graph timing on the H200, bf16 / fp32 state, Super and Nano:
   // 0.78-0.84 of the copy floor at batch 64 vs 0.70-0.79 for the grid kernel, 0.81-0.87 vs 0.73-0.81 at 256;
-  // bench/mamba_notes.md), the grid kernel below (and for the transformers-rounding instance, grid only).
-  const bool persistent = !p.hf_rounding && (p.kernel == SsuKernel::kPersistent ||
-                                             p.kernel == SsuKernel::kPersistentAsync ||
-                                             (p.kernel == SsuKernel::kAuto && p.batch >= 64));
+  // bench/mamba_notes.md), the grid kernel below.
+  const bool persistent = p.kernel == SsuKernel::kPersistent || p.kernel == SsuKernel::kPersistentAsync ||
+                          (p.kernel == SsuKernel::kAuto && p.batch >= 64);
   if (fast && persistent) {
     if (p.N == 64) {
       ssu::launch_persistent<S, 64>(p, stream);

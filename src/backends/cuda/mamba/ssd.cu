@@ -172,7 +172,6 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   p_.dt_bias = ws.at(w_params) + 2 * H;
   p_.dt_min = sp.dt_min;
   p_.dt_max = sp.dt_max;
-  p_.hf_rounding = options.hf_rounding;
   p_.T = static_cast<int>(T);
   p_.H = static_cast<int>(H);
   p_.P = static_cast<int>(P);
@@ -251,9 +250,7 @@ void SsdRunner::run() const {
 void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
                     const Tensor& C, const ops::SsmParams& sp, const Tensor& ssm_state,
                     std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size) {
-  SsdOptions options;
-  options.hf_rounding = ctx.hf_rounding;
-  SsdRunner(y, x, dt_raw, B, C, sp, ssm_state, cu_seqlens, slots, chunk_size, as_stream(ctx.stream), options).run();
+  SsdRunner(y, x, dt_raw, B, C, sp, ssm_state, cu_seqlens, slots, chunk_size, as_stream(ctx.stream)).run();
 }
 
 void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
@@ -287,7 +284,6 @@ void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, c
   p.dt_bias = pr + 2 * H;
   p.dt_min = sp.dt_min;
   p.dt_max = sp.dt_max;
-  p.hf_rounding = ctx.hf_rounding;
   p.H = static_cast<int>(H);
   p.P = static_cast<int>(P);
   p.G = static_cast<int>(G);

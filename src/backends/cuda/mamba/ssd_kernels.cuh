@@ -25,9 +25,6 @@
 #include <vector>
 
 #include "backends/cuda/cuda_common.cuh"
-#ifdef __CUDACC__  // device helpers below; host code (tests) includes this header for SsdOptions
-#include "backends/cuda/cuda_vec.cuh"
-#endif
 #include "ops/ops.h"
 
 namespace chimera::cuda {
@@ -46,9 +43,6 @@ struct SsdParams {
   const float* dt_bias = nullptr;
   float dt_min = 0.0f;
   float dt_max = 0.0f;
-  // ops::Context::hf_rounding: dt as transformers' torch prefill computes it on 16-bit tensors (the sum and the
-  // softplus each rounded to the activation dtype, ssd_discretize_dt_as); the scan itself stays fp32, as there.
-  bool hf_rounding = false;
   int T = 0, H = 0, P = 0, G = 0, N = 0;
   int heads_per_group = 1;
   int chunk_size = 0;
@@ -116,7 +110,6 @@ struct SsmRecurrenceParams {
   const float* D = nullptr;
   const float* dt_bias = nullptr;
   float dt_min = 0.0f, dt_max = 0.0f;
-  bool hf_rounding = false;  // as SsdParams::hf_rounding
   int H = 0, P = 0, G = 0, N = 0, heads_per_group = 1;
   const int4* seqs = nullptr;  // [n_seqs] {begin row, end row, slot, 0}; only non-pad, non-empty ones
   int n_seqs = 0;
@@ -136,7 +129,6 @@ struct SsdOptions {
   // C.B^T once per (chunk, group) in its own stage (chunk_bmm) and a scan of 2 heads per block that reads it
   // (fused_cb then unused). Same bits as the default kernels.
   bool group_cb = false;
-  bool hf_rounding = false;  // SsdParams::hf_rounding (ops::Context::hf_rounding)
 };
 
 class SsdRunner {
@@ -179,17 +171,5 @@ __device__ __forceinline__ float ssd_discretize_dt(float raw, float bias, float 
   const float sp = v > 20.0f ? v : log1pf(expf(v));
   return sp < lo ? lo : (hi < sp ? hi : sp);
 }
-
-#ifdef __CUDACC__
-// The same for activations of type T; hf: transformers' torch path, softplus(dt_raw + dt_bias) on 16-bit tensors
-// (the sum and the softplus rounded to T).
-template <typename T>
-__device__ __forceinline__ float ssd_discretize_dt_as(float raw, float bias, float lo, float hi, bool hf) {
-  if (!hf) return ssd_discretize_dt(raw, bias, lo, hi);
-  const float v = round_to<T>(raw + bias);
-  const float sp = round_to<T>(v > 20.0f ? v : log1pf(expf(v)));
-  return sp < lo ? lo : (hi < sp ? hi : sp);
-}
-#endif  // __CUDACC__
 
 }  // namespace chimera::cuda

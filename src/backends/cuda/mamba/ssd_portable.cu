@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads) ssd_chunk_cumsum_kernel(SsdParams p)
     __syncthreads();
     if (tid < nh) {
       for (int r = 0; r < rows; ++r) {
-        const float v = ssd_discretize_dt_as<T>(raw[r][tid], bias, p.dt_min, p.dt_max, p.hf_rounding);
+        const float v = ssd_discretize_dt(raw[r][tid], bias, p.dt_min, p.dt_max);
         acc = __fadd_rn(acc, __fmul_rn(v, a));
         dts[r][tid] = v;
         acs[r][tid] = acc;
@@ -249,8 +249,7 @@ __global__ void __launch_bounds__(kThreads) ssm_recurrence_kernel(SsmRecurrenceP
     }
     __syncthreads();
     const float dt =
-        ssd_discretize_dt_as<T>(to_float(dt_raw[static_cast<size_t>(t) * p.H + h]), bias, p.dt_min, p.dt_max,
-                                p.hf_rounding);
+        ssd_discretize_dt(to_float(dt_raw[static_cast<size_t>(t) * p.H + h]), bias, p.dt_min, p.dt_max);
     const float dA = expf(dt * a);
     for (int pi = warp; pi < p.P; pi += kThreads / 32) {
       const float dtx = dt * xs[pi];

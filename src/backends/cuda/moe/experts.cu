@@ -218,7 +218,6 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   g.topk_weights = topk_weights.data_as<float>();
   g.top_k = static_cast<int>(k);
   g.max_items = static_cast<int>(max_items);
-  g.hf_rounding = ctx.hf_rounding;
 
   moe::GemmParams up = g;
   up.weights = tables;

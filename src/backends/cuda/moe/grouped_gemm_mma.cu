@@ -2,7 +2,6 @@
 // multi-stage shared-memory pipeline, one kernel per projection with the epilogue fused:
 //   up:   relu(acc)^2 rounded to the activation dtype (HF applies relu2 in bf16) -> h [P, I], permuted order
 //   down: acc * routing weight in fp32 -> y [P, D], row = pair id (the deterministic combine sums it later)
-//   (GemmParams::hf_rounding: acc rounded to the activation dtype before the relu2 / the routing weight)
 //
 // Swap-AB: the expert weight W_e [N, K] is the MMA's A operand (its rows fill the 16-row side) and the few
 // tokens of an expert are the 8-column B side, so decode (1-3 tokens per expert) wastes MMA columns, not
@@ -15,7 +14,6 @@
 #include <cstdint>
 
 #include "backends/cuda/cuda_common.cuh"
-#include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/mma_sync.cuh"
 #include "backends/cuda/moe/moe_kernels.h"
 
@@ -166,7 +164,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_mma_kernel(const GemmParams
       for (int c = 0; c < 4; ++c) {
         float v = acc[mi][ni][c];
         if constexpr (kUp) {
-          v = fmaxf(p.hf_rounding ? round_to<T>(v) : v, 0.0f);  // hf: relu2 of the bf16 GEMM output
+          v = fmaxf(v, 0.0f);
           v = v * v;
         }
         sOut[(m + (c & 1)) * kLd + n + (c >> 1) * 8] = v;
@@ -197,9 +195,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_mma_kernel(const GemmParams
       const int pair = p.sorted_pair[r0 + m];
       const float w = p.topk_weights[pair];
       const float* src = sOut + m * kLd + n;
-      float4 v = make_float4(src[0], src[1], src[2], src[3]);
-      if (p.hf_rounding) v = make_float4(round_to<T>(v.x), round_to<T>(v.y), round_to<T>(v.z), round_to<T>(v.w));
-      v = make_float4(v.x * w, v.y * w, v.z * w, v.w * w);
+      const float4 v = make_float4(src[0] * w, src[1] * w, src[2] * w, src[3] * w);
       *reinterpret_cast<float4*>(y + static_cast<int64_t>(pair) * p.N + n0 + n) = v;
     }
   }

@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
         T* h = static_cast<T*>(a.g.out) + static_cast<int64_t>(cur.r0 + t) * N;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          const float g = fmaxf(a.g.hf_rounding ? round_to<T>(v[r]) : v[r], 0.0f);  // hf: relu2 of the bf16 output
+          const float g = fmaxf(v[r], 0.0f);
           if (row0 + r < N) h[row0 + r] = from_float<T>(g * g);
         }
       } else {
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
         float* y = static_cast<float*>(a.g.out) + static_cast<int64_t>(pair) * N;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          if (row0 + r < N) y[row0 + r] = (a.g.hf_rounding ? round_to<T>(v[r]) : v[r]) * w;
+          if (row0 + r < N) y[row0 + r] = v[r] * w;
         }
         if (a.f.combined != nullptr) {
           __threadfence();  // y before the count: the completing warp reads it

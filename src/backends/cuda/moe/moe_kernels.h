@@ -96,10 +96,6 @@ struct GemmParams {
   int N, K, top_k;
   int n_tiles;                 // ceil(N / BN), set by the launcher
   int max_items;               // grid = n_tiles * max_items; items past *n_items exit at once
-  // ops::Context::hf_rounding (16-bit activations): transformers' eager experts round each projection's output to
-  // bf16 before the next step: up h = round(relu(round(acc))^2); down y = round(acc) * routing weight (fp32).
-  // The tensor-core and GEMV paths take it (the fp32 SIMT path keeps h in fp32 and ignores it).
-  bool hf_rounding = false;
 };
 
 // Tensor-core path (mma.sync m16n8k16, bf16 or f16 activations and weights, fp32 accumulate); requires

@@ -102,10 +102,9 @@ void convert(const ops::Context& ctx, const Tensor& out, const Tensor& in) {
 void rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps) {
   const char* op = "ops::rms_norm";
   require_same_dtype(op, {{"x", &x}, {"out", &out}});
-  norm::RowNormParams p{
+  const norm::RowNormParams p{
       out.data(), x.data(), nullptr, nullptr, weight.data(), x.dim(0), checked_int(op, "hidden size", x.dim(1)),
       1,          eps};
-  p.round_normed = ctx.hf_rounding;  // transformers' RMSNorm: weight * x_hat.to(bf16)
   norm::launch_rms_norm(p, x.dtype(), weight.dtype(), as_stream(ctx.stream));
 }
 
@@ -113,10 +112,9 @@ void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor&
                   const Tensor& weight, float eps) {
   const char* op = "ops::add_rms_norm";
   require_same_dtype(op, {{"x", &x}, {"residual", &residual}, {"out", &out}});
-  norm::RowNormParams p{
+  const norm::RowNormParams p{
       out.data(), x.data(), nullptr, residual.data(), weight.data(), x.dim(0), checked_int(op, "hidden size", x.dim(1)),
       1,          eps};
-  p.round_normed = ctx.hf_rounding;  // transformers' RMSNorm: weight * x_hat.to(bf16)
   norm::launch_add_rms_norm(p, x.dtype(), weight.dtype(), as_stream(ctx.stream));
 }
 
@@ -125,10 +123,9 @@ void add2_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor
   const char* op = "ops::add2_rms_norm";
   require_same_dtype(op, {{"a", &a}, {"b", &b}, {"residual", &residual}, {"out", &out}});
   // x = a, z = b: the kernel adds round(a + b) to the residual.
-  norm::RowNormParams p{
+  const norm::RowNormParams p{
       out.data(), a.data(), b.data(), residual.data(), weight.data(), a.dim(0), checked_int(op, "hidden size", a.dim(1)),
       1,          eps};
-  p.round_normed = ctx.hf_rounding;  // transformers' RMSNorm: weight * x_hat.to(bf16)
   norm::launch_add2_rms_norm(p, a.dtype(), weight.dtype(), as_stream(ctx.stream));
 }
 
@@ -138,8 +135,6 @@ void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y,
   require_same_dtype(op, {{"y", &y}, {"z", &z}, {"out", &out}});
   // Each (token, group) pair is one row of D / n_groups contiguous channels; group g uses weight row g.
   const int64_t group_size = y.dim(1) / n_groups;
-  // No x_hat rounding, also under hf_rounding: transformers' torch Mamba prefill feeds this norm an fp32 y and
-  // rounds only its output (row_norm.cuh); the decode step's rounding is in the fused decode kernel.
   const norm::RowNormParams p{out.data(),
                               y.data(),
                               z.data(),
@@ -148,8 +143,7 @@ void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y,
                               y.dim(0) * n_groups,
                               checked_int(op, "group size", group_size),
                               checked_int(op, "n_groups", n_groups),
-                              eps,
-                              /*round_normed=*/false};  // prefill semantics; see row_norm.cuh
+                              eps};
   norm::launch_gated_rms_norm(p, y.dtype(), weight.dtype(), as_stream(ctx.stream));
 }
 

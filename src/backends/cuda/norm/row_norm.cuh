@@ -8,10 +8,7 @@
 //   kGated: u = y * silu(z) (gate first, norm_before_gate = false), then RMSNorm of each group of
 //           D / n_groups channels: a "row" here is one (token, group) pair, weight row = group.
 // Rounding: fp32 math in registers and one rounding at each store (vLLM / TRT-LLM fused kernels). HF rounds
-// the normalised value to bf16 before the weight multiply (NemotronHRMSNorm: `weight * x_hat.to(bf16)`, and
-// Zamba2RMSNormGated on a bf16 input: the Mamba decode step); round_normed (ops::Context::hf_rounding) does the
-// same: out = round(w * round(x_hat)). The gated norm of the prefill keeps one rounding there: transformers'
-// torch Mamba prefill hands it an fp32 y, so its output is `w * x_hat` in fp32, rounded once before out_proj.
+// the normalised value to bf16 before the weight multiply; the difference is within a bf16 ulp.
 //
 // Layout: a row is row_len contiguous elements; blockDim.x threads share a row (a power of two <= 32 with
 // blockDim.y rows per block, or a multiple of 32 with one row per block); each thread holds up to kVecs
@@ -41,14 +38,7 @@ struct RowNormParams {
   int row_len;
   int weight_rows;  // 1, or n_groups (kGated)
   float eps;
-  bool round_normed = false;  // round x_hat to T before the weight multiply (transformers' bf16 RMSNorm)
 };
-
-// The normalised value as the weight multiply sees it: x_hat, or x_hat rounded to T (round_normed).
-template <typename T>
-__device__ __forceinline__ float normed_value(const RowNormParams& p, float v, float inv) {
-  return p.round_normed ? round_to<T>(v * inv) : v * inv;
-}
 
 __device__ __forceinline__ float silu_f32(float v) {
   return v / (1.0f + expf(-v));
@@ -113,7 +103,7 @@ __device__ __forceinline__ void row_store(const RowNormParams& p, size_t e, size
   float w[N], o[N];
   load_f32<W, N>(static_cast<const W*>(p.weight) + w_off, w);
 #pragma unroll
-  for (int j = 0; j < N; ++j) o[j] = w[j] * normed_value<T>(p, v[j], inv);
+  for (int j = 0; j < N; ++j) o[j] = w[j] * (v[j] * inv);
   store_f32<T, N>(static_cast<T*>(p.out) + e, o);
 }
 
@@ -276,7 +266,7 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
         }
         raw_to_f32<W, N>(rw[k], w);
 #pragma unroll
-        for (int j = 0; j < N; ++j) o[j] = w[j] * normed_value<T>(p, v[j], inv);
+        for (int j = 0; j < N; ++j) o[j] = w[j] * (v[j] * inv);
         store_f32<T, N>(static_cast<T*>(p.out) + base + static_cast<size_t>(i) * N, o);
       }
     }
