@@ -2,8 +2,8 @@
 // (x routing weight) -> combine, four launches on ctx.stream with no host synchronisation (the tile counts live
 // on the device; the grids are sized by an upper bound and surplus blocks exit at once).
 //
-// At decode sizes on the GEMV path the permutation runs inside the up launch and the combine inside the down launch
-// (moe_kernels.h, GemvFold): router + 2 launches per MoE layer.
+// At decode sizes on the GEMV path the permutation runs inside the up launch (moe_kernels.h, GemvFold): router + up +
+// down + combine per MoE layer. The combine can also run inside the down launch (set_gemv_fold(2)); measured slower.
 //
 // With the layer's shared expert (ops::moe_experts_shared) on the GEMV path: its up and down run as extra units of
 // the two GEMV launches (grouped_gemv.cu), so a decode MoE layer is router + 4 launches instead of router + 4 + 3
