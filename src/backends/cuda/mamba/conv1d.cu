@@ -177,17 +177,9 @@ __global__ void __launch_bounds__(kThreads, 4) causal_conv1d_kernel(const Conv1d
 // Requires the tile list in conv1d_tiles order (a sequence's tiles consecutive, t0 ascending).
 constexpr int kPersistStages = 3;
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {  // zero-fill when !valid
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+using mamba::cp_async16;
+using mamba::cp_async_commit;
+using mamba::cp_async_wait;
 
 template <int kRowsL>
 constexpr size_t persist_smem_bytes() {  // the dynamic part: the stages' rows

@@ -1,6 +1,6 @@
 // causal_conv1d_update: one new token per slot (decode), conv1d.cuh for the math.
 //   x, out [batch, C] act dtype; conv_state [num_slots, C, K-1] state dtype, shifted left by one in place.
-// Fast kernel: a thread per (R rows, E = 16 / sizeof(act) channels; R = 1 for small grids, see below). The taps
+// Fast kernel: a thread per (R rows, E = 16 / sizeof(act) channels; R = 1 unless forced, see below). The taps
 // go out first, once for all R rows (16-byte vectors when they are in the activation dtype; constant weights,
 // so under PDL they load while the previous kernel drains), then the R slot ids and the R 16-byte x loads (x
 // does not depend on the slot), then the E * (K-1) state elements of each row (contiguous: 16- or 8-byte
@@ -21,16 +21,12 @@ using mamba::store_elem;
 
 constexpr int kThreads = 128;
 
-// Rows per thread: 4, or 2 when the state is wider than the activations (register budget); 1 when that
-// would leave fewer than kMinBlocksPerSm blocks per multiprocessor. At decode sizes the grid is small (Super,
-// C = 10240, batch 64: 10 x 16 = 160 blocks of 128 threads on 132 SMs), so a quarter of the SMs ran two
-// blocks and the rest one: the busiest SM moved twice the average bytes. One row per thread gives 640
-// blocks (4.8 per SM). The math per row is the same code, so results are identical for every R.
-// Benchmarks and tests may force the rows (1, 2, 4) and the block size (32, 64, 128 threads): e.g. 4 rows x
-// 32 threads keeps the 640 blocks of Super batch 64 while loading each tap vector once per 4 rows, not per row.
-template <typename T, typename S>
-constexpr int kRowsPerThread = sizeof(S) > sizeof(T) ? 2 : 4;
-constexpr int kMinBlocksPerSm = 4;
+// Rows per thread: 1 unless forced. Measured on the H200 (graph timing, Super C = 10240, bf16; bench/mamba_notes.md
+// Run 3): batch 64 one row x 128 threads 0.520 of the copy floor, 4 rows x 32 / 64 threads 0.523 / 0.543, 2 rows
+// 0.50; batch 256 one row 0.774-0.776, 2 rows 0.76, 4 rows 0.64-0.65 (the former rule: 4 rows, or 2 when the state
+// is wider than the activations, from 4 blocks per SM). At decode sizes more, smaller blocks beat loading each tap
+// vector once per several rows. The math per row is the same code, so results are identical for every R.
+// Benchmarks and tests may force the rows (1, 2, 4) and the block size (32, 64, 128 threads).
 
 // grid (ceil(C / (E * blockDim.x)), ceil(batch / R)), blockDim.x <= kThreads (32, 64 or 128).
 template <typename T, typename S, int K, int R>
@@ -129,11 +125,7 @@ void launch_k(const Conv1dParams& p, cudaStream_t stream) {
               str_cat("ops::causal_conv1d_update: update_threads ", threads, " is not supported (0, 32, 64, 128)"));
         }
         const int64_t chan_blocks = ceil_div(p.C, E * threads);
-        int rows = p.update_rows;
-        if (rows == 0) {
-          rows = kRowsPerThread<T, S>;
-          if (chan_blocks * ceil_div(p.batch, rows) < int64_t{kMinBlocksPerSm} * sm_count()) rows = 1;
-        }
+        const int rows = p.update_rows != 0 ? p.update_rows : 1;
         const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(ceil_div(p.batch, rows)));
         switch (rows) {
           case 1:

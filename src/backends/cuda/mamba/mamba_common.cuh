@@ -211,4 +211,19 @@ __device__ __forceinline__ void load_taps(const void* weight, DType weight_dtype
   }
 }
 
+// cp.async for the staged Mamba kernels (persistent SSU, persistent conv1d prefill, SSD tensor-core stages): 16 bytes
+// global -> shared, zero-filled when !valid (src is then not read). Unlike mma_sync.cuh's wrappers these clobber
+// "memory": these kernels write shared tiles with plain stores and read them back after the wait.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 }  // namespace chimera::cuda::mamba

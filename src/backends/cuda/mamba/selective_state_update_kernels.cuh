@@ -318,17 +318,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
 // bookkeeping (slot, head, row, x, dt_raw) stays in registers. Stores go from registers (streaming).
 constexpr int kAsyncStages = 3;
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {  // zero-fill when !valid
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+using mamba::cp_async16;
+using mamba::cp_async_commit;
+using mamba::cp_async_wait;
 
 template <int kUnitBytes>
 constexpr int kAsyncMinBlocks = kUnitBytes >= 4096 ? 4 : 6;  // 4 KB: shared memory allows 4 blocks (48 KB each)

@@ -20,6 +20,7 @@
 // rounded to the activation type before their matrix products; everything accumulates in fp32.
 #include <cstdint>
 
+#include "backends/cuda/mamba/mamba_common.cuh"
 #include "backends/cuda/mamba/ssd_kernels.cuh"
 #include "backends/cuda/mma_sync.cuh"
 
@@ -37,23 +38,17 @@ static_assert(kThreads == 2 * kQ, "dt / dA_cumsum rows are fetched one per threa
 
 // ---- PTX wrappers ----------------------------------------------------------------------------------------
 // The copy pipeline and ldmatrix here clobber "memory" (the scan writes shared tiles it then reads through
-// ldmatrix); mma_16816, pack2 and smem_addr come from mma_sync.cuh.
+// ldmatrix): cp_async16 / commit / wait are mamba_common.cuh's; mma_16816, pack2 and smem_addr come from
+// mma_sync.cuh.
 // 16 bytes global -> shared, zero-filled when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
+using mamba::cp_async16;
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 4 : 0)
                : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+using mamba::cp_async_commit;
+using mamba::cp_async_wait;
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
