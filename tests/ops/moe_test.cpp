@@ -698,23 +698,15 @@ Tensor run_path(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, c
   return device::to_host_f32(o);
 }
 
-// The GEMV path with the permutation and the combine as their own launches instead of folded into the two GEMV
-// launches (moe_kernels.h, GemvFold): the folded results must be bit-identical.
-Tensor run_path_unfolded(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
-                         cuda::moe::ExpertsPath path) {
+// The GEMV path with another fold setting (moe_kernels.h, GemvFold; cuda::moe::set_gemv_fold): 0 the permutation and
+// the combine as their own launches, 2 both folded into the GEMV launches. Every setting must give the same bits as
+// the default (1: the permutation folded).
+Tensor run_path_fold(int fold, const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
+                     cuda::moe::ExpertsPath path) {
   struct Restore {
     ~Restore() { cuda::moe::set_gemv_fold(1); }
   } restore;
-  cuda::moe::set_gemv_fold(0);
-  return run_path(x, dt, ids, w, s, path);
-}
-// The same with the combine folded into the down launch too (set_gemv_fold(2)).
-Tensor run_path_fold_combine(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
-                             cuda::moe::ExpertsPath path) {
-  struct Restore {
-    ~Restore() { cuda::moe::set_gemv_fold(1); }
-  } restore;
-  cuda::moe::set_gemv_fold(2);
+  cuda::moe::set_gemv_fold(fold);
   return run_path(x, dt, ids, w, s, path);
 }
 
@@ -739,8 +731,8 @@ void gemv_path_case(const GemvCase& c, std::initializer_list<int64_t> tokens) {
       EXPECT_TRUE(test::nmse_close(pick_rows(got, rows), cpu_reference_rows(x, ids, w, s.up, s.down, rows),
                                    test::kBF16ReductionNmse, test::kBF16Reduction));
       EXPECT_TRUE(test::bit_equal(run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
-      EXPECT_TRUE(test::bit_equal(run_path_unfolded(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
-      EXPECT_TRUE(test::bit_equal(run_path_fold_combine(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
+      EXPECT_TRUE(test::bit_equal(run_path_fold(0, x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
+      EXPECT_TRUE(test::bit_equal(run_path_fold(2, x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
       EXPECT_TRUE(test::nmse_close(got, run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kMma),
                                    test::kBF16ReductionNmse, test::kBF16Reduction));
     }
@@ -800,9 +792,9 @@ TEST_P(OpsMoe, GemvPathSharedAndRepeatedExperts) {
                                      test::kBF16ReductionNmse, test::kBF16Reduction));
         EXPECT_TRUE(test::bit_equal(run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
         EXPECT_TRUE(
-            test::bit_equal(run_path_unfolded(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
+            test::bit_equal(run_path_fold(0, x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
         EXPECT_TRUE(
-            test::bit_equal(run_path_fold_combine(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
+            test::bit_equal(run_path_fold(2, x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
       }
     }
   }

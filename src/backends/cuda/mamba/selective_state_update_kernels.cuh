@@ -185,6 +185,36 @@ struct PersistUnit {
   Pack<S, L::kVecElems> st[kPasses][L::kVecsPerLane];
 };
 
+// The unit's head scalars and its group's B / C slice for both persistent kernels, reloaded only when the head
+// (hs_key = b * H + h) or the group (bc_key = b * G + g) changes: consecutive units of one warp mostly share them.
+// head_scalars() with the prefetched dt_raw: the same expressions, so the same bits as the grid kernel.
+template <typename L, int N, int kE>
+__device__ __forceinline__ void refresh_unit_inputs(const SsuParams& p, int b, int h, float dt_raw, int heads_per_group,
+                                                    int seg, int& hs_key, HeadScalars& hs, int& bc_key,
+                                                    float (&Bv)[kE], float (&Cv)[kE]) {
+  const int bh_i = b * p.H + h;
+  if (bh_i != hs_key) {
+    hs_key = bh_i;
+    const HeadWeights hw = head_weights(p, h);
+    hs.dt = discretize_dt(dt_raw + hw.dt_bias, p.dt_min, p.dt_max);
+    hs.dA = expf(hs.dt * hw.A);
+    hs.d_skip = hw.d_skip;
+  }
+  const int bg = b * p.G + h / heads_per_group;
+  if (bg != bc_key) {
+    bc_key = bg;
+#pragma unroll
+    for (int v = 0; v < L::kVecsPerLane; ++v) {
+#pragma unroll
+      for (int e = 0; e < L::kVecElems; ++e) {
+        const int col = (v * L::kLanesPerRow + seg) * L::kVecElems + e;
+        Bv[v * L::kVecElems + e] = load_elem(p.B, p.act, static_cast<int64_t>(bg) * N + col);
+        Cv[v * L::kVecElems + e] = load_elem(p.C, p.act, static_cast<int64_t>(bg) * N + col);
+      }
+    }
+  }
+}
+
 // grid (resident blocks), kThreads; see the file comment. kUnitRows <= 32 (x is one value a lane).
 template <typename S, int N, int kUnitRows, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_persistent_kernel(const SsuParams p) {
@@ -247,26 +277,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
   auto process = [&](const Unit& un) {
     if (un.slot < 0) return;  // pad: y and state untouched
     const int bh_i = un.b * p.H + un.h;
-    if (bh_i != hs_key) {  // head_scalars() with the prefetched dt_raw: the same expressions, the same bits
-      hs_key = bh_i;
-      const HeadWeights hw = head_weights(p, un.h);
-      hs.dt = discretize_dt(un.dt_raw + hw.dt_bias, p.dt_min, p.dt_max);
-      hs.dA = expf(hs.dt * hw.A);
-      hs.d_skip = hw.d_skip;
-    }
-    const int bg = un.b * p.G + un.h / heads_per_group;
-    if (bg != bc_key) {
-      bc_key = bg;
-#pragma unroll
-      for (int v = 0; v < L::kVecsPerLane; ++v) {
-#pragma unroll
-        for (int e = 0; e < L::kVecElems; ++e) {
-          const int col = (v * L::kLanesPerRow + seg) * L::kVecElems + e;
-          Bv[v * L::kVecElems + e] = load_elem(p.B, p.act, static_cast<int64_t>(bg) * N + col);
-          Cv[v * L::kVecElems + e] = load_elem(p.C, p.act, static_cast<int64_t>(bg) * N + col);
-        }
-      }
-    }
+    refresh_unit_inputs<L, N>(p, un.b, un.h, un.dt_raw, heads_per_group, seg, hs_key, hs, bc_key, Bv, Cv);
     S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
@@ -391,26 +402,7 @@ __global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * stat
   auto process = [&](const AsyncUnit& un, int stage) {
     if (un.slot < 0) return;
     const int bh_i = un.b * p.H + un.h;
-    if (bh_i != hs_key) {
-      hs_key = bh_i;
-      const HeadWeights hw = head_weights(p, un.h);
-      hs.dt = discretize_dt(un.dt_raw + hw.dt_bias, p.dt_min, p.dt_max);
-      hs.dA = expf(hs.dt * hw.A);
-      hs.d_skip = hw.d_skip;
-    }
-    const int bg = un.b * p.G + un.h / heads_per_group;
-    if (bg != bc_key) {
-      bc_key = bg;
-#pragma unroll
-      for (int v = 0; v < L::kVecsPerLane; ++v) {
-#pragma unroll
-        for (int e = 0; e < L::kVecElems; ++e) {
-          const int col = (v * L::kLanesPerRow + seg) * L::kVecElems + e;
-          Bv[v * L::kVecElems + e] = load_elem(p.B, p.act, static_cast<int64_t>(bg) * N + col);
-          Cv[v * L::kVecElems + e] = load_elem(p.C, p.act, static_cast<int64_t>(bg) * N + col);
-        }
-      }
-    }
+    refresh_unit_inputs<L, N>(p, un.b, un.h, un.dt_raw, heads_per_group, seg, hs_key, hs, bc_key, Bv, Cv);
     S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
