@@ -185,6 +185,21 @@ struct PersistUnit {
   Pack<S, L::kVecElems> st[kPasses][L::kVecsPerLane];
 };
 
+// Unit u of a persistent walk: sequence b, head h, first row row0 and the state slot; the slot id is read once per
+// sequence (slot_b / slot_id carry the last lookup). U: PersistUnit or AsyncUnit.
+template <int kUnitRows, typename U>
+__device__ __forceinline__ void locate_unit(const SsuParams& p, int u, int tiles, int& slot_b, int& slot_id, U& un) {
+  const int bh = u / tiles;
+  un.row0 = (u - bh * tiles) * kUnitRows;
+  un.h = bh % p.H;
+  un.b = bh / p.H;
+  if (un.b != slot_b) {
+    slot_b = un.b;
+    slot_id = p.slots[un.b];
+  }
+  un.slot = slot_id;
+}
+
 // The unit's head scalars and its group's B / C slice for both persistent kernels, reloaded only when the head
 // (hs_key = b * H + h) or the group (bc_key = b * G + g) changes: consecutive units of one warp mostly share them.
 // head_scalars() with the prefetched dt_raw: the same expressions, so the same bits as the grid kernel.
@@ -238,15 +253,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
   int slot_b = -1, slot_id = -1;  // the slot of sequence slot_b (looked up once per sequence)
   // Issue unit u's loads into `un` (warp-uniform control flow).
   auto issue = [&](Unit& un, int u) {
-    const int bh = u / tiles;
-    un.row0 = (u - bh * tiles) * kUnitRows;
-    un.h = bh % p.H;
-    un.b = bh / p.H;
-    if (un.b != slot_b) {
-      slot_b = un.b;
-      slot_id = p.slots[un.b];
-    }
-    un.slot = slot_id;
+    locate_unit<kUnitRows>(p, u, tiles, slot_b, slot_id, un);
     if (un.slot < 0) return;
     const S* state = static_cast<const S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
 #pragma unroll
@@ -364,15 +371,7 @@ __global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * stat
 
   int slot_b = -1, slot_id = -1;
   auto issue = [&](AsyncUnit& un, int u, int stage) {
-    const int bh = u / tiles;
-    un.row0 = (u - bh * tiles) * kUnitRows;
-    un.h = bh % p.H;
-    un.b = bh / p.H;
-    if (un.b != slot_b) {
-      slot_b = un.b;
-      slot_id = p.slots[un.b];
-    }
-    un.slot = slot_id;
+    locate_unit<kUnitRows>(p, u, tiles, slot_b, slot_id, un);
     if (un.slot < 0) return;
     const S* state = static_cast<const S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
 #pragma unroll
