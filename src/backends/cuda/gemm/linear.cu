@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <unordered_map>
 
 #include "backends/cuda/cuda_ops.h"
@@ -92,9 +93,7 @@ struct LtState {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
-  // kAuto at decode sizes: whether the GEMV beat cuBLASLt on this shape when both were timed (first call outside a
-  // CUDA graph capture).
-  // kAuto at decode sizes: the path measured fastest per shape: 0 = cuBLASLt, w > 0 = the GEMV at w warps per row.
+  // kAuto at decode sizes: the path measured fastest per shape: -1 = cuBLASLt, w > 0 = the GEMV at w warps per row.
   std::unordered_map<PlanKey, int, PlanKeyHash> decode_choice;
   // linear_multi's one GEMV launch: the warps per row measured fastest per shape (out = the parts' rows).
   std::unordered_map<PlanKey, int, PlanKeyHash> multi_choice;
@@ -187,6 +186,24 @@ double time_us(void* stream, const std::function<void()>& fn) {
   return 1000.0 * best / 3.0;
 }
 
+// The candidate c for which run(c) was fastest on this shape: timed once per key (time_us) on the first call outside
+// a CUDA graph capture and cached in `choices`; inside a capture nothing can be timed, so `in_capture` is returned
+// uncached and the next call outside a capture decides. Ties go to the earlier candidate.
+int fastest(std::unordered_map<PlanKey, int, PlanKeyHash>& choices, const PlanKey& key, void* stream,
+            std::initializer_list<int> candidates, int in_capture, const std::function<void(int)>& run) {
+  const auto it = choices.find(key);
+  if (it != choices.end()) return it->second;
+  if (device::stream_capturing(stream)) return in_capture;
+  int best = *candidates.begin();
+  double best_us = 0.0;
+  for (int c : candidates) {
+    const double us = time_us(stream, [&] { run(c); });
+    if (c == *candidates.begin() || us < best_us) best = c, best_us = us;
+  }
+  choices.emplace(key, best);
+  return best;
+}
+
 // The GEMV path's launch for out = x @ weight^T (+ bias) (+ relu^2).
 void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
               bool relu2, int warps_per_row = 0) {
@@ -258,35 +275,24 @@ void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x,
                          op);
   };
 
-  int gemv_wpr = path == LinearPath::kGemv ? 0 : -1;  // -1: cuBLASLt; 0: the GEMV's own rule; w: w warps per row
+  // -1: cuBLASLt; 0: the GEMV with its own warps-per-row rule; w > 0: the GEMV at w warps per row.
+  const auto run = [&](int choice) {
+    if (choice < 0) {
+      run_cublas();
+    } else {
+      run_gemv(ctx, out, x, weight, bias, false, choice);
+    }
+  };
+  int choice = path == LinearPath::kGemv ? 0 : -1;
   if (path == LinearPath::kAuto && gemv_ok && T <= kLinearGemvAutoMaxTokens) {
     // Which path wins depends on the shape (bench linear_decode on the H200, T = 1, graph: the GEMV 8.7 vs 10.5 us
     // on the Nano out_proj, 2.3 vs 5.9 on its k/v projections, but 17.7 vs 17.2 on its in_proj), and so does the
     // GEMV's best split of a row over warps (q_proj 10.2 / 8.9 / 11.2 us at 1 / 2 / 4 warps per row, out_proj 8.7 /
-    // 9.0 / 9.5, Super out_proj 23.9 / 19.7 / 18.9): time cuBLASLt and the GEMV at 1, 2 and 4 warps per row once per
-    // shape and keep the fastest. Inside a capture nothing can be timed: the GEMV with its own rule runs and the
-    // next call outside a capture decides.
-    const auto it = st.decode_choice.find(key);
-    if (it != st.decode_choice.end()) {
-      gemv_wpr = it->second > 0 ? it->second : -1;
-    } else if (device::stream_capturing(ctx.stream)) {
-      gemv_wpr = 0;
-    } else {
-      int best = 0;
-      double best_us = time_us(ctx.stream, run_cublas);
-      for (int w : {1, 2, 4}) {
-        const double us = time_us(ctx.stream, [&] { run_gemv(ctx, out, x, weight, bias, false, w); });
-        if (us < best_us) best = w, best_us = us;
-      }
-      st.decode_choice.emplace(key, best);
-      gemv_wpr = best > 0 ? best : -1;
-    }
+    // 9.0 / 9.5, Super out_proj 23.9 / 19.7 / 18.9): cuBLASLt and the GEMV at 1, 2 and 4 warps per row, the fastest
+    // kept per shape; inside a capture the GEMV with its own rule.
+    choice = fastest(st.decode_choice, key, ctx.stream, {-1, 1, 2, 4}, 0, run);
   }
-  if (gemv_wpr >= 0) {
-    run_gemv(ctx, out, x, weight, bias, false, gemv_wpr);
-  } else {
-    run_cublas();
-  }
+  run(choice);
 }
 
 void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const Tensor& x,
@@ -311,24 +317,13 @@ void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const T
   p.T = static_cast<int>(x.dim(0));
   p.K = static_cast<int>(x.dim(1));
   p.N = static_cast<int>(rows);
-  // Warps per row as cuda::linear picks them: timed once per shape outside a capture (1, 2, 4).
-  LtState& st = lt_state();
+  // Warps per row as cuda::linear picks them: the fastest of 1, 2, 4 per shape; inside a capture the GEMV's own rule.
   const PlanKey key{x.dim(0), x.dim(1), rows, x.dtype(), false, 256u, alignment(x.data()), 256u, 256u};
   const auto run = [&](int w) {
     p.warps_per_row = w;
     gemm::launch_gemv(p, x.dtype(), false, as_stream(ctx.stream));
   };
-  const auto it = st.multi_choice.find(key);
-  if (it != st.multi_choice.end()) return run(it->second);
-  if (device::stream_capturing(ctx.stream)) return run(0);
-  int best = 1;
-  double best_us = 1e30;
-  for (int w : {1, 2, 4}) {
-    const double us = time_us(ctx.stream, [&] { run(w); });
-    if (us < best_us) best = w, best_us = us;
-  }
-  st.multi_choice.emplace(key, best);
-  run(best);
+  run(fastest(lt_state().multi_choice, key, ctx.stream, {1, 2, 4}, 0, run));
 }
 
 // down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel (at decode sizes the up GEMV applies relu^2); the [T, I] intermediate is in the

@@ -205,7 +205,8 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   pp.sorted_pair = sorted_pair;
   pp.items = items;
   pp.n_items = n_items;
-  // Decode: the permutation inside the up launch and the combine inside the down launch (moe_kernels.h, GemvFold).
+  // Decode: the permutation inside the up launch, and with set_gemv_fold(2) also the combine inside the down launch
+  // (moe_kernels.h, GemvFold).
   const bool fold = gemv && gemv_fold_enabled() && P <= moe::kGemvFoldMaxPairs && T <= tile_rows;
   unsigned int* fold_counts = fold && gemv_fold_combine_enabled() ? moe::gemv_fold_counts(T, Din) : nullptr;
   if (!fold) moe::launch_moe_permute(pp, stream);
