@@ -103,6 +103,31 @@ inline ::testing::AssertionResult logits_match(const std::vector<float>& got, co
 
 // Runs one prompt through the engine (prefill in chunks of `chunk` tokens, then token-by-token decode),
 // collecting the logits of every prompt position and every generated step. Runs on the model's device.
+// One teacher-forced position of a bf16 run against transformers' bf16 logits (V of each): both top-1 choices, the
+// reference's top-2 margin, and max|logit - ref| / max|ref|. Decidable: the margin above kGpuBf16TieMargin of the
+// reference's largest |logit| (below it both runs' rounding noise decides the order).
+struct Top1Row {
+  int64_t top_got = 0, top_ref = 0;
+  float margin = 0.0f, max_abs = 0.0f;
+  double rel_err = 0.0;
+  bool decidable = false;
+};
+inline Top1Row compare_top1_row(const float* got, const float* ref, int64_t V) {
+  Top1Row r;
+  r.top_got = std::max_element(got, got + V) - got;
+  r.top_ref = std::max_element(ref, ref + V) - ref;
+  float second = -INFINITY, err = 0.0f;
+  for (int64_t v = 0; v < V; ++v) {
+    if (v != r.top_ref) second = std::max(second, ref[v]);
+    r.max_abs = std::max(r.max_abs, std::fabs(ref[v]));
+    err = std::max(err, std::fabs(got[v] - ref[v]));
+  }
+  r.margin = ref[r.top_ref] - second;
+  r.rel_err = r.max_abs > 0 ? err / r.max_abs : err;
+  r.decidable = r.margin > kGpuBf16TieMargin * r.max_abs;
+  return r;
+}
+
 struct RunResult {
   std::vector<int32_t> tokens;
   std::vector<float> logits;

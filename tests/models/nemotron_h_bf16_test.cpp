@@ -63,25 +63,16 @@ TEST_P(CpuBf16Weights, MatchesTransformersBf16) {
     const RunResult r = run_prompt(*l.model, all, 1, 4096);
     ASSERT_GE(static_cast<int64_t>(r.logits.size()), rows * V);
     for (int64_t row = 0; row < rows; ++row) {
-      const float* g = r.logits.data() + row * V;
-      const float* w = ref.f32() + row * V;
-      const int64_t top_got = std::max_element(g, g + V) - g, top_ref = std::max_element(w, w + V) - w;
-      float second = -INFINITY, max_abs = 0.0f, err = 0.0f;
-      for (int64_t v = 0; v < V; ++v) {
-        if (v != top_ref) second = std::max(second, w[v]);
-        max_abs = std::max(max_abs, std::fabs(w[v]));
-        err = std::max(err, std::fabs(g[v] - w[v]));
-      }
-      row_err.push_back(max_abs > 0 ? err / max_abs : err);
-      // Decidable: the reference's top-2 margin above kGpuBf16TieMargin of its largest |logit| (the GPU test's rule).
-      if (w[top_ref] - second > kGpuBf16TieMargin * max_abs) {
+      const Top1Row c = compare_top1_row(r.logits.data() + row * V, ref.f32() + row * V, V);
+      row_err.push_back(c.rel_err);
+      if (c.decidable) {
         ++decidable;
-        agree_decidable += top_got == top_ref;
-        if (top_got != top_ref) {
+        agree_decidable += c.top_got == c.top_ref;
+        if (c.top_got != c.top_ref) {
           std::printf("[ cpu bf16w ] %s prompt %zu row %lld: top-1 %lld, transformers bf16 %lld (margin %.2e of "
                       "max|logit|)\n",
-                      f.name.c_str(), p, static_cast<long long>(row), static_cast<long long>(top_got),
-                      static_cast<long long>(top_ref), (w[top_ref] - second) / max_abs);
+                      f.name.c_str(), p, static_cast<long long>(row), static_cast<long long>(c.top_got),
+                      static_cast<long long>(c.top_ref), c.margin / c.max_abs);
         }
       }
     }

@@ -268,28 +268,20 @@ TEST_P(GpuParity, Bf16TeacherForcedMatchesTransformersBf16) {
     ASSERT_EQ(static_cast<int64_t>(got.size()), rows * V);
     for (int64_t r = 0; r < rows; ++r) {
       const float* g = got.data() + r * V;
-      const float* w = ref.f32() + r * V;
-      const int64_t top_got = std::max_element(g, g + V) - g, top_ref = std::max_element(w, w + V) - w;
-      float second = -INFINITY, max_abs = 0.0f, err = 0.0f;
-      for (int64_t v = 0; v < V; ++v) {
-        if (v != top_ref) second = std::max(second, w[v]);
-        max_abs = std::max(max_abs, std::fabs(w[v]));
-        err = std::max(err, std::fabs(g[v] - w[v]));
-        ASSERT_TRUE(std::isfinite(g[v])) << "row " << r;
-      }
-      row_err.push_back(max_abs > 0 ? err / max_abs : err);
-      const bool same = top_got == top_ref;
-      const bool is_decidable = w[top_ref] - second > kGpuBf16TieMargin * max_abs;
+      ASSERT_TRUE(std::all_of(g, g + V, [](float v) { return std::isfinite(v); })) << "row " << r;
+      const Top1Row c = compare_top1_row(g, ref.f32() + r * V, V);
+      row_err.push_back(c.rel_err);
+      const bool same = c.top_got == c.top_ref;
       ++total;
       agree += same;
-      decidable += is_decidable;
-      agree_decidable += is_decidable && same;
+      decidable += c.decidable;
+      agree_decidable += c.decidable && same;
       if (!same) {
         std::printf("[ gpu bf16 ] %s prompt %zu row %lld: chimera top-1 %lld, transformers %lld; reference top-2 "
                     "margin %.4f = %.2e of max|logit|%s\n",
-                    f.name.c_str(), p, static_cast<long long>(r), static_cast<long long>(top_got),
-                    static_cast<long long>(top_ref), w[top_ref] - second, (w[top_ref] - second) / max_abs,
-                    is_decidable ? " (decidable)" : " (near-tie)");
+                    f.name.c_str(), p, static_cast<long long>(r), static_cast<long long>(c.top_got),
+                    static_cast<long long>(c.top_ref), c.margin, c.margin / c.max_abs,
+                    c.decidable ? " (decidable)" : " (near-tie)");
       }
     }
   }
