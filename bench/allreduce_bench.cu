@@ -191,6 +191,13 @@ struct Rig {
   }
 };
 
+// The BENCH shape of a (hidden, tokens) message, as bench/peers/allreduce_peers.py writes it: "h8192xt64".
+std::string size_shape(int64_t hidden, int64_t tokens) {
+  char s[48];
+  std::snprintf(s, sizeof(s), "h%lldxt%lld", static_cast<long long>(hidden), static_cast<long long>(tokens));
+  return s;
+}
+
 // Calls per graph: ~50 for small messages, fewer for large ones (each replay stays within a few ms).
 int calls_for(int64_t bytes) {
   return static_cast<int>(std::clamp<int64_t>((int64_t{128} << 20) / std::max<int64_t>(bytes, 1), 4, 50));
@@ -250,9 +257,7 @@ void run_latency() {
   std::vector<Row> rows;
   for (int64_t hidden : hidden_list) {
     for (int64_t tokens : tokens_list) {
-      char shape[64];
-      std::snprintf(shape, sizeof(shape), "h%lldxt%lld", static_cast<long long>(hidden),
-                    static_cast<long long>(tokens));
+      const std::string shape = size_shape(hidden, tokens);
       const double bytes = static_cast<double>(tokens * hidden * 2);
       const int calls = calls_for(static_cast<int64_t>(bytes));
       Row row{hidden, tokens, {}, {}, {}, {}};
@@ -264,7 +269,7 @@ void run_latency() {
         if (name == "autotune") row.tuned_took = dist::strategy_name(took);
         // bytes: this rank's input read + residual read + two outputs written (the HBM floor of the fusion)
         std::printf("BENCH kernel=allreduce_%s shape=%s us=%.2f gbps=%.1f tflops=0 floor_ratio=0 took=%s\n",
-                    name.c_str(), shape, us, 4.0 * bytes / (us * 1e-6) / 1e9,
+                    name.c_str(), shape.c_str(), us, 4.0 * bytes / (us * 1e-6) / 1e9,
                     std::string(dist::strategy_name(took)).c_str());
         std::fflush(stdout);
       };
@@ -379,9 +384,7 @@ void run_oneshot() {
   std::vector<Row> rows;
   for (int64_t hidden : hidden_list) {
     for (int64_t tokens : tokens_list) {
-      char shape[64];
-      std::snprintf(shape, sizeof(shape), "h%lldxt%lld", static_cast<long long>(hidden),
-                    static_cast<long long>(tokens));
+      const std::string shape = size_shape(hidden, tokens);
       const double bytes = static_cast<double>(tokens * hidden * 2);
       const int calls = calls_for(static_cast<int64_t>(bytes));
       Row row{hidden, tokens, 0, 0, 0};
@@ -390,7 +393,7 @@ void run_oneshot() {
         const double us =
             rig.measure(ar, FusionPattern::kResidualRmsNorm, tokens, hidden, calls, 20, nullptr);
         std::printf("BENCH kernel=allreduce_oneshot_%s shape=%s us=%.2f gbps=%.1f tflops=0 floor_ratio=0\n", name,
-                    shape, us, 4.0 * bytes / (us * 1e-6) / 1e9);
+                    shape.c_str(), us, 4.0 * bytes / (us * 1e-6) / 1e9);
         std::fflush(stdout);
         return us;
       };
