@@ -351,6 +351,30 @@ void bench_moe_layer_decode(const Context& ctx, const char* model, int64_t E, in
     CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
     ctx.run_graph("moe_layer-new", shape, bytes, flops, [&](cudaStream_t st, int) { new_path(st); });
     CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
+    // With its router in front (ops::router_gate_topk on the hidden state, then the experts on its choices, as the
+    // model runs them): the shared expert's up units before the up launch's pdl_wait() (the default: they overlap
+    // the router) and after it (GemvShared::before_wait).
+    {
+      const Tensor gate = random_f32({E, H}, 0.05f, static_cast<uint32_t>(500 + T));
+      const Tensor bias = random_f32({E}, 0.1f, static_cast<uint32_t>(600 + T));
+      Tensor r_ids = device::empty(Device::kCuda, DType::kI32, {T, k});
+      Tensor r_w = device::empty(Device::kCuda, DType::kF32, {T, k});
+      const ops::RouterParams rp{k, 1, 1, true, scale};
+      const auto routed_path = [&](cudaStream_t st) {
+        const ops::Context c{Device::kCuda, st};
+        ops::router_gate_topk(c, r_ids, r_w, xh, gate, bias, rp);
+        ops::moe_experts_shared(c, in.out, in.x, r_ids, r_w, ec.up, ec.down,
+                                ops::SharedExpert{s_out, xh, s_up, s_down});
+      };
+      for (const bool early : {true, false}) {
+        const bool prev = cuda::moe::set_gemv_early_shared(early);
+        routed_path(nullptr);
+        ctx.run_graph(early ? "moe_layer-router-early" : "moe_layer-router-late", shape, bytes, flops,
+                      [&](cudaStream_t st, int) { routed_path(st); });
+        CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
+        cuda::moe::set_gemv_early_shared(prev);
+      }
+    }
     ctx.run_graph("moe_experts-gemv", in.shape, in.bytes, in.flops, [&](cudaStream_t st, int) {
       cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, st}, in.out, in.x, in.ids, in.w, ec.up, ec.down,
                                      cuda::moe::ExpertsPath::kGemv);

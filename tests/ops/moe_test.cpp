@@ -879,6 +879,21 @@ TEST_P(OpsMoe, ExpertsWithSharedExpertMatchTheTwoOps) {
           Tensor so3 = out(dt, {T, c.H});
           ops::moe_experts_shared(ctx(), o2, dx, dids, dw, d_up, d_down, ops::SharedExpert{so3, dxh, d_s_up, d_s_down});
           EXPECT_TRUE(test::bit_equal(host_f32(so3), got_shared));
+#ifdef CHIMERA_HAVE_CUDA
+          // The shared units after the up launch's pdl_wait() instead of before it (set_gemv_early_shared): the
+          // same bits for both outputs.
+          {
+            struct Restore {
+              bool on;
+              ~Restore() { cuda::moe::set_gemv_early_shared(on); }
+            } restore{cuda::moe::set_gemv_early_shared(false)};
+            Tensor o4 = out(dt, {T, c.Din}), so4 = out(dt, {T, c.H});
+            ops::moe_experts_shared(ctx(), o4, dx, dids, dw, d_up, d_down,
+                                    ops::SharedExpert{so4, dxh, d_s_up, d_s_down});
+            EXPECT_TRUE(test::bit_equal(host_f32(o4), got));
+            EXPECT_TRUE(test::bit_equal(host_f32(so4), got_shared));
+          }
+#endif
         }
       }
     }

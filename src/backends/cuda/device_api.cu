@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -55,16 +56,30 @@ class CachingAllocator {
     return p;
   }
 
+  // A small block waits in a short FIFO (kCooldown further releases) before it can be handed out again, so the
+  // blocks an op frees at its return (workspaces its last kernel may still be using when the next op launches) do
+  // not come straight back as the next op's buffers: a kernel that writes before pdl_wait() ("two back",
+  // launch.cuh) may then write any buffer its op allocated. Large blocks (activations) are reused at once.
   void release(void* p, size_t bytes) {
     const size_t size = round(bytes);
     std::lock_guard<std::mutex> lock(mu_);
-    free_[size].push_back(p);
     in_use_ -= size;
     cached_ += size;
+    if (size > kSmallBytes) {
+      free_[size].push_back(p);
+      return;
+    }
+    cooling_.emplace_back(size, p);
+    if (cooling_.size() > kCooldown) {
+      free_[cooling_.front().first].push_back(cooling_.front().second);
+      cooling_.pop_front();
+    }
   }
 
   void release_cached() {
     std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [size, p] : cooling_) free_[size].push_back(p);
+    cooling_.clear();
     for (auto& [size, list] : free_) {
       for (void* p : list) cudaFree(p);
       cached_ -= size * list.size();
@@ -78,14 +93,17 @@ class CachingAllocator {
   }
 
  private:
+  static constexpr size_t kSmallBytes = size_t{1} << 20;
+  static constexpr size_t kCooldown = 16;
   static size_t round(size_t b) {
     b = b ? b : 1;
-    if (b <= (1u << 20)) return (b + 511) / 512 * 512;
+    if (b <= kSmallBytes) return (b + 511) / 512 * 512;
     return (b + (2u << 20) - 1) / (2u << 20) * (2u << 20);
   }
   const bool keep_blocks_;
   std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;
+  std::deque<std::pair<size_t, void*>> cooling_;  // small blocks released last, oldest first
   size_t in_use_ = 0, cached_ = 0;
 };
 

@@ -9,7 +9,14 @@
 // The contract for a kernel launched through launch() (enforced by review, not by the compiler):
 //   * it calls pdl_wait() before its first read of anything an earlier kernel wrote AND before its first global
 //     write (the predecessor may still be reading what we are about to overwrite);
-//   * only data nobody writes during the step (weights, norm gammas, biases) may be read before pdl_wait();
+//   * only data nobody writes during the step (weights, norm gammas, biases) may be read before pdl_wait(), with
+//     one exception ("two back"): when this kernel starts, the kernel two launches back has completed and its
+//     memory is visible (the kernel in between triggers only after its own wait, or is a plain launch that
+//     started after that kernel completed). So a kernel may, before its wait, read what kernels two or more
+//     launches back wrote, and write a buffer that the kernel right before it does not touch (not even as a
+//     workspace it freed: the caching allocator may hand that block straight to the next op, so such a
+//     predecessor keeps its workspace allocated past the next op; router_gate_topk does). Used by the MoE up
+//     GEMV's shared-expert units (GemvShared::before_wait), which overlap the router;
 //   * pdl_trigger() may be called anywhere (usually right after pdl_wait()); it only lets the NEXT kernel start
 //     its own prologue early: the next kernel's pdl_wait() still waits for this whole grid to finish.
 //   * every grid must reach pdl_wait() in at least one thread of every block (in practice: call it before any

@@ -102,7 +102,16 @@ std::atomic<int> g_gemv_fold{[] {
 bool gemv_fold_enabled() { return g_gemv_fold.load(std::memory_order_relaxed) >= 1; }
 bool gemv_fold_combine_enabled() { return g_gemv_fold.load(std::memory_order_relaxed) >= 2; }
 
+// The shared expert's up units before the up launch's pdl_wait(), overlapping the router (GemvShared::before_wait).
+// CHIMERA_MOE_EARLY_SHARED=0 turns it off (A/B runs of the whole engine); results are the same bits either way.
+std::atomic<bool> g_early_shared{[] {
+  const char* v = std::getenv("CHIMERA_MOE_EARLY_SHARED");
+  return v == nullptr || std::atoi(v) != 0;
+}()};
+
 }  // namespace
+
+bool moe::set_gemv_early_shared(bool on) { return g_early_shared.exchange(on, std::memory_order_relaxed); }
 
 void moe::set_gemv_fold(int fold) { g_gemv_fold.store(std::clamp(fold, 0, 2), std::memory_order_relaxed); }
 
@@ -239,6 +248,7 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
       hs = device::empty(Device::kCuda, x.dtype(), {T, shared->up_proj.dim(0)});
       shared_up = {shared->up_proj.data(), shared->x.data(), hs.data(), static_cast<int>(hs.dim(1)),
                    static_cast<int>(shared->x.dim(1)), static_cast<int>(T)};
+      shared_up.before_wait = g_early_shared.load(std::memory_order_relaxed);
       shared_down = {shared->down_proj.data(), hs.data(), shared->out.data(), static_cast<int>(shared->out.dim(1)),
                      static_cast<int>(hs.dim(1)), static_cast<int>(T)};
     }

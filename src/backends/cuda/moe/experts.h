@@ -21,6 +21,11 @@ enum class ExpertsPath { kAuto, kGemv, kMma, kSimt };
 // the next unit's prefetched weight loads). CHIMERA_MOE_GEMV_FOLD=0|1|2 sets the default. Process-wide.
 void set_gemv_fold(int fold);
 
+// Benchmarks and tests: whether the up launch runs the shared expert's units before its pdl_wait(), overlapping the
+// previous kernel (the router; moe_kernels.h, GemvShared::before_wait; results bit-identical either way). On by
+// default; CHIMERA_MOE_EARLY_SHARED=0 turns it off. Process-wide. Returns the previous setting.
+bool set_gemv_early_shared(bool on);
+
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                          const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
                          ExpertsPath path, const ops::SharedExpert* shared = nullptr);

@@ -208,52 +208,61 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
   int u = static_cast<int>(blockIdx.x);
   Unit cur{};
   // The shared expert's weights are constants: its first loads go out before the wait, overlapping the
-  // predecessor's tail (PDL).
+  // predecessor's tail (PDL). With GemvShared::before_wait (up only) the block runs all its shared units before the
+  // wait: their input is the hidden state, written at least two launches back (launch.cuh, "two back"), and their
+  // output hs is a buffer of this op that the predecessor (the router) does not touch.
   const bool first_shared = u < a.shared_tiles;
+  const bool early = kUp && first_shared && a.s.before_wait;
   if (first_shared) {
     cur = unit_of(a, u, int4{}, warp);
     load_step(cur, 0);
   }
-  pdl_wait();  // permute's items / the up kernel's h are visible from here; no global write before it
-  pdl_trigger();
-  // The work list: the permute launch's, or (fold, up) this block's own sort; (fold, down) the valid pairs per token.
   using PermuteShared = std::conditional_t<kUp, PermuteSmem, char>;
   __shared__ PermuteShared ps;
   __shared__ int s_nvalid[kGemvMaxTokens];
   const int4* items = a.g.items;
   const int32_t* sorted_pair = a.g.sorted_pair;
-  int n_items = 0;
-  if constexpr (kUp) {
-    if (a.f.topk_ids != nullptr) {
-      n_items = block_permute<NT>(a, ps);
-      items = ps.items;
-      sorted_pair = ps.sorted;
-    } else {
-      n_items = *a.g.n_items;
-    }
-  } else {
-    n_items = *a.g.n_items;
-    if (a.f.combined != nullptr && tid < a.f.T) {  // read after the unit loop's first barrier
-      int nv = 0;
-      for (int j = 0; j < a.g.top_k; ++j) {
-        const int e = a.f.topk_ids[tid * a.g.top_k + j];
-        nv += e >= 0 && e < a.f.E ? 1 : 0;
-      }
-      s_nvalid[tid] = nv;
-      if (nv == 0 && blockIdx.x == 0) {  // no unit will combine this token: zeros, as the combine kernel writes
-        T* o = static_cast<T*>(a.f.combined) + static_cast<int64_t>(tid) * a.g.N;
-        for (int c = 0; c < a.g.N; ++c) o[c] = from_float<T>(0.0f);
-      }
-    }
-  }
-  const int total = a.shared_tiles + n_items * a.g.n_tiles;
-  if (u >= total) return;  // uniform over the block, before any barrier
-  if (!first_shared) {
-    cur = unit_of(a, u, item_of(a, items, u), warp);
-    load_step(cur, 0);
-  }
+  bool waited = false;
+  int total = a.shared_tiles;  // before the wait (early): the shared units only
 
   while (true) {
+    if (!waited && !(early && u < a.shared_tiles)) {
+      pdl_wait();  // permute's items / the up kernel's h are visible from here; no other global write before it
+      pdl_trigger();
+      waited = true;
+      // The work list: the permute launch's, or (fold, up) this block's own sort; (fold, down) the valid pairs per
+      // token.
+      int n_items = 0;
+      if constexpr (kUp) {
+        if (a.f.topk_ids != nullptr) {
+          n_items = block_permute<NT>(a, ps);
+          items = ps.items;
+          sorted_pair = ps.sorted;
+        } else {
+          n_items = *a.g.n_items;
+        }
+      } else {
+        n_items = *a.g.n_items;
+        if (a.f.combined != nullptr && tid < a.f.T) {  // read after the unit loop's first barrier
+          int nv = 0;
+          for (int j = 0; j < a.g.top_k; ++j) {
+            const int e = a.f.topk_ids[tid * a.g.top_k + j];
+            nv += e >= 0 && e < a.f.E ? 1 : 0;
+          }
+          s_nvalid[tid] = nv;
+          if (nv == 0 && blockIdx.x == 0) {  // no unit will combine this token: zeros, as the combine kernel writes
+            T* o = static_cast<T*>(a.f.combined) + static_cast<int64_t>(tid) * a.g.N;
+            for (int c = 0; c < a.g.N; ++c) o[c] = from_float<T>(0.0f);
+          }
+        }
+      }
+      total = a.shared_tiles + n_items * a.g.n_tiles;
+      if (u >= total) return;        // uniform over the block, before any barrier
+      if (!first_shared || early) {  // (early: the first unit after the shared ones)
+        cur = unit_of(a, u, item_of(a, items, u), warp);
+        load_step(cur, 0);
+      }
+    }
     // The next unit's descriptor is fetched while this unit streams: its work item now (overlapping the staging
     // reads), the expert's weight pointer after the staging.
     const int un = u + static_cast<int>(gridDim.x);
@@ -367,9 +376,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
         }
       }
     }
-    if (!has_next) break;
-    cur = nxt;
     u = un;
+    if (!has_next) {
+      if (waited) break;
+      continue;  // the early shared units are done: wait, then the routed units
+    }
+    cur = nxt;
   }
 }
 

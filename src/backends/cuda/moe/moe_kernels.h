@@ -133,6 +133,9 @@ struct GemvShared {
   const void* x = nullptr;       // up: x [T, K] (the hidden state, also for a latent MoE); down: hs [T, K]
   void* out = nullptr;           // up: hs [T, N]; down: shared_out [T, N]; activation dtype
   int N = 0, K = 0, T = 0;       // T <= tile_rows
+  // Up only: every shared unit runs before pdl_wait() (launch.cuh, "two back"), overlapping the predecessor (the
+  // router): x must be written at least two launches back and the predecessor must not touch `out`.
+  bool before_wait = false;
 };
 // The permutation and the combine folded into the GEMV launches (decode: each saves one of the dependent launches of
 // a MoE layer). Measured on the H200 (Nano, graph step): the permutation fold takes batch-1 decode from 2.745 to
