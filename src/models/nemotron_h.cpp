@@ -476,7 +476,8 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   const bool fused_decode = ctx.device == Device::kCuda && Tp < T && T - Tp <= kFusedMambaDecodeMaxRows;
   if (fused_decode) {
     ops::mamba_decode_update(ctx, normed.rows(Tp, T), zxbcdt.rows(Tp, T), w.conv1d_weight, w.conv1d_bias, w.ssm,
-                             w.norm, G, c.layer_norm_epsilon, conv_state, ssm_state, slots.subspan(np));
+                             w.norm, G, c.layer_norm_epsilon, conv_state, ssm_state, slots.subspan(np),
+                             /*prefetch_states=*/true);  // the previous kernel is in_proj
   }
   const int64_t Ts = fused_decode ? Tp : T;  // rows through the separate ops
   if (Ts > 0) {

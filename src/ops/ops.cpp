@@ -402,7 +402,8 @@ void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& z
 
 void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
-                         float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots) {
+                         float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
+                         bool prefetch_states) {
   const Check c(ctx, "mamba_decode_update");
   c.f32("zxbcdt", zxbcdt, 2);
   c.f32("out", out, 2);
@@ -447,7 +448,8 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
   c.dispatch([&] { runtime_error("ops::mamba_decode_update: the CPU backend composes the three ops"); },
              [&] {
                CHIMERA_CUDA_CALL(cuda::mamba_decode_update(ctx, out, zxbcdt, conv_weight, conv_bias, p, norm_weight,
-                                                           n_groups, eps, conv_state, ssm_state, slots));
+                                                           n_groups, eps, conv_state, ssm_state, slots,
+                                                           prefetch_states));
              });
 }
 

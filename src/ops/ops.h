@@ -152,9 +152,13 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
 // points: conv and SSM state bit-identical to the three CUDA kernels, out within an ulp (the norm's sum of squares
 // is added in another order). Sizes the kernel does not take (N not in {16, 32, 64, 128, 256}, K not in {2, 3, 4}, a
 // misaligned state, no cluster fits) run the three ops instead, so the op works for every valid shape.
+// prefetch_states (CUDA, fused kernel): the slots' conv and SSM states are loaded before the kernel's PDL wait,
+// overlapping the previous kernel (launch.cuh, "two back"). The caller guarantees that the previous kernel on the
+// stream writes neither state (the model: this layer's in_proj). Same results either way.
 void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
-                         float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots);
+                         float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
+                         bool prefetch_states = false);
 
 // ---- attention -------------------------------------------------------------------------------------
 // A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim].

@@ -54,7 +54,7 @@ bool mamba_decode_fusable(const Tensor& zxbcdt, const Tensor& conv_weight, const
 void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const ops::SsmParams& p, const Tensor& norm_weight,
                          int64_t n_groups, float eps, const Tensor& conv_state, const Tensor& ssm_state,
-                         const ops::Indices& slots);
+                         const ops::Indices& slots, bool prefetch_states = false);
 // mamba/ (ssd_*.cu)
 void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
                     const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,

@@ -91,7 +91,7 @@ bool mamba_decode_fusable(const Tensor& zxbcdt, const Tensor& conv_weight, const
 void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const ops::SsmParams& sp, const Tensor& norm_weight,
                          int64_t n_groups, float eps, const Tensor& conv_state, const Tensor& ssm_state,
-                         const ops::Indices& slots) {
+                         const ops::Indices& slots, bool prefetch_states) {
   if (out.dtype() != zxbcdt.dtype()) {
     throw_runtime(str_cat("ops::mamba_decode_update: out ", out.describe(), " must have the dtype of zxbcdt ",
                           zxbcdt.describe(), " on CUDA"));
@@ -103,6 +103,8 @@ void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tenso
   p.slots = slots.device ? slots.device
                          : static_cast<const int32_t*>(
                                upload_scratch(slots.host.data(), slots.host.size_bytes(), stream, 0));
+  // A host slot list goes up by a copy right before the kernel: a full dependency, so the states are settled anyway.
+  p.states_before_wait = prefetch_states;
   launch_mamba_decode_fused(p, stream);
 }
 

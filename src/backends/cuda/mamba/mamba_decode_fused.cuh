@@ -46,6 +46,9 @@ struct MambaDecodeParams {
   int batch = 0, H = 0, P = 0, N = 0, G = 0, K = 0;
   // CTAs per cluster (a divisor of H / G); 0: the launcher picks (mamba_decode_fused_cluster).
   int cluster = 0;
+  // Load the slot's conv and SSM state before pdl_wait() (ops::mamba_decode_update's prefetch_states): only when the
+  // previous kernel on the stream writes neither state.
+  bool states_before_wait = false;
 };
 
 // The cluster size the fused kernel would run these sizes with, or 0 when it cannot (N not in {16, 32, 64, 128, 256},

@@ -119,15 +119,15 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
     nw[k] = i < nx ? load_param(p.norm_weight, p.norm_weight_dtype, static_cast<int64_t>(head0) * P + i) : 0.0f;
   }
 
-  pdl_wait();
-  const int slot = p.slots[b];
-  if (slot < 0) return;  // pad: the whole cluster (one sequence) leaves before any barrier
-  pdl_trigger();
-
-  // 1. The first SSM state chunk: 16-byte cache-streaming loads in flight while the conv runs.
+  // 1. The slot's states into registers: the first SSM state chunk (16-byte cache-streaming loads) and the CTA's
+  // conv state taps, in flight during the conv. With p.states_before_wait ("two back", launch.cuh) they are loaded
+  // before the wait, overlapping the predecessor (in_proj, which touches neither state; the slot ids are step
+  // metadata, uploaded before the step's first kernel; the states were last written by this kernel in the previous
+  // step); otherwise right after it.
   const int seg = lane % L::kLanesPerRow, sub = lane / L::kLanesPerRow;
   const int n_chunks = (P + kChunkRows - 1) / kChunkRows;
-  S* const state_base = static_cast<S*>(p.ssm_state) + (static_cast<int64_t>(slot) * p.H + head0) * P * N;
+  int slot = -1;
+  S* state_base = nullptr;
   Pack<S, L::kVecElems> st[kPasses][L::kVecsPerLane];
   const auto load_chunk = [&](int k) {
     const int hl = k / n_chunks, rb = (k % n_chunks) * kChunkRows;
@@ -145,7 +145,27 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
       }
     }
   };
-  load_chunk(0);
+  float prev[kConvIters][kMaxK];  // the conv state taps of the CTA's channels
+  const auto load_states = [&] {
+    slot = p.slots[b];
+    if (slot < 0) return;
+    state_base = static_cast<S*>(p.ssm_state) + (static_cast<int64_t>(slot) * p.H + head0) * P * N;
+    load_chunk(0);
+#pragma unroll
+    for (int it = 0; it < kConvIters; ++it) {
+      const int i = tid + it * kThreads;
+      const int64_t s0 = (static_cast<int64_t>(slot) * Cd + (i < nch ? channel(i) : 0)) * (K - 1);
+#pragma unroll
+      for (int j = 0; j < kMaxK; ++j) {
+        prev[it][j] = i < nch && j < K - 1 ? load_elem(p.conv_state, p.conv_state_dtype, s0 + j) : 0.0f;
+      }
+    }
+  };
+  if (!p.states_before_wait) pdl_wait();
+  load_states();  // one call site: two inlined copies made ptxas spill
+  if (p.states_before_wait) pdl_wait();
+  if (slot < 0) return;  // pad: the whole cluster (one sequence) leaves before any barrier
+  pdl_trigger();
 
   // 2. Conv update + SiLU of the CTA's channels (conv1d_update.cu's order: bias, K-1 state taps, the new input).
   const T* const row_in = static_cast<const T*>(p.zxbcdt) + static_cast<int64_t>(b) * ld;
@@ -156,13 +176,10 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
     const int64_t c = channel(i);
     const float xin = to_float<T>(row_in[Di + c]);
     const int64_t s0 = (static_cast<int64_t>(slot) * Cd + c) * (K - 1);
-    float prev[kMaxK];
-#pragma unroll
-    for (int j = 0; j < kMaxK; ++j) prev[j] = j < K - 1 ? load_elem(p.conv_state, p.conv_state_dtype, s0 + j) : 0.0f;
     float acc = cbias[it], w_last = 0.0f;
 #pragma unroll
     for (int j = 0; j < kMaxK; ++j) {
-      if (j < K - 1) acc = __fmaf_rn(taps[it][j], prev[j], acc);
+      if (j < K - 1) acc = __fmaf_rn(taps[it][j], prev[it][j], acc);
       if (j == K - 1) w_last = taps[it][j];
     }
     acc = __fmaf_rn(w_last, xin, acc);
@@ -170,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
 #pragma unroll
     for (int j = 0; j + 1 < kMaxK; ++j) {
       if (j >= K - 1) continue;
-      const float next = j + 1 < K - 1 ? prev[j + 1] : xin;
+      const float next = j + 1 < K - 1 ? prev[it][j + 1] : xin;
       if (i < nx) {
         store_elem(p.conv_state, p.conv_state_dtype, s0 + j, next);  // this CTA's own channels
       } else {
