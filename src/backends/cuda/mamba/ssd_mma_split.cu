@@ -209,8 +209,6 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
       const int arow = ln.lane & 15, acol = (ln.lane >> 4) * 8;
       const T* a_lo_p = &t.cs[(r_lo * 16 + arow) * kBStride + acol];
       const T* a_hi_p = &t.cs[(r_hi * 16 + arow) * kBStride + acol];
-      const T* a_mid_p[2] = {&t.cs[((slot_hi[2] ? r_hi : r_lo) * 16 + arow) * kBStride + acol],
-                             &t.cs[((slot_hi[3] ? r_hi : r_lo) * 16 + arow) * kBStride + acol]};
       // Y_off: B[k = n][col = p] = sb[p][n] (non-transposed ldmatrix), as the default.
       const T* sb_p = &sm.sb[(pc0 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + (ln.mat & 1) * 8];
       // C.B^T half: B[k = n][col = s] = bs[s][n], s in [16 j + 8 nt, +8): matrices (k 0-7), (k 8-15).
@@ -233,14 +231,11 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
         for (int i = 0; i < kSlots; ++i) {
           uint32_t bb[2];
           ldsm_x2(bb, b_p[i] + kk * 16);
-          if (i < 2) {
+          // Slots 2 and 3 pick their row's C fragment with a warp-uniform branch (no extra shared load).
+          if (i < 2 || (i < 4 && slot_hi[i])) {
             mma_16816<T>(cb[i], a_hi, bb[0], bb[1]);
-          } else if (i == 4) {
-            mma_16816<T>(cb[i], a_lo, bb[0], bb[1]);
           } else {
-            uint32_t am[4];
-            ldsm_x4(am, a_mid_p[i - 2] + kk * 16);
-            mma_16816<T>(cb[i], am, bb[0], bb[1]);
+            mma_16816<T>(cb[i], a_lo, bb[0], bb[1]);
           }
         }
       }
@@ -266,12 +261,13 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
       if (i == 4 && !stores_slot4) continue;
       const bool hi = slot_hi[i];
       const int l0 = hi ? l_hi : l_lo;
-      const int s = slot_j[i] * 16 + nt * 8 + 2 * ln.t4;
+      const int s = slot_j[i] * 16 + nt * 8 + 2 * ln.t4;  // even: 8-byte aligned pairs
+      const float2 as = *reinterpret_cast<const float2*>(&t.acs[s]), d = *reinterpret_cast<const float2*>(&t.dt[s]);
       uint32_t lo_reg, hi_reg;
       if (i < 2) {  // tiles 0..3 of row tile 7 - q >= 4: below the diagonal
-        cb_half_to_a<T, false>(lo_reg, hi_reg, cb[i], t.acs, t.dt, s, l0, l0 + 8, al_hi0, al_hi1);
+        cb_half_to_a<T, false>(lo_reg, hi_reg, cb[i], as, d, s, l0, l0 + 8, al_hi0, al_hi1);
       } else {
-        cb_half_to_a<T>(lo_reg, hi_reg, cb[i], t.acs, t.dt, s, l0, l0 + 8, hi ? al_hi0 : al_lo0, hi ? al_hi1 : al_lo1);
+        cb_half_to_a<T>(lo_reg, hi_reg, cb[i], as, d, s, l0, l0 + 8, hi ? al_hi0 : al_lo0, hi ? al_hi1 : al_lo1);
       }
       reinterpret_cast<uint2*>(&sm.af[af_index(q, slot_k[i], ln.lane)])[nt] = make_uint2(lo_reg, hi_reg);
     }

@@ -135,18 +135,18 @@ struct Lane {
 };
 
 // One n8 half of a C.B^T tile: accumulators cb (rows l0, l1; columns s, s + 1 with s = 16 j + 8 nt + 2 t4)
-// scaled by exp(Acum[l] - Acum[s]) dt[s] (zero above the diagonal) and packed to T: lo = {row l0, s, s + 1},
-// hi = {row l1, s, s + 1}, i.e. A fragment registers 2 nt and 2 nt + 1 of the product with x.
+// scaled by exp(Acum[l] - Acum[s]) dt[s] (zero above the diagonal; as = Acum[s], Acum[s + 1], d = dt[s],
+// dt[s + 1]) and packed to T: lo = {row l0, s, s + 1}, hi = {row l1, s, s + 1}, i.e. A fragment registers 2 nt
+// and 2 nt + 1 of the product with x.
 // kCausal = false: the caller knows the tile lies below the diagonal (s < l0 for every element), the mask is
 // then always true and skipped; the values are the same.
 template <typename T, bool kCausal = true>
-__device__ __forceinline__ void cb_half_to_a(uint32_t& lo, uint32_t& hi, const float (&cb)[4], const float* acs,
-                                             const float* dt, int s, int l0, int l1, float al0, float al1) {
-  const float as0 = acs[s], as1 = acs[s + 1], d0 = dt[s], d1 = dt[s + 1];
-  const float v00 = !kCausal || s <= l0 ? cb[0] * __expf(al0 - as0) * d0 : 0.0f;
-  const float v01 = !kCausal || s + 1 <= l0 ? cb[1] * __expf(al0 - as1) * d1 : 0.0f;
-  const float v10 = !kCausal || s <= l1 ? cb[2] * __expf(al1 - as0) * d0 : 0.0f;
-  const float v11 = !kCausal || s + 1 <= l1 ? cb[3] * __expf(al1 - as1) * d1 : 0.0f;
+__device__ __forceinline__ void cb_half_to_a(uint32_t& lo, uint32_t& hi, const float (&cb)[4], float2 as, float2 d,
+                                             int s, int l0, int l1, float al0, float al1) {
+  const float v00 = !kCausal || s <= l0 ? cb[0] * __expf(al0 - as.x) * d.x : 0.0f;
+  const float v01 = !kCausal || s + 1 <= l0 ? cb[1] * __expf(al0 - as.y) * d.y : 0.0f;
+  const float v10 = !kCausal || s <= l1 ? cb[2] * __expf(al1 - as.x) * d.x : 0.0f;
+  const float v11 = !kCausal || s + 1 <= l1 ? cb[3] * __expf(al1 - as.y) * d.y : 0.0f;
   lo = pack2<T>(v00, v01);
   hi = pack2<T>(v10, v11);
 }
@@ -158,7 +158,9 @@ __device__ __forceinline__ void cb_to_a(uint32_t (&af)[4], const float (&cb)[2][
                                         int j, int l0, int l1, float al0, float al1, const Lane& ln) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
-    cb_half_to_a<T>(af[2 * nt], af[2 * nt + 1], cb[nt], acs, dt, j * 16 + nt * 8 + 2 * ln.t4, l0, l1, al0, al1);
+    const int s = j * 16 + nt * 8 + 2 * ln.t4;
+    cb_half_to_a<T>(af[2 * nt], af[2 * nt + 1], cb[nt], make_float2(acs[s], acs[s + 1]), make_float2(dt[s], dt[s + 1]),
+                    s, l0, l1, al0, al1);
   }
 }
 
