@@ -77,7 +77,8 @@ __device__ __forceinline__ int af_index(int q, int k, int lane) {
 
 // One chunk's tiles (the same copies as ssd_mma_tiles.cuh's load_scan_chunk) with the 64-bit address math done
 // once per chunk: each thread's vectors sit at fixed 32-bit byte offsets from the chunk's x / B / C rows.
-template <typename T>
+// kFull: len == Q (every chunk but a sequence's last), no row needs the zero fill.
+template <typename T, bool kFull>
 __device__ __forceinline__ void load_split_chunk(ScanTiles<T>& t, const SsdParams& p, int begin, int len, int h,
                                                  int g) {
   const int tid = threadIdx.x;
@@ -93,18 +94,28 @@ __device__ __forceinline__ void load_split_chunk(ScanTiles<T>& t, const SsdParam
 #pragma unroll
   for (int i = 0; i < kQ * kP / 8 / kSplitThreads; ++i) {
     const int r = tid / (kP / 8) + i * (kSplitThreads * 8 / kP), v = tid % (kP / 8);
-    const bool ok = r < len;
+    const bool ok = kFull || r < len;
     ssd_mma::cp_async16(&t.xs[r * kXStride + v * 8], xb + (ok ? r * x_row + v * 16 : 0u), ok);
   }
 #pragma unroll
   for (int i = 0; i < kQ * kN / 8 / kSplitThreads; ++i) {
     const int r = tid / (kN / 8) + i * (kSplitThreads * 8 / kN), v = tid % (kN / 8);
-    const bool ok = r < len;
+    const bool ok = kFull || r < len;
     const uint32_t off = ok ? r * bc_row + v * 16 : 0u;
     ssd_mma::cp_async16(&t.bs[r * kBStride + v * 8], bb + off, ok);
     ssd_mma::cp_async16(&t.cs[r * kBStride + v * 8], cb + off, ok);
   }
   if (tid < 2 * kQ) ssd_mma::load_dt(tid < kQ ? t.dt : t.acs, p, begin, len, h, tid / kQ, tid % kQ);
+}
+
+template <typename T>
+__device__ __forceinline__ void load_split_chunk(ScanTiles<T>& t, const SsdParams& p, int2 chunk, int h, int g) {
+  const int len = chunk.y - chunk.x;
+  if (len == kQ) {
+    load_split_chunk<T, true>(t, p, chunk.x, len, h, g);
+  } else {
+    load_split_chunk<T, false>(t, p, chunk.x, len, h, g);
+  }
 }
 
 template <typename T>
@@ -157,11 +168,8 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
   }
   const float d_skip = p.D[h];
   T* y = static_cast<T*>(p.y);
-  {
-    const int2 ch = p.chunks[su.x];
-    load_split_chunk(sm.stage[0], p, ch.x, ch.y - ch.x, h, g);
-    cp_async_commit();
-  }
+  load_split_chunk(sm.stage[0], p, p.chunks[su.x], h, g);
+  cp_async_commit();
   for (int ci = 0; ci < su.y; ++ci) {
     const int2 ch = p.chunks[su.x + ci];
     const int len = ch.y - ch.x;
@@ -179,8 +187,7 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
     cp_async_wait<0>();
     __syncthreads();  // this chunk's tiles and sb visible; every warp is past the previous chunk
     if (more) {
-      const int2 nx = p.chunks[su.x + ci + 1];
-      load_split_chunk(sm.stage[(ci + 1) & 1], p, nx.x, nx.y - nx.x, h, g);
+      load_split_chunk(sm.stage[(ci + 1) & 1], p, p.chunks[su.x + ci + 1], h, g);
       cp_async_commit();
     }
     const auto& t = sm.stage[ci & 1];
@@ -231,11 +238,17 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
         for (int i = 0; i < kSlots; ++i) {
           uint32_t bb[2];
           ldsm_x2(bb, b_p[i] + kk * 16);
-          // Slots 2 and 3 pick their row's C fragment with a warp-uniform branch (no extra shared load).
-          if (i < 2 || (i < 4 && slot_hi[i])) {
+          if (i < 2) {
             mma_16816<T>(cb[i], a_hi, bb[0], bb[1]);
-          } else {
+          } else if (i == 4) {
             mma_16816<T>(cb[i], a_lo, bb[0], bb[1]);
+          } else {
+            // Slots 2 and 3 select their row's C fragment in registers (no extra shared load, and selects rather
+            // than predicated mma, which ptxas fences with warp syncs).
+            uint32_t am[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) am[r] = slot_hi[i] ? a_hi[r] : a_lo[r];
+            mma_16816<T>(cb[i], am, bb[0], bb[1]);
           }
         }
       }
