@@ -107,12 +107,14 @@ std::string describe(const cuda::SsdOptions& o, const cuda::SsdRunner& r) {
          " state_heads=" + std::to_string(o.state_heads) +
          (o.group_cb            ? " group_cb"
           : o.scan_variant == 1 ? " split16"
+          : o.scan_variant == 2 ? " split16_stage_y"
           : o.fused_cb          ? " fused_cb"
                                 : " tiled_cb");
 }
 
 // Where the time goes: each stage alone, for the default kernels (first), group_cb (C.B^T once per chunk and
-// group in stage chunk_bmm, 2 heads per scan block) second, the 16-warp scan (split16) third, the run-1 kernels
+// group in stage chunk_bmm, 2 heads per scan block) second, the 16-warp scans (split16, split16_stage_y: y stored
+// through shared memory) next, the run-1 kernels
 // (one head per state block, C.B^T tile by tile), each change alone, and superchunks of 4, 8, 16 (32) chunks.
 // Stage FLOPs: chunk_state 2 Q P N per chunk and head; chunk_scan the rest plus the state steps it repeats
 // inside superchunks ((M - 1) / M of chunk_state's). Stage bytes: what the stage must move at least.
@@ -120,6 +122,7 @@ const cuda::SsdOptions kStageVariants[] = {
     {},
     {.group_cb = true},
     {.scan_variant = 1},
+    {.scan_variant = 2},
     {.state_heads = 1, .fused_cb = false},
     {.state_heads = 1},
     {.fused_cb = false},
@@ -130,8 +133,8 @@ const cuda::SsdOptions kStageVariants[] = {
     {.superchunk = 8, .scan_variant = 1},
     {.superchunk = 32, .scan_variant = 1},
 };
-// The default against the 16-warp scan only.
-const cuda::SsdOptions kSplitVariants[] = {{}, {.scan_variant = 1}};
+// The default against the 16-warp scans only.
+const cuda::SsdOptions kSplitVariants[] = {{}, {.scan_variant = 1}, {.scan_variant = 2}};
 
 void stages(const Context& ctx, const char* model, int64_t H, int32_t T, std::span<const cuda::SsdOptions> variants) {
   const Problem pr(H, {T});
@@ -163,8 +166,8 @@ void stages(const Context& ctx, const char* model, int64_t H, int32_t T, std::sp
 // scan side by side.
 void prefill_variants(const Context& ctx, const char* model, int64_t H, const std::vector<int32_t>& lens) {
   const Problem pr(H, lens);
-  for (const cuda::SsdOptions& o :
-       {cuda::SsdOptions{}, cuda::SsdOptions{.group_cb = true}, cuda::SsdOptions{.scan_variant = 1}}) {
+  for (const cuda::SsdOptions& o : {cuda::SsdOptions{}, cuda::SsdOptions{.group_cb = true},
+                                    cuda::SsdOptions{.scan_variant = 1}, cuda::SsdOptions{.scan_variant = 2}}) {
     const std::string shape = pr.shape + " " + describe(o, pr.runner(o));
     ctx.run(std::string("ssd_variant-") + model, shape, pr.bytes, pr.flops, [&] { pr.runner(o).run(); });
   }
@@ -239,6 +242,8 @@ CHIMERA_BENCH(ssd_cross_check) {
   cross_check("nano", 64, 32768, {.scan_variant = 1});                                  // expect 0
   cross_check("nano", 64, 8192, {.scan_variant = 1});                                   // expect 0
   cross_check("super", 128, 8192, {.superchunk = 3, .scan_variant = 1});
+  cross_check("super", 128, 32768, {.scan_variant = 2});                                // expect 0
+  cross_check("nano", 64, 8192, {.scan_variant = 2});                                   // expect 0
 }
 
 }  // namespace chimera::bench

@@ -600,25 +600,27 @@ TEST_P(OpsSsd, CudaGroupCbSameBitsAsDefault) {
   expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, {}, group_cb);
 }
 
-// ---- scan_variant 1: 16 warps per (superchunk, head), each chunk's columns and C.B^T tiles split --------------
+// ---- scan_variant 1 / 2: 16 warps per (superchunk, head), each chunk's columns and C.B^T tiles split ----------
 // The same cases as group_cb against the CPU reference: superchunks of 1 (no state step), 3 (odd) and automatic,
 // awkward single prompts, packed batches with pads and odd heads per group, 16-bit states / activations /
-// parameters, dt limits.
+// parameters, dt limits; variant 2 (y staged through shared memory) on the first two.
 TEST_P(OpsSsd, CudaSplitScanMatchesReference) {
   if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
-  for (int m : {0, 1, 3}) {
-    SCOPED_TRACE(::testing::Message() << "scan_variant=1 superchunk=" << m);
-    variant = cuda::SsdOptions{.superchunk = m, .scan_variant = 1};
-    awkward_lengths(DType::kBF16, {4099});
-    auto rng = test::Rng::for_test();
-    run_batch(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, {DType::kBF16});
-    if (m != 0) continue;
-    awkward_lengths(DType::kBF16, {1, 3, 17, 111, 989});
-    packed_batches(*this, {DType::kBF16});
-    const std::vector<int32_t> lens = {300, 0, 129, 1}, slots = {2, 0, -1, 4};
-    check_scan(rng, kNano, lens, slots, 6, 128, DType::kBF16, DType::kBF16);
-    check_scan(rng, {16, 64, 2, 128}, lens, slots, 6, 128, DType::kF16, DType::kF16, DType::kBF16);
-    check_scan(rng, {16, 64, 8, 128}, lens, slots, 6, 128, DType::kBF16, DType::kF32, DType::kF32, 0.02f, 0.08f);
+  for (int v : {1, 2}) {
+    for (int m : {0, 1, 3}) {
+      SCOPED_TRACE(::testing::Message() << "scan_variant=" << v << " superchunk=" << m);
+      variant = cuda::SsdOptions{.superchunk = m, .scan_variant = v};
+      awkward_lengths(DType::kBF16, {4099});
+      auto rng = test::Rng::for_test();
+      run_batch(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, {DType::kBF16});
+      if (m != 0 || v != 1) continue;
+      awkward_lengths(DType::kBF16, {1, 3, 17, 111, 989});
+      packed_batches(*this, {DType::kBF16});
+      const std::vector<int32_t> lens = {300, 0, 129, 1}, slots = {2, 0, -1, 4};
+      check_scan(rng, kNano, lens, slots, 6, 128, DType::kBF16, DType::kBF16);
+      check_scan(rng, {16, 64, 2, 128}, lens, slots, 6, 128, DType::kF16, DType::kF16, DType::kBF16);
+      check_scan(rng, {16, 64, 8, 128}, lens, slots, 6, 128, DType::kBF16, DType::kF32, DType::kF32, 0.02f, 0.08f);
+    }
   }
 }
 
@@ -627,14 +629,18 @@ TEST_P(OpsSsd, CudaSplitScanMatchesReference) {
 TEST_P(OpsSsd, CudaSplitScanSmall) {
   if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
   auto rng = test::Rng::for_test();
-  variant = cuda::SsdOptions{.superchunk = 2, .scan_variant = 1};
   const std::vector<int32_t> lens = {300, 0, 129, 1, 256}, slots = {2, 0, -1, 4, 1};
-  check_scan(rng, {4, 64, 2, 128}, lens, slots, 6, 128, DType::kBF16);
-  check_scan(rng, {3, 64, 1, 128}, lens, slots, 6, 128, DType::kF16);
+  for (int v : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << "scan_variant=" << v);
+    variant = cuda::SsdOptions{.superchunk = 2, .scan_variant = v};
+    check_scan(rng, {4, 64, 2, 128}, lens, slots, 6, 128, DType::kBF16);
+    check_scan(rng, {3, 64, 1, 128}, lens, slots, 6, 128, DType::kF16);
+  }
 }
 
 // The split scan computes every element with the default scan's operation sequence (ssd_mma_split.cu): same bits,
-// for bf16 and f16, automatic and odd superchunk lengths (the state step inside a superchunk).
+// for bf16 and f16, automatic and odd superchunk lengths (the state step inside a superchunk), y stored from
+// registers (variant 1) or through shared memory (variant 2).
 TEST_P(OpsSsd, CudaSplitScanSameBitsAsDefault) {
   if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
   auto rng = test::Rng::for_test();
@@ -644,6 +650,10 @@ TEST_P(OpsSsd, CudaSplitScanSameBitsAsDefault) {
   expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, {}, split);
   expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, {}, split);
   expect_same_bits(rng, kNano, {4099, 260}, DType::kBF16, {.superchunk = 3}, {.superchunk = 3, .scan_variant = 1});
+  const cuda::SsdOptions staged{.scan_variant = 2};
+  expect_same_bits(rng, kSuper, {989}, DType::kBF16, {}, staged);
+  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, {}, staged);
+  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, {}, staged);
 }
 
 TEST_P(OpsSsd, CudaRejectsUnknownScanVariant) {
@@ -655,9 +665,9 @@ TEST_P(OpsSsd, CudaRejectsUnknownScanVariant) {
   EXPECT_TRUE(test::throws_error(
       [&] {
         cuda::SsdRunner(y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slot, 128, nullptr,
-                        cuda::SsdOptions{.scan_variant = 2});
+                        cuda::SsdOptions{.scan_variant = 3});
       },
-      ErrorKind::kRuntime, "ops::ssd_chunk_scan: SsdOptions::scan_variant 2 is not 0 or 1"));
+      ErrorKind::kRuntime, "ops::ssd_chunk_scan: SsdOptions::scan_variant 3 is not 0, 1 or 2"));
 }
 #endif
 

@@ -100,8 +100,9 @@ template <typename T>
 void launch_ssd_chunk_scan_group_mma(const SsdParams& p, cudaStream_t stream);
 // The 16-warp scan (ssd_mma_split.cu): one block per (superchunk, head) as the default scan, each chunk's output
 // columns, C.B^T tiles and state columns split over 16 warps; same bits as launch_ssd_chunk_scan_mma.
+// stage_y: y goes through shared memory and out as whole 128-byte rows.
 template <typename T>
-void launch_ssd_chunk_scan_split_mma(const SsdParams& p, cudaStream_t stream);
+void launch_ssd_chunk_scan_split_mma(const SsdParams& p, bool stage_y, cudaStream_t stream);
 
 // The plain per-token recurrence (model-spec 3.3), one block per (sequence, head).
 struct SsmRecurrenceParams {
@@ -135,7 +136,8 @@ struct SsdOptions {
   // (fused_cb then unused). Same bits as the default kernels.
   bool group_cb = false;
   // The chunk_scan kernel when group_cb is off: 0 = 8 warps per (superchunk, head) (ssd_mma.cu), 1 = 16 warps
-  // splitting each chunk's columns and C.B^T tiles (ssd_mma_split.cu; fused_cb unused). Same bits.
+  // splitting each chunk's columns and C.B^T tiles (ssd_mma_split.cu; fused_cb unused), 2 = 1 with y stored
+  // through shared memory as whole 128-byte rows. Same bits.
   int scan_variant = 0;
 };
 

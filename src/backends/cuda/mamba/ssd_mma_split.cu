@@ -124,7 +124,12 @@ __device__ __forceinline__ uint32_t scale2(uint32_t u, float w) {
   return pack2<T>(v.x * w, v.y * w);
 }
 
-template <typename T>
+// Barrier of the 4 warps of group q (named barriers 1..4; 0 is __syncthreads).
+__device__ __forceinline__ void group_sync(int q) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(q + 1), "n"(128) : "memory");
+}
+
+template <typename T, bool kStageY>
 __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_kernel(SsdParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<SplitSmem<T>*>(smem_raw);
@@ -307,9 +312,12 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
         }
       }
     }
-    // + D x, stored as T.
+    // + D x, rounded to T: stored straight from the accumulators (4 bytes per lane, 16 of each 32-byte sector),
+    // or with kStageY through this stage's C tile (read by nobody until the copy of chunk ci + 2, issued after
+    // the next chunk's first barrier) so that the group stores its 32 rows as whole 128-byte lines.
     T* yc = y + (static_cast<size_t>(ch.x) * p.H + h) * kP;  // this chunk's first row of head h
     const int y_row = p.H * kP;
+    T* ys = sm.stage[ci & 1].cs;  // kStageY: [Q, P + 8] tile of y
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -318,11 +326,27 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int l = (r ? l_hi : l_lo) + half * 8;
-          if (l < len) {
+          if (kStageY || l < len) {
             const float2 xv = unpack2<T>(*reinterpret_cast<const uint32_t*>(&t.xs[l * kXStride + pc]));
             const uint32_t out = pack2<T>(acc[r][j][2 * half] + d_skip * xv.x, acc[r][j][2 * half + 1] + d_skip * xv.y);
-            *reinterpret_cast<uint32_t*>(&yc[l * y_row + pc]) = out;
+            if constexpr (kStageY) {
+              *reinterpret_cast<uint32_t*>(&ys[l * kXStride + pc]) = out;
+            } else {
+              *reinterpret_cast<uint32_t*>(&yc[l * y_row + pc]) = out;
+            }
           }
+        }
+      }
+    }
+    if constexpr (kStageY) {
+      group_sync(q);  // the group's rows of ys written
+      const int i = threadIdx.x % 128, v = i % 8;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int l = (r ? r_hi : r_lo) * 16 + i / 8;
+        if (l < len) {
+          *reinterpret_cast<uint4*>(&yc[l * y_row + v * 8]) =
+              *reinterpret_cast<const uint4*>(&ys[l * kXStride + v * 8]);
         }
       }
     }
@@ -352,21 +376,30 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
   }
 }
 
-}  // namespace
-
-template <typename T>
-void launch_ssd_chunk_scan_split_mma(const SsdParams& p, cudaStream_t stream) {
+template <typename T, bool kStageY>
+void launch_split(const SsdParams& p, cudaStream_t stream) {
   constexpr size_t smem = sizeof(SplitSmem<T>);
   constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_scan split mma)";
-  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(ssd_chunk_scan_split_mma_kernel<T>,
+  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(ssd_chunk_scan_split_mma_kernel<T, kStageY>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                      kOp);
-  ssd_chunk_scan_split_mma_kernel<T>
+  ssd_chunk_scan_split_mma_kernel<T, kStageY>
       <<<static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kSplitThreads, smem, stream>>>(p);
   CHIMERA_LAUNCH_CHECK(kOp);
 }
 
-template void launch_ssd_chunk_scan_split_mma<__nv_bfloat16>(const SsdParams&, cudaStream_t);
-template void launch_ssd_chunk_scan_split_mma<__half>(const SsdParams&, cudaStream_t);
+}  // namespace
+
+template <typename T>
+void launch_ssd_chunk_scan_split_mma(const SsdParams& p, bool stage_y, cudaStream_t stream) {
+  if (stage_y) {
+    launch_split<T, true>(p, stream);
+  } else {
+    launch_split<T, false>(p, stream);
+  }
+}
+
+template void launch_ssd_chunk_scan_split_mma<__nv_bfloat16>(const SsdParams&, bool, cudaStream_t);
+template void launch_ssd_chunk_scan_split_mma<__half>(const SsdParams&, bool, cudaStream_t);
 
 }  // namespace chimera::cuda
