@@ -1,6 +1,7 @@
 // SSD stage 5 (chunk_scan) with 16 warps per (superchunk, head) instead of the default's 8
-// (SsdOptions::scan_variant = 1). Same math, same per-element operation order, hence the same bits as
-// ssd_mma.cu's default scan; what changes is how one chunk's work is split between warps.
+// (SsdOptions::scan_variant = 1, or 2 with y staged through shared memory). Same math, same per-element
+// operation order, hence the same bits as ssd_mma.cu's default scan; what changes is how one chunk's work is
+// split between warps. Not measured on a GPU yet.
 //
 // Why: the default scan (8 warps, 245 registers, 195 KB of shared memory) holds one block of 8 warps per SM
 // and is latency bound (ncu at Super 32K: 2 warps per scheduler, 0.36 eligible, issue slots 28 % busy,
@@ -18,6 +19,10 @@
 //   - The state step's A operand x[s][p] * w[s], w[s] = exp(Acum[last] - Acum[s]) dt[s] rounded to T, is
 //     computed once per element into a shared tile (`xw`) instead of once per warp in registers.
 //   - Two block barriers per chunk: after the copy wait (tiles, sb visible), after the C.B^T exchange.
+//   - Variant 2 writes y into the chunk's C tile (dead by then) and, after a barrier of the 4-warp group, stores
+//     the group's 32 rows as whole 128-byte lines (variant 1: 4 bytes per lane straight from the accumulators).
+// Per warp and chunk: 122 mma (+8 wasted on warps 2, 3 of each group, see the slots below), ~1100 instructions
+// (the default: 236 mma, ~2240 instructions per warp, 8 warps); 125-128 registers, no spills (ptxas -v).
 // Per element every product is the same mma chain as the default's (Y_off over k = N in kk order, times
 // exp(Acum[l]), then the C.B^T tiles j = 0.. in order; the state times exp(Acum[last]) then the chunk's rows
 // in kk order), and every scaling the same fp32 expression (ssd_mma_tiles.cuh), so y and the states match the
@@ -56,8 +61,9 @@ constexpr int kSplitThreads = 512;  // 16 warps
 constexpr int kGroups = 4;          // row-tile pairs (q, 7 - q), 4 warps each
 constexpr int kGroupTiles = 9;      // causal C.B^T tiles of row tiles q and 7 - q: (q + 1) + (8 - q)
 constexpr int kSlots = 5;           // C.B^T n8 halves per warp: 18 per group over 4 warps -> 5, 5, 4, 4
-static_assert(kGroups * kGroupTiles == kSsdCbTiles && kGroups * 4 * 32 == kSplitThreads, "split tiling");
-static_assert(kGroups * 32 == kQ, "one x * w row per thread of a group");
+constexpr int kGroupThreads = kSplitThreads / kGroups;
+static_assert(kGroups * kGroupTiles == kSsdCbTiles && kGroupThreads == 4 * 32, "split tiling");
+static_assert(kGroupThreads == kQ, "one x * w row per thread of a group");
 
 template <typename T>
 struct SplitSmem {
@@ -126,7 +132,7 @@ __device__ __forceinline__ uint32_t scale2(uint32_t u, float w) {
 
 // Barrier of the 4 warps of group q (named barriers 1..4; 0 is __syncthreads).
 __device__ __forceinline__ void group_sync(int q) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(q + 1), "n"(128) : "memory");
+  asm volatile("bar.sync %0, %1;\n" ::"r"(q + 1), "n"(kGroupThreads) : "memory");
 }
 
 template <typename T, bool kStageY>
@@ -199,7 +205,7 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
 
     // x * w for the state step: group q's thread i, row s = i, columns [p0, p0 + 16) (those its warps read).
     if (more) {
-      const int s = threadIdx.x % kQ;
+      const int s = threadIdx.x % kGroupThreads;
       const float w = __expf(t.acs[len - 1] - t.acs[s]) * t.dt[s];
       const uint4* src = reinterpret_cast<const uint4*>(&t.xs[s * kXStride + p0]);
       uint4* dst = reinterpret_cast<uint4*>(&sm.xw[s * kXStride + p0]);
@@ -281,35 +287,49 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
       const int l0 = hi ? l_hi : l_lo;
       const int s = slot_j[i] * 16 + nt * 8 + 2 * ln.t4;  // even: 8-byte aligned pairs
       const float2 as = *reinterpret_cast<const float2*>(&t.acs[s]), d = *reinterpret_cast<const float2*>(&t.dt[s]);
+      const float al0 = hi ? al_hi0 : al_lo0, al1 = hi ? al_hi1 : al_lo1;
       uint32_t lo_reg, hi_reg;
-      if (i < 2) {  // tiles 0..3 of row tile 7 - q >= 4: below the diagonal
-        cb_half_to_a<T, false>(lo_reg, hi_reg, cb[i], as, d, s, l0, l0 + 8, al_hi0, al_hi1);
+      // Only diagonal tiles need the causal mask: slot 4 always, slots 2 and 3 for one q each; slots 0 and 1 hold
+      // tiles 0..3 of row tile 7 - q >= 4 (warp-uniform branch).
+      if (i < 2 || (i < 4 && slot_j[i] < (hi ? r_hi : r_lo))) {
+        cb_half_to_a<T, false>(lo_reg, hi_reg, cb[i], as, d, s, l0, l0 + 8, al0, al1);
       } else {
-        cb_half_to_a<T>(lo_reg, hi_reg, cb[i], as, d, s, l0, l0 + 8, hi ? al_hi0 : al_lo0, hi ? al_hi1 : al_lo1);
+        cb_half_to_a<T>(lo_reg, hi_reg, cb[i], as, d, s, l0, l0 + 8, al0, al1);
       }
       reinterpret_cast<uint2*>(&sm.af[af_index(q, slot_k[i], ln.lane)])[nt] = make_uint2(lo_reg, hi_reg);
     }
     __syncthreads();  // af and xw visible
 
     // Y_diag, column tile j by column tile j (ascending, as the default): B[k = s][col = p] = xs[s][p]
-    // (matrices (s 0-7, p 0-7), (s 8-15, p 0-7), (s 0-7, p 8-15), (s 8-15, p 8-15)) serves both row tiles.
-#pragma unroll
-    for (int j = 0; j < kQ / 16; ++j) {
-      if (j <= r_hi) {
+    // (matrices (s 0-7, p 0-7), (s 8-15, p 0-7), (s 0-7, p 8-15), (s 8-15, p 8-15)). Tiles j <= q serve both row
+    // tiles, q < j <= 7 - q row tile 7 - q only: two runtime-length loops, each row tile's tiles still in
+    // ascending j.
+    {
+      const T* xs_j = &t.xs[(ln.mrow + (ln.mat & 1) * 8) * kXStride + pc0 + (ln.mat >> 1) * 8];
+      const uint4* af_hi = &sm.af[af_index(q, 0, ln.lane)];      // row tile 7 - q, column tile j at j * 32
+      const uint4* af_lo = &sm.af[af_index(q, 8 - q, ln.lane)];  // row tile q
+      int j = 0;
+#pragma unroll 1
+      for (; j <= r_lo; ++j) {
         uint32_t b[4];
-        ldsm_x4_trans(b, &t.xs[(j * 16 + ln.mrow + (ln.mat & 1) * 8) * kXStride + pc0 + (ln.mat >> 1) * 8]);
-        {
-          const uint4 f = sm.af[af_index(q, j, ln.lane)];
-          const uint32_t af[4] = {f.x, f.y, f.z, f.w};
-          mma_16816<T>(acc[1][0], af, b[0], b[1]);
-          mma_16816<T>(acc[1][1], af, b[2], b[3]);
-        }
-        if (j <= r_lo) {
-          const uint4 f = sm.af[af_index(q, 8 - q + j, ln.lane)];
-          const uint32_t af[4] = {f.x, f.y, f.z, f.w};
-          mma_16816<T>(acc[0][0], af, b[0], b[1]);
-          mma_16816<T>(acc[0][1], af, b[2], b[3]);
-        }
+        ldsm_x4_trans(b, xs_j);
+        const uint4 fh = af_hi[j * 32], fl = af_lo[j * 32];
+        const uint32_t ah[4] = {fh.x, fh.y, fh.z, fh.w}, al[4] = {fl.x, fl.y, fl.z, fl.w};
+        mma_16816<T>(acc[1][0], ah, b[0], b[1]);
+        mma_16816<T>(acc[1][1], ah, b[2], b[3]);
+        mma_16816<T>(acc[0][0], al, b[0], b[1]);
+        mma_16816<T>(acc[0][1], al, b[2], b[3]);
+        xs_j += 16 * kXStride;
+      }
+#pragma unroll 1
+      for (; j <= r_hi; ++j) {
+        uint32_t b[4];
+        ldsm_x4_trans(b, xs_j);
+        const uint4 fh = af_hi[j * 32];
+        const uint32_t ah[4] = {fh.x, fh.y, fh.z, fh.w};
+        mma_16816<T>(acc[1][0], ah, b[0], b[1]);
+        mma_16816<T>(acc[1][1], ah, b[2], b[3]);
+        xs_j += 16 * kXStride;
       }
     }
     // + D x, rounded to T: stored straight from the accumulators (4 bytes per lane, 16 of each 32-byte sector),
@@ -340,7 +360,7 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
     }
     if constexpr (kStageY) {
       group_sync(q);  // the group's rows of ys written
-      const int i = threadIdx.x % 128, v = i % 8;
+      const int i = threadIdx.x % kGroupThreads, v = i % 8;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int l = (r ? r_hi : r_lo) * 16 + i / 8;
@@ -359,15 +379,17 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
 #pragma unroll
         for (int e = 0; e < 4; ++e) st[j][e] *= dec;
       }
+      const T* xw_lane = &sm.xw[(ln.mrow + (ln.mat >> 1) * 8) * kXStride + p0 + (ln.mat & 1) * 8];
+      // B[k = s][n] = bs[s][n]: matrices (s 0-7, n 0-7), (s 8-15, n 0-7), (s 0-7, n 8-15), (s 8-15, n 8-15).
+      const T* bs_lane = &t.bs[(ln.mrow + (ln.mat & 1) * 8) * kBStride + n0 + (ln.mat >> 1) * 8];
 #pragma unroll
       for (int kk = 0; kk < kQ / 16; ++kk) {
         uint32_t a[4];
-        ldsm_x4_trans(a, &sm.xw[(kk * 16 + ln.mrow + (ln.mat >> 1) * 8) * kXStride + p0 + (ln.mat & 1) * 8]);
+        ldsm_x4_trans(a, xw_lane + kk * 16 * kXStride);
 #pragma unroll
         for (int jq = 0; jq < 2; ++jq) {
-          // B[k = s][n] = bs[s][n]: matrices (s 0-7, n 0-7), (s 8-15, n 0-7), (s 0-7, n 8-15), (s 8-15, n 8-15).
           uint32_t b[4];
-          ldsm_x4_trans(b, &t.bs[(kk * 16 + ln.mrow + (ln.mat & 1) * 8) * kBStride + n0 + jq * 16 + (ln.mat >> 1) * 8]);
+          ldsm_x4_trans(b, bs_lane + kk * 16 * kBStride + jq * 16);
           mma_16816<T>(st[2 * jq], a, b[0], b[1]);
           mma_16816<T>(st[2 * jq + 1], a, b[2], b[3]);
         }
