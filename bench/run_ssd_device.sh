@@ -39,6 +39,7 @@ el tested
 
 SMALL='OpsSsd.CudaSixteenBitStatesActivationsAndParams/Cuda:OpsSsd.CudaPackedBatchSuperchunks/Cuda'
 SMALL+=':OpsSsd.CudaRecurrenceSixteenBit/Cuda:OpsSsd.ChunkScanMatchesRecurrence/Cuda:OpsSsd.CudaGroupCbSmall/Cuda'
+SMALL+=':OpsSsd.CudaSplitScanSmall/Cuda'
 if [ "$(left $((BUDGET - 85)))" -gt 10 ]; then
   timeout "$(left $((BUDGET - 85)))" compute-sanitizer --tool memcheck ./b/chimera_tests --gtest_filter="$SMALL" \
     >"$OUT/memcheck.log" 2>&1
@@ -47,6 +48,7 @@ if [ "$(left $((BUDGET - 85)))" -gt 10 ]; then
 fi
 el memchecked
 RACE='OpsSsd.CudaSixteenBitStatesActivationsAndParams/Cuda:OpsSsd.DtLimitsClampBothPaths/Cuda:OpsSsd.CudaGroupCbSmall/Cuda'
+RACE+=':OpsSsd.CudaSplitScanSmall/Cuda'
 if [ "$(left $((BUDGET - 68)))" -gt 10 ]; then
   timeout "$(left $((BUDGET - 68)))" compute-sanitizer --tool racecheck ./b/chimera_tests --gtest_filter="$RACE" \
     >"$OUT/racecheck.log" 2>&1

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -104,29 +105,41 @@ std::string describe(const cuda::SsdOptions& o, const cuda::SsdRunner& r) {
   if (o.portable) return "portable";
   return "M=" + (o.superchunk ? std::to_string(o.superchunk) : "auto(" + std::to_string(r.superchunk()) + ")") +
          " state_heads=" + std::to_string(o.state_heads) +
-         (o.group_cb ? " group_cb" : (o.fused_cb ? " fused_cb" : " tiled_cb"));
+         (o.group_cb            ? " group_cb"
+          : o.scan_variant == 1 ? " split16"
+          : o.scan_variant == 2 ? " split16_stage_y"
+          : o.fused_cb          ? " fused_cb"
+                                : " tiled_cb");
 }
 
 // Where the time goes: each stage alone, for the default kernels (first), group_cb (C.B^T once per chunk and
-// group in stage chunk_bmm, 2 heads per scan block) second, the run-1 kernels (one head per state block, C.B^T
-// tile by tile), each change alone, and superchunks of 4, 8, 16 chunks.
+// group in stage chunk_bmm, 2 heads per scan block) second, the 16-warp scans (split16, split16_stage_y: y stored
+// through shared memory) next, the run-1 kernels
+// (one head per state block, C.B^T tile by tile), each change alone, and superchunks of 4, 8, 16 (32) chunks.
 // Stage FLOPs: chunk_state 2 Q P N per chunk and head; chunk_scan the rest plus the state steps it repeats
 // inside superchunks ((M - 1) / M of chunk_state's). Stage bytes: what the stage must move at least.
-void stages(const Context& ctx, const char* model, int64_t H, int32_t T) {
+const cuda::SsdOptions kStageVariants[] = {
+    {},
+    {.group_cb = true},
+    {.scan_variant = 1},
+    {.scan_variant = 2},
+    {.state_heads = 1, .fused_cb = false},
+    {.state_heads = 1},
+    {.fused_cb = false},
+    {.superchunk = 4},
+    {.superchunk = 8},
+    {.superchunk = 16},
+    {.superchunk = 8, .group_cb = true},
+    {.superchunk = 8, .scan_variant = 1},
+    {.superchunk = 32, .scan_variant = 1},
+};
+// The default against the 16-warp scans only.
+const cuda::SsdOptions kSplitVariants[] = {{}, {.scan_variant = 1}, {.scan_variant = 2}};
+
+void stages(const Context& ctx, const char* model, int64_t H, int32_t T, std::span<const cuda::SsdOptions> variants) {
   const Problem pr(H, {T});
   const double chunks = static_cast<double>((T + kChunk - 1) / kChunk), Q = kChunk;
   const double state_flops = chunks * H * 2.0 * Q * kP * kN;
-  const cuda::SsdOptions variants[] = {
-      {},
-      {.group_cb = true},
-      {.state_heads = 1, .fused_cb = false},
-      {.state_heads = 1},
-      {.fused_cb = false},
-      {.superchunk = 4},
-      {.superchunk = 8},
-      {.superchunk = 16},
-      {.superchunk = 8, .group_cb = true},
-  };
   for (const cuda::SsdOptions& o : variants) {
     const cuda::SsdRunner r = pr.runner(o);
     const std::string shape = pr.shape + " " + describe(o, r);
@@ -149,10 +162,12 @@ void stages(const Context& ctx, const char* model, int64_t H, int32_t T) {
   }
 }
 
-// The whole op (host plan included, as ops::ssd_chunk_scan) for the default kernels and group_cb side by side.
+// The whole op (host plan included, as ops::ssd_chunk_scan) for the default kernels, group_cb and the 16-warp
+// scan side by side.
 void prefill_variants(const Context& ctx, const char* model, int64_t H, const std::vector<int32_t>& lens) {
   const Problem pr(H, lens);
-  for (const cuda::SsdOptions& o : {cuda::SsdOptions{}, cuda::SsdOptions{.group_cb = true}}) {
+  for (const cuda::SsdOptions& o : {cuda::SsdOptions{}, cuda::SsdOptions{.group_cb = true},
+                                    cuda::SsdOptions{.scan_variant = 1}, cuda::SsdOptions{.scan_variant = 2}}) {
     const std::string shape = pr.shape + " " + describe(o, pr.runner(o));
     ctx.run(std::string("ssd_variant-") + model, shape, pr.bytes, pr.flops, [&] { pr.runner(o).run(); });
   }
@@ -204,8 +219,9 @@ CHIMERA_BENCH(ssd_prefill_super) {
 CHIMERA_BENCH(ssd_prefill_super_batch) { prefill(ctx, "super", 128, std::vector<int32_t>(16, 512)); }
 
 CHIMERA_BENCH(ssd_stages) {
-  stages(ctx, "super", 128, 32768);
-  stages(ctx, "nano", 64, 8192);
+  stages(ctx, "super", 128, 32768, kStageVariants);
+  stages(ctx, "nano", 64, 8192, kStageVariants);
+  stages(ctx, "nano", 64, 32768, kSplitVariants);
 }
 
 CHIMERA_BENCH(ssd_prefill_variants) {
@@ -222,6 +238,12 @@ CHIMERA_BENCH(ssd_cross_check) {
   cross_check("super", 128, 32768, {.group_cb = true});                                 // expect 0 (same bits)
   cross_check("nano", 64, 8192, {.group_cb = true});
   cross_check("super", 128, 8192, {.superchunk = 3, .group_cb = true});
+  cross_check("super", 128, 32768, {.scan_variant = 1});                                // expect 0 (same bits)
+  cross_check("nano", 64, 32768, {.scan_variant = 1});                                  // expect 0
+  cross_check("nano", 64, 8192, {.scan_variant = 1});                                   // expect 0
+  cross_check("super", 128, 8192, {.superchunk = 3, .scan_variant = 1});
+  cross_check("super", 128, 32768, {.scan_variant = 2});                                // expect 0
+  cross_check("nano", 64, 8192, {.scan_variant = 2});                                   // expect 0
 }
 
 }  // namespace chimera::bench

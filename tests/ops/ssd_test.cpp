@@ -231,6 +231,31 @@ class OpsSsd : public BackendTest {
       check_scan(rng, c, {T}, {1}, 3, 128, act);
     }
   }
+
+#ifdef CHIMERA_HAVE_CUDA
+  // Two tensor-core variants on the same inputs (activations stored as `act`) and non-zero initial states, one
+  // slot per sequence: y and the final states must be identical bit for bit.
+  void expect_same_bits(test::Rng& rng, const SsmCase& shape, const std::vector<int32_t>& lens, DType act,
+                        const cuda::SsdOptions& a, const cuda::SsdOptions& b) const {
+    const auto cu = cu_from(lens);
+    const int64_t batch = static_cast<int64_t>(lens.size());
+    std::vector<int32_t> slots(static_cast<size_t>(batch));
+    std::iota(slots.begin(), slots.end(), 0);
+    const SsmInputs d = dev(make_inputs(rng, cu.back(), shape), act);
+    const Tensor state0 = rng.normal_tensor({batch, shape.H, shape.P, shape.N}, 0.5f);
+    Tensor out[2][2];  // [a, b][y, state]
+    for (int v = 0; v < 2; ++v) {
+      const Tensor y = poisoned(act, d.x.shape()), state = dev(state0);
+      cuda::SsdRunner(y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slots, 128, nullptr, v == 0 ? a : b).run();
+      out[v][0] = host_f32(y);
+      out[v][1] = host_f32(state);
+    }
+    SCOPED_TRACE(::testing::Message() << "H=" << shape.H << " G=" << shape.G << " T=" << cu.back()
+                                      << " act=" << dtype_name(act));
+    EXPECT_TRUE(test::bit_equal(out[1][0], out[0][0])) << "y";
+    EXPECT_TRUE(test::bit_equal(out[1][1], out[0][1])) << "final states";
+  }
+#endif
 };
 
 TEST_P(OpsSsd, RecurrenceMatchesNaive) {
@@ -569,31 +594,80 @@ TEST_P(OpsSsd, CudaGroupCbSmall) {
 TEST_P(OpsSsd, CudaGroupCbSameBitsAsDefault) {
   if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
   auto rng = test::Rng::for_test();
-  struct Case {
-    SsmCase shape;
-    std::vector<int32_t> lens;
-  };
-  const Case cases[] = {{kSuper, {989}}, {kNano, {0, 1, 128, 1000, 700, 129, 300}}, {{10, 64, 2, 128}, {4099}}};
-  for (const Case& c : cases) {
-    const auto cu = cu_from(c.lens);
-    const int64_t batch = static_cast<int64_t>(c.lens.size());
-    std::vector<int32_t> slots(static_cast<size_t>(batch));
-    std::iota(slots.begin(), slots.end(), 0);
-    const SsmInputs d = dev(make_inputs(rng, cu.back(), c.shape), DType::kBF16);
-    const Tensor state0 = rng.normal_tensor({batch, c.shape.H, c.shape.P, c.shape.N}, 0.5f);
-    Tensor out[2][2];  // [default, group_cb][y, state]
-    for (int v = 0; v < 2; ++v) {
-      const Tensor y = poisoned(DType::kBF16, d.x.shape()), state = dev(state0);
-      cuda::SsdRunner(y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slots, 128, nullptr,
-                      cuda::SsdOptions{.group_cb = v == 1})
-          .run();
-      out[v][0] = host_f32(y);
-      out[v][1] = host_f32(state);
+  const cuda::SsdOptions group_cb{.group_cb = true};
+  expect_same_bits(rng, kSuper, {989}, DType::kBF16, {}, group_cb);
+  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, {}, group_cb);
+  expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, {}, group_cb);
+}
+
+// ---- scan_variant 1 / 2: 16 warps per (superchunk, head), each chunk's columns and C.B^T tiles split ----------
+// The same cases as group_cb against the CPU reference: superchunks of 1 (no state step), 3 (odd) and automatic,
+// awkward single prompts, packed batches with pads and odd heads per group, 16-bit states / activations /
+// parameters, dt limits; variant 2 (y staged through shared memory) on the first two.
+TEST_P(OpsSsd, CudaSplitScanMatchesReference) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
+  for (int v : {1, 2}) {
+    for (int m : {0, 1, 3}) {
+      SCOPED_TRACE(::testing::Message() << "scan_variant=" << v << " superchunk=" << m);
+      variant = cuda::SsdOptions{.superchunk = m, .scan_variant = v};
+      awkward_lengths(DType::kBF16, {4099});
+      auto rng = test::Rng::for_test();
+      run_batch(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, {DType::kBF16});
+      if (m != 0 || v != 1) continue;
+      awkward_lengths(DType::kBF16, {1, 3, 17, 111, 989});
+      packed_batches(*this, {DType::kBF16});
+      const std::vector<int32_t> lens = {300, 0, 129, 1}, slots = {2, 0, -1, 4};
+      check_scan(rng, kNano, lens, slots, 6, 128, DType::kBF16, DType::kBF16);
+      check_scan(rng, {16, 64, 2, 128}, lens, slots, 6, 128, DType::kF16, DType::kF16, DType::kBF16);
+      check_scan(rng, {16, 64, 8, 128}, lens, slots, 6, 128, DType::kBF16, DType::kF32, DType::kF32, 0.02f, 0.08f);
     }
-    SCOPED_TRACE(::testing::Message() << "H=" << c.shape.H << " T=" << cu.back());
-    EXPECT_TRUE(test::bit_equal(out[1][0], out[0][0])) << "y";
-    EXPECT_TRUE(test::bit_equal(out[1][1], out[0][1])) << "final states";
   }
+}
+
+// Small enough for compute-sanitizer (memcheck; racecheck / synccheck: the block writes sb, x * w and the C.B^T
+// fragments in shared memory that other warps read, and refills the other copy stage while computing).
+TEST_P(OpsSsd, CudaSplitScanSmall) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
+  auto rng = test::Rng::for_test();
+  const std::vector<int32_t> lens = {300, 0, 129, 1, 256}, slots = {2, 0, -1, 4, 1};
+  for (int v : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << "scan_variant=" << v);
+    variant = cuda::SsdOptions{.superchunk = 2, .scan_variant = v};
+    check_scan(rng, {4, 64, 2, 128}, lens, slots, 6, 128, DType::kBF16);
+    check_scan(rng, {3, 64, 1, 128}, lens, slots, 6, 128, DType::kF16);
+  }
+}
+
+// The split scan computes every element with the default scan's operation sequence (ssd_mma_split.cu): same bits,
+// for bf16 and f16, automatic and odd superchunk lengths (the state step inside a superchunk), y stored from
+// registers (variant 1) or through shared memory (variant 2).
+TEST_P(OpsSsd, CudaSplitScanSameBitsAsDefault) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
+  auto rng = test::Rng::for_test();
+  const cuda::SsdOptions split{.scan_variant = 1};
+  expect_same_bits(rng, kSuper, {989}, DType::kBF16, {}, split);
+  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, {}, split);
+  expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, {}, split);
+  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, {}, split);
+  expect_same_bits(rng, kNano, {4099, 260}, DType::kBF16, {.superchunk = 3}, {.superchunk = 3, .scan_variant = 1});
+  const cuda::SsdOptions staged{.scan_variant = 2};
+  expect_same_bits(rng, kSuper, {989}, DType::kBF16, {}, staged);
+  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, {}, staged);
+  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, {}, staged);
+}
+
+TEST_P(OpsSsd, CudaRejectsUnknownScanVariant) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA option";
+  auto rng = test::Rng::for_test();
+  const std::vector<int32_t> cu = {0, 5}, slot = {0};
+  const SsmInputs d = dev(make_inputs(rng, 5, {4, 64, 2, 128}), DType::kBF16);
+  const Tensor y = poisoned(DType::kBF16, d.x.shape()), state = dev(Tensor::zeros(DType::kF32, {1, 4, 64, 128}));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        cuda::SsdRunner(y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slot, 128, nullptr,
+                        cuda::SsdOptions{.scan_variant = 3});
+      },
+      ErrorKind::kRuntime, "ops::ssd_chunk_scan: SsdOptions::scan_variant 3 is not 0, 1 or 2"));
 }
 #endif
 

@@ -124,6 +124,9 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
       dt_bias_(sp.dt_bias.data()), options_(options), stream_(stream) {
   constexpr const char* kOp = "ops::ssd_chunk_scan";
   check_one_dtype(kOp, y, x, dt_raw, B, C);
+  if (options.scan_variant < 0 || options.scan_variant > 2) {
+    throw_runtime(str_cat(kOp, ": SsdOptions::scan_variant ", options.scan_variant, " is not 0, 1 or 2"));
+  }
   a_type_ = param_type(sp.A_log, kOp, "A_log");
   d_type_ = param_type(sp.D, kOp, "D");
   b_type_ = param_type(sp.dt_bias, kOp, "dt_bias");
@@ -229,6 +232,8 @@ void SsdRunner::chunk_scan() const {
       launch_ssd_chunk_scan_portable<T>(p_, stream_);
     } else if (group_cb_) {
       launch_ssd_chunk_scan_group_mma<T>(p_, stream_);
+    } else if (use_mma_ && options_.scan_variant != 0) {
+      launch_ssd_chunk_scan_split_mma<T>(p_, options_.scan_variant == 2, stream_);
     } else if (use_mma_) {
       launch_ssd_chunk_scan_mma<T>(p_, options_.fused_cb, stream_);
     } else {

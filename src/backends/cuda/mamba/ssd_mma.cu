@@ -10,85 +10,42 @@
 // heads sharing the B / C tiles and C.B^T in the scan, then wgmma (seed: tuned-chunk-scan section).
 //
 // One block of 8 warps per (superchunk, head); grid order puts the heads of one superchunk next to each other
-// so the B / C tiles they share stay in L2. Shared-memory tiles keep the global layout (rows = tokens),
-// padded by 8 elements per row so ldmatrix row addresses fall in distinct bank groups:
-//   xs [Q, P + 8]   x rows of this head           (A^T of the state update, B of Y_diag)
-//   bs [Q, N + 8]   B rows of this head's group   (B of C.B^T, B of the state update)
-//   cs [Q, N + 8]   C rows                        (A of C.B^T and of Y_off)           (scan only)
-//   sb [P, N + 8]   the entering state in bf16    (B of Y_off)                        (scan only)
+// so the B / C tiles they share stay in L2. Shared-memory tiles (xs, bs, cs: ssd_mma_tiles.cuh) keep the global
+// layout (rows = tokens), padded by 8 elements per row; the scan adds
+//   sb [P, N + 8]   the entering state in bf16    (B of Y_off)
 // Rounding follows mamba_ssm: the decay/dt-weighted C.B tile, the dt-weighted x and the entering state are
 // rounded to the activation type before their matrix products; everything accumulates in fp32.
 #include <cstdint>
 
 #include "backends/cuda/mamba/mamba_common.cuh"
 #include "backends/cuda/mamba/ssd_kernels.cuh"
+#include "backends/cuda/mamba/ssd_mma_tiles.cuh"
 #include "backends/cuda/mma_sync.cuh"
 
 namespace chimera::cuda {
 namespace {
 
-constexpr int kQ = kSsdMmaChunk;
-constexpr int kP = kSsdMmaHeadDim;
-constexpr int kN = kSsdMmaStateSize;
+using ssd_mma::cb_to_a;
+using ssd_mma::cp_async16;
+using ssd_mma::cp_async_commit;
+using ssd_mma::cp_async_wait;
+using ssd_mma::kBStride;
+using ssd_mma::kN;
+using ssd_mma::kP;
+using ssd_mma::kQ;
+using ssd_mma::kXStride;
+using ssd_mma::Lane;
+using ssd_mma::ldsm_x4;
+using ssd_mma::ldsm_x4_trans;
+using ssd_mma::load_bc;
+using ssd_mma::load_dt;
+using ssd_mma::load_x;
+using ssd_mma::ScanTiles;
+using ssd_mma::unpack2;
 constexpr int kThreads = 256;  // 8 warps
-constexpr int kXStride = kP + 8;
-constexpr int kBStride = kN + 8;
-static_assert(kQ == 128 && kP == 64 && kN == 128, "the warp tiling below assumes Q = 128, P = 64, N = 128");
 static_assert(kThreads == 2 * kQ, "dt / dA_cumsum rows are fetched one per thread");
 
-// ---- PTX wrappers ----------------------------------------------------------------------------------------
-// The copy pipeline and ldmatrix here clobber "memory" (the scan writes shared tiles it then reads through
-// ldmatrix): cp_async16 / commit / wait are mamba_common.cuh's; mma_16816, pack2 and smem_addr come from
-// mma_sync.cuh.
-// 16 bytes global -> shared, zero-filled when !valid (src is then not read).
-using mamba::cp_async16;
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 4 : 0)
-               : "memory");
-}
-using mamba::cp_async_commit;
-using mamba::cp_async_wait;
-// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
-               : "memory");
-}
-
-// One register of two 16-bit values -> two floats (the inverse of pack2, mma_sync.cuh).
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t u);
-template <>
-__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t u) {
-  __nv_bfloat162 v;
-  memcpy(&v, &u, 4);
-  return __bfloat1622float2(v);
-}
-template <>
-__device__ __forceinline__ float2 unpack2<__half>(uint32_t u) {
-  __half2 v;
-  memcpy(&v, &u, 4);
-  return __half22float2(v);
-}
-
 // ---- shared memory ---------------------------------------------------------------------------------
-// The scan's tiles of one chunk of one head.
-template <typename T>
-struct ScanTiles {
-  T xs[kQ * kXStride];
-  T bs[kQ * kBStride];
-  T cs[kQ * kBStride];
-  float dt[kQ];
-  float acs[kQ];  // dA_cumsum; rows past the chunk's end are zero-filled (finite, and dt = 0 there)
-};
 template <typename T>
 struct ScanSmem {
   ScanTiles<T> stage[2];
@@ -107,41 +64,9 @@ struct StateSmem {
   StateTiles<T, kHeads> stage[2];
 };
 
-// cp.async copies of chunk rows [begin, begin + len): x of head h into xs, B (and C) of group g; rows past
-// len are zero-filled. `idx` runs over the calling threads; the caller commits.
-template <typename T>
-__device__ __forceinline__ void load_x(T* xs, const SsdParams& p, int begin, int len, int h, int idx) {
-  const T* x = static_cast<const T*>(p.x);
-  const int r = idx / (kP / 8), v = idx % (kP / 8);
-  const bool ok = r < len;
-  cp_async16(&xs[r * kXStride + v * 8], ok ? x + (static_cast<size_t>(begin + r) * p.H + h) * kP + v * 8 : x, ok);
-}
-template <typename T>
-__device__ __forceinline__ void load_bc(T* tile, const void* src_base, const SsdParams& p, int begin, int len, int g,
-                                        int idx) {
-  const T* src = static_cast<const T*>(src_base);
-  const int r = idx / (kN / 8), v = idx % (kN / 8);
-  const bool ok = r < len;
-  cp_async16(&tile[r * kBStride + v * 8], ok ? src + (static_cast<size_t>(begin + r) * p.G + g) * kN + v * 8 : src, ok);
-}
-// which = 0: dt, 1: dA_cumsum; row r of the chunk of head h.
-__device__ __forceinline__ void load_dt(float* dst, const SsdParams& p, int begin, int len, int h, int which, int r) {
-  const bool ok = r < len;
-  const float* src = which == 0 ? p.dt : p.dA_cumsum;
-  cp_async4(&dst[r], ok ? src + static_cast<size_t>(h) * p.T + begin + r : src, ok);
-}
-
 template <typename T>
 __device__ __forceinline__ void load_scan_chunk(ScanTiles<T>& t, const SsdParams& p, int begin, int len, int h, int g) {
-  const int tid = threadIdx.x;
-#pragma unroll
-  for (int i = 0; i < kQ * kP / 8 / kThreads; ++i) load_x(t.xs, p, begin, len, h, tid + i * kThreads);
-#pragma unroll
-  for (int i = 0; i < kQ * kN / 8 / kThreads; ++i) {
-    load_bc(t.bs, p.B, p, begin, len, g, tid + i * kThreads);
-    load_bc(t.cs, p.C, p, begin, len, g, tid + i * kThreads);
-  }
-  load_dt(tid < kQ ? t.dt : t.acs, p, begin, len, h, tid / kQ, tid % kQ);
+  ssd_mma::load_scan_chunk<T, kThreads>(t, p, begin, len, h, g);
 }
 
 // Heads h0 .. h0 + nh - 1 (nh <= kHeads) with kHeads * kThreads threads.
@@ -161,14 +86,6 @@ __device__ __forceinline__ void load_state_chunk(StateTiles<T, kHeads>& t, const
   const int hh = tid / kThreads, which = (tid / kQ) % 2;
   if (hh < nh) load_dt(which == 0 ? t.dt[hh] : t.acs[hh], p, begin, len, h0 + hh, which, tid % kQ);
 }
-
-// Lane roles in the fragments (PTX ISA, mma.m16n8k16 and ldmatrix):
-//   gid = lane / 4, t4 = lane % 4: accumulator (row gid | gid + 8, cols 2 t4, 2 t4 + 1)
-//   ldmatrix x4: lane supplies row (lane % 8) of matrix (lane / 8).
-struct Lane {
-  int lane, gid, t4, mrow, mat;
-  __device__ explicit Lane(int l) : lane(l), gid(l >> 2), t4(l & 3), mrow(l & 7), mat(l >> 3) {}
-};
 
 // The state step over one chunk, this warp's part of S [P, N]: rows p in [p0, p0 + 16), columns n in
 // [n0, n0 + 64) (8 accumulator tiles): S = exp(Acum[last]) * S + (x * w)^T B over the chunk's rows s, with
@@ -266,26 +183,6 @@ __global__ void __launch_bounds__(kThreads * kHeads, 3 - kHeads) ssd_chunk_state
     }
   }
   if (threadIdx.x % kThreads == 0) p.decay[static_cast<size_t>(sc) * p.H + h] = decay;
-}
-
-// This warp's C.B^T tile j (rows l0, l1; columns s = 16 j + 8 nt + 2 t4 (+1)) scaled by
-// exp(Acum[l] - Acum[s]) dt[s] (zero above the diagonal), re-packed as the A fragment of the product with x:
-// {row gid, k 0-7}, {row gid + 8, k 0-7}, {row gid, k 8-15}, {row gid + 8, k 8-15}.
-template <typename T>
-__device__ __forceinline__ void cb_to_a(uint32_t (&af)[4], const float (&cb)[2][4], const float* acs,
-                                        const float* dt, int j, int l0, int l1, float al0, float al1,
-                                        const Lane& ln) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    const int s = j * 16 + nt * 8 + 2 * ln.t4;
-    const float as0 = acs[s], as1 = acs[s + 1], d0 = dt[s], d1 = dt[s + 1];
-    const float v00 = s <= l0 ? cb[nt][0] * __expf(al0 - as0) * d0 : 0.0f;
-    const float v01 = s + 1 <= l0 ? cb[nt][1] * __expf(al0 - as1) * d1 : 0.0f;
-    const float v10 = s <= l1 ? cb[nt][2] * __expf(al1 - as0) * d0 : 0.0f;
-    const float v11 = s + 1 <= l1 ? cb[nt][3] * __expf(al1 - as1) * d1 : 0.0f;
-    af[2 * nt] = pack2<T>(v00, v01);
-    af[2 * nt + 1] = pack2<T>(v10, v11);
-  }
 }
 
 // Stage 5: y for every chunk of the superchunk, carrying the state chunk to chunk. Warp w computes the output
