@@ -1,6 +1,7 @@
 // ops::mamba_decode_update on CUDA: Tensors -> MambaDecodeParams, slots to the device, dispatch on the SSM state
 // dtype. Kernel: mamba_decode_fused_kernels.cuh (instantiated per state dtype in mamba_decode_fused_*.cu).
 #include <algorithm>
+#include <cstdlib>
 
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/mamba/mamba_common.cuh"
@@ -104,7 +105,12 @@ void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tenso
                          : static_cast<const int32_t*>(
                                upload_scratch(slots.host.data(), slots.host.size_bytes(), stream, 0));
   // A host slot list goes up by a copy right before the kernel: a full dependency, so the states are settled anyway.
-  p.states_before_wait = prefetch_states;
+  // CHIMERA_MAMBA_PREFETCH=0 turns the early loads off (A/B runs of the whole engine; same results).
+  static const bool prefetch_allowed = [] {
+    const char* v = std::getenv("CHIMERA_MAMBA_PREFETCH");
+    return v == nullptr || std::atoi(v) != 0;
+  }();
+  p.states_before_wait = prefetch_states && prefetch_allowed;
   launch_mamba_decode_fused(p, stream);
 }
 
