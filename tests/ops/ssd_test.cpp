@@ -594,10 +594,10 @@ TEST_P(OpsSsd, CudaGroupCbSmall) {
 TEST_P(OpsSsd, CudaGroupCbSameBitsAsDefault) {
   if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
   auto rng = test::Rng::for_test();
-  const cuda::SsdOptions group_cb{.group_cb = true};
-  expect_same_bits(rng, kSuper, {989}, DType::kBF16, {}, group_cb);
-  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, {}, group_cb);
-  expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, {}, group_cb);
+  const cuda::SsdOptions first{.scan_variant = 0}, group_cb{.group_cb = true};
+  expect_same_bits(rng, kSuper, {989}, DType::kBF16, first, group_cb);
+  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, first, group_cb);
+  expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, first, group_cb);
 }
 
 // ---- scan_variant 1 / 2: 16 warps per (superchunk, head), each chunk's columns and C.B^T tiles split ----------
@@ -638,22 +638,22 @@ TEST_P(OpsSsd, CudaSplitScanSmall) {
   }
 }
 
-// The split scan computes every element with the default scan's operation sequence (ssd_mma_split.cu): same bits,
-// for bf16 and f16, automatic and odd superchunk lengths (the state step inside a superchunk), y stored from
-// registers (variant 1) or through shared memory (variant 2).
+// The split scan (variant 2 is the default) computes every element with the first 8-warp scan's operation sequence
+// (ssd_mma_split.cu): same bits, for bf16 and f16, automatic and odd superchunk lengths (the state step inside a
+// superchunk), y stored from registers (variant 1) or through shared memory (variant 2).
 TEST_P(OpsSsd, CudaSplitScanSameBitsAsDefault) {
   if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
   auto rng = test::Rng::for_test();
-  const cuda::SsdOptions split{.scan_variant = 1};
-  expect_same_bits(rng, kSuper, {989}, DType::kBF16, {}, split);
-  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, {}, split);
-  expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, {}, split);
-  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, {}, split);
-  expect_same_bits(rng, kNano, {4099, 260}, DType::kBF16, {.superchunk = 3}, {.superchunk = 3, .scan_variant = 1});
-  const cuda::SsdOptions staged{.scan_variant = 2};
-  expect_same_bits(rng, kSuper, {989}, DType::kBF16, {}, staged);
-  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, {}, staged);
-  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, {}, staged);
+  const cuda::SsdOptions first{.scan_variant = 0}, split{.scan_variant = 1}, staged{.scan_variant = 2};
+  expect_same_bits(rng, kSuper, {989}, DType::kBF16, first, split);
+  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, first, split);
+  expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, first, split);
+  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, first, split);
+  expect_same_bits(rng, kNano, {4099, 260}, DType::kBF16, {.superchunk = 3, .scan_variant = 0},
+                   {.superchunk = 3, .scan_variant = 1});
+  expect_same_bits(rng, kSuper, {989}, DType::kBF16, first, staged);
+  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, first, staged);
+  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, first, staged);
 }
 
 TEST_P(OpsSsd, CudaRejectsUnknownScanVariant) {

@@ -11,7 +11,8 @@
 //   4. state_passing     from ssm_state[slot]: entering[sc] <- the state entering superchunk sc; final -> ssm_state
 //   5. chunk_scan        per superchunk and head, chunk by chunk: y = Y_diag + exp(Acum) C S^T + D x, then the
 //                        state advanced over the chunk (the chunk_state step) for the next chunk.
-// SsdOptions::scan_variant = 1 runs stage 5 with 16 warps per block instead of 8 (ssd_mma_split.cu).
+// Stage 5 runs with 16 warps per block (SsdOptions::scan_variant = 2, the default, ssd_mma_split.cu); 0 keeps the
+// first kernel's 8 (ssd_mma.cu). Measured on the H200 (docs/perf.md): the op at Super 32K 2077 vs 2702 us.
 // With SsdOptions::group_cb the tensor-core path adds
 //   2b. chunk_bmm        C.B^T once per (chunk, group) (as mamba_ssm's _bmm_chunk_fwd), fp32 -> cb, and the scan
 //                        runs two heads of a group per block on it instead of recomputing C.B^T for every head.
@@ -135,10 +136,10 @@ struct SsdOptions {
   // C.B^T once per (chunk, group) in its own stage (chunk_bmm) and a scan of 2 heads per block that reads it
   // (fused_cb then unused). Same bits as the default kernels.
   bool group_cb = false;
-  // The chunk_scan kernel when group_cb is off: 0 = 8 warps per (superchunk, head) (ssd_mma.cu), 1 = 16 warps
-  // splitting each chunk's columns and C.B^T tiles (ssd_mma_split.cu; fused_cb unused), 2 = 1 with y stored
-  // through shared memory as whole 128-byte rows. Same bits.
-  int scan_variant = 0;
+  // The chunk_scan kernel when group_cb is off: 0 = 8 warps per (superchunk, head) (ssd_mma.cu; fused_cb picks its
+  // C.B^T loop), 1 = 16 warps splitting each chunk's columns and C.B^T tiles (ssd_mma_split.cu; fused_cb unused),
+  // 2 (the default) = 1 with y stored through shared memory as whole 128-byte rows. Same bits.
+  int scan_variant = 2;
 };
 
 class SsdRunner {
