@@ -560,21 +560,27 @@ TEST_P(OpsSsd, CudaRecurrenceSixteenBit) {
 // batches with pads, empty prompts and odd heads per group (3, 5, 7: the second head of a block idle), chunk-
 // crossing lengths, 16-bit states / activations / parameters, dt limits; superchunks of 1 (no state step in the
 // scan) and 3 (odd) as well as the automatic length.
+// The kernel-variant cases (the caller sets `variant`): a 4099-token prompt and a packed batch with pads; with
+// `all` also short and chunk-crossing prompts, packed batches, 16-bit states / activations / parameters, dt limits.
+void variant_reference_cases(OpsSsd& t, bool all) {
+  t.awkward_lengths(DType::kBF16, {4099});
+  auto rng = test::Rng::for_test();
+  t.run_batch(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, {DType::kBF16});
+  if (!all) return;
+  t.awkward_lengths(DType::kBF16, {1, 3, 17, 111, 989});
+  packed_batches(t, {DType::kBF16});
+  const std::vector<int32_t> lens = {300, 0, 129, 1}, slots = {2, 0, -1, 4};
+  t.check_scan(rng, kNano, lens, slots, 6, 128, DType::kBF16, DType::kBF16);
+  t.check_scan(rng, {16, 64, 2, 128}, lens, slots, 6, 128, DType::kF16, DType::kF16, DType::kBF16);
+  t.check_scan(rng, {16, 64, 8, 128}, lens, slots, 6, 128, DType::kBF16, DType::kF32, DType::kF32, 0.02f, 0.08f);
+}
+
 TEST_P(OpsSsd, CudaGroupCbMatchesReference) {
   if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
   for (int m : {0, 1, 3}) {
     SCOPED_TRACE(::testing::Message() << "group_cb superchunk=" << m);
     variant = cuda::SsdOptions{.superchunk = m, .group_cb = true};
-    awkward_lengths(DType::kBF16, {4099});
-    auto rng = test::Rng::for_test();
-    run_batch(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, {DType::kBF16});
-    if (m != 0) continue;
-    awkward_lengths(DType::kBF16, {1, 3, 17, 111, 989});
-    packed_batches(*this, {DType::kBF16});
-    const std::vector<int32_t> lens = {300, 0, 129, 1}, slots = {2, 0, -1, 4};
-    check_scan(rng, kNano, lens, slots, 6, 128, DType::kBF16, DType::kBF16);
-    check_scan(rng, {16, 64, 2, 128}, lens, slots, 6, 128, DType::kF16, DType::kF16, DType::kBF16);
-    check_scan(rng, {16, 64, 8, 128}, lens, slots, 6, 128, DType::kBF16, DType::kF32, DType::kF32, 0.02f, 0.08f);
+    variant_reference_cases(*this, m == 0);
   }
 }
 
@@ -610,16 +616,7 @@ TEST_P(OpsSsd, CudaSplitScanMatchesReference) {
     for (int m : {0, 1, 3}) {
       SCOPED_TRACE(::testing::Message() << "scan_variant=" << v << " superchunk=" << m);
       variant = cuda::SsdOptions{.superchunk = m, .scan_variant = v};
-      awkward_lengths(DType::kBF16, {4099});
-      auto rng = test::Rng::for_test();
-      run_batch(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, {DType::kBF16});
-      if (m != 0 || v != 1) continue;
-      awkward_lengths(DType::kBF16, {1, 3, 17, 111, 989});
-      packed_batches(*this, {DType::kBF16});
-      const std::vector<int32_t> lens = {300, 0, 129, 1}, slots = {2, 0, -1, 4};
-      check_scan(rng, kNano, lens, slots, 6, 128, DType::kBF16, DType::kBF16);
-      check_scan(rng, {16, 64, 2, 128}, lens, slots, 6, 128, DType::kF16, DType::kF16, DType::kBF16);
-      check_scan(rng, {16, 64, 8, 128}, lens, slots, 6, 128, DType::kBF16, DType::kF32, DType::kF32, 0.02f, 0.08f);
+      variant_reference_cases(*this, m == 0 && v == 1);
     }
   }
 }

@@ -35,6 +35,7 @@ using ssd_mma::kP;
 using ssd_mma::kQ;
 using ssd_mma::kXStride;
 using ssd_mma::Lane;
+using ssd_mma::load_entering_state;
 using ssd_mma::ldsm_x4;
 using ssd_mma::ldsm_x4_trans;
 using ssd_mma::load_bc;
@@ -205,19 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
   const Lane ln(threadIdx.x % 32);
   const int p0 = (warp & 3) * 16, n0 = (warp >> 2) * 64;
   float st[8][4];
-  {
-    const float* s_in = p.entering + (static_cast<size_t>(sc) * p.H + h) * (kP * kN);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
-        const float2 v = *reinterpret_cast<const float2*>(&s_in[pr * kN + nc]);
-        st[j][2 * half] = v.x;
-        st[j][2 * half + 1] = v.y;
-      }
-    }
-  }
+  load_entering_state(st, p, sc, h, p0, n0, ln);
   const float d_skip = p.D[h];
   T* y = static_cast<T*>(p.y);
   {
@@ -500,19 +489,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) ssd_chunk_scan_group_mma_ker
   const int p0 = (hw & 3) * 16, n0 = (hw >> 2) * 64;  // state step tiling (as the default scan)
   const int ra = hw >> 1, rb = 7 - ra, pc0 = (hw & 1) * 32;  // output tiling: row tiles ra < rb, 32 columns
   float st[8][4];
-  {
-    const float* s_in = p.entering + (static_cast<size_t>(sc) * p.H + h) * (kP * kN);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
-        const float2 v = active ? *reinterpret_cast<const float2*>(&s_in[pr * kN + nc]) : make_float2(0.0f, 0.0f);
-        st[j][2 * half] = v.x;
-        st[j][2 * half + 1] = v.y;
-      }
-    }
-  }
+  load_entering_state(st, p, sc, h, p0, n0, ln, active);
   const float d_skip = active ? p.D[h] : 0.0f;
   T* y = static_cast<T*>(p.y);
   T* sb = sm.sb[hh < nh ? hh : 0];

@@ -51,6 +51,7 @@ using ssd_mma::kP;
 using ssd_mma::kQ;
 using ssd_mma::kXStride;
 using ssd_mma::Lane;
+using ssd_mma::load_entering_state;
 using ssd_mma::ldsm_x2;
 using ssd_mma::ldsm_x4;
 using ssd_mma::ldsm_x4_trans;
@@ -164,19 +165,7 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
   const bool stores_slot4 = c < 2;
 
   float st[4][4];
-  {
-    const float* s_in = p.entering + (static_cast<size_t>(sc) * p.H + h) * (kP * kN);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
-        const float2 v = *reinterpret_cast<const float2*>(&s_in[pr * kN + nc]);
-        st[j][2 * half] = v.x;
-        st[j][2 * half + 1] = v.y;
-      }
-    }
-  }
+  load_entering_state(st, p, sc, h, p0, n0, ln);
   const float d_skip = p.D[h];
   T* y = static_cast<T*>(p.y);
   load_split_chunk(sm.stage[0], p, p.chunks[su.x], h, g);

@@ -164,4 +164,23 @@ __device__ __forceinline__ void cb_to_a(uint32_t (&af)[4], const float (&cb)[2][
   }
 }
 
+// The state entering superchunk sc of head h (stage 4's output, fp32) into this lane's share of the state-step
+// accumulators: rows p0 + gid (st[j][0..1]) and p0 + gid + 8 (st[j][2..3]), columns n0 + 8 j + 2 t4 and + 1, j < J.
+// Zeros when !active (an idle head slot of the group scan).
+template <int J>
+__device__ __forceinline__ void load_entering_state(float (&st)[J][4], const SsdParams& p, int sc, int h, int p0,
+                                                    int n0, const Lane& ln, bool active = true) {
+  const float* s_in = p.entering + (static_cast<size_t>(sc) * p.H + h) * (kP * kN);
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
+      const float2 v = active ? *reinterpret_cast<const float2*>(&s_in[pr * kN + nc]) : make_float2(0.0f, 0.0f);
+      st[j][2 * half] = v.x;
+      st[j][2 * half + 1] = v.y;
+    }
+  }
+}
+
 }  // namespace chimera::cuda::ssd_mma
