@@ -38,6 +38,34 @@ constexpr int kThreads = kWarps * 32;
 static_assert(kRows * kTimeLanes == kConv1dTileRows, "a tile is the time lanes' tokens");
 static_assert(kTimeLanes * kChanLanes == 32, "a warp is time lanes x channel lanes");
 
+// A sequence's final conv state, written by the lane that starts it (time lane 0 of its first tile / unit, whose
+// halo holds the old state): the last K-1 inputs of old_state ++ x[0 .. len) for channels c0 .. c0 + E - 1.
+// x points at the sequence's first row, channel c0.
+template <typename T, int K, int E>
+__device__ __forceinline__ void store_final_state(const Conv1dParams& p, const T* x, int64_t C, int64_t c0, int len,
+                                                  int64_t slot, const float (&halo)[K - 1][E]) {
+#pragma unroll
+  for (int j = 0; j < K - 1; ++j) {
+    const int idx = len + j;  // position in old_state ++ x
+    float v[E];
+    if (idx >= K - 1) {
+      Pack<T, E> xv;
+      xv.load(x + static_cast<int64_t>(idx - (K - 1)) * C);
+#pragma unroll
+      for (int e = 0; e < E; ++e) v[e] = xv.get(e);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        v[e] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < K - 1; ++i) v[e] = i == idx ? halo[i][e] : v[e];  // no dynamic register index
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) store_elem(p.conv_state, p.state_dtype, (slot * C + c0 + e) * (K - 1) + j, v[e]);
+  }
+}
+
 // grid (ceil(C / (kWarps * kChanLanes * E)), n_tiles): channel blocks fastest, so the blocks in flight
 // together read whole token rows (contiguous memory). See the file comment for the rest.
 template <typename T, int K, bool kVec>
@@ -133,28 +161,7 @@ __global__ void __launch_bounds__(kThreads, 4) causal_conv1d_kernel(const Conv1d
 
   // 5. Final state (sequence-start tile, time lane 0; its halo is the old state): the last K-1 of
   //    old_state ++ x[0 .. len).
-  if (tile.t0 == 0 && tc == 0 && chan_ok) {
-#pragma unroll
-    for (int j = 0; j < K - 1; ++j) {
-      const int idx = tile.len + j;  // position in old_state ++ x
-      float v[E];
-      if (idx >= K - 1) {
-        XPack xv;
-        xv.load(x + static_cast<int64_t>(idx - (K - 1)) * C);
-#pragma unroll
-        for (int e = 0; e < E; ++e) v[e] = xv.get(e);
-      } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          v[e] = 0.0f;
-#pragma unroll
-          for (int i = 0; i < K - 1; ++i) v[e] = i == idx ? halo[i][e] : v[e];  // no dynamic register index
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < E; ++e) store_elem(p.conv_state, p.state_dtype, (tile.slot * C + c0 + e) * (K - 1) + j, v[e]);
-    }
-  }
+  if (tile.t0 == 0 && tc == 0 && chan_ok) store_final_state<T, K, E>(p, x, C, c0, tile.len, tile.slot, halo);
 }
 
 // ---- persistent kernel (Conv1dParams::prefill_kernel == 2) ------------------------------------------
@@ -347,28 +354,7 @@ __global__ void __launch_bounds__(kThreads, kPersistMinBlocks<kRowsL>)
       if (chan_ok && t_first + r + 1 < len) o1.store(out + static_cast<int64_t>(t_first + r + 1) * C);
     }
     // Final state: the tile kernel's step 5, by the sequence's first unit (its halo is the old state).
-    if (t_base == 0 && tc == 0 && chan_ok) {
-#pragma unroll
-      for (int j = 0; j < K - 1; ++j) {
-        const int idx = len + j;  // position in old_state ++ x
-        float v[E];
-        if (idx >= K - 1) {
-          XPack xv;
-          xv.load(x + static_cast<int64_t>(idx - (K - 1)) * C);
-#pragma unroll
-          for (int e = 0; e < E; ++e) v[e] = xv.get(e);
-        } else {
-#pragma unroll
-          for (int e = 0; e < E; ++e) {
-            v[e] = 0.0f;
-#pragma unroll
-            for (int i = 0; i < K - 1; ++i) v[e] = i == idx ? halo[i][e] : v[e];
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < E; ++e) store_elem(p.conv_state, p.state_dtype, (slot * C + c0 + e) * (K - 1) + j, v[e]);
-      }
-    }
+    if (t_base == 0 && tc == 0 && chan_ok) store_final_state<T, K, E>(p, x, C, c0, len, slot, halo);
   }
   cp_async_wait<0>();  // nothing is left in flight (the last groups are empty), but leave no copy behind
 }
