@@ -195,7 +195,7 @@ void launch_moe_combine(const CombineParams& p, cudaStream_t stream) {
   if (p.k > 32) throw_runtime(str_cat("ops::moe_experts: top-", p.k, " is not supported on CUDA (k <= 32)"));
   CHIMERA_DISPATCH_FLOAT(p.out_dtype, "ops::moe_experts out", TO, {
     const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>((p.D + kCombineCols - 1) / kCombineCols));
-    if (p.D % 4 == 0) {
+    if (p.D % 4 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 15u) == 0) {  // 16-byte loads of y
       launch(moe_combine_kernel<TO, 4>, grid, dim3(256), 0, stream, p);
     } else {
       launch(moe_combine_kernel<TO, 1>, grid, dim3(256), 0, stream, p);
