@@ -309,6 +309,71 @@ void bench_experts_decode(const Context& ctx, const char* model, int64_t E, int6
   }
 }
 
+// Prefill token counts (issue 3: the grouped expert GEMMs at many tokens per expert): per T, the op on a forced path,
+// "moe_experts-mma" (the mma.sync kernel, what kAuto runs here) and, in a build with -DCHIMERA_CUTLASS=ON,
+// "moe_experts-cutlass" (CUTLASS's sm90 grouped GEMM: prepare + 2 GEMMs + combine), each as an op call (CUDA events
+// around host work + launches: ctx.run) and as device time inside a CUDA graph (run_graph, "<name>-graph"; the
+// CUTLASS path is captured with its device-side group shapes, which is what the graph case checks). A CHECK line
+// compares the two outputs (both accumulate in fp32 and round h to bf16; the summation order inside the tensor-core
+// instructions may differ, so "identical" is not required: "close" is). Then the CUTLASS path's token tiles forced,
+// graph only: "moe_experts-cutlass-n64-graph", "moe_experts-cutlass-n128-graph".
+void bench_experts_prefill(const Context& ctx, const char* model, int64_t E, int64_t k, int64_t D, int64_t I,
+                           float scale) {
+  const char* what = "bench moe_experts prefill";
+  const ExpertsCase ec(model, E, k, D, I, scale);
+  for (int64_t T : {64, 1024, 4096}) {
+    ExpertsInputs in = experts_inputs(ec, T, DType::kBF16);
+    std::printf("INFO moe_experts %s touched_experts=%zu weight_floor_us=%.2f flop_floor_us=%.2f\n", in.shape.c_str(),
+                in.touched, in.bytes / (kCopyBandwidthGBs * 1e3), in.flops / (kBf16PeakTflops * 1e6));
+    std::vector<cuda::moe::ExpertsPath> paths = {cuda::moe::ExpertsPath::kMma};
+    if (cuda::moe::cutlass_built()) paths.push_back(cuda::moe::ExpertsPath::kCutlass);
+    std::vector<Tensor> results;
+    for (cuda::moe::ExpertsPath path : paths) {
+      const std::string name = path == cuda::moe::ExpertsPath::kMma ? "moe_experts-mma" : "moe_experts-cutlass";
+      const auto call = [&](cudaStream_t st) {
+        cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, st}, in.out, in.x, in.ids, in.w, ec.up, ec.down,
+                                       path);
+      };
+      call(nullptr);
+      results.push_back(device::to_host_f32(in.out));
+      ctx.run(name, in.shape, in.bytes, in.flops, [&] { call(nullptr); });
+      ctx.run_graph(
+          name, in.shape, in.bytes, in.flops, [&](cudaStream_t st, int) { call(st); }, 5);
+      CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
+      // The graph's output equals the eager call's (the graph replays the same routing and inputs).
+      const Tensor again = device::to_host_f32(in.out);
+      std::printf("CHECK moe_experts %s %s graph-vs-eager %s\n", in.shape.c_str(), name.c_str(),
+                  std::memcmp(again.data(), results.back().data(), again.nbytes()) == 0 ? "identical" : "DIFFERENT");
+    }
+    if (results.size() < 2) continue;
+    // The CUTLASS path's two token tiles forced (the automatic choice above: 128 when P / min(E, P) > 96).
+    for (int tile_n : {64, 128}) {
+      const int prev = cuda::moe::set_cutlass_tile_n(tile_n);
+      const auto call = [&](cudaStream_t st) {
+        cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, st}, in.out, in.x, in.ids, in.w, ec.up, ec.down,
+                                       cuda::moe::ExpertsPath::kCutlass);
+      };
+      ctx.run_graph(
+          std::string("moe_experts-cutlass-n") + std::to_string(tile_n), in.shape, in.bytes, in.flops,
+          [&](cudaStream_t st, int) { call(st); }, 5);
+      CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
+      cuda::moe::set_cutlass_tile_n(prev);
+    }
+    double max_diff = 0, max_ref = 0;
+    int64_t differ = 0;
+    for (int64_t i = 0; i < results[0].numel(); ++i) {
+      const float a = results[0].f32()[i], b = results[1].f32()[i];
+      max_diff = std::max(max_diff, static_cast<double>(std::fabs(a - b)));
+      max_ref = std::max(max_ref, static_cast<double>(std::fabs(a)));
+      differ += a != b ? 1 : 0;
+    }
+    std::printf("CHECK moe_experts %s cutlass-vs-mma max_abs_diff=%.3g max_abs=%.3g differing=%lld/%lld %s\n",
+                in.shape.c_str(), max_diff, max_ref, static_cast<long long>(differ),
+                static_cast<long long>(results[0].numel()),
+                max_diff <= 2e-2 * std::max(1.0, max_ref) ? "close" : "DIFFERENT");
+  }
+}
+
 // A decode MoE layer's experts with its shared expert (issue 4): per T = 1, 2, 4, 8, graph device time of
 //   "moe_layer-old": ops::moe_experts (4 launches) + ops::relu2_mlp (cuBLASLt up, relu2, cuBLASLt down)
 //   "moe_layer-new": ops::moe_experts_shared (the shared expert inside the 2 GEMV launches: 4 launches in all)
@@ -442,6 +507,13 @@ CHIMERA_BENCH(moe_experts_nano) {
 }
 CHIMERA_BENCH(moe_experts_super) {
   bench_experts(ctx, "super", 512, 22, 1024, 2688, 5.0f, DType::kBF16, {1, 64, 1024});
+}
+// Prefill: Nano (128 experts top-6, D 2688, I 1856) and Super's latent MoE (512 top-22, D 1024, I 2688).
+CHIMERA_BENCH(moe_experts_prefill_nano) {
+  bench_experts_prefill(ctx, "nano", 128, 6, 2688, 1856, 2.5f);
+}
+CHIMERA_BENCH(moe_experts_prefill_super) {
+  bench_experts_prefill(ctx, "super", 512, 22, 1024, 2688, 5.0f);
 }
 CHIMERA_BENCH(moe_experts_decode_nano) { bench_experts_decode(ctx, "nano", 128, 6, 2688, 1856, 2.5f); }
 CHIMERA_BENCH(moe_experts_decode_super) { bench_experts_decode(ctx, "super", 512, 22, 1024, 2688, 5.0f); }

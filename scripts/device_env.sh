@@ -1,7 +1,8 @@
 # Sourced on the GPU machine (from the repository root) by scripts/device_check.sh and bench/run_*_device.sh.
 # The GPU image has no fmt / CLI11 / nlohmann / gtest / pcre2 dev packages: unpack the carried Debian .debs
 # (.deps/*.deb, from scripts/device_deps.sh) into .deps/root, point pkg-config there, and leave the extra CMake
-# arguments in CMAKE_EXTRA (empty when no .debs were carried).
+# arguments in CMAKE_EXTRA (empty when no .debs were carried). Carried CUTLASS headers (.deps/cutlass/include, from
+# scripts/fetch_cutlass.sh) add -DCHIMERA_CUTLASS=ON (the MoE experts' CUTLASS path, ExpertsPath::kCutlass).
 CMAKE_EXTRA=()
 if compgen -G ".deps/*.deb" >/dev/null; then
   D=$PWD/.deps/root
@@ -19,4 +20,7 @@ if compgen -G ".deps/*.deb" >/dev/null; then
   export PKG_CONFIG_PATH=$D/usr/lib/x86_64-linux-gnu/pkgconfig:$D/usr/share/pkgconfig
   export LD_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   CMAKE_EXTRA=(-DCMAKE_PREFIX_PATH="$D/usr" -DPKG_CONFIG_EXECUTABLE="$PKGC")
+fi
+if [ -f .deps/cutlass/include/cutlass/cutlass.h ] && [ "${CHIMERA_DEVICE_CUTLASS:-1}" != "0" ]; then
+  CMAKE_EXTRA+=(-DCHIMERA_CUTLASS=ON)
 fi

@@ -26,4 +26,6 @@ if [ "${CHIMERA_SETUP_PYTHON:-0}" = "1" ]; then
   if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
   .venv/bin/pip install -q -r scripts/requirements.txt
 fi
+# CUTLASS headers for the optional CUTLASS MoE path (cmake -DCHIMERA_CUTLASS=ON; not needed to build or test).
+if [ "${CHIMERA_SETUP_CUTLASS:-0}" = "1" ]; then scripts/fetch_cutlass.sh; fi
 echo "setup: done"

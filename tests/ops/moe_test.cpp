@@ -800,6 +800,150 @@ TEST_P(OpsMoe, GemvPathSharedAndRepeatedExperts) {
     }
   }
 }
+#ifdef CHIMERA_HAVE_CUTLASS
+// The CUTLASS sm90 grouped GEMM path (ExpertsPath::kCutlass, cmake -DCHIMERA_CUTLASS=ON): against the CPU reference,
+// bit-identical on a second run, and close to the mma path on the same inputs (both fp32 accumulation with h rounded
+// to bf16; the summation order inside the tensor-core instructions may differ, so not bit-equal). Routing widths of
+// Nano (128 / top-6) and Super (512 / top-22); sizes with M tails against the 128-row weight tile (200, 344, 1856)
+// and K tails against the 64-wide k step (72, 200, 344); token counts that leave partial 64-token tiles.
+struct CutlassCase {
+  int64_t E, k, Din, I;
+};
+// The CUTLASS path with its token tile forced (cuda::moe::set_cutlass_tile_n: 64 or 128; 0 automatic).
+Tensor run_cutlass_tile(int tile_n, const Tensor& x, const Tensor& ids, const Tensor& w, const ExpertSet& s) {
+  struct Restore {
+    int prev;
+    ~Restore() { cuda::moe::set_cutlass_tile_n(prev); }
+  } restore{cuda::moe::set_cutlass_tile_n(tile_n)};
+  return run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kCutlass);
+}
+void cutlass_path_case(const CutlassCase& c, std::initializer_list<int64_t> tokens) {
+  auto rng = test::Rng::for_test();
+  const ExpertSet s = make_experts(rng, c.E, 4, c.Din, c.I, DType::kBF16);
+  for (int64_t T : tokens) {
+    SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " Din=" << c.Din << " I=" << c.I << " T=" << T);
+    Tensor ids, w;
+    random_routing(rng, T, c.E, c.k, 2.5f, ids, w);
+    const Tensor x = round_to(rng.normal_tensor({T, c.Din}), DType::kBF16);
+    const Tensor got = run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kCutlass);
+    const std::vector<int64_t> rows = spread_rows(T, 12);
+    EXPECT_TRUE(test::nmse_close(pick_rows(got, rows), cpu_reference_rows(x, ids, w, s.up, s.down, rows),
+                                 test::kBF16ReductionNmse, test::kBF16Reduction));
+    EXPECT_TRUE(test::bit_equal(run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kCutlass), got));
+    const Tensor mma = run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kMma);
+    EXPECT_TRUE(test::nmse_close(got, mma, test::kBF16ReductionNmse, test::kBF16Reduction));
+    // Both token tiles, whichever the automatic choice took.
+    const Tensor n64 = run_cutlass_tile(64, x, ids, w, s), n128 = run_cutlass_tile(128, x, ids, w, s);
+    EXPECT_TRUE(test::nmse_close(n64, mma, test::kBF16ReductionNmse, test::kBF16Reduction));
+    EXPECT_TRUE(test::nmse_close(n128, mma, test::kBF16ReductionNmse, test::kBF16Reduction));
+    auto differ = [&](const Tensor& a, const Tensor& b) {
+      int64_t n = 0;
+      for (int64_t i = 0; i < a.numel(); ++i) n += a.f32()[i] != b.f32()[i] ? 1 : 0;
+      return static_cast<long long>(n);
+    };
+    std::printf(
+        "[ INFO     ] cutlass E=%lld k=%lld Din=%lld I=%lld T=%lld: outputs differing from mma %lld, "
+        "n64 vs n128 %lld, of %lld\n",
+        static_cast<long long>(c.E), static_cast<long long>(c.k), static_cast<long long>(c.Din),
+        static_cast<long long>(c.I), static_cast<long long>(T), differ(got, mma), differ(n64, n128),
+        static_cast<long long>(got.numel()));
+  }
+}
+
+TEST_P(OpsMoe, CutlassPathMatchesTheCpuReferenceAndTheMmaPath) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA CUTLASS path";
+  cutlass_path_case({128, 6, 200, 344}, {1, 17, 111, 989});
+  cutlass_path_case({512, 22, 344, 72}, {17, 111, 989});
+  cutlass_path_case({8, 2, 72, 200}, {3, 111, 4099});  // few experts: hundreds of rows per expert (several N tiles)
+}
+
+TEST_P(OpsMoe, CutlassPathAtModelSizes) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA CUTLASS path";
+  cutlass_path_case({128, 6, 2688, 1856}, {17, 111, 989});  // Nano
+  cutlass_path_case({512, 22, 1024, 2688}, {17, 111});      // Super's latent MoE
+}
+
+// Every token on the same experts (one group holds all T rows) and a token choosing one expert twice (a group with
+// more rows than tokens), plus ids outside [0, E) (skipped pairs: fewer rows than P).
+TEST_P(OpsMoe, CutlassPathSharedRepeatedAndSkippedExperts) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA CUTLASS path";
+  auto rng = test::Rng::for_test();
+  const int64_t E = 16, k = 6, Din = 264, I = 200;
+  const ExpertSet s = make_experts(rng, E, 4, Din, I, DType::kBF16);
+  for (int64_t T : {5, 130}) {
+    for (int mode = 0; mode < 3; ++mode) {
+      SCOPED_TRACE(::testing::Message() << "T=" << T << " mode=" << mode);
+      Tensor ids = Tensor::empty(DType::kI32, {T, k}), w = Tensor::empty(DType::kF32, {T, k});
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<int32_t> pick = {5, 2};
+        while (static_cast<int64_t>(pick.size()) < k) {
+          const auto e = static_cast<int32_t>(rng.integer(0, E - 1));
+          if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+        }
+        if (mode == 1) pick[2] = 2;
+        if (mode == 2 && t % 3 == 0) pick[3] = -1;
+        for (int64_t j = 0; j < k; ++j) {
+          ids.i32()[t * k + j] = pick[static_cast<size_t>(j)];
+          w.f32()[t * k + j] = rng.uniform(0.1f, 1.0f);
+        }
+      }
+      const Tensor x = round_to(rng.normal_tensor({T, Din}), DType::kBF16);
+      const Tensor got = run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kCutlass);
+      EXPECT_TRUE(test::nmse_close(got, run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kMma),
+                                   test::kBF16ReductionNmse, test::kBF16Reduction));
+      if (mode < 2) {  // the CPU reference takes valid ids only
+        EXPECT_TRUE(test::nmse_close(got, cpu_reference_rows(x, ids, w, s.up, s.down, all_rows(T)),
+                                     test::kBF16ReductionNmse, test::kBF16Reduction));
+      }
+    }
+  }
+}
+
+// The path captured in a CUDA graph (no host synchronisation: the group shapes are written on the device) and
+// replayed on new routings and inputs copied into the captured buffers: the same bits as eager calls.
+TEST_P(OpsMoe, CutlassPathReplaysInACudaGraph) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA CUTLASS path";
+  auto rng = test::Rng::for_test();
+  const int64_t E = 128, k = 6, Din = 264, I = 200, T = 300;
+  const ExpertSet s = make_experts(rng, E, 4, Din, I, DType::kBF16);
+  const device::Stream stream = device::Stream::create();
+  const ops::Context ctx{Device::kCuda, stream.get()};
+  const Tensor dx = device::empty(Device::kCuda, DType::kBF16, {T, Din});
+  const Tensor dids = device::empty(Device::kCuda, DType::kI32, {T, k});
+  const Tensor dw = device::empty(Device::kCuda, DType::kF32, {T, k});
+  const Tensor dout = device::empty(Device::kCuda, DType::kBF16, {T, Din});
+  auto load = [&](const Tensor& x, const Tensor& ids, const Tensor& w) {
+    device::copy(dx, test::cast_to(x, DType::kBF16));
+    device::copy(dids, ids);
+    device::copy(dw, w);
+  };
+  auto call = [&] {
+    cuda::moe::moe_experts_on_path(ctx, dout, dx, dids, dw, s.d_up, s.d_down, cuda::moe::ExpertsPath::kCutlass);
+  };
+  Tensor ids, w;
+  random_routing(rng, T, E, k, 2.5f, ids, w);
+  load(round_to(rng.normal_tensor({T, Din}), DType::kBF16), ids, w);
+  call();  // outside the capture first: the pointer tables are uploaded on a first call
+  stream.synchronize();
+  device::AllocPool pool;
+  device::Graph graph;
+  {
+    const device::ScopedAllocPool scope(pool);
+    graph = device::Graph::capture(ctx.stream, call);
+  }
+  ASSERT_TRUE(static_cast<bool>(graph));
+  for (int rep = 0; rep < 3; ++rep) {
+    SCOPED_TRACE(::testing::Message() << "replay " << rep);
+    random_routing(rng, T, E, k, 2.5f, ids, w);
+    const Tensor x = round_to(rng.normal_tensor({T, Din}), DType::kBF16);
+    load(x, ids, w);
+    graph.launch(ctx.stream);
+    stream.synchronize();
+    const Tensor replayed = device::to_host_f32(dout);
+    EXPECT_TRUE(test::bit_equal(replayed, run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kCutlass)));
+  }
+}
+#endif  // CHIMERA_HAVE_CUTLASS
 #endif
 
 // ops::moe_experts_shared: the routed experts and the layer's shared expert in one op. Reference: the CPU

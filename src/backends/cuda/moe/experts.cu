@@ -12,7 +12,8 @@
 // Paths: bf16 / f16 activations with expert weights of the same dtype, K and N multiples of 8 and 16-byte aligned
 // weights -> decode GEMV for T <= kGemvMaxTokens (grouped_gemv.cu; why that cut: moe_kernels.h), tensor cores
 // above (grouped_gemm_mma.cu); anything else, fp32 activations in particular -> fp32 SIMT (grouped_gemm_simt.cu).
-// Why not CUTLASS or cuBLAS grouped GEMM: see docs/moe_cuda.md.
+// ExpertsPath::kCutlass (tests and benchmarks): CUTLASS 3.x's sm90 grouped GEMM (cutlass/grouped_gemm_sm90.cu, built
+// with -DCHIMERA_CUTLASS=ON). Why not cuBLAS's grouped GEMM: see docs/moe_cuda.md.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -89,6 +90,8 @@ const char* path_name(moe::ExpertsPath path) {
       return "mma";
     case moe::ExpertsPath::kSimt:
       return "simt";
+    case moe::ExpertsPath::kCutlass:
+      return "cutlass";
     default:
       return "auto";
   }
@@ -120,7 +123,25 @@ std::atomic<bool> g_combine_in_norm{[] {
   return v == nullptr || std::atoi(v) != 0;
 }()};
 
+// The CUTLASS path's tokens per tile: 0 automatic (set_cutlass_tile_n), 64 or 128 forced.
+std::atomic<int> g_cutlass_tile_n{[] {
+  const char* v = std::getenv("CHIMERA_MOE_CUTLASS_TILE_N");
+  return v == nullptr ? 0 : std::atoi(v);
+}()};
+
 }  // namespace
+
+int moe::set_cutlass_tile_n(int tile_n) {
+  return g_cutlass_tile_n.exchange(tile_n, std::memory_order_relaxed);
+}
+
+bool moe::cutlass_built() {
+#ifdef CHIMERA_HAVE_CUTLASS
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool moe::set_gemv_early_shared(bool on) { return g_early_shared.exchange(on, std::memory_order_relaxed); }
 
@@ -208,11 +229,16 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   const bool gemv_ok = vec16 && moe::gemv_fits(std::min<int64_t>(T, moe::kGemvMaxTokens), std::max(Din, I));
   if (path == ExpertsPath::kAuto) {
     path = !vec16 ? ExpertsPath::kSimt : gemv_ok && T <= moe::kGemvMaxTokens ? ExpertsPath::kGemv : ExpertsPath::kMma;
-  } else if ((path == ExpertsPath::kMma && !vec16) || (path == ExpertsPath::kGemv && !gemv_ok)) {
+  } else if ((path == ExpertsPath::kMma && !vec16) || (path == ExpertsPath::kGemv && !gemv_ok) ||
+             (path == ExpertsPath::kCutlass && !(vec16 && x.dtype() == DType::kBF16))) {
     throw_runtime(str_cat("ops::moe_experts: the ", path_name(path), " path does not take x ", x.describe(),
                           " with weights ", up_proj[0].describe()));
   }
+  if (path == ExpertsPath::kCutlass && !cutlass_built()) {
+    throw_runtime("ops::moe_experts: the cutlass path is not built (cmake -DCHIMERA_CUTLASS=ON)");
+  }
   const bool gemv = path == ExpertsPath::kGemv, mma = path == ExpertsPath::kMma;
+  const bool use_cutlass = path == ExpertsPath::kCutlass;
   // The shared expert inside the GEMV launches: one dtype everywhere, K multiples of 8, aligned rows, all T tokens
   // in one unit (T <= tile_rows, true on this path) and its token rows within the staging limit.
   bool fuse_shared = false;
@@ -227,14 +253,20 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   // Few rows per active expert (decode): the small tile (BT = 16, BN = 64) gives more blocks per expert.
   const int64_t active_bound = std::min<int64_t>(E, P);
   const moe::MmaTile tile = P <= 24 * active_bound ? moe::MmaTile::kSmall : moe::MmaTile::kLarge;
-  const int tile_rows = gemv ? moe::gemv_tile_rows(T) : mma ? moe::mma_tile_rows(tile) : moe::kSimtTileRows;
+  // CUTLASS: one work item per active expert (a group of the grouped GEMM), so tile_rows >= P.
+  const int tile_rows = gemv          ? moe::gemv_tile_rows(T)
+                        : mma         ? moe::mma_tile_rows(tile)
+                        : use_cutlass ? static_cast<int>(std::max<int64_t>(P, 1))
+                                      : moe::kSimtTileRows;
   // Work items (tiles of <= tile_rows pairs of one expert): sum over the active experts of ceil(count / tile_rows)
   // <= P / tile_rows + active experts, and <= P (each holds a pair).
-  const int64_t max_items = std::min<int64_t>(P, (P + tile_rows - 1) / tile_rows + active_bound);
+  const int64_t max_items =
+      use_cutlass ? active_bound : std::min<int64_t>(P, (P + tile_rows - 1) / tile_rows + active_bound);
 
   // Workspace from the caching allocator; stream-ordered reuse makes freeing it at return safe.
   Tensor meta = device::empty(Device::kCuda, DType::kI32, {P + 8 + 4 * max_items});
-  Tensor h = device::empty(Device::kCuda, gemv || mma ? x.dtype() : DType::kF32, {P, I});
+  Tensor h = device::empty(Device::kCuda, gemv || mma || use_cutlass ? x.dtype() : DType::kF32, {P, I});
+  Tensor pair_row;  // CUTLASS: the permuted row of each pair (y stays in permuted order)
   Tensor y = device::empty(Device::kCuda, DType::kF32, {P, Din});
   int32_t* sorted_pair = meta.data_as<int32_t>();
   int32_t* n_items = sorted_pair + P;
@@ -317,6 +349,33 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   } else if (mma) {
     moe::launch_moe_gemm_mma(up, x.dtype(), tile, true, stream);
     moe::launch_moe_gemm_mma(down, x.dtype(), tile, false, stream);
+  } else if (use_cutlass) {
+#ifdef CHIMERA_HAVE_CUTLASS
+    // prepare (gather x by token, group arrays) + up GEMM + down GEMM; y in permuted order, unscaled (moe_kernels.h).
+    Tensor xp = device::empty(Device::kCuda, x.dtype(), {P, Din});
+    pair_row = device::empty(Device::kCuda, DType::kI32, {P});
+    const size_t ws_bytes = moe::cutlass_experts_workspace_bytes(static_cast<int>(max_items));
+    Tensor ws = device::empty(Device::kCuda, DType::kU8, {static_cast<int64_t>(ws_bytes)});
+    moe::CutlassExpertsParams c{};
+    c.up_weights = tables;
+    c.down_weights = tables + E;
+    c.x = x.data();
+    c.sorted_pair = sorted_pair;
+    c.items = items;
+    c.n_items = n_items;
+    c.P = static_cast<int>(P);
+    c.top_k = static_cast<int>(k);
+    c.D = static_cast<int>(Din);
+    c.I = static_cast<int>(I);
+    c.groups = static_cast<int>(max_items);
+    c.xp = xp.data();
+    c.h = h.data();
+    c.yp = y.data_as<float>();
+    c.pair_row = pair_row.data_as<int32_t>();
+    const int forced = g_cutlass_tile_n.load(std::memory_order_relaxed);
+    c.tile_n = forced != 0 ? forced : P > 96 * active_bound ? 128 : 64;
+    moe::launch_moe_experts_cutlass(c, ws.data(), ws_bytes, stream);
+#endif
   } else {
     moe::launch_moe_gemm_simt(up, x.dtype(), wt, true, stream);
     moe::launch_moe_gemm_simt(down, DType::kF32, wt, false, stream);
@@ -331,6 +390,10 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   cp.D = static_cast<int>(Din);
   cp.E = E;
   cp.out_dtype = out.dtype();
+  if (use_cutlass) {
+    cp.pair_row = pair_row.data_as<int32_t>();
+    cp.topk_weights = topk_weights.data_as<float>();
+  }
   moe::launch_moe_combine(cp, stream);
   if (!fuse_shared) shared_separately();
 }

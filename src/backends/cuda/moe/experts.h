@@ -10,7 +10,15 @@ namespace chimera::cuda::moe {
 
 // kAuto: GEMV for T <= kGemvMaxTokens, tensor cores above (16-bit activations and weights of one dtype, K and N
 // multiples of 8, aligned rows), fp32 SIMT otherwise. A forced path outside its domain throws.
-enum class ExpertsPath { kAuto, kGemv, kMma, kSimt };
+// kCutlass (tests and benchmarks only; never chosen by kAuto): CUTLASS 3.x's sm90 grouped GEMM (moe_kernels.h,
+// CutlassExpertsParams), bf16 activations and weights, K and N multiples of 8, aligned rows. Throws when the build
+// has no CUTLASS (cmake -DCHIMERA_CUTLASS=ON; cutlass_built() says).
+enum class ExpertsPath { kAuto, kGemv, kMma, kSimt, kCutlass };
+bool cutlass_built();
+// Benchmarks and tests: the CUTLASS path's tokens per tile, 64 or 128; 0 (the default) picks 128 when the pairs per
+// possibly active expert, P / min(E, P), exceed 96 (prefill at T ~ 4k), else 64. CHIMERA_MOE_CUTLASS_TILE_N sets the
+// default. Process-wide. Returns the previous setting.
+int set_cutlass_tile_n(int tile_n);
 
 // shared (optional): the layer's shared expert (ops::moe_experts_shared). On the GEMV path, when its sizes and
 // dtypes fit (moe_kernels.h, GemvShared), it runs as extra units of the up and down launches; otherwise (any other

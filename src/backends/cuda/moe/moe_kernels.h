@@ -170,13 +170,51 @@ void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int ti
 inline constexpr int kSimtTileRows = 16;
 void launch_moe_gemm_simt(GemmParams p, DType x_dtype, DType w_dtype, bool up, cudaStream_t stream);
 
+// CUTLASS 3.x sm90 grouped GEMM path (cutlass/grouped_gemm_sm90.cu; built only with cmake -DCHIMERA_CUTLASS=ON,
+// which defines CHIMERA_HAVE_CUTLASS). bf16 activations and weights, fp32 accumulation, K and N multiples of 8,
+// 16-byte aligned weights. Groups: one per work item of a permutation run with tile_rows >= P, i.e. one per active
+// expert (item g = {expert, first permuted row, rows}); G = max_items groups are launched, those past *n_items are
+// empty (0 rows). Swap-AB, as the mma path: the expert weight W_e [N, K] is CUTLASS's A (M = N weight rows, K-major),
+// the expert's token rows are B (N = rows, K-major), and D = out^T is written column-major, i.e. out [rows, N]
+// row-major. Launches (all stream-ordered, no host synchronisation, graph-capturable):
+//   1. prepare (one kernel): xp[r, :] = x[pair(r) / top_k, :] (TMA cannot gather rows), pair_row[pair(r)] = r, and
+//      the per-group problem shapes, pointer and stride arrays of both GEMMs, written on the device from the items;
+//   2. up GEMM, epilogue relu(acc)^2 rounded to bf16 -> h [P, I] permuted order (as the mma path);
+//   3. down GEMM, epilogue acc in fp32 -> yp [P, D] in permuted order, NOT scaled and NOT scattered: the combine
+//      (CombineParams::pair_row) reads row pair_row[pair] and multiplies by the routing weight (bit-identical to
+//      the mma path's epilogue scaling: one fp32 product per element, no fma contraction).
+struct CutlassExpertsParams {
+  const void* const* up_weights;    // [E] device pointers, W_up_e [I, D] bf16
+  const void* const* down_weights;  // [E] device pointers, W_down_e [D, I] bf16
+  const void* x;                    // [T, D] bf16
+  const int32_t* sorted_pair;       // [P] from launch_moe_permute (tile_rows >= P)
+  const int4* items;                // [groups]
+  const int32_t* n_items;           // [1]
+  int P, top_k, D, I;
+  int groups;         // max_items = min(P, E): upper bound of the active experts
+  void* xp;           // [P, D] bf16 scratch
+  void* h;            // [P, I] bf16 scratch
+  float* yp;          // [P, D] f32 out, permuted order
+  int32_t* pair_row;  // [P] out: the permuted row of each valid pair
+  int tile_n = 64;    // tokens per CUTLASS tile: 64 or 128 (experts.cu picks; cuda::moe::set_cutlass_tile_n)
+};
+// Bytes of device workspace launch_moe_experts_cutlass needs for `groups` groups on the current device (group
+// arrays + CUTLASS's per-SM tensor-map workspaces), 256-byte aligned.
+size_t cutlass_experts_workspace_bytes(int groups);
+void launch_moe_experts_cutlass(const CutlassExpertsParams& p, void* workspace, size_t workspace_bytes,
+                                cudaStream_t stream);
+
 // Combine: out[t, :] = sum over the token's pairs, in increasing expert order, of y[t * k + j, :].
+// With pair_row (the CUTLASS path): y is in permuted order and unscaled; the term of pair q is
+// y[pair_row[q], :] * topk_weights[q] (rounded product, then summed: the same bits as a pre-scaled y).
 struct CombineParams {
   const float* y;           // [P, D] f32, row = pair id (already scaled by the routing weight)
   const int32_t* topk_ids;  // [T, k]
   void* out;                // [T, D] (out_dtype)
   int T, k, D, E;
   DType out_dtype;
+  const int32_t* pair_row = nullptr;    // [P]: y row of each pair (permuted y), nullptr: row = pair id
+  const float* topk_weights = nullptr;  // [P]: with pair_row, the routing weights to apply
 };
 void launch_moe_combine(const CombineParams& p, cudaStream_t stream);
 

@@ -122,10 +122,14 @@ __global__ void __launch_bounds__(kPermuteThreads) moe_permute_kernel(const Perm
 // T = 1 on the Nano decode step; each thread then walked ~3 column groups one after another).
 constexpr int kCombineCols = 1024;  // columns per block: 256 threads x 4
 
-template <typename TO, int VEC>
+// kPermuted (the CUTLASS path): y is in permuted order and unscaled; pair q's row is pair_row[q] and its term
+// y * topk_weights[q] is rounded before the sum (__fmul_rn: no fma contraction), as the mma path's epilogue does.
+template <typename TO, int VEC, bool kPermuted>
 __global__ void __launch_bounds__(256) moe_combine_kernel(const CombineParams p) {
   __shared__ int s_order[32];
   __shared__ int s_n;
+  __shared__ int s_row[32];  // kPermuted: y row of the r-th pair in expert order
+  __shared__ float s_w[32];  // kPermuted: its routing weight
   const int t = static_cast<int>(blockIdx.x);
   pdl_wait();  // PDL: ids and the expert outputs y are earlier kernels' outputs
   pdl_trigger();
@@ -146,6 +150,14 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const CombineParams p)
   }
   __syncthreads();
   const int n = s_n;
+  if constexpr (kPermuted) {
+    if (static_cast<int>(threadIdx.x) < n) {
+      const int q = t * p.k + s_order[threadIdx.x];
+      s_row[threadIdx.x] = p.pair_row[q];
+      s_w[threadIdx.x] = p.topk_weights[q];
+    }
+    __syncthreads();
+  }
   const float* y = p.y + static_cast<int64_t>(t) * p.k * p.D;
   TO* out = static_cast<TO*>(p.out) + static_cast<int64_t>(t) * p.D;
   const int c_end = min(p.D, (static_cast<int>(blockIdx.y) + 1) * kCombineCols);
@@ -155,15 +167,29 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const CombineParams p)
 #pragma unroll
     for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
     for (int r = 0; r < n; ++r) {
-      const float* yr = y + static_cast<int64_t>(s_order[r]) * p.D + c;
-      if constexpr (VEC == 4) {
-        const float4 q = *reinterpret_cast<const float4*>(yr);
-        acc[0] += q.x;
-        acc[1] += q.y;
-        acc[2] += q.z;
-        acc[3] += q.w;
+      if constexpr (kPermuted) {
+        const float* yr = p.y + static_cast<int64_t>(s_row[r]) * p.D + c;
+        const float w = s_w[r];
+        if constexpr (VEC == 4) {
+          const float4 q = *reinterpret_cast<const float4*>(yr);
+          acc[0] += __fmul_rn(q.x, w);
+          acc[1] += __fmul_rn(q.y, w);
+          acc[2] += __fmul_rn(q.z, w);
+          acc[3] += __fmul_rn(q.w, w);
+        } else {
+          acc[0] += __fmul_rn(yr[0], w);
+        }
       } else {
-        acc[0] += yr[0];
+        const float* yr = y + static_cast<int64_t>(s_order[r]) * p.D + c;
+        if constexpr (VEC == 4) {
+          const float4 q = *reinterpret_cast<const float4*>(yr);
+          acc[0] += q.x;
+          acc[1] += q.y;
+          acc[2] += q.z;
+          acc[3] += q.w;
+        } else {
+          acc[0] += yr[0];
+        }
       }
     }
 #pragma unroll
@@ -195,10 +221,15 @@ void launch_moe_combine(const CombineParams& p, cudaStream_t stream) {
   if (p.k > 32) throw_runtime(str_cat("ops::moe_experts: top-", p.k, " is not supported on CUDA (k <= 32)"));
   CHIMERA_DISPATCH_FLOAT(p.out_dtype, "ops::moe_experts out", TO, {
     const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>((p.D + kCombineCols - 1) / kCombineCols));
-    if (p.D % 4 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 15u) == 0) {  // 16-byte loads of y
-      launch(moe_combine_kernel<TO, 4>, grid, dim3(256), 0, stream, p);
+    const bool y_aligned = p.D % 4 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 15u) == 0;  // 16-byte loads of y
+    if (p.pair_row != nullptr && y_aligned) {
+      launch(moe_combine_kernel<TO, 4, true>, grid, dim3(256), 0, stream, p);
+    } else if (p.pair_row != nullptr) {
+      launch(moe_combine_kernel<TO, 1, true>, grid, dim3(256), 0, stream, p);
+    } else if (y_aligned) {
+      launch(moe_combine_kernel<TO, 4, false>, grid, dim3(256), 0, stream, p);
     } else {
-      launch(moe_combine_kernel<TO, 1>, grid, dim3(256), 0, stream, p);
+      launch(moe_combine_kernel<TO, 1, false>, grid, dim3(256), 0, stream, p);
     }
   });
   CHIMERA_LAUNCH_CHECK("ops::moe_experts");
