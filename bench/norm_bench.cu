@@ -1,7 +1,6 @@
 // Benchmarks of the norm / dense / sampling family at Nemotron 3 Nano and Super shapes (model-spec 9):
-// add + RMSNorm and RMSNorm (hidden 2688 / 4096 / 8192, 1..16384 tokens), the MoE layer's residual norms (add2, and
-// with the routed combine folded in), gated RMSNorm (Mamba Di and groups), embedding, linear (in_proj / out_proj /
-// lm_head, 1 / 64 / 4096 tokens) and sampling.
+// add + RMSNorm and RMSNorm (hidden 2688 / 4096 / 8192, 1..16384 tokens), gated RMSNorm (Mamba Di and
+// groups), embedding, linear (in_proj / out_proj / lm_head, 1 / 64 / 4096 tokens) and sampling.
 // Each case goes through the ops:: entry point (validation + launch, what the engine calls). Inputs are
 // random, never zeros; buffer sets rotate so that a case's working set (>= 256 MiB when it can) is not
 // served from the 50 MB L2 between iterations. bench/peers/norm_peers.py prints the same shapes for PyTorch.
@@ -9,9 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -129,78 +126,6 @@ CHIMERA_BENCH(add2_rms_norm_bf16) {
         const ops::Context cs{Device::kCuda, st};
         ops::add(cs, s.mix, s.a, s.b);
         ops::add_rms_norm(cs, s.res, s.out, s.mix, w, 1e-5f);
-      });
-    }
-  }
-}
-
-// The decode MoE layer's residual update with the routed experts' combine (issue 4), graph device time:
-//   "moe_combine+add2_rms_norm": the combine kernel (launch_moe_combine) then add2_rms_norm, today's two launches
-//   "add_moe_rms_norm":          the combine inside the norm kernel (row_norm.cuh, kAddMoe), one launch
-// Nano (hidden 2688, top-6 of 128) and Super's routing width on its hidden size (4096, top-22 of 512; the Super model
-// combines in its latent space before fc2_latent_proj and keeps the two-launch path: this shows what wider routing
-// costs the fused kernel), T = 1, 2, 8. Bytes: read y (T x k x D f32), shared, residual; write residual, out. A CHECK
-// line says whether the two give the same bits.
-CHIMERA_BENCH(add_moe_rms_norm_bf16) {
-  struct Model {
-    const char* name;
-    int64_t D, k, E;
-  };
-  for (const Model& m : {Model{"nano", 2688, 6, 128}, Model{"super", 4096, 22, 512}}) {
-    const Tensor w = random(DType::kBF16, {m.D}, 0.5f, 1.5f);
-    for (int64_t T : {int64_t{1}, int64_t{2}, int64_t{8}}) {
-      const double bytes = 4.0 * T * m.k * m.D + 4.0 * T * m.D * 2 + m.D * 2.0;
-      // Distinct experts per token (what the router picks), a fixed pseudo-random draw per set.
-      auto routing = [&](uint64_t seed) {
-        std::vector<int32_t> ids;
-        for (int64_t t = 0; t < T; ++t) {
-          std::vector<int32_t> pick;
-          while (static_cast<int64_t>(pick.size()) < m.k) {
-            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-            const auto e = static_cast<int32_t>((seed >> 33) % static_cast<uint64_t>(m.E));
-            if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
-          }
-          ids.insert(ids.end(), pick.begin(), pick.end());
-        }
-        return device::to_device(Tensor::from_i32({T, m.k}, ids), Device::kCuda);
-      };
-      struct Set {
-        ops::MoeRows rows;
-        Tensor a, res, out, routed;
-      };
-      std::vector<Set> sets;
-      for (int i = 0; i < rotations(bytes); ++i) {
-        sets.push_back({ops::MoeRows{random(DType::kF32, {T * m.k, m.D}, -0.5f, 0.5f), routing(1000 + i), m.E},
-                        random(DType::kBF16, {T, m.D}), random(DType::kBF16, {T, m.D}), random(DType::kBF16, {T, m.D}),
-                        random(DType::kBF16, {T, m.D})});
-      }
-      const std::string shape = std::string(m.name) + " T=" + std::to_string(T) + " D=" + std::to_string(m.D) +
-                                " k=" + std::to_string(m.k) + " E=" + std::to_string(m.E) + " bf16";
-      // Same bits: both paths from one residual.
-      {
-        const ops::Context c{Device::kCuda, nullptr};
-        const Set& s = sets[0];
-        const Tensor res0 = device::to_host(s.res);
-        Tensor res1 = device::to_device(res0, Device::kCuda), res2 = device::to_device(res0, Device::kCuda);
-        Tensor out1 = random(DType::kBF16, {T, m.D}), out2 = random(DType::kBF16, {T, m.D});
-        ops::moe_combine(c, s.routed, s.rows);
-        ops::add2_rms_norm(c, res1, out1, s.a, s.routed, w, 1e-5f);
-        ops::add_moe_rms_norm(c, res2, out2, s.a, s.rows, w, 1e-5f);
-        const Tensor r1 = device::to_host(res1), r2 = device::to_host(res2);
-        const Tensor o1 = device::to_host(out1), o2 = device::to_host(out2);
-        const bool same =
-            std::memcmp(r1.data(), r2.data(), r1.nbytes()) == 0 && std::memcmp(o1.data(), o2.data(), o1.nbytes()) == 0;
-        std::printf("CHECK add_moe_rms_norm %s %s\n", shape.c_str(), same ? "identical" : "DIFFERENT");
-      }
-      ctx.run_graph("moe_combine+add2_rms_norm", shape, bytes, 0, [&](cudaStream_t st, int i) {
-        const Set& s = sets[static_cast<size_t>(i) % sets.size()];
-        const ops::Context cs{Device::kCuda, st};
-        ops::moe_combine(cs, s.routed, s.rows);
-        ops::add2_rms_norm(cs, s.res, s.out, s.a, s.routed, w, 1e-5f);
-      });
-      ctx.run_graph("add_moe_rms_norm", shape, bytes, 0, [&](cudaStream_t st, int i) {
-        const Set& s = sets[static_cast<size_t>(i) % sets.size()];
-        ops::add_moe_rms_norm(ops::Context{Device::kCuda, st}, s.res, s.out, s.a, s.rows, w, 1e-5f);
       });
     }
   }

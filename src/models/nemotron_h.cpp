@@ -542,7 +542,7 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
 }
 
 void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const Tensor& x, const Tensor& shared_out,
-                          const Tensor& routed_out, ops::MoeRows& routed_rows) const {
+                          const Tensor& routed_out) const {
   const ModelConfig& c = config_;
   const MoeWeights& w = L.moe;
   const int64_t T = x.dim(0), k = c.num_experts_per_tok, Din = c.moe_input_dim();
@@ -561,18 +561,12 @@ void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const 
   // those), on CUDA at decode sizes the shared expert inside the routed experts' GEMV launches.
   const ops::SharedExpert shared{shared_out, x, w.shared_experts.up_proj, w.shared_experts.down_proj};
   if (c.moe_latent_size) {
-    // The routed output goes through fc2_latent_proj before the residual add: combined here, always.
-    routed_rows = ops::MoeRows{};
     Tensor latent_in = act(ctx, {T, Din}), latent_out = act(ctx, {T, Din});
     ops::linear(ctx, latent_in, x, w.fc1_latent_proj);
     ops::moe_experts_shared(ctx, latent_out, latent_in, ids, weights, w.experts_up, w.experts_down, shared);
     ops::linear(ctx, routed_out, latent_out, w.fc2_latent_proj);
   } else {
-    // On CUDA the op may leave the routed rows uncombined (decode sizes; CHIMERA_MOE_COMBINE_IN_NORM): the combine
-    // then runs inside the residual norm (add_moe_rms_norm), one launch fewer, the same bits. The CPU always
-    // combines (the request is ignored there), so its path is unchanged.
-    ops::moe_experts_shared(ctx, routed_out, x, ids, weights, w.experts_up, w.experts_down, shared,
-                            ctx.device == Device::kCuda ? &routed_rows : nullptr);
+    ops::moe_experts_shared(ctx, routed_out, x, ids, weights, w.experts_up, w.experts_down, shared);
   }
 }
 
@@ -611,10 +605,6 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
   Tensor x = act(ctx, {T, D});    // normed input of the current mixer
   Tensor mix = act(ctx, {T, D});  // mixer output (the MoE layer's shared expert)
   Tensor routed;                  // the MoE layer's routed experts, added in the norm kernel
-  // Or their uncombined rows (CUDA decode): combined in the norm kernel. Held until the next MoE layer replaces them
-  // (or the step ends), so their workspace outlives the norm that reads it by more than one launch (launch.cuh,
-  // "two back").
-  ops::MoeRows routed_rows;
   for (const LayerWeights& L : layers_) {
     if (L.kind == LayerKind::kMoe) {
       routed = act(ctx, {T, D});
@@ -629,14 +619,12 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
       case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], x, mix); break;
       case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], x, mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, mix, x, L.mlp.up_proj, L.mlp.down_proj); break;
-      case LayerKind::kMoe: moe_mixer(ctx, L, x, mix, routed, routed_rows); break;
+      case LayerKind::kMoe: moe_mixer(ctx, L, x, mix, routed); break;
     }
     // h = h + mixer(x); x = next layer's norm (or norm_f) of h: one fused op. A MoE layer's mixer output is
     // shared + routed, rounded to the activation dtype before the residual add (the sum happens in the norm op).
     const Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].norm : norm_f_;
-    if (L.kind == LayerKind::kMoe && routed_rows) {
-      ops::add_moe_rms_norm(ctx, h, x, mix, routed_rows, next_norm, eps);
-    } else if (L.kind == LayerKind::kMoe) {
+    if (L.kind == LayerKind::kMoe) {
       ops::add2_rms_norm(ctx, h, x, mix, routed, next_norm, eps);
     } else {
       ops::add_rms_norm(ctx, h, x, mix, next_norm, eps);

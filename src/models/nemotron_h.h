@@ -114,11 +114,9 @@ class NemotronH {
   void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
                        const Tensor& block_tables, const ops::KvCacheView& kv, const Tensor& x,
                        const Tensor& out) const;
-  // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm. routed_rows:
-  // set by the op where the routed output is left uncombined (CUDA decode, no latent space; ops::moe_experts_shared),
-  // routed_out then unwritten: the forward combines the rows inside add_moe_rms_norm instead.
+  // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm.
   void moe_mixer(const ops::Context& ctx, const LayerWeights& w, const Tensor& x, const Tensor& shared_out,
-                 const Tensor& routed_out, ops::MoeRows& routed_rows) const;
+                 const Tensor& routed_out) const;
 
   ModelConfig config_;
   Device device_ = Device::kCpu;

@@ -234,52 +234,6 @@ void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out
              [&] { CHIMERA_CUDA_CALL(cuda::add2_rms_norm(ctx, residual, out, a, b, weight, eps)); });
 }
 
-namespace {
-// rows ([T * k, D] F32 y, [T, k] I32 ids) for the [T, D] activation `act`.
-void check_moe_rows(const Check& c, const MoeRows& rows, const char* act_name, const Tensor& act) {
-  c.i32("rows.topk_ids", rows.topk_ids, 2);
-  c.present("rows.y", rows.y);
-  if (rows.y.dtype() != DType::kF32 || rows.y.ndim() != 2) {
-    c.fail("rows.y {} must be a 2-D F32 tensor", rows.y.describe());
-  }
-  c.shape("rows.topk_ids", rows.topk_ids, {act.dim(0), rows.topk_ids.dim(1)}, act_name, act);
-  c.shape("rows.y", rows.y, {act.dim(0) * rows.topk_ids.dim(1), act.dim(1)}, act_name, act);
-  if (rows.topk_ids.dim(1) < 1) c.fail("rows.topk_ids {} has no choices", rows.topk_ids.describe());
-  if (rows.num_experts < 1) c.fail("rows.num_experts {} must be >= 1", rows.num_experts);
-  c.no_alias(act_name, act, "rows.y", rows.y);
-}
-}  // namespace
-
-void moe_combine(const Context& ctx, const Tensor& out, const MoeRows& rows) {
-  const Check c(ctx, "moe_combine");
-  c.f32("out", out, 2);
-  check_moe_rows(c, rows, "out", out);
-  c.dispatch([&] { cpu::moe_combine(out, rows); }, [&] { CHIMERA_CUDA_CALL(cuda::moe_combine(ctx, out, rows)); });
-}
-
-void add_moe_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a,
-                      const MoeRows& rows, const Tensor& weight, float eps) {
-  const Check c(ctx, "add_moe_rms_norm");
-  c.f32("a", a, 2);
-  c.f32("residual", residual, 2);
-  c.f32("out", out, 2);
-  c.shape("residual", residual, a.shape(), "a", a);
-  c.shape("out", out, a.shape(), "a", a);
-  c.weight("weight", weight, 1);
-  c.shape("weight", weight, {a.dim(1)}, "a", a);
-  check_moe_rows(c, rows, "a", a);
-  c.no_alias("residual", residual, "rows.y", rows.y);
-  c.no_alias("out", out, "rows.y", rows.y);
-  // The CPU: exactly moe_combine then add2_rms_norm (F32 activations: the combine's rounding is the identity).
-  c.dispatch(
-      [&] {
-        const Tensor routed = Tensor::empty(DType::kF32, a.shape());
-        cpu::moe_combine(routed, rows);
-        cpu::add2_rms_norm(residual, out, a, routed, weight, eps);
-      },
-      [&] { CHIMERA_CUDA_CALL(cuda::add_moe_rms_norm(ctx, residual, out, a, rows, weight, eps)); });
-}
-
 void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
                     int64_t n_groups, float eps) {
   const Check c(ctx, "gated_rms_norm");
@@ -632,7 +586,7 @@ void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const T
 
 void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                         const Tensor& topk_weights, std::span<const Tensor> up_proj,
-                        std::span<const Tensor> down_proj, const SharedExpert& shared, MoeRows* rows) {
+                        std::span<const Tensor> down_proj, const SharedExpert& shared) {
   const Check c(ctx, "moe_experts_shared");
   check_moe_experts(c, out, x, topk_ids, topk_weights, up_proj, down_proj);
   check_relu2_mlp(c, shared.out, shared.x, shared.up_proj, shared.down_proj);
@@ -641,15 +595,13 @@ void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, 
   c.no_alias("shared.out", shared.out, "x", x);
   c.no_alias("shared.out", shared.out, "shared.x", shared.x);
   c.no_alias("out", out, "shared.x", shared.x);
-  if (rows) *rows = MoeRows{};  // the backend fills it only where it leaves the combine to the caller
   c.dispatch(
       [&] {
         cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj);
         cpu::relu2_mlp(shared.out, shared.x, shared.up_proj, shared.down_proj);
       },
       [&] {
-        CHIMERA_CUDA_CALL(
-            cuda::moe_experts_shared(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, shared, rows));
+        CHIMERA_CUDA_CALL(cuda::moe_experts_shared(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, shared));
       });
 }
 

@@ -72,28 +72,6 @@ void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out,
 void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
                    const Tensor& weight, float eps);
 
-// The routed experts' output of a MoE layer before its combine: one fp32 row per (token, choice) pair, already
-// multiplied by the routing weight, and the routing that orders them. moe_combine sums them; add_moe_rms_norm sums
-// them inside the residual norm (moe_experts_shared returns them on CUDA at decode sizes).
-struct MoeRows {
-  Tensor y;         // [T * k, D] F32, row t * k + j = choice j of token t (anything where the id is invalid)
-  Tensor topk_ids;  // [T, k] I32; ids outside [0, num_experts) contribute nothing
-  int64_t num_experts = 0;
-  explicit operator bool() const { return static_cast<bool>(y); }
-};
-
-// out[t] = the sum over token t's valid choices (0 <= id < num_experts), ranked by (expert id, choice index), of
-// y[t * k + j], in fp32 from 0 in that order (the CPU moe_experts' expert order), rounded to out's dtype once; zeros
-// for a token without a valid choice. out: [T, D].
-void moe_combine(const Context& ctx, const Tensor& out, const MoeRows& rows);
-
-// residual += round(a + moe_combine(rows)) (in place), then out = rms_norm(residual): exactly moe_combine(routed,
-// rows) followed by add2_rms_norm(residual, out, a, routed) (bit-identical on every backend; the CPU runs those two).
-// On CUDA one kernel (row_norm.cuh, kAddMoe): a decode MoE layer's combine launch folded into its residual norm.
-// residual, a, out: [T, D]; rows: [T * k, D] and [T, k], k <= 32 on CUDA; weight [D].
-void add_moe_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a,
-                      const MoeRows& rows, const Tensor& weight, float eps);
-
 // Gated grouped RMSNorm (model-spec 3.3, norm_before_gate = false):
 //   u = y * silu(z); per group of D/n_groups channels: u *= rsqrt(mean(u^2) + eps); out = weight * u
 // y, z, out: [T, D]; weight: [D]; D % n_groups == 0.
@@ -246,14 +224,9 @@ struct SharedExpert {
 // decode sizes (T <= 8 tokens, 16-bit activations and weights of one dtype) the shared expert runs inside the
 // routed experts' two GEMV launches, with relu2_mlp's rounding points (its up product rounded to the activation
 // dtype before relu^2, the relu^2 rounded again); otherwise the two ops one after the other.
-// rows (optional): a request to leave the routed experts uncombined. Where the backend takes it (CUDA, the decode
-// GEMV path, its combine not folded into the down launch, CHIMERA_MOE_COMBINE_IN_NORM not 0: cuda::moe, experts.h)
-// *rows receives the routed rows (their workspace, which the caller keeps until the op that reads them is enqueued)
-// and `out` is left unwritten: moe_combine(out, *rows) or add_moe_rms_norm then gives exactly what out would have
-// held. Otherwise *rows is reset (undefined y) and out is written as without the request; always on the CPU.
 void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                         const Tensor& topk_weights, std::span<const Tensor> up_proj,
-                        std::span<const Tensor> down_proj, const SharedExpert& shared, MoeRows* rows = nullptr);
+                        std::span<const Tensor> down_proj, const SharedExpert& shared);
 
 // ---- sampling --------------------------------------------------------------------------------------
 // Per-row sampling parameters: temperature 0 (or top_k 1) is greedy; top_k 0 and top_p 1 are off.

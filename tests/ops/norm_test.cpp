@@ -1,9 +1,6 @@
 // Embedding and the RMSNorm family against naive double-accumulating loops, on every backend; on CUDA also
-// with bf16 activations, the model's hidden sizes (2688, 4096, 4480, 8192) and awkward token counts. The MoE
-// layer's residual norms: add2_rms_norm and add_moe_rms_norm (the combine of the routed rows folded in).
-#include <algorithm>
+// with bf16 activations, the model's hidden sizes (2688, 4096, 4480, 8192) and awkward token counts.
 #include <cmath>
-#include <utility>
 #include <vector>
 
 #include "common/backend_param.h"
@@ -152,101 +149,6 @@ TEST_P(OpsNorm, Add2RmsNormEqualsAddThenAddRmsNorm) {
   }
 }
 
-// Routing for ops::MoeRows tests: [T, k] expert ids with the cases the router never makes but the ops allow:
-// repeated experts within a token, invalid ids (negative and >= E, which contribute nothing) and, for token 1 when
-// T > 1, no valid choice at all (its routed output is zero).
-Tensor awkward_routing(test::Rng& rng, int64_t T, int64_t k, int64_t E) {
-  Tensor ids = Tensor::empty(DType::kI32, {T, k});
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t u = rng.integer(0, 99);
-      int64_t e = rng.integer(0, E - 1);
-      if (t == 1 || u < 8) {
-        e = (t + j) % 2 == 0 ? -1 - rng.integer(0, 5) : E + rng.integer(0, 5);  // invalid
-      } else if (u < 25 && j > 0) {
-        e = ids.i32()[t * k + rng.integer(0, j - 1)];  // an earlier choice's id (maybe invalid) again
-      }
-      ids.i32()[t * k + j] = static_cast<int32_t>(e);
-    }
-  }
-  return ids;
-}
-
-// moe_combine's contract on the host: per token the valid choices ranked by (expert id, choice index), summed in
-// that order in fp32 from 0.
-Tensor naive_moe_combine(const Tensor& y, const Tensor& ids, int64_t E) {
-  const int64_t T = ids.dim(0), k = ids.dim(1), D = y.dim(1);
-  Tensor out = Tensor::zeros(DType::kF32, {T, D});
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<std::pair<int32_t, int64_t>> order;
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t e = ids.i32()[t * k + j];
-      if (e >= 0 && e < E) order.push_back({e, j});
-    }
-    std::sort(order.begin(), order.end());
-    for (const auto& [e, j] : order) {
-      for (int64_t c = 0; c < D; ++c) out.f32()[t * D + c] += y.f32()[(t * k + j) * D + c];
-    }
-  }
-  return out;
-}
-
-// add_moe_rms_norm == moe_combine (on CUDA the MoE combine kernel, launch_moe_combine) then add2_rms_norm, bit for bit
-// on every backend, and against the naive oracle (residual bit-exact, out by the elementwise tolerance). Decode token
-// counts 1..8, the model's hidden sizes (Nano 2688, Super 4096), an odd multiple of 8 (1000 = 8 x 125: 16-byte
-// groups, a partial last warp), short rows (several rows per block: 40, and the scalar path: 33), Nano's and
-// Super's routing widths (top-6 of 128, top-22 of 512) and the widest the kernel takes (top-32), with repeated and
-// invalid expert ids. CUDA also: rows past the register cache (the two-pass path, scalar 40001 and 16-byte 65544).
-TEST_P(OpsNorm, AddMoeRmsNormEqualsCombineThenAdd2) {
-  auto rng = test::Rng::for_test();
-  struct Case {
-    int64_t D, k, E;
-  };
-  std::vector<Case> cases = {{33, 6, 128}, {40, 22, 512}, {1000, 6, 128}, {40, 32, 64}};
-  if (on_cuda()) {
-    cases.insert(cases.end(), {{2688, 6, 128}, {4096, 22, 512}, {2688, 22, 512}, {4096, 6, 128}, {1000, 22, 512}});
-  }
-  std::vector<int64_t> tokens = {1, 2, 3, 5, 8};
-  if (on_cuda()) tokens = {1, 2, 3, 4, 5, 6, 7, 8};
-  std::vector<std::pair<Case, int64_t>> runs;  // (case, T)
-  for (const Case& c : cases) {
-    for (int64_t T : tokens) runs.push_back({c, T});
-  }
-  if (on_cuda()) runs.insert(runs.end(), {{{40001, 6, 128}, 3}, {{65544, 22, 512}, 2}, {{2688, 6, 128}, 111}});
-  for (DType act : act_dtypes()) {
-    for (const auto& [c, T] : runs) {
-      SCOPED_TRACE(::testing::Message() << "T=" << T << " D=" << c.D << " k=" << c.k << " E=" << c.E
-                                        << " act=" << dtype_name(act));
-      const Tensor y = rng.normal_tensor({T * c.k, c.D}, 0.5f);
-      const Tensor ids = awkward_routing(rng, T, c.k, c.E);
-      const Tensor a = rounded(rng.normal_tensor({T, c.D}), act);
-      const Tensor res0 = rounded(rng.normal_tensor({T, c.D}, 4.0f), act);
-      const Tensor w = test::cast_to(rng.uniform_tensor({c.D}, 0.5f, 1.5f), DType::kBF16);
-      const ops::MoeRows rows{on_backend(y), on_backend(ids), c.E};
-      const Tensor da = on_backend(a, act), dw = on_backend(w);
-      // The two-op path on this backend: the combine, then add2_rms_norm.
-      Tensor routed = output(act, {T, c.D}), res_want = on_backend(res0, act), out_want = output(act, {T, c.D});
-      ops::moe_combine(ctx(), routed, rows);
-      ops::add2_rms_norm(ctx(), res_want, out_want, da, routed, dw, 1e-5f);
-      // The fused op.
-      Tensor residual = on_backend(res0, act), out = output(act, {T, c.D});
-      ops::add_moe_rms_norm(ctx(), residual, out, da, rows, dw, 1e-5f);
-      EXPECT_TRUE(test::bit_equal(host_f32(residual), host_f32(res_want)));
-      EXPECT_TRUE(test::bit_equal(host_f32(out), host_f32(out_want)));
-      // Naive: routed = the ranked fp32 sum rounded to the activation dtype, sum = round(res0 + round(a + routed)).
-      const Tensor routed_naive = rounded(naive_moe_combine(y, ids, c.E), act);
-      EXPECT_TRUE(test::bit_equal(host_f32(routed), routed_naive));
-      Tensor sum = Tensor::empty(DType::kF32, {T, c.D});
-      for (int64_t i = 0; i < T * c.D; ++i) sum.f32()[i] = a.f32()[i] + routed_naive.f32()[i];
-      sum = rounded(sum, act);
-      for (int64_t i = 0; i < T * c.D; ++i) sum.f32()[i] += res0.f32()[i];
-      sum = rounded(sum, act);
-      EXPECT_TRUE(test::bit_equal(host_f32(residual), sum));
-      EXPECT_ALL_CLOSE(host_f32(out), naive_rms_norm(sum, w, 1e-5f), tol(act));
-    }
-  }
-}
-
 TEST_P(OpsNorm, GatedRmsNormMatchesNaive) {
   auto rng = test::Rng::for_test();
   struct Case {
@@ -332,19 +234,6 @@ TEST_P(OpsNorm, BadShapesThrowNamingTheOp) {
   EXPECT_TRUE(test::throws_error(
       [&] { ops::add2_rms_norm(ctx(), res8, out, x, on_backend(Tensor::zeros(DType::kF32, {3, 7})), w, 1e-5f); },
       ErrorKind::kRuntime, "ops::add2_rms_norm: b F32[3, 7] does not match a F32[3, 8]"));
-  // add_moe_rms_norm: rows of the wrong count, y not F32.
-  const Tensor ids2 = on_backend(Tensor::from_i32({3, 2}, std::vector<int32_t>{0, 1, 1, 0, 0, 1}));
-  EXPECT_TRUE(test::throws_error(
-      [&] {
-        ops::add_moe_rms_norm(ctx(), res8, out, x,
-                              ops::MoeRows{on_backend(Tensor::zeros(DType::kF32, {5, 8})), ids2, 2}, w, 1e-5f);
-      },
-      ErrorKind::kRuntime, "ops::add_moe_rms_norm: rows.y F32[5, 8] does not match a F32[3, 8]"));
-  EXPECT_TRUE(test::throws_error(
-      [&] {
-        ops::moe_combine(ctx(), out, ops::MoeRows{on_backend(Tensor::zeros(DType::kI32, {6, 8})), ids2, 2});
-      },
-      ErrorKind::kRuntime, "ops::moe_combine: rows.y I32[6, 8] must be a 2-D F32 tensor"));
   if (!on_cuda()) {
     EXPECT_TRUE(test::throws_error(
         [&] {

@@ -48,7 +48,6 @@ void router_gate_topk(const Tensor& topk_ids, const Tensor& topk_weights, const 
                       const Tensor& correction_bias, const ops::RouterParams& p);
 void moe_experts(const Tensor& out, const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                  std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
-void moe_combine(const Tensor& out, const ops::MoeRows& rows);
 
 // Sampling (sampling.cpp): sample_row is the whole algorithm for one row, also used by runtime's sample_token.
 int32_t sample_row(std::span<const float> logits, const ops::SamplingRow& p);

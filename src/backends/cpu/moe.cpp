@@ -114,29 +114,4 @@ void moe_experts(const Tensor& out, const Tensor& x, const Tensor& topk_ids, con
   }
 }
 
-// Each token's valid choices ranked by (expert id, choice index) and summed in that order from 0: the order in which
-// moe_experts above adds the experts' contributions (increasing expert, then increasing pair id).
-void moe_combine(const Tensor& out, const ops::MoeRows& rows) {
-  const int64_t T = rows.topk_ids.dim(0), k = rows.topk_ids.dim(1), D = rows.y.dim(1);
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D));  // ~16K elements per task
-  parallel_for(T, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> order;
-    order.reserve(static_cast<size_t>(k));
-    for (int64_t t = t0; t < t1; ++t) {
-      const int32_t* ids = rows.topk_ids.i32() + t * k;
-      order.clear();
-      for (int64_t j = 0; j < k; ++j) {
-        if (ids[j] >= 0 && ids[j] < rows.num_experts) order.push_back(j);
-      }
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
-      float* o = out.f32() + t * D;
-      std::fill(o, o + D, 0.0f);
-      for (const int64_t j : order) {
-        const float* yr = rows.y.f32() + (t * k + j) * D;
-        for (int64_t c = 0; c < D; ++c) o[c] += yr[c];
-      }
-    }
-  });
-}
-
 }  // namespace chimera::cpu

@@ -22,8 +22,6 @@ void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor&
                   const Tensor& weight, float eps);
 void add2_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
                    const Tensor& weight, float eps);
-void add_moe_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a,
-                      const ops::MoeRows& rows, const Tensor& weight, float eps);
 void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
                     int64_t n_groups, float eps);
 // norm/ (elementwise.cu)
@@ -79,8 +77,7 @@ void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, co
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 void moe_experts_shared(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                         const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
-                        const ops::SharedExpert& shared, ops::MoeRows* rows);
-void moe_combine(const ops::Context& ctx, const Tensor& out, const ops::MoeRows& rows);
+                        const ops::SharedExpert& shared);
 
 // sampling/ (sampling.cu)
 void sample_tokens(const ops::Context& ctx, const Tensor& out_ids, const Tensor& logits,

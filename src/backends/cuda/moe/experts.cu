@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -113,16 +112,6 @@ std::atomic<bool> g_early_shared{[] {
   return v == nullptr || std::atoi(v) != 0;
 }()};
 
-// Whether ops::moe_experts_shared honours a request for the uncombined rows (ops::MoeRows: the combine then runs
-// inside the residual norm, ops::add_moe_rms_norm, one launch fewer per decode MoE layer).
-// CHIMERA_MOE_COMBINE_IN_NORM=0 turns it off (A/B runs of the whole engine). On by default since the results are the
-// same bits either way; the speed of the fold is UNMEASURED at the time of writing (expected: one dependent launch
-// fewer per MoE layer, a few us each on the decode critical path).
-std::atomic<bool> g_combine_in_norm{[] {
-  const char* v = std::getenv("CHIMERA_MOE_COMBINE_IN_NORM");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
-
 // The CUTLASS path's tokens per tile: 0 automatic (set_cutlass_tile_n), 64 or 128 forced.
 std::atomic<int> g_cutlass_tile_n{[] {
   const char* v = std::getenv("CHIMERA_MOE_CUTLASS_TILE_N");
@@ -145,8 +134,6 @@ bool moe::cutlass_built() {
 
 bool moe::set_gemv_early_shared(bool on) { return g_early_shared.exchange(on, std::memory_order_relaxed); }
 
-bool moe::set_combine_in_norm(bool on) { return g_combine_in_norm.exchange(on, std::memory_order_relaxed); }
-
 void moe::set_gemv_fold(int fold) { g_gemv_fold.store(std::clamp(fold, 0, 2), std::memory_order_relaxed); }
 
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
@@ -156,38 +143,16 @@ void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, co
 
 void moe_experts_shared(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                         const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
-                        const ops::SharedExpert& shared, ops::MoeRows* rows) {
-  moe::moe_experts_on_path(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, moe::ExpertsPath::kAuto, &shared,
-                           g_combine_in_norm.load(std::memory_order_relaxed) ? rows : nullptr);
-}
-
-void moe_combine(const ops::Context& ctx, const Tensor& out, const ops::MoeRows& rows) {
-  const char* op = "ops::moe_combine";
-  const int64_t T = out.dim(0), k = rows.topk_ids.dim(1), D = out.dim(1);
-  if (T > std::numeric_limits<int>::max() / std::max<int64_t>(k, 1) || D > std::numeric_limits<int>::max() ||
-      rows.num_experts > std::numeric_limits<int>::max()) {
-    throw_runtime(str_cat(op, ": out ", out.describe(), " with top-", k, " is too large"));
-  }
-  if (k > 32) throw_runtime(str_cat(op, ": top-", k, " is not supported on CUDA (k <= 32)"));
-  moe::CombineParams cp{};
-  cp.y = rows.y.data_as<float>();
-  cp.topk_ids = rows.topk_ids.data_as<int32_t>();
-  cp.out = out.data();
-  cp.T = static_cast<int>(T);
-  cp.k = static_cast<int>(k);
-  cp.D = static_cast<int>(D);
-  cp.E = static_cast<int>(rows.num_experts);
-  cp.out_dtype = out.dtype();
-  moe::launch_moe_combine(cp, as_stream(ctx.stream));
+                        const ops::SharedExpert& shared) {
+  moe::moe_experts_on_path(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, moe::ExpertsPath::kAuto,
+                           &shared);
 }
 
 namespace moe {
 
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                          const Tensor& topk_weights, std::span<const Tensor> up_proj,
-                         std::span<const Tensor> down_proj, ExpertsPath path, const ops::SharedExpert* shared,
-                         ops::MoeRows* rows) {
-  if (rows) *rows = ops::MoeRows{};
+                         std::span<const Tensor> down_proj, ExpertsPath path, const ops::SharedExpert* shared) {
   const int64_t T = x.dim(0), Din = x.dim(1), k = topk_ids.dim(1);
   const int E = static_cast<int>(up_proj.size());
   const int64_t I = up_proj[0].dim(0);
@@ -337,13 +302,6 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
     moe::launch_moe_gemv(down, shared_down, x.dtype(), tile_rows, false, stream, fold_down);
     if (fold_down.combined != nullptr) {
       if (!fuse_shared) shared_separately();
-      return;
-    }
-    // The combine left to the caller (ops::add_moe_rms_norm): y and the routing handed out, y kept alive by them.
-    // Only on this decode path (T <= 8: where the launch saved matters; the other paths are unchanged).
-    if (rows != nullptr) {
-      if (!fuse_shared) shared_separately();
-      *rows = ops::MoeRows{y, topk_ids, E};
       return;
     }
   } else if (mma) {

@@ -34,18 +34,8 @@ void set_gemv_fold(int fold);
 // default; CHIMERA_MOE_EARLY_SHARED=0 turns it off. Process-wide. Returns the previous setting.
 bool set_gemv_early_shared(bool on);
 
-// Benchmarks, tests and engine A/B runs: whether ops::moe_experts_shared hands out the uncombined rows when the
-// caller asks for them (ops::MoeRows; the combine then runs inside ops::add_moe_rms_norm, one launch fewer per decode
-// MoE layer; results bit-identical either way). On by default; CHIMERA_MOE_COMBINE_IN_NORM=0 turns it off.
-// Process-wide. Returns the previous setting.
-bool set_combine_in_norm(bool on);
-
-// rows (optional, ops::moe_experts_shared's request; honoured regardless of set_combine_in_norm here): on the GEMV
-// path with the shared expert fused into its launches and the combine not folded into the down launch
-// (set_gemv_fold(2)), *rows receives y and the routing and `out` is not written; otherwise *rows is reset and the
-// combine runs as before.
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                          const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
-                         ExpertsPath path, const ops::SharedExpert* shared = nullptr, ops::MoeRows* rows = nullptr);
+                         ExpertsPath path, const ops::SharedExpert* shared = nullptr);
 
 }  // namespace chimera::cuda::moe

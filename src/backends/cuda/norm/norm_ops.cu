@@ -129,21 +129,6 @@ void add2_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor
   norm::launch_add2_rms_norm(p, a.dtype(), weight.dtype(), as_stream(ctx.stream));
 }
 
-void add_moe_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a,
-                      const ops::MoeRows& rows, const Tensor& weight, float eps) {
-  const char* op = "ops::add_moe_rms_norm";
-  require_same_dtype(op, {{"a", &a}, {"residual", &residual}, {"out", &out}});
-  // x = a; the second addend is combined in the kernel from rows.y (row_norm.cuh, kAddMoe).
-  norm::RowNormParams p{
-      out.data(), a.data(), nullptr, residual.data(), weight.data(), a.dim(0), checked_int(op, "hidden size", a.dim(1)),
-      1,          eps};
-  p.moe_y = rows.y.data_as<float>();
-  p.moe_ids = rows.topk_ids.data_as<int32_t>();
-  p.moe_k = checked_int(op, "top-k", rows.topk_ids.dim(1));
-  p.moe_E = checked_int(op, "num_experts", rows.num_experts);
-  norm::launch_add_moe_rms_norm(p, a.dtype(), weight.dtype(), as_stream(ctx.stream));
-}
-
 void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
                     int64_t n_groups, float eps) {
   const char* op = "ops::gated_rms_norm";

@@ -5,10 +5,6 @@
 //   kAdd2:  kAdd with x = round(x + z): the MoE layer's shared and routed outputs (x, z) summed and rounded to
 //           the activation dtype first, then added to the residual and rounded again, the exact roundings of
 //           add() followed by kAdd (bit-identical), without the round trip of the sum through memory.
-//   kAddMoe: kAdd2 with z = the MoE layer's routed output combined in the kernel from its uncombined rows (one fp32
-//           row per (token, choice), ops::MoeRows): per token the valid choices ranked by (expert id, choice
-//           index), summed in that order in fp32 from 0 and rounded to T: launch_moe_combine's exact arithmetic
-//           (moe/permute.cu), so the result is bit-identical to that kernel followed by kAdd2, one launch fewer.
 //   kGated: u = y * silu(z) (gate first, norm_before_gate = false), then RMSNorm of each group of
 //           D / n_groups channels: a "row" here is one (token, group) pair, weight row = group.
 // Rounding: fp32 math in registers and one rounding at each store (vLLM / TRT-LLM fused kernels). HF rounds
@@ -28,86 +24,21 @@
 
 namespace chimera::cuda::norm {
 
-enum class NormMode { kPlain, kAdd, kAdd2, kAddMoe, kGated };
+enum class NormMode { kPlain, kAdd, kAdd2, kGated };
 
 inline constexpr int kMaxThreads = 1024;  // threads per block (one long row)
-inline constexpr int kMoeMaxTopK = 32;    // kAddMoe: choices per token (launch_moe_combine's limit)
 
 struct RowNormParams {
   void* out;           // [rows, row_len] T
   const void* x;       // [rows, row_len] T: x (kPlain, kAdd) or y (kGated)
   const void* z;       // [rows, row_len] T: the gate (kGated) or the second addend (kAdd2), else null
-  void* residual;      // [rows, row_len] T, updated in place (kAdd, kAdd2, kAddMoe), else null
+  void* residual;      // [rows, row_len] T, updated in place (kAdd, kAdd2), else null
   const void* weight;  // [weight_rows, row_len] W; row r uses weight row r % weight_rows
   int64_t rows;
   int row_len;
   int weight_rows;  // 1, or n_groups (kGated)
   float eps;
-  // kAddMoe only (the second addend, instead of z): the routed experts' rows before their combine.
-  const float* moe_y = nullptr;      // [rows * moe_k, row_len] f32, row t * moe_k + j = choice j of token t
-  const int32_t* moe_ids = nullptr;  // [rows, moe_k]; ids outside [0, moe_E) are skipped
-  int moe_k = 0;                     // 1..kMoeMaxTopK
-  int moe_E = 0;
 };
-
-// kAddMoe: a row's choices in summation order, in shared memory (order[0, n)), and where its y rows start.
-struct MoeOrder {
-  const int* order = nullptr;  // [moe_k] choice of rank r
-  int n = 0;                   // valid choices
-  const float* y = nullptr;    // p.moe_y + row * moe_k * row_len
-  size_t base = 0;             // the row's first element (row * row_len)
-};
-
-// kAddMoe: this row's [moe_k + 1] ints of the block's dynamic shared memory ([blockDim.y][moe_k + 1], sized by the
-// launcher: row_norm_smem_bytes).
-__device__ __forceinline__ int* moe_row_smem(const RowNormParams& p) {
-  extern __shared__ int row_norm_smem[];
-  return row_norm_smem + threadIdx.y * static_cast<unsigned>(p.moe_k + 1);
-}
-
-// kAddMoe: ranks the row's choices by (expert id, choice index) over the valid ones, as launch_moe_combine does, the
-// row's threads splitting the choices. s: this row's [moe_k + 1] ints (order, then the count). Every thread of the
-// block must call it (it ends in a barrier); inactive rows only take part in the barrier.
-__device__ __forceinline__ MoeOrder moe_rank(const RowNormParams& p, int64_t row, bool active, int* s) {
-  const int32_t* ids = p.moe_ids + row * p.moe_k;
-  for (int j = static_cast<int>(threadIdx.x); active && j < p.moe_k; j += static_cast<int>(blockDim.x)) {
-    const int e = ids[j];
-    int rank = 0, count = 0;
-    for (int o = 0; o < p.moe_k; ++o) {
-      const int eo = ids[o];
-      const bool vo = eo >= 0 && eo < p.moe_E;
-      count += vo ? 1 : 0;
-      rank += (vo && (eo < e || (eo == e && o < j))) ? 1 : 0;
-    }
-    if (e >= 0 && e < p.moe_E) s[rank] = j;
-    if (j == 0) s[p.moe_k] = count;
-  }
-  __syncthreads();
-  MoeOrder mo;
-  mo.order = s;
-  mo.n = active ? s[p.moe_k] : 0;
-  mo.y = p.moe_y + static_cast<size_t>(row) * static_cast<size_t>(p.moe_k) * static_cast<size_t>(p.row_len);
-  mo.base = static_cast<size_t>(row) * static_cast<size_t>(p.row_len);
-  return mo;
-}
-
-// kAddMoe: the combined routed value of elements [col, col + N) of the row, in fp32 from 0 over the ranked choices
-// (launch_moe_combine's order), rounded to T.
-template <typename T, int N>
-__device__ __forceinline__ void moe_combined(const MoeOrder& mo, int row_len, size_t col, float (&z)[N]) {
-  float acc[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) acc[j] = 0.0f;
-#pragma unroll 2
-  for (int r = 0; r < mo.n; ++r) {
-    float v[N];
-    load_f32<float, N>(mo.y + static_cast<size_t>(mo.order[r]) * static_cast<size_t>(row_len) + col, v);
-#pragma unroll
-    for (int j = 0; j < N; ++j) acc[j] += v[j];
-  }
-#pragma unroll
-  for (int j = 0; j < N; ++j) z[j] = round_to<T>(acc[j]);
-}
 
 __device__ __forceinline__ float silu_f32(float v) {
   return v / (1.0f + expf(-v));
@@ -136,25 +67,20 @@ __device__ __forceinline__ float row_sum(float v) {
 }
 
 // The pre-norm value of elements [e, e + N) of a row: x (kPlain), residual + x rounded to T and written back
-// (kAdd, when `first`; afterwards re-read from residual), y * silu(z) (kGated). mo: kAddMoe's ranked choices.
+// (kAdd, when `first`; afterwards re-read from residual), y * silu(z) (kGated).
 template <NormMode kMode, typename T, int N>
-__device__ __forceinline__ void row_value(const RowNormParams& p, size_t e, bool first, const MoeOrder& mo,
-                                          float (&v)[N]) {
+__device__ __forceinline__ void row_value(const RowNormParams& p, size_t e, bool first, float (&v)[N]) {
   if constexpr (kMode == NormMode::kPlain) {
     load_f32<T, N>(static_cast<const T*>(p.x) + e, v);
-  } else if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2 || kMode == NormMode::kAddMoe) {
+  } else if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2) {
     T* res = static_cast<T*>(p.residual) + e;
     load_f32<T, N, false>(res, v);
     if (first) {
       float xv[N];
       load_f32<T, N>(static_cast<const T*>(p.x) + e, xv);
-      if constexpr (kMode == NormMode::kAdd2 || kMode == NormMode::kAddMoe) {
+      if constexpr (kMode == NormMode::kAdd2) {
         float zv[N];
-        if constexpr (kMode == NormMode::kAdd2) {
-          load_f32<T, N>(static_cast<const T*>(p.z) + e, zv);
-        } else {
-          moe_combined<T, N>(mo, p.row_len, e - mo.base, zv);
-        }
+        load_f32<T, N>(static_cast<const T*>(p.z) + e, zv);
 #pragma unroll
         for (int j = 0; j < N; ++j) xv[j] = round_to<T>(xv[j] + zv[j]);
       }
@@ -217,14 +143,14 @@ __device__ __forceinline__ void raw_to_f32(const RawVec<U, N>& r, float (&v)[N])
   for (int j = 0; j < N; ++j) v[j] = to_float<U>(tmp[j]);
 }
 
-// row_load: a = x (kPlain) / residual (kAdd, kAdd2, kAddMoe) / y (kGated); b = x (kAdd, kAdd2, kAddMoe) /
-// z (kGated); c = z (kAdd2 only; kAddMoe's c is the combined routed value, moe_combine_vecs below).
+// row_load: a = x (kPlain) / residual (kAdd, kAdd2) / y (kGated); b = x (kAdd, kAdd2) / z (kGated);
+// c = z (kAdd2 only).
 template <NormMode kMode, typename T, int N>
 __device__ __forceinline__ void row_load(const RowNormParams& p, size_t e, RawVec<T, N>& a, RawVec<T, N>& b,
                                          RawVec<T, N>& c) {
   if constexpr (kMode == NormMode::kPlain) {
     load_raw<T, N>(static_cast<const T*>(p.x) + e, a);
-  } else if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2 || kMode == NormMode::kAddMoe) {
+  } else if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2) {
     load_raw<T, N, false>(static_cast<const T*>(p.residual) + e, a);
     load_raw<T, N>(static_cast<const T*>(p.x) + e, b);
     if constexpr (kMode == NormMode::kAdd2) load_raw<T, N>(static_cast<const T*>(p.z) + e, c);
@@ -250,51 +176,18 @@ __device__ __forceinline__ void store_raw(U* p, const RawVec<U, N>& r) {
   for (int c = 0; c < RawVec<U, N>::kBytes / RawVec<U, N>::kChunkBytes; ++c) dst[c] = r.c[c];
 }
 
-// kAddMoe, register-cached path: the combined routed values of the thread's kVecs groups into c (packed in T, as
-// launch_moe_combine stores them), one pass over the ranked choices for all groups so that the groups' y loads of a
-// choice are in flight together.
-template <typename T, int N, int kVecs>
-__device__ __forceinline__ void moe_combine_vecs(const RowNormParams& p, const MoeOrder& mo, int n_vec,
-                                                 RawVec<T, N> (&c)[kVecs]) {
-  // Two choices' loads in flight per step (the y rows are L2-resident: half the dependent round trips of the combine
-  // kernel's loop); one with four groups per thread (the scalar path's), which holds more sums.
-  constexpr int kUnroll = kVecs > 2 ? 1 : 2;
-  float acc[kVecs][N];
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) acc[k][j] = 0.0f;
-  }
-#pragma unroll kUnroll
-  for (int r = 0; r < mo.n; ++r) {
-    const float* yr = mo.y + static_cast<size_t>(mo.order[r]) * static_cast<size_t>(p.row_len);
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
-      if (i < n_vec) {
-        float v[N];
-        load_f32<float, N>(yr + static_cast<size_t>(i) * N, v);
-#pragma unroll
-        for (int j = 0; j < N; ++j) acc[k][j] += v[j];
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) f32_to_raw<T, N>(acc[k], c[k]);
-}
-
 // row_combine: the pre-norm value v, as row_value with first = true. kAdd rounds residual + x to T, keeps it
 // packed in a (the value is exactly representable, so a holds it until the output pass) and writes the
-// residual (kAdd2, kAddMoe: x = round(x + z) first, z packed in c); kPlain's value is a itself; kGated's is not
-// representable in T (the caller keeps v).
+// residual (kAdd2: x = round(x + z) first); kPlain's value is a itself; kGated's is not representable in T (the
+// caller keeps v).
 template <NormMode kMode, typename T, int N>
 __device__ __forceinline__ void row_combine(const RowNormParams& p, size_t e, RawVec<T, N>& a,
                                             const RawVec<T, N>& b, const RawVec<T, N>& c, float (&v)[N]) {
   raw_to_f32<T, N>(a, v);
-  if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2 || kMode == NormMode::kAddMoe) {
+  if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2) {
     float xv[N];
     raw_to_f32<T, N>(b, xv);
-    if constexpr (kMode == NormMode::kAdd2 || kMode == NormMode::kAddMoe) {
+    if constexpr (kMode == NormMode::kAdd2) {
       float zv[N];
       raw_to_f32<T, N>(c, zv);
 #pragma unroll
@@ -322,7 +215,6 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
   const size_t w_base = static_cast<size_t>(active ? row % p.weight_rows : 0) * static_cast<size_t>(p.row_len);
   // PDL: x, z and residual are the previous kernels' outputs, and residual/out may still be read by them. The
   // weight (constant) is only needed after the reduction, where it is an L2 hit, so nothing is hoisted above.
-  // kAddMoe's moe_y and moe_ids are the MoE layer's outputs: read after the wait as well.
   pdl_wait();
   pdl_trigger();
   float ss = 0.0f;
@@ -330,7 +222,7 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
     // All loads first (activations, then the L2-resident weights, which are not needed until after the
     // reduction but would otherwise be a dependent round trip behind it), then the combine, the residual
     // stores and the sum of squares.
-    RawVec<T, N> ra[kVecs], rb[kVecs], rc[kVecs];  // rc: kAdd2's / kAddMoe's second addend (else dropped)
+    RawVec<T, N> ra[kVecs], rb[kVecs], rc[kVecs];  // rc: kAdd2's second addend (unused, so dropped, otherwise)
     RawVec<W, N> rw[kVecs];
     constexpr bool kKeepF32 = kMode == NormMode::kGated;  // else ra holds the pre-norm value exactly
     float gv[kKeepF32 ? kVecs : 1][N];
@@ -338,11 +230,6 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
     for (int k = 0; k < kVecs; ++k) {
       const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
       if (active && i < n_vec) row_load<kMode, T, N>(p, base + static_cast<size_t>(i) * N, ra[k], rb[k], rc[k]);
-    }
-    if constexpr (kMode == NormMode::kAddMoe) {
-      // The residual and x loads above are in flight while the choices are ranked; the y rows follow the ranks.
-      const MoeOrder mo = moe_rank(p, active ? row : 0, active, moe_row_smem(p));
-      moe_combine_vecs<T, N, kVecs>(p, mo, n_vec, rc);
     }
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
@@ -384,11 +271,9 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
       }
     }
   } else {
-    MoeOrder mo;
-    if constexpr (kMode == NormMode::kAddMoe) mo = moe_rank(p, active ? row : 0, active, moe_row_smem(p));
     for (int i = static_cast<int>(threadIdx.x); active && i < n_vec; i += static_cast<int>(blockDim.x)) {
       float v[N];
-      row_value<kMode, T, N>(p, base + static_cast<size_t>(i) * N, true, mo, v);
+      row_value<kMode, T, N>(p, base + static_cast<size_t>(i) * N, true, v);
 #pragma unroll
       for (int j = 0; j < N; ++j) ss += v[j] * v[j];
     }
@@ -396,7 +281,7 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
     // Each thread re-reads only the elements it wrote itself (kAdd), so no barrier is needed.
     for (int i = static_cast<int>(threadIdx.x); active && i < n_vec; i += static_cast<int>(blockDim.x)) {
       float v[N];
-      row_value<kMode, T, N>(p, base + static_cast<size_t>(i) * N, false, mo, v);
+      row_value<kMode, T, N>(p, base + static_cast<size_t>(i) * N, false, v);
       row_store<T, W, N>(p, base + static_cast<size_t>(i) * N, w_base + static_cast<size_t>(i) * N, inv, v);
     }
   }
@@ -417,18 +302,12 @@ inline int threads_per_row(int n_vec, int vecs) {
   return t <= kMaxThreads ? t : 0;
 }
 
-// Dynamic shared memory of a block of `rpb` rows: kAddMoe's per-row choice order and count.
-template <NormMode kMode>
-size_t row_norm_smem_bytes(const RowNormParams& p, int rpb) {
-  return kMode == NormMode::kAddMoe ? sizeof(int) * static_cast<size_t>(rpb) * static_cast<size_t>(p.moe_k + 1) : 0;
-}
-
 template <NormMode kMode, typename T, typename W, int N, int kVecs>
 void launch_cached(const RowNormParams& p, int tpr, cudaStream_t stream) {
   const int rpb = tpr <= 32 ? kSmallRowBlock / tpr : 1;
   const dim3 block(static_cast<unsigned>(tpr), static_cast<unsigned>(rpb));
-  launch(row_norm_kernel<kMode, T, W, N, kVecs>, dim3(static_cast<unsigned>(ceil_div(p.rows, rpb))), block,
-         row_norm_smem_bytes<kMode>(p, rpb), stream, p);
+  launch(row_norm_kernel<kMode, T, W, N, kVecs>, dim3(static_cast<unsigned>(ceil_div(p.rows, rpb))), block, 0, stream,
+         p);
 }
 
 // vecs_per_thread: 2 or 4 vector groups cached per thread, 0 = automatic. Two (twice the threads per row,
@@ -440,16 +319,9 @@ void launch_row_norm_n(const RowNormParams& p, int vecs_per_thread, cudaStream_t
   const int n_vec = p.row_len / N;
   int vecs = vecs_per_thread != 0 ? vecs_per_thread : (n_vec <= 2 * kMaxThreads ? 2 : 4);
   if (N == 1 || (vecs != 2 && vecs != 4)) vecs = 4;
-  // kAddMoe holds the combine's fp32 sums besides the cached groups: four 16-byte groups per thread would spill
-  // (ptxas: 64 registers at 1024 threads), so vector rows take two, and past 2048 groups the two-pass path.
-  constexpr bool kTwoVecsOnly = kMode == NormMode::kAddMoe && N > 1;
-  if (kTwoVecsOnly) vecs = 2;
   const int tpr = threads_per_row(n_vec, vecs);
   if (tpr == 0) {
-    launch(row_norm_kernel<kMode, T, W, N, 0>, dim3(static_cast<unsigned>(p.rows)), dim3(kMaxThreads),
-           row_norm_smem_bytes<kMode>(p, 1), stream, p);
-  } else if constexpr (kTwoVecsOnly) {
-    launch_cached<kMode, T, W, N, 2>(p, tpr, stream);
+    launch(row_norm_kernel<kMode, T, W, N, 0>, dim3(static_cast<unsigned>(p.rows)), dim3(kMaxThreads), 0, stream, p);
   } else if constexpr (N > 1) {
     if (vecs == 2) {
       launch_cached<kMode, T, W, N, 2>(p, tpr, stream);
@@ -469,10 +341,7 @@ void launch_row_norm(const RowNormParams& p, DType act, DType weight, cudaStream
                      int vecs_per_thread) {
   if (p.rows == 0 || p.row_len == 0) return;
   if (p.rows > 0x7fffffffLL) throw_runtime(str_cat(op, ": ", p.rows, " rows exceed one launch"));
-  if (kMode == NormMode::kAddMoe && (p.moe_k < 1 || p.moe_k > kMoeMaxTopK)) {
-    throw_runtime(str_cat(op, ": top-", p.moe_k, " is not supported on CUDA (1..", kMoeMaxTopK, ")"));
-  }
-  const bool aligned = vec_aligned({p.out, p.x, p.z, p.residual, p.weight, p.moe_y});
+  const bool aligned = vec_aligned({p.out, p.x, p.z, p.residual, p.weight});
   CHIMERA_DISPATCH_FLOAT(act, str_cat(op, " activations"), T, {
     CHIMERA_DISPATCH_FLOAT(weight, str_cat(op, " weight"), W, {
       constexpr int kN = vec_width<T>();
@@ -485,15 +354,13 @@ void launch_row_norm(const RowNormParams& p, DType act, DType weight, cudaStream
   });
 }
 
-// Explicit instances live in rms_norm.cu, add_rms_norm.cu, add2_rms_norm.cu, add_moe_rms_norm.cu and gated_rms_norm.cu
-// so the build parallelises.
+// Explicit instances live in rms_norm.cu, add_rms_norm.cu, add2_rms_norm.cu and gated_rms_norm.cu so the build
+// parallelises.
 // vecs_per_thread (0: automatic) is exposed for the benchmarks.
 void launch_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, int vecs_per_thread = 0);
 void launch_add_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream, int vecs_per_thread = 0);
 void launch_add2_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream,
                           int vecs_per_thread = 0);
-void launch_add_moe_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream,
-                             int vecs_per_thread = 0);
 void launch_gated_rms_norm(const RowNormParams& p, DType act, DType weight, cudaStream_t stream,
                            int vecs_per_thread = 0);
 
