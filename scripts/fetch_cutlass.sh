@@ -15,6 +15,11 @@ if [ "$(cat "$DEST/VERSION" 2>/dev/null)" = "$VERSION" ] && [ -f "$DEST/include/
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# pip from a throw-away venv where the system Python has none (Debian's python3 without python3-pip).
+if ! "$PY" -m pip --version >/dev/null 2>&1; then
+  "$PY" -m venv "$tmp/venv"
+  PY="$tmp/venv/bin/python"
+fi
 "$PY" -m pip download -q --no-deps --only-binary=:all: "nvidia-cutlass==$VERSION" -d "$tmp"
 rm -rf "$DEST"
 mkdir -p "$DEST"

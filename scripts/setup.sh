@@ -26,6 +26,12 @@ if [ "${CHIMERA_SETUP_PYTHON:-0}" = "1" ]; then
   if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
   .venv/bin/pip install -q -r scripts/requirements.txt
 fi
-# CUTLASS headers for the optional CUTLASS MoE path (cmake -DCHIMERA_CUTLASS=ON; not needed to build or test).
-if [ "${CHIMERA_SETUP_CUTLASS:-0}" = "1" ]; then scripts/fetch_cutlass.sh; fi
+# CUTLASS headers (PyPI's nvidia-cutlass wheel) for the MoE experts' prefill GEMM, wherever nvcc is found (the
+# CUDA build then compiles it: cmake's CHIMERA_CUTLASS=AUTO). CHIMERA_SETUP_CUTLASS=0 skips, =1 forces the fetch.
+want_cutlass=${CHIMERA_SETUP_CUTLASS:-auto}
+if [ "$want_cutlass" = "auto" ]; then
+  want_cutlass=0
+  if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then want_cutlass=1; fi
+fi
+if [ "$want_cutlass" = "1" ]; then scripts/fetch_cutlass.sh; fi
 echo "setup: done"

@@ -862,6 +862,31 @@ TEST_P(OpsMoe, CutlassPathAtModelSizes) {
   cutlass_path_case({512, 22, 1024, 2688}, {17, 111});      // Super's latent MoE
 }
 
+// kAuto's prefill choice: CUTLASS from kCutlassMinTokens bf16 tokens (the same bits as the forced path), the mma
+// kernels below it and when turned off (set_cutlass_auto / CHIMERA_MOE_CUTLASS=0).
+TEST_P(OpsMoe, AutoTakesCutlassFromItsTokenThreshold) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA CUTLASS path";
+  auto rng = test::Rng::for_test();
+  const int64_t E = 64, k = 6, Din = 264, I = 200;
+  const ExpertSet s = make_experts(rng, E, 4, Din, I, DType::kBF16);
+  for (int64_t T : {cuda::moe::kCutlassMinTokens - 1, cuda::moe::kCutlassMinTokens}) {
+    SCOPED_TRACE(::testing::Message() << "T=" << T);
+    Tensor ids, w;
+    random_routing(rng, T, E, k, 2.5f, ids, w);
+    const Tensor x = round_to(rng.normal_tensor({T, Din}), DType::kBF16);
+    const Tensor got = run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto);
+    const bool above = T >= cuda::moe::kCutlassMinTokens;
+    const auto expected = above ? cuda::moe::ExpertsPath::kCutlass : cuda::moe::ExpertsPath::kMma;
+    EXPECT_TRUE(test::bit_equal(got, run_path(x, DType::kBF16, ids, w, s, expected)));
+    struct Restore {
+      bool prev;
+      ~Restore() { cuda::moe::set_cutlass_auto(prev); }
+    } restore{cuda::moe::set_cutlass_auto(false)};
+    EXPECT_TRUE(test::bit_equal(run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto),
+                                run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kMma)));
+  }
+}
+
 // Every token on the same experts (one group holds all T rows) and a token choosing one expert twice (a group with
 // more rows than tokens), plus ids outside [0, E) (skipped pairs: fewer rows than P).
 TEST_P(OpsMoe, CutlassPathSharedRepeatedAndSkippedExperts) {

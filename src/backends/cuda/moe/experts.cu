@@ -112,6 +112,13 @@ std::atomic<bool> g_early_shared{[] {
   return v == nullptr || std::atoi(v) != 0;
 }()};
 
+// Whether kAuto takes the CUTLASS path from kCutlassMinTokens tokens (when built). CHIMERA_MOE_CUTLASS=0 turns it off
+// (A/B runs of the whole engine; the same bits as the mma path in every measured case).
+std::atomic<bool> g_cutlass_auto{[] {
+  const char* v = std::getenv("CHIMERA_MOE_CUTLASS");
+  return v == nullptr || std::atoi(v) != 0;
+}()};
+
 // The CUTLASS path's tokens per tile: 0 automatic (set_cutlass_tile_n), 64 or 128 forced.
 std::atomic<int> g_cutlass_tile_n{[] {
   const char* v = std::getenv("CHIMERA_MOE_CUTLASS_TILE_N");
@@ -123,6 +130,8 @@ std::atomic<int> g_cutlass_tile_n{[] {
 int moe::set_cutlass_tile_n(int tile_n) {
   return g_cutlass_tile_n.exchange(tile_n, std::memory_order_relaxed);
 }
+
+bool moe::set_cutlass_auto(bool on) { return g_cutlass_auto.exchange(on, std::memory_order_relaxed); }
 
 bool moe::cutlass_built() {
 #ifdef CHIMERA_HAVE_CUTLASS
@@ -194,6 +203,10 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   const bool gemv_ok = vec16 && moe::gemv_fits(std::min<int64_t>(T, moe::kGemvMaxTokens), std::max(Din, I));
   if (path == ExpertsPath::kAuto) {
     path = !vec16 ? ExpertsPath::kSimt : gemv_ok && T <= moe::kGemvMaxTokens ? ExpertsPath::kGemv : ExpertsPath::kMma;
+    if (path == ExpertsPath::kMma && x.dtype() == DType::kBF16 && T >= moe::kCutlassMinTokens && cutlass_built() &&
+        g_cutlass_auto.load(std::memory_order_relaxed)) {
+      path = ExpertsPath::kCutlass;
+    }
   } else if ((path == ExpertsPath::kMma && !vec16) || (path == ExpertsPath::kGemv && !gemv_ok) ||
              (path == ExpertsPath::kCutlass && !(vec16 && x.dtype() == DType::kBF16))) {
     throw_runtime(str_cat("ops::moe_experts: the ", path_name(path), " path does not take x ", x.describe(),

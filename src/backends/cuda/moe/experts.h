@@ -9,12 +9,19 @@
 namespace chimera::cuda::moe {
 
 // kAuto: GEMV for T <= kGemvMaxTokens, tensor cores above (16-bit activations and weights of one dtype, K and N
-// multiples of 8, aligned rows), fp32 SIMT otherwise. A forced path outside its domain throws.
-// kCutlass (tests and benchmarks only; never chosen by kAuto): CUTLASS 3.x's sm90 grouped GEMM (moe_kernels.h,
-// CutlassExpertsParams), bf16 activations and weights, K and N multiples of 8, aligned rows. Throws when the build
-// has no CUTLASS (cmake -DCHIMERA_CUTLASS=ON; cutlass_built() says).
+// multiples of 8, aligned rows): CUTLASS from kCutlassMinTokens bf16 tokens when built, else the mma kernels; fp32
+// SIMT otherwise. A forced path outside its domain throws.
+// kCutlass: CUTLASS 3.x's sm90 grouped GEMM (moe_kernels.h, CutlassExpertsParams), bf16 activations and weights, K
+// and N multiples of 8, aligned rows. Throws when the build has no CUTLASS (cmake -DCHIMERA_CUTLASS=ON;
+// cutlass_built() says). Measured on the H200 (chimera_bench moe_experts_prefill, graph; docs/perf.md): the mma path
+// is 5 % faster at T = 64, CUTLASS 1.21x / 1.47x faster at Nano T = 1024 / 4096 and 1.31x / 1.57x at Super
+// (512 experts, top-22); the threshold lies between the measured 64 and 1024 (256 is not measured).
 enum class ExpertsPath { kAuto, kGemv, kMma, kSimt, kCutlass };
+inline constexpr int64_t kCutlassMinTokens = 256;
 bool cutlass_built();
+// Benchmarks and engine A/B runs: whether kAuto takes the CUTLASS path (when built). On by default;
+// CHIMERA_MOE_CUTLASS=0 turns it off. Process-wide. Returns the previous setting.
+bool set_cutlass_auto(bool on);
 // Benchmarks and tests: the CUTLASS path's tokens per tile, 64 or 128; 0 (the default) picks 128 when the pairs per
 // possibly active expert, P / min(E, P), exceed 96 (prefill at T ~ 4k), else 64. CHIMERA_MOE_CUTLASS_TILE_N sets the
 // default. Process-wide. Returns the previous setting.
