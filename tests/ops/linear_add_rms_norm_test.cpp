@@ -245,7 +245,9 @@ TEST_P(OpsLinearAddRmsNorm, FoldEqualsGemvThenNormKernel) {
           std::vector<Results> r;
           for (bool fold : {false, true}) {
             r.push_back(run(in, act, [&](const Tensor& y, const Tensor& res, const Tensor& out) {
-              if (fold) ASSERT_EQ(cuda::linear_add_rms_norm_foldable(y, res, out, d.norm_w), k.folds);
+              if (fold) {
+                ASSERT_EQ(cuda::linear_add_rms_norm_foldable(y, res, out, d.norm_w), k.folds);
+              }
               cuda::linear_add_rms_norm_on_path(ctx(), y, d.x, d.w, d.b, res, out, d.norm_w, kEps,
                                                 cuda::LinearPath::kGemv, wpr, fold);
             }));
