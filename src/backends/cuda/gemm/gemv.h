@@ -52,8 +52,8 @@ struct GemvNormEpilogue {
 };
 // Whether the epilogue takes a row of N elements: one part, 16-byte aligned residual, out and weight, N % 8 == 0 and
 // the norm kernel's threads per row for it (two 16-byte groups per thread) within the GEMV's 256-thread block, i.e.
-// N <= 4096 (Nano's 2688, the 8B's 4096; Super's 8192 is not). The weight must have the activation dtype (the
-// caller checks it). Otherwise the caller runs the norm kernel after launch_gemv.
+// N <= 4096 (Nano's 2688, the 8B's and Super's 4096; the 47B / 56B's 8192 is not). The weight must have the activation
+// dtype (the caller checks it). Otherwise the caller runs the norm kernel after launch_gemv.
 bool gemv_norm_supported(const GemvParams& p, const GemvNormEpilogue& e);
 // launch_gemv(p, dtype, false, stream) followed by the epilogue, in one launch; throws unless gemv_norm_supported.
 void launch_gemv_add_rms_norm(const GemvParams& p, const GemvNormEpilogue& e, DType dtype, cudaStream_t stream);
