@@ -305,6 +305,75 @@ CHIMERA_BENCH(linear_decode) {
   }
 }
 
+// A decode layer's last dense layer with the residual norm behind it (ops::linear_add_rms_norm) at the Nano and 8B
+// shapes (Mamba out_proj, attention o_proj, dense MLP down), device time per call in a CUDA graph:
+//   "linear+add_rms_norm":        the GEMV (or cuBLASLt) and then the add_rms_norm kernel (the fold switched off);
+//   "linear_add_rms_norm":        the op as the engine runs it (the norm in the GEMV's launch where it folds);
+//   "linear_gemv+add_rms_norm" / "linear_add_rms_norm_gemv": the same two with the GEMV forced (its own warps-per-row
+//   rule), so T = 8 (cuBLASLt under the automatic choice) shows the fold too.
+// Bytes: the weight, x, y, residual read + written, out, the norm weight. A CHECK line per shape compares the
+// residual and out of both automatic variants bit for bit.
+CHIMERA_BENCH(linear_add_rms_norm) {
+  const LinearProj projs[] = {{"nano_out_proj", 4096, 2688},
+                              {"nano_o_proj", 4096, 2688},
+                              {"8b_out_proj", 8192, 4096},
+                              {"8b_o_proj", 4096, 4096},
+                              {"8b_mlp_down", 21504, 4096}};
+  const float eps = 1e-5f;
+  for (const LinearProj& p : projs) {
+    const Tensor norm_w = random(DType::kBF16, {p.out}, 0.5f, 1.5f);
+    for (int64_t T : {int64_t{1}, int64_t{2}, int64_t{8}}) {
+      const double bytes = 2.0 * (p.out * p.in + T * p.in + T * p.out + 3.0 * T * p.out + p.out);
+      const double flops = 2.0 * T * p.in * p.out;
+      const std::vector<LinearSet> sets = linear_sets(p, T, rotations(bytes));
+      std::vector<Tensor> res, out;
+      for (size_t i = 0; i < sets.size(); ++i) {
+        res.push_back(random(DType::kBF16, {T, p.out}, -2.0f, 2.0f));
+        out.push_back(random(DType::kBF16, {T, p.out}));
+      }
+      const std::string shape = linear_shape(p, T);
+      const bool gemv = cuda::linear_gemv_supported(sets[0].y, sets[0].x, sets[0].w);
+      std::printf("INFO linear_add_rms_norm %s foldable=%d gemv=%d\n", shape.c_str(),
+                  cuda::linear_add_rms_norm_foldable(sets[0].y, res[0], out[0], norm_w) ? 1 : 0, gemv ? 1 : 0);
+      struct Variant {
+        const char* kernel;
+        cuda::LinearPath path;
+        bool fold;
+      };
+      const Variant variants[] = {{"linear+add_rms_norm", cuda::LinearPath::kAuto, false},
+                                  {"linear_add_rms_norm", cuda::LinearPath::kAuto, true},
+                                  {"linear_gemv+add_rms_norm", cuda::LinearPath::kGemv, false},
+                                  {"linear_add_rms_norm_gemv", cuda::LinearPath::kGemv, true}};
+      std::vector<Tensor> check;  // residual and out of set 0 after one call, per automatic variant
+      const Tensor res0 = device::to_host(res[0]);
+      for (const Variant& v : variants) {
+        if (v.path == cuda::LinearPath::kGemv && !gemv) continue;
+        const auto call = [&](cudaStream_t st, size_t i) {
+          const LinearSet& s = sets[i % sets.size()];
+          cuda::linear_add_rms_norm_on_path(ops::Context{Device::kCuda, st}, s.y, s.x, s.w, Tensor(),
+                                            res[i % sets.size()], out[i % sets.size()], norm_w, eps, v.path, 0, v.fold);
+        };
+        if (v.path == cuda::LinearPath::kAuto) {
+          device::copy(res[0], res0);
+          call(nullptr, 0);  // also the automatic path's one-time timing, outside any capture
+          CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench linear_add_rms_norm");
+          device::copy(res[0], res0);
+          call(nullptr, 0);
+          check.push_back(device::to_host(res[0]));
+          check.push_back(device::to_host(out[0]));
+        }
+        ctx.run_graph(v.kernel, shape, bytes, flops, [&](cudaStream_t st, int i) { call(st, static_cast<size_t>(i)); });
+        CHIMERA_CUDA_CHECK(cudaGetLastError(), "bench linear_add_rms_norm");
+      }
+      const auto same = [&](size_t a, size_t b) {
+        return std::memcmp(check[a].data(), check[b].data(), check[a].nbytes()) == 0;
+      };
+      std::printf("CHECK linear_add_rms_norm %s fold-vs-separate residual %s out %s\n", shape.c_str(),
+                  same(0, 2) ? "identical" : "DIFFERENT", same(1, 3) ? "identical" : "DIFFERENT");
+    }
+  }
+}
+
 // Sampling over the 131072-token vocabulary: greedy, and temperature + top-k 50 + top-p 0.9. Greedy at decode
 // batch sizes also inside a CUDA graph (no row upload on that path, so it captures): the device time per call.
 CHIMERA_BENCH(sample_tokens) {
