@@ -88,6 +88,11 @@ struct SsuParams {
   int dynamic_chunk = 0;          // kDynamic: units per grab, 0 = 2
   int l2_prefetch_units = 0;      // kL2Prefetch: distance beyond the register prefetch, 0 = 1
   int persist_blocks_per_sm = 0;  // 0 = occupancy; 1..occupancy caps the resident blocks (4 warps each) per SM
+  // kPersistent, default hint and order (N = 128, f32 / bf16 state): the kernel compiled for 3 or 4 resident
+  // blocks (register cap 168 / 128) instead of 4 (4 KB units) / 5 (2 KB, cap 102) (0). The bf16-state defaults
+  // spill at their cap (ptxas -v: 4 KB 40 B, 2 KB 16 B; no spill at 3 / 4 blocks: 155 / 119 registers), the fp32
+  // ones do not.
+  int persist_min_blocks = 0;
 };
 
 // Launches the update on `stream`. Fast path: N in {64, 128, 256} with a 16-byte aligned state (16-byte

@@ -689,10 +689,12 @@ void launch_async_bytes(const SsuParams& p, cudaStream_t stream) {
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), smem, p, stream);
 }
 
-template <typename S, int N, int kUnitBytes, int kHint = 0, int kOrder = 0, bool kDynamic = false>
+// kMinBlocksOverride > 0: the kernel compiled for that many resident blocks (SsuParams::persist_min_blocks).
+template <typename S, int N, int kUnitBytes, int kHint = 0, int kOrder = 0, bool kDynamic = false,
+          int kMinBlocksOverride = 0>
 void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
-  constexpr int kMinBlocks = kPersistMinBlocks<kUnitBytes>;
+  constexpr int kMinBlocks = kMinBlocksOverride > 0 ? kMinBlocksOverride : kPersistMinBlocks<kUnitBytes>;
   auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks, kHint, kOrder, kDynamic>;
   static const int per_sm = [&] {
     int n = 0;
@@ -704,7 +706,7 @@ void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
 }
 
 // The kPersistent variants (state hint x store order x dynamic split; benchmarks): N = 128, f32 / bf16 state
-// only (the models' shapes and the issue's bars), to bound the instantiations (70 a state dtype).
+// only (the models' shapes and the issue's bars), to bound the instantiations (76 kernels a state dtype).
 template <typename S, int N, int kUnitBytes, int kHint, int kOrder>
 void launch_persistent_split(const SsuParams& p, cudaStream_t stream) {
   if (p.split == SsuSplit::kDynamic) return launch_persistent_bytes<S, N, kUnitBytes, kHint, kOrder, true>(p, stream);
@@ -724,9 +726,32 @@ void launch_persistent_order(const SsuParams& p, cudaStream_t stream) {
   throw_runtime(str_cat("ops::selective_state_update: store_order ", static_cast<int>(p.store_order), " unknown"));
 }
 
+// persist_min_blocks (default hint and order; static or dynamic split): 3 or 4 blocks.
+template <typename S, int N, int kUnitBytes, int kMinBlocks>
+void launch_persistent_min_blocks(const SsuParams& p, cudaStream_t stream) {
+  if (p.split == SsuSplit::kDynamic) {
+    return launch_persistent_bytes<S, N, kUnitBytes, kHintStream, kOrderInterleaved, true, kMinBlocks>(p, stream);
+  }
+  launch_persistent_bytes<S, N, kUnitBytes, kHintStream, kOrderInterleaved, false, kMinBlocks>(p, stream);
+}
+
 template <typename S, int N, int kUnitBytes>
 void launch_persistent_variant(const SsuParams& p, cudaStream_t stream) {
   if constexpr (N == 128 && (std::is_same_v<S, float> || std::is_same_v<S, __nv_bfloat16>)) {
+    if (p.persist_min_blocks != 0) {
+      if (p.state_hint != SsuStateHint::kStream || p.store_order != SsuStoreOrder::kInterleaved) {
+        throw_runtime("ops::selective_state_update: persist_min_blocks is built with the default hint and order only");
+      }
+      switch (p.persist_min_blocks) {
+        case 3:
+          return launch_persistent_min_blocks<S, N, kUnitBytes, 3>(p, stream);
+        case 4:
+          return launch_persistent_min_blocks<S, N, kUnitBytes, 4>(p, stream);
+        default:
+          throw_runtime(str_cat("ops::selective_state_update: persist_min_blocks ", p.persist_min_blocks,
+                                " is not supported (0, 3, 4)"));
+      }
+    }
     switch (p.state_hint) {
       case SsuStateHint::kStream:
         return launch_persistent_order<S, N, kUnitBytes, kHintStream>(p, stream);
@@ -753,8 +778,8 @@ template <typename S, int N>
 void launch_persistent(const SsuParams& p, cudaStream_t stream) {
   const bool async = p.kernel == SsuKernel::kPersistentAsync;
   // The default kernel unless a kPersistent variant is asked for (kFullGrid alone is the launcher's business).
-  const bool variant = !async && (p.state_hint != SsuStateHint::kStream ||
-                                  p.store_order != SsuStoreOrder::kInterleaved || p.split == SsuSplit::kDynamic);
+  const bool variant = !async && (p.state_hint != SsuStateHint::kStream || p.store_order != SsuStoreOrder::kInterleaved ||
+                                  p.split == SsuSplit::kDynamic || p.persist_min_blocks != 0);
   if (async && p.split == SsuSplit::kDynamic) {
     throw_runtime("ops::selective_state_update: SsuSplit::kDynamic is a kPersistent variant only");
   }
