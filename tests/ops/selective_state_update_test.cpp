@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -139,6 +140,13 @@ class OpsSelectiveStateUpdate : public BackendTest {
 
   // CUDA launcher-level variant (SsuKernel as int, 0 = through ops::) and its unit size.
   int launcher_kernel_ = 0, unit_bytes_ = 0, persist_warps_ = 0;
+#ifdef CHIMERA_HAVE_CUDA
+  // kPersistent's hint / order / split variants (launch_variant only).
+  cuda::SsuStateHint hint_ = cuda::SsuStateHint::kStream;
+  cuda::SsuStoreOrder order_ = cuda::SsuStoreOrder::kInterleaved;
+  cuda::SsuSplit split_ = cuda::SsuSplit::kEqualWarps;
+  int dynamic_chunk_ = 0;
+#endif
 
   void launch_variant(const Tensor& y, const Tensor& x, const Tensor& dt, const Tensor& B, const Tensor& C,
                       const ops::SsmParams& sp, const Tensor& state, const std::vector<int32_t>& slot_ids) {
@@ -155,6 +163,7 @@ class OpsSelectiveStateUpdate : public BackendTest {
     p.kernel = static_cast<cuda::SsuKernel>(launcher_kernel_);
     p.unit_bytes = unit_bytes_;
     p.persist_warps = persist_warps_;
+    p.state_hint = hint_, p.store_order = order_, p.split = split_, p.dynamic_chunk = dynamic_chunk_;
     cuda::launch_selective_state_update(p, nullptr);
     device::synchronize(Device::kCuda);
 #else
@@ -367,6 +376,148 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
       }
     }
   }
+}
+// The kPersistent variants of issue 3's batch-64 work (state access hints, store order, work split; N = 128,
+// f32 / bf16 state) change only memory hints and schedules: the same bits as the default persistent kernel
+// for both unit sizes, on P not a multiple of the unit's rows (13, 36), one group and G = H, pads and
+// permuted slots, few warps walking long runs (many dynamic grabs, prefetches across heads and sequences).
+TEST_P(OpsSelectiveStateUpdate, PersistentVariantsGiveTheSameBits) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  struct Variant {
+    cuda::SsuStateHint hint = cuda::SsuStateHint::kStream;
+    cuda::SsuStoreOrder order = cuda::SsuStoreOrder::kInterleaved;
+    cuda::SsuSplit split = cuda::SsuSplit::kEqualWarps;
+    int chunk = 0, prefetch = 0, blocks_per_sm = 0, warps = 0, min_blocks = 0;
+  };
+  using H = cuda::SsuStateHint;
+  using O = cuda::SsuStoreOrder;
+  using Sp = cuda::SsuSplit;
+  const std::vector<Variant> variants = {
+      {H::kNoAllocate},
+      {H::kEvictFirst},
+      {H::kLoad256B},
+      {H::kPlainStore},
+      {H::kL2Prefetch},
+      {H::kL2Prefetch, O::kInterleaved, Sp::kEqualWarps, 0, 3},
+      {H::kL2Prefetch, O::kInterleaved, Sp::kEqualWarps, 0, 1, 0, 3},
+      {H::kStream, O::kBunchedStores},
+      {H::kStream, O::kLoadsAfterMath},
+      {H::kStream, O::kInterleaved, Sp::kFullGrid},
+      {H::kStream, O::kInterleaved, Sp::kFullGrid, 0, 0, 1},
+      {H::kStream, O::kInterleaved, Sp::kDynamic},
+      {H::kStream, O::kInterleaved, Sp::kDynamic, 1},
+      {H::kStream, O::kInterleaved, Sp::kDynamic, 3, 0, 2},
+      {H::kStream, O::kInterleaved, Sp::kDynamic, 2, 0, 0, 3},
+      {H::kEvictFirst, O::kLoadsAfterMath, Sp::kDynamic, 4},
+      {H::kL2Prefetch, O::kBunchedStores, Sp::kDynamic, 5, 2, 0, 5},
+      {H::kStream, O::kInterleaved, Sp::kEqualWarps, 0, 0, 0, 0, 3},
+      {H::kStream, O::kInterleaved, Sp::kEqualWarps, 0, 0, 0, 0, 4},
+      {H::kStream, O::kInterleaved, Sp::kDynamic, 2, 0, 0, 3, 3},
+  };
+  const SsuShape shapes[] = {{16, 64, 8, 128}, {5, 36, 1, 128}, {3, 13, 3, 128}};
+  for (const SsuShape& s : shapes) {
+    const int64_t batch = 6;
+    const SsuInputs in = make_inputs(rng, batch, s);
+    const Tensor x = on_backend(in.x, DType::kBF16), dt = on_backend(in.dt_raw, DType::kBF16);
+    const Tensor B = on_backend(in.B, DType::kBF16), C = on_backend(in.C, DType::kBF16);
+    const Tensor A_log = on_backend(in.p.A_log), D = on_backend(in.p.D), dt_bias = on_backend(in.p.dt_bias);
+    const std::vector<int32_t> slot_ids = {6, 0, -1, 3, 5, 1};
+    const Tensor slots = on_backend(Tensor::from_i32({batch}, slot_ids));
+    const Tensor state0 = random_state(rng, {7, s.H, s.P, s.N});
+    for (DType sd : {DType::kF32, DType::kBF16}) {
+      for (int unit : {4096, 2048}) {
+        // One step from state0 with `v` (nullptr: the default persistent kernel); y and the state to the host.
+        auto run = [&](const Variant* v) {
+          const Tensor state = on_backend(state0, sd);
+          const Tensor y = output(DType::kBF16, in.x.shape());
+          cuda::SsuParams p;
+          p.x = x.data(), p.dt_raw = dt.data(), p.B = B.data(), p.C = C.data(), p.y = y.data();
+          p.state = state.data(), p.slots = slots.i32();
+          p.A_log = A_log.data(), p.D = D.data(), p.dt_bias = dt_bias.data();
+          p.act = DType::kBF16, p.state_dtype = sd;
+          p.dt_min = 0.0f, p.dt_max = INFINITY;
+          p.batch = int(batch), p.H = int(s.H), p.P = int(s.P), p.N = int(s.N), p.G = int(s.G);
+          p.kernel = cuda::SsuKernel::kPersistent;
+          p.unit_bytes = unit;
+          if (v != nullptr) {
+            p.state_hint = v->hint, p.store_order = v->order, p.split = v->split;
+            p.dynamic_chunk = v->chunk, p.l2_prefetch_units = v->prefetch;
+            p.persist_blocks_per_sm = v->blocks_per_sm, p.persist_warps = v->warps;
+            p.persist_min_blocks = v->min_blocks;
+          }
+          cuda::launch_selective_state_update(p, nullptr);
+          device::synchronize(Device::kCuda);
+          return std::make_pair(device::to_host(y), device::to_host(state));
+        };
+        const auto [ref_y, ref_state] = run(nullptr);
+        for (const Variant& v : variants) {
+          SCOPED_TRACE(::testing::Message()
+                       << "H=" << s.H << " P=" << s.P << " G=" << s.G << " state=" << dtype_name(sd)
+                       << " unit=" << unit << " hint=" << int(v.hint) << " order=" << int(v.order)
+                       << " split=" << int(v.split) << " chunk=" << v.chunk << " prefetch=" << v.prefetch
+                       << " blocks_per_sm=" << v.blocks_per_sm << " warps=" << v.warps
+                       << " min_blocks=" << v.min_blocks);
+          const auto [got_y, got_state] = run(&v);
+          EXPECT_TRUE(test::bit_equal(got_y, ref_y));
+          EXPECT_TRUE(test::bit_equal(got_state, ref_state));
+        }
+      }
+    }
+  }
+}
+
+// The variants against the oracle (f32 and bf16 activations), and the dynamic split's counter: ten steps in a
+// row on one state, each starting from a reset counter (a counter left behind would skip units).
+TEST_P(OpsSelectiveStateUpdate, PersistentVariantsMatchNaive) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistent);
+  for (const auto& [hint, order, split] :
+       std::initializer_list<std::tuple<cuda::SsuStateHint, cuda::SsuStoreOrder, cuda::SsuSplit>>{
+           {cuda::SsuStateHint::kEvictFirst, cuda::SsuStoreOrder::kInterleaved, cuda::SsuSplit::kEqualWarps},
+           {cuda::SsuStateHint::kLoad256B, cuda::SsuStoreOrder::kBunchedStores, cuda::SsuSplit::kFullGrid},
+           {cuda::SsuStateHint::kL2Prefetch, cuda::SsuStoreOrder::kLoadsAfterMath, cuda::SsuSplit::kDynamic},
+           {cuda::SsuStateHint::kStream, cuda::SsuStoreOrder::kInterleaved, cuda::SsuSplit::kDynamic}}) {
+    hint_ = hint, order_ = order, split_ = split;
+    for (int unit : {0, 2048}) {
+      unit_bytes_ = unit;
+      SCOPED_TRACE(::testing::Message() << "hint=" << int(hint) << " order=" << int(order) << " split=" << int(split)
+                                        << " unit=" << unit);
+      for (DType sd : {DType::kF32, DType::kBF16}) {
+        check_random(rng, {128, 64, 8, 128}, 9, DType::kBF16, sd);  // Super heads
+        check_random(rng, {3, 36, 3, 128}, 17, DType::kF32, sd);    // P = 36, G = H
+        check_random(rng, {6, 16, 2, 128}, 1, DType::kF32, sd);     // one sequence: fewer units than warps
+      }
+      persist_warps_ = 3;
+      check_random(rng, {16, 64, 4, 128}, 6, DType::kBF16, DType::kBF16);
+      persist_warps_ = 0;
+    }
+  }
+  hint_ = cuda::SsuStateHint::kStream, order_ = cuda::SsuStoreOrder::kInterleaved;
+  split_ = cuda::SsuSplit::kDynamic, unit_bytes_ = 0;
+  const SsuShape s{8, 64, 2, 128};
+  const Tensor state = on_backend(random_state(rng, {5, s.H, s.P, s.N}));
+  for (int step = 0; step < 10; ++step) {
+    SCOPED_TRACE(::testing::Message() << "dynamic step " << step);
+    dynamic_chunk_ = 1 + step % 3;
+    check_step(make_inputs(rng, 4, s), {3, 1, -1, 0}, state, DType::kF32);
+  }
+  split_ = cuda::SsuSplit::kEqualWarps, dynamic_chunk_ = 0, launcher_kernel_ = 0;
+}
+
+// Variants the launcher does not build: a clear error, not a silent fallback.
+TEST_P(OpsSelectiveStateUpdate, PersistentVariantsRejectOtherShapes) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistent);
+  hint_ = cuda::SsuStateHint::kEvictFirst;
+  EXPECT_TRUE(test::throws_error([&] { check_random(rng, {5, 64, 1, 64}, 3, DType::kBF16, DType::kF32); },
+                                 ErrorKind::kRuntime, "need N = 128 and an f32 or bf16 state"));
+  EXPECT_TRUE(test::throws_error([&] { check_random(rng, {4, 64, 2, 128}, 3, DType::kBF16, DType::kF16); },
+                                 ErrorKind::kRuntime, "need N = 128 and an f32 or bf16 state"));
+  hint_ = cuda::SsuStateHint::kStream;
+  launcher_kernel_ = 0;
 }
 #endif
 
