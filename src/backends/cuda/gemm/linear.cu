@@ -245,7 +245,8 @@ PlanKey plan_key(const Tensor& out, const Tensor& x, const Tensor& weight, const
 void run_cublas(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const char* op = "ops::linear";
   LtState& st = lt_state();
-  const Plan& plan = get_plan(st, plan_key(out, x, weight, bias), bias ? bias.data() : nullptr);
+  const PlanKey key = plan_key(out, x, weight, bias);  // a named key: g++ 13 flags a reference from a temporary
+  const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
   if (bias) {
     const void* b = bias.data();
     CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)),
