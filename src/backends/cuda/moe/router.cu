@@ -30,6 +30,7 @@
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/moe/experts.h"
 #include "backends/cuda/moe/moe_kernels.h"
 #include "backends/cuda/moe/router_select.cuh"
 #include "backends/device_api.h"
@@ -161,7 +162,9 @@ __device__ __forceinline__ void gate_partial(const GateLaunch& L, int split, int
   }
 }
 
-template <int NPER, bool kGroups>
+// kPartialsOnly (GateTopkParams::partials_only, one instance <1, false, true>): phase 1 only, no fence, ticket or
+// phase 2; the MoE up GEMV sums the partials and routes (ops::moe_route_experts, GemvFold::partial).
+template <int NPER, bool kGroups, bool kPartialsOnly>
 __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const GateLaunch L) {
   // Phase 2: logits [T][E], then (kGroups) each warp's E + 2 n_group floats.
   extern __shared__ float4 gate_smem4[];
@@ -193,6 +196,7 @@ __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const Ga
       gate_partial<float>(L, split, d0, len, e, lane);
     }
   }
+  if constexpr (kPartialsOnly) return;
 
   // The last block to arrive routes. Writers fence before the ticket; atomicInc wraps the word back to zero.
   __threadfence();
@@ -232,16 +236,16 @@ size_t gate_smem_bytes(int T, int E, int n_group, int /*chunk*/) {
   return phase2;
 }
 
-template <int NPER, bool kGroups>
+template <int NPER, bool kGroups, bool kPartialsOnly = false>
 void launch_gate(const GateLaunch& L, cudaStream_t stream) {
-  const size_t smem = gate_smem_bytes(L.g.route.T, L.g.route.E, L.g.route.n_group, L.g.split.chunk);
+  const size_t smem = kPartialsOnly ? 0 : gate_smem_bytes(L.g.route.T, L.g.route.E, L.g.route.n_group, L.g.split.chunk);
   if (smem > 48 * 1024) {
-    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(router_gate_topk_kernel<NPER, kGroups>,
+    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(router_gate_topk_kernel<NPER, kGroups, kPartialsOnly>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                        "ops::router_gate_topk");
   }
   const dim3 grid(static_cast<unsigned>(L.g.split.n_split), static_cast<unsigned>(ceil_div(L.g.route.E, kGateWarps)));
-  launch(router_gate_topk_kernel<NPER, kGroups>, grid, dim3(kGateThreads), smem, stream, L);
+  launch(router_gate_topk_kernel<NPER, kGroups, kPartialsOnly>, grid, dim3(kGateThreads), smem, stream, L);
   CHIMERA_LAUNCH_CHECK("ops::router_gate_topk");
 }
 
@@ -302,12 +306,34 @@ void launch_router_gate_topk(const GateTopkParams& p, cudaStream_t stream) {
                           kGateMaxTokens, ", E <= 512, k <= min(32, E), shared memory <= ", kGateMaxSmemBytes, ")"));
   }
   GateLaunch L{p, ticket_slot(), p.D % 4 == 0 && reinterpret_cast<uintptr_t>(p.gate) % 16 == 0};
+  if (p.partials_only) return launch_gate<1, false, true>(L, stream);
   const int nper = (r.E + 31) / 32;
   if (nper <= 1) return launch_gate_nper<1>(L, stream);
   if (nper <= 2) return launch_gate_nper<2>(L, stream);
   if (nper <= 4) return launch_gate_nper<4>(L, stream);
   if (nper <= 8) return launch_gate_nper<8>(L, stream);
   return launch_gate_nper<16>(L, stream);
+}
+
+void router_gate_partials(const ops::Context& ctx, const Tensor& partial, const Tensor& x, const Tensor& gate) {
+  GateTopkParams g{};
+  g.route.T = static_cast<int>(x.dim(0));
+  g.route.E = static_cast<int>(gate.dim(0));
+  g.route.k = 1;  // the selection runs in the up GEMV; k and the groups only pass gate_topk_supported's checks
+  g.route.n_group = 1;
+  g.x = x.data();
+  g.x_dtype = x.dtype();
+  g.gate = gate.data_as<float>();
+  g.D = static_cast<int>(x.dim(1));
+  g.split = gate_topk_split(g.route.E, g.D);
+  g.partial = partial.data_as<float>();
+  g.partials_only = true;
+  if (partial.shape() != Shape{g.split.n_split, g.route.T, g.route.E} || partial.dtype() != DType::kF32 ||
+      gate.dtype() != DType::kF32) {
+    throw_runtime(str_cat("ops::moe_route_experts: router partials ", partial.describe(), " for x ", x.describe(),
+                          " and gate ", gate.describe()));
+  }
+  launch_router_gate_topk(g, as_stream(ctx.stream));
 }
 
 }  // namespace moe

@@ -1,6 +1,6 @@
 // The router's selection device code (model-spec 6.1; design in router.cu's header comment), shared by router.cu's
 // kernels and the MoE up GEMV (grouped_gemv.cu), which routes decode tokens itself from the fused router's column
-// partials (GemvFold::route): one copy of the code, so the two give the same choices and weights bit for bit.
+// partials (GemvFold::partial): one copy of the code, so the two give the same choices and weights bit for bit.
 // Included by .cu files only.
 #pragma once
 
