@@ -559,8 +559,8 @@ void check_shared_expert(const Check& c, const Tensor& out, const Tensor& x, con
 
 // ids_are_inputs: false where the op computes topk_ids itself (moe_route_experts): no range check of their values.
 void check_moe_experts(const Check& c, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
-                       const Tensor& topk_weights, std::span<const Tensor> up_proj,
-                       std::span<const Tensor> down_proj, bool ids_are_inputs = true) {
+                       const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
+                       bool ids_are_inputs = true) {
   c.f32("x", x, 2);
   c.f32("out", out, 2);
   c.shape("out", out, x.shape(), "x", x);

@@ -4,6 +4,9 @@
 //
 // At decode sizes on the GEMV path the permutation runs inside the up launch (moe_kernels.h, GemvFold): router + up +
 // down + combine per MoE layer. The combine can also run inside the down launch (set_gemv_fold(2)); measured slower.
+// ops::moe_route_experts (router + experts in one op) also moves the router's top-k into the up launch: the router
+// kernel stores only its column partials and every up block sums them and selects (GemvFold::partial;
+// set_router_fold).
 //
 // With the layer's shared expert (ops::moe_experts_shared) on the GEMV path: its up and down run as extra units of
 // the two GEMV launches (grouped_gemv.cu), so a decode MoE layer is router + 4 launches instead of router + 4 + 3
@@ -112,8 +115,8 @@ std::atomic<bool> g_early_shared{[] {
   return v == nullptr || std::atoi(v) != 0;
 }()};
 
-// ops::moe_route_experts: the router's selection inside the up GEMV launch (GemvFold::partial). CHIMERA_MOE_ROUTER_FOLD=0
-// turns it off (A/B runs of the whole engine); results are the same bits either way.
+// ops::moe_route_experts: the router's selection inside the up GEMV launch (GemvFold::partial).
+// CHIMERA_MOE_ROUTER_FOLD=0 turns it off (A/B runs of the whole engine); results are the same bits either way.
 std::atomic<bool> g_router_fold{[] {
   const char* v = std::getenv("CHIMERA_MOE_ROUTER_FOLD");
   return v == nullptr || std::atoi(v) != 0;
@@ -178,9 +181,8 @@ void moe_route_experts(const ops::Context& ctx, const Tensor& out, const Tensor&
 namespace moe {
 
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
-                         const Tensor& topk_weights, std::span<const Tensor> up_proj,
-                         std::span<const Tensor> down_proj, ExpertsPath path, const ops::SharedExpert* shared,
-                         const RouterInput* router) {
+                         const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
+                         ExpertsPath path, const ops::SharedExpert* shared, const RouterInput* router) {
   const int64_t T = x.dim(0), Din = x.dim(1), k = topk_ids.dim(1);
   const int E = static_cast<int>(up_proj.size());
   const int64_t I = up_proj[0].dim(0);
@@ -291,12 +293,12 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   moe::GateSplit gate_split{};
   if (router) {
     const ops::RouterParams& rp = router->p;
-    const bool fold_router = fold && g_router_fold.load(std::memory_order_relaxed) &&
-                             router->gate.dtype() == DType::kF32 && Din <= 0x7fffffffLL &&
-                             moe::gemv_route_supported(static_cast<int>(T), E, static_cast<int>(k),
-                                                       static_cast<int>(rp.n_group)) &&
-                             moe::gate_topk_supported(static_cast<int>(T), E, static_cast<int>(k),
-                                                      static_cast<int>(rp.n_group), static_cast<int>(Din));
+    const bool fold_router =
+        fold && g_router_fold.load(std::memory_order_relaxed) && router->gate.dtype() == DType::kF32 &&
+        Din <= 0x7fffffffLL &&
+        moe::gemv_route_supported(static_cast<int>(T), E, static_cast<int>(k), static_cast<int>(rp.n_group)) &&
+        moe::gate_topk_supported(static_cast<int>(T), E, static_cast<int>(k), static_cast<int>(rp.n_group),
+                                 static_cast<int>(Din));
     if (fold_router) {
       gate_split = moe::gate_topk_split(E, static_cast<int>(Din));
       gate_partial = device::empty(Device::kCuda, DType::kF32, {gate_split.n_split, T, E});

@@ -61,7 +61,8 @@ struct GateTopkParams {
   DType x_dtype;
   // Selection (benchmarks compare them): 0 = automatic, 1 = one warp per token (any n_group), 2 = the
   // block-per-token select, token after token (n_group == 1; otherwise the warps).
-  int select = 0;  // Phase 1 only (ops::moe_route_experts at decode): the partials, no ticket and no selection; route.topk_ids /
+  int select =
+      0;  // Phase 1 only (ops::moe_route_experts at decode): the partials, no ticket and no selection; route.topk_ids /
   // topk_weights are not written. The MoE up GEMV then sums the partials and selects (GemvFold::partial).
   bool partials_only = false;
 };
@@ -166,9 +167,9 @@ struct GemvFold {
   // (router_select.cuh; the block select gives the same bits), then sorts the pairs as above. Block 0 also writes
   // route.topk_ids / topk_weights (== topk_ids) for the down launch and the combine, which read them after their own
   // pdl_wait(). Shapes: gemv_route_supported.
-  const float* partial = nullptr;     // [n_split, T, E] f32, from launch_router_gate_topk with partials_only
+  const float* partial = nullptr;  // [n_split, T, E] f32, from launch_router_gate_topk with partials_only
   int n_split = 0;
-  RouterParams route{};               // bias, outputs, T, E, k, n_group, scaling; logits / kernel unused
+  RouterParams route{};  // bias, outputs, T, E, k, n_group, scaling; logits / kernel unused
 };
 inline constexpr int kGemvFoldMaxPairs = 256;  // one thread per pair in the block sort
 // The router shapes the up GEMV routes itself (one instance of the warp select each): Nano's 128 experts top-6 and
