@@ -1069,6 +1069,191 @@ TEST_P(OpsMoe, ExpertsWithSharedExpertMatchTheTwoOps) {
   }
 }
 
+// ops::moe_route_experts: router_gate_topk then moe_experts_shared in one op. On the CPU exactly those two ops
+// (bit-equal). On CUDA with the router fold (the up GEMV routes from the router's column partials; default on) and
+// without it (cuda::moe::set_router_fold(false): the two ops) the choices, the weights and both outputs are the same
+// bits, at the folded shapes (128 experts top-6, 512 top-22) and at shapes that fall back to the two ops (64 / top-4,
+// group-limited routing), T 1, 2, 3, 8 (and 11: past the GEMV cut). Gates with an exactly tied pair of experts (equal
+// rows and biases: the lower index must win in both) and a near-tied one. Against the CPU: the choices away from
+// fp32 near-ties (the fused logits' summation order differs from ops::linear's), the outputs by the reduction rows
+// of the tolerance table on the device's choices. Then the op captured in a CUDA graph and replayed on new inputs:
+// the same bits as eager calls.
+struct RouteCase {
+  int64_t E, k, n_group, topk_group, D, I, Is;
+  float scale;
+};
+constexpr RouteCase kRouteCases[] = {{128, 6, 1, 1, 1032, 64, 96, 2.5f},
+                                     {512, 22, 1, 1, 1024, 32, 64, 5.0f},
+                                     {64, 4, 1, 1, 256, 64, 96, 1.0f},
+                                     {128, 6, 8, 4, 512, 64, 96, 2.5f}};
+
+class OpsMoeRoute : public OpsMoe {
+ protected:
+  struct Layer {
+    Tensor gate, bias;  // host f32
+    std::vector<Tensor> up, down, d_up, d_down;
+    Tensor s_up, s_down, d_gate, d_bias, d_s_up, d_s_down;
+  };
+  Layer make_layer(test::Rng& rng, const RouteCase& c, DType wt) {
+    Layer L;
+    L.gate = rng.normal_tensor({c.E, c.D}, 1.0f / std::sqrt(static_cast<float>(c.D)));
+    L.bias = rng.normal_tensor({c.E}, 0.05f);
+    // Experts 3 and 7 exactly tied (7 must lose to 3 wherever both reach the cut), 11 a hair above 3.
+    for (int64_t d = 0; d < c.D; ++d) {
+      L.gate.f32()[7 * c.D + d] = L.gate.f32()[3 * c.D + d];
+      L.gate.f32()[11 * c.D + d] = L.gate.f32()[3 * c.D + d] * (1.0f + 0x1p-20f);
+    }
+    L.bias.f32()[3] += 0.1f;  // the three often among the winners
+    L.bias.f32()[7] = L.bias.f32()[3];
+    L.bias.f32()[11] = L.bias.f32()[3];
+    for (int64_t e = 0; e < c.E; ++e) {
+      L.up.push_back(init_weight(rng, {c.I, c.D}, wt));
+      L.down.push_back(init_weight(rng, {c.D, c.I}, wt));
+      L.d_up.push_back(in(L.up.back()));
+      L.d_down.push_back(in(L.down.back()));
+    }
+    L.s_up = init_weight(rng, {c.Is, c.D}, wt);
+    L.s_down = init_weight(rng, {c.D, c.Is}, wt);
+    L.d_gate = in(L.gate);
+    L.d_bias = in(L.bias);
+    L.d_s_up = in(L.s_up);
+    L.d_s_down = in(L.s_down);
+    return L;
+  }
+  struct Result {
+    Tensor ids, w, out, shared;  // host (ids I32, the rest f32)
+  };
+  Result route(const Layer& L, const RouteCase& c, const Tensor& dx, int64_t T, DType dt) {
+    Tensor ids = out(DType::kI32, {T, c.k}), w = out(DType::kF32, {T, c.k});
+    Tensor o = out(dt, {T, c.D}), so = out(dt, {T, c.D});
+    const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+    ops::moe_route_experts(ctx(), o, dx, L.d_gate, L.d_bias, p, L.d_up, L.d_down,
+                           ops::SharedExpert{so, dx, L.d_s_up, L.d_s_down}, ids, w);
+    return {host(ids), host_f32(w), host_f32(o), host_f32(so)};
+  }
+  // The two ops the op stands for, on the backend under test.
+  Result two_ops(const Layer& L, const RouteCase& c, const Tensor& dx, int64_t T, DType dt) {
+    Tensor ids = out(DType::kI32, {T, c.k}), w = out(DType::kF32, {T, c.k});
+    Tensor o = out(dt, {T, c.D}), so = out(dt, {T, c.D});
+    const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+    ops::router_gate_topk(ctx(), ids, w, dx, L.d_gate, L.d_bias, p);
+    ops::moe_experts_shared(ctx(), o, dx, ids, w, L.d_up, L.d_down, ops::SharedExpert{so, dx, L.d_s_up, L.d_s_down});
+    return {host(ids), host_f32(w), host_f32(o), host_f32(so)};
+  }
+  static void expect_same(const Result& a, const Result& b) {
+    EXPECT_TRUE(test::bit_equal(a.ids, b.ids));
+    EXPECT_TRUE(test::bit_equal(a.w, b.w));
+    EXPECT_TRUE(test::bit_equal(a.out, b.out));
+    EXPECT_TRUE(test::bit_equal(a.shared, b.shared));
+  }
+};
+
+TEST_P(OpsMoeRoute, RouterFoldOnAndOffAndTheTwoOpsAgree) {
+  auto rng = test::Rng::for_test();
+  // CUDA: 16-bit activations and weights (the GEMV path, where the fold applies); the CPU: F32 x, BF16 weights.
+  const DType dt = on_cuda() ? DType::kBF16 : DType::kF32;
+  const DType wt = DType::kBF16;
+  int64_t tokens = 0, skipped = 0;
+  for (const RouteCase& c : kRouteCases) {
+    const Layer L = make_layer(rng, c, wt);
+    for (int64_t T : {1, 2, 3, 8, 11}) {
+      SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " n_group=" << c.n_group << " D=" << c.D
+                                        << " T=" << T);
+      const Tensor x = round_to(rng.normal_tensor({T, c.D}), dt);
+      const Tensor dx = in(x, dt);
+      const Result got = route(L, c, dx, T, dt);
+      expect_same(got, two_ops(L, c, dx, T, dt));
+      if (!on_cuda()) continue;
+#ifdef CHIMERA_HAVE_CUDA
+      {
+        struct Restore {
+          bool on;
+          ~Restore() { cuda::moe::set_router_fold(on); }
+        } restore{cuda::moe::set_router_fold(false)};
+        expect_same(got, route(L, c, dx, T, dt));
+      }
+#endif
+      // Against the CPU reference: the choices away from near-ties, the outputs on the device's choices.
+      Tensor want_ids, want_w, logits;
+      const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+      cpu_gate_router(x, L.gate, L.bias, p, want_ids, want_w, &logits);
+      for (int64_t t = 0; t < T; ++t) {
+        ++tokens;
+        if (near_tie(logits.f32() + t * c.E, L.bias.f32(), c.E, p, 1e-5)) {
+          ++skipped;
+          continue;
+        }
+        SCOPED_TRACE(::testing::Message() << "token " << t);
+        EXPECT_TRUE(test::bit_equal(got.ids.select(t).clone(), want_ids.select(t).clone()));
+        EXPECT_ALL_CLOSE(got.w.select(t).clone(), want_w.select(t).clone(), test::kF32Elementwise);
+      }
+      Tensor want = Tensor::empty(DType::kF32, {T, c.D}), want_shared = Tensor::empty(DType::kF32, {T, c.D});
+      ops::moe_experts(ops::Context{}, want, x, got.ids, got.w, L.up, L.down);
+      ops::relu2_mlp(ops::Context{}, want_shared, x, L.s_up, L.s_down);
+      EXPECT_TRUE(test::nmse_close(got.out, want, nmse_for(dt), tolerance_for(dt)));
+      EXPECT_TRUE(test::nmse_close(got.shared, want_shared, nmse_for(dt), tolerance_for(dt)));
+    }
+  }
+  std::printf("moe_route_experts: %lld of %lld tokens skipped as near-ties\n", static_cast<long long>(skipped),
+              static_cast<long long>(tokens));
+  // The tied experts make many tokens near-ties by construction (their choices are still checked above, fold on
+  // against off); a quarter must still count.
+  EXPECT_LE(skipped * 4, tokens * 3);
+}
+
+#ifdef CHIMERA_HAVE_CUDA
+// Captured in a CUDA graph (router partials, up GEMV with the selection, down, combine) and replayed on new x copied
+// into the captured buffer: the same bits as eager calls with the fold off.
+TEST_P(OpsMoeRoute, RouterFoldReplaysInACudaGraph) {
+  if (!on_cuda()) GTEST_SKIP() << "CUDA graphs";
+  auto rng = test::Rng::for_test();
+  for (const RouteCase& c : {kRouteCases[0], kRouteCases[1]}) {
+    const Layer L = make_layer(rng, c, DType::kBF16);
+    for (int64_t T : {1, 8}) {
+      SCOPED_TRACE(::testing::Message() << "E=" << c.E << " T=" << T);
+      const device::Stream stream = device::Stream::create();
+      const ops::Context gctx{Device::kCuda, stream.get()};
+      const Tensor dx = device::empty(Device::kCuda, DType::kBF16, {T, c.D});
+      const Tensor ids = device::empty(Device::kCuda, DType::kI32, {T, c.k});
+      const Tensor w = device::empty(Device::kCuda, DType::kF32, {T, c.k});
+      const Tensor o = device::empty(Device::kCuda, DType::kBF16, {T, c.D});
+      const Tensor so = device::empty(Device::kCuda, DType::kBF16, {T, c.D});
+      const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+      auto call = [&] {
+        ops::moe_route_experts(gctx, o, dx, L.d_gate, L.d_bias, p, L.d_up, L.d_down,
+                               ops::SharedExpert{so, dx, L.d_s_up, L.d_s_down}, ids, w);
+      };
+      device::copy(dx, test::cast_to(rng.normal_tensor({T, c.D}), DType::kBF16));
+      call();  // outside the capture first: the pointer tables are uploaded on a first call
+      stream.synchronize();
+      device::AllocPool pool;
+      device::Graph graph;
+      {
+        const device::ScopedAllocPool scope(pool);
+        graph = device::Graph::capture(gctx.stream, call);
+      }
+      ASSERT_TRUE(static_cast<bool>(graph));
+      for (int rep = 0; rep < 3; ++rep) {
+        SCOPED_TRACE(::testing::Message() << "replay " << rep);
+        const Tensor x = round_to(rng.normal_tensor({T, c.D}), DType::kBF16);
+        device::copy(dx, test::cast_to(x, DType::kBF16));
+        graph.launch(gctx.stream);
+        stream.synchronize();
+        const Result replayed{device::to_host(ids), device::to_host_f32(w), device::to_host_f32(o),
+                              device::to_host_f32(so)};
+        struct Restore {
+          bool on;
+          ~Restore() { cuda::moe::set_router_fold(on); }
+        } restore{cuda::moe::set_router_fold(false)};
+        expect_same(replayed, route(L, c, in(x, DType::kBF16), T, DType::kBF16));
+      }
+    }
+  }
+}
+#endif
+
+CHIMERA_INSTANTIATE_BACKENDS(OpsMoeRoute);
+
 TEST_P(OpsMoe, SharedExpertMismatchThrowsNamingTheOp) {
   const Tensor x = in(Tensor::zeros(DType::kF32, {2, 8}));
   Tensor o = out(DType::kF32, {2, 8}), so = out(DType::kF32, {2, 8});
