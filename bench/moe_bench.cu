@@ -439,33 +439,6 @@ void bench_moe_layer_decode(const Context& ctx, const char* model, int64_t E, in
         CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
         cuda::moe::set_gemv_early_shared(prev);
       }
-      // Router and experts as one op (ops::moe_route_experts, what the model runs for a non-latent MoE; Super routes
-      // in a latent space, so Nano only): "moe_layer-router-fold" with the router's top-k inside the up GEMV launch
-      // (the default), "moe_layer-router-nofold" with it off (cuda::moe::set_router_fold(false): the two ops, as
-      // "moe_layer-router-early"). CHECK: the fold's choices, weights and both outputs equal the two ops' bits.
-      if (D == H) {
-        const auto route_op = [&](cudaStream_t st) {
-          ops::moe_route_experts(ops::Context{Device::kCuda, st}, in.out, in.x, gate, bias, rp, ec.up, ec.down,
-                                 ops::SharedExpert{s_out, xh, s_up, s_down}, r_ids, r_w);
-        };
-        routed_path(nullptr);
-        const Tensor ids0 = device::to_host(r_ids), w0 = device::to_host_f32(r_w);
-        const Tensor o0 = device::to_host_f32(in.out), so0 = device::to_host_f32(s_out);
-        route_op(nullptr);
-        const bool same = std::memcmp(ids0.data(), device::to_host(r_ids).data(), ids0.nbytes()) == 0 &&
-                          std::memcmp(w0.data(), device::to_host_f32(r_w).data(), w0.nbytes()) == 0 &&
-                          std::memcmp(o0.data(), device::to_host_f32(in.out).data(), o0.nbytes()) == 0 &&
-                          std::memcmp(so0.data(), device::to_host_f32(s_out).data(), so0.nbytes()) == 0;
-        std::printf("CHECK moe_layer %s router-fold-vs-two-ops %s\n", shape.c_str(), same ? "identical" : "DIFFERENT");
-        for (const bool fold : {true, false}) {
-          const bool prev = cuda::moe::set_router_fold(fold);
-          route_op(nullptr);
-          ctx.run_graph(fold ? "moe_layer-router-fold" : "moe_layer-router-nofold", shape, bytes, flops,
-                        [&](cudaStream_t st, int) { route_op(st); });
-          CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
-          cuda::moe::set_router_fold(prev);
-        }
-      }
     }
     ctx.run_graph("moe_experts-gemv", in.shape, in.bytes, in.flops, [&](cudaStream_t st, int) {
       cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, st}, in.out, in.x, in.ids, in.w, ec.up, ec.down,

@@ -551,28 +551,24 @@ void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const 
 
   // Router (model-spec 6.1): fp32 logits, sigmoid, bias for selection only, top-k, normalise, scale.
   // On CUDA with 16-bit activations the gate is F32 and the op upcasts x, as transformers does
-  // (F.linear(x.float(), weight.float())): expert choices are sensitive to rounded router logits. One op
-  // (router_gate_topk, or moe_route_experts with the experts below): at decode sizes one CUDA kernel (logits GEMV +
-  // top-k) or the logits kernel with the top-k inside the experts' up launch, otherwise convert + GEMM + router_topk.
+  // (F.linear(x.float(), weight.float())): expert choices are sensitive to rounded router logits. One op: at
+  // decode sizes one CUDA kernel (logits GEMV + top-k), otherwise convert + GEMM + router_topk.
   Tensor ids = device::empty(ctx.device, DType::kI32, {T, k});
   Tensor weights = device::empty(ctx.device, DType::kF32, {T, k});
   ops::RouterParams rp{k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor};
+  ops::router_gate_topk(ctx, ids, weights, x, w.gate, w.e_score_correction_bias, rp);
 
   // Routed experts, in the latent space when moe_latent_size is set (model-spec 6.2), and the shared expert, which
   // reads the full hidden state, never the latent one. One op: moe_experts then relu2_mlp (the CPU runs exactly
   // those), on CUDA at decode sizes the shared expert inside the routed experts' GEMV launches.
   const ops::SharedExpert shared{shared_out, x, w.shared_experts.up_proj, w.shared_experts.down_proj};
   if (c.moe_latent_size) {
-    ops::router_gate_topk(ctx, ids, weights, x, w.gate, w.e_score_correction_bias, rp);
     Tensor latent_in = act(ctx, {T, Din}), latent_out = act(ctx, {T, Din});
     ops::linear(ctx, latent_in, x, w.fc1_latent_proj);
     ops::moe_experts_shared(ctx, latent_out, latent_in, ids, weights, w.experts_up, w.experts_down, shared);
     ops::linear(ctx, routed_out, latent_out, w.fc2_latent_proj);
   } else {
-    // The router and the experts in one op (exactly router_gate_topk then moe_experts_shared): on CUDA at decode
-    // sizes the router's top-k runs inside the experts' up GEMV launch.
-    ops::moe_route_experts(ctx, routed_out, x, w.gate, w.e_score_correction_bias, rp, w.experts_up, w.experts_down,
-                           shared, ids, weights);
+    ops::moe_experts_shared(ctx, routed_out, x, ids, weights, w.experts_up, w.experts_down, shared);
   }
 }
 

@@ -605,19 +605,9 @@ void router_gate_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& 
 }
 
 namespace {
-void check_shared_expert(const Check& c, const Tensor& out, const Tensor& x, const SharedExpert& shared) {
-  check_relu2_mlp(c, shared.out, shared.x, shared.up_proj, shared.down_proj);
-  c.shape("shared.x", shared.x, {x.dim(0), shared.x.dim(1)}, "x", x);
-  c.no_alias("shared.out", shared.out, "out", out);
-  c.no_alias("shared.out", shared.out, "x", x);
-  c.no_alias("shared.out", shared.out, "shared.x", shared.x);
-  c.no_alias("out", out, "shared.x", shared.x);
-}
-
-// ids_are_inputs: false where the op computes topk_ids itself (moe_route_experts): no range check of their values.
 void check_moe_experts(const Check& c, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
-                       const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
-                       bool ids_are_inputs = true) {
+                       const Tensor& topk_weights, std::span<const Tensor> up_proj,
+                       std::span<const Tensor> down_proj) {
   c.f32("x", x, 2);
   c.f32("out", out, 2);
   c.shape("out", out, x.shape(), "x", x);
@@ -637,7 +627,7 @@ void check_moe_experts(const Check& c, const Tensor& out, const Tensor& x, const
       c.fail("down_proj[{}] {} does not match up_proj[{}] {}", e, down_proj[e].describe(), e, up_proj[e].describe());
     }
   }
-  for (int64_t i = 0; ids_are_inputs && topk_ids.device() == Device::kCpu && i < topk_ids.numel(); ++i) {
+  for (int64_t i = 0; topk_ids.device() == Device::kCpu && i < topk_ids.numel(); ++i) {
     const int32_t id = topk_ids.i32()[i];
     if (id < 0 || static_cast<size_t>(id) >= E) c.fail("topk_ids[{}] = {} is out of range for {} experts", i, id, E);
   }
@@ -656,7 +646,12 @@ void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, 
                         std::span<const Tensor> down_proj, const SharedExpert& shared) {
   const Check c(ctx, "moe_experts_shared");
   check_moe_experts(c, out, x, topk_ids, topk_weights, up_proj, down_proj);
-  check_shared_expert(c, out, x, shared);
+  check_relu2_mlp(c, shared.out, shared.x, shared.up_proj, shared.down_proj);
+  c.shape("shared.x", shared.x, {x.dim(0), shared.x.dim(1)}, "x", x);
+  c.no_alias("shared.out", shared.out, "out", out);
+  c.no_alias("shared.out", shared.out, "x", x);
+  c.no_alias("shared.out", shared.out, "shared.x", shared.x);
+  c.no_alias("out", out, "shared.x", shared.x);
   c.dispatch(
       [&] {
         cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj);
@@ -664,31 +659,6 @@ void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, 
       },
       [&] {
         CHIMERA_CUDA_CALL(cuda::moe_experts_shared(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, shared));
-      });
-}
-
-void moe_route_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& gate,
-                       const Tensor& correction_bias, const RouterParams& p, std::span<const Tensor> up_proj,
-                       std::span<const Tensor> down_proj, const SharedExpert& shared, const Tensor& topk_ids,
-                       const Tensor& topk_weights) {
-  const Check c(ctx, "moe_route_experts");
-  c.f32("x", x, 2);
-  c.weight("gate", gate, 2);
-  c.shape("gate", gate, {gate.dim(0), x.dim(1)}, "x", x);
-  const int64_t T = x.dim(0), E = gate.dim(0);
-  check_router(c, topk_ids, topk_weights, correction_bias, p, T, E, "x", x, "gate", gate);
-  check_moe_experts(c, out, x, topk_ids, topk_weights, up_proj, down_proj, /*ids_are_inputs=*/false);
-  if (static_cast<int64_t>(up_proj.size()) != E) c.fail("{} experts for gate {}", up_proj.size(), gate.describe());
-  check_shared_expert(c, out, x, shared);
-  c.dispatch(
-      [&] {
-        cpu::router_gate_topk(topk_ids, topk_weights, x, gate, correction_bias, p);
-        cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj);
-        cpu::relu2_mlp(shared.out, shared.x, shared.up_proj, shared.down_proj);
-      },
-      [&] {
-        CHIMERA_CUDA_CALL(cuda::moe_route_experts(ctx, out, x, gate, correction_bias, p, up_proj, down_proj, shared,
-                                                  topk_ids, topk_weights));
       });
 }
 

@@ -245,16 +245,6 @@ void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, 
                         const Tensor& topk_weights, std::span<const Tensor> up_proj,
                         std::span<const Tensor> down_proj, const SharedExpert& shared);
 
-// A (non-latent) MoE layer from its input: exactly router_gate_topk(topk_ids, topk_weights, x, gate, correction_bias,
-// p) then moe_experts_shared(out, x, topk_ids, topk_weights, up_proj, down_proj, shared) (the CPU runs those two);
-// topk_ids / topk_weights are outputs [T, top_k]. On CUDA at decode sizes (the GEMV path with its permutation fold,
-// F32 gate, 128 experts top-6 or 512 top-22, one group) the router kernel stores only its column partials and the
-// experts' up GEMV launch routes (every block, from the partials: the same choices and weights); elsewhere the two ops.
-void moe_route_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& gate,
-                       const Tensor& correction_bias, const RouterParams& p, std::span<const Tensor> up_proj,
-                       std::span<const Tensor> down_proj, const SharedExpert& shared, const Tensor& topk_ids,
-                       const Tensor& topk_weights);
-
 // ---- sampling --------------------------------------------------------------------------------------
 // Per-row sampling parameters: temperature 0 (or top_k 1) is greedy; top_k 0 and top_p 1 are off.
 struct SamplingRow {

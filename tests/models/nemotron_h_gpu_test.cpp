@@ -12,8 +12,6 @@
 //     * max|ref|. Skips (does not fail) when a fixture has no bf16 files.
 //   * decode with programmatic dependent launch off and on (eager and CUDA graphs): the same tokens and logits.
 //   * bf16 decode with the residual norm in the GEMV's launch and as its own kernel: the same tokens and logits.
-//   * the MoE router fold (cuda::moe::set_router_fold) off and on, on a synthetic model with Nano's router shape:
-//     the same tokens and logits bit for bit.
 // Every test skips cleanly without a GPU (or in a build without CUDA).
 #include <algorithm>
 #include <cmath>
@@ -25,11 +23,9 @@
 #include "backends/device_api.h"
 #ifdef CHIMERA_HAVE_CUDA
 #include "backends/cuda/gemm/linear.h"
-#include "backends/cuda/moe/experts.h"
 #endif
 #include "common/tolerances.h"
 #include "core/error.h"
-#include "io/model_presets.h"
 #include "io/npy.h"
 #include "models/model_fixtures.h"
 #include "models/nemotron_h.h"
@@ -346,42 +342,6 @@ TEST_P(GpuParity, Bf16TeacherForcedMatchesTransformersBf16) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GpuParity, ::testing::ValuesIn(fixture_names()),
                          [](const auto& param_info) { return param_info.param; });
-
-// The router fold (ops::moe_route_experts: the router's top-k inside the experts' up GEMV launch at decode) off and
-// on: the same tokens and bit-identical logits, eager and as CUDA graphs. The fixtures' routers (8 / 16 experts) are
-// not folded, so a synthetic bf16 model with Nano's router: the tiny preset without its latent space, 128 experts
-// top-6 (decode steps of up to 4 sequences take the GEMV path; the prefill chunks do not).
-TEST(GpuRouterFold, OnEqualsOff) {
-#ifndef CHIMERA_HAVE_CUDA
-  GTEST_SKIP() << "a build without CUDA";
-#else
-  if (!device::cuda_available()) GTEST_SKIP() << device::describe_cuda();
-  ModelConfig c = model_preset("tiny");
-  c.moe_latent_size.reset();
-  c.n_routed_experts = 128;
-  c.num_experts_per_tok = 6;
-  const NemotronH m = NemotronH::synthetic(c, ModelOptions{Device::kCuda, DType::kBF16}, 5);
-  const std::vector<std::vector<int32_t> > prompts = {{1, 17, 300, 42, 7, 99}, {1, 1000, 5}, {1, 8, 64, 512}};
-  const std::vector<int32_t> n_new = finish_apart(std::vector<int32_t>(prompts.size(), 20));
-  struct Restore {
-    bool on;
-    ~Restore() { cuda::moe::set_router_fold(on); }
-  } restore{cuda::moe::set_router_fold(true)};
-  for (bool graphs : {false, true}) {
-    SCOPED_TRACE(graphs ? "graphs" : "eager");
-    cuda::moe::set_router_fold(false);
-    const BatchRun off = run_batch_with(m, prompts, n_new, BatchOptions{.cuda_graphs = graphs});
-    cuda::moe::set_router_fold(true);
-    const BatchRun on = run_batch_with(m, prompts, n_new, BatchOptions{.cuda_graphs = graphs});
-    for (size_t p = 0; p < prompts.size(); ++p) {
-      SCOPED_TRACE(fmt::format("prompt {}", p));
-      EXPECT_EQ(on.results[p].tokens, off.results[p].tokens);
-      ASSERT_FALSE(off.results[p].logits.empty());
-      EXPECT_TRUE(on.results[p].logits == off.results[p].logits) << "logits differ";
-    }
-  }
-#endif
-}
 
 // The device caches: Mamba state and KV pools on the GPU in the requested dtypes, slots zeroed on allocation.
 TEST(GpuStateCache, LivesOnTheDeviceInTheActivationDtype) {

@@ -136,14 +136,10 @@ TEST_P(ProfilerTest, TinyModelPrefillAndDecodeStepsByOpKind) {
   EXPECT_EQ(calls(dec, "ssd_chunk_scan"), 0);
   for (const auto* m : {&pre, &dec}) {
     EXPECT_EQ(calls(*m, "attention"), n_attention);
-    // Routed + shared expert in one op, and with the router too unless the layer routes in a latent space
-    // (moe_route_experts); the MoE layer's two outputs meet in the norm.
-    const int64_t latent = config.moe_latent_size ? n_moe : 0;
-    EXPECT_EQ(calls(*m, "moe_route_experts"), n_moe - latent);
-    EXPECT_EQ(calls(*m, "moe_experts_shared"), latent);
+    EXPECT_EQ(calls(*m, "moe_experts_shared"), n_moe);  // routed + shared expert in one op
     EXPECT_EQ(calls(*m, "moe_experts"), 0);
-    // A latent layer's router is one op from the layer's input (logits + top-k).
-    EXPECT_EQ(calls(*m, "router_gate_topk"), latent);
+    // The router is one op from the layer's input (logits + top-k); the MoE layer's two outputs meet in the norm.
+    EXPECT_EQ(calls(*m, "router_gate_topk"), n_moe);
     EXPECT_EQ(calls(*m, "router_topk"), 0);
     EXPECT_EQ(calls(*m, "add2_rms_norm"), n_moe);
     EXPECT_EQ(calls(*m, "add"), 0);

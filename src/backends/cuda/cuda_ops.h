@@ -84,10 +84,6 @@ void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, co
 void moe_experts_shared(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                         const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
                         const ops::SharedExpert& shared);
-void moe_route_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& gate,
-                       const Tensor& correction_bias, const ops::RouterParams& p, std::span<const Tensor> up_proj,
-                       std::span<const Tensor> down_proj, const ops::SharedExpert& shared, const Tensor& topk_ids,
-                       const Tensor& topk_weights);
 
 // sampling/ (sampling.cu)
 void sample_tokens(const ops::Context& ctx, const Tensor& out_ids, const Tensor& logits,

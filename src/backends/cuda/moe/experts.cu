@@ -4,9 +4,6 @@
 //
 // At decode sizes on the GEMV path the permutation runs inside the up launch (moe_kernels.h, GemvFold): router + up +
 // down + combine per MoE layer. The combine can also run inside the down launch (set_gemv_fold(2)); measured slower.
-// ops::moe_route_experts (router + experts in one op) also moves the router's top-k into the up launch: the router
-// kernel stores only its column partials and every up block sums them and selects (GemvFold::partial;
-// set_router_fold).
 //
 // With the layer's shared expert (ops::moe_experts_shared) on the GEMV path: its up and down run as extra units of
 // the two GEMV launches (grouped_gemv.cu), so a decode MoE layer is router + 4 launches instead of router + 4 + 3
@@ -115,13 +112,6 @@ std::atomic<bool> g_early_shared{[] {
   return v == nullptr || std::atoi(v) != 0;
 }()};
 
-// ops::moe_route_experts: the router's selection inside the up GEMV launch (GemvFold::partial).
-// CHIMERA_MOE_ROUTER_FOLD=0 turns it off (A/B runs of the whole engine); results are the same bits either way.
-std::atomic<bool> g_router_fold{[] {
-  const char* v = std::getenv("CHIMERA_MOE_ROUTER_FOLD");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
-
 // Whether kAuto takes the CUTLASS path from kCutlassMinTokens tokens (when built). CHIMERA_MOE_CUTLASS=0 turns it off
 // (A/B runs of the whole engine; the same bits as the mma path in every measured case).
 std::atomic<bool> g_cutlass_auto{[] {
@@ -153,8 +143,6 @@ bool moe::cutlass_built() {
 
 bool moe::set_gemv_early_shared(bool on) { return g_early_shared.exchange(on, std::memory_order_relaxed); }
 
-bool moe::set_router_fold(bool on) { return g_router_fold.exchange(on, std::memory_order_relaxed); }
-
 void moe::set_gemv_fold(int fold) { g_gemv_fold.store(std::clamp(fold, 0, 2), std::memory_order_relaxed); }
 
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
@@ -169,20 +157,11 @@ void moe_experts_shared(const ops::Context& ctx, const Tensor& out, const Tensor
                            &shared);
 }
 
-void moe_route_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& gate,
-                       const Tensor& correction_bias, const ops::RouterParams& p, std::span<const Tensor> up_proj,
-                       std::span<const Tensor> down_proj, const ops::SharedExpert& shared, const Tensor& topk_ids,
-                       const Tensor& topk_weights) {
-  const moe::RouterInput router{gate, correction_bias, p};
-  moe::moe_experts_on_path(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, moe::ExpertsPath::kAuto, &shared,
-                           &router);
-}
-
 namespace moe {
 
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
-                         const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
-                         ExpertsPath path, const ops::SharedExpert* shared, const RouterInput* router) {
+                         const Tensor& topk_weights, std::span<const Tensor> up_proj,
+                         std::span<const Tensor> down_proj, ExpertsPath path, const ops::SharedExpert* shared) {
   const int64_t T = x.dim(0), Din = x.dim(1), k = topk_ids.dim(1);
   const int E = static_cast<int>(up_proj.size());
   const int64_t I = up_proj[0].dim(0);
@@ -284,29 +263,6 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   // (moe_kernels.h, GemvFold).
   const bool fold = gemv && gemv_fold_enabled() && P <= moe::kGemvFoldMaxPairs && T <= tile_rows;
   unsigned int* fold_counts = fold && gemv_fold_combine_enabled() ? moe::gemv_fold_counts(T, Din) : nullptr;
-
-  // ops::moe_route_experts: the router first. Where the GEMV path folds the permutation into the up launch and the
-  // router shape is one the up GEMV routes itself, the router launch stores only its column partials and the up
-  // launch selects (GemvFold::partial); otherwise the whole router_gate_topk. gate_partial lives to the end of this
-  // function, past the up launch that reads it.
-  Tensor gate_partial;
-  moe::GateSplit gate_split{};
-  if (router) {
-    const ops::RouterParams& rp = router->p;
-    const bool fold_router =
-        fold && g_router_fold.load(std::memory_order_relaxed) && router->gate.dtype() == DType::kF32 &&
-        Din <= 0x7fffffffLL &&
-        moe::gemv_route_supported(static_cast<int>(T), E, static_cast<int>(k), static_cast<int>(rp.n_group)) &&
-        moe::gate_topk_supported(static_cast<int>(T), E, static_cast<int>(k), static_cast<int>(rp.n_group),
-                                 static_cast<int>(Din));
-    if (fold_router) {
-      gate_split = moe::gate_topk_split(E, static_cast<int>(Din));
-      gate_partial = device::empty(Device::kCuda, DType::kF32, {gate_split.n_split, T, E});
-      moe::router_gate_partials(ctx, gate_partial, x, router->gate);
-    } else {
-      cuda::router_gate_topk(ctx, topk_ids, topk_weights, x, router->gate, router->correction_bias, rp);
-    }
-  }
   if (!fold) moe::launch_moe_permute(pp, stream);
 
   const void* const* tables = pointer_tables().get(up_proj, down_proj);
@@ -353,24 +309,6 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
         fold_down = fold_up;
         fold_down.combined = out.data();
         fold_down.counts = fold_counts;
-      }
-      if (gate_partial) {  // the router fold (up only): topk_ids / topk_weights are written by the up launch
-        const ops::RouterParams& rp = router->p;
-        fold_up.partial = gate_partial.data_as<float>();
-        fold_up.n_split = gate_split.n_split;
-        moe::RouterParams& r = fold_up.route;
-        r.bias = router->correction_bias.data();
-        r.bias_dtype = router->correction_bias.dtype();
-        r.topk_ids = topk_ids.data_as<int32_t>();
-        r.topk_weights = topk_weights.data_as<float>();
-        r.T = static_cast<int>(T);
-        r.E = E;
-        r.k = static_cast<int>(k);
-        r.n_group = static_cast<int>(rp.n_group);
-        r.topk_group = static_cast<int>(rp.topk_group);
-        r.norm_topk_prob = rp.norm_topk_prob;
-        r.routed_scaling_factor = rp.routed_scaling_factor;
-        r.logits_dtype = DType::kF32;
       }
     }
     moe::launch_moe_gemv(up, shared_up, x.dtype(), tile_rows, true, stream, fold_up);

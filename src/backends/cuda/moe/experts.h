@@ -41,27 +41,8 @@ void set_gemv_fold(int fold);
 // default; CHIMERA_MOE_EARLY_SHARED=0 turns it off. Process-wide. Returns the previous setting.
 bool set_gemv_early_shared(bool on);
 
-// Benchmarks, tests and engine A/B runs: whether ops::moe_route_experts folds the router's selection into the up GEMV
-// launch at decode sizes (moe_kernels.h, GemvFold::partial; results bit-identical either way). On by default;
-// CHIMERA_MOE_ROUTER_FOLD=0 turns it off. Process-wide. Returns the previous setting.
-bool set_router_fold(bool on);
-
-// ops::moe_route_experts's router: router_gate_topk of the experts' x with these weights (moe_experts_on_path runs it
-// before the expert launches, its selection inside the up GEMV where the router fold applies).
-struct RouterInput {
-  const Tensor& gate;  // [E, D] (F32 for the fused kernel and the fold)
-  const Tensor& correction_bias;
-  const ops::RouterParams& p;
-};
-
-// router (optional): topk_ids / topk_weights are outputs, routed from x first (RouterInput).
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                          const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
-                         ExpertsPath path, const ops::SharedExpert* shared = nullptr,
-                         const RouterInput* router = nullptr);
-
-// The router fold's first launch (router.cu): the fused router's phase 1 only (GateTopkParams::partials_only), the
-// column partials of x [T, D] @ gate [E, D]^T (F32) into partial [gate_topk_split(E, D).n_split, T, E] F32.
-void router_gate_partials(const ops::Context& ctx, const Tensor& partial, const Tensor& x, const Tensor& gate);
+                         ExpertsPath path, const ops::SharedExpert* shared = nullptr);
 
 }  // namespace chimera::cuda::moe

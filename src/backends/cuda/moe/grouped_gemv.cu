@@ -35,7 +35,6 @@
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/moe/moe_kernels.h"
-#include "backends/cuda/moe/router_select.cuh"
 
 namespace chimera::cuda::moe {
 namespace {
@@ -69,7 +68,6 @@ __device__ unsigned int g_fold_counts[kFoldSlots][kFoldWords];
 // The up launch's own permutation (GemvFold): pairs sorted by (expert, pair id), the work items of NT rows.
 struct PermuteSmem {
   int ids[kGemvFoldMaxPairs];
-  float weights[kGemvFoldMaxPairs];  // the router fold's routing weights (block 0 stores them)
   int sorted[kGemvFoldMaxPairs];
   int flag[kGemvFoldMaxPairs];  // by rank: 1 where an item starts
   int4 items[kGemvFoldMaxPairs];
@@ -85,7 +83,7 @@ template <int NT>
 __device__ int block_permute(const GemvArgs& a, PermuteSmem& ps) {
   const int tid = static_cast<int>(threadIdx.x);
   const int P = a.f.T * a.g.top_k, E = a.f.E;
-  if (tid < P && a.f.partial == nullptr) ps.ids[tid] = a.f.topk_ids[tid];  // router fold: fold_route put them there
+  if (tid < P) ps.ids[tid] = a.f.topk_ids[tid];
   __syncthreads();
   int e = -1, rank = 0, pos = 0, cnt = 0;
   bool valid = false;
@@ -118,33 +116,6 @@ __device__ int block_permute(const GemvArgs& a, PermuteSmem& ps) {
   if (writer && tid == 0) *a.f.n_items = n_items;
   __syncthreads();
   return n_items;
-}
-
-// The router fold (GemvFold::partial), after pdl_wait(): the router grid has completed, so its partials are visible
-// (read only after the wait; the early shared units before it read x, two launches back). Sums them into s_logits
-// [T][E] fp32 (the token-row staging buffer: free here) exactly as the fused router's phase 2, and routes token t
-// with warp t (T <= kGemvMaxTokens == kWarps) into ps.ids / ps.weights, the router's own device code (NPER: its
-// instance for E, 4 at 128 experts, 16 at 512). Block 0 stores the choices for the down launch and the combine. All
-// threads of the block must call it.
-static_assert(kGemvMaxTokens <= kWarps, "one routing warp per token");
-template <int NPER>
-__device__ void fold_route(const GemvArgs& a, PermuteSmem& ps, float* s_logits) {
-  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const RouterParams& r = a.f.route;
-  __syncthreads();  // after the early shared units: every warp is done with xs (s_logits aliases it)
-  route::sum_gate_partials(a.f.partial, a.f.n_split, r.T, r.E, s_logits, tid, kThreads);
-  __syncthreads();
-  RouterParams rp = r;
-  rp.logits = s_logits;
-  rp.logits_dtype = DType::kF32;
-  rp.topk_ids = ps.ids;
-  rp.topk_weights = ps.weights;
-  if (warp < r.T) route::route_token_warp<NPER, 0, false>(rp, warp, lane, nullptr);
-  __syncthreads();
-  if (blockIdx.x == 0 && tid < r.T * r.k) {
-    r.topk_ids[tid] = ps.ids[tid];
-    r.topk_weights[tid] = ps.weights[tid];
-  }
 }
 
 // The combine of (token, this warp's kRows rows), by the warp that completed it: lane j < top_k holds choice j's y
@@ -264,10 +235,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
       int n_items = 0;
       if constexpr (kUp) {
         if (a.f.topk_ids != nullptr) {
-          if (a.f.partial != nullptr) {  // uniform over the grid
-            float* s_logits = reinterpret_cast<float*>(gemv_smem);
-            a.f.route.E > 128 ? fold_route<16>(a, ps, s_logits) : fold_route<4>(a, ps, s_logits);
-          }
           n_items = block_permute<NT>(a, ps);
           items = ps.items;
           sorted_pair = ps.sorted;
@@ -426,9 +393,7 @@ void launch(const GemvArgs& a, cudaStream_t stream) {
   if (units > 0x7fffffff) throw_runtime(str_cat("ops::moe_experts: ", units, " GEMV units is too many"));
   const int64_t blocks = std::min<int64_t>(units, static_cast<int64_t>(kBlocksPerSm) * sm_count());
   const int kmax = std::max(a.g.K, a.s.weight ? a.s.K : 0);
-  // The router fold's logits [T][E] fp32 share the token-row buffer.
-  const size_t logits = a.f.partial ? sizeof(float) * static_cast<size_t>(a.f.route.T) * a.f.route.E : 0;
-  const size_t smem = std::max(static_cast<size_t>(NT) * kmax * sizeof(T), logits);
+  const size_t smem = static_cast<size_t>(NT) * kmax * sizeof(T);
   static const bool configured = [] {
     CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemv_kernel<T, NT, kUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(kGemvMaxSmemBytes)),
@@ -461,10 +426,6 @@ void launch_dtype(const GemvArgs& a, int tile_rows, bool up, cudaStream_t stream
 
 int gemv_tile_rows(int64_t T) {
   return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8;
-}
-
-bool gemv_route_supported(int T, int E, int k, int n_group) {
-  return T >= 1 && T <= kGemvMaxTokens && n_group == 1 && ((E == 128 && k == 6) || (E == 512 && k == 22));
 }
 
 bool gemv_fits(int64_t T, int64_t K) {
@@ -504,17 +465,6 @@ void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int ti
     if (!ok) {
       throw_runtime(str_cat("ops::moe_experts: GEMV fold with T = ", fold.T, ", top-", p.top_k, " (needs T <= ",
                             tile_rows, ", T x top_k <= ", kGemvFoldMaxPairs, " and its output buffers)"));
-    }
-  }
-  if (fold.partial != nullptr) {
-    const RouterParams& r = fold.route;
-    const bool ok = up && fold.topk_ids == r.topk_ids && r.topk_weights && r.bias && r.T == fold.T && r.E == fold.E &&
-                    r.k == p.top_k && fold.n_split >= 1 && gemv_route_supported(r.T, r.E, r.k, r.n_group) &&
-                    static_cast<size_t>(r.T) * r.E * sizeof(float) <= static_cast<size_t>(kGemvMaxSmemBytes);
-    if (!ok) {
-      throw_runtime(str_cat("ops::moe_experts: GEMV router fold with T = ", r.T, ", ", r.E, " experts / top-", r.k,
-                            ", ", r.n_group, " groups (supported: the up launch with the permutation folded, T <= ",
-                            kGemvMaxTokens, ", 128 experts top-6 or 512 top-22, one group)"));
     }
   }
   GemvArgs a{};

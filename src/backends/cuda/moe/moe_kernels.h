@@ -61,10 +61,7 @@ struct GateTopkParams {
   DType x_dtype;
   // Selection (benchmarks compare them): 0 = automatic, 1 = one warp per token (any n_group), 2 = the
   // block-per-token select, token after token (n_group == 1; otherwise the warps).
-  int select =
-      0;  // Phase 1 only (ops::moe_route_experts at decode): the partials, no ticket and no selection; route.topk_ids /
-  // topk_weights are not written. The MoE up GEMV then sums the partials and selects (GemvFold::partial).
-  bool partials_only = false;
+  int select = 0;
 };
 // The ticket counter is one of a few zero-initialised device words, one per host thread (slot = thread id mod
 // 64): launches from one host thread must be stream-ordered (as ops on one stream are), two threads never share one.
@@ -160,21 +157,8 @@ struct GemvFold {
   int32_t* n_items = nullptr;
   void* combined = nullptr;           // down: [T, N] activation dtype
   unsigned int* counts = nullptr;     // down: [T, ceil(N / 2)] zero on entry (gemv_fold_counts)
-  // Up, the router folded in too (partial != nullptr; ops::moe_route_experts at decode): topk_ids is the op's output,
-  // not written yet. The router launch before this one only stores its column partials (GateTopkParams::
-  // partials_only); after pdl_wait() every block sums them in split order into shared memory (the fused router's
-  // phase 2: the same logits) and routes the T tokens, one warp per token, with router_topk's warp select
-  // (router_select.cuh; the block select gives the same bits), then sorts the pairs as above. Block 0 also writes
-  // route.topk_ids / topk_weights (== topk_ids) for the down launch and the combine, which read them after their own
-  // pdl_wait(). Shapes: gemv_route_supported.
-  const float* partial = nullptr;  // [n_split, T, E] f32, from launch_router_gate_topk with partials_only
-  int n_split = 0;
-  RouterParams route{};  // bias, outputs, T, E, k, n_group, scaling; logits / kernel unused
 };
 inline constexpr int kGemvFoldMaxPairs = 256;  // one thread per pair in the block sort
-// The router shapes the up GEMV routes itself (one instance of the warp select each): Nano's 128 experts top-6 and
-// Super's 512 top-22, one group, T <= 8 tokens (one warp each).
-bool gemv_route_supported(int T, int E, int k, int n_group);
 // The zeroed count words of the calling host thread (one slot per thread, as the router's tickets), or nullptr when
 // T x ceil(N / 2) exceeds a slot: the caller then launches permute / combine as separate kernels.
 unsigned int* gemv_fold_counts(int64_t T, int64_t N);
