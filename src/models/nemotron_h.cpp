@@ -452,8 +452,8 @@ std::map<std::string, int64_t> NemotronH::parameter_counts() const {
 // ---- forward ---------------------------------------------------------------------------------------
 
 void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
-                            const Tensor& conv_state, const Tensor& ssm_state, const Tensor& x, const Tensor& out,
-                            const ResidualNorm& norm) const {
+                            const Tensor& conv_state, const Tensor& ssm_state, const Tensor& x,
+                            const Tensor& out) const {
   const ModelConfig& c = config_;
   const MambaWeights& w = L.mamba;
   const int64_t T = b.num_tokens(), H = c.mamba_num_heads, P = c.mamba_head_dim, G = c.n_groups;
@@ -516,13 +516,12 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
     ops::gated_rms_norm(ctx, Ts == T ? normed : normed.rows(0, Ts), y.reshape({Ts, Di}), z, w.norm, G,
                         c.layer_norm_epsilon);
   }
-  ops::linear_add_rms_norm(ctx, out, normed, w.out_proj, w.out_proj_bias, norm.residual, norm.out, norm.weight,
-                           norm.eps);
+  ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);
 }
 
 void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
                                 const Tensor& block_tables, const ops::KvCacheView& kv, const Tensor& x,
-                                const Tensor& out, const ResidualNorm& norm) const {
+                                const Tensor& out) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = L.attention;
   const int64_t T = b.num_tokens(), Qh = c.num_attention_heads, KVh = c.num_key_value_heads, hd = c.head_dim;
@@ -539,8 +538,7 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
                  ops::Indices(b.cu_seqlens, dm ? dm->cu_seqlens : nullptr),
                  ops::Indices(b.context_lens, dm ? dm->context_lens : nullptr), block_tables,
                  1.0f / std::sqrt(static_cast<float>(hd)));
-  ops::linear_add_rms_norm(ctx, out, o.reshape({T, Qh * hd}), w.o_proj, Tensor(), norm.residual, norm.out, norm.weight,
-                           norm.eps);
+  ops::linear(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
 }
 
 void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const Tensor& x, const Tensor& shared_out,
@@ -617,22 +615,19 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
 
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& L = layers_[i];
-    // h = h + mixer(x); x = next layer's norm (or norm_f) of h: one fused op, which the Mamba, attention and MLP
-    // mixers run in their last dense layer (out_proj, o_proj, down_proj), after which x is the next layer's input.
-    const Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].norm : norm_f_;
-    const ResidualNorm residual_norm{h, x, next_norm, eps};
     switch (L.kind) {
-      case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], x, mix, residual_norm); break;
-      case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], x, mix, residual_norm); break;
-      case LayerKind::kMlp:
-        ops::relu2_mlp_add_rms_norm(ctx, mix, x, L.mlp.up_proj, L.mlp.down_proj, h, x, next_norm, eps);
-        break;
+      case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], x, mix); break;
+      case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], x, mix); break;
+      case LayerKind::kMlp: ops::relu2_mlp(ctx, mix, x, L.mlp.up_proj, L.mlp.down_proj); break;
       case LayerKind::kMoe: moe_mixer(ctx, L, x, mix, routed); break;
     }
-    // A MoE layer's mixer output is shared + routed, rounded to the activation dtype before the residual add (the sum
-    // happens in the norm op).
+    // h = h + mixer(x); x = next layer's norm (or norm_f) of h: one fused op. A MoE layer's mixer output is
+    // shared + routed, rounded to the activation dtype before the residual add (the sum happens in the norm op).
+    const Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].norm : norm_f_;
     if (L.kind == LayerKind::kMoe) {
       ops::add2_rms_norm(ctx, h, x, mix, routed, next_norm, eps);
+    } else {
+      ops::add_rms_norm(ctx, h, x, mix, next_norm, eps);
     }
   }
 

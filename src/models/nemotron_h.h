@@ -108,21 +108,12 @@ class NemotronH {
   static NemotronH bind(const ModelConfig& config, WeightTable& weights, const ModelOptions& options);
   // An uninitialised activation on `device` in the activation dtype.
   Tensor act(const ops::Context& ctx, Shape shape) const;
-  // The residual update behind a Mamba, attention or dense MLP layer: residual += the mixer's output, then out = the
-  // next layer's norm of it. The mixer's last dense layer runs it (ops::linear_add_rms_norm: on CUDA at decode sizes
-  // inside that layer's GEMV launch).
-  struct ResidualNorm {
-    const Tensor& residual;
-    const Tensor& out;
-    const Tensor& weight;
-    float eps;
-  };
   void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const Tensor& conv_state,
-                   const Tensor& ssm_state, const Tensor& x, const Tensor& out, const ResidualNorm& norm) const;
+                   const Tensor& ssm_state, const Tensor& x, const Tensor& out) const;
   // block_tables: the batch's table on ctx.device (uploaded once per step on CUDA).
   void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
-                       const Tensor& block_tables, const ops::KvCacheView& kv, const Tensor& x, const Tensor& out,
-                       const ResidualNorm& norm) const;
+                       const Tensor& block_tables, const ops::KvCacheView& kv, const Tensor& x,
+                       const Tensor& out) const;
   // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm.
   void moe_mixer(const ops::Context& ctx, const LayerWeights& w, const Tensor& x, const Tensor& shared_out,
                  const Tensor& routed_out) const;

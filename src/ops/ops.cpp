@@ -265,46 +265,6 @@ void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor
   c.dispatch([&] { cpu::linear(out, x, weight, bias); }, [&] { CHIMERA_CUDA_CALL(cuda::linear(ctx, out, x, weight, bias)); });
 }
 
-namespace {
-// add_rms_norm's operands for the [T, D] addend y (named y_name): residual and out of y's shape, weight [D], y apart
-// from both.
-void check_residual_norm(const Check& c, const char* y_name, const Tensor& y, const Tensor& residual, const Tensor& out,
-                         const Tensor& weight) {
-  c.f32("residual", residual, 2);
-  c.f32("norm_out", out, 2);
-  c.shape("residual", residual, y.shape(), y_name, y);
-  c.shape("norm_out", out, y.shape(), y_name, y);
-  c.weight("norm_weight", weight, 1);
-  c.shape("norm_weight", weight, {y.dim(1)}, y_name, y);
-  c.no_alias(y_name, y, "residual", residual);
-  c.no_alias(y_name, y, "norm_out", out);
-}
-}  // namespace
-
-void linear_add_rms_norm(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                         const Tensor& residual, const Tensor& norm_out, const Tensor& norm_weight, float eps) {
-  const Check c(ctx, "linear_add_rms_norm");
-  c.f32("x", x, 2);
-  c.weight("weight", weight, 2);
-  c.shape("weight", weight, {weight.dim(0), x.dim(1)}, "x", x);
-  c.f32("y", y, 2);
-  c.shape("y", y, {x.dim(0), weight.dim(0)}, "x @ weight^T with weight", weight);
-  if (bias) {
-    c.weight("bias", bias, 1);
-    c.shape("bias", bias, {weight.dim(0)}, "weight", weight);
-  }
-  c.no_alias("y", y, "x", x);
-  check_residual_norm(c, "y", y, residual, norm_out, norm_weight);
-  c.dispatch(
-      [&] {
-        cpu::linear(y, x, weight, bias);
-        cpu::add_rms_norm(residual, norm_out, y, norm_weight, eps);
-      },
-      [&] {
-        CHIMERA_CUDA_CALL(cuda::linear_add_rms_norm(ctx, y, x, weight, bias, residual, norm_out, norm_weight, eps));
-      });
-}
-
 void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor& x, std::span<const Tensor> weights) {
   const Check c(ctx, "linear_multi");
   if (outs.size() != weights.size() || weights.empty() || weights.size() > 3) {
@@ -349,23 +309,6 @@ void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Ten
   const Check c(ctx, "relu2_mlp");
   check_relu2_mlp(c, out, x, up_proj, down_proj);
   c.dispatch([&] { cpu::relu2_mlp(out, x, up_proj, down_proj); }, [&] { CHIMERA_CUDA_CALL(cuda::relu2_mlp(ctx, out, x, up_proj, down_proj)); });
-}
-
-void relu2_mlp_add_rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
-                            const Tensor& down_proj, const Tensor& residual, const Tensor& norm_out,
-                            const Tensor& norm_weight, float eps) {
-  const Check c(ctx, "relu2_mlp_add_rms_norm");
-  check_relu2_mlp(c, out, x, up_proj, down_proj);
-  check_residual_norm(c, "out", out, residual, norm_out, norm_weight);
-  c.dispatch(
-      [&] {
-        cpu::relu2_mlp(out, x, up_proj, down_proj);
-        cpu::add_rms_norm(residual, norm_out, out, norm_weight, eps);
-      },
-      [&] {
-        CHIMERA_CUDA_CALL(
-            cuda::relu2_mlp_add_rms_norm(ctx, out, x, up_proj, down_proj, residual, norm_out, norm_weight, eps));
-      });
 }
 
 // ---- Mamba-2 ---------------------------------------------------------------------------------------
@@ -460,7 +403,7 @@ void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& z
 void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
-                         [[maybe_unused]] bool prefetch_states) {  // unused in a build without CUDA
+                         bool prefetch_states) {
   const Check c(ctx, "mamba_decode_update");
   c.f32("zxbcdt", zxbcdt, 2);
   c.f32("out", out, 2);

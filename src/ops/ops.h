@@ -89,29 +89,12 @@ void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor
 // v projections as one launch instead of three dependent ones. outs[i]: [T, weights[i].dim(0)].
 void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor& x, std::span<const Tensor> weights);
 
-// linear(y, x, weight, bias) then add_rms_norm(residual, norm_out, y, norm_weight, eps), exactly (the CPU runs those
-// two): a decode layer's last dense layer (Mamba out_proj, attention o_proj) with the residual update and the next
-// layer's norm behind it. On CUDA, where linear takes the GEMV (decode sizes, 16-bit) and the row fits the GEMV's
-// block (hidden <= 4096, norm_weight in the activation dtype), the norm runs in the GEMV's launch: one launch fewer,
-// the same bits (cuda::set_gemv_norm_fold / CHIMERA_GEMV_NORM_FOLD=0 turn it off). y: [T, out_features] (written);
-// residual, norm_out: [T, out_features]; norm_weight: [out_features]; y must not overlap residual or norm_out
-// (norm_out may be x: it is written after every read of x).
-void linear_add_rms_norm(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                         const Tensor& residual, const Tensor& norm_out, const Tensor& norm_weight, float eps);
-
 // x = relu(x)^2 in place (any shape).
 void relu2(const Context& ctx, const Tensor& x);
 
 // out = down(relu(up(x))^2). x: [T, D]; up: [I, D]; down: [D, I]; out: [T, D].
 void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
                const Tensor& down_proj);
-
-// relu2_mlp(out, x, ...) then add_rms_norm(residual, norm_out, out, norm_weight, eps), exactly: the dense MLP layer
-// with its residual norm (on CUDA the down projection is linear_add_rms_norm). residual, norm_out: [T, D]; norm_out
-// may be x.
-void relu2_mlp_add_rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
-                            const Tensor& down_proj, const Tensor& residual, const Tensor& norm_out,
-                            const Tensor& norm_weight, float eps);
 
 // ---- Mamba-2 ---------------------------------------------------------------------------------------
 // Depthwise causal conv1d over a packed batch, SiLU fused when `silu`.

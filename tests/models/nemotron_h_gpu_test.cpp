@@ -11,7 +11,6 @@
 //     kGpuBf16Top1Agreement (99 %, the bar) and per position max|logit - ref| <= kGpuBf16LogitsRelToMax
 //     * max|ref|. Skips (does not fail) when a fixture has no bf16 files.
 //   * decode with programmatic dependent launch off and on (eager and CUDA graphs): the same tokens and logits.
-//   * bf16 decode with the residual norm in the GEMV's launch and as its own kernel: the same tokens and logits.
 // Every test skips cleanly without a GPU (or in a build without CUDA).
 #include <algorithm>
 #include <cmath>
@@ -21,9 +20,6 @@
 #include <gtest/gtest.h>
 
 #include "backends/device_api.h"
-#ifdef CHIMERA_HAVE_CUDA
-#include "backends/cuda/gemm/linear.h"
-#endif
 #include "common/tolerances.h"
 #include "core/error.h"
 #include "io/npy.h"
@@ -223,40 +219,6 @@ TEST_P(GpuParity, PdlOnEqualsPdlOff) {
       }
     }
   }
-}
-
-// The residual add + RMSNorm behind the Mamba, attention and dense MLP layers inside their last GEMV's launch
-// (ops::linear_add_rms_norm; CHIMERA_GEMV_NORM_FOLD, on by default, so the tests above already run it) against the
-// norm kernel after the GEMV: the same tokens and the same logits bit for bit, eager and as CUDA graphs, PDL on. bf16:
-// the decode GEMV path, where the fold is taken (fp32 runs cuBLASLt and the norm kernel either way).
-TEST_P(GpuParity, GemvNormFoldEqualsSeparateNorm) {
-#ifdef CHIMERA_HAVE_CUDA
-  const Fixture f = load_fixture(GetParam());
-  const std::vector<int32_t> n_new = finish_apart(std::vector<int32_t>(f.prompts.size(), 24));
-  struct Restore {
-    bool on;
-    ~Restore() { cuda::set_gemv_norm_fold(on); }
-  } restore{cuda::set_gemv_norm_fold(true)};
-  LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kBF16});
-  for (bool graphs : {false, true}) {
-    SCOPED_TRACE(fmt::format("{} bf16 {}", f.name, graphs ? "graphs" : "eager"));
-    cuda::set_gemv_norm_fold(false);
-    const BatchRun separate = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = graphs});
-    cuda::set_gemv_norm_fold(true);
-    const BatchRun folded = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = graphs});
-    EXPECT_EQ(folded.graph_sizes, separate.graph_sizes);
-    for (size_t p = 0; p < f.prompts.size(); ++p) {
-      SCOPED_TRACE(fmt::format("prompt {}", p));
-      EXPECT_EQ(folded.results[p].tokens, separate.results[p].tokens);
-      ASSERT_EQ(folded.results[p].logits.size(), separate.results[p].logits.size());
-      const std::vector<float>& a = folded.results[p].logits;
-      const std::vector<float>& b = separate.results[p].logits;
-      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "logits differ";
-    }
-  }
-#else
-  GTEST_SKIP() << "a build without CUDA";
-#endif
 }
 
 // Sampling on the GPU (only token ids come back) picks what the host sampler picks from the same logits:

@@ -143,13 +143,7 @@ TEST_P(ProfilerTest, TinyModelPrefillAndDecodeStepsByOpKind) {
     EXPECT_EQ(calls(*m, "router_topk"), 0);
     EXPECT_EQ(calls(*m, "add2_rms_norm"), n_moe);
     EXPECT_EQ(calls(*m, "add"), 0);
-    EXPECT_GE(calls(*m, "linear"), n_mamba + 1);  // at least the Mamba in_proj and the lm_head
-    // The residual norm behind a Mamba, attention or MLP layer runs in its last dense layer's op (on CUDA at decode
-    // sizes inside that GEMV's launch); only the MoE layers keep a norm op of their own.
-    EXPECT_EQ(calls(*m, "linear_add_rms_norm"), n_mamba + n_attention);
-    EXPECT_EQ(calls(*m, "relu2_mlp_add_rms_norm"), n_mlp);
-    EXPECT_EQ(calls(*m, "relu2_mlp"), 0);
-    EXPECT_EQ(calls(*m, "add_rms_norm"), 0);
+    EXPECT_GE(calls(*m, "linear"), n_mamba + n_attention + 1);  // at least in/out projections and the lm_head
     EXPECT_GE(calls(*m, "embedding"), 1);
   }
   std::printf("%s\n  %s\n%s\n  %s\n%s", GetParam() == Device::kCpu ? "[ CPU ]" : "[ CUDA ]", prefill.name.c_str(),

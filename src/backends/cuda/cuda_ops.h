@@ -31,16 +31,10 @@ void copy_columns(const ops::Context& ctx, const Tensor& out, const Tensor& in, 
 
 // gemm/ (linear.cu: cuBLASLt)
 void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias);
-void linear_add_rms_norm(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& weight,
-                         const Tensor& bias, const Tensor& residual, const Tensor& norm_out, const Tensor& norm_weight,
-                         float eps);
 void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const Tensor& x,
                   std::span<const Tensor> weights);
 void relu2_mlp(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
                const Tensor& down_proj);
-void relu2_mlp_add_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
-                            const Tensor& down_proj, const Tensor& residual, const Tensor& norm_out,
-                            const Tensor& norm_weight, float eps);
 
 // mamba/ (conv1d.cu)
 void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,

@@ -23,24 +23,13 @@
 // Numerics: fp32 products and sums (the per-lane partial sums, then a warp butterfly, then the row's warps in part
 // order), + bias in fp32, one rounding to T at the store. With relu2: the rounded value v, then fmaxf(v, 0)^2 in fp32
 // rounded again: exactly linear() then relu2() of the unfused path (elementwise.cu).
-//
-// The add + RMSNorm epilogue (gemv.h, GemvNormEpilogue; gemv_add_rms_norm_kernel): every block fences its y stores
-// and takes a ticket; the last one to arrive runs the residual norm of the T rows from y in L2, with the norm
-// kernel's own row code and thread layout (row_norm.cuh, row_norm_cached), so residual and out are the bits of
-// launch_gemv followed by launch_add_rms_norm. Why: a decode step chains ~225 small kernels, and each boundary costs
-// ~2 us (docs/perf.md); every Mamba, attention and dense MLP layer ends GEMV -> add_rms_norm, and the norm's work
-// (one row of a few KB per token) is small next to a launch. The tail block's extra time is one L2 round trip for y
-// and the residual, the reduction and the stores.
 #include "backends/cuda/gemm/gemv.h"
 
 #include <algorithm>
-#include <atomic>
-#include <type_traits>
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
-#include "backends/cuda/norm/row_norm.cuh"
 
 namespace chimera::cuda::gemm {
 namespace {
@@ -64,10 +53,10 @@ __device__ __forceinline__ PartRow part_row(const GemvParams& p, int row) {
   return PartRow{p.parts[0], row};
 }
 
-// The GEMV of one launch: x: [T, K] T, w_i: [N_i, K] T, bias_i: [N_i] T or null, y_i: [T, N_i] T. Dynamic shared
-// memory: x, [MT][K] T (zero rows past T). Every thread returns from it (no early exit).
+// x: [T, K] T, w_i: [N_i, K] T, bias_i: [N_i] T or null, y_i: [T, N_i] T. Dynamic shared memory: x, [MT][K] T
+// (zero rows past T).
 template <typename T, int MT, bool kRelu2>
-__device__ __forceinline__ void gemv_rows(const GemvParams& p) {
+__global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   extern __shared__ uint4 gemv_smem[];
   uint4* xs = gemv_smem;  // [MT][K / 8] vectors of 8 elements
   __shared__ float partial[kWarps][MT];
@@ -181,55 +170,6 @@ __device__ __forceinline__ void gemv_rows(const GemvParams& p) {
   }
 }
 
-template <typename T, int MT, bool kRelu2>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
-  gemv_rows<T, MT, kRelu2>(p);
-}
-
-// The epilogue's tickets: one word per host-thread slot (as router.cu's g_gate_tickets: two threads' launches may
-// run at once on their own streams; one thread's launches are ordered by its stream). Zero at module load; every
-// launch's atomicInc wraps its word back to zero, so graph replays start from zero too.
-constexpr int kTicketSlots = 64;
-__device__ unsigned int g_norm_tickets[kTicketSlots];
-
-struct NormLaunch {
-  GemvNormEpilogue e;
-  int threads_per_row;  // the norm kernel's for a row of N (norm::threads_per_row), <= kThreads
-  int ticket_slot;
-};
-
-// gemv_rows (one part, no relu^2), then, in the last block to finish, for each token t < T:
-//   residual[t] += y[t] (rounded to T); out[t] = rms_norm(residual[t]) * weight
-// with norm::row_norm_cached in the layout of the kAdd kernel's launch for a row of N (16-byte groups, two per thread,
-// threads_per_row threads; the block's other threads add 0 to the sums): the same sum of squares in the same order,
-// so the same bits as launch_add_rms_norm. residual, out: [T, N] T; weight: [N] T.
-// PDL: residual and out are written after gemv_rows' pdl_wait() (earlier kernels are done with them). The kernel
-// right after this one reads them only after its own wait (the next layer's in_proj GEMV, linear_multi, router; the
-// MoE up GEMV reads x before its wait but is launched two after this one: this -> router -> up, launch.cuh).
-template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads) gemv_add_rms_norm_kernel(const GemvParams p, const NormLaunch n) {
-  gemv_rows<T, MT, false>(p);
-
-  // Writers fence their y stores before the ticket; the last block fences again before reading y from L2.
-  __shared__ bool s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicInc(&g_norm_tickets[n.ticket_slot], gridDim.x - 1) == gridDim.x - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-
-  constexpr int kN = vec_width<T>();
-  const norm::RowNormParams np{n.e.out, p.parts[0].y, nullptr, n.e.residual, n.e.weight, p.T, p.N, 1, n.e.eps};
-  const int tid = static_cast<int>(threadIdx.x);
-  const unsigned tpr = static_cast<unsigned>(n.threads_per_row);
-  // One token's row at a time over the whole block (T <= 8; at T = 1, the decode case, one pass).
-  for (int t = 0; t < p.T; ++t) {
-    norm::row_norm_cached<norm::NormMode::kAdd, T, T, kN, 2, norm::Load::kL2>(
-        np, t, tid < n.threads_per_row, p.N / kN, static_cast<size_t>(t) * static_cast<size_t>(p.N), 0, tid, tpr);
-  }
-}
-
 // Warps per row: enough warps for every SM to hold ~16 of them streaming (split rows when N alone is too few);
 // then, while the GPU still holds all the warps at once, split further until a warp's share of a row is ONE load
 // step (kUnroll x 32 vectors): the whole weight is then requested in the first round trip, part of it before the
@@ -243,17 +183,17 @@ int auto_warps_per_row(int64_t N, int64_t K, int64_t resident_warps) {
   return wpr;
 }
 
-// Launches kernel(p with warps_per_row resolved, extra...) on the grid described above: what fits on the GPU at
-// once (occupancy of this kernel with `smem` bytes), the row groups spread evenly over it.
-template <typename... Extra>
-void launch_rows(void (*kernel)(GemvParams, Extra...), const GemvParams& p, size_t smem, cudaStream_t stream,
-                 const char* op, const Extra&... extra) {
+template <typename T, int MT, bool kRelu2>
+void launch_mt(const GemvParams& p, cudaStream_t stream) {
+  const size_t smem = sizeof(T) * static_cast<size_t>(MT) * static_cast<size_t>(p.K);
+  auto* kernel = gemv_kernel<T, MT, kRelu2>;
   if (smem > 48 * 1024) {  // the opt-in is per device, so set it on every such launch (a host-side call)
-    CHIMERA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op);
+    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                       "ops::linear (gemv)");
   }
   int per_sm = 0;
-  CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem), op);
+  CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem),
+                     "ops::linear (gemv occupancy)");
   GemvParams q = p;
   if (q.warps_per_row == 0) q.warps_per_row = auto_warps_per_row(q.N, q.K, std::max(1, per_sm) * sm_count() * kWarps);
   const int rows_per_group = kWarps / q.warps_per_row;
@@ -261,58 +201,16 @@ void launch_rows(void (*kernel)(GemvParams, Extra...), const GemvParams& p, size
   const int resident = std::max(1, per_sm) * sm_count();
   const int rounds = (n_groups + resident - 1) / resident;
   const int blocks = (n_groups + rounds - 1) / rounds;  // every block does `rounds` groups (the last maybe fewer)
-  CHIMERA_CUDA_CHECK(launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, q, extra...),
-                     op);
-}
-
-// x staged in shared memory: MT token rows of K elements.
-template <typename T, int MT>
-size_t smem_bytes(const GemvParams& p) {
-  return sizeof(T) * static_cast<size_t>(MT) * static_cast<size_t>(p.K);
-}
-
-// f(std::integral_constant<int, MT>) for T tokens rounded up to 1, 2, 4 or 8.
-template <typename F>
-void with_mt(int T, F&& f) {
-  if (T <= 1) return f(std::integral_constant<int, 1>{});
-  if (T <= 2) return f(std::integral_constant<int, 2>{});
-  if (T <= 4) return f(std::integral_constant<int, 4>{});
-  return f(std::integral_constant<int, 8>{});
+  CHIMERA_CUDA_CHECK(launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, q),
+                     "ops::linear (gemv)");
 }
 
 template <typename T, bool kRelu2>
 void launch_t(const GemvParams& p, cudaStream_t stream) {
-  with_mt(p.T, [&](auto mt) {
-    constexpr int MT = decltype(mt)::value;
-    launch_rows(gemv_kernel<T, MT, kRelu2>, p, smem_bytes<T, MT>(p), stream, "ops::linear (gemv)");
-  });
-}
-
-template <typename T>
-void launch_norm_t(const GemvParams& p, const NormLaunch& n, cudaStream_t stream) {
-  with_mt(p.T, [&](auto mt) {
-    constexpr int MT = decltype(mt)::value;
-    launch_rows(gemv_add_rms_norm_kernel<T, MT>, p, smem_bytes<T, MT>(p), stream, "ops::linear_add_rms_norm (gemv)", n);
-  });
-}
-
-void check_params(const GemvParams& p) {
-  if (p.warps_per_row < 0 || p.warps_per_row > kWarps || (p.warps_per_row > 0 && kWarps % p.warps_per_row != 0)) {
-    throw_runtime(str_cat("ops::linear (gemv): warps_per_row ", p.warps_per_row, " must divide ", kWarps, " (or 0)"));
-  }
-  int64_t rows = 0;
-  for (int i = 0; i < p.n_parts && i < kGemvMaxParts; ++i) rows += p.parts[i].N;
-  if (p.n_parts < 1 || p.n_parts > kGemvMaxParts || rows != p.N || rows >= (int64_t{1} << 31) / p.K) {
-    throw_runtime(str_cat("ops::linear (gemv): ", p.n_parts, " parts with ", rows, " rows for N = ", p.N, " (1..",
-                          kGemvMaxParts, " parts whose rows add up to N)"));
-  }
-}
-
-// The epilogue's ticket word of the calling host thread.
-int ticket_slot() {
-  static std::atomic<int> next{0};
-  thread_local const int slot = next.fetch_add(1) % kTicketSlots;
-  return slot;
+  if (p.T <= 1) return launch_mt<T, 1, kRelu2>(p, stream);
+  if (p.T <= 2) return launch_mt<T, 2, kRelu2>(p, stream);
+  if (p.T <= 4) return launch_mt<T, 4, kRelu2>(p, stream);
+  return launch_mt<T, 8, kRelu2>(p, stream);
 }
 
 }  // namespace
@@ -327,7 +225,15 @@ bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x,
 }
 
 void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stream) {
-  check_params(p);
+  if (p.warps_per_row < 0 || p.warps_per_row > kWarps || (p.warps_per_row > 0 && kWarps % p.warps_per_row != 0)) {
+    throw_runtime(str_cat("ops::linear (gemv): warps_per_row ", p.warps_per_row, " must divide ", kWarps, " (or 0)"));
+  }
+  int64_t rows = 0;
+  for (int i = 0; i < p.n_parts && i < kGemvMaxParts; ++i) rows += p.parts[i].N;
+  if (p.n_parts < 1 || p.n_parts > kGemvMaxParts || rows != p.N || rows >= (int64_t{1} << 31) / p.K) {
+    throw_runtime(str_cat("ops::linear (gemv): ", p.n_parts, " parts with ", rows, " rows for N = ", p.N,
+                          " (1..", kGemvMaxParts, " parts whose rows add up to N)"));
+  }
   switch (dtype) {
     case DType::kBF16:
       return relu2 ? launch_t<__nv_bfloat16, true>(p, stream) : launch_t<__nv_bfloat16, false>(p, stream);
@@ -335,30 +241,6 @@ void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stre
       return relu2 ? launch_t<__half, true>(p, stream) : launch_t<__half, false>(p, stream);
     default:
       throw_runtime(str_cat("ops::linear (gemv): dtype ", dtype_name(dtype), " is not supported (BF16, F16)"));
-  }
-}
-
-bool gemv_norm_supported(const GemvParams& p, const GemvNormEpilogue& e) {
-  if (p.n_parts != 1 || p.parts[0].N != p.N || p.N % 8 != 0) return false;
-  if (e.residual == nullptr || e.out == nullptr || e.weight == nullptr) return false;
-  if (!vec_aligned({e.residual, e.out, e.weight, p.parts[0].y})) return false;
-  const int tpr = norm::threads_per_row(p.N / 8, 2);  // launch_row_norm_n's rule at two groups per thread
-  return tpr > 0 && tpr <= kThreads;
-}
-
-void launch_gemv_add_rms_norm(const GemvParams& p, const GemvNormEpilogue& e, DType dtype, cudaStream_t stream) {
-  check_params(p);
-  if (!gemv_norm_supported(p, e)) {
-    throw_runtime(str_cat("ops::linear_add_rms_norm (gemv): the epilogue does not take ", p.n_parts, " parts, N = ",
-                          p.N, " (one part, N % 8 == 0, N <= ", kThreads * 16, ", 16-byte aligned tensors)"));
-  }
-  const NormLaunch n{e, norm::threads_per_row(p.N / 8, 2), ticket_slot()};
-  switch (dtype) {
-    case DType::kBF16: return launch_norm_t<__nv_bfloat16>(p, n, stream);
-    case DType::kF16: return launch_norm_t<__half>(p, n, stream);
-    default:
-      throw_runtime(
-          str_cat("ops::linear_add_rms_norm (gemv): dtype ", dtype_name(dtype), " is not supported (BF16, F16)"));
   }
 }
 

@@ -38,24 +38,4 @@ struct GemvParams {
 bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x, const void* w, const void* y);
 void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stream);
 
-// The residual add + RMSNorm behind a decode layer's last dense layer, as an epilogue of its GEMV launch: once every
-// block has written its rows of y, the last block to finish computes, for each of the T tokens,
-//   residual += y (rounded to the activation dtype); out = rms_norm(residual) * weight
-// i.e. exactly ops::add_rms_norm(residual, out, y, weight, eps), bit for bit: row_norm.cuh's kAdd kernel, in the
-// thread layout of its own launch for a row of N elements (threads_per_row), run inside the GEMV's block. One
-// launch instead of two on the decode critical path (the norm kernel's launch and grid dependency).
-struct GemvNormEpilogue {
-  void* residual = nullptr;      // [T, N] activation dtype, updated in place
-  void* out = nullptr;           // [T, N] activation dtype
-  const void* weight = nullptr;  // [N] activation dtype
-  float eps = 0.0f;
-};
-// Whether the epilogue takes a row of N elements: one part, 16-byte aligned residual, out and weight, N % 8 == 0 and
-// the norm kernel's threads per row for it (two 16-byte groups per thread) within the GEMV's 256-thread block, i.e.
-// N <= 4096 (Nano's 2688, the 8B's and Super's 4096; the 47B / 56B's 8192 is not). The weight must have the activation
-// dtype (the caller checks it). Otherwise the caller runs the norm kernel after launch_gemv.
-bool gemv_norm_supported(const GemvParams& p, const GemvNormEpilogue& e);
-// launch_gemv(p, dtype, false, stream) followed by the epilogue, in one launch; throws unless gemv_norm_supported.
-void launch_gemv_add_rms_norm(const GemvParams& p, const GemvNormEpilogue& e, DType dtype, cudaStream_t stream);
-
 }  // namespace chimera::cuda::gemm

@@ -1,5 +1,4 @@
-// Dense layers through cuBLASLt: y[T, out] = x[T, in] @ W[out, in]^T (+ b), and relu2_mlp; at decode sizes the GEMV
-// (gemm/gemv.h), which also runs the residual norm of ops::linear_add_rms_norm in its launch.
+// Dense layers through cuBLASLt: y[T, out] = x[T, in] @ W[out, in]^T (+ b), and relu2_mlp.
 //
 // Row-major y = x W^T is column-major y^T = W x^T: cuBLASLt's A is W seen column-major as [in, out] (ld in)
 // with TRANSA = T, its B is x seen column-major as [in, T] (ld in), and D is y^T as [out, T] (ld out).
@@ -17,8 +16,6 @@
 #include <cublasLt.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
@@ -207,9 +204,9 @@ int fastest(std::unordered_map<PlanKey, int, PlanKeyHash>& choices, const PlanKe
   return best;
 }
 
-// The GEMV's parameters for out = x @ weight^T (+ bias), one part.
-gemm::GemvParams gemv_params(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                             int warps_per_row) {
+// The GEMV path's launch for out = x @ weight^T (+ bias) (+ relu^2).
+void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
+              bool relu2, int warps_per_row = 0) {
   gemm::GemvParams p;
   p.warps_per_row = warps_per_row;
   p.x = x.data();
@@ -217,63 +214,25 @@ gemm::GemvParams gemv_params(const Tensor& out, const Tensor& x, const Tensor& w
   p.T = static_cast<int>(x.dim(0));
   p.K = static_cast<int>(x.dim(1));
   p.N = static_cast<int>(weight.dim(0));
-  return p;
-}
-
-// The GEMV path's launch for out = x @ weight^T (+ bias) (+ relu^2).
-void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
-              bool relu2, int warps_per_row = 0) {
-  gemm::launch_gemv(gemv_params(out, x, weight, bias, warps_per_row), x.dtype(), relu2, as_stream(ctx.stream));
+  gemm::launch_gemv(p, x.dtype(), relu2, as_stream(ctx.stream));
 }
 
 bool gemv_fits(const Tensor& out, const Tensor& x, const Tensor& weight) {
   return gemm::gemv_supported(x.dim(0), x.dim(1), weight.dim(0), x.dtype(), x.data(), weight.data(), out.data());
 }
 
-PlanKey plan_key(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  return PlanKey{x.dim(0),
-                 x.dim(1),
-                 weight.dim(0),
-                 x.dtype(),
-                 static_cast<bool>(bias),
-                 alignment(weight.data()),
-                 alignment(x.data()),
-                 alignment(out.data()),
-                 bias ? alignment(bias.data()) : 256u};
+}  // namespace
+
+bool linear_gemv_supported(const Tensor& out, const Tensor& x, const Tensor& weight) {
+  return gemv_fits(out, x, weight);
 }
 
-void run_cublas(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  const char* op = "ops::linear";
-  LtState& st = lt_state();
-  const PlanKey key = plan_key(out, x, weight, bias);  // a named key: g++ 13 flags a reference from a temporary
-  const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
-  if (bias) {
-    const void* b = bias.data();
-    CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)),
-                         op);
-  }
-  const float alpha = 1.0f, beta = 0.0f;
-  CHIMERA_CUBLAS_CHECK(
-      cublasLtMatmul(st.handle, plan.desc, &alpha, weight.data(), plan.w, x.data(), plan.x, &beta, out.data(), plan.y,
-                     out.data(), plan.y, &plan.algo, st.workspace, kWorkspaceBytes, as_stream(ctx.stream)),
-      op);
+void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  linear_on_path(ctx, out, x, weight, bias, LinearPath::kAuto);
 }
 
-// A linear call's path: -1 cuBLASLt; 0 the GEMV with its own warps-per-row rule; w > 0 the GEMV at w warps per row.
-constexpr int kNoWork = -2;  // an empty output: nothing to launch
-void run_choice(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                int choice) {
-  if (choice < 0) {
-    run_cublas(ctx, out, x, weight, bias);
-  } else {
-    run_gemv(ctx, out, x, weight, bias, false, choice);
-  }
-}
-
-// Checks the call and picks its path (run_choice's encoding, or kNoWork). kGemv takes warps_per_row (0: the GEMV's
-// rule); kAuto is cuda::linear's choice, which ops::linear_add_rms_norm shares so that both compute the same y.
-int choose_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                LinearPath path, int warps_per_row) {
+void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+                    const Tensor& bias, LinearPath path) {
   const char* op = "ops::linear";
   require_same_dtype(op, {{"x", &x}, {"out", &out}});
   if (weight.dtype() != x.dtype()) {
@@ -285,88 +244,55 @@ int choose_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, con
         str_cat(op, ": bias ", bias.describe(), " must have the activation dtype of x ", x.describe(), " on CUDA"));
   }
   const int64_t T = x.dim(0), in = x.dim(1), n_out = weight.dim(0);
-  if (T == 0 || n_out == 0) return kNoWork;
+  if (T == 0 || n_out == 0) return;
   if (in == 0) throw_runtime(str_cat(op, ": in_features 0 (x ", x.describe(), ") is not supported on CUDA"));
-  lt_state();  // the thread's cuBLASLt state is created on its first linear call, whatever the path (not in a capture)
   const bool gemv_ok = gemv_fits(out, x, weight);
   if (path == LinearPath::kGemv && !gemv_ok) {
     throw_runtime(str_cat(op, ": the GEMV path does not take x ", x.describe(), " @ weight ", weight.describe(),
                           " (T <= ", gemm::kGemvMaxTokens, ", 16-bit, K % 8 == 0, 16-byte aligned)"));
   }
-  if (path == LinearPath::kGemv) return warps_per_row;
+  LtState& st = lt_state();
+  const PlanKey key{T,
+                    in,
+                    n_out,
+                    x.dtype(),
+                    static_cast<bool>(bias),
+                    alignment(weight.data()),
+                    alignment(x.data()),
+                    alignment(out.data()),
+                    bias ? alignment(bias.data()) : 256u};
+  const auto run_cublas = [&] {
+    const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
+    if (bias) {
+      const void* b = bias.data();
+      CHIMERA_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)), op);
+    }
+    const float alpha = 1.0f, beta = 0.0f;
+    CHIMERA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, weight.data(), plan.w, x.data(), plan.x, &beta,
+                                        out.data(), plan.y, out.data(), plan.y, &plan.algo, st.workspace,
+                                        kWorkspaceBytes, as_stream(ctx.stream)),
+                         op);
+  };
+
+  // -1: cuBLASLt; 0: the GEMV with its own warps-per-row rule; w > 0: the GEMV at w warps per row.
+  const auto run = [&](int choice) {
+    if (choice < 0) {
+      run_cublas();
+    } else {
+      run_gemv(ctx, out, x, weight, bias, false, choice);
+    }
+  };
+  int choice = path == LinearPath::kGemv ? 0 : -1;
   if (path == LinearPath::kAuto && gemv_ok && T <= kLinearGemvAutoMaxTokens) {
     // Which path wins depends on the shape (bench linear_decode on the H200, T = 1, graph: the GEMV 8.7 vs 10.5 us
     // on the Nano out_proj, 2.3 vs 5.9 on its k/v projections, but 17.7 vs 17.2 on its in_proj), and so does the
     // GEMV's best split of a row over warps (q_proj 10.2 / 8.9 / 11.2 us at 1 / 2 / 4 warps per row, out_proj 8.7 /
     // 9.0 / 9.5, Super out_proj 23.9 / 19.7 / 18.9): cuBLASLt and the GEMV at 1, 2 and 4 warps per row, the fastest
     // kept per shape; inside a capture the GEMV with its own rule.
-    return fastest(lt_state().decode_choice, plan_key(out, x, weight, bias), ctx.stream, {-1, 1, 2, 4}, 0,
-                   [&](int c) { run_choice(ctx, out, x, weight, bias, c); });
+    choice = fastest(st.decode_choice, key, ctx.stream, {-1, 1, 2, 4}, 0, run);
   }
-  return -1;
-}
-
-// Whether ops::linear_add_rms_norm runs the norm inside the GEMV launch (set_gemv_norm_fold). CHIMERA_GEMV_NORM_FOLD=0
-// turns it off (A/B runs of the whole engine); the results are the same bits either way.
-std::atomic<bool> g_norm_fold{[] {
-  const char* v = std::getenv("CHIMERA_GEMV_NORM_FOLD");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
-
-}  // namespace
-
-bool linear_gemv_supported(const Tensor& out, const Tensor& x, const Tensor& weight) {
-  return gemv_fits(out, x, weight);
-}
-
-bool set_gemv_norm_fold(bool on) {
-  return g_norm_fold.exchange(on, std::memory_order_relaxed);
-}
-
-bool linear_add_rms_norm_foldable(const Tensor& y, const Tensor& residual, const Tensor& norm_out,
-                                  const Tensor& norm_weight) {
-  const DType d = y.dtype();
-  if ((d != DType::kBF16 && d != DType::kF16) || residual.dtype() != d || norm_out.dtype() != d ||
-      norm_weight.dtype() != d || y.ndim() != 2 || y.dim(1) >= (int64_t{1} << 31)) {
-    return false;
-  }
-  gemm::GemvParams p;  // the epilogue looks at the output rows only
-  p.parts[0] = {nullptr, nullptr, y.data(), static_cast<int>(y.dim(1))};
-  p.N = static_cast<int>(y.dim(1));
-  return gemm::gemv_norm_supported(p,
-                                   gemm::GemvNormEpilogue{residual.data(), norm_out.data(), norm_weight.data(), 0.0f});
-}
-
-void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  linear_on_path(ctx, out, x, weight, bias, LinearPath::kAuto);
-}
-
-void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                    const Tensor& bias, LinearPath path) {
-  const int choice = choose_path(ctx, out, x, weight, bias, path, 0);
-  if (choice != kNoWork) run_choice(ctx, out, x, weight, bias, choice);
-}
-
-void linear_add_rms_norm(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& weight,
-                         const Tensor& bias, const Tensor& residual, const Tensor& norm_out, const Tensor& norm_weight,
-                         float eps) {
-  linear_add_rms_norm_on_path(ctx, y, x, weight, bias, residual, norm_out, norm_weight, eps, LinearPath::kAuto, 0,
-                              g_norm_fold.load(std::memory_order_relaxed));
-}
-
-void linear_add_rms_norm_on_path(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& weight,
-                                 const Tensor& bias, const Tensor& residual, const Tensor& norm_out,
-                                 const Tensor& norm_weight, float eps, LinearPath path, int warps_per_row, bool fold) {
-  // cuda::linear's path for this call (its cached choice under kAuto), so y is the same bits either way; the fold is
-  // taken where that path is the GEMV and the epilogue takes the row.
-  const int choice = choose_path(ctx, y, x, weight, bias, path, warps_per_row);
-  require_same_dtype("ops::linear_add_rms_norm", {{"y", &y}, {"residual", &residual}, {"norm_out", &norm_out}});
-  if (fold && choice >= 0 && linear_add_rms_norm_foldable(y, residual, norm_out, norm_weight)) {
-    const gemm::GemvNormEpilogue e{residual.data(), norm_out.data(), norm_weight.data(), eps};
-    return gemm::launch_gemv_add_rms_norm(gemv_params(y, x, weight, bias, choice), e, x.dtype(), as_stream(ctx.stream));
-  }
-  if (choice != kNoWork) run_choice(ctx, y, x, weight, bias, choice);
-  cuda::add_rms_norm(ctx, residual, norm_out, y, norm_weight, eps);
+  run(choice);
 }
 
 void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const Tensor& x,
@@ -402,8 +328,8 @@ void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const T
 
 // down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel (at decode sizes the up GEMV applies relu^2); the [T, I] intermediate is in the
 // activation dtype (as in HF, where the MLP runs in the model dtype).
-namespace {
-Tensor relu2_up(const ops::Context& ctx, const Tensor& x, const Tensor& up_proj) {
+void relu2_mlp(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
+               const Tensor& down_proj) {
   const Tensor h = device::empty(Device::kCuda, x.dtype(), {x.dim(0), up_proj.dim(0)});
   if (x.dim(0) <= kLinearGemvAutoMaxTokens && gemv_fits(h, x, up_proj)) {
     run_gemv(ctx, h, x, up_proj, Tensor(), true);  // relu^2 in the GEMV's epilogue, same roundings
@@ -411,21 +337,7 @@ Tensor relu2_up(const ops::Context& ctx, const Tensor& x, const Tensor& up_proj)
     cuda::linear(ctx, h, x, up_proj, Tensor());
     cuda::relu2(ctx, h);
   }
-  return h;
-}
-}  // namespace
-
-void relu2_mlp(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
-               const Tensor& down_proj) {
-  cuda::linear(ctx, out, relu2_up(ctx, x, up_proj), down_proj, Tensor());
-}
-
-// relu2_mlp with the residual norm behind its down projection (linear_add_rms_norm: inside the down GEMV's launch).
-void relu2_mlp_add_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
-                            const Tensor& down_proj, const Tensor& residual, const Tensor& norm_out,
-                            const Tensor& norm_weight, float eps) {
-  cuda::linear_add_rms_norm(ctx, out, relu2_up(ctx, x, up_proj), down_proj, Tensor(), residual, norm_out, norm_weight,
-                            eps);
+  cuda::linear(ctx, out, h, down_proj, Tensor());
 }
 
 }  // namespace chimera::cuda

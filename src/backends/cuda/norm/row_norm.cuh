@@ -44,13 +44,10 @@ __device__ __forceinline__ float silu_f32(float v) {
   return v / (1.0f + expf(-v));
 }
 
-// Sum over the `nthreads` threads of one row (a power of two up to 32 with several rows per warp, or a multiple of 32
-// from thread 0 of a one-row block); every thread of the block must call it. A block wider than nthreads (the GEMV's
-// epilogue, row_norm_cached) gives its extra threads v = 0: their warps' partials are zeros that warp 0 never reads,
-// so the sum is the same as in an nthreads-wide block, bit for bit.
-__device__ __forceinline__ float row_sum(float v, unsigned nthreads) {
-  if (nthreads <= 32) {
-    for (int off = static_cast<int>(nthreads) / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+// Sum over the blockDim.x threads of one row; every thread of the block must call it.
+__device__ __forceinline__ float row_sum(float v) {
+  if (blockDim.x <= 32) {
+    for (int off = static_cast<int>(blockDim.x) / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
     return v;
   }
   __shared__ float partial[32];
@@ -60,18 +57,13 @@ __device__ __forceinline__ float row_sum(float v, unsigned nthreads) {
   if (lane == 0) partial[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    const int n_warps = static_cast<int>(nthreads) / 32;
+    const int n_warps = static_cast<int>(blockDim.x) / 32;
     float s = lane < n_warps ? partial[lane] : 0.0f;
     for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
     if (lane == 0) total = s;
   }
   __syncthreads();
   return total;
-}
-
-// Sum over the blockDim.x threads of one row.
-__device__ __forceinline__ float row_sum(float v) {
-  return row_sum(v, blockDim.x);
 }
 
 // The pre-norm value of elements [e, e + N) of a row: x (kPlain), residual + x rounded to T and written back
@@ -129,21 +121,14 @@ struct RawVec {
   C c[kBytes / kChunkBytes];
 };
 
-// How a row's input is loaded: kReadOnly, nothing writes it while the kernel runs (__ldg); kCoherent, this thread
-// writes it back (the residual); kL2, other blocks of the grid wrote it before a fence (the GEMV's y, read by the
-// GEMV's add + RMSNorm epilogue, gemm/gemv.cu): from L2 (__ldcg), never from a non-coherent cache.
-enum class Load { kReadOnly, kCoherent, kL2 };
-
-template <typename U, int N, Load kLoad = Load::kReadOnly>
+template <typename U, int N, bool kReadOnly = true>
 __device__ __forceinline__ void load_raw(const U* p, RawVec<U, N>& r) {
   using C = typename RawVec<U, N>::C;
   const C* src = reinterpret_cast<const C*>(p);
 #pragma unroll
   for (int c = 0; c < RawVec<U, N>::kBytes / RawVec<U, N>::kChunkBytes; ++c) {
-    if constexpr (kLoad == Load::kReadOnly) {
+    if constexpr (kReadOnly) {
       r.c[c] = __ldg(src + c);
-    } else if constexpr (kLoad == Load::kL2) {
-      r.c[c] = __ldcg(src + c);
     } else {
       r.c[c] = src[c];
     }
@@ -158,19 +143,19 @@ __device__ __forceinline__ void raw_to_f32(const RawVec<U, N>& r, float (&v)[N])
   for (int j = 0; j < N; ++j) v[j] = to_float<U>(tmp[j]);
 }
 
-// row_load: a = x (kPlain) / residual (kAdd, kAdd2) / y (kGated); b = x (kAdd, kAdd2) / z (kGated); c = z (kAdd2
-// only). kXLoad: how p.x is loaded.
-template <NormMode kMode, typename T, int N, Load kXLoad = Load::kReadOnly>
+// row_load: a = x (kPlain) / residual (kAdd, kAdd2) / y (kGated); b = x (kAdd, kAdd2) / z (kGated);
+// c = z (kAdd2 only).
+template <NormMode kMode, typename T, int N>
 __device__ __forceinline__ void row_load(const RowNormParams& p, size_t e, RawVec<T, N>& a, RawVec<T, N>& b,
                                          RawVec<T, N>& c) {
   if constexpr (kMode == NormMode::kPlain) {
-    load_raw<T, N, kXLoad>(static_cast<const T*>(p.x) + e, a);
+    load_raw<T, N>(static_cast<const T*>(p.x) + e, a);
   } else if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2) {
-    load_raw<T, N, Load::kCoherent>(static_cast<const T*>(p.residual) + e, a);
-    load_raw<T, N, kXLoad>(static_cast<const T*>(p.x) + e, b);
+    load_raw<T, N, false>(static_cast<const T*>(p.residual) + e, a);
+    load_raw<T, N>(static_cast<const T*>(p.x) + e, b);
     if constexpr (kMode == NormMode::kAdd2) load_raw<T, N>(static_cast<const T*>(p.z) + e, c);
   } else {
-    load_raw<T, N, kXLoad>(static_cast<const T*>(p.x) + e, a);
+    load_raw<T, N>(static_cast<const T*>(p.x) + e, a);
     load_raw<T, N>(static_cast<const T*>(p.z) + e, b);
   }
 }
@@ -193,8 +178,8 @@ __device__ __forceinline__ void store_raw(U* p, const RawVec<U, N>& r) {
 
 // row_combine: the pre-norm value v, as row_value with first = true. kAdd rounds residual + x to T, keeps it
 // packed in a (the value is exactly representable, so a holds it until the output pass) and writes the
-// residual (kAdd2: x = round(x + z) first, z packed in c); kPlain's value is a itself; kGated's is not
-// representable in T (the caller keeps v).
+// residual (kAdd2: x = round(x + z) first); kPlain's value is a itself; kGated's is not representable in T (the
+// caller keeps v).
 template <NormMode kMode, typename T, int N>
 __device__ __forceinline__ void row_combine(const RowNormParams& p, size_t e, RawVec<T, N>& a,
                                             const RawVec<T, N>& b, const RawVec<T, N>& c, float (&v)[N]) {
@@ -221,70 +206,6 @@ __device__ __forceinline__ void row_combine(const RowNormParams& p, size_t e, Ra
   }
 }
 
-// One row of the register-cached path: `nthreads` threads share the row (thread `tid` of them holds vector groups tid,
-// tid + nthreads, ... of the row's n_vec = row_len / N), `base` / `w_base` its first element and its weight row's.
-// Shared by row_norm_kernel (tid = threadIdx.x, nthreads = blockDim.x) and the GEMV's add + RMSNorm epilogue
-// (gemm/gemv.cu), which runs the layout of this kernel's launch for the row inside its own wider block: its threads
-// past nthreads pass active = false and add nothing, so the sum of squares and every rounding are the same bit for bit.
-// Every thread of the block must call it (row_sum's barriers). kXLoad: how p.x is loaded (kL2 in the epilogue: y was
-// written by the GEMV's other blocks).
-template <NormMode kMode, typename T, typename W, int N, int kVecs, Load kXLoad = Load::kReadOnly>
-__device__ __forceinline__ void row_norm_cached(const RowNormParams& p, int64_t row, bool active, int n_vec,
-                                                size_t base, size_t w_base, int tid, unsigned nthreads) {
-  float ss = 0.0f;
-  // All loads first (activations, then the L2-resident weights, which are not needed until after the
-  // reduction but would otherwise be a dependent round trip behind it), then the combine, the residual
-  // stores and the sum of squares.
-  RawVec<T, N> ra[kVecs], rb[kVecs], rc[kVecs];  // rc: kAdd2's second addend (unused, so dropped, otherwise)
-  RawVec<W, N> rw[kVecs];
-  constexpr bool kKeepF32 = kMode == NormMode::kGated;  // else ra holds the pre-norm value exactly
-  float gv[kKeepF32 ? kVecs : 1][N];
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int i = tid + k * static_cast<int>(nthreads);
-    if (active && i < n_vec) row_load<kMode, T, N, kXLoad>(p, base + static_cast<size_t>(i) * N, ra[k], rb[k], rc[k]);
-  }
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int i = tid + k * static_cast<int>(nthreads);
-    if (active && i < n_vec) {
-      float v[N];
-      row_combine<kMode, T, N>(p, base + static_cast<size_t>(i) * N, ra[k], rb[k], rc[k], v);
-#pragma unroll
-      for (int j = 0; j < N; ++j) ss += v[j] * v[j];
-      if constexpr (kKeepF32) {
-#pragma unroll
-        for (int j = 0; j < N; ++j) gv[k][j] = v[j];
-      }
-    }
-  }
-  const float inv = 1.0f / sqrtf(row_sum(ss, nthreads) / static_cast<float>(p.row_len) + p.eps);
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int i = tid + k * static_cast<int>(nthreads);
-    if (active && i < n_vec) {
-      load_raw<W, N>(static_cast<const W*>(p.weight) + w_base + static_cast<size_t>(i) * N, rw[k]);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int i = tid + k * static_cast<int>(nthreads);
-    if (active && i < n_vec) {
-      float v[N], w[N], o[N];
-      if constexpr (kKeepF32) {
-#pragma unroll
-        for (int j = 0; j < N; ++j) v[j] = gv[k][j];
-      } else {
-        raw_to_f32<T, N>(ra[k], v);
-      }
-      raw_to_f32<W, N>(rw[k], w);
-#pragma unroll
-      for (int j = 0; j < N; ++j) o[j] = w[j] * (v[j] * inv);
-      store_f32<T, N>(static_cast<T*>(p.out) + base + static_cast<size_t>(i) * N, o);
-    }
-  }
-}
-
 template <NormMode kMode, typename T, typename W, int N, int kVecs>
 __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormParams p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -296,11 +217,60 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
   // weight (constant) is only needed after the reduction, where it is an L2 hit, so nothing is hoisted above.
   pdl_wait();
   pdl_trigger();
+  float ss = 0.0f;
   if constexpr (kVecs > 0) {
-    row_norm_cached<kMode, T, W, N, kVecs>(p, row, active, n_vec, base, w_base, static_cast<int>(threadIdx.x),
-                                           blockDim.x);
+    // All loads first (activations, then the L2-resident weights, which are not needed until after the
+    // reduction but would otherwise be a dependent round trip behind it), then the combine, the residual
+    // stores and the sum of squares.
+    RawVec<T, N> ra[kVecs], rb[kVecs], rc[kVecs];  // rc: kAdd2's second addend (unused, so dropped, otherwise)
+    RawVec<W, N> rw[kVecs];
+    constexpr bool kKeepF32 = kMode == NormMode::kGated;  // else ra holds the pre-norm value exactly
+    float gv[kKeepF32 ? kVecs : 1][N];
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+      if (active && i < n_vec) row_load<kMode, T, N>(p, base + static_cast<size_t>(i) * N, ra[k], rb[k], rc[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+      if (active && i < n_vec) {
+        float v[N];
+        row_combine<kMode, T, N>(p, base + static_cast<size_t>(i) * N, ra[k], rb[k], rc[k], v);
+#pragma unroll
+        for (int j = 0; j < N; ++j) ss += v[j] * v[j];
+        if constexpr (kKeepF32) {
+#pragma unroll
+          for (int j = 0; j < N; ++j) gv[k][j] = v[j];
+        }
+      }
+    }
+    const float inv = 1.0f / sqrtf(row_sum(ss) / static_cast<float>(p.row_len) + p.eps);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+      if (active && i < n_vec) {
+        load_raw<W, N>(static_cast<const W*>(p.weight) + w_base + static_cast<size_t>(i) * N, rw[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = static_cast<int>(threadIdx.x) + k * static_cast<int>(blockDim.x);
+      if (active && i < n_vec) {
+        float v[N], w[N], o[N];
+        if constexpr (kKeepF32) {
+#pragma unroll
+          for (int j = 0; j < N; ++j) v[j] = gv[k][j];
+        } else {
+          raw_to_f32<T, N>(ra[k], v);
+        }
+        raw_to_f32<W, N>(rw[k], w);
+#pragma unroll
+        for (int j = 0; j < N; ++j) o[j] = w[j] * (v[j] * inv);
+        store_f32<T, N>(static_cast<T*>(p.out) + base + static_cast<size_t>(i) * N, o);
+      }
+    }
   } else {
-    float ss = 0.0f;
     for (int i = static_cast<int>(threadIdx.x); active && i < n_vec; i += static_cast<int>(blockDim.x)) {
       float v[N];
       row_value<kMode, T, N>(p, base + static_cast<size_t>(i) * N, true, v);
