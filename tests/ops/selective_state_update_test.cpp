@@ -377,6 +377,46 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
     }
   }
 }
+// kAuto from batch 64 (N = 128, f32 / bf16 state): the persistent kernel with the dynamic split (chunks of 4
+// units), the same bits as the persistent kernel's static split, on Nano's heads with pads and permuted slots, and
+// repeated calls (each starts from the counters the previous one reset).
+TEST_P(OpsSelectiveStateUpdate, AutoAtBatch64EqualsTheStaticSplit) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  const SsuShape s{64, 64, 8, 128};
+  const int64_t batch = 64, num_slots = 70;
+  const SsuInputs in = make_inputs(rng, batch, s);
+  const Tensor x = on_backend(in.x, DType::kBF16), dt = on_backend(in.dt_raw, DType::kBF16);
+  const Tensor B = on_backend(in.B, DType::kBF16), C = on_backend(in.C, DType::kBF16);
+  const Tensor A_log = on_backend(in.p.A_log), D = on_backend(in.p.D), dt_bias = on_backend(in.p.dt_bias);
+  const Tensor slots = on_backend(Tensor::from_i32({batch}, batch_slots(rng, batch, num_slots)));
+  const Tensor state0 = random_state(rng, {num_slots, s.H, s.P, s.N});
+  for (DType sd : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(::testing::Message() << "state=" << dtype_name(sd));
+    auto run = [&](cuda::SsuKernel kernel, int calls) {
+      const Tensor state = on_backend(state0, sd);
+      const Tensor y = output(DType::kBF16, in.x.shape());
+      for (int c = 0; c < calls; ++c) {
+        cuda::SsuParams p;
+        p.x = x.data(), p.dt_raw = dt.data(), p.B = B.data(), p.C = C.data(), p.y = y.data();
+        p.state = state.data(), p.slots = slots.i32();
+        p.A_log = A_log.data(), p.D = D.data(), p.dt_bias = dt_bias.data();
+        p.act = DType::kBF16, p.state_dtype = sd;
+        p.dt_min = 0.0f, p.dt_max = INFINITY;
+        p.batch = int(batch), p.H = int(s.H), p.P = int(s.P), p.N = int(s.N), p.G = int(s.G);
+        p.kernel = kernel;
+        cuda::launch_selective_state_update(p, nullptr);
+      }
+      device::synchronize(Device::kCuda);
+      return std::make_pair(device::to_host(y), device::to_host(state));
+    };
+    const auto [ref_y, ref_state] = run(cuda::SsuKernel::kPersistent, 3);
+    const auto [got_y, got_state] = run(cuda::SsuKernel::kAuto, 3);
+    EXPECT_TRUE(test::bit_equal(got_y, ref_y));
+    EXPECT_TRUE(test::bit_equal(got_state, ref_state));
+  }
+}
+
 // The kPersistent variants of issue 3's batch-64 work (state access hints, store order, work split; N = 128,
 // f32 / bf16 state) change only memory hints and schedules: the same bits as the default persistent kernel
 // for both unit sizes, on P not a multiple of the unit's rows (13, 36), one group and G = H, pads and

@@ -28,6 +28,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <type_traits>
 
 #include "backends/cuda/launch.cuh"
@@ -293,9 +295,11 @@ __device__ __forceinline__ void store_state(const PackT& pk, S* dst, uint64_t po
   }
 }
 
-// SsuSplit::kDynamic's counters, per device and per state dtype (one module per instantiation file):
-// [0] the next chunk, [1] warps done. The grid's last warp resets both, so every call starts from zero.
-static __device__ unsigned int g_ssu_dynamic[2];
+// SsuSplit::kDynamic's counters, per device and per state dtype (one module per instantiation file), one pair per
+// host thread slot (SsuParams::dynamic_slot, as the MoE router's tickets): [0] the next chunk, [1] warps done. The
+// grid's last warp resets both, so every call (and every graph replay) starts from zero.
+inline constexpr int kSsuDynamicSlots = 64;
+static __device__ unsigned int g_ssu_dynamic[kSsuDynamicSlots][2];
 
 // grid (resident blocks), kThreads; see the file comment. kUnitRows <= 32 (x is one value a lane).
 // kHint / kOrder / kDynamic: the SsuStateHint / SsuStoreOrder variants and SsuSplit::kDynamic (all 0 / false:
@@ -474,14 +478,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
       if (++u >= u_end) break;
     }
   } else {
-    // Chunks of `chunk` units in index order from g_ssu_dynamic[0]; a warp grabs its next chunk when it issues
+    // Chunks of `chunk` units in index order from this slot's g_ssu_dynamic[.][0]; a warp grabs its next chunk when it issues
     // the unit after its current chunk's last (one unit ahead, like the loads).
     const int chunk = p.dynamic_chunk > 0 ? p.dynamic_chunk : 2;
     const int units32 = static_cast<int>(units);  // < 2^31 (the launcher checks): one register fewer
     const unsigned int chunks = static_cast<unsigned int>((units + chunk - 1) / chunk);
     auto grab = [&]() -> int {  // first unit of a new chunk (u_end its end), or -1 when none is left
       unsigned int k = 0;
-      if (lane == 0) k = atomicAdd(&g_ssu_dynamic[0], 1u);
+      if (lane == 0) k = atomicAdd(&g_ssu_dynamic[p.dynamic_slot][0], 1u);
       k = __shfl_sync(0xffffffffu, k, 0);
       if (k >= chunks) return -1;
       const int first = static_cast<int>(k) * chunk;
@@ -507,10 +511,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
     // reads them only after its pdl_wait(), i.e. after this grid completed).
     if (lane == 0) {
       __threadfence();
-      if (atomicAdd(&g_ssu_dynamic[1], 1u) == static_cast<unsigned int>(warps) - 1) {
+      if (atomicAdd(&g_ssu_dynamic[p.dynamic_slot][1], 1u) == static_cast<unsigned int>(warps) - 1) {
         __threadfence();
-        atomicExch(&g_ssu_dynamic[0], 0u);
-        atomicExch(&g_ssu_dynamic[1], 0u);
+        atomicExch(&g_ssu_dynamic[p.dynamic_slot][0], 0u);
+        atomicExch(&g_ssu_dynamic[p.dynamic_slot][1], 0u);
       }
     }
   }
@@ -854,6 +858,25 @@ void launch_fast_rows(const SsuParams& p, cudaStream_t stream) {
 
 }  // namespace ssu
 
+// kAuto's work split for the persistent kernel: the dynamic split in chunks of 4 units (graph timing on the H200 at
+// batch 64, chimera_bench mamba_ssu_persist_sched, docs/perf.md: fp32 state Super 0.828 -> 0.900, Nano 0.821 ->
+// 0.857 of the copy floor; bf16 state Super 0.791 -> 0.843, Nano 0.781 -> 0.772), where it is built (N = 128, f32 /
+// bf16 state). CHIMERA_SSU_DYNAMIC=0 keeps the static split (A/B runs).
+inline bool ssu_auto_dynamic() {
+  static const bool on = [] {
+    const char* v = std::getenv("CHIMERA_SSU_DYNAMIC");
+    return v == nullptr || std::atoi(v) != 0;
+  }();
+  return on;
+}
+
+// One counter slot per host thread (launches from one host thread are stream-ordered, as ops on one stream are).
+inline int ssu_dynamic_slot() {
+  static std::atomic<int> next{0};
+  thread_local const int slot = next.fetch_add(1) % ssu::kSsuDynamicSlots;
+  return slot;
+}
+
 template <typename S>
 void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.H == 0 || p.P == 0) return;
@@ -863,14 +886,24 @@ void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream
   const bool fast = mamba::aligned16(p.state) && (p.N == 64 || p.N == 128 || p.N == 256);
   // kAuto: the persistent kernel from batch 64 (graph timing on the H200, bf16 / fp32 state, Super and Nano:
   // 0.78-0.84 of the copy floor at batch 64 vs 0.70-0.79 for the grid kernel, 0.81-0.87 vs 0.73-0.81 at 256;
-  // bench/mamba_notes.md), the grid kernel below.
+  // bench/mamba_notes.md), with the dynamic split where built (ssu_auto_dynamic), the grid kernel below.
   const bool persistent = p.kernel == SsuKernel::kPersistent || p.kernel == SsuKernel::kPersistentAsync ||
                           (p.kernel == SsuKernel::kAuto && p.batch >= 64);
   if (fast && persistent) {
     if (p.N == 64) {
       ssu::launch_persistent<S, 64>(p, stream);
     } else if (p.N == 128) {
-      ssu::launch_persistent<S, 128>(p, stream);
+      SsuParams q = p;
+      q.dynamic_slot = ssu_dynamic_slot();
+      constexpr bool kDynamicBuilt = std::is_same_v<S, float> || std::is_same_v<S, __nv_bfloat16>;
+      if (kDynamicBuilt && p.kernel == SsuKernel::kAuto && p.unit_bytes == 0 && p.split == SsuSplit::kEqualWarps &&
+          p.state_hint == SsuStateHint::kStream && p.store_order == SsuStoreOrder::kInterleaved &&
+          p.persist_min_blocks == 0 && ssu_auto_dynamic()) {
+        q.kernel = SsuKernel::kPersistent;
+        q.split = SsuSplit::kDynamic;
+        q.dynamic_chunk = 4;
+      }
+      ssu::launch_persistent<S, 128>(q, stream);
     } else {
       ssu::launch_persistent<S, 256>(p, stream);
     }
