@@ -26,12 +26,17 @@ if [ "${CHIMERA_SETUP_PYTHON:-0}" = "1" ]; then
   if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
   .venv/bin/pip install -q -r scripts/requirements.txt
 fi
-# CUTLASS headers (PyPI's nvidia-cutlass wheel) for the MoE experts' prefill GEMM, wherever nvcc is found (the
-# CUDA build then compiles it: cmake's CHIMERA_CUTLASS=AUTO). CHIMERA_SETUP_CUTLASS=0 skips, =1 forces the fetch.
+# CUTLASS headers (PyPI's nvidia-cutlass wheel) for the MoE experts' prefill GEMM, on machines with nvcc and a GPU
+# (the CUDA build then compiles it: cmake's CHIMERA_CUTLASS=AUTO; without them the mma kernels run). A failed
+# download only warns. CHIMERA_SETUP_CUTLASS=0 skips, =1 fetches without the GPU check (builds for another machine).
 want_cutlass=${CHIMERA_SETUP_CUTLASS:-auto}
 if [ "$want_cutlass" = "auto" ]; then
   want_cutlass=0
-  if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then want_cutlass=1; fi
+  if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } && nvidia-smi -L >/dev/null 2>&1; then
+    want_cutlass=1
+  fi
 fi
-if [ "$want_cutlass" = "1" ]; then scripts/fetch_cutlass.sh; fi
+if [ "$want_cutlass" = "1" ] && ! scripts/fetch_cutlass.sh; then
+  echo "setup: warning: CUTLASS headers not fetched; the MoE prefill GEMM uses the mma kernels" >&2
+fi
 echo "setup: done"
