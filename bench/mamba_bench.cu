@@ -77,21 +77,13 @@ std::string ssu_shape(const SsuModel& m, int batch, DType state) {
          "_act-bf16";
 }
 
-// kPersistent's hint / order / split variants (mamba_ssu_persist_sched); the defaults are the default kernel.
-struct SsuSched {
-  cuda::SsuStateHint hint = cuda::SsuStateHint::kStream;
-  cuda::SsuStoreOrder order = cuda::SsuStoreOrder::kInterleaved;
-  cuda::SsuSplit split = cuda::SsuSplit::kEqualWarps;
-  int chunk = 0, prefetch = 0, blocks_per_sm = 0, min_blocks = 0;
-};
-
 // rows_per_warp < 0: through ops:: instead of the launcher.
 // graph: also the device time per launch inside a CUDA graph (run_graph).
 // persist_unit > 0: the persistent kernel with that many bytes of state per warp unit (async: the
-// cp.async-staged one); sched: its variant.
+// cp.async-staged one); dynamic_chunk > 0: its dynamic split in chunks of that many units (else the static one).
 void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
                const std::string& kernel, bool plain = false, bool graph = false, int persist_unit = 0,
-               bool async = false, const SsuSched& sched = {}) {
+               bool async = false, int dynamic_chunk = 0) {
   const DType act = DType::kBF16;
   const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
   const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
@@ -125,9 +117,7 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   if (persist_unit > 0) {
     p.kernel = async ? cuda::SsuKernel::kPersistentAsync : cuda::SsuKernel::kPersistent;
     p.unit_bytes = persist_unit;
-    p.state_hint = sched.hint, p.store_order = sched.order, p.split = sched.split;
-    p.dynamic_chunk = sched.chunk, p.l2_prefetch_units = sched.prefetch;
-    p.persist_blocks_per_sm = sched.blocks_per_sm, p.persist_min_blocks = sched.min_blocks;
+    if (dynamic_chunk > 0) p.split = cuda::SsuSplit::kDynamic, p.dynamic_chunk = dynamic_chunk;
   }
   int call = 0;
   const ops::Context octx{Device::kCuda, nullptr};
@@ -173,53 +163,20 @@ CHIMERA_BENCH(mamba_ssu_persist) {
   }
 }
 
-// The register persistent kernel's memory-hint / store-order / work-split variants (issue 3, batch 64; same
-// bits as ssu-persist4k / 2k, which run first in the same process for comparison), graph timing, batch 64,
-// f32 and bf16 state. Kernel names: ssu-p<unit>-<variant>[-graph]:
-//   hint:   nalloc (L1::no_allocate), evf (L2 evict_first policy), ld256 (evict_first + L2::256B loads, .cs
-//           stores), plainst (.cs loads, write-back stores), pf1 / pf2 (bulk L2 prefetch 1 / 2 units past the
-//           register prefetch)
-//   order:  bunch (a unit's stores back to back after its math), lam (next loads after the math, before
-//           the stores)
-//   split:  full (every resident slot, +-1 unit a warp), bps2 / bps3 (full grid of 2 / 3 blocks an SM),
-//           dyn1 / dyn2 / dyn4 / dyn8 (dynamic chunks of 1 / 2 / 4 / 8 units), dyn2-evf, dyn2-pf1
-//   blocks: mb3 / mb4 (compiled for 3 / 4 resident blocks: no bf16 spills; mb4 at 4 KB is the default
-//           kernel), dyn2-mb3 / dyn2-mb4
+// The register persistent kernel's dynamic split (issue 3, batch 64; same bits as ssu-persist4k / 2k, the static
+// split, which run first in the same process for comparison), graph timing, batch 64, f32 and bf16 state. Kernel
+// names: ssu-p<unit>-dyn<chunk>[-graph], chunks of 1 / 2 / 4 / 8 units (kAuto takes 4 KB units, chunks of 4). The
+// other variants measured with this bench (memory hints, store orders, full static grid, blocks per SM; none
+// better) are on branch ssu6.
 CHIMERA_BENCH(mamba_ssu_persist_sched) {
-  using H = cuda::SsuStateHint;
-  using O = cuda::SsuStoreOrder;
-  using Sp = cuda::SsuSplit;
-  const std::pair<const char*, SsuSched> variants[] = {
-      {"nalloc", {H::kNoAllocate}},
-      {"evf", {H::kEvictFirst}},
-      {"ld256", {H::kLoad256B}},
-      {"plainst", {H::kPlainStore}},
-      {"pf1", {H::kL2Prefetch, O::kInterleaved, Sp::kEqualWarps, 0, 1}},
-      {"pf2", {H::kL2Prefetch, O::kInterleaved, Sp::kEqualWarps, 0, 2}},
-      {"bunch", {H::kStream, O::kBunchedStores}},
-      {"lam", {H::kStream, O::kLoadsAfterMath}},
-      {"full", {H::kStream, O::kInterleaved, Sp::kFullGrid}},
-      {"bps2", {H::kStream, O::kInterleaved, Sp::kFullGrid, 0, 0, 2}},
-      {"bps3", {H::kStream, O::kInterleaved, Sp::kFullGrid, 0, 0, 3}},
-      {"dyn1", {H::kStream, O::kInterleaved, Sp::kDynamic, 1}},
-      {"dyn2", {H::kStream, O::kInterleaved, Sp::kDynamic, 2}},
-      {"dyn4", {H::kStream, O::kInterleaved, Sp::kDynamic, 4}},
-      {"dyn8", {H::kStream, O::kInterleaved, Sp::kDynamic, 8}},
-      {"dyn2-evf", {H::kEvictFirst, O::kInterleaved, Sp::kDynamic, 2}},
-      {"dyn2-pf1", {H::kL2Prefetch, O::kInterleaved, Sp::kDynamic, 2, 1}},
-      {"mb3", {H::kStream, O::kInterleaved, Sp::kEqualWarps, 0, 0, 0, 3}},
-      {"mb4", {H::kStream, O::kInterleaved, Sp::kEqualWarps, 0, 0, 0, 4}},
-      {"dyn2-mb3", {H::kStream, O::kInterleaved, Sp::kDynamic, 2, 0, 0, 3}},
-      {"dyn2-mb4", {H::kStream, O::kInterleaved, Sp::kDynamic, 2, 0, 0, 4}},
-  };
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
       for (int batch : {64}) {  // b256 meets both bars already (docs/perf.md)
         for (int unit : {4096, 2048}) {
           const std::string base = "ssu-p" + std::to_string(unit / 1024) + "k";
           bench_ssu(ctx, *m, batch, sd, 0, unit == 4096 ? "ssu-persist4k" : "ssu-persist2k", false, true, unit);
-          for (const auto& [name, sched] : variants) {
-            bench_ssu(ctx, *m, batch, sd, 0, base + "-" + name, false, true, unit, false, sched);
+          for (int chunk : {1, 2, 4, 8}) {
+            bench_ssu(ctx, *m, batch, sd, 0, base + "-dyn" + std::to_string(chunk), false, true, unit, false, chunk);
           }
         }
       }

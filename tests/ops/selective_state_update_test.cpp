@@ -141,11 +141,34 @@ class OpsSelectiveStateUpdate : public BackendTest {
   // CUDA launcher-level variant (SsuKernel as int, 0 = through ops::) and its unit size.
   int launcher_kernel_ = 0, unit_bytes_ = 0, persist_warps_ = 0;
 #ifdef CHIMERA_HAVE_CUDA
-  // kPersistent's hint / order / split variants (launch_variant only).
-  cuda::SsuStateHint hint_ = cuda::SsuStateHint::kStream;
-  cuda::SsuStoreOrder order_ = cuda::SsuStoreOrder::kInterleaved;
+  // kPersistent's work split (launch_variant only).
   cuda::SsuSplit split_ = cuda::SsuSplit::kEqualWarps;
   int dynamic_chunk_ = 0;
+
+  // One step's inputs on the device (bf16 activations, fp32 parameters) for the launcher-level bit-equality tests.
+  struct DeviceStep {
+    Tensor x, dt, B, C, A_log, D, dt_bias, slots;
+    SsuShape s;
+    int64_t batch;
+  };
+  DeviceStep device_step(const SsuInputs& in, const SsuShape& s, int64_t batch, const std::vector<int32_t>& slot_ids) {
+    return DeviceStep{on_backend(in.x, DType::kBF16),      on_backend(in.dt_raw, DType::kBF16),
+                      on_backend(in.B, DType::kBF16),      on_backend(in.C, DType::kBF16),
+                      on_backend(in.p.A_log),              on_backend(in.p.D),
+                      on_backend(in.p.dt_bias),            on_backend(Tensor::from_i32({batch}, slot_ids)),
+                      s,                                   batch};
+  }
+  // The launcher's params for one step of `d` into y and state (kernel choice left at its defaults).
+  static cuda::SsuParams step_params(const DeviceStep& d, const Tensor& y, const Tensor& state) {
+    cuda::SsuParams p;
+    p.x = d.x.data(), p.dt_raw = d.dt.data(), p.B = d.B.data(), p.C = d.C.data(), p.y = y.data();
+    p.state = state.data(), p.slots = d.slots.i32();
+    p.A_log = d.A_log.data(), p.D = d.D.data(), p.dt_bias = d.dt_bias.data();
+    p.act = DType::kBF16, p.state_dtype = state.dtype();
+    p.dt_min = 0.0f, p.dt_max = INFINITY;
+    p.batch = int(d.batch), p.H = int(d.s.H), p.P = int(d.s.P), p.N = int(d.s.N), p.G = int(d.s.G);
+    return p;
+  }
 #endif
 
   void launch_variant(const Tensor& y, const Tensor& x, const Tensor& dt, const Tensor& B, const Tensor& C,
@@ -163,7 +186,7 @@ class OpsSelectiveStateUpdate : public BackendTest {
     p.kernel = static_cast<cuda::SsuKernel>(launcher_kernel_);
     p.unit_bytes = unit_bytes_;
     p.persist_warps = persist_warps_;
-    p.state_hint = hint_, p.store_order = order_, p.split = split_, p.dynamic_chunk = dynamic_chunk_;
+    p.split = split_, p.dynamic_chunk = dynamic_chunk_;
     cuda::launch_selective_state_update(p, nullptr);
     device::synchronize(Device::kCuda);
 #else
@@ -337,12 +360,7 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
   auto rng = test::Rng::for_test();
   const SsuShape s{16, 64, 8, 128};
   const int64_t batch = 5;
-  const SsuInputs in = make_inputs(rng, batch, s);
-  const Tensor x = on_backend(in.x, DType::kBF16), dt = on_backend(in.dt_raw, DType::kBF16);
-  const Tensor B = on_backend(in.B, DType::kBF16), C = on_backend(in.C, DType::kBF16);
-  const Tensor A_log = on_backend(in.p.A_log), D = on_backend(in.p.D), dt_bias = on_backend(in.p.dt_bias);
-  const std::vector<int32_t> slot_ids = {6, 0, -1, 3, 5};
-  const Tensor slots = on_backend(Tensor::from_i32({batch}, slot_ids));
+  const DeviceStep d = device_step(make_inputs(rng, batch, s), s, batch, {6, 0, -1, 3, 5});
   const Tensor state0 = random_state(rng, {7, s.H, s.P, s.N});
   for (DType sd : {DType::kF32, DType::kBF16}) {
     Tensor ref_y, ref_state;
@@ -351,14 +369,8 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
     for (int rows : {0, 4, 8, 16, -4096, -2048, -14096, -12048}) {
       SCOPED_TRACE(::testing::Message() << "state=" << dtype_name(sd) << " rows_per_warp=" << rows);
       const Tensor state = on_backend(state0, sd);
-      const Tensor y = output(DType::kBF16, in.x.shape());
-      cuda::SsuParams p;
-      p.x = x.data(), p.dt_raw = dt.data(), p.B = B.data(), p.C = C.data(), p.y = y.data();
-      p.state = state.data(), p.slots = slots.i32();
-      p.A_log = A_log.data(), p.D = D.data(), p.dt_bias = dt_bias.data();
-      p.act = DType::kBF16, p.state_dtype = sd;
-      p.dt_min = 0.0f, p.dt_max = INFINITY;
-      p.batch = int(batch), p.H = int(s.H), p.P = int(s.P), p.N = int(s.N), p.G = int(s.G);
+      const Tensor y = output(DType::kBF16, {batch, s.H, s.P});
+      cuda::SsuParams p = step_params(d, y, state);
       p.rows_per_warp = std::max(rows, 0);
       p.plain_state_access = rows == 8;  // the benchmark-only plain loads / stores compute the same bits
       if (rows < 0) {
@@ -377,6 +389,7 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
     }
   }
 }
+
 // kAuto from batch 64 (N = 128, f32 / bf16 state): the persistent kernel with the dynamic split (chunks of 4
 // units), the same bits as the persistent kernel's static split, on Nano's heads with pads and permuted slots, and
 // repeated calls (each starts from the counters the previous one reset).
@@ -385,25 +398,15 @@ TEST_P(OpsSelectiveStateUpdate, AutoAtBatch64EqualsTheStaticSplit) {
   auto rng = test::Rng::for_test();
   const SsuShape s{64, 64, 8, 128};
   const int64_t batch = 64, num_slots = 70;
-  const SsuInputs in = make_inputs(rng, batch, s);
-  const Tensor x = on_backend(in.x, DType::kBF16), dt = on_backend(in.dt_raw, DType::kBF16);
-  const Tensor B = on_backend(in.B, DType::kBF16), C = on_backend(in.C, DType::kBF16);
-  const Tensor A_log = on_backend(in.p.A_log), D = on_backend(in.p.D), dt_bias = on_backend(in.p.dt_bias);
-  const Tensor slots = on_backend(Tensor::from_i32({batch}, batch_slots(rng, batch, num_slots)));
+  const DeviceStep d = device_step(make_inputs(rng, batch, s), s, batch, batch_slots(rng, batch, num_slots));
   const Tensor state0 = random_state(rng, {num_slots, s.H, s.P, s.N});
   for (DType sd : {DType::kF32, DType::kBF16}) {
     SCOPED_TRACE(::testing::Message() << "state=" << dtype_name(sd));
     auto run = [&](cuda::SsuKernel kernel, int calls) {
       const Tensor state = on_backend(state0, sd);
-      const Tensor y = output(DType::kBF16, in.x.shape());
+      const Tensor y = output(DType::kBF16, {batch, s.H, s.P});
       for (int c = 0; c < calls; ++c) {
-        cuda::SsuParams p;
-        p.x = x.data(), p.dt_raw = dt.data(), p.B = B.data(), p.C = C.data(), p.y = y.data();
-        p.state = state.data(), p.slots = slots.i32();
-        p.A_log = A_log.data(), p.D = D.data(), p.dt_bias = dt_bias.data();
-        p.act = DType::kBF16, p.state_dtype = sd;
-        p.dt_min = 0.0f, p.dt_max = INFINITY;
-        p.batch = int(batch), p.H = int(s.H), p.P = int(s.P), p.N = int(s.N), p.G = int(s.G);
+        cuda::SsuParams p = step_params(d, y, state);
         p.kernel = kernel;
         cuda::launch_selective_state_update(p, nullptr);
       }
@@ -417,87 +420,41 @@ TEST_P(OpsSelectiveStateUpdate, AutoAtBatch64EqualsTheStaticSplit) {
   }
 }
 
-// The kPersistent variants of issue 3's batch-64 work (state access hints, store order, work split; N = 128,
-// f32 / bf16 state) change only memory hints and schedules: the same bits as the default persistent kernel
-// for both unit sizes, on P not a multiple of the unit's rows (13, 36), one group and G = H, pads and
-// permuted slots, few warps walking long runs (many dynamic grabs, prefetches across heads and sequences).
-TEST_P(OpsSelectiveStateUpdate, PersistentVariantsGiveTheSameBits) {
+// The persistent kernel's dynamic split (issue 3's batch-64 work) changes only the schedule: the same bits as the
+// static split for both unit sizes and every state dtype, at N = 64 and 128, on P not a multiple of the unit's rows
+// (13, 36), one group and G = H, pads and permuted slots, chunks of 1 to 5 units, few warps walking long runs
+// (many grabs).
+TEST_P(OpsSelectiveStateUpdate, DynamicSplitGivesTheSameBits) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
   struct Variant {
-    cuda::SsuStateHint hint = cuda::SsuStateHint::kStream;
-    cuda::SsuStoreOrder order = cuda::SsuStoreOrder::kInterleaved;
-    cuda::SsuSplit split = cuda::SsuSplit::kEqualWarps;
-    int chunk = 0, prefetch = 0, blocks_per_sm = 0, warps = 0, min_blocks = 0;
+    int chunk = 0, warps = 0;
   };
-  using H = cuda::SsuStateHint;
-  using O = cuda::SsuStoreOrder;
-  using Sp = cuda::SsuSplit;
-  const std::vector<Variant> variants = {
-      {H::kNoAllocate},
-      {H::kEvictFirst},
-      {H::kLoad256B},
-      {H::kPlainStore},
-      {H::kL2Prefetch},
-      {H::kL2Prefetch, O::kInterleaved, Sp::kEqualWarps, 0, 3},
-      {H::kL2Prefetch, O::kInterleaved, Sp::kEqualWarps, 0, 1, 0, 3},
-      {H::kStream, O::kBunchedStores},
-      {H::kStream, O::kLoadsAfterMath},
-      {H::kStream, O::kInterleaved, Sp::kFullGrid},
-      {H::kStream, O::kInterleaved, Sp::kFullGrid, 0, 0, 1},
-      {H::kStream, O::kInterleaved, Sp::kDynamic},
-      {H::kStream, O::kInterleaved, Sp::kDynamic, 1},
-      {H::kStream, O::kInterleaved, Sp::kDynamic, 3, 0, 2},
-      {H::kStream, O::kInterleaved, Sp::kDynamic, 2, 0, 0, 3},
-      {H::kEvictFirst, O::kLoadsAfterMath, Sp::kDynamic, 4},
-      {H::kL2Prefetch, O::kBunchedStores, Sp::kDynamic, 5, 2, 0, 5},
-      {H::kStream, O::kInterleaved, Sp::kEqualWarps, 0, 0, 0, 0, 3},
-      {H::kStream, O::kInterleaved, Sp::kEqualWarps, 0, 0, 0, 0, 4},
-      {H::kStream, O::kInterleaved, Sp::kDynamic, 2, 0, 0, 3, 3},
-  };
-  const SsuShape shapes[] = {{16, 64, 8, 128}, {5, 36, 1, 128}, {3, 13, 3, 128}};
+  const Variant variants[] = {{0, 0}, {1, 0}, {3, 0}, {4, 0}, {2, 3}, {5, 5}};
+  const SsuShape shapes[] = {{16, 64, 8, 128}, {5, 36, 1, 128}, {3, 13, 3, 128}, {4, 36, 2, 64}};
   for (const SsuShape& s : shapes) {
     const int64_t batch = 6;
-    const SsuInputs in = make_inputs(rng, batch, s);
-    const Tensor x = on_backend(in.x, DType::kBF16), dt = on_backend(in.dt_raw, DType::kBF16);
-    const Tensor B = on_backend(in.B, DType::kBF16), C = on_backend(in.C, DType::kBF16);
-    const Tensor A_log = on_backend(in.p.A_log), D = on_backend(in.p.D), dt_bias = on_backend(in.p.dt_bias);
-    const std::vector<int32_t> slot_ids = {6, 0, -1, 3, 5, 1};
-    const Tensor slots = on_backend(Tensor::from_i32({batch}, slot_ids));
+    const DeviceStep d = device_step(make_inputs(rng, batch, s), s, batch, {6, 0, -1, 3, 5, 1});
     const Tensor state0 = random_state(rng, {7, s.H, s.P, s.N});
-    for (DType sd : {DType::kF32, DType::kBF16}) {
+    for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
       for (int unit : {4096, 2048}) {
-        // One step from state0 with `v` (nullptr: the default persistent kernel); y and the state to the host.
+        // One step from state0 with `v` (nullptr: the static split); y and the state to the host.
         auto run = [&](const Variant* v) {
           const Tensor state = on_backend(state0, sd);
-          const Tensor y = output(DType::kBF16, in.x.shape());
-          cuda::SsuParams p;
-          p.x = x.data(), p.dt_raw = dt.data(), p.B = B.data(), p.C = C.data(), p.y = y.data();
-          p.state = state.data(), p.slots = slots.i32();
-          p.A_log = A_log.data(), p.D = D.data(), p.dt_bias = dt_bias.data();
-          p.act = DType::kBF16, p.state_dtype = sd;
-          p.dt_min = 0.0f, p.dt_max = INFINITY;
-          p.batch = int(batch), p.H = int(s.H), p.P = int(s.P), p.N = int(s.N), p.G = int(s.G);
+          const Tensor y = output(DType::kBF16, {batch, s.H, s.P});
+          cuda::SsuParams p = step_params(d, y, state);
           p.kernel = cuda::SsuKernel::kPersistent;
           p.unit_bytes = unit;
-          if (v != nullptr) {
-            p.state_hint = v->hint, p.store_order = v->order, p.split = v->split;
-            p.dynamic_chunk = v->chunk, p.l2_prefetch_units = v->prefetch;
-            p.persist_blocks_per_sm = v->blocks_per_sm, p.persist_warps = v->warps;
-            p.persist_min_blocks = v->min_blocks;
-          }
+          if (v != nullptr) p.split = cuda::SsuSplit::kDynamic, p.dynamic_chunk = v->chunk, p.persist_warps = v->warps;
           cuda::launch_selective_state_update(p, nullptr);
           device::synchronize(Device::kCuda);
           return std::make_pair(device::to_host(y), device::to_host(state));
         };
         const auto [ref_y, ref_state] = run(nullptr);
         for (const Variant& v : variants) {
-          SCOPED_TRACE(::testing::Message()
-                       << "H=" << s.H << " P=" << s.P << " G=" << s.G << " state=" << dtype_name(sd)
-                       << " unit=" << unit << " hint=" << int(v.hint) << " order=" << int(v.order)
-                       << " split=" << int(v.split) << " chunk=" << v.chunk << " prefetch=" << v.prefetch
-                       << " blocks_per_sm=" << v.blocks_per_sm << " warps=" << v.warps
-                       << " min_blocks=" << v.min_blocks);
+          SCOPED_TRACE(::testing::Message() << "H=" << s.H << " P=" << s.P << " G=" << s.G << " N=" << s.N
+                                            << " state=" << dtype_name(sd) << " unit=" << unit << " chunk=" << v.chunk
+                                            << " warps=" << v.warps);
           const auto [got_y, got_state] = run(&v);
           EXPECT_TRUE(test::bit_equal(got_y, ref_y));
           EXPECT_TRUE(test::bit_equal(got_state, ref_state));
@@ -507,35 +464,26 @@ TEST_P(OpsSelectiveStateUpdate, PersistentVariantsGiveTheSameBits) {
   }
 }
 
-// The variants against the oracle (f32 and bf16 activations), and the dynamic split's counter: ten steps in a
-// row on one state, each starting from a reset counter (a counter left behind would skip units).
-TEST_P(OpsSelectiveStateUpdate, PersistentVariantsMatchNaive) {
+// The dynamic split against the oracle (f32 and bf16 activations), and its counter: ten steps in a row on one
+// state, each starting from a reset counter (a counter left behind would skip units).
+TEST_P(OpsSelectiveStateUpdate, DynamicSplitMatchesNaive) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
   launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistent);
-  for (const auto& [hint, order, split] :
-       std::initializer_list<std::tuple<cuda::SsuStateHint, cuda::SsuStoreOrder, cuda::SsuSplit>>{
-           {cuda::SsuStateHint::kEvictFirst, cuda::SsuStoreOrder::kInterleaved, cuda::SsuSplit::kEqualWarps},
-           {cuda::SsuStateHint::kLoad256B, cuda::SsuStoreOrder::kBunchedStores, cuda::SsuSplit::kFullGrid},
-           {cuda::SsuStateHint::kL2Prefetch, cuda::SsuStoreOrder::kLoadsAfterMath, cuda::SsuSplit::kDynamic},
-           {cuda::SsuStateHint::kStream, cuda::SsuStoreOrder::kInterleaved, cuda::SsuSplit::kDynamic}}) {
-    hint_ = hint, order_ = order, split_ = split;
-    for (int unit : {0, 2048}) {
-      unit_bytes_ = unit;
-      SCOPED_TRACE(::testing::Message() << "hint=" << int(hint) << " order=" << int(order) << " split=" << int(split)
-                                        << " unit=" << unit);
-      for (DType sd : {DType::kF32, DType::kBF16}) {
-        check_random(rng, {128, 64, 8, 128}, 9, DType::kBF16, sd);  // Super heads
-        check_random(rng, {3, 36, 3, 128}, 17, DType::kF32, sd);    // P = 36, G = H
-        check_random(rng, {6, 16, 2, 128}, 1, DType::kF32, sd);     // one sequence: fewer units than warps
-      }
-      persist_warps_ = 3;
-      check_random(rng, {16, 64, 4, 128}, 6, DType::kBF16, DType::kBF16);
-      persist_warps_ = 0;
+  split_ = cuda::SsuSplit::kDynamic;
+  for (int unit : {0, 2048}) {
+    unit_bytes_ = unit;
+    SCOPED_TRACE(::testing::Message() << "unit=" << unit);
+    for (DType sd : {DType::kF32, DType::kBF16}) {
+      check_random(rng, {128, 64, 8, 128}, 9, DType::kBF16, sd);  // Super heads
+      check_random(rng, {3, 36, 3, 128}, 17, DType::kF32, sd);    // P = 36, G = H
+      check_random(rng, {6, 16, 2, 128}, 1, DType::kF32, sd);     // one sequence: fewer units than warps
     }
+    persist_warps_ = 3;
+    check_random(rng, {16, 64, 4, 128}, 6, DType::kBF16, DType::kBF16);
+    persist_warps_ = 0;
   }
-  hint_ = cuda::SsuStateHint::kStream, order_ = cuda::SsuStoreOrder::kInterleaved;
-  split_ = cuda::SsuSplit::kDynamic, unit_bytes_ = 0;
+  unit_bytes_ = 0;
   const SsuShape s{8, 64, 2, 128};
   const Tensor state = on_backend(random_state(rng, {5, s.H, s.P, s.N}));
   for (int step = 0; step < 10; ++step) {
@@ -546,17 +494,15 @@ TEST_P(OpsSelectiveStateUpdate, PersistentVariantsMatchNaive) {
   split_ = cuda::SsuSplit::kEqualWarps, dynamic_chunk_ = 0, launcher_kernel_ = 0;
 }
 
-// Variants the launcher does not build: a clear error, not a silent fallback.
-TEST_P(OpsSelectiveStateUpdate, PersistentVariantsRejectOtherShapes) {
+// The dynamic split is the kPersistent kernel's: asked of the cp.async-staged kernel, a clear error.
+TEST_P(OpsSelectiveStateUpdate, DynamicSplitRejectsTheAsyncKernel) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
-  launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistent);
-  hint_ = cuda::SsuStateHint::kEvictFirst;
-  EXPECT_TRUE(test::throws_error([&] { check_random(rng, {5, 64, 1, 64}, 3, DType::kBF16, DType::kF32); },
-                                 ErrorKind::kRuntime, "need N = 128 and an f32 or bf16 state"));
-  EXPECT_TRUE(test::throws_error([&] { check_random(rng, {4, 64, 2, 128}, 3, DType::kBF16, DType::kF16); },
-                                 ErrorKind::kRuntime, "need N = 128 and an f32 or bf16 state"));
-  hint_ = cuda::SsuStateHint::kStream;
+  launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistentAsync);
+  split_ = cuda::SsuSplit::kDynamic;
+  EXPECT_TRUE(test::throws_error([&] { check_random(rng, {4, 64, 2, 128}, 3, DType::kBF16, DType::kF32); },
+                                 ErrorKind::kRuntime, "SsuSplit::kDynamic is a kPersistent split only"));
+  split_ = cuda::SsuSplit::kEqualWarps;
   launcher_kernel_ = 0;
 }
 #endif

@@ -233,68 +233,6 @@ __device__ __forceinline__ void refresh_unit_inputs(const SsuParams& p, int b, i
   }
 }
 
-// ---- persistent kernel variants (SsuStateHint / SsuStoreOrder / SsuSplit; benchmarks, same bits) ---------
-constexpr int kHintStream = static_cast<int>(SsuStateHint::kStream);
-constexpr int kHintNoAllocate = static_cast<int>(SsuStateHint::kNoAllocate);
-constexpr int kHintEvictFirst = static_cast<int>(SsuStateHint::kEvictFirst);
-constexpr int kHintLoad256B = static_cast<int>(SsuStateHint::kLoad256B);
-constexpr int kHintPlainStore = static_cast<int>(SsuStateHint::kPlainStore);
-constexpr int kHintL2Prefetch = static_cast<int>(SsuStateHint::kL2Prefetch);
-constexpr int kOrderInterleaved = static_cast<int>(SsuStoreOrder::kInterleaved);
-constexpr int kOrderBunched = static_cast<int>(SsuStoreOrder::kBunchedStores);
-constexpr int kOrderLoadsAfterMath = static_cast<int>(SsuStoreOrder::kLoadsAfterMath);
-
-// The L2 policy operand of the kEvictFirst / kLoad256B accesses (a register, made once per thread).
-template <int kHint>
-__device__ __forceinline__ uint64_t state_policy() {
-  uint64_t pol = 0;
-  if constexpr (kHint == kHintEvictFirst || kHint == kHintLoad256B) {
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  }
-  return pol;
-}
-
-// One 16-byte state vector (a Pack of 4 words) in / out with kHint's access; kStream is the default kernel's
-// __ldcs / __stcs. The hinted ones are volatile asm so they keep their place in the stream (SsuStoreOrder);
-// stores clobber memory, the loads only read state no other lane writes during the call.
-template <int kHint, typename PackT, typename S>
-__device__ __forceinline__ void load_state(PackT& pk, const S* src, uint64_t pol) {
-  static_assert(PackT::kBytes == 16, "one 16-byte vector");
-  if constexpr (kHint == kHintNoAllocate) {
-    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(pk.w[0]), "=r"(pk.w[1]), "=r"(pk.w[2]), "=r"(pk.w[3])
-                 : "l"(src));
-  } else if constexpr (kHint == kHintEvictFirst) {
-    asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(pk.w[0]), "=r"(pk.w[1]), "=r"(pk.w[2]), "=r"(pk.w[3])
-                 : "l"(src), "l"(pol));
-  } else if constexpr (kHint == kHintLoad256B) {
-    asm volatile("ld.global.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(pk.w[0]), "=r"(pk.w[1]), "=r"(pk.w[2]), "=r"(pk.w[3])
-                 : "l"(src), "l"(pol));
-  } else {  // kStream, kPlainStore, kL2Prefetch
-    pk.template load<true>(src);
-  }
-}
-
-template <int kHint, typename PackT, typename S>
-__device__ __forceinline__ void store_state(const PackT& pk, S* dst, uint64_t pol) {
-  static_assert(PackT::kBytes == 16, "one 16-byte vector");
-  if constexpr (kHint == kHintNoAllocate) {
-    asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(pk.w[0]), "r"(pk.w[1]),
-                 "r"(pk.w[2]), "r"(pk.w[3])
-                 : "memory");
-  } else if constexpr (kHint == kHintEvictFirst) {
-    asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst),
-                 "r"(pk.w[0]), "r"(pk.w[1]), "r"(pk.w[2]), "r"(pk.w[3]), "l"(pol)
-                 : "memory");
-  } else if constexpr (kHint == kHintPlainStore) {
-    pk.template store<false>(dst);
-  } else {  // kStream, kLoad256B, kL2Prefetch
-    pk.template store<true>(dst);
-  }
-}
-
 // SsuSplit::kDynamic's counters, per device and per state dtype (one module per instantiation file), one pair per
 // host thread slot (SsuParams::dynamic_slot, as the MoE router's tickets): [0] the next chunk, [1] warps done. The
 // grid's last warp resets both, so every call (and every graph replay) starts from zero.
@@ -302,9 +240,8 @@ inline constexpr int kSsuDynamicSlots = 64;
 static __device__ unsigned int g_ssu_dynamic[kSsuDynamicSlots][2];
 
 // grid (resident blocks), kThreads; see the file comment. kUnitRows <= 32 (x is one value a lane).
-// kHint / kOrder / kDynamic: the SsuStateHint / SsuStoreOrder variants and SsuSplit::kDynamic (all 0 / false:
-// the default kernel).
-template <typename S, int N, int kUnitRows, int kMinBlocks, int kHint = 0, int kOrder = 0, bool kDynamic = false>
+// kDynamic: SsuSplit::kDynamic (chunks of units from a device counter) instead of a static run per warp.
+template <typename S, int N, int kUnitRows, int kMinBlocks, bool kDynamic = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_persistent_kernel(const SsuParams p) {
   using L = Layout<S, N>;
   using Unit = PersistUnit<S, N, kUnitRows>;
@@ -327,7 +264,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
     u_end = static_cast<int>((w + 1) * units / warps);
   }
   const int heads_per_group = p.H / p.G;
-  const uint64_t pol = state_policy<kHint>();
 
   int slot_b = -1, slot_id = -1;  // the slot of sequence slot_b (looked up once per sequence)
   // Issue unit u's loads into `un` (warp-uniform control flow).
@@ -341,26 +277,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
 #pragma unroll
       for (int v = 0; v < L::kVecsPerLane; ++v) {
         if (row < p.P) {
-          load_state<kHint>(un.st[i][v],
-                            state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems, pol);
+          un.st[i][v].template load<true>(state + static_cast<int64_t>(row) * N +
+                                          (v * L::kLanesPerRow + seg) * L::kVecElems);
         } else {
           un.st[i][v].zero();
-        }
-      }
-    }
-    if constexpr (kHint == kHintL2Prefetch) {
-      // Unit u + d of the same run and sequence (its slot is this one's) into L2, a bulk prefetch by one lane.
-      const int up = u + (p.l2_prefetch_units > 0 ? p.l2_prefetch_units : 1);
-      if (up < u_end && lane == 0) {
-        const int bh = up / tiles;
-        if (bh / p.H == un.b) {
-          const int row0 = (up - bh * tiles) * kUnitRows;
-          const int rows = min(kUnitRows, p.P - row0);
-          const S* src = static_cast<const S*>(p.state) +
-                         ((static_cast<int64_t>(un.slot) * p.H + bh % p.H) * p.P + row0) * N;
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src),
-                       "r"(rows * N * static_cast<int>(sizeof(S)))
-                       : "memory");
         }
       }
     }
@@ -398,72 +318,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
           acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
         }
         if (row < p.P) {
-          store_state<kHint>(st[v], state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems,
-                             pol);
+          st[v].template store<true>(state + static_cast<int64_t>(row) * N +
+                                     (v * L::kLanesPerRow + seg) * L::kVecElems);
         }
       }
 #pragma unroll
       for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
       if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
-    }
-  };
-  // kBunchedStores / kLoadsAfterMath: process() split in two. compute(): process()'s update (the same
-  // expressions, in place in the unit's registers) and y; store_unit(): the unit's state stores back to back.
-  auto compute = [&](Unit& un) {
-    if (un.slot < 0) return;
-    const int bh_i = un.b * p.H + un.h;
-    refresh_unit_inputs<L, N>(p, un.b, un.h, un.dt_raw, heads_per_group, seg, hs_key, hs, bc_key, Bv, Cv);
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int row = un.row0 + i * L::kRowsPerPass + sub;
-      const float xv = __shfl_sync(0xffffffffu, un.x, i * L::kRowsPerPass + sub);
-      const float dtx = hs.dt * xv;
-      float acc = 0.0f;
-#pragma unroll
-      for (int v = 0; v < L::kVecsPerLane; ++v) {
-#pragma unroll
-        for (int e = 0; e < L::kVecElems; ++e) {
-          const float s = fmaf(un.st[i][v].get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
-          un.st[i][v].set(e, s);
-          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-        }
-      }
-#pragma unroll
-      for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
-    }
-  };
-  auto store_unit = [&](const Unit& un) {
-    if (un.slot < 0) return;
-    S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int row = un.row0 + i * L::kRowsPerPass + sub;
-#pragma unroll
-      for (int v = 0; v < L::kVecsPerLane; ++v) {
-        if (row < p.P) {
-          store_state<kHint>(un.st[i][v],
-                             state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems, pol);
-        }
-      }
     }
   };
   // One step of the walk: unit `cur` (loaded one step earlier) is finished and, if `more`, unit `next` is
-  // issued into the other buffer, in kOrder's place.
+  // issued into the other buffer first (its loads in flight during cur's math).
   auto step = [&](Unit& cur, Unit& nxt, bool more, int next) {
-    if constexpr (kOrder == kOrderLoadsAfterMath) {
-      compute(cur);
-      if (more) issue(nxt, next);
-      store_unit(cur);
-    } else {
-      if (more) issue(nxt, next);
-      if constexpr (kOrder == kOrderBunched) {
-        compute(cur);
-        store_unit(cur);
-      } else {
-        process(cur);
-      }
-    }
+    if (more) issue(nxt, next);
+    process(cur);
   };
 
   Unit a, c;  // two register buffers, used alternately (static indexing keeps them in registers)
@@ -478,8 +346,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
       if (++u >= u_end) break;
     }
   } else {
-    // Chunks of `chunk` units in index order from this slot's g_ssu_dynamic[.][0]; a warp grabs its next chunk when it issues
-    // the unit after its current chunk's last (one unit ahead, like the loads).
+    // Chunks of `chunk` units in index order from this slot's g_ssu_dynamic[.][0]; a warp grabs its next chunk
+    // when it issues the unit after its current chunk's last (one unit ahead, like the loads).
     const int chunk = p.dynamic_chunk > 0 ? p.dynamic_chunk : 2;
     const int units32 = static_cast<int>(units);  // < 2^31 (the launcher checks): one register fewer
     const unsigned int chunks = static_cast<unsigned int>((units + chunk - 1) / chunk);
@@ -652,10 +520,8 @@ __global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * stat
   cp_async_wait<0>();
 }
 
-// SsuSplit::kEqualWarps (the default): the fewest rounds, then as few warps as fill them, so every warp walks
-// the same number of units (the last ones maybe one fewer) and the warps finish together. kFullGrid / kDynamic:
-// every resident slot (the kernel spreads the units +-1 over the warps / hands out chunks). persist_blocks_per_sm
-// caps per_sm.
+// SsuSplit::kEqualWarps: the fewest rounds, then as few warps as fill them, so every warp walks the same number
+// of units (the last ones maybe one fewer). kDynamic: every resident slot (the kernel hands out chunks).
 template <typename Kernel>
 void launch_persistent_grid(Kernel* kernel, int per_sm, int64_t units, size_t smem, const SsuParams& p,
                             cudaStream_t stream) {
@@ -663,14 +529,13 @@ void launch_persistent_grid(Kernel* kernel, int per_sm, int64_t units, size_t sm
     throw_runtime(
         str_cat("ops::selective_state_update: ", units, " persistent units exceed 2^31 (use the grid kernel)"));
   }
-  if (p.persist_blocks_per_sm > 0) per_sm = std::min(per_sm, p.persist_blocks_per_sm);
   int64_t resident_warps = static_cast<int64_t>(per_sm) * kWarps * sm_count();
   if (p.persist_warps > 0) resident_warps = std::min<int64_t>(resident_warps, p.persist_warps);
   int64_t blocks = 0;
   if (p.split == SsuSplit::kEqualWarps) {
     const int64_t rounds = ceil_div(units, resident_warps);
     blocks = ceil_div(ceil_div(units, rounds), int64_t{kWarps});
-  } else {  // no more warps than units (kFullGrid: a warp with none would exit at once)
+  } else {  // kDynamic: every resident slot, no more warps than units
     blocks = ceil_div(std::min(resident_warps, units), int64_t{kWarps});
   }
   launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p);
@@ -693,13 +558,11 @@ void launch_async_bytes(const SsuParams& p, cudaStream_t stream) {
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), smem, p, stream);
 }
 
-// kMinBlocksOverride > 0: the kernel compiled for that many resident blocks (SsuParams::persist_min_blocks).
-template <typename S, int N, int kUnitBytes, int kHint = 0, int kOrder = 0, bool kDynamic = false,
-          int kMinBlocksOverride = 0>
+template <typename S, int N, int kUnitBytes, bool kDynamic = false>
 void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
-  constexpr int kMinBlocks = kMinBlocksOverride > 0 ? kMinBlocksOverride : kPersistMinBlocks<kUnitBytes>;
-  auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks, kHint, kOrder, kDynamic>;
+  constexpr int kMinBlocks = kPersistMinBlocks<kUnitBytes>;
+  auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks, kDynamic>;
   static const int per_sm = [&] {
     int n = 0;
     CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0),
@@ -709,92 +572,24 @@ void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), 0, p, stream);
 }
 
-// The kPersistent variants (state hint x store order x dynamic split; benchmarks): N = 128, f32 / bf16 state
-// only (the models' shapes and the issue's bars), to bound the instantiations (76 kernels a state dtype).
-template <typename S, int N, int kUnitBytes, int kHint, int kOrder>
-void launch_persistent_split(const SsuParams& p, cudaStream_t stream) {
-  if (p.split == SsuSplit::kDynamic) return launch_persistent_bytes<S, N, kUnitBytes, kHint, kOrder, true>(p, stream);
-  launch_persistent_bytes<S, N, kUnitBytes, kHint, kOrder, false>(p, stream);
-}
-
-template <typename S, int N, int kUnitBytes, int kHint>
-void launch_persistent_order(const SsuParams& p, cudaStream_t stream) {
-  switch (p.store_order) {
-    case SsuStoreOrder::kInterleaved:
-      return launch_persistent_split<S, N, kUnitBytes, kHint, kOrderInterleaved>(p, stream);
-    case SsuStoreOrder::kBunchedStores:
-      return launch_persistent_split<S, N, kUnitBytes, kHint, kOrderBunched>(p, stream);
-    case SsuStoreOrder::kLoadsAfterMath:
-      return launch_persistent_split<S, N, kUnitBytes, kHint, kOrderLoadsAfterMath>(p, stream);
-  }
-  throw_runtime(str_cat("ops::selective_state_update: store_order ", static_cast<int>(p.store_order), " unknown"));
-}
-
-// persist_min_blocks (default hint and order; static or dynamic split): 3 or 4 blocks.
-template <typename S, int N, int kUnitBytes, int kMinBlocks>
-void launch_persistent_min_blocks(const SsuParams& p, cudaStream_t stream) {
-  if (p.split == SsuSplit::kDynamic) {
-    return launch_persistent_bytes<S, N, kUnitBytes, kHintStream, kOrderInterleaved, true, kMinBlocks>(p, stream);
-  }
-  launch_persistent_bytes<S, N, kUnitBytes, kHintStream, kOrderInterleaved, false, kMinBlocks>(p, stream);
-}
-
 template <typename S, int N, int kUnitBytes>
-void launch_persistent_variant(const SsuParams& p, cudaStream_t stream) {
-  if constexpr (N == 128 && (std::is_same_v<S, float> || std::is_same_v<S, __nv_bfloat16>)) {
-    if (p.persist_min_blocks != 0) {
-      if (p.state_hint != SsuStateHint::kStream || p.store_order != SsuStoreOrder::kInterleaved) {
-        throw_runtime("ops::selective_state_update: persist_min_blocks is built with the default hint and order only");
-      }
-      switch (p.persist_min_blocks) {
-        case 3:
-          return launch_persistent_min_blocks<S, N, kUnitBytes, 3>(p, stream);
-        case 4:
-          return launch_persistent_min_blocks<S, N, kUnitBytes, 4>(p, stream);
-        default:
-          throw_runtime(str_cat("ops::selective_state_update: persist_min_blocks ", p.persist_min_blocks,
-                                " is not supported (0, 3, 4)"));
-      }
-    }
-    switch (p.state_hint) {
-      case SsuStateHint::kStream:
-        return launch_persistent_order<S, N, kUnitBytes, kHintStream>(p, stream);
-      case SsuStateHint::kNoAllocate:
-        return launch_persistent_order<S, N, kUnitBytes, kHintNoAllocate>(p, stream);
-      case SsuStateHint::kEvictFirst:
-        return launch_persistent_order<S, N, kUnitBytes, kHintEvictFirst>(p, stream);
-      case SsuStateHint::kLoad256B:
-        return launch_persistent_order<S, N, kUnitBytes, kHintLoad256B>(p, stream);
-      case SsuStateHint::kPlainStore:
-        return launch_persistent_order<S, N, kUnitBytes, kHintPlainStore>(p, stream);
-      case SsuStateHint::kL2Prefetch:
-        return launch_persistent_order<S, N, kUnitBytes, kHintL2Prefetch>(p, stream);
-    }
-    throw_runtime(str_cat("ops::selective_state_update: state_hint ", static_cast<int>(p.state_hint), " unknown"));
-  } else {
-    throw_runtime(str_cat("ops::selective_state_update: the persistent kernel's hint / order / dynamic variants "
-                          "need N = 128 and an f32 or bf16 state (N = ",
-                          N, ")"));
-  }
+void launch_persistent_unit(const SsuParams& p, cudaStream_t stream) {
+  if (p.kernel == SsuKernel::kPersistentAsync) return launch_async_bytes<S, N, kUnitBytes>(p, stream);
+  if (p.split == SsuSplit::kDynamic) return launch_persistent_bytes<S, N, kUnitBytes, true>(p, stream);
+  launch_persistent_bytes<S, N, kUnitBytes>(p, stream);
 }
 
 template <typename S, int N>
 void launch_persistent(const SsuParams& p, cudaStream_t stream) {
-  const bool async = p.kernel == SsuKernel::kPersistentAsync;
-  // The default kernel unless a kPersistent variant is asked for (kFullGrid alone is the launcher's business).
-  const bool variant = !async && (p.state_hint != SsuStateHint::kStream || p.store_order != SsuStoreOrder::kInterleaved ||
-                                  p.split == SsuSplit::kDynamic || p.persist_min_blocks != 0);
-  if (async && p.split == SsuSplit::kDynamic) {
-    throw_runtime("ops::selective_state_update: SsuSplit::kDynamic is a kPersistent variant only");
+  if (p.kernel == SsuKernel::kPersistentAsync && p.split == SsuSplit::kDynamic) {
+    throw_runtime("ops::selective_state_update: SsuSplit::kDynamic is a kPersistent split only");
   }
   switch (p.unit_bytes) {
     case 0:
     case 4096:
-      if (variant) return launch_persistent_variant<S, N, 4096>(p, stream);
-      return async ? launch_async_bytes<S, N, 4096>(p, stream) : launch_persistent_bytes<S, N, 4096>(p, stream);
+      return launch_persistent_unit<S, N, 4096>(p, stream);
     case 2048:
-      if (variant) return launch_persistent_variant<S, N, 2048>(p, stream);
-      return async ? launch_async_bytes<S, N, 2048>(p, stream) : launch_persistent_bytes<S, N, 2048>(p, stream);
+      return launch_persistent_unit<S, N, 2048>(p, stream);
     default:
       throw_runtime(
           str_cat("ops::selective_state_update: unit_bytes ", p.unit_bytes, " is not supported (0, 2048, 4096)"));
@@ -858,10 +653,10 @@ void launch_fast_rows(const SsuParams& p, cudaStream_t stream) {
 
 }  // namespace ssu
 
-// kAuto's work split for the persistent kernel: the dynamic split in chunks of 4 units (graph timing on the H200 at
-// batch 64, chimera_bench mamba_ssu_persist_sched, docs/perf.md: fp32 state Super 0.828 -> 0.900, Nano 0.821 ->
-// 0.857 of the copy floor; bf16 state Super 0.791 -> 0.843, Nano 0.781 -> 0.772), where it is built (N = 128, f32 /
-// bf16 state). CHIMERA_SSU_DYNAMIC=0 keeps the static split (A/B runs).
+// kAuto's work split for the persistent kernel: the dynamic split in chunks of 4 units where it was measured (graph
+// timing on the H200 at batch 64, N = 128, chimera_bench mamba_ssu_persist_sched, docs/perf.md: fp32 state Super
+// 0.828 -> 0.900, Nano 0.821 -> 0.857 of the copy floor; bf16 state Super 0.791 -> 0.843, Nano 0.781 -> 0.772).
+// CHIMERA_SSU_DYNAMIC=0 keeps the static split (A/B runs).
 inline bool ssu_auto_dynamic() {
   static const bool on = [] {
     const char* v = std::getenv("CHIMERA_SSU_DYNAMIC");
@@ -886,26 +681,25 @@ void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream
   const bool fast = mamba::aligned16(p.state) && (p.N == 64 || p.N == 128 || p.N == 256);
   // kAuto: the persistent kernel from batch 64 (graph timing on the H200, bf16 / fp32 state, Super and Nano:
   // 0.78-0.84 of the copy floor at batch 64 vs 0.70-0.79 for the grid kernel, 0.81-0.87 vs 0.73-0.81 at 256;
-  // bench/mamba_notes.md), with the dynamic split where built (ssu_auto_dynamic), the grid kernel below.
+  // bench/mamba_notes.md), with the dynamic split where measured (ssu_auto_dynamic), the grid kernel below.
   const bool persistent = p.kernel == SsuKernel::kPersistent || p.kernel == SsuKernel::kPersistentAsync ||
                           (p.kernel == SsuKernel::kAuto && p.batch >= 64);
   if (fast && persistent) {
+    SsuParams q = p;
+    q.dynamic_slot = ssu_dynamic_slot();
+    const bool measured = p.N == 128 && (std::is_same_v<S, float> || std::is_same_v<S, __nv_bfloat16>);
+    if (measured && p.kernel == SsuKernel::kAuto && p.unit_bytes == 0 && p.split == SsuSplit::kEqualWarps &&
+        ssu_auto_dynamic()) {
+      q.kernel = SsuKernel::kPersistent;
+      q.split = SsuSplit::kDynamic;
+      q.dynamic_chunk = 4;
+    }
     if (p.N == 64) {
-      ssu::launch_persistent<S, 64>(p, stream);
+      ssu::launch_persistent<S, 64>(q, stream);
     } else if (p.N == 128) {
-      SsuParams q = p;
-      q.dynamic_slot = ssu_dynamic_slot();
-      constexpr bool kDynamicBuilt = std::is_same_v<S, float> || std::is_same_v<S, __nv_bfloat16>;
-      if (kDynamicBuilt && p.kernel == SsuKernel::kAuto && p.unit_bytes == 0 && p.split == SsuSplit::kEqualWarps &&
-          p.state_hint == SsuStateHint::kStream && p.store_order == SsuStoreOrder::kInterleaved &&
-          p.persist_min_blocks == 0 && ssu_auto_dynamic()) {
-        q.kernel = SsuKernel::kPersistent;
-        q.split = SsuSplit::kDynamic;
-        q.dynamic_chunk = 4;
-      }
       ssu::launch_persistent<S, 128>(q, stream);
     } else {
-      ssu::launch_persistent<S, 256>(p, stream);
+      ssu::launch_persistent<S, 256>(q, stream);
     }
   } else if (fast && p.N == 64) {
     ssu::launch_fast_rows<S, 64>(p, stream);
