@@ -403,7 +403,7 @@ void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& z
 void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
-                         bool prefetch_states) {
+                         [[maybe_unused]] bool prefetch_states) {  // unused without CUDA
   const Check c(ctx, "mamba_decode_update");
   c.f32("zxbcdt", zxbcdt, 2);
   c.f32("out", out, 2);
