@@ -16,6 +16,10 @@ using chimera::dist::has_norm;
 using chimera::dist::has_norm_out;
 using chimera::dist::has_residual;
 using chimera::dist::kLamportEmpty32;
+using chimera::dist::lamport_clear_slot;
+using chimera::dist::lamport_next_slot;
+using chimera::dist::lamport_offset;
+using chimera::dist::Range;
 
 inline constexpr int kMaxThreads = 1024;
 inline constexpr int kMaxItems = 4;  // 16-byte vectors per thread (dist::kMaxRowVecs = 1024 x 4)
@@ -88,6 +92,25 @@ __device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
                : "l"(p)
                : "memory");
   return u;
+}
+
+__device__ __forceinline__ uint4 lamport_empty_vec() {
+  return make_uint4(kLamportEmpty32, kLamportEmpty32, kLamportEmpty32, kLamportEmpty32);
+}
+
+// The ONESHOT push (oneshot.cu, oneshot_per_block.cu): message vectors [begin, end) of the input, canonicalised,
+// into region [slot][this rank] of the Lamport buffers of ranks rank + first, ..., rank + n - 1 (mod n): first = 0
+// includes this rank's own buffer, 1 the peers only. Each rank starts at a different peer.
+template <typename T>
+__device__ __forceinline__ void lamport_push(const FusionArgs& a, const PeerArgs& p, int slot, int n, int64_t stride,
+                                             int64_t begin, int64_t end, int first) {
+  for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x) {
+    const uint4 u = canonicalise<T>(__ldg(reinterpret_cast<const uint4*>(a.input) + e));
+    for (int k = first; k < n; ++k) {
+      const int dst = (p.rank + k) % n;
+      __stcg(reinterpret_cast<uint4*>(p.lamport[dst]) + lamport_offset(slot, p.rank, e, n, stride), u);
+    }
+  }
 }
 
 // ---- the fused epilogue -----------------------------------------------------------------------------------
