@@ -25,24 +25,9 @@
 namespace chimera::cuda {
 namespace {
 
-using ssd_mma::cb_to_a;
-using ssd_mma::cp_async16;
-using ssd_mma::cp_async_commit;
+using namespace ssd_mma;
+using ssd_mma::cp_async_commit;  // not mma_sync.cuh's (ssd_mma_tiles.cuh)
 using ssd_mma::cp_async_wait;
-using ssd_mma::kBStride;
-using ssd_mma::kN;
-using ssd_mma::kP;
-using ssd_mma::kQ;
-using ssd_mma::kXStride;
-using ssd_mma::Lane;
-using ssd_mma::load_entering_state;
-using ssd_mma::ldsm_x4;
-using ssd_mma::ldsm_x4_trans;
-using ssd_mma::load_bc;
-using ssd_mma::load_dt;
-using ssd_mma::load_x;
-using ssd_mma::ScanTiles;
-using ssd_mma::unpack2;
 constexpr int kThreads = 256;  // 8 warps
 static_assert(kThreads == 2 * kQ, "dt / dA_cumsum rows are fetched one per thread");
 
@@ -64,11 +49,6 @@ template <typename T, int kHeads>
 struct StateSmem {
   StateTiles<T, kHeads> stage[2];
 };
-
-template <typename T>
-__device__ __forceinline__ void load_scan_chunk(ScanTiles<T>& t, const SsdParams& p, int begin, int len, int h, int g) {
-  ssd_mma::load_scan_chunk<T, kThreads>(t, p, begin, len, h, g);
-}
 
 // Heads h0 .. h0 + nh - 1 (nh <= kHeads) with kHeads * kThreads threads.
 template <typename T, int kHeads>
@@ -211,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
   T* y = static_cast<T*>(p.y);
   {
     const int2 ch = p.chunks[su.x];
-    load_scan_chunk(sm.stage[0], p, ch.x, ch.y - ch.x, h, g);
+    load_scan_chunk<T, kThreads>(sm.stage[0], p, ch.x, ch.y - ch.x, h, g);
     cp_async_commit();
   }
   const int m0 = warp * 16;  // this warp's output rows
@@ -221,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
     const int len = ch.y - ch.x;
     if (ci + 1 < su.y) {
       const int2 nx = p.chunks[su.x + ci + 1];
-      load_scan_chunk(sm.stage[(ci + 1) & 1], p, nx.x, nx.y - nx.x, h, g);
+      load_scan_chunk<T, kThreads>(sm.stage[(ci + 1) & 1], p, nx.x, nx.y - nx.x, h, g);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -266,14 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
           }
         }
       }
-      const float e0 = __expf(al0), e1 = __expf(al1);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        acc[j][0] *= e0;
-        acc[j][1] *= e0;
-        acc[j][2] *= e1;
-        acc[j][3] *= e1;
-      }
+      scale_rows(acc, al0, al1);
 #pragma unroll
       for (int j = 0; j < kQ / 16; ++j) {
         if (j <= warp) {
@@ -303,14 +276,7 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
           mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
         }
       }
-      const float e0 = __expf(al0), e1 = __expf(al1);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        acc[j][0] *= e0;
-        acc[j][1] *= e0;
-        acc[j][2] *= e1;
-        acc[j][3] *= e1;
-      }
+      scale_rows(acc, al0, al1);
       // Y_diag over the column tiles s in [16 j, 16 j + 16), j <= warp.
       for (int j = 0; j <= warp; ++j) {
         float cb[2][4] = {};
@@ -551,19 +517,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1) ssd_chunk_scan_group_mma_ker
     }
     const int la0 = ra * 16 + ln.gid, lb0 = rb * 16 + ln.gid;
     const float ala0 = acs[la0], ala1 = acs[la0 + 8], alb0 = acs[lb0], alb1 = acs[lb0 + 8];
-    {
-      const float e[2][2] = {{__expf(ala0), __expf(ala1)}, {__expf(alb0), __expf(alb1)}};
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          acc[r][q][0] *= e[r][0];
-          acc[r][q][1] *= e[r][0];
-          acc[r][q][2] *= e[r][1];
-          acc[r][q][3] *= e[r][1];
-        }
-      }
-    }
+    scale_rows(acc[0], ala0, ala1);
+    scale_rows(acc[1], alb0, alb1);
     cp_async_wait<2>();  // pending at most: B(c), stage(c + 1) -> cb(c) landed
     __syncthreads();     // and every warp is past Y_off: C may be refilled
     if (more) load_group_bc(sm.cs, p.C, p, nx.x, nx.y - nx.x, g);

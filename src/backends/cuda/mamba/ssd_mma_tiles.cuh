@@ -26,6 +26,9 @@ constexpr int kXStride = kP + 8;
 constexpr int kBStride = kN + 8;
 static_assert(kQ == 128 && kP == 64 && kN == 128, "the warp tilings assume Q = 128, P = 64, N = 128");
 
+// The kernel files take every name here with `using namespace ssd_mma;` plus `using ssd_mma::cp_async_commit;
+// using ssd_mma::cp_async_wait;`, which pick these over mma_sync.cuh's chimera::cuda versions of the same name.
+//
 // ---- PTX wrappers ----------------------------------------------------------------------------------------
 // The copy pipeline and ldmatrix here clobber "memory" (the scans write shared tiles they then read through
 // ldmatrix): cp_async16 / commit / wait are mamba_common.cuh's; mma_16816, pack2 and smem_addr come from
@@ -149,6 +152,20 @@ __device__ __forceinline__ void cb_half_to_a(uint32_t& lo, uint32_t& hi, const f
   const float v11 = !kCausal || s + 1 <= l1 ? cb[3] * __expf(al1 - as.y) * d.y : 0.0f;
   lo = pack2<T>(v00, v01);
   hi = pack2<T>(v10, v11);
+}
+
+// Y_off's decay: kTiles accumulator tiles of rows l0 (elements 0, 1) and l1 (elements 2, 3) times exp(al0) and
+// exp(al1), al = Acum[l].
+template <int kTiles>
+__device__ __forceinline__ void scale_rows(float (&acc)[kTiles][4], float al0, float al1) {
+  const float e0 = __expf(al0), e1 = __expf(al1);
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    acc[j][0] *= e0;
+    acc[j][1] *= e0;
+    acc[j][2] *= e1;
+    acc[j][3] *= e1;
+  }
 }
 
 // This warp's C.B^T tile j (rows l0, l1; both n8 halves) as the A fragment of the product with x:
