@@ -164,14 +164,7 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
     const bool more = ci + 1 < su.y;
     // The entering state, rounded to T, as the B operand of Y_off. Every warp finished the previous chunk's
     // Y_off (its last read of sb) before that chunk's second barrier.
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
-        *reinterpret_cast<uint32_t*>(&sm.sb[pr * kBStride + nc]) = pack2<T>(st[j][2 * half], st[j][2 * half + 1]);
-      }
-    }
+    store_state_tile(sm.sb, st, p0, n0, ln);
     cp_async_wait<0>();
     __syncthreads();  // this chunk's tiles and sb visible; every warp is past the previous chunk
     if (more) {
@@ -313,8 +306,7 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
         for (int half = 0; half < 2; ++half) {
           const int l = (r ? l_hi : l_lo) + half * 8;
           if (kStageY || l < len) {
-            const float2 xv = unpack2<T>(*reinterpret_cast<const uint32_t*>(&t.xs[l * kXStride + pc]));
-            const uint32_t out = pack2<T>(acc[r][j][2 * half] + d_skip * xv.x, acc[r][j][2 * half + 1] + d_skip * xv.y);
+            const uint32_t out = y_plus_dx(acc[r][j][2 * half], acc[r][j][2 * half + 1], d_skip, t.xs, l, pc);
             if constexpr (kStageY) {
               *reinterpret_cast<uint32_t*>(&ys[l * kXStride + pc]) = out;
             } else {
@@ -366,14 +358,9 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
 
 template <typename T, bool kStageY>
 void launch_split(const SsdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(SplitSmem<T>);
-  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_scan split mma)";
-  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(ssd_chunk_scan_split_mma_kernel<T, kStageY>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                     kOp);
-  ssd_chunk_scan_split_mma_kernel<T, kStageY>
-      <<<static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kSplitThreads, smem, stream>>>(p);
-  CHIMERA_LAUNCH_CHECK(kOp);
+  launch_with_smem(ssd_chunk_scan_split_mma_kernel<T, kStageY>,
+                   static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kSplitThreads, sizeof(SplitSmem<T>),
+                   p, stream, "ops::ssd_chunk_scan (chunk_scan split mma)");
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The pieces the tensor-core SSD kernels share (ssd_mma.cu: chunk_state, the default chunk_scan, group_cb;
 // ssd_mma_split.cu: the 16-warp chunk_scan): tile shapes, shared-memory chunk tiles and their cp.async loaders,
-// ldmatrix wrappers, fragment lane roles and the C.B^T -> A fragment conversion. Every kernel that includes this
+// ldmatrix wrappers, fragment lane roles, the C.B^T -> A fragment conversion, the accumulator steps the scans
+// share (Y_off's row decay, the state rounded into sb, y + D x) and the launch. Every kernel that includes this
 // computes its per-element values with these same functions, which is what keeps their results bit-identical.
 //
 // Shared-memory tiles keep the global layout (rows = tokens), padded by 8 elements per row so ldmatrix row
@@ -198,6 +199,37 @@ __device__ __forceinline__ void load_entering_state(float (&st)[J][4], const Ssd
       st[j][2 * half + 1] = v.y;
     }
   }
+}
+
+// The same lane share of the state, rounded to T, into sb [P, N + 8] (the B operand of Y_off).
+template <typename T, int J>
+__device__ __forceinline__ void store_state_tile(T* sb, const float (&st)[J][4], int p0, int n0, const Lane& ln) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
+      *reinterpret_cast<uint32_t*>(&sb[pr * kBStride + nc]) = pack2<T>(st[j][2 * half], st[j][2 * half + 1]);
+    }
+  }
+}
+
+// y at row l, columns pc and pc + 1 of the chunk, rounded to T: the accumulators (acc0, acc1) + D x, x read from
+// the xs tile.
+template <typename T>
+__device__ __forceinline__ uint32_t y_plus_dx(float acc0, float acc1, float d_skip, const T* xs, int l, int pc) {
+  const float2 xv = unpack2<T>(*reinterpret_cast<const uint32_t*>(&xs[l * kXStride + pc]));
+  return pack2<T>(acc0 + d_skip * xv.x, acc1 + d_skip * xv.y);
+}
+
+// Host: kernel<<<blocks, threads, smem, stream>>>(p) after the opt-in to more than 48 KB of dynamic shared memory
+// (every SSD mma kernel uses it); op names the operation in errors.
+inline void launch_with_smem(void (*kernel)(SsdParams), unsigned blocks, unsigned threads, size_t smem,
+                             const SsdParams& p, cudaStream_t stream, const char* op) {
+  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                     op);
+  kernel<<<blocks, threads, smem, stream>>>(p);
+  CHIMERA_LAUNCH_CHECK(op);
 }
 
 }  // namespace chimera::cuda::ssd_mma
