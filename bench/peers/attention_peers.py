@@ -15,18 +15,10 @@ import torch.nn.functional as F
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-COPY_GBS = 4200.0  # anchors.md: measured device copy, read + write
-BF16_TFLOPS = 790.0  # anchors.md: measured dense bf16
+from peer_report import report
+
 QH, KVH, HD = 32, 2, 128
 HEADS = "Qh=32 KVh=2 hd=128 bf16 block=64"
-
-
-def report(kernel, shape, us, nbytes, flops):
-    gbps = nbytes / (us * 1e-6) / 1e9 if nbytes else 0.0
-    tflops = flops / (us * 1e-6) / 1e12 if flops else 0.0
-    ratio = max(gbps / COPY_GBS, tflops / BF16_TFLOPS)
-    print(f"BENCH kernel={kernel} shape={shape} us={us:.2f} gbps={gbps:.1f} tflops={tflops:.2f} "
-          f"floor_ratio={ratio:.3f}", flush=True)
 
 
 def sdpa_fn(causal, gqa):

@@ -14,8 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-COPY_GBS = 4200.0
-BF16_TFLOPS = 790.0
+from peer_report import report
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -36,14 +35,6 @@ def time_us(fn, iters=50, warmup=5):
         times.append(a.elapsed_time(b) * 1000.0)
     times.sort()
     return times[len(times) // 2]
-
-
-def report(kernel, shape, us, nbytes, flops):
-    gbps = nbytes / (us * 1e-6) / 1e9 if nbytes else 0.0
-    tflops = flops / (us * 1e-6) / 1e12 if flops else 0.0
-    ratio = max(gbps / COPY_GBS, tflops / BF16_TFLOPS)
-    print(f"BENCH kernel={kernel} shape={shape} us={us:.2f} gbps={gbps:.1f} tflops={tflops:.2f} "
-          f"floor_ratio={ratio:.3f}", flush=True)
 
 
 # ---- router -------------------------------------------------------------------------------------------------

@@ -15,24 +15,16 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from peer_report import report
+
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
-COPY_GBS = 4200.0  # bench_common.h: measured device copy, read + write
-PEAK_TFLOPS = 790.0  # measured dense bf16
 EPS = 1e-5
 T0 = time.time()
 COMPILE_BUDGET_S = float(os.environ.get("PEERS_COMPILE_BUDGET_S", "90"))
 NORM_TOKENS = [1, 16, 64, 256, 1024, 4096, 16384]
 NORM_HIDDEN = [2688, 4096, 8192]
-
-
-def report(kernel, shape, us, nbytes=0.0, flops=0.0):
-    gbps = nbytes / (us * 1e-6) / 1e9 if nbytes else 0.0
-    tflops = flops / (us * 1e-6) / 1e12 if flops else 0.0
-    ratio = max(gbps / COPY_GBS, tflops / PEAK_TFLOPS)
-    print(f"BENCH kernel={kernel} shape={shape} us={us:.2f} gbps={gbps:.1f} tflops={tflops:.2f} floor_ratio={ratio:.3f}",
-          flush=True)
 
 
 def bench(fn):

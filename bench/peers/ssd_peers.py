@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from peer_report import report
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / ".peers"))
 
@@ -27,7 +29,6 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 P, N, G, Q = 64, 128, 8, 128
-COPY_GBS, BF16_TFLOPS = 4200.0, 790.0  # bench/bench_common.h
 
 
 def flops_bytes(T, H, S=1):
@@ -35,14 +36,6 @@ def flops_bytes(T, H, S=1):
     flops = chunks * (H * (4.0 * Q * P * N + 2.0 * Q * Q * P) + G * 2.0 * Q * Q * N)
     nbytes = 2.0 * (2.0 * T * H * P + T * H + 2.0 * T * G * N) + 2.0 * 4.0 * S * H * P * N
     return flops, nbytes
-
-
-def report(kernel, shape, us, flops, nbytes):
-    gbps = nbytes / (us * 1e-6) / 1e9
-    tflops = flops / (us * 1e-6) / 1e12
-    ratio = max(gbps / COPY_GBS, tflops / BF16_TFLOPS)
-    print(f"BENCH kernel={kernel} shape={shape} us={us:.2f} gbps={gbps:.1f} tflops={tflops:.2f} "
-          f"floor_ratio={ratio:.3f}", flush=True)
 
 
 def inputs(T, H, S=1):
@@ -167,12 +160,12 @@ def main():
             a = inputs(T, H)
             if mamba_chunk_scan_combined is not None:
                 ms = triton.testing.do_bench(lambda: mamba(*a), warmup=25, rep=100, return_mode="median")
-                report(f"ssd_chunk_scan-{model}-mamba-triton", shape, ms * 1e3, flops, nbytes)
+                report(f"ssd_chunk_scan-{model}-mamba-triton", shape, ms * 1e3, nbytes, flops)
             ms = triton.testing.do_bench(lambda: ssd_torch(*a), warmup=3, rep=20, return_mode="median")
-            report(f"ssd_chunk_scan-{model}-torch-eager", shape, ms * 1e3, flops, nbytes)
+            report(f"ssd_chunk_scan-{model}-torch-eager", shape, ms * 1e3, nbytes, flops)
             if (T, H) in warm_compiled:
                 ms = triton.testing.do_bench(lambda: compiled(*a), warmup=3, rep=20, return_mode="median")
-                report(f"ssd_chunk_scan-{model}-torch-compile", shape, ms * 1e3, flops, nbytes)
+                report(f"ssd_chunk_scan-{model}-torch-compile", shape, ms * 1e3, nbytes, flops)
             elif compiled is not None:
                 print(f"peers: torch.compile not timed at {shape} (not compiled within the budget)", flush=True)
             del a

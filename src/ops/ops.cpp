@@ -69,6 +69,15 @@ class Check {
   void shape(const char* name, const Tensor& t, const Shape& want, const char* other_name, const Tensor& other) const {
     if (t.shape() != want) fail("{} {} does not match {} {}", name, t.describe(), other_name, other.describe());
   }
+  // An activation (as f32, rank 2) of x's shape [rows, hidden]; a norm weight: 1-D, x's hidden size.
+  void like(const char* name, const Tensor& t, const char* x_name, const Tensor& x) const {
+    f32(name, t, 2);
+    shape(name, t, x.shape(), x_name, x);
+  }
+  void norm_weight(const char* name, const Tensor& w, const char* x_name, const Tensor& x) const {
+    weight(name, w, 1);
+    shape(name, w, {x.dim(1)}, x_name, x);
+  }
   void no_alias(const char* a_name, const Tensor& a, const char* b_name, const Tensor& b) const {
     const auto* pa = static_cast<const char*>(a.data());
     const auto* pb = static_cast<const char*>(b.data());
@@ -189,8 +198,7 @@ void embedding(const Context& ctx, const Tensor& out, const Tensor& table, const
 void convert(const Context& ctx, const Tensor& out, const Tensor& in) {
   const Check c(ctx, "convert");
   c.f32("in", in, 2);
-  c.f32("out", out, 2);
-  c.shape("out", out, in.shape(), "in", in);
+  c.like("out", out, "in", in);
   c.no_alias("out", out, "in", in);
   c.dispatch([&] { cpu::convert(out, in); }, [&] { CHIMERA_CUDA_CALL(cuda::convert(ctx, out, in)); });
 }
@@ -198,10 +206,8 @@ void convert(const Context& ctx, const Tensor& out, const Tensor& in) {
 void rms_norm(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps) {
   const Check c(ctx, "rms_norm");
   c.f32("x", x, 2);
-  c.f32("out", out, 2);
-  c.shape("out", out, x.shape(), "x", x);
-  c.weight("weight", weight, 1);
-  c.shape("weight", weight, {x.dim(1)}, "x", x);
+  c.like("out", out, "x", x);
+  c.norm_weight("weight", weight, "x", x);
   c.dispatch([&] { cpu::rms_norm(out, x, weight, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::rms_norm(ctx, out, x, weight, eps)); });
 }
 
@@ -209,12 +215,9 @@ void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out,
                   float eps) {
   const Check c(ctx, "add_rms_norm");
   c.f32("x", x, 2);
-  c.f32("residual", residual, 2);
-  c.f32("out", out, 2);
-  c.shape("residual", residual, x.shape(), "x", x);
-  c.shape("out", out, x.shape(), "x", x);
-  c.weight("weight", weight, 1);
-  c.shape("weight", weight, {x.dim(1)}, "x", x);
+  c.like("residual", residual, "x", x);
+  c.like("out", out, "x", x);
+  c.norm_weight("weight", weight, "x", x);
   c.dispatch([&] { cpu::add_rms_norm(residual, out, x, weight, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::add_rms_norm(ctx, residual, out, x, weight, eps)); });
 }
 
@@ -222,14 +225,10 @@ void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out
                    const Tensor& weight, float eps) {
   const Check c(ctx, "add2_rms_norm");
   c.f32("a", a, 2);
-  c.f32("b", b, 2);
-  c.f32("residual", residual, 2);
-  c.f32("out", out, 2);
-  c.shape("b", b, a.shape(), "a", a);
-  c.shape("residual", residual, a.shape(), "a", a);
-  c.shape("out", out, a.shape(), "a", a);
-  c.weight("weight", weight, 1);
-  c.shape("weight", weight, {a.dim(1)}, "a", a);
+  c.like("b", b, "a", a);
+  c.like("residual", residual, "a", a);
+  c.like("out", out, "a", a);
+  c.norm_weight("weight", weight, "a", a);
   c.dispatch([&] { cpu::add2_rms_norm(residual, out, a, b, weight, eps); },
              [&] { CHIMERA_CUDA_CALL(cuda::add2_rms_norm(ctx, residual, out, a, b, weight, eps)); });
 }
@@ -238,12 +237,9 @@ void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, cons
                     int64_t n_groups, float eps) {
   const Check c(ctx, "gated_rms_norm");
   c.f32("y", y, 2);
-  c.f32("z", z, 2);
-  c.f32("out", out, 2);
-  c.shape("z", z, y.shape(), "y", y);
-  c.shape("out", out, y.shape(), "y", y);
-  c.weight("weight", weight, 1);
-  c.shape("weight", weight, {y.dim(1)}, "y", y);
+  c.like("z", z, "y", y);
+  c.like("out", out, "y", y);
+  c.norm_weight("weight", weight, "y", y);
   if (n_groups <= 0 || y.dim(1) % n_groups != 0) c.fail("n_groups {} does not divide y {}", n_groups, y.describe());
   c.dispatch([&] { cpu::gated_rms_norm(out, y, z, weight, n_groups, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::gated_rms_norm(ctx, out, y, z, weight, n_groups, eps)); });
 }
@@ -296,8 +292,7 @@ namespace {
 void check_relu2_mlp(const Check& c, const Tensor& out, const Tensor& x, const Tensor& up_proj,
                      const Tensor& down_proj) {
   c.f32("x", x, 2);
-  c.f32("out", out, 2);
-  c.shape("out", out, x.shape(), "x", x);
+  c.like("out", out, "x", x);
   c.weight("up_proj", up_proj, 2);
   c.shape("up_proj", up_proj, {up_proj.dim(0), x.dim(1)}, "x", x);
   c.weight("down_proj", down_proj, 2);

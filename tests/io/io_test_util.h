@@ -1,12 +1,15 @@
-// Helpers for the io tests: a fresh temporary directory per test, raw file writing, and an assertion that a
-// call throws kInvalidInput with every expected piece of text in its message.
+// Helpers for the io tests: a fresh temporary directory per test, raw file writing, an assertion that a call
+// throws kInvalidInput with every expected piece of text in its message, and a config's layer counts by kind.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <initializer_list>
+#include <ostream>
 #include <string>
 
 #include <unistd.h>
@@ -14,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "core/error.h"
+#include "io/model_config.h"
 
 namespace chimera::test {
 
@@ -75,5 +79,19 @@ inline ::testing::AssertionResult throws_invalid(const std::function<void()>& fn
 }
 
 #define EXPECT_INVALID(stmt, ...) EXPECT_TRUE(::chimera::test::throws_invalid([&] { stmt; }, {__VA_ARGS__}))
+
+// The layers of each kind of a config, compared as one value: EXPECT_EQ(layer_counts(c), (LayerCounts{24, 4, 24, 0}))
+// prints all four counts of both sides on a mismatch.
+struct LayerCounts {
+  int64_t mamba = 0, attention = 0, mlp = 0, moe = 0;
+  bool operator==(const LayerCounts&) const = default;
+};
+inline LayerCounts layer_counts(const ModelConfig& c) {
+  auto n = [&](LayerKind k) { return static_cast<int64_t>(std::count(c.layers.begin(), c.layers.end(), k)); };
+  return {n(LayerKind::kMamba), n(LayerKind::kAttention), n(LayerKind::kMlp), n(LayerKind::kMoe)};
+}
+inline void PrintTo(const LayerCounts& k, std::ostream* os) {
+  *os << "{mamba " << k.mamba << ", attention " << k.attention << ", mlp " << k.mlp << ", moe " << k.moe << "}";
+}
 
 }  // namespace chimera::test

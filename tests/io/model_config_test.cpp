@@ -1,6 +1,5 @@
 #include "io/model_config.h"
 
-#include <algorithm>
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -13,12 +12,10 @@ namespace chimera {
 namespace {
 
 using json = nlohmann::json;
+using test::layer_counts;
+using test::LayerCounts;
 using test::TempDir;
 using test::write_file;
-
-int64_t count(const std::vector<LayerKind>& ks, LayerKind k) {
-  return static_cast<int64_t>(std::count(ks.begin(), ks.end(), k));
-}
 
 ModelConfig load_fixture(const std::string& name) {
   const std::string path = test::source_path("tests/fixtures/configs/" + name);
@@ -35,10 +32,7 @@ TEST(ModelConfigPublished, NemotronH8B) {
   const ModelConfig c = load_fixture("nemotron-h-8b.json");
   EXPECT_EQ(c.pattern(), "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-");
   EXPECT_EQ(c.num_hidden_layers(), 52);
-  EXPECT_EQ(count(c.layers, LayerKind::kMamba), 24);
-  EXPECT_EQ(count(c.layers, LayerKind::kAttention), 4);
-  EXPECT_EQ(count(c.layers, LayerKind::kMlp), 24);
-  EXPECT_EQ(count(c.layers, LayerKind::kMoe), 0);
+  EXPECT_EQ(layer_counts(c), (LayerCounts{24, 4, 24, 0}));
   EXPECT_EQ(c.hidden_size, 4096);
   EXPECT_EQ(c.vocab_size, 131072);
   EXPECT_EQ(c.num_attention_heads, 32);
@@ -75,10 +69,7 @@ TEST(ModelConfigPublished, NemotronH8B) {
 TEST(ModelConfigPublished, Nemotron3Nano30BA3B) {
   const ModelConfig c = load_fixture("nemotron-3-nano-30b-a3b.json");
   EXPECT_EQ(c.num_hidden_layers(), 52);
-  EXPECT_EQ(count(c.layers, LayerKind::kMamba), 23);
-  EXPECT_EQ(count(c.layers, LayerKind::kAttention), 6);
-  EXPECT_EQ(count(c.layers, LayerKind::kMlp), 0);
-  EXPECT_EQ(count(c.layers, LayerKind::kMoe), 23);
+  EXPECT_EQ(layer_counts(c), (LayerCounts{23, 6, 0, 23}));
   EXPECT_EQ(c.layers[5], LayerKind::kAttention);
   EXPECT_EQ(c.hidden_size, 2688);
   EXPECT_EQ(c.num_attention_heads, 32);
@@ -112,10 +103,7 @@ TEST(ModelConfigPublished, Nemotron3Nano30BA3B) {
 TEST(ModelConfigPublished, Nemotron3Super120BA12B) {
   const ModelConfig c = load_fixture("nemotron-3-super-120b-a12b.json");
   EXPECT_EQ(c.num_hidden_layers(), 88);
-  EXPECT_EQ(count(c.layers, LayerKind::kMamba), 40);
-  EXPECT_EQ(count(c.layers, LayerKind::kAttention), 8);
-  EXPECT_EQ(count(c.layers, LayerKind::kMlp), 0);
-  EXPECT_EQ(count(c.layers, LayerKind::kMoe), 40);
+  EXPECT_EQ(layer_counts(c), (LayerCounts{40, 8, 0, 40}));
   EXPECT_EQ(c.hidden_size, 4096);
   EXPECT_EQ(c.mamba_inner(), 8192);
   EXPECT_EQ(c.conv_dim(), 10240);

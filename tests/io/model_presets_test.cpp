@@ -1,32 +1,21 @@
 // The synthetic-model presets parse to the published shapes of model-spec section 9, and --num-layers keeps
 // the first N layers of the pattern.
-#include <algorithm>
-
 #include <gtest/gtest.h>
 
 #include "core/error.h"
+#include "io/io_test_util.h"
 #include "io/model_presets.h"
 
 namespace chimera {
 namespace {
 
-struct KindCounts {
-  int64_t mamba, attention, mlp, moe;
-};
-
-KindCounts kinds(const ModelConfig& c) {
-  auto n = [&](LayerKind k) { return static_cast<int64_t>(std::count(c.layers.begin(), c.layers.end(), k)); };
-  return {n(LayerKind::kMamba), n(LayerKind::kAttention), n(LayerKind::kMlp), n(LayerKind::kMoe)};
-}
+using test::layer_counts;
+using test::LayerCounts;
 
 TEST(ModelPresets, NemotronH8B) {
   const ModelConfig c = model_preset("nemotron-h-8b");
   EXPECT_EQ(c.num_hidden_layers(), 52);
-  const KindCounts k = kinds(c);
-  EXPECT_EQ(k.mamba, 24);
-  EXPECT_EQ(k.attention, 4);
-  EXPECT_EQ(k.mlp, 24);
-  EXPECT_EQ(k.moe, 0);
+  EXPECT_EQ(layer_counts(c), (LayerCounts{24, 4, 24, 0}));
   EXPECT_EQ(c.pattern(), "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-");
   EXPECT_EQ(c.hidden_size, 4096);
   EXPECT_EQ(c.vocab_size, 131072);
@@ -45,11 +34,7 @@ TEST(ModelPresets, NemotronH8B) {
 TEST(ModelPresets, Nemotron3Nano30B) {
   const ModelConfig c = model_preset("nemotron-3-nano-30b-a3b");
   EXPECT_EQ(c.num_hidden_layers(), 52);
-  const KindCounts k = kinds(c);
-  EXPECT_EQ(k.mamba, 23);
-  EXPECT_EQ(k.attention, 6);
-  EXPECT_EQ(k.mlp, 0);
-  EXPECT_EQ(k.moe, 23);
+  EXPECT_EQ(layer_counts(c), (LayerCounts{23, 6, 0, 23}));
   EXPECT_EQ(c.pattern(), "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME");
   EXPECT_EQ(c.hidden_size, 2688);
   EXPECT_EQ(c.num_attention_heads, 32);
@@ -68,11 +53,7 @@ TEST(ModelPresets, Nemotron3Nano30B) {
 TEST(ModelPresets, Nemotron3Super120B) {
   const ModelConfig c = model_preset("nemotron-3-super-120b-a12b");
   EXPECT_EQ(c.num_hidden_layers(), 88);
-  const KindCounts k = kinds(c);
-  EXPECT_EQ(k.mamba, 40);
-  EXPECT_EQ(k.attention, 8);
-  EXPECT_EQ(k.mlp, 0);
-  EXPECT_EQ(k.moe, 40);
+  EXPECT_EQ(layer_counts(c), (LayerCounts{40, 8, 0, 40}));
   EXPECT_EQ(c.hidden_size, 4096);
   EXPECT_EQ(c.num_key_value_heads, 2);
   EXPECT_EQ(c.mamba_num_heads, 128);
@@ -91,7 +72,7 @@ TEST(ModelPresets, Nemotron3Super120B) {
 
 TEST(ModelPresets, TinyHasEveryLayerKind) {
   const ModelConfig c = model_preset("tiny");
-  const KindCounts k = kinds(c);
+  const LayerCounts k = layer_counts(c);
   EXPECT_GT(k.mamba, 0);
   EXPECT_GT(k.attention, 0);
   EXPECT_GT(k.mlp, 0);

@@ -152,6 +152,24 @@ TEST_P(GpuParity, Bf16TeacherForcedTop1AgreesWithTransformers) {
   EXPECT_GE(rate, 0.90);
 }
 
+// Two batch runs of the same prompts (b against a, prompt by prompt): the same tokens, and logits within the
+// graph-vs-eager bound of activation dtype dt (the same kernels, at most their split plans differ).
+void expect_same_runs(const BatchRun& a, const BatchRun& b, int64_t V, DType dt) {
+  ASSERT_EQ(b.results.size(), a.results.size());
+  for (size_t p = 0; p < a.results.size(); ++p) {
+    SCOPED_TRACE(fmt::format("prompt {}", p));
+    const RunResult& x = a.results[p];
+    const RunResult& y = b.results[p];
+    EXPECT_EQ(y.tokens, x.tokens);
+    const int64_t rows = static_cast<int64_t>(x.logits.size()) / V;
+    ASSERT_GT(rows, 0);
+    ASSERT_EQ(y.logits.size(), x.logits.size());
+    const Tensor ref = Tensor::from_f32({rows, V}, x.logits);
+    EXPECT_TRUE(logits_match(y.logits, ref, rows, V,
+                             dt == DType::kF32 ? kGpuModelLogitsRelToMax : kGpuBf16GraphVsEagerRelToMax));
+  }
+}
+
 // CUDA-graph decode gives the same tokens as eager decode, and the same logits within the GPU model bound
 // (graph-captured attention plans its KV splits for the longest context, eager for this step's: the sums
 // differ in order only). fp32 and bf16; the graphs must actually have been used (batch sizes 3, 2, 1).
@@ -166,17 +184,7 @@ TEST_P(GpuParity, CudaGraphDecodeEqualsEager) {
     const BatchRun graphed = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = true});
     EXPECT_TRUE(eager.graph_sizes.empty());
     EXPECT_GE(graphed.graph_sizes.size(), 2u) << "the decode steps did not run as CUDA graphs";
-    for (size_t p = 0; p < f.prompts.size(); ++p) {
-      SCOPED_TRACE(fmt::format("prompt {}", p));
-      const RunResult& e = eager.results[p];
-      const RunResult& g = graphed.results[p];
-      EXPECT_EQ(g.tokens, e.tokens);
-      const int64_t rows = static_cast<int64_t>(e.logits.size()) / V;
-      ASSERT_EQ(g.logits.size(), e.logits.size());
-      const Tensor ref = Tensor::from_f32({rows, V}, e.logits);
-      EXPECT_TRUE(logits_match(g.logits, ref, rows, V,
-                               dt == DType::kF32 ? kGpuModelLogitsRelToMax : kGpuBf16GraphVsEagerRelToMax));
-    }
+    expect_same_runs(eager, graphed, V, dt);
   }
 }
 
@@ -205,18 +213,7 @@ TEST_P(GpuParity, PdlOnEqualsPdlOff) {
       if (graphs) {
         EXPECT_GE(on.graph_sizes.size(), 2u) << "the decode steps did not run as CUDA graphs";
       }
-      for (size_t p = 0; p < f.prompts.size(); ++p) {
-        SCOPED_TRACE(fmt::format("prompt {}", p));
-        const RunResult& a = off.results[p];
-        const RunResult& b = on.results[p];
-        EXPECT_EQ(b.tokens, a.tokens);
-        const int64_t rows = static_cast<int64_t>(a.logits.size()) / V;
-        ASSERT_GT(rows, 0);
-        ASSERT_EQ(b.logits.size(), a.logits.size());
-        const Tensor ref = Tensor::from_f32({rows, V}, a.logits);
-        EXPECT_TRUE(logits_match(b.logits, ref, rows, V,
-                                 dt == DType::kF32 ? kGpuModelLogitsRelToMax : kGpuBf16GraphVsEagerRelToMax));
-      }
+      expect_same_runs(off, on, V, dt);
     }
   }
 }

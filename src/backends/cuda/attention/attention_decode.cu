@@ -135,8 +135,6 @@ __device__ void merge_splits(const AttentionParams& p, const DecodeWorkspace& ws
 template <typename T, int HD>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionParams p, DecodeWorkspace ws) {
   constexpr int CH = HD / 8;
-  constexpr int RP = kThreads / CH;
-  constexpr int PASSES = kTile / RP;
   extern __shared__ uint4 smem_u4[];
   T* sQ = reinterpret_cast<T*>(smem_u4);  // [16][HD]
   T* sK = sQ + 16 * HD;                   // [kStages][kTile][HD]
@@ -173,18 +171,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
   const int my_ch = tid % CH, my_r0 = tid / CH;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks;
   auto load_kv = [&](int j, int buf) {
-#pragma unroll
-    for (int i = 0; i < PASSES; ++i) {
-      const int r = my_r0 + i * RP, pos = k_begin + j * kTile + r;
-      const bool ok = pos < k_end;
-      int64_t off = 0;
-      if (ok) {
-        const int blk = table[pos / p.block_size];
-        off = ((static_cast<int64_t>(blk) * p.block_size + pos % p.block_size) * p.num_kv_heads + kvh) * HD + my_ch * 8;
-      }
-      cp_async_16(sK + buf * kTile * HD + swz<HD>(r, my_ch), kc + off, ok);
-      cp_async_16(sV + buf * kTile * HD + swz<HD>(r, my_ch), vc + off, ok);
-    }
+    load_kv_tile<T, HD, kTile, kThreads>(sK, sV, buf, kc, vc, p, p.num_kv_heads, table, kvh, k_begin + j * kTile, k_end,
+                                         my_r0, my_ch);
   };
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
@@ -193,9 +181,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
   }
 
   uint32_t qf[HD / 16][4];
-  float o[HD / 8][4];
-#pragma unroll
-  for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float o[HD / 8][4] = {};
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
   for (int j = 0; j < n_tiles; ++j) {

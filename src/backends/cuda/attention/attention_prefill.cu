@@ -33,8 +33,6 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(kThreads, 2) attention_prefill_kernel(AttentionParams p, const PrefillTile* tiles) {
   constexpr int BM = kPrefillBlockM, BN = kPrefillBlockN;
   constexpr int CH = HD / 8;              // 16-byte chunks per row
-  constexpr int RP = kThreads / CH;       // rows one pass of the CTA covers
-  constexpr int KV_PASSES = BN / RP;      // passes per K (or V) tile
   extern __shared__ uint4 smem_u4[];
   T* sQ = reinterpret_cast<T*>(smem_u4);  // [BM][HD] swizzled
   T* sK = sQ + BM * HD;                   // [2][BN][HD]
@@ -63,32 +61,19 @@ __global__ void __launch_bounds__(kThreads, 2) attention_prefill_kernel(Attentio
       cp_async_16(sQ + swz<HD>(r, ch), ok ? qbase + r * q_row_stride + ch * 8 : qbase, ok);
     }
   }
-  // Rows this thread copies in each K / V tile: r = tid / CH + i * RP, chunk tid % CH.
+  // Rows this thread copies in each K / V tile: r = tid / CH + i * (kThreads / CH), chunk tid % CH (load_kv_tile).
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
   const int my_ch = tid % CH, my_r0 = tid / CH;
   const int32_t* table = p.block_tables + static_cast<int64_t>(tile.seq) * p.max_blocks;
   auto load_kv = [&](int j, int buf) {
-#pragma unroll
-    for (int i = 0; i < KV_PASSES; ++i) {
-      const int r = my_r0 + i * RP, pos = j * BN + r;
-      const bool ok = pos < kv_hi;
-      int64_t off = 0;
-      if (ok) {
-        const int blk = table[pos / p.block_size];
-        off = ((static_cast<int64_t>(blk) * p.block_size + pos % p.block_size) * p.num_kv_heads + kvh) * HD + my_ch * 8;
-      }
-      cp_async_16(sK + buf * BN * HD + swz<HD>(r, my_ch), kc + off, ok);
-      cp_async_16(sV + buf * BN * HD + swz<HD>(r, my_ch), vc + off, ok);
-    }
+    load_kv_tile<T, HD, BN, kThreads>(sK, sV, buf, kc, vc, p, p.num_kv_heads, table, kvh, j * BN, kv_hi, my_r0, my_ch);
   };
   load_kv(0, 0);
   cp_async_commit();
 
   uint32_t qf[HD / 16][4];
-  float o[HD / 8][4];
-#pragma unroll
-  for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float o[HD / 8][4] = {};
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
   // Last visible key of this thread's two rows (rows past the sequence end see everything, harmlessly).
   const int row_a = warp * 16 + g;

@@ -1,12 +1,13 @@
 // What the attention prefill and decode kernels share beyond the tensor-core wrappers of mma_sync.cuh
-// (cp.async, ldmatrix, mma.sync m16n8k16, pack2): the swizzled shared-memory layout of [rows, HD] tiles and
-// the quad reductions of the online softmax.
+// (cp.async, ldmatrix, mma.sync m16n8k16, pack2): the swizzled shared-memory layout of [rows, HD] tiles, the
+// gather of K / V tiles from the paged cache and the quad reductions of the online softmax.
 // Two adjacent C tiles (n 0..15) converted to 16-bit pairs are exactly one A fragment over k 0..15: the
 // softmax probabilities P go from the S accumulators straight into P @ V without shared memory.
 #pragma once
 
 #include <cstdint>
 
+#include "backends/cuda/attention/attention_kernels.cuh"
 #include "backends/cuda/mma_sync.cuh"
 
 namespace chimera::cuda::attn {
@@ -17,6 +18,30 @@ namespace chimera::cuda::attn {
 template <int HD>
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * HD + ((chunk ^ (row & 7)) << 3);
+}
+
+// cp.async of keys / values at positions [first, first + kRows) of kv head kvh of one sequence (block table row
+// `table`) from the paged cache into stage `buf` of the swizzled [stages][kRows, HD] tiles sK, sV; positions >= end
+// are zero-filled. The calling thread copies 16-byte chunk my_ch of tile rows my_r0 + i * kRowsPerPass (kThreads
+// threads, HD / 8 chunks a row). kc, vc: p.k_cache, p.v_cache as T; kv_heads: p.num_kv_heads (by value: read
+// through p here, it renumbered the decode kernel's PTX registers). The caller commits.
+template <typename T, int HD, int kRows, int kThreads>
+__device__ __forceinline__ void load_kv_tile(T* sK, T* sV, int buf, const T* kc, const T* vc, const AttentionParams& p,
+                                             int kv_heads, const int32_t* table, int kvh, int first, int end,
+                                             int my_r0, int my_ch) {
+  constexpr int kRowsPerPass = kThreads / (HD / 8);
+#pragma unroll
+  for (int i = 0; i < kRows / kRowsPerPass; ++i) {
+    const int r = my_r0 + i * kRowsPerPass, pos = first + r;
+    const bool ok = pos < end;
+    int64_t off = 0;
+    if (ok) {
+      const int blk = table[pos / p.block_size];
+      off = ((static_cast<int64_t>(blk) * p.block_size + pos % p.block_size) * kv_heads + kvh) * HD + my_ch * 8;
+    }
+    cp_async_16(sK + buf * kRows * HD + swz<HD>(r, my_ch), kc + off, ok);
+    cp_async_16(sV + buf * kRows * HD + swz<HD>(r, my_ch), vc + off, ok);
+  }
 }
 
 // Quad (4 lanes sharing one accumulator row) reductions.

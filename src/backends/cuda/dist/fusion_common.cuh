@@ -16,6 +16,10 @@ using chimera::dist::has_norm;
 using chimera::dist::has_norm_out;
 using chimera::dist::has_residual;
 using chimera::dist::kLamportEmpty32;
+using chimera::dist::lamport_clear_slot;
+using chimera::dist::lamport_next_slot;
+using chimera::dist::lamport_offset;
+using chimera::dist::Range;
 
 inline constexpr int kMaxThreads = 1024;
 inline constexpr int kMaxItems = 4;  // 16-byte vectors per thread (dist::kMaxRowVecs = 1024 x 4)
@@ -90,12 +94,55 @@ __device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
   return u;
 }
 
+__device__ __forceinline__ uint4 lamport_empty_vec() {
+  return make_uint4(kLamportEmpty32, kLamportEmpty32, kLamportEmpty32, kLamportEmpty32);
+}
+
+// The ONESHOT push (oneshot.cu, oneshot_per_block.cu): message vectors [begin, end) of the input, canonicalised,
+// into region [slot][this rank] of the Lamport buffers of ranks rank + first, ..., rank + n - 1 (mod n): first = 0
+// includes this rank's own buffer, 1 the peers only. Each rank starts at a different peer.
+template <typename T>
+__device__ __forceinline__ void lamport_push(const FusionArgs& a, const PeerArgs& p, int slot, int n, int64_t stride,
+                                             int64_t begin, int64_t end, int first) {
+  for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x) {
+    const uint4 u = canonicalise<T>(__ldg(reinterpret_cast<const uint4*>(a.input) + e));
+    for (int k = first; k < n; ++k) {
+      const int dst = (p.rank + k) % n;
+      __stcg(reinterpret_cast<uint4*>(p.lamport[dst]) + lamport_offset(slot, p.rank, e, n, stride), u);
+    }
+  }
+}
+
 // ---- the fused epilogue -----------------------------------------------------------------------------------
-// v: this thread's vectors of row `row` (vector i is vecs_per_row index threadIdx.x + i * blockDim.x), the full
-// sum over ranks in fp32. Every thread of the block calls it (the norm reduces over the block).
-template <typename T, FusionPattern P, int kItems>
-__device__ __forceinline__ void fuse_row(float (&v)[kItems][VecOf<T>::kN], int64_t row, int n_vecs,
-                                         const FusionArgs& a) {
+// y (the kN normalized values of 16-byte vector e of the row-major output) -> kN e4m3 bytes at fp8_out + e * kN.
+template <int kN>
+__device__ __forceinline__ void store_fp8(const float (&y)[kN], float inv_scale, void* fp8_out, int64_t e) {
+  uint8_t q[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+    q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] * inv_scale, __NV_SATFINITE, __NV_E4M3));
+  }
+  uint8_t* dst = static_cast<uint8_t*>(fp8_out) + e * kN;
+  if constexpr (kN == 8) {
+    uint2 u;
+    __builtin_memcpy(&u, q, 8);
+    *reinterpret_cast<uint2*>(dst) = u;
+  } else {
+    uint32_t u;
+    __builtin_memcpy(&u, q, 4);
+    *reinterpret_cast<uint32_t*>(dst) = u;
+  }
+}
+
+// The epilogue of fuse_row and fuse_row_loaded, which differ only in where the residual and the norm weight
+// come from: residual(i, e) and weight(i, vi) return the raw 16-byte vector of residual_in at [row, n_vecs]
+// index e = row * n_vecs + vi and of norm_weight at vi, for this thread's item i (vi = threadIdx.x + i *
+// blockDim.x < n_vecs). Each is called once, at the point in the arithmetic where the value is first used.
+// Where the vector sits in memory they return a reference (add_unpacked copies from it in place), which keeps the
+// generated code that of the two functions before they shared this body.
+template <typename T, FusionPattern P, int kItems, typename Residual, typename Weight>
+__device__ __forceinline__ void fuse_row_with(float (&v)[kItems][VecOf<T>::kN], int64_t row, int n_vecs,
+                                              const FusionArgs& a, Residual residual, Weight weight) {
   constexpr int kN = VecOf<T>::kN;
   const int64_t base = row * n_vecs;
   if constexpr (P == FusionPattern::kAllReduce) {
@@ -111,8 +158,7 @@ __device__ __forceinline__ void fuse_row(float (&v)[kItems][VecOf<T>::kN], int64
       const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
       if (vi >= n_vecs) continue;
       if constexpr (has_residual(P)) {
-        // Plain loads: residual_in may alias residual_out (each element is read before this thread writes it).
-        add_unpacked<T>(reinterpret_cast<const uint4*>(a.residual_in)[base + vi], v[i]);
+        add_unpacked<T>(residual(i, base + vi), v[i]);
         reinterpret_cast<uint4*>(a.residual_out)[base + vi] = pack<T>(v[i]);
       }
 #pragma unroll
@@ -124,91 +170,39 @@ __device__ __forceinline__ void fuse_row(float (&v)[kItems][VecOf<T>::kN], int64
       const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
       if (vi >= n_vecs) continue;
       float w[kN] = {};
-      add_unpacked<T>(__ldg(reinterpret_cast<const uint4*>(a.norm_weight) + vi), w);
+      add_unpacked<T>(weight(i, vi), w);
       float y[kN];
 #pragma unroll
       for (int j = 0; j < kN; ++j) y[j] = v[i][j] * rinv * w[j];
       if constexpr (has_norm_out(P)) reinterpret_cast<uint4*>(a.norm_out)[base + vi] = pack<T>(y);
-      if constexpr (has_fp8_out(P)) {
-        uint8_t q[kN];
-#pragma unroll
-        for (int j = 0; j < kN; ++j) {
-          q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] * a.fp8_inv_scale, __NV_SATFINITE, __NV_E4M3));
-        }
-        uint8_t* dst = static_cast<uint8_t*>(a.fp8_out) + (base + vi) * kN;
-        if constexpr (kN == 8) {
-          uint2 u;
-          __builtin_memcpy(&u, q, 8);
-          *reinterpret_cast<uint2*>(dst) = u;
-        } else {
-          uint32_t u;
-          __builtin_memcpy(&u, q, 4);
-          *reinterpret_cast<uint32_t*>(dst) = u;
-        }
-      }
+      if constexpr (has_fp8_out(P)) store_fp8<kN>(y, a.fp8_inv_scale, a.fp8_out, base + vi);
     }
   }
+}
+
+// v: this thread's vectors of row `row` (vector i is vecs_per_row index threadIdx.x + i * blockDim.x), the full
+// sum over ranks in fp32. Every thread of the block calls it (the norm reduces over the block).
+template <typename T, FusionPattern P, int kItems>
+__device__ __forceinline__ void fuse_row(float (&v)[kItems][VecOf<T>::kN], int64_t row, int n_vecs,
+                                         const FusionArgs& a) {
+  fuse_row_with<T, P, kItems>(
+      v, row, n_vecs, a,
+      // Plain loads: residual_in may alias residual_out (each element is read before this thread writes it).
+      [&](int, int64_t e) -> const uint4& { return reinterpret_cast<const uint4*>(a.residual_in)[e]; },
+      [&](int, int vi) { return __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + vi); });
 }
 
 // fuse_row with the row's residual and the norm weight already in registers (raw 16-byte vectors, loaded by the
 // caller before it polled the Lamport buffer, so their HBM latency overlaps the wait for the peers): res[i] and
 // w[i] are vector threadIdx.x + i * blockDim.x of residual_in's row `row` and of norm_weight (unused where the
-// pattern has no residual / no norm). Same arithmetic, same order, same stores as fuse_row.
+// pattern has no residual / no norm). Same arithmetic, same order, same stores as fuse_row (fuse_row_with).
 template <typename T, FusionPattern P, int kItems>
 __device__ __forceinline__ void fuse_row_loaded(float (&v)[kItems][VecOf<T>::kN], const uint4 (&res)[kItems],
                                                 const uint4 (&w)[kItems], int64_t row, int n_vecs,
                                                 const FusionArgs& a) {
-  constexpr int kN = VecOf<T>::kN;
-  const int64_t base = row * n_vecs;
-  if constexpr (P == FusionPattern::kAllReduce) {
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
-      if (vi < n_vecs) reinterpret_cast<uint4*>(a.output)[base + vi] = pack<T>(v[i]);
-    }
-  } else {
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
-      if (vi >= n_vecs) continue;
-      if constexpr (has_residual(P)) {
-        add_unpacked<T>(res[i], v[i]);
-        reinterpret_cast<uint4*>(a.residual_out)[base + vi] = pack<T>(v[i]);
-      }
-#pragma unroll
-      for (int j = 0; j < kN; ++j) ss += v[i][j] * v[i][j];
-    }
-    const float rinv = rsqrtf(norm::row_sum(ss) / static_cast<float>(a.hidden) + a.eps);
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int vi = static_cast<int>(threadIdx.x) + i * static_cast<int>(blockDim.x);
-      if (vi >= n_vecs) continue;
-      float wf[kN] = {};
-      add_unpacked<T>(w[i], wf);
-      float y[kN];
-#pragma unroll
-      for (int j = 0; j < kN; ++j) y[j] = v[i][j] * rinv * wf[j];
-      if constexpr (has_norm_out(P)) reinterpret_cast<uint4*>(a.norm_out)[base + vi] = pack<T>(y);
-      if constexpr (has_fp8_out(P)) {
-        uint8_t q[kN];
-#pragma unroll
-        for (int j = 0; j < kN; ++j) {
-          q[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y[j] * a.fp8_inv_scale, __NV_SATFINITE, __NV_E4M3));
-        }
-        uint8_t* dst = static_cast<uint8_t*>(a.fp8_out) + (base + vi) * kN;
-        if constexpr (kN == 8) {
-          uint2 u;
-          __builtin_memcpy(&u, q, 8);
-          *reinterpret_cast<uint2*>(dst) = u;
-        } else {
-          uint32_t u;
-          __builtin_memcpy(&u, q, 4);
-          *reinterpret_cast<uint32_t*>(dst) = u;
-        }
-      }
-    }
-  }
+  fuse_row_with<T, P, kItems>(
+      v, row, n_vecs, a, [&](int i, int64_t) -> const uint4& { return res[i]; },
+      [&](int i, int) -> const uint4& { return w[i]; });
 }
 
 // ---- launch shape and dispatch ----------------------------------------------------------------------------

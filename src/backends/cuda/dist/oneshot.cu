@@ -16,9 +16,6 @@ namespace chimera::cuda::dist {
 
 namespace {
 
-using chimera::dist::lamport_clear_slot;
-using chimera::dist::lamport_next_slot;
-using chimera::dist::lamport_offset;
 using chimera::dist::lamport_clear_elems;
 using chimera::dist::lamport_clear_offset;
 
@@ -40,13 +37,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const FusionArgs a
     const int64_t total = a.tokens * n_vecs;
     const int64_t chunk = (total + gridDim.x - 1) / gridDim.x;
     const int64_t end = min(total, (blockIdx.x + 1) * chunk);
-    for (int64_t e = blockIdx.x * chunk + threadIdx.x; e < end; e += blockDim.x) {
-      const uint4 u = canonicalise<T>(__ldg(reinterpret_cast<const uint4*>(a.input) + e));
-      for (int k = 0; k < n; ++k) {
-        const int dst = (p.rank + k) % n;  // start at a different peer on every rank
-        __stcg(reinterpret_cast<uint4*>(p.lamport[dst]) + lamport_offset(slot, p.rank, e, n, stride), u);
-      }
-    }
+    lamport_push<T>(a, p, slot, n, stride, blockIdx.x * chunk, end, 0);
   }
 
   // 2. clear the slot the previous call read (only this rank reads it; every write into it has landed): the
@@ -55,7 +46,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const FusionArgs a
     const int clear = lamport_clear_slot(slot);
     const int64_t msg = static_cast<int64_t>(state->used_vecs[clear]);
     uint4* base = reinterpret_cast<uint4*>(p.lamport[p.rank]);
-    const uint4 empty = make_uint4(kLamportEmpty32, kLamportEmpty32, kLamportEmpty32, kLamportEmpty32);
+    const uint4 empty = lamport_empty_vec();
     const int64_t total = msg > 0 ? lamport_clear_elems(n, msg) : 0;
     for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < total;
          j += static_cast<int64_t>(gridDim.x) * blockDim.x) {

@@ -41,11 +41,7 @@ namespace chimera::cuda::dist {
 namespace {
 
 using chimera::dist::kOneShotGrid;
-using chimera::dist::lamport_clear_slot;
-using chimera::dist::lamport_next_slot;
-using chimera::dist::lamport_offset;
 using chimera::dist::oneshot_chunk;
-using chimera::dist::Range;
 
 // Thread's vectors of row `row` of a [rows, n_vecs] 16-byte-vector array into raw registers (zero where unused).
 // L2 loads (ld.global.cg): the data was written by an earlier kernel, possibly from another SM; not relying on
@@ -99,13 +95,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
   // 2. push chunk `block` of the message into region [slot][this rank] of every peer's buffer.
   {
     const Range c = oneshot_chunk(block, grid, total);
-    for (int64_t e = c.begin + threadIdx.x; e < c.end; e += blockDim.x) {
-      const uint4 u = canonicalise<T>(__ldg(reinterpret_cast<const uint4*>(a.input) + e));
-      for (int k = 1; k < n; ++k) {  // peers only, the nearest-numbered first (a different one on every rank)
-        const int dst = (p.rank + k) % n;
-        __stcg(reinterpret_cast<uint4*>(p.lamport[dst]) + lamport_offset(slot, p.rank, e, n, stride), u);
-      }
-    }
+    lamport_push<T>(a, p, slot, n, stride, c.begin, c.end, 1);  // peers only, the nearest-numbered first
   }
   // The next kernel may launch now; its pdl_wait still waits for this whole grid.
   pdl_trigger();
@@ -113,7 +103,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_per_block_kernel(const Fu
   // 3. clear the chunk this block's counterparts pushed in the call that read slot `clear`, in every peer region.
   {
     uint4* base = reinterpret_cast<uint4*>(p.lamport[p.rank]);
-    const uint4 empty = make_uint4(kLamportEmpty32, kLamportEmpty32, kLamportEmpty32, kLamportEmpty32);
+    const uint4 empty = lamport_empty_vec();
     const Range c = oneshot_chunk(block, grid, cleared_total);
     for (int r = 0; r < n; ++r) {
       if (r == p.rank) continue;  // this rank's own region is never written

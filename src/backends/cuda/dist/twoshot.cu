@@ -39,7 +39,6 @@ namespace chimera::cuda::dist {
 namespace {
 
 using chimera::dist::epoch_reached;
-using chimera::dist::Range;
 using chimera::dist::twoshot_range;
 using chimera::dist::twoshot_staging_region;
 

@@ -25,24 +25,9 @@
 namespace chimera::cuda {
 namespace {
 
-using ssd_mma::cb_to_a;
-using ssd_mma::cp_async16;
-using ssd_mma::cp_async_commit;
+using namespace ssd_mma;
+using ssd_mma::cp_async_commit;  // not mma_sync.cuh's (ssd_mma_tiles.cuh)
 using ssd_mma::cp_async_wait;
-using ssd_mma::kBStride;
-using ssd_mma::kN;
-using ssd_mma::kP;
-using ssd_mma::kQ;
-using ssd_mma::kXStride;
-using ssd_mma::Lane;
-using ssd_mma::load_entering_state;
-using ssd_mma::ldsm_x4;
-using ssd_mma::ldsm_x4_trans;
-using ssd_mma::load_bc;
-using ssd_mma::load_dt;
-using ssd_mma::load_x;
-using ssd_mma::ScanTiles;
-using ssd_mma::unpack2;
 constexpr int kThreads = 256;  // 8 warps
 static_assert(kThreads == 2 * kQ, "dt / dA_cumsum rows are fetched one per thread");
 
@@ -64,11 +49,6 @@ template <typename T, int kHeads>
 struct StateSmem {
   StateTiles<T, kHeads> stage[2];
 };
-
-template <typename T>
-__device__ __forceinline__ void load_scan_chunk(ScanTiles<T>& t, const SsdParams& p, int begin, int len, int h, int g) {
-  ssd_mma::load_scan_chunk<T, kThreads>(t, p, begin, len, h, g);
-}
 
 // Heads h0 .. h0 + nh - 1 (nh <= kHeads) with kHeads * kThreads threads.
 template <typename T, int kHeads>
@@ -131,16 +111,65 @@ __device__ __forceinline__ void state_step(float (&st)[8][4], const T* xs, const
   }
 }
 
+// Blocks of kHeads heads of one group: block -> superchunk sc, group g, heads h0 .. h0 + nh - 1 (nh <= kHeads; the
+// last block of a group takes the rest). Grid: n_supers x G x per_group blocks, heads of one superchunk adjacent.
+template <int kHeads>
+struct HeadBlock {
+  int sc, g, h0, nh;
+  __device__ explicit HeadBlock(const SsdParams& p) {
+    const int per_group = (p.heads_per_group + kHeads - 1) / kHeads;  // blocks per group and superchunk
+    sc = blockIdx.x / (p.G * per_group);
+    const int rest = blockIdx.x % (p.G * per_group);
+    g = rest / per_group;
+    h0 = g * p.heads_per_group + (rest % per_group) * kHeads;
+    nh = min(kHeads, (g + 1) * p.heads_per_group - h0);
+  }
+};
+template <int kHeads>
+unsigned head_blocks(const SsdParams& p) {
+  const unsigned per_group = static_cast<unsigned>((p.heads_per_group + kHeads - 1) / kHeads);
+  return static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.G) * per_group;
+}
+
+// ---- the scans' mma steps (every kernel runs the same sequence per accumulator, hence the same bits) -------
+// A fragment of the C rows [r0, r0 + 16) of a [Q, N + 8] tile, k = n in [16 kk, 16 kk + 16).
+template <typename T>
+__device__ __forceinline__ void load_c_rows(uint32_t (&a)[4], const T* cs, int r0, int kk, const Lane& ln) {
+  ldsm_x4(a, &cs[(r0 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+}
+// Y_off, step kk over k = N: acc [16 rows, P] += a . sb^T; B[k = n][col = p] = sb[p][n] (non-transposed ldmatrix).
+template <typename T>
+__device__ __forceinline__ void y_off_step(float (&acc)[8][4], const uint32_t (&a)[4], const T* sb, int kk,
+                                           const Lane& ln) {
+#pragma unroll
+  for (int np = 0; np < kP / 16; ++np) {
+    uint32_t b[4];
+    ldsm_x4(b, &sb[(np * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
+    mma_16816<T>(acc[2 * np], a, b[0], b[1]);
+    mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+  }
+}
+// Y_diag, column tile j: acc [16 rows, P] += af . x rows [16 j, 16 j + 16); B[k = s][col = p] = xs[s][p]:
+// matrices (s 0-7, p 0-7), (s 8-15, p 0-7), (s 0-7, p 8-15), (s 8-15, p 8-15).
+template <typename T>
+__device__ __forceinline__ void y_diag_tile(float (&acc)[8][4], const uint32_t (&af)[4], const T* xs, int j,
+                                            const Lane& ln) {
+#pragma unroll
+  for (int np = 0; np < kP / 16; ++np) {
+    uint32_t b[4];
+    ldsm_x4_trans(b, &xs[(j * 16 + ln.mrow + (ln.mat & 1) * 8) * kXStride + np * 16 + (ln.mat >> 1) * 8]);
+    mma_16816<T>(acc[2 * np], af, b[0], b[1]);
+    mma_16816<T>(acc[2 * np + 1], af, b[2], b[3]);
+  }
+}
+
 // Stage 3: the end state of each superchunk from a zero start, and its total decay. One block per
 // (superchunk, kHeads heads of one group): 8 warps per head, the B tile shared by the heads.
 template <typename T, int kHeads>
 __global__ void __launch_bounds__(kThreads * kHeads, 3 - kHeads) ssd_chunk_state_mma_kernel(SsdParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<StateSmem<T, kHeads>*>(smem_raw);
-  const int per_group = (p.heads_per_group + kHeads - 1) / kHeads;  // blocks per group and superchunk
-  const int sc = blockIdx.x / (p.G * per_group), rest = blockIdx.x % (p.G * per_group);
-  const int g = rest / per_group, h0 = g * p.heads_per_group + (rest % per_group) * kHeads;
-  const int nh = min(kHeads, (g + 1) * p.heads_per_group - h0);
+  const auto [sc, g, h0, nh] = HeadBlock<kHeads>(p);
   const int2 su = p.supers[sc];
   const int warp = threadIdx.x / 32, hh = warp / 8, hw = warp % 8;
   const bool active = hh < nh;
@@ -211,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
   T* y = static_cast<T*>(p.y);
   {
     const int2 ch = p.chunks[su.x];
-    load_scan_chunk(sm.stage[0], p, ch.x, ch.y - ch.x, h, g);
+    load_scan_chunk<T, kThreads>(sm.stage[0], p, ch.x, ch.y - ch.x, h, g);
     cp_async_commit();
   }
   const int m0 = warp * 16;  // this warp's output rows
@@ -221,21 +250,13 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
     const int len = ch.y - ch.x;
     if (ci + 1 < su.y) {
       const int2 nx = p.chunks[su.x + ci + 1];
-      load_scan_chunk(sm.stage[(ci + 1) & 1], p, nx.x, nx.y - nx.x, h, g);
+      load_scan_chunk<T, kThreads>(sm.stage[(ci + 1) & 1], p, nx.x, nx.y - nx.x, h, g);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
-    // The entering state, rounded to T, as the B operand of Y_off.
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
-        *reinterpret_cast<uint32_t*>(&sm.sb[pr * kBStride + nc]) = pack2<T>(st[j][2 * half], st[j][2 * half + 1]);
-      }
-    }
+    store_state_tile(sm.sb, st, p0, n0, ln);  // the entering state, rounded to T, as the B operand of Y_off
     __syncthreads();
     const auto& t = sm.stage[ci & 1];
     const float al0 = t.acs[l0], al1 = t.acs[l1];
@@ -246,18 +267,11 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) {
         uint32_t a[4];
-        ldsm_x4(a, &t.cs[(m0 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
-        // Y_off: B[k = n][col = p] = sb[p][n] (non-transposed ldmatrix).
-#pragma unroll
-        for (int np = 0; np < kP / 16; ++np) {
-          uint32_t b[4];
-          ldsm_x4(b, &sm.sb[(np * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
-          mma_16816<T>(acc[2 * np], a, b[0], b[1]);
-          mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
-        }
-        // C.B^T: B[k = n][col = s] = bs[s][n]: matrices (s 0-7, n 0-7), (s 0-7, n 8-15), (s 8-15, n 0-7), ...
+        load_c_rows(a, t.cs, m0, kk, ln);
+        y_off_step(acc, a, sm.sb, kk, ln);
 #pragma unroll
         for (int j = 0; j < kQ / 16; ++j) {
+          // C.B^T: B[k = n][col = s] = bs[s][n]: matrices (s 0-7, n 0-7), (s 0-7, n 8-15), (s 8-15, n 0-7), ...
           if (j <= warp) {
             uint32_t b[4];
             ldsm_x4(b, &t.bs[(j * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
@@ -266,71 +280,38 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
           }
         }
       }
-      const float e0 = __expf(al0), e1 = __expf(al1);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        acc[j][0] *= e0;
-        acc[j][1] *= e0;
-        acc[j][2] *= e1;
-        acc[j][3] *= e1;
-      }
+      scale_rows(acc, al0, al1);
 #pragma unroll
       for (int j = 0; j < kQ / 16; ++j) {
         if (j <= warp) {
           uint32_t af[4];
           cb_to_a<T>(af, cb[j], t.acs, t.dt, j, l0, l1, al0, al1, ln);
-#pragma unroll
-          for (int np = 0; np < kP / 16; ++np) {
-            // B[k = s][col = p] = xs[s][p]: matrices (s 0-7, p 0-7), (s 8-15, p 0-7), (s 0-7, p 8-15), ...
-            uint32_t b[4];
-            ldsm_x4_trans(b, &t.xs[(j * 16 + ln.mrow + (ln.mat & 1) * 8) * kXStride + np * 16 + (ln.mat >> 1) * 8]);
-            mma_16816<T>(acc[2 * np], af, b[0], b[1]);
-            mma_16816<T>(acc[2 * np + 1], af, b[2], b[3]);
-          }
+          y_diag_tile(acc, af, t.xs, j, ln);
         }
       }
     } else {
-      // Y_off: A = C rows (k = n), B[k = n][col = p] = sb[p][n] (non-transposed ldmatrix).
+      // Y_off: A = C rows (k = n).
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) {
         uint32_t a[4];
-        ldsm_x4(a, &t.cs[(m0 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
-#pragma unroll
-        for (int np = 0; np < kP / 16; ++np) {
-          uint32_t b[4];
-          ldsm_x4(b, &sm.sb[(np * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
-          mma_16816<T>(acc[2 * np], a, b[0], b[1]);
-          mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
-        }
+        load_c_rows(a, t.cs, m0, kk, ln);
+        y_off_step(acc, a, sm.sb, kk, ln);
       }
-      const float e0 = __expf(al0), e1 = __expf(al1);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        acc[j][0] *= e0;
-        acc[j][1] *= e0;
-        acc[j][2] *= e1;
-        acc[j][3] *= e1;
-      }
+      scale_rows(acc, al0, al1);
       // Y_diag over the column tiles s in [16 j, 16 j + 16), j <= warp.
       for (int j = 0; j <= warp; ++j) {
         float cb[2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < kN / 16; ++kk) {
           uint32_t a[4], b[4];
-          ldsm_x4(a, &t.cs[(m0 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+          load_c_rows(a, t.cs, m0, kk, ln);
           ldsm_x4(b, &t.bs[(j * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
           mma_16816<T>(cb[0], a, b[0], b[1]);
           mma_16816<T>(cb[1], a, b[2], b[3]);
         }
         uint32_t af[4];
         cb_to_a<T>(af, cb, t.acs, t.dt, j, l0, l1, al0, al1, ln);
-#pragma unroll
-        for (int np = 0; np < kP / 16; ++np) {
-          uint32_t b[4];
-          ldsm_x4_trans(b, &t.xs[(j * 16 + ln.mrow + (ln.mat & 1) * 8) * kXStride + np * 16 + (ln.mat >> 1) * 8]);
-          mma_16816<T>(acc[2 * np], af, b[0], b[1]);
-          mma_16816<T>(acc[2 * np + 1], af, b[2], b[3]);
-        }
+        y_diag_tile(acc, af, t.xs, j, ln);
       }
     }
     // + D x, stored as T.
@@ -341,10 +322,8 @@ __global__ void __launch_bounds__(kThreads, 1) ssd_chunk_scan_mma_kernel(SsdPara
       for (int half = 0; half < 2; ++half) {
         const int l = half ? l1 : l0;
         if (l < len) {
-          const float2 xv = unpack2<T>(*reinterpret_cast<const uint32_t*>(&t.xs[l * kXStride + pc]));
-          const uint32_t out =
-              pack2<T>(acc[j][2 * half] + d_skip * xv.x, acc[j][2 * half + 1] + d_skip * xv.y);
-          *reinterpret_cast<uint32_t*>(&y[(static_cast<size_t>(ch.x + l) * p.H + h) * kP + pc]) = out;
+          *reinterpret_cast<uint32_t*>(&y[(static_cast<size_t>(ch.x + l) * p.H + h) * kP + pc]) =
+              y_plus_dx(acc[j][2 * half], acc[j][2 * half + 1], d_skip, t.xs, l, pc);
         }
       }
     }
@@ -401,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) ssd_chunk_bmm_mma_kernel(SsdParams p
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) {
       uint32_t a[4], b[4];
-      ldsm_x4(a, &sm.cs[(r * 16 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+      load_c_rows(a, sm.cs, r * 16, kk, ln);
       ldsm_x4(b, &sm.bs[(j * 16 + ln.mrow + (ln.mat >> 1) * 8) * kBStride + kk * 16 + (ln.mat & 1) * 8]);
       mma_16816<T>(cb[0], a, b[0], b[1]);
       mma_16816<T>(cb[1], a, b[2], b[3]);
@@ -477,10 +456,7 @@ template <typename T>
 __global__ void __launch_bounds__(kGroupThreads, 1) ssd_chunk_scan_group_mma_kernel(SsdParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<GroupScanSmem<T>*>(smem_raw);
-  const int per_group = (p.heads_per_group + kGroupHeads - 1) / kGroupHeads;  // blocks per group and superchunk
-  const int sc = blockIdx.x / (p.G * per_group), rest = blockIdx.x % (p.G * per_group);
-  const int g = rest / per_group, h0 = g * p.heads_per_group + (rest % per_group) * kGroupHeads;
-  const int nh = min(kGroupHeads, (g + 1) * p.heads_per_group - h0);
+  const auto [sc, g, h0, nh] = HeadBlock<kGroupHeads>(p);
   const int2 su = p.supers[sc];
   const int warp = threadIdx.x / 32, hh = warp / 8, hw = warp % 8;
   const bool active = hh < nh;
@@ -511,16 +487,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) ssd_chunk_scan_group_mma_ker
     const bool more = ci + 1 < su.y;
     const int2 nx = p.chunks[su.x + (more ? ci + 1 : ci)];
     // The entering state, rounded to T, as the B operand of Y_off (sb was last read by the previous Y_off).
-    if (active) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
-          *reinterpret_cast<uint32_t*>(&sb[pr * kBStride + nc]) = pack2<T>(st[j][2 * half], st[j][2 * half + 1]);
-        }
-      }
-    }
+    if (active) store_state_tile(sb, st, p0, n0, ln);
     if (more) load_group_stage(sm.stage[(ci + 1) & 1], p, nx.x, nx.y - nx.x, h0, nh);
     cp_async_commit();
     cp_async_wait<3>();  // pending at most: cb(c), B(c), stage(c + 1) -> stage(c) and C(c) landed
@@ -536,8 +503,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1) ssd_chunk_scan_group_mma_ker
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) {
         uint32_t a0[4], a1[4];
-        ldsm_x4(a0, &sm.cs[(ra * 16 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
-        ldsm_x4(a1, &sm.cs[(rb * 16 + (ln.lane & 15)) * kBStride + kk * 16 + (ln.lane >> 4) * 8]);
+        load_c_rows(a0, sm.cs, ra * 16, kk, ln);
+        load_c_rows(a1, sm.cs, rb * 16, kk, ln);
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
           uint32_t b[4];
@@ -551,19 +518,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1) ssd_chunk_scan_group_mma_ker
     }
     const int la0 = ra * 16 + ln.gid, lb0 = rb * 16 + ln.gid;
     const float ala0 = acs[la0], ala1 = acs[la0 + 8], alb0 = acs[lb0], alb1 = acs[lb0 + 8];
-    {
-      const float e[2][2] = {{__expf(ala0), __expf(ala1)}, {__expf(alb0), __expf(alb1)}};
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          acc[r][q][0] *= e[r][0];
-          acc[r][q][1] *= e[r][0];
-          acc[r][q][2] *= e[r][1];
-          acc[r][q][3] *= e[r][1];
-        }
-      }
-    }
+    scale_rows(acc[0], ala0, ala1);
+    scale_rows(acc[1], alb0, alb1);
     cp_async_wait<2>();  // pending at most: B(c), stage(c + 1) -> cb(c) landed
     __syncthreads();     // and every warp is past Y_off: C may be refilled
     if (more) load_group_bc(sm.cs, p.C, p, nx.x, nx.y - nx.x, g);
@@ -611,10 +567,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1) ssd_chunk_scan_group_mma_ker
           for (int half = 0; half < 2; ++half) {
             const int l = (r ? rb : ra) * 16 + ln.gid + half * 8;
             if (l < len) {
-              const float2 xv = unpack2<T>(*reinterpret_cast<const uint32_t*>(&xs[l * kXStride + pc]));
-              const uint32_t out =
-                  pack2<T>(acc[r][q][2 * half] + d_skip * xv.x, acc[r][q][2 * half + 1] + d_skip * xv.y);
-              *reinterpret_cast<uint32_t*>(&y[(static_cast<size_t>(ch.x + l) * p.H + h) * kP + pc]) = out;
+              *reinterpret_cast<uint32_t*>(&y[(static_cast<size_t>(ch.x + l) * p.H + h) * kP + pc]) =
+                  y_plus_dx(acc[r][q][2 * half], acc[r][q][2 * half + 1], d_skip, xs, l, pc);
             }
           }
         }
@@ -635,32 +589,17 @@ __global__ void __launch_bounds__(kGroupThreads, 1) ssd_chunk_scan_group_mma_ker
   cp_async_wait<0>();  // nothing left in flight when the block exits
 }
 
-template <typename Kernel>
-void set_smem(Kernel kernel, size_t bytes, const char* op) {
-  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(bytes)),
-                     op);
-}
-
 template <typename T, int kHeads>
 void launch_state(const SsdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(StateSmem<T, kHeads>);
-  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_state mma)";
-  set_smem(ssd_chunk_state_mma_kernel<T, kHeads>, smem, kOp);
-  const unsigned per_group = static_cast<unsigned>((p.heads_per_group + kHeads - 1) / kHeads);
-  const unsigned blocks = static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.G) * per_group;
-  ssd_chunk_state_mma_kernel<T, kHeads><<<blocks, kThreads * kHeads, smem, stream>>>(p);
-  CHIMERA_LAUNCH_CHECK(kOp);
+  launch_with_smem(ssd_chunk_state_mma_kernel<T, kHeads>, head_blocks<kHeads>(p), kThreads * kHeads,
+                   sizeof(StateSmem<T, kHeads>), p, stream, "ops::ssd_chunk_scan (chunk_state mma)");
 }
 
 template <typename T, bool kFusedCb>
 void launch_scan(const SsdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(ScanSmem<T>);
-  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_scan mma)";
-  set_smem(ssd_chunk_scan_mma_kernel<T, kFusedCb>, smem, kOp);
-  ssd_chunk_scan_mma_kernel<T, kFusedCb>
-      <<<static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kThreads, smem, stream>>>(p);
-  CHIMERA_LAUNCH_CHECK(kOp);
+  launch_with_smem(ssd_chunk_scan_mma_kernel<T, kFusedCb>,
+                   static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kThreads, sizeof(ScanSmem<T>), p,
+                   stream, "ops::ssd_chunk_scan (chunk_scan mma)");
 }
 
 }  // namespace
@@ -685,23 +624,14 @@ void launch_ssd_chunk_scan_mma(const SsdParams& p, bool fused_cb, cudaStream_t s
 
 template <typename T>
 void launch_ssd_chunk_bmm_mma(const SsdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(BmmSmem<T>);
-  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_bmm mma)";
-  set_smem(ssd_chunk_bmm_mma_kernel<T>, smem, kOp);
-  ssd_chunk_bmm_mma_kernel<T>
-      <<<static_cast<unsigned>(p.n_chunks) * static_cast<unsigned>(p.G), kThreads, smem, stream>>>(p);
-  CHIMERA_LAUNCH_CHECK(kOp);
+  launch_with_smem(ssd_chunk_bmm_mma_kernel<T>, static_cast<unsigned>(p.n_chunks) * static_cast<unsigned>(p.G),
+                   kThreads, sizeof(BmmSmem<T>), p, stream, "ops::ssd_chunk_scan (chunk_bmm mma)");
 }
 
 template <typename T>
 void launch_ssd_chunk_scan_group_mma(const SsdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(GroupScanSmem<T>);
-  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_scan group mma)";
-  set_smem(ssd_chunk_scan_group_mma_kernel<T>, smem, kOp);
-  const unsigned per_group = static_cast<unsigned>((p.heads_per_group + kGroupHeads - 1) / kGroupHeads);
-  const unsigned blocks = static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.G) * per_group;
-  ssd_chunk_scan_group_mma_kernel<T><<<blocks, kGroupThreads, smem, stream>>>(p);
-  CHIMERA_LAUNCH_CHECK(kOp);
+  launch_with_smem(ssd_chunk_scan_group_mma_kernel<T>, head_blocks<kGroupHeads>(p), kGroupThreads,
+                   sizeof(GroupScanSmem<T>), p, stream, "ops::ssd_chunk_scan (chunk_scan group mma)");
 }
 
 template void launch_ssd_chunk_state_mma<__nv_bfloat16>(const SsdParams&, int, cudaStream_t);

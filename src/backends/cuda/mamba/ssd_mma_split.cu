@@ -42,21 +42,9 @@
 namespace chimera::cuda {
 namespace {
 
-using ssd_mma::cb_half_to_a;
-using ssd_mma::cp_async_commit;
+using namespace ssd_mma;
+using ssd_mma::cp_async_commit;  // not mma_sync.cuh's (ssd_mma_tiles.cuh)
 using ssd_mma::cp_async_wait;
-using ssd_mma::kBStride;
-using ssd_mma::kN;
-using ssd_mma::kP;
-using ssd_mma::kQ;
-using ssd_mma::kXStride;
-using ssd_mma::Lane;
-using ssd_mma::load_entering_state;
-using ssd_mma::ldsm_x2;
-using ssd_mma::ldsm_x4;
-using ssd_mma::ldsm_x4_trans;
-using ssd_mma::ScanTiles;
-using ssd_mma::unpack2;
 
 constexpr int kSplitThreads = 512;  // 16 warps
 constexpr int kGroups = 4;          // row-tile pairs (q, 7 - q), 4 warps each
@@ -102,17 +90,17 @@ __device__ __forceinline__ void load_split_chunk(ScanTiles<T>& t, const SsdParam
   for (int i = 0; i < kQ * kP / 8 / kSplitThreads; ++i) {
     const int r = tid / (kP / 8) + i * (kSplitThreads * 8 / kP), v = tid % (kP / 8);
     const bool ok = kFull || r < len;
-    ssd_mma::cp_async16(&t.xs[r * kXStride + v * 8], xb + (ok ? r * x_row + v * 16 : 0u), ok);
+    cp_async16(&t.xs[r * kXStride + v * 8], xb + (ok ? r * x_row + v * 16 : 0u), ok);
   }
 #pragma unroll
   for (int i = 0; i < kQ * kN / 8 / kSplitThreads; ++i) {
     const int r = tid / (kN / 8) + i * (kSplitThreads * 8 / kN), v = tid % (kN / 8);
     const bool ok = kFull || r < len;
     const uint32_t off = ok ? r * bc_row + v * 16 : 0u;
-    ssd_mma::cp_async16(&t.bs[r * kBStride + v * 8], bb + off, ok);
-    ssd_mma::cp_async16(&t.cs[r * kBStride + v * 8], cb + off, ok);
+    cp_async16(&t.bs[r * kBStride + v * 8], bb + off, ok);
+    cp_async16(&t.cs[r * kBStride + v * 8], cb + off, ok);
   }
-  if (tid < 2 * kQ) ssd_mma::load_dt(tid < kQ ? t.dt : t.acs, p, begin, len, h, tid / kQ, tid % kQ);
+  if (tid < 2 * kQ) load_dt(tid < kQ ? t.dt : t.acs, p, begin, len, h, tid / kQ, tid % kQ);
 }
 
 template <typename T>
@@ -176,14 +164,7 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
     const bool more = ci + 1 < su.y;
     // The entering state, rounded to T, as the B operand of Y_off. Every warp finished the previous chunk's
     // Y_off (its last read of sb) before that chunk's second barrier.
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
-        *reinterpret_cast<uint32_t*>(&sm.sb[pr * kBStride + nc]) = pack2<T>(st[j][2 * half], st[j][2 * half + 1]);
-      }
-    }
+    store_state_tile(sm.sb, st, p0, n0, ln);
     cp_async_wait<0>();
     __syncthreads();  // this chunk's tiles and sb visible; every warp is past the previous chunk
     if (more) {
@@ -255,19 +236,8 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
     }
     const int l_lo = r_lo * 16 + ln.gid, l_hi = r_hi * 16 + ln.gid;
     const float al_lo0 = t.acs[l_lo], al_lo1 = t.acs[l_lo + 8], al_hi0 = t.acs[l_hi], al_hi1 = t.acs[l_hi + 8];
-    {
-      const float e[2][2] = {{__expf(al_lo0), __expf(al_lo1)}, {__expf(al_hi0), __expf(al_hi1)}};
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          acc[r][j][0] *= e[r][0];
-          acc[r][j][1] *= e[r][0];
-          acc[r][j][2] *= e[r][1];
-          acc[r][j][3] *= e[r][1];
-        }
-      }
-    }
+    scale_rows(acc[0], al_lo0, al_lo1);
+    scale_rows(acc[1], al_hi0, al_hi1);
     // This warp's C.B^T halves -> A fragments in af (registers 2 nt, 2 nt + 1 of each lane's 16 bytes).
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
@@ -336,8 +306,7 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
         for (int half = 0; half < 2; ++half) {
           const int l = (r ? l_hi : l_lo) + half * 8;
           if (kStageY || l < len) {
-            const float2 xv = unpack2<T>(*reinterpret_cast<const uint32_t*>(&t.xs[l * kXStride + pc]));
-            const uint32_t out = pack2<T>(acc[r][j][2 * half] + d_skip * xv.x, acc[r][j][2 * half + 1] + d_skip * xv.y);
+            const uint32_t out = y_plus_dx(acc[r][j][2 * half], acc[r][j][2 * half + 1], d_skip, t.xs, l, pc);
             if constexpr (kStageY) {
               *reinterpret_cast<uint32_t*>(&ys[l * kXStride + pc]) = out;
             } else {
@@ -389,14 +358,9 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
 
 template <typename T, bool kStageY>
 void launch_split(const SsdParams& p, cudaStream_t stream) {
-  constexpr size_t smem = sizeof(SplitSmem<T>);
-  constexpr const char* kOp = "ops::ssd_chunk_scan (chunk_scan split mma)";
-  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(ssd_chunk_scan_split_mma_kernel<T, kStageY>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                     kOp);
-  ssd_chunk_scan_split_mma_kernel<T, kStageY>
-      <<<static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kSplitThreads, smem, stream>>>(p);
-  CHIMERA_LAUNCH_CHECK(kOp);
+  launch_with_smem(ssd_chunk_scan_split_mma_kernel<T, kStageY>,
+                   static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kSplitThreads, sizeof(SplitSmem<T>),
+                   p, stream, "ops::ssd_chunk_scan (chunk_scan split mma)");
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The pieces the tensor-core SSD kernels share (ssd_mma.cu: chunk_state, the default chunk_scan, group_cb;
 // ssd_mma_split.cu: the 16-warp chunk_scan): tile shapes, shared-memory chunk tiles and their cp.async loaders,
-// ldmatrix wrappers, fragment lane roles and the C.B^T -> A fragment conversion. Every kernel that includes this
+// ldmatrix wrappers, fragment lane roles, the C.B^T -> A fragment conversion, the accumulator steps the scans
+// share (Y_off's row decay, the state rounded into sb, y + D x) and the launch. Every kernel that includes this
 // computes its per-element values with these same functions, which is what keeps their results bit-identical.
 //
 // Shared-memory tiles keep the global layout (rows = tokens), padded by 8 elements per row so ldmatrix row
@@ -26,6 +27,9 @@ constexpr int kXStride = kP + 8;
 constexpr int kBStride = kN + 8;
 static_assert(kQ == 128 && kP == 64 && kN == 128, "the warp tilings assume Q = 128, P = 64, N = 128");
 
+// The kernel files take every name here with `using namespace ssd_mma;` plus `using ssd_mma::cp_async_commit;
+// using ssd_mma::cp_async_wait;`, which pick these over mma_sync.cuh's chimera::cuda versions of the same name.
+//
 // ---- PTX wrappers ----------------------------------------------------------------------------------------
 // The copy pipeline and ldmatrix here clobber "memory" (the scans write shared tiles they then read through
 // ldmatrix): cp_async16 / commit / wait are mamba_common.cuh's; mma_16816, pack2 and smem_addr come from
@@ -151,6 +155,20 @@ __device__ __forceinline__ void cb_half_to_a(uint32_t& lo, uint32_t& hi, const f
   hi = pack2<T>(v10, v11);
 }
 
+// Y_off's decay: kTiles accumulator tiles of rows l0 (elements 0, 1) and l1 (elements 2, 3) times exp(al0) and
+// exp(al1), al = Acum[l].
+template <int kTiles>
+__device__ __forceinline__ void scale_rows(float (&acc)[kTiles][4], float al0, float al1) {
+  const float e0 = __expf(al0), e1 = __expf(al1);
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    acc[j][0] *= e0;
+    acc[j][1] *= e0;
+    acc[j][2] *= e1;
+    acc[j][3] *= e1;
+  }
+}
+
 // This warp's C.B^T tile j (rows l0, l1; both n8 halves) as the A fragment of the product with x:
 // {row gid, k 0-7}, {row gid + 8, k 0-7}, {row gid, k 8-15}, {row gid + 8, k 8-15}.
 template <typename T>
@@ -181,6 +199,37 @@ __device__ __forceinline__ void load_entering_state(float (&st)[J][4], const Ssd
       st[j][2 * half + 1] = v.y;
     }
   }
+}
+
+// The same lane share of the state, rounded to T, into sb [P, N + 8] (the B operand of Y_off).
+template <typename T, int J>
+__device__ __forceinline__ void store_state_tile(T* sb, const float (&st)[J][4], int p0, int n0, const Lane& ln) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int pr = p0 + ln.gid + half * 8, nc = n0 + j * 8 + 2 * ln.t4;
+      *reinterpret_cast<uint32_t*>(&sb[pr * kBStride + nc]) = pack2<T>(st[j][2 * half], st[j][2 * half + 1]);
+    }
+  }
+}
+
+// y at row l, columns pc and pc + 1 of the chunk, rounded to T: the accumulators (acc0, acc1) + D x, x read from
+// the xs tile.
+template <typename T>
+__device__ __forceinline__ uint32_t y_plus_dx(float acc0, float acc1, float d_skip, const T* xs, int l, int pc) {
+  const float2 xv = unpack2<T>(*reinterpret_cast<const uint32_t*>(&xs[l * kXStride + pc]));
+  return pack2<T>(acc0 + d_skip * xv.x, acc1 + d_skip * xv.y);
+}
+
+// Host: kernel<<<blocks, threads, smem, stream>>>(p) after the opt-in to more than 48 KB of dynamic shared memory
+// (every SSD mma kernel uses it); op names the operation in errors.
+inline void launch_with_smem(void (*kernel)(SsdParams), unsigned blocks, unsigned threads, size_t smem,
+                             const SsdParams& p, cudaStream_t stream, const char* op) {
+  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                     op);
+  kernel<<<blocks, threads, smem, stream>>>(p);
+  CHIMERA_LAUNCH_CHECK(op);
 }
 
 }  // namespace chimera::cuda::ssd_mma
