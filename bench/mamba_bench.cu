@@ -250,7 +250,9 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::
 }
 
 // rows / threads: the update kernel's shape (0: the automatic rule); the kernel name says which.
-void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads = 0) {
+// slots_before_wait: as the ops:: adapter sets it (true), or the slot look-up after the PDL wait
+// ("conv1d-update-waitslots").
+void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads = 0, bool slots_before_wait = true) {
   const DType act = DType::kBF16;
   const int64_t C = kConvDim;
   const double bytes = 2.0 * batch * C * dtype_size(act) + 2.0 * batch * C * (kConvK - 1) * dtype_size(act) +
@@ -269,9 +271,11 @@ void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads 
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.batch = batch;
   p.update_rows = rows, p.update_threads = threads;
-  const std::string kernel = rows == 0 && threads == 0 ? std::string("conv1d-update")
-                                                       : "conv1d-update-r" + std::to_string(rows) + "t" +
-                                                             std::to_string(threads);
+  p.slots_before_wait = slots_before_wait;
+  const std::string kernel = (rows == 0 && threads == 0 ? std::string("conv1d-update")
+                                                        : "conv1d-update-r" + std::to_string(rows) + "t" +
+                                                              std::to_string(threads)) +
+                             (slots_before_wait ? "" : "-waitslots");
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_b" + std::to_string(batch) + "_act-bf16";
   ctx.run(kernel, shape, bytes, 0.0, [&] {
@@ -295,6 +299,7 @@ CHIMERA_BENCH(mamba_conv1d) {
   for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens);
   bench_conv_prefill(ctx, 8, 1024);
   for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch);
+  for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch, 0, 0, false);
 }
 
 // The persistent prefill kernel and forced update shapes, next to the defaults above (same shapes).

@@ -76,6 +76,7 @@ class OpsConv1d : public BackendTest {
  protected:
   // CUDA launcher-level variants (Conv1dParams fields; all 0: through ops::).
   int prefill_kernel_ = 0, persist_rows_ = 0, persist_chunks_ = 0, update_rows_ = 0, update_threads_ = 0;
+  bool slots_before_wait_ = false;  // update: the ops:: adapter's setting is true
   bool variant() const { return prefill_kernel_ != 0 || update_rows_ != 0 || update_threads_ != 0; }
 
   // The ops:: adapters' job, through the launchers with the variant fields set (CUDA only).
@@ -90,6 +91,7 @@ class OpsConv1d : public BackendTest {
     p.C = x.dim(1), p.K = int(w.dim(-1)), p.silu = silu;
     p.prefill_kernel = prefill_kernel_, p.prefill_persist_rows = persist_rows_, p.persist_chunks = persist_chunks_;
     p.update_rows = update_rows_, p.update_threads = update_threads_;
+    p.slots_before_wait = slots_before_wait_;
     Tensor meta;
     if (update) {
       meta = on_backend(Tensor::from_i32({int64_t(slots.size())}, slots));
@@ -439,18 +441,21 @@ TEST_P(OpsConv1d, PersistentPrefillEqualsTileKernel) {
 }
 
 // Every update kernel shape (rows per thread x threads per block) against the oracle, with pads and permuted
-// slots, bf16 activations and every state dtype, C not a multiple of the block's channels.
+// slots, bf16 activations and every state dtype, C not a multiple of the block's channels; the slot ids read
+// before or after the PDL wait (Conv1dParams::slots_before_wait).
 TEST_P(OpsConv1d, UpdateShapesMatchNaive) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
   for (int rows : {1, 2, 4}) {
     for (int threads : {32, 64, 128}) {
       update_rows_ = rows, update_threads_ = threads;
+      slots_before_wait_ = (rows + threads / 32) % 2 == 0;  // both settings over the shapes
       for (int n : {1, 7, 64}) {
         const RandomBatch rb = random_batch(rng, n, 1);
         for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
           SCOPED_TRACE(::testing::Message() << "rows=" << rows << " threads=" << threads << " batch=" << n
-                                            << " state=" << dtype_name(sd));
+                                            << " state=" << dtype_name(sd) << " slots_before_wait="
+                                            << slots_before_wait_);
           check_update(rng, rb.slots, rb.num_slots, 2688, 4, DType::kBF16, sd, DType::kBF16);
         }
       }

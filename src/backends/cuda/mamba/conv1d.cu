@@ -504,6 +504,7 @@ void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tens
                          : static_cast<const int32_t*>(
                                upload_scratch(slots.host.data(), slots.host.size_bytes(), stream, 0));
   p.batch = static_cast<int>(slots.size());
+  p.slots_before_wait = true;  // ops::Indices: step metadata, never a kernel's output
   launch_causal_conv1d_update(p, stream);
 }
 

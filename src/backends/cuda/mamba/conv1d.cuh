@@ -51,6 +51,10 @@ struct Conv1dParams {
   // update
   const int32_t* slots = nullptr;  // [batch] device; slot < 0: row skipped
   int batch = 0;
+  // The slot ids may be read before pdl_wait() (launch.cuh): they are step metadata that no kernel of the step
+  // writes (ops::Indices: host values, or a device copy of them made before the step), so the ops:: adapter sets
+  // it. Saves the slot look-up's round trip on the path slot -> state address -> state loads.
+  bool slots_before_wait = false;
   // Update kernel shape (benchmarks and tests): rows per thread (1, 2, 4) and threads per block (32, 64,
   // 128); 0 = the automatic rule (conv1d_update.cu). The math per row is the same for every shape.
   int update_rows = 0, update_threads = 0;
