@@ -29,8 +29,10 @@ struct VecOf {
   static constexpr int kN = 16 / static_cast<int>(sizeof(T));  // elements in one 16-byte vector
 };
 
+// u by value: a caller passing a vector in global memory gets one 16-byte load (a reference let the memcpy below
+// read it as 16 single-byte loads: measured in the PTX of the legacy ONESHOT, TWOSHOT and NCCL + norm kernels).
 template <typename T>
-__device__ __forceinline__ void add_unpacked(const uint4& u, float (&acc)[VecOf<T>::kN]) {
+__device__ __forceinline__ void add_unpacked(const uint4 u, float (&acc)[VecOf<T>::kN]) {
   constexpr int kN = VecOf<T>::kN;
   T e[kN];
   static_assert(sizeof(e) == 16);
