@@ -140,8 +140,6 @@ __device__ __forceinline__ void store_fp8(const float (&y)[kN], float inv_scale,
 // come from: residual(i, e) and weight(i, vi) return the raw 16-byte vector of residual_in at [row, n_vecs]
 // index e = row * n_vecs + vi and of norm_weight at vi, for this thread's item i (vi = threadIdx.x + i *
 // blockDim.x < n_vecs). Each is called once, at the point in the arithmetic where the value is first used.
-// Where the vector sits in memory they return a reference (add_unpacked copies from it in place), which keeps the
-// generated code that of the two functions before they shared this body.
 template <typename T, FusionPattern P, int kItems, typename Residual, typename Weight>
 __device__ __forceinline__ void fuse_row_with(float (&v)[kItems][VecOf<T>::kN], int64_t row, int n_vecs,
                                               const FusionArgs& a, Residual residual, Weight weight) {
@@ -190,7 +188,7 @@ __device__ __forceinline__ void fuse_row(float (&v)[kItems][VecOf<T>::kN], int64
   fuse_row_with<T, P, kItems>(
       v, row, n_vecs, a,
       // Plain loads: residual_in may alias residual_out (each element is read before this thread writes it).
-      [&](int, int64_t e) -> const uint4& { return reinterpret_cast<const uint4*>(a.residual_in)[e]; },
+      [&](int, int64_t e) { return reinterpret_cast<const uint4*>(a.residual_in)[e]; },
       [&](int, int vi) { return __ldg(reinterpret_cast<const uint4*>(a.norm_weight) + vi); });
 }
 
@@ -203,8 +201,7 @@ __device__ __forceinline__ void fuse_row_loaded(float (&v)[kItems][VecOf<T>::kN]
                                                 const uint4 (&w)[kItems], int64_t row, int n_vecs,
                                                 const FusionArgs& a) {
   fuse_row_with<T, P, kItems>(
-      v, row, n_vecs, a, [&](int i, int64_t) -> const uint4& { return res[i]; },
-      [&](int i, int) -> const uint4& { return w[i]; });
+      v, row, n_vecs, a, [&](int i, int64_t) { return res[i]; }, [&](int i, int) { return w[i]; });
 }
 
 // ---- launch shape and dispatch ----------------------------------------------------------------------------
