@@ -83,6 +83,28 @@ __device__ __forceinline__ HeadScalars head_scalars(const SsuParams& p, const He
   return s;
 }
 
+// One 16-byte vector of a state row updated in place (s = s * dA + dt * x * B at the lane's columns, vector v of the
+// row) and its part of y (s * C) added to acc: the inner step of the grid kernel, both persistent kernels and the
+// fused decode kernel. The callers write st back themselves (a shared store changed the PTX's compares).
+template <typename L, typename S, int kE>
+__device__ __forceinline__ void update_state_vec(Pack<S, L::kVecElems>& st, int v, float dA, float dtx,
+                                                 const float (&Bv)[kE], const float (&Cv)[kE], float& acc) {
+#pragma unroll
+  for (int e = 0; e < L::kVecElems; ++e) {
+    const float s = fmaf(st.get(e), dA, dtx * Bv[v * L::kVecElems + e]);
+    st.set(e, s);
+    acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
+  }
+}
+
+// y of a state row: the sum of its kLanesPerRow lanes' partial dot products (xor shuffles, every lane gets it).
+template <typename L>
+__device__ __forceinline__ float reduce_row(float acc) {
+#pragma unroll
+  for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
+
 // state: [num_slots, H, P, N] S; see the file comment for the mapping.
 // kStream: cache-streaming hints on the state loads and stores (default; the plain variant is a benchmark).
 template <typename S, int N, int kRowsPerWarp, bool kStream>
@@ -145,18 +167,12 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
     float acc = 0.0f;
 #pragma unroll
     for (int v = 0; v < L::kVecsPerLane; ++v) {
-#pragma unroll
-      for (int e = 0; e < L::kVecElems; ++e) {
-        const float s = fmaf(st[i][v].get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
-        st[i][v].set(e, s);
-        acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-      }
+      update_state_vec<L>(st[i][v], v, hs.dA, dtx, Bv, Cv, acc);
       if (row < p.P) {
         st[i][v].template store<kStream>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       }
     }
-#pragma unroll
-    for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    acc = reduce_row<L>(acc);
     if (seg == 0 && row < p.P) store_elem(p.y, p.act, xrow + row, acc + hs.d_skip * xv[i]);
   }
 }
@@ -311,19 +327,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
 #pragma unroll
       for (int v = 0; v < L::kVecsPerLane; ++v) {
         st[v] = un.st[i][v];
-#pragma unroll
-        for (int e = 0; e < L::kVecElems; ++e) {
-          const float s = fmaf(st[v].get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
-          st[v].set(e, s);
-          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-        }
+        update_state_vec<L>(st[v], v, hs.dA, dtx, Bv, Cv, acc);
         if (row < p.P) {
           st[v].template store<true>(state + static_cast<int64_t>(row) * N +
                                      (v * L::kLanesPerRow + seg) * L::kVecElems);
         }
       }
-#pragma unroll
-      for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      acc = reduce_row<L>(acc);
       if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
     }
   };
@@ -475,18 +485,12 @@ __global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * stat
         Pack<S, L::kVecElems> st;
         const uint4 raw = *vec_at(stage, i * L::kVecsPerLane + v);
         st.w[0] = raw.x, st.w[1] = raw.y, st.w[2] = raw.z, st.w[3] = raw.w;
-#pragma unroll
-        for (int e = 0; e < L::kVecElems; ++e) {
-          const float s = fmaf(st.get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
-          st.set(e, s);
-          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-        }
+        update_state_vec<L>(st, v, hs.dA, dtx, Bv, Cv, acc);
         if (row < p.P) {
           st.template store<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
         }
       }
-#pragma unroll
-      for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      acc = reduce_row<L>(acc);
       if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
     }
   };
