@@ -368,12 +368,7 @@ void launch_persistent(const Conv1dParams& q, cudaStream_t stream) {
   // The opt-in above 48 KB is per device: set it on every launch (a cheap host call), occupancy once.
   CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                      "ops::causal_conv1d (persistent)");
-  static const int per_sm = [&] {
-    int n = 0;
-    CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem),
-                       "ops::causal_conv1d (occupancy)");
-    return std::max(n, 1);
-  }();
+  static const int per_sm = mamba::resident_blocks_per_sm(kernel, kThreads, smem, "ops::causal_conv1d (occupancy)");
   Conv1dParams p = q;
   const int64_t n_cg = ceil_div(p.C, int64_t{kChanLanes} * E);
   const int64_t n_units = static_cast<int64_t>(p.n_tiles) * kSub;  // per channel group

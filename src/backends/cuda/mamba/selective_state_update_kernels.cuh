@@ -553,12 +553,8 @@ void launch_async_bytes(const SsuParams& p, cudaStream_t stream) {
   // The opt-in above 48 KB is per device: set it on every launch (a cheap host call), occupancy once.
   CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                      "ops::selective_state_update (async)");
-  static const int per_sm = [&] {
-    int n = 0;
-    CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem),
-                       "ops::selective_state_update (occupancy)");
-    return std::max(n, 1);
-  }();
+  static const int per_sm =
+      mamba::resident_blocks_per_sm(kernel, kThreads, smem, "ops::selective_state_update (occupancy)");
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), smem, p, stream);
 }
 
@@ -567,12 +563,8 @@ void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
   constexpr int kMinBlocks = kPersistMinBlocks<kUnitBytes>;
   auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks, kDynamic>;
-  static const int per_sm = [&] {
-    int n = 0;
-    CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0),
-                       "ops::selective_state_update (occupancy)");
-    return std::max(n, 1);
-  }();
+  static const int per_sm =
+      mamba::resident_blocks_per_sm(kernel, kThreads, 0, "ops::selective_state_update (occupancy)");
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), 0, p, stream);
 }
 
