@@ -219,6 +219,16 @@ __device__ __forceinline__ void locate_unit(const SsuParams& p, int u, int tiles
   un.slot = slot_id;
 }
 
+// The rest of a unit's loads, issued after its state's: this lane's x (row row0 + lane % kUnitRows, 0 past P) and
+// the head's dt_raw. U: PersistUnit or AsyncUnit.
+template <int kUnitRows, typename U>
+__device__ __forceinline__ void load_unit_x_dt(const SsuParams& p, int lane, U& un) {
+  const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
+  const int xr = un.row0 + lane % kUnitRows;
+  un.x = xr < p.P ? load_elem(p.x, p.act, bh_i * p.P + xr) : 0.0f;
+  un.dt_raw = load_elem(p.dt_raw, p.act, bh_i);
+}
+
 // The unit's head scalars and its group's B / C slice for both persistent kernels, reloaded only when the head
 // (hs_key = b * H + h) or the group (bc_key = b * G + g) changes: consecutive units of one warp mostly share them.
 // head_scalars() with the prefetched dt_raw: the same expressions, so the same bits as the grid kernel.
@@ -300,10 +310,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
         }
       }
     }
-    const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
-    const int xr = un.row0 + lane % kUnitRows;
-    un.x = xr < p.P ? load_elem(p.x, p.act, bh_i * p.P + xr) : 0.0f;
-    un.dt_raw = load_elem(p.dt_raw, p.act, bh_i);
+    load_unit_x_dt<kUnitRows>(p, lane, un);
   };
 
   int hs_key = -1, bc_key = -1;  // b * H + h of hs, b * G + g of Bv / Cv
@@ -458,10 +465,7 @@ __global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * stat
                    ok);
       }
     }
-    const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
-    const int xr = un.row0 + lane % kUnitRows;
-    un.x = xr < p.P ? load_elem(p.x, p.act, bh_i * p.P + xr) : 0.0f;
-    un.dt_raw = load_elem(p.dt_raw, p.act, bh_i);
+    load_unit_x_dt<kUnitRows>(p, lane, un);
   };
 
   int hs_key = -1, bc_key = -1;
