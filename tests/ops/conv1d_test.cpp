@@ -61,13 +61,8 @@ struct RandomBatch {
 RandomBatch random_batch(test::Rng& rng, int n_seqs, int max_len) {
   RandomBatch rb;
   rb.num_slots = n_seqs + 3;
-  std::vector<int32_t> perm(static_cast<size_t>(rb.num_slots));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng.engine());
-  for (int s = 0; s < n_seqs; ++s) {
-    rb.lens.push_back(static_cast<int32_t>(rng.integer(0, max_len)));
-    rb.slots.push_back(s % 5 == 4 ? -1 : perm[static_cast<size_t>(s)]);
-  }
+  rb.slots = test::batch_slots(rng, n_seqs, rb.num_slots);  // draws before the lengths, as it always did
+  for (int s = 0; s < n_seqs; ++s) rb.lens.push_back(static_cast<int32_t>(rng.integer(0, max_len)));
   rb.cu = cu_from(rb.lens);
   return rb;
 }
