@@ -495,9 +495,7 @@ void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tens
   Conv1dParams p = conv_params("ops::causal_conv1d_update", out, x, weight, bias, conv_state, silu);
   if (slots.empty()) return;
   const cudaStream_t stream = as_stream(ctx.stream);
-  p.slots = slots.device ? slots.device
-                         : static_cast<const int32_t*>(
-                               upload_scratch(slots.host.data(), slots.host.size_bytes(), stream, 0));
+  p.slots = device_indices(slots, stream, 0);
   p.batch = static_cast<int>(slots.size());
   p.slots_before_wait = true;  // ops::Indices: step metadata, never a kernel's output
   launch_causal_conv1d_update(p, stream);
