@@ -366,8 +366,7 @@ void launch_persistent(const Conv1dParams& q, cudaStream_t stream) {
   constexpr size_t smem = persist_smem_bytes<kRowsL>();
   auto* kernel = causal_conv1d_persistent_kernel<T, K, kRowsL>;
   // The opt-in above 48 KB is per device: set it on every launch (a cheap host call), occupancy once.
-  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                     "ops::causal_conv1d (persistent)");
+  set_max_dynamic_smem(kernel, smem, "ops::causal_conv1d (persistent)");
   static const int per_sm = mamba::resident_blocks_per_sm(kernel, kThreads, smem, "ops::causal_conv1d (occupancy)");
   Conv1dParams p = q;
   const int64_t n_cg = ceil_div(p.C, int64_t{kChanLanes} * E);

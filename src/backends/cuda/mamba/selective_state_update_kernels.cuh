@@ -555,8 +555,7 @@ void launch_async_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr size_t smem = size_t{kAsyncStages} * kWarps * kUnitBytes;
   auto* kernel = selective_state_update_async_kernel<S, N, kRows>;
   // The opt-in above 48 KB is per device: set it on every launch (a cheap host call), occupancy once.
-  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                     "ops::selective_state_update (async)");
+  set_max_dynamic_smem(kernel, smem, "ops::selective_state_update (async)");
   static const int per_sm =
       mamba::resident_blocks_per_sm(kernel, kThreads, smem, "ops::selective_state_update (occupancy)");
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), smem, p, stream);

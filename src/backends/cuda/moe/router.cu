@@ -529,9 +529,7 @@ template <int NPER, bool kGroups>
 void launch_gate(const GateLaunch& L, cudaStream_t stream) {
   const size_t smem = gate_smem_bytes(L.g.route.T, L.g.route.E, L.g.route.n_group, L.g.split.chunk);
   if (smem > 48 * 1024) {
-    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(router_gate_topk_kernel<NPER, kGroups>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                       "ops::router_gate_topk");
+    set_max_dynamic_smem(router_gate_topk_kernel<NPER, kGroups>, smem, "ops::router_gate_topk");
   }
   const dim3 grid(static_cast<unsigned>(L.g.split.n_split), static_cast<unsigned>(ceil_div(L.g.route.E, kGateWarps)));
   launch(router_gate_topk_kernel<NPER, kGroups>, grid, dim3(kGateThreads), smem, stream, L);
