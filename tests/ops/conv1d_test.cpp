@@ -74,6 +74,17 @@ class OpsConv1d : public BackendTest {
   bool slots_before_wait_ = false;  // update: the ops:: adapter's setting is true
   bool variant() const { return prefill_kernel_ != 0 || update_rows_ != 0 || update_threads_ != 0; }
 
+  // body() with the persistent prefill kernel at each of its unit shapes (persist_rows_ 0: the default, then 4).
+  template <typename F>
+  void for_each_persist_rows(F&& body) {
+    prefill_kernel_ = 2;
+    for (int rows : {0, 4}) {
+      persist_rows_ = rows;
+      SCOPED_TRACE(::testing::Message() << "persist_rows=" << rows);
+      body();
+    }
+  }
+
   // The ops:: adapters' job, through the launchers with the variant fields set (CUDA only).
   void launch_variant(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& state,
                       const std::vector<int32_t>& cu, const std::vector<int32_t>& slots, bool silu, bool update) {
@@ -364,10 +375,7 @@ TEST_P(OpsConv1d, UpdateBf16EveryStateDtype) {
 TEST_P(OpsConv1d, PersistentPrefillMatchesNaive) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
-  prefill_kernel_ = 2;
-  for (int rows : {0, 4}) {
-    persist_rows_ = rows;
-    SCOPED_TRACE(::testing::Message() << "persist_rows=" << rows);
+  for_each_persist_rows([&] {
     const std::vector<int32_t> lens = {17, 1, 2, 5, 0, 13, 70, 33};
     const std::vector<int32_t> slots = {5, 0, 3, -1, 6, 2, 9, 1};
     for (int64_t K : {4, 3, 2}) {
@@ -390,7 +398,7 @@ TEST_P(OpsConv1d, PersistentPrefillMatchesNaive) {
       check_prefill(rng, rb.cu, rb.slots, rb.num_slots, 264, 3, DType::kBF16, DType::kBF16, DType::kBF16, true);
     }
     persist_chunks_ = 0;
-  }
+  });
 }
 
 // As above at the Super width with long prompts (kept apart so the test above stays small enough for the
@@ -398,12 +406,9 @@ TEST_P(OpsConv1d, PersistentPrefillMatchesNaive) {
 TEST_P(OpsConv1d, PersistentPrefillLongPromptsAtSuperWidth) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
-  prefill_kernel_ = 2;
-  for (int rows : {0, 4}) {
-    persist_rows_ = rows;
-    SCOPED_TRACE(::testing::Message() << "persist_rows=" << rows);
+  for_each_persist_rows([&] {
     check_prefill(rng, {0, 989, 1100, 3000}, {3, 0, 1}, 4, 10240, 4, DType::kBF16, DType::kBF16, DType::kBF16, true);
-  }
+  });
 }
 
 // The persistent prefill kernel and the tile kernel give identical bits (same FMA order, carried left inputs
