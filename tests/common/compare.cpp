@@ -1,9 +1,11 @@
 #include "common/compare.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <numeric>
 
 #include <fmt/format.h>
 
@@ -101,6 +103,15 @@ Rng Rng::for_test() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "none";
   return Rng(std::hash<std::string>{}(name));
+}
+
+std::vector<int32_t> batch_slots(Rng& rng, int64_t batch, int64_t num_slots) {
+  std::vector<int32_t> perm(static_cast<size_t>(num_slots));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng.engine());
+  std::vector<int32_t> slots;
+  for (int64_t b = 0; b < batch; ++b) slots.push_back(b % 5 == 4 ? -1 : perm[static_cast<size_t>(b)]);
+  return slots;
 }
 
 Tensor Rng::normal_tensor(Shape shape, float stddev) {

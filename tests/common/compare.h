@@ -5,6 +5,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -39,6 +40,10 @@ class Rng {
  private:
   std::mt19937_64 gen_;
 };
+
+// State slots for a batch of Mamba sequences: a random permutation of num_slots (>= batch) slot ids, every fifth
+// sequence a pad (-1), so some slots are used by nobody (conv1d, selective state update, fused decode tests).
+std::vector<int32_t> batch_slots(Rng& rng, int64_t batch, int64_t num_slots);
 
 // Fills a tensor with a NaN pattern so unwritten outputs are caught.
 void poison(const Tensor& t);

@@ -61,13 +61,8 @@ struct RandomBatch {
 RandomBatch random_batch(test::Rng& rng, int n_seqs, int max_len) {
   RandomBatch rb;
   rb.num_slots = n_seqs + 3;
-  std::vector<int32_t> perm(static_cast<size_t>(rb.num_slots));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng.engine());
-  for (int s = 0; s < n_seqs; ++s) {
-    rb.lens.push_back(static_cast<int32_t>(rng.integer(0, max_len)));
-    rb.slots.push_back(s % 5 == 4 ? -1 : perm[static_cast<size_t>(s)]);
-  }
+  rb.slots = test::batch_slots(rng, n_seqs, rb.num_slots);  // draws before the lengths, as it always did
+  for (int s = 0; s < n_seqs; ++s) rb.lens.push_back(static_cast<int32_t>(rng.integer(0, max_len)));
   rb.cu = cu_from(rb.lens);
   return rb;
 }
@@ -78,6 +73,17 @@ class OpsConv1d : public BackendTest {
   int prefill_kernel_ = 0, persist_rows_ = 0, persist_chunks_ = 0, update_rows_ = 0, update_threads_ = 0;
   bool slots_before_wait_ = false;  // update: the ops:: adapter's setting is true
   bool variant() const { return prefill_kernel_ != 0 || update_rows_ != 0 || update_threads_ != 0; }
+
+  // body() with the persistent prefill kernel at each of its unit shapes (persist_rows_ 0: the default, then 4).
+  template <typename F>
+  void for_each_persist_rows(F&& body) {
+    prefill_kernel_ = 2;
+    for (int rows : {0, 4}) {
+      persist_rows_ = rows;
+      SCOPED_TRACE(::testing::Message() << "persist_rows=" << rows);
+      body();
+    }
+  }
 
   // The ops:: adapters' job, through the launchers with the variant fields set (CUDA only).
   void launch_variant(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& state,
@@ -369,10 +375,7 @@ TEST_P(OpsConv1d, UpdateBf16EveryStateDtype) {
 TEST_P(OpsConv1d, PersistentPrefillMatchesNaive) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
-  prefill_kernel_ = 2;
-  for (int rows : {0, 4}) {
-    persist_rows_ = rows;
-    SCOPED_TRACE(::testing::Message() << "persist_rows=" << rows);
+  for_each_persist_rows([&] {
     const std::vector<int32_t> lens = {17, 1, 2, 5, 0, 13, 70, 33};
     const std::vector<int32_t> slots = {5, 0, 3, -1, 6, 2, 9, 1};
     for (int64_t K : {4, 3, 2}) {
@@ -395,7 +398,7 @@ TEST_P(OpsConv1d, PersistentPrefillMatchesNaive) {
       check_prefill(rng, rb.cu, rb.slots, rb.num_slots, 264, 3, DType::kBF16, DType::kBF16, DType::kBF16, true);
     }
     persist_chunks_ = 0;
-  }
+  });
 }
 
 // As above at the Super width with long prompts (kept apart so the test above stays small enough for the
@@ -403,12 +406,9 @@ TEST_P(OpsConv1d, PersistentPrefillMatchesNaive) {
 TEST_P(OpsConv1d, PersistentPrefillLongPromptsAtSuperWidth) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
-  prefill_kernel_ = 2;
-  for (int rows : {0, 4}) {
-    persist_rows_ = rows;
-    SCOPED_TRACE(::testing::Message() << "persist_rows=" << rows);
+  for_each_persist_rows([&] {
     check_prefill(rng, {0, 989, 1100, 3000}, {3, 0, 1}, 4, 10240, 4, DType::kBF16, DType::kBF16, DType::kBF16, true);
-  }
+  });
 }
 
 // The persistent prefill kernel and the tile kernel give identical bits (same FMA order, carried left inputs

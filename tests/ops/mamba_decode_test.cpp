@@ -49,16 +49,6 @@ Inputs make_inputs(test::Rng& rng, const Dims& d, int64_t batch, int64_t num_slo
   return in;
 }
 
-// A permutation of batch + 3 slots, every fifth sequence a pad (so some slots are used by nobody).
-std::vector<int32_t> batch_slots(test::Rng& rng, int64_t batch, int64_t num_slots) {
-  std::vector<int32_t> perm(static_cast<size_t>(num_slots));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng.engine());
-  std::vector<int32_t> slots;
-  for (int64_t b = 0; b < batch; ++b) slots.push_back(b % 5 == 4 ? -1 : perm[size_t(b)]);
-  return slots;
-}
-
 // Tensors of one step on one device: activations in `act`, conv state in `act` (as StateCache), SSM state in
 // `sd`, conv / norm weights in `weight_dtype`, the [H] parameters F32 (as the model keeps them).
 struct OnDevice {
@@ -144,7 +134,7 @@ class OpsMambaDecodeUpdate : public BackendTest {
                                       << " batch=" << batch << " act=" << dtype_name(act)
                                       << " state=" << dtype_name(sd));
     const int64_t num_slots = batch + 3;
-    const std::vector<int32_t> slots = batch_slots(rng, batch, num_slots);
+    const std::vector<int32_t> slots = test::batch_slots(rng, batch, num_slots);
     Inputs in = make_inputs(rng, d, batch, num_slots);
     const DType wd = act == DType::kF32 ? DType::kF32 : act;  // the model uploads conv / norm weights in act
     OnDevice fz = place(in, GetParam(), act, sd, wd);          // the op under test

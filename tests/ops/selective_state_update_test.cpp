@@ -80,16 +80,6 @@ void naive_ssu(Tensor& y, const SsuInputs& in, Tensor& state, const std::vector<
   }
 }
 
-// Slots for a batch: a permutation of batch + 3 slots, every fifth sequence a pad.
-std::vector<int32_t> batch_slots(test::Rng& rng, int64_t batch, int64_t num_slots) {
-  std::vector<int32_t> perm(static_cast<size_t>(num_slots));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng.engine());
-  std::vector<int32_t> slots;
-  for (int64_t b = 0; b < batch; ++b) slots.push_back(b % 5 == 4 ? -1 : perm[size_t(b)]);
-  return slots;
-}
-
 class OpsSelectiveStateUpdate : public BackendTest {
  protected:
   // One decode step on the backend under test (activations in `act`, state in `state_dtype`, state given as
@@ -202,7 +192,7 @@ class OpsSelectiveStateUpdate : public BackendTest {
     const SsuInputs in = make_inputs(rng, batch, s);
     const int64_t num_slots = batch + 3;
     const Tensor state = on_backend(random_state(rng, {num_slots, s.H, s.P, s.N}), state_dtype);
-    check_step(in, batch_slots(rng, batch, num_slots), state, act);
+    check_step(in, test::batch_slots(rng, batch, num_slots), state, act);
   }
 };
 
@@ -398,7 +388,7 @@ TEST_P(OpsSelectiveStateUpdate, AutoAtBatch64EqualsTheStaticSplit) {
   auto rng = test::Rng::for_test();
   const SsuShape s{64, 64, 8, 128};
   const int64_t batch = 64, num_slots = 70;
-  const DeviceStep d = device_step(make_inputs(rng, batch, s), s, batch, batch_slots(rng, batch, num_slots));
+  const DeviceStep d = device_step(make_inputs(rng, batch, s), s, batch, test::batch_slots(rng, batch, num_slots));
   const Tensor state0 = random_state(rng, {num_slots, s.H, s.P, s.N});
   for (DType sd : {DType::kF32, DType::kBF16}) {
     SCOPED_TRACE(::testing::Message() << "state=" << dtype_name(sd));

@@ -95,4 +95,20 @@ inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) 
 // growable buffer; the copy is stream-ordered, so reuse across calls on one stream is safe.
 void* upload_scratch(const void* host, size_t bytes, cudaStream_t stream, int slot);
 
+// Opt a kernel in to `smem` bytes of dynamic shared memory (needed above the default 48 KB; the setting is per
+// device); op names the operation in errors.
+template <typename Kernel>
+void set_max_dynamic_smem(Kernel* kernel, size_t smem, const char* op) {
+  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                     op);
+}
+
+// An ops::Indices array (slots, ids) as a device pointer: its `device` copy when it has one (the CUDA-graph decode
+// inputs), else `host` uploaded to scratch slot `slot`. A template so this header needs no ops.h.
+template <typename Indices>
+const int32_t* device_indices(const Indices& ids, cudaStream_t stream, int slot) {
+  return ids.device ? ids.device
+                    : static_cast<const int32_t*>(upload_scratch(ids.host.data(), ids.host.size_bytes(), stream, slot));
+}
+
 }  // namespace chimera::cuda

@@ -366,14 +366,8 @@ void launch_persistent(const Conv1dParams& q, cudaStream_t stream) {
   constexpr size_t smem = persist_smem_bytes<kRowsL>();
   auto* kernel = causal_conv1d_persistent_kernel<T, K, kRowsL>;
   // The opt-in above 48 KB is per device: set it on every launch (a cheap host call), occupancy once.
-  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                     "ops::causal_conv1d (persistent)");
-  static const int per_sm = [&] {
-    int n = 0;
-    CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem),
-                       "ops::causal_conv1d (occupancy)");
-    return std::max(n, 1);
-  }();
+  set_max_dynamic_smem(kernel, smem, "ops::causal_conv1d (persistent)");
+  static const int per_sm = mamba::resident_blocks_per_sm(kernel, kThreads, smem, "ops::causal_conv1d (occupancy)");
   Conv1dParams p = q;
   const int64_t n_cg = ceil_div(p.C, int64_t{kChanLanes} * E);
   const int64_t n_units = static_cast<int64_t>(p.n_tiles) * kSub;  // per channel group
@@ -500,9 +494,7 @@ void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tens
   Conv1dParams p = conv_params("ops::causal_conv1d_update", out, x, weight, bias, conv_state, silu);
   if (slots.empty()) return;
   const cudaStream_t stream = as_stream(ctx.stream);
-  p.slots = slots.device ? slots.device
-                         : static_cast<const int32_t*>(
-                               upload_scratch(slots.host.data(), slots.host.size_bytes(), stream, 0));
+  p.slots = device_indices(slots, stream, 0);
   p.batch = static_cast<int>(slots.size());
   p.slots_before_wait = true;  // ops::Indices: step metadata, never a kernel's output
   launch_causal_conv1d_update(p, stream);

@@ -172,6 +172,16 @@ __device__ __forceinline__ float discretize_dt(float v, float dt_min, float dt_m
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Resident blocks per SM of a persistent kernel at `threads` threads and `smem` dynamic shared bytes, at least 1,
+// for its grid size (persistent SSU, persistent conv1d prefill). Callers keep it in a function-local static: the
+// occupancy is asked once per kernel instantiation.
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel* kernel, int threads, size_t smem, const char* op) {
+  int n = 0;
+  CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem), op);
+  return n > 1 ? n : 1;
+}
+
 // Conv taps and bias of E consecutive channels c0.. (weight [C, K], bias [C] or null), as fp32, through the
 // read-only cache (seed 8.2). vec: weight / bias are in the activation dtype T and 16-byte aligned, and E > 1:
 // then E * K taps are E * K * sizeof(T) = 16 * K contiguous bytes, one vector load each 16 bytes.

@@ -101,9 +101,7 @@ void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tenso
       decode_params(out, zxbcdt, conv_weight, conv_bias, sp, norm_weight, n_groups, eps, conv_state, ssm_state);
   if (p.batch == 0) return;
   const cudaStream_t stream = as_stream(ctx.stream);
-  p.slots = slots.device ? slots.device
-                         : static_cast<const int32_t*>(
-                               upload_scratch(slots.host.data(), slots.host.size_bytes(), stream, 0));
+  p.slots = device_indices(slots, stream, 0);
   // A host slot list goes up by a copy right before the kernel: a full dependency, so the states are settled anyway.
   // CHIMERA_MAMBA_PREFETCH=0 turns the early loads off (A/B runs of the whole engine; same results).
   static const bool prefetch_allowed = [] {

@@ -239,18 +239,12 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
       float acc = 0.0f;
 #pragma unroll
       for (int v = 0; v < L::kVecsPerLane; ++v) {
-#pragma unroll
-        for (int e = 0; e < L::kVecElems; ++e) {
-          const float s = fmaf(st[i][v].get(e), dA, dtx * Bv[v * L::kVecElems + e]);
-          st[i][v].set(e, s);
-          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-        }
+        ssu::update_state_vec<L>(st[i][v], v, dA, dtx, Bv, Cv, acc);
         if (row < P) {
           st[i][v].template store<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
         }
       }
-#pragma unroll
-      for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      acc = ssu::reduce_row<L>(acc);
       if (seg == 0 && row < P) y_s[hl * P + row] = round_to<T>(acc + d_skip * xv);
     }
   }

@@ -46,9 +46,7 @@ void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tens
   p.G = static_cast<int>(B.dim(1));
   p.N = static_cast<int>(B.dim(2));
   if (p.batch == 0) return;
-  p.slots = slots.device ? slots.device
-                         : static_cast<const int32_t*>(
-                               upload_scratch(slots.host.data(), slots.host.size_bytes(), stream, 0));
+  p.slots = device_indices(slots, stream, 0);
   launch_selective_state_update(p, stream);
 }
 

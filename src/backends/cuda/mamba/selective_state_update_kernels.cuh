@@ -83,6 +83,28 @@ __device__ __forceinline__ HeadScalars head_scalars(const SsuParams& p, const He
   return s;
 }
 
+// One 16-byte vector of a state row updated in place (s = s * dA + dt * x * B at the lane's columns, vector v of the
+// row) and its part of y (s * C) added to acc: the inner step of the grid kernel, both persistent kernels and the
+// fused decode kernel. The callers write st back themselves (a shared store changed the PTX's compares).
+template <typename L, typename S, int kE>
+__device__ __forceinline__ void update_state_vec(Pack<S, L::kVecElems>& st, int v, float dA, float dtx,
+                                                 const float (&Bv)[kE], const float (&Cv)[kE], float& acc) {
+#pragma unroll
+  for (int e = 0; e < L::kVecElems; ++e) {
+    const float s = fmaf(st.get(e), dA, dtx * Bv[v * L::kVecElems + e]);
+    st.set(e, s);
+    acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
+  }
+}
+
+// y of a state row: the sum of its kLanesPerRow lanes' partial dot products (xor shuffles, every lane gets it).
+template <typename L>
+__device__ __forceinline__ float reduce_row(float acc) {
+#pragma unroll
+  for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
+
 // state: [num_slots, H, P, N] S; see the file comment for the mapping.
 // kStream: cache-streaming hints on the state loads and stores (default; the plain variant is a benchmark).
 template <typename S, int N, int kRowsPerWarp, bool kStream>
@@ -145,18 +167,12 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
     float acc = 0.0f;
 #pragma unroll
     for (int v = 0; v < L::kVecsPerLane; ++v) {
-#pragma unroll
-      for (int e = 0; e < L::kVecElems; ++e) {
-        const float s = fmaf(st[i][v].get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
-        st[i][v].set(e, s);
-        acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-      }
+      update_state_vec<L>(st[i][v], v, hs.dA, dtx, Bv, Cv, acc);
       if (row < p.P) {
         st[i][v].template store<kStream>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       }
     }
-#pragma unroll
-    for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    acc = reduce_row<L>(acc);
     if (seg == 0 && row < p.P) store_elem(p.y, p.act, xrow + row, acc + hs.d_skip * xv[i]);
   }
 }
@@ -201,6 +217,16 @@ __device__ __forceinline__ void locate_unit(const SsuParams& p, int u, int tiles
     slot_id = p.slots[un.b];
   }
   un.slot = slot_id;
+}
+
+// The rest of a unit's loads, issued after its state's: this lane's x (row row0 + lane % kUnitRows, 0 past P) and
+// the head's dt_raw. U: PersistUnit or AsyncUnit.
+template <int kUnitRows, typename U>
+__device__ __forceinline__ void load_unit_x_dt(const SsuParams& p, int lane, U& un) {
+  const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
+  const int xr = un.row0 + lane % kUnitRows;
+  un.x = xr < p.P ? load_elem(p.x, p.act, bh_i * p.P + xr) : 0.0f;
+  un.dt_raw = load_elem(p.dt_raw, p.act, bh_i);
 }
 
 // The unit's head scalars and its group's B / C slice for both persistent kernels, reloaded only when the head
@@ -284,10 +310,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
         }
       }
     }
-    const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
-    const int xr = un.row0 + lane % kUnitRows;
-    un.x = xr < p.P ? load_elem(p.x, p.act, bh_i * p.P + xr) : 0.0f;
-    un.dt_raw = load_elem(p.dt_raw, p.act, bh_i);
+    load_unit_x_dt<kUnitRows>(p, lane, un);
   };
 
   int hs_key = -1, bc_key = -1;  // b * H + h of hs, b * G + g of Bv / Cv
@@ -311,19 +334,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
 #pragma unroll
       for (int v = 0; v < L::kVecsPerLane; ++v) {
         st[v] = un.st[i][v];
-#pragma unroll
-        for (int e = 0; e < L::kVecElems; ++e) {
-          const float s = fmaf(st[v].get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
-          st[v].set(e, s);
-          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-        }
+        update_state_vec<L>(st[v], v, hs.dA, dtx, Bv, Cv, acc);
         if (row < p.P) {
           st[v].template store<true>(state + static_cast<int64_t>(row) * N +
                                      (v * L::kLanesPerRow + seg) * L::kVecElems);
         }
       }
-#pragma unroll
-      for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      acc = reduce_row<L>(acc);
       if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
     }
   };
@@ -448,10 +465,7 @@ __global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * stat
                    ok);
       }
     }
-    const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
-    const int xr = un.row0 + lane % kUnitRows;
-    un.x = xr < p.P ? load_elem(p.x, p.act, bh_i * p.P + xr) : 0.0f;
-    un.dt_raw = load_elem(p.dt_raw, p.act, bh_i);
+    load_unit_x_dt<kUnitRows>(p, lane, un);
   };
 
   int hs_key = -1, bc_key = -1;
@@ -475,18 +489,12 @@ __global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * stat
         Pack<S, L::kVecElems> st;
         const uint4 raw = *vec_at(stage, i * L::kVecsPerLane + v);
         st.w[0] = raw.x, st.w[1] = raw.y, st.w[2] = raw.z, st.w[3] = raw.w;
-#pragma unroll
-        for (int e = 0; e < L::kVecElems; ++e) {
-          const float s = fmaf(st.get(e), hs.dA, dtx * Bv[v * L::kVecElems + e]);
-          st.set(e, s);
-          acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
-        }
+        update_state_vec<L>(st, v, hs.dA, dtx, Bv, Cv, acc);
         if (row < p.P) {
           st.template store<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
         }
       }
-#pragma unroll
-      for (int off = L::kLanesPerRow / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      acc = reduce_row<L>(acc);
       if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
     }
   };
@@ -547,14 +555,9 @@ void launch_async_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr size_t smem = size_t{kAsyncStages} * kWarps * kUnitBytes;
   auto* kernel = selective_state_update_async_kernel<S, N, kRows>;
   // The opt-in above 48 KB is per device: set it on every launch (a cheap host call), occupancy once.
-  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                     "ops::selective_state_update (async)");
-  static const int per_sm = [&] {
-    int n = 0;
-    CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem),
-                       "ops::selective_state_update (occupancy)");
-    return std::max(n, 1);
-  }();
+  set_max_dynamic_smem(kernel, smem, "ops::selective_state_update (async)");
+  static const int per_sm =
+      mamba::resident_blocks_per_sm(kernel, kThreads, smem, "ops::selective_state_update (occupancy)");
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), smem, p, stream);
 }
 
@@ -563,12 +566,8 @@ void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
   constexpr int kMinBlocks = kPersistMinBlocks<kUnitBytes>;
   auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks, kDynamic>;
-  static const int per_sm = [&] {
-    int n = 0;
-    CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0),
-                       "ops::selective_state_update (occupancy)");
-    return std::max(n, 1);
-  }();
+  static const int per_sm =
+      mamba::resident_blocks_per_sm(kernel, kThreads, 0, "ops::selective_state_update (occupancy)");
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), 0, p, stream);
 }
 

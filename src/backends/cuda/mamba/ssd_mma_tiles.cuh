@@ -226,8 +226,7 @@ __device__ __forceinline__ uint32_t y_plus_dx(float acc0, float acc1, float d_sk
 // (every SSD mma kernel uses it); op names the operation in errors.
 inline void launch_with_smem(void (*kernel)(SsdParams), unsigned blocks, unsigned threads, size_t smem,
                              const SsdParams& p, cudaStream_t stream, const char* op) {
-  CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                     op);
+  set_max_dynamic_smem(kernel, smem, op);
   kernel<<<blocks, threads, smem, stream>>>(p);
   CHIMERA_LAUNCH_CHECK(op);
 }

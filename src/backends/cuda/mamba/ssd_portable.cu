@@ -281,11 +281,7 @@ void set_smem(Kernel kernel, size_t bytes, const char* op) {
     throw_runtime(str_cat(op, ": the portable CUDA kernel needs ", bytes, " bytes of shared memory (more than ",
                           kMax, "): shape too large"));
   }
-  if (bytes > 48 * 1024) {
-    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(bytes)),
-                       op);
-  }
+  if (bytes > 48 * 1024) set_max_dynamic_smem(kernel, bytes, op);
 }
 
 }  // namespace

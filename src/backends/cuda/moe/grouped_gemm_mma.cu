@@ -210,9 +210,7 @@ void launch(GemmParams p, cudaStream_t stream) {
   if (blocks == 0) return;
   if (blocks > 0x7fffffff) throw_runtime(str_cat("ops::moe_experts: ", blocks, " GEMM blocks is too many"));
   static const bool configured = [] {
-    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_mma_kernel<T, kTile, kUp>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                       "ops::moe_experts");
+    set_max_dynamic_smem(moe_gemm_mma_kernel<T, kTile, kUp>, smem, "ops::moe_experts");
     return true;
   }();
   (void)configured;

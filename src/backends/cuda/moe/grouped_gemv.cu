@@ -395,9 +395,7 @@ void launch(const GemvArgs& a, cudaStream_t stream) {
   const int kmax = std::max(a.g.K, a.s.weight ? a.s.K : 0);
   const size_t smem = static_cast<size_t>(NT) * kmax * sizeof(T);
   static const bool configured = [] {
-    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemv_kernel<T, NT, kUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(kGemvMaxSmemBytes)),
-                       "ops::moe_experts");
+    set_max_dynamic_smem(moe_gemv_kernel<T, NT, kUp>, kGemvMaxSmemBytes, "ops::moe_experts");
     return true;
   }();
   (void)configured;

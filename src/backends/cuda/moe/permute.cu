@@ -206,9 +206,8 @@ void launch_moe_permute(const PermuteParams& p, cudaStream_t stream) {
   }
   const size_t smem = sizeof(int) * (static_cast<size_t>(kPermuteWarps) * p.E + 34);
   static const bool configured = [] {  // 32 x 512 ints = 64 KiB: above the default 48 KiB
-    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(moe_permute_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(sizeof(int) * (kPermuteWarps * kPermuteMaxExperts + 34))),
-                       "ops::moe_experts");
+    set_max_dynamic_smem(moe_permute_kernel, sizeof(int) * (kPermuteWarps * kPermuteMaxExperts + 34),
+                         "ops::moe_experts");
     return true;
   }();
   (void)configured;

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_ops.h"
@@ -224,6 +225,18 @@ void launch_router(const RouterParams& p, cudaStream_t stream) {
   launch(router_topk_kernel<NPER, KFIX, kGroups>, dim3(static_cast<unsigned>(blocks)), dim3(kWarpsPerBlock * 32), smem,
          stream, p);
   CHIMERA_LAUNCH_CHECK("ops::router_topk");
+}
+
+// Runtime E -> the experts-per-lane template argument NPER (1, 2, 4, 8 or 16: E <= 32 * NPER) of both routers'
+// launchers: f(std::integral_constant<int, NPER>{}).
+template <typename F>
+void with_nper(int E, F&& f) {
+  const int nper = (E + 31) / 32;
+  if (nper <= 1) return f(std::integral_constant<int, 1>{});
+  if (nper <= 2) return f(std::integral_constant<int, 2>{});
+  if (nper <= 4) return f(std::integral_constant<int, 4>{});
+  if (nper <= 8) return f(std::integral_constant<int, 8>{});
+  return f(std::integral_constant<int, 16>{});
 }
 
 template <int NPER>
@@ -516,9 +529,7 @@ template <int NPER, bool kGroups>
 void launch_gate(const GateLaunch& L, cudaStream_t stream) {
   const size_t smem = gate_smem_bytes(L.g.route.T, L.g.route.E, L.g.route.n_group, L.g.split.chunk);
   if (smem > 48 * 1024) {
-    CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(router_gate_topk_kernel<NPER, kGroups>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-                       "ops::router_gate_topk");
+    set_max_dynamic_smem(router_gate_topk_kernel<NPER, kGroups>, smem, "ops::router_gate_topk");
   }
   const dim3 grid(static_cast<unsigned>(L.g.split.n_split), static_cast<unsigned>(ceil_div(L.g.route.E, kGateWarps)));
   launch(router_gate_topk_kernel<NPER, kGroups>, grid, dim3(kGateThreads), smem, stream, L);
@@ -553,12 +564,7 @@ void launch_router_topk(const RouterParams& p, cudaStream_t stream) {
   if (block) return launch_router_block(p, stream);
   // The Nemotron 3 Super router: 512 experts, top-22, one group (seed 5.2).
   if (p.E == 512 && p.k == 22 && p.n_group == 1) return launch_router<16, 22, false>(p, stream);
-  const int nper = (p.E + 31) / 32;
-  if (nper <= 1) return launch_router_nper<1>(p, stream);
-  if (nper <= 2) return launch_router_nper<2>(p, stream);
-  if (nper <= 4) return launch_router_nper<4>(p, stream);
-  if (nper <= 8) return launch_router_nper<8>(p, stream);
-  return launch_router_nper<16>(p, stream);
+  with_nper(p.E, [&](auto nper) { launch_router_nper<decltype(nper)::value>(p, stream); });
 }
 
 GateSplit gate_topk_split(int E, int D) {
@@ -582,12 +588,7 @@ void launch_router_gate_topk(const GateTopkParams& p, cudaStream_t stream) {
                           kGateMaxTokens, ", E <= 512, k <= min(32, E), shared memory <= ", kGateMaxSmemBytes, ")"));
   }
   GateLaunch L{p, ticket_slot(), p.D % 4 == 0 && reinterpret_cast<uintptr_t>(p.gate) % 16 == 0};
-  const int nper = (r.E + 31) / 32;
-  if (nper <= 1) return launch_gate_nper<1>(L, stream);
-  if (nper <= 2) return launch_gate_nper<2>(L, stream);
-  if (nper <= 4) return launch_gate_nper<4>(L, stream);
-  if (nper <= 8) return launch_gate_nper<8>(L, stream);
-  return launch_gate_nper<16>(L, stream);
+  with_nper(r.E, [&](auto nper) { launch_gate_nper<decltype(nper)::value>(L, stream); });
 }
 
 }  // namespace moe
