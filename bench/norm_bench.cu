@@ -305,6 +305,61 @@ CHIMERA_BENCH(linear_decode) {
   }
 }
 
+// The residual step folded into the next layer's input projection (ops::residual_norm_linear) at decode sizes,
+// (the one GEMV launch, NormFold::kAlways) against the two ops it replaces (add + RMSNorm kernel, then the dense
+// layer: NormFold::kOff),
+// device time per call in a CUDA graph: Nano in_proj after a MoE layer (add2), Nano q/k/v after a Mamba layer,
+// Super in_proj (add2). Floor = bytes / 4.2 TB/s (weights + residual, addends, new residual, outputs).
+CHIMERA_BENCH(norm_linear_decode) {
+  struct Shape {
+    const char* name;
+    int64_t D;
+    std::vector<int64_t> rows;
+    bool add2;
+  };
+  const Shape shapes[] = {{"nano_in_proj", 2688, {10304}, true},
+                          {"nano_qkv", 2688, {4096, 256, 256}, false},
+                          {"super_in_proj", 4096, {18560}, true}};
+  for (const Shape& sh : shapes) {
+    for (int64_t T : {int64_t{1}, int64_t{2}}) {
+      int64_t rows = 0;
+      for (int64_t r : sh.rows) rows += r;
+      const double bytes = 2.0 * (rows * sh.D + T * sh.D * (sh.add2 ? 4 : 3) + T * rows + sh.D);
+      const double flops = 2.0 * T * sh.D * rows;
+      struct Set {
+        Tensor residual, residual_out, a, b, norm_w, x;
+        std::vector<Tensor> w, y;
+      };
+      std::vector<Set> sets;
+      const float ws = 1.0f / std::sqrt(static_cast<float>(sh.D));
+      for (int i = 0; i < rotations(bytes); ++i) {
+        Set s{random(DType::kBF16, {T, sh.D}), random(DType::kBF16, {T, sh.D}), random(DType::kBF16, {T, sh.D}),
+              sh.add2 ? random(DType::kBF16, {T, sh.D}) : Tensor(), random(DType::kBF16, {sh.D}, 0.5f, 1.5f),
+              random(DType::kBF16, {T, sh.D}), {}, {}};
+        for (int64_t r : sh.rows) {
+          s.w.push_back(random(DType::kBF16, {r, sh.D}, -ws, ws));
+          s.y.push_back(random(DType::kBF16, {T, r}));
+        }
+        sets.push_back(std::move(s));
+      }
+      const std::string shape = "T=" + std::to_string(T) + " D=" + std::to_string(sh.D) + " rows=" +
+                                std::to_string(rows) + (sh.add2 ? " add2" : " add") + " bf16 (" + sh.name + ")";
+      for (bool fold : {true, false}) {
+        const cuda::NormFold saved = cuda::set_residual_norm_fold(fold ? cuda::NormFold::kAlways : cuda::NormFold::kOff);
+        ctx.run_graph(fold ? "residual_norm_linear" : "add_norm_then_linear", shape, bytes, flops,
+                      [&](cudaStream_t st, int i) {
+                        const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+                        ops::residual_norm_linear(ops::Context{Device::kCuda, st},
+                                                  ops::ResidualNorm{s.residual, s.residual_out, s.a, s.b, s.norm_w,
+                                                                    1e-5f, s.x},
+                                                  s.y, s.w);
+                      });
+        cuda::set_residual_norm_fold(saved);
+      }
+    }
+  }
+}
+
 // Sampling over the 131072-token vocabulary: greedy, and temperature + top-k 50 + top-p 0.9. Greedy at decode
 // batch sizes also inside a CUDA graph (no row upload on that path, so it captures): the device time per call.
 CHIMERA_BENCH(sample_tokens) {

@@ -9,6 +9,7 @@
 #include <numeric>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "backends/device_api.h"
 #include "core/counter_rng.h"
@@ -451,9 +452,23 @@ std::map<std::string, int64_t> NemotronH::parameter_counts() const {
 
 // ---- forward ---------------------------------------------------------------------------------------
 
+namespace {
+// A mixer's first dense op on its normed input x: with `pre`, the residual step producing x folded into it.
+void input_linear(const ops::Context& ctx, const ops::ResidualNorm* pre, const Tensor& x, std::span<const Tensor> outs,
+                  std::span<const Tensor> weights, const Tensor& bias) {
+  if (pre != nullptr) {
+    ops::residual_norm_linear(ctx, *pre, outs, weights, bias);
+  } else if (weights.size() == 1) {
+    ops::linear(ctx, outs[0], x, weights[0], bias);
+  } else {
+    ops::linear_multi(ctx, outs, x, weights);
+  }
+}
+}  // namespace
+
 void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
-                            const Tensor& conv_state, const Tensor& ssm_state, const Tensor& x,
-                            const Tensor& out) const {
+                            const Tensor& conv_state, const Tensor& ssm_state, const ops::ResidualNorm* pre,
+                            const Tensor& x, const Tensor& out) const {
   const ModelConfig& c = config_;
   const MambaWeights& w = L.mamba;
   const int64_t T = b.num_tokens(), H = c.mamba_num_heads, P = c.mamba_head_dim, G = c.n_groups;
@@ -465,7 +480,7 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
 
   // in_proj rows: [ z : Di | xBC : Cd | dt : H ]  (model-spec 3.2)
   Tensor zxbcdt = act(ctx, {T, c.in_proj_dim()});
-  ops::linear(ctx, zxbcdt, x, w.in_proj, w.in_proj_bias);
+  input_linear(ctx, pre, x, {&zxbcdt, 1}, {&w.in_proj, 1}, w.in_proj_bias);
   Tensor normed = act(ctx, {T, Di});
 
   // Decode rows on CUDA at batch <= kFusedMambaDecodeMaxRows: conv update + selective state update + gated norm
@@ -520,8 +535,8 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
 }
 
 void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
-                                const Tensor& block_tables, const ops::KvCacheView& kv, const Tensor& x,
-                                const Tensor& out) const {
+                                const Tensor& block_tables, const ops::KvCacheView& kv, const ops::ResidualNorm* pre,
+                                const Tensor& x, const Tensor& out) const {
   const ModelConfig& c = config_;
   const AttentionWeights& w = L.attention;
   const int64_t T = b.num_tokens(), Qh = c.num_attention_heads, KVh = c.num_key_value_heads, hd = c.head_dim;
@@ -530,7 +545,7 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
   // One op for the three projections of the same x (on CUDA at decode sizes one GEMV launch).
   const Tensor qkv_out[] = {q, k, v};
   const Tensor qkv_w[] = {w.q_proj, w.k_proj, w.v_proj};
-  ops::linear_multi(ctx, qkv_out, x, qkv_w);
+  input_linear(ctx, pre, x, qkv_out, qkv_w, Tensor());
   // No positional encoding of any kind (model-spec 4): the Mamba layers carry position.
   Tensor o = act(ctx, {T, Qh, hd});
   const StepBatch::DeviceMeta* dm = b.device_meta;
@@ -600,7 +615,9 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
     block_tables = device::to_device(b.block_tables, ctx.device);
   }
 
-  Tensor h = act(ctx, {T, D});  // the residual stream
+  // The residual stream in two buffers: a residual step folded into the next layer's first dense op writes the
+  // new residual to the other one (its GEMV blocks all read the old one; ops::residual_norm_linear).
+  Tensor h = act(ctx, {T, D}), h_next = act(ctx, {T, D});
   ops::embedding(ctx, h, embeddings_, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
   Tensor x = act(ctx, {T, D});    // normed input of the current mixer
   Tensor mix = act(ctx, {T, D});  // mixer output (the MoE layer's shared expert)
@@ -613,30 +630,51 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
   }
   ops::rms_norm(ctx, x, h, layers_.empty() ? norm_f_ : layers_[0].norm, eps);
 
+  // The residual step after layer i: h = h + mixer(x) (a MoE layer's shared + routed output rounded to the
+  // activation dtype first), x = the next layer's norm (or norm_f) of h. Before a Mamba or attention layer it is
+  // left pending and folded into that layer's first dense op (one launch fewer at decode sizes on CUDA);
+  // otherwise one fused add + norm op here.
+  // The last step (norm_f) folds into the lm_head when every row's logits are wanted (a decode step).
+  const int64_t R = static_cast<int64_t>(b.logit_rows.size());
+  bool every_row = R == T;
+  for (int64_t r = 0; every_row && r < R; ++r) every_row = b.logit_rows[static_cast<size_t>(r)] == r;
+  ops::ResidualNorm pending;
+  bool has_pending = false;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& L = layers_[i];
+    const ops::ResidualNorm* pre = has_pending ? &pending : nullptr;
     switch (L.kind) {
-      case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], x, mix); break;
-      case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], x, mix); break;
+      case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], pre, x, mix); break;
+      case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], pre, x, mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, mix, x, L.mlp.up_proj, L.mlp.down_proj); break;
       case LayerKind::kMoe: moe_mixer(ctx, L, x, mix, routed); break;
     }
-    // h = h + mixer(x); x = next layer's norm (or norm_f) of h: one fused op. A MoE layer's mixer output is
-    // shared + routed, rounded to the activation dtype before the residual add (the sum happens in the norm op).
+    if (has_pending) std::swap(h, h_next);  // the folded step wrote the new residual to h_next
+    const bool fold_next =
+        i + 1 < layers_.size()
+            ? layers_[i + 1].kind == LayerKind::kMamba || layers_[i + 1].kind == LayerKind::kAttention
+            : every_row;
     const Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].norm : norm_f_;
-    if (L.kind == LayerKind::kMoe) {
-      ops::add2_rms_norm(ctx, h, x, mix, routed, next_norm, eps);
+    const Tensor no_tensor;
+    const Tensor& second = L.kind == LayerKind::kMoe ? routed : no_tensor;
+    has_pending = fold_next;
+    if (fold_next) {
+      pending = ops::ResidualNorm{h, h_next, mix, second, next_norm, eps, x};
+    } else if (second) {
+      ops::add2_rms_norm(ctx, h, x, mix, second, next_norm, eps);
     } else {
       ops::add_rms_norm(ctx, h, x, mix, next_norm, eps);
     }
   }
 
-  // x now holds norm_f(h). Only the requested rows go through lm_head (all of them in a decode step: no gather).
-  const int64_t R = static_cast<int64_t>(b.logit_rows.size());
-  bool every_row = R == T;
-  for (int64_t r = 0; every_row && r < R; ++r) every_row = b.logit_rows[static_cast<size_t>(r)] == r;
-  const Tensor rows = every_row ? x : gather_rows(ctx, x, act_dtype_, b.logit_rows);
+  // x now holds norm_f(h), or the step is pending for the lm_head. Only the requested rows go through lm_head (all
+  // of them in a decode step: no gather).
   Tensor logits = act(ctx, {R, c.vocab_size});
+  if (has_pending) {
+    ops::residual_norm_linear(ctx, pending, {&logits, 1}, {&lm_head_, 1});
+    return logits;
+  }
+  const Tensor rows = every_row ? x : gather_rows(ctx, x, act_dtype_, b.logit_rows);
   ops::linear(ctx, logits, rows, lm_head_);
   return logits;
 }

@@ -108,12 +108,14 @@ class NemotronH {
   static NemotronH bind(const ModelConfig& config, WeightTable& weights, const ModelOptions& options);
   // An uninitialised activation on `device` in the activation dtype.
   Tensor act(const ops::Context& ctx, Shape shape) const;
+  // The Mamba and attention mixers read their normed input x only through their first dense op; `pre`, when set,
+  // is the residual step that produces x (pre->x == x), folded into that op (ops::residual_norm_linear).
   void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const Tensor& conv_state,
-                   const Tensor& ssm_state, const Tensor& x, const Tensor& out) const;
+                   const Tensor& ssm_state, const ops::ResidualNorm* pre, const Tensor& x, const Tensor& out) const;
   // block_tables: the batch's table on ctx.device (uploaded once per step on CUDA).
   void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
-                       const Tensor& block_tables, const ops::KvCacheView& kv, const Tensor& x,
-                       const Tensor& out) const;
+                       const Tensor& block_tables, const ops::KvCacheView& kv, const ops::ResidualNorm* pre,
+                       const Tensor& x, const Tensor& out) const;
   // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm.
   void moe_mixer(const ops::Context& ctx, const LayerWeights& w, const Tensor& x, const Tensor& shared_out,
                  const Tensor& routed_out) const;

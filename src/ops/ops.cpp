@@ -282,6 +282,48 @@ void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor
       [&] { CHIMERA_CUDA_CALL(cuda::linear_multi(ctx, outs, x, weights)); });
 }
 
+void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<const Tensor> outs,
+                          std::span<const Tensor> weights, const Tensor& bias) {
+  const Check c(ctx, "residual_norm_linear");
+  if (outs.size() != weights.size() || weights.empty() || weights.size() > 3) {
+    c.fail("{} outputs for {} weights (1 to 3 of each, one output per weight)", outs.size(), weights.size());
+  }
+  c.f32("a", rn.a, 2);
+  if (rn.b) c.like("b", rn.b, "a", rn.a);
+  c.like("residual", rn.residual, "a", rn.a);
+  c.like("residual_out", rn.residual_out, "a", rn.a);
+  c.like("x", rn.x, "a", rn.a);
+  c.norm_weight("norm_weight", rn.norm_weight, "a", rn.a);
+  c.no_alias("residual_out", rn.residual_out, "residual", rn.residual);
+  c.no_alias("residual_out", rn.residual_out, "a", rn.a);
+  if (rn.b) c.no_alias("residual_out", rn.residual_out, "b", rn.b);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const std::string w = fmt::format("weights[{}]", i), o = fmt::format("outs[{}]", i);
+    c.weight(w.c_str(), weights[i], 2);
+    c.shape(w.c_str(), weights[i], {weights[i].dim(0), rn.a.dim(1)}, "a", rn.a);
+    c.f32(o.c_str(), outs[i], 2);
+    c.shape(o.c_str(), outs[i], {rn.a.dim(0), weights[i].dim(0)}, "x @ weight^T with weight", weights[i]);
+    c.no_alias(o.c_str(), outs[i], "x", rn.x);
+    c.no_alias(o.c_str(), outs[i], "residual_out", rn.residual_out);
+  }
+  if (bias) {
+    if (weights.size() != 1) c.fail("a bias needs exactly one weight ({} given)", weights.size());
+    c.weight("bias", bias, 1);
+    c.shape("bias", bias, {weights[0].dim(0)}, "weights[0]", weights[0]);
+  }
+  c.dispatch(
+      [&] {
+        cpu::convert(rn.residual_out, rn.residual);
+        if (rn.b) {
+          cpu::add2_rms_norm(rn.residual_out, rn.x, rn.a, rn.b, rn.norm_weight, rn.eps);
+        } else {
+          cpu::add_rms_norm(rn.residual_out, rn.x, rn.a, rn.norm_weight, rn.eps);
+        }
+        for (size_t i = 0; i < weights.size(); ++i) cpu::linear(outs[i], rn.x, weights[i], bias);
+      },
+      [&] { CHIMERA_CUDA_CALL(cuda::residual_norm_linear(ctx, rn, outs, weights, bias)); });
+}
+
 void relu2(const Context& ctx, const Tensor& x) {
   const Check c(ctx, "relu2");
   c.f32("x", x, -1);

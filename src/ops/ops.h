@@ -89,6 +89,28 @@ void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor
 // v projections as one launch instead of three dependent ones. outs[i]: [T, weights[i].dim(0)].
 void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor& x, std::span<const Tensor> weights);
 
+// The residual step between two layers folded into the next layer's first dense op (issue 4):
+//   residual_out = residual + a                 (add_rms_norm), or residual + round(a + b) when b is defined
+//                                               (add2_rms_norm: a MoE layer's shared and routed outputs)
+//   x = rms_norm(residual_out) * norm_weight
+//   outs[i] = x @ weights[i]^T (+ bias, only with one weight)
+// exactly add_rms_norm / add2_rms_norm then linear / linear_multi (the CPU runs those). residual_out must not overlap
+// residual, a or b: the caller alternates two residual buffers. x is scratch: unspecified afterwards, since on CUDA
+// at decode sizes (T <= 2, 16-bit, the norm weight in the activation dtype) one GEMV launch computes x per block
+// (bit-identical to the norm kernel's output) and never stores it. residual, residual_out, a, b, x: [T, D];
+// norm_weight: [D]; weights[i]: [N_i, D]; outs[i]: [T, N_i].
+struct ResidualNorm {
+  Tensor residual;
+  Tensor residual_out;
+  Tensor a;
+  Tensor b;  // undefined: add_rms_norm
+  Tensor norm_weight;
+  float eps = 0.0f;
+  Tensor x;
+};
+void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<const Tensor> outs,
+                          std::span<const Tensor> weights, const Tensor& bias = Tensor());
+
 // x = relu(x)^2 in place (any shape).
 void relu2(const Context& ctx, const Tensor& x);
 

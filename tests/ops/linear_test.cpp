@@ -203,6 +203,114 @@ TEST_P(OpsLinear, MultiMatchesOneLinearPerWeight) {
   EXPECT_TRUE(test::throws_error([&] { ops::linear_multi(ctx(), two_bad, x, ws); }, ErrorKind::kRuntime, "outs[1]"));
 }
 
+// ops::residual_norm_linear == add_rms_norm / add2_rms_norm then linear / linear_multi. The normed x is checked bit
+// for bit through an identity weight (y = x exactly, in any summation order) against the norm op on the same
+// backend, the new residual bit for bit, and random weights (3 parts; 1 part with bias) against the oracle. On CUDA
+// at 16 bits and T <= 2 the one-launch GEMV path runs (forced; asserted), then the two ops (fold off) and the
+// timed choice; hidden sizes put the
+// norm kernel's layout at 4 threads (D = 40), 8 (64), 192 (2688, Nano) and 288 (4480: past the GEMV block, the
+// two-op path); T = 5 takes the two-op path too.
+TEST_P(OpsLinear, ResidualNormLinearIsAddNormThenLinear) {
+  auto rng = test::Rng::for_test();
+  std::vector<DType> acts = {DType::kF32};
+  if (on_cuda()) acts = {DType::kBF16, DType::kF16, DType::kF32};
+  for (DType act : acts) {
+    for (int64_t D : {40, 64, 2688, 4480}) {
+      for (int64_t T : {1, 2, 5}) {
+        for (bool two : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << dtype_name(act) << " D=" << D << " T=" << T << " add2=" << two);
+          const Tensor residual = on_backend(rounded(rng.normal_tensor({T, D}), act), act);
+          const Tensor a = on_backend(rounded(rng.normal_tensor({T, D}), act), act);
+          const Tensor b = two ? on_backend(rounded(rng.normal_tensor({T, D}), act), act) : Tensor();
+          const Tensor nw = on_backend(rounded(rng.uniform_tensor({D}, 0.5f, 1.5f), act), act);
+          // The reference: the norm op on this backend (residual updated in place in a copy).
+          Tensor r_ref = output(act, {T, D}), x_ref = output(act, {T, D});
+          ops::convert(ctx(), r_ref, residual);
+          if (two) {
+            ops::add2_rms_norm(ctx(), r_ref, x_ref, a, b, nw, 1e-5f);
+          } else {
+            ops::add_rms_norm(ctx(), r_ref, x_ref, a, nw, 1e-5f);
+          }
+          const Tensor x_host = host_f32(x_ref);
+          Tensor eye = Tensor::zeros(DType::kF32, {D, D});
+          for (int64_t i = 0; i < D; ++i) eye.f32()[i * D + i] = 1.0f;
+          const Tensor d_eye = on_backend(eye, act);
+          const std::vector<int64_t> part_rows = {7, 9, 33};
+          std::vector<Tensor> ws, dws;
+          for (int64_t n : part_rows) {
+            ws.push_back(test::cast_to(rng.uniform_tensor({n, D}, -0.05f, 0.05f), act));
+            dws.push_back(on_backend(ws.back()));
+          }
+          const Tensor bias = test::cast_to(rng.uniform_tensor({part_rows[0]}, -1.0f, 1.0f), act);
+          std::vector<int> folds = {1};  // CPU: one path
+          if (on_cuda()) folds = {2, 0, 1};  // NormFold kAlways, kOff, kAuto
+          for (int fold : folds) {
+            SCOPED_TRACE(::testing::Message() << "fold " << fold);
+#ifdef CHIMERA_HAVE_CUDA
+            const cuda::NormFold saved =
+                on_cuda() ? cuda::set_residual_norm_fold(static_cast<cuda::NormFold>(fold)) : cuda::NormFold::kAuto;
+#endif
+            const auto step = [&](const Tensor& r_out, const Tensor& x) {
+              return ops::ResidualNorm{residual, r_out, a, b, nw, 1e-5f, x};
+            };
+            // Identity weight: y = x.
+            {
+              Tensor r_out = output(act, {T, D}), x = output(act, {T, D}), y = output(act, {T, D});
+              const Tensor outs[] = {y}, weights[] = {d_eye};
+#ifdef CHIMERA_HAVE_CUDA
+              if (on_cuda()) {
+                const bool want_fused = fold != 0 && act != DType::kF32 && T <= 2 && D != 4480;
+                EXPECT_EQ(cuda::residual_norm_linear_fused(step(r_out, x), outs, weights, Tensor()), want_fused);
+              }
+#endif
+              ops::residual_norm_linear(ctx(), step(r_out, x), outs, weights);
+              EXPECT_TRUE(test::bit_equal(host_f32(y), x_host)) << "x";
+              EXPECT_TRUE(test::bit_equal(host_f32(r_out), host_f32(r_ref))) << "residual_out";
+            }
+            // Three parts, then one part with a bias, against the oracle on the reference x.
+            {
+              Tensor r_out = output(act, {T, D}), x = output(act, {T, D});
+              std::vector<Tensor> ys;
+              for (int64_t n : part_rows) ys.push_back(output(act, {T, n}));
+              ops::residual_norm_linear(ctx(), step(r_out, x), ys, dws);
+              for (size_t i = 0; i < ys.size(); ++i) EXPECT_TRUE(close(host_f32(ys[i]), naive_linear(x_host, ws[i]), act)) << i;
+              Tensor y = output(act, {T, part_rows[0]});
+              const Tensor outs[] = {y}, weights[] = {dws[0]};
+              ops::residual_norm_linear(ctx(), step(r_out, x), outs, weights, on_backend(bias));
+              EXPECT_TRUE(close(host_f32(y), naive_linear(x_host, ws[0], bias), act)) << "bias";
+              EXPECT_TRUE(test::bit_equal(host_f32(r_out), host_f32(r_ref))) << "residual_out";
+            }
+#ifdef CHIMERA_HAVE_CUDA
+            if (on_cuda()) cuda::set_residual_norm_fold(saved);
+#endif
+          }
+        }
+      }
+    }
+  }
+  // Misuse is refused naming the op and the field.
+  const DType act = act_for(DType::kBF16);
+  const Tensor r = on_backend(rng.normal_tensor({1, 64}), act), a = on_backend(rng.normal_tensor({1, 64}), act);
+  const Tensor nw = on_backend(rng.normal_tensor({64}), act), w = on_backend(test::cast_to(rng.normal_tensor({8, 64}), act));
+  Tensor x = output(act, {1, 64}), y = output(act, {1, 8}), r_out = output(act, {1, 64});
+  const Tensor outs[] = {y, y}, weights[] = {w, w};
+  EXPECT_TRUE(test::throws_error(
+      [&] { ops::residual_norm_linear(ctx(), ops::ResidualNorm{r, r, a, Tensor(), nw, 1e-5f, x}, {outs, 1}, {weights, 1}); },
+      ErrorKind::kRuntime, "ops::residual_norm_linear: residual_out must not overlap residual"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::residual_norm_linear(ctx(), ops::ResidualNorm{r, r_out, a, Tensor(), nw, 1e-5f, x}, outs, weights,
+                                  on_backend(rng.normal_tensor({8}), act));
+      },
+      ErrorKind::kRuntime, "a bias needs exactly one weight"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::residual_norm_linear(ctx(), ops::ResidualNorm{r, r_out, a, Tensor(), on_backend(rng.normal_tensor({63}), act), 1e-5f, x},
+                                  {outs, 1}, {weights, 1});
+      },
+      ErrorKind::kRuntime, "norm_weight"));
+}
+
 // CPU: the result does not depend on the thread count; CUDA: two calls give the same bits (cuBLASLt's
 // algorithm is chosen once per shape and cached).
 TEST_P(OpsLinear, ResultIsDeterministic) {

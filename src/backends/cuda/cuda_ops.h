@@ -35,6 +35,8 @@ void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const T
                   std::span<const Tensor> weights);
 void relu2_mlp(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,
                const Tensor& down_proj);
+void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, std::span<const Tensor> outs,
+                          std::span<const Tensor> weights, const Tensor& bias);
 
 // mamba/ (conv1d.cu)
 void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,

@@ -20,12 +20,19 @@
 // PDL (launch.cuh): the first kUnroll weight vectors of the block's first row group are loaded before pdl_wait()
 // (weights are constant during a step), so the weight stream starts while the previous kernel drains.
 //
+// Residual norm (GemvParams::norm, ops::residual_norm_linear): x is not read but computed by every block from the
+// residual and the layer output(s) before it, as the add + RMSNorm kernel would have written it (same per-thread
+// vectors, same butterfly, same roundings: bit-identical); block 0 also writes the new residual. Redundant work per
+// block (a 2 x T x K element read from L2 and one block reduction) instead of a launch and a dependent round trip.
+//
 // Numerics: fp32 products and sums (the per-lane partial sums, then a warp butterfly, then the row's warps in part
 // order), + bias in fp32, one rounding to T at the store. With relu2: the rounded value v, then fmaxf(v, 0)^2 in fp32
 // rounded again: exactly linear() then relu2() of the unfused path (elementwise.cu).
 #include "backends/cuda/gemm/gemv.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_vec.cuh"
@@ -53,10 +60,94 @@ __device__ __forceinline__ PartRow part_row(const GemvParams& p, int row) {
   return PartRow{p.parts[0], row};
 }
 
+// 8 fp32 values rounded to T and packed as one 16-byte vector.
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 v;
+  store_f32<T, 8>(reinterpret_cast<T*>(&v), f);
+  return v;
+}
+
+// GemvParams::norm: rows [0, MT) of xs = weight * rms_norm(residual + a (+ round(a + b))) for the T real tokens,
+// zeros past them. Thread i < n.threads holds vectors i + k * n.threads (k < kGemvNormVecs) of the row, as the norm
+// kernel's threads do; its sum of squares goes through a full-warp and then an 8-warp butterfly, where the
+// norm kernel's shorter butterflies see the same non-zero terms in the same order (the extra terms are exact
+// zeros). nw: this thread's weight vectors, loaded before the PDL wait. Ends with a barrier.
+template <typename T, int MT>
+__device__ __forceinline__ void stage_normed_x(const GemvParams& p, uint4* xs, const uint4 (&nw)[kGemvNormVecs]) {
+  __shared__ float red[kWarps];
+  const GemvResidualNorm& n = p.norm;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int kv = p.K / 8;
+#pragma unroll 1  // one token at a time (registers)
+  for (int t = 0; t < MT; ++t) {
+    if (t >= p.T) {
+      for (int i = tid; i < kv; i += kThreads) xs[t * kv + i] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    const size_t row = static_cast<size_t>(t) * static_cast<size_t>(kv);
+    uint4 rv[kGemvNormVecs] = {}, av[kGemvNormVecs] = {}, bv[kGemvNormVecs] = {};
+#pragma unroll
+    for (int k = 0; k < kGemvNormVecs; ++k) {
+      const int i = tid + k * n.threads;
+      if (tid < n.threads && i < kv) {
+        rv[k] = static_cast<const uint4*>(n.residual)[row + i];
+        av[k] = static_cast<const uint4*>(n.a)[row + i];
+        if (n.b != nullptr) bv[k] = static_cast<const uint4*>(n.b)[row + i];
+      }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kGemvNormVecs; ++k) {
+      const int i = tid + k * n.threads;
+      if (tid < n.threads && i < kv) {
+        float v[8], x[8];
+        unpack8<T>(rv[k], v);
+        unpack8<T>(av[k], x);
+        if (n.b != nullptr) {
+          float z[8];
+          unpack8<T>(bv[k], z);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) x[j] = round_to<T>(x[j] + z[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = round_to<T>(v[j] + x[j]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
+        rv[k] = pack8<T>(v);  // exact: v is already rounded to T
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float total = lane < kWarps ? red[lane] : 0.0f;  // every warp sums the same partials in the same order
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+    const float inv = 1.0f / sqrtf(total / static_cast<float>(p.K) + n.eps);
+#pragma unroll
+    for (int k = 0; k < kGemvNormVecs; ++k) {
+      const int i = tid + k * n.threads;
+      if (tid < n.threads && i < kv) {
+        float v[8], w[8], o[8];
+        unpack8<T>(rv[k], v);
+        unpack8<T>(nw[k], w);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = w[j] * (v[j] * inv);
+        xs[t * kv + i] = pack8<T>(o);
+        if (blockIdx.x == 0) static_cast<uint4*>(n.residual_out)[row + i] = rv[k];
+      }
+    }
+    __syncthreads();  // red is reused by the next token
+  }
+}
+
 // x: [T, K] T, w_i: [N_i, K] T, bias_i: [N_i] T or null, y_i: [T, N_i] T. Dynamic shared memory: x, [MT][K] T
-// (zero rows past T).
-template <typename T, int MT, bool kRelu2>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
+// (zero rows past T). kNorm: x computed from GemvParams::norm (stage_normed_x) instead of read.
+// kMinBlocks: __launch_bounds__'s blocks per SM. Unbounded, ptxas gives the T = 1 kernel 117 registers (2 blocks of
+// 256 threads per SM) and the norm variant at T = 2 111; bounded to 3 blocks they take 80 with no spill (T = 1).
+template <typename T, int MT, bool kRelu2, bool kNorm, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const GemvParams p) {
   extern __shared__ uint4 gemv_smem[];
   uint4* xs = gemv_smem;  // [MT][K / 8] vectors of 8 elements
   __shared__ float partial[kWarps][MT];
@@ -81,11 +172,22 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
       wv[u] = row < p.N && v < v1 ? ld_stream(wrow + v) : make_uint4(0, 0, 0, 0);
     }
   }
+  [[maybe_unused]] uint4 nw[kGemvNormVecs] = {};  // the norm weight (constant) of this thread's vectors
+  if constexpr (kNorm) {
+    const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+    for (int k = 0; k < kGemvNormVecs; ++k) {
+      const int i = tid + k * p.norm.threads;
+      if (tid < p.norm.threads && i < kv) nw[k] = __ldg(static_cast<const uint4*>(p.norm.weight) + i);
+    }
+  }
   pdl_wait();
   pdl_trigger();
 
   // x -> shared memory (T * K / 8 vectors; the padding tokens up to MT are zeros).
-  {
+  if constexpr (kNorm) {
+    stage_normed_x<T, MT>(p, xs, nw);
+  } else {
     const uint4* xg = static_cast<const uint4*>(p.x);
     for (int i = static_cast<int>(threadIdx.x); i < MT * kv; i += kThreads) {
       xs[i] = i < p.T * kv ? xg[i] : make_uint4(0, 0, 0, 0);
@@ -170,6 +272,13 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   }
 }
 
+// __launch_bounds__ blocks per SM of the plain kernel at T <= 2: 1 (unbounded, the default) or 3
+// (CHIMERA_GEMV_MIN_BLOCKS=3; A/B runs of the whole engine; the same results).
+std::atomic<int> g_min_blocks{[] {
+  const char* v = std::getenv("CHIMERA_GEMV_MIN_BLOCKS");
+  return v != nullptr && std::atoi(v) == 3 ? 3 : 1;
+}()};
+
 // Warps per row: enough warps for every SM to hold ~16 of them streaming (split rows when N alone is too few);
 // then, while the GPU still holds all the warps at once, split further until a warp's share of a row is ONE load
 // step (kUnroll x 32 vectors): the whole weight is then requested in the first round trip, part of it before the
@@ -186,7 +295,16 @@ int auto_warps_per_row(int64_t N, int64_t K, int64_t resident_warps) {
 template <typename T, int MT, bool kRelu2>
 void launch_mt(const GemvParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(T) * static_cast<size_t>(MT) * static_cast<size_t>(p.K);
-  auto* kernel = gemv_kernel<T, MT, kRelu2>;
+  auto* kernel = gemv_kernel<T, MT, kRelu2, false, 1>;
+  if constexpr (MT <= 2) {
+    if (p.norm.residual != nullptr) {
+      kernel = gemv_kernel<T, MT, false, true, 3>;
+    } else if (g_min_blocks.load(std::memory_order_relaxed) == 3) {
+      kernel = gemv_kernel<T, MT, kRelu2, false, 3>;
+    }
+  } else if (p.norm.residual != nullptr) {
+    kernel = gemv_kernel<T, MT, false, true, 1>;
+  }
   if (smem > 48 * 1024) {  // the opt-in is per device, so set it on every such launch (a host-side call)
     CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                        "ops::linear (gemv)");
@@ -227,6 +345,13 @@ bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x,
 void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stream) {
   if (p.warps_per_row < 0 || p.warps_per_row > kWarps || (p.warps_per_row > 0 && kWarps % p.warps_per_row != 0)) {
     throw_runtime(str_cat("ops::linear (gemv): warps_per_row ", p.warps_per_row, " must divide ", kWarps, " (or 0)"));
+  }
+  if (p.norm.residual != nullptr && (relu2 || p.norm.threads < 1 || p.norm.threads > kThreads ||
+                                     p.norm.threads * kGemvNormVecs * 8 < p.K || p.norm.a == nullptr ||
+                                     p.norm.residual_out == nullptr || p.norm.weight == nullptr)) {
+    throw_runtime(str_cat("ops::linear (gemv): the residual norm needs a, residual_out, weight and 1..", kThreads,
+                          " threads covering K = ", p.K, " (", p.norm.threads, " threads", relu2 ? ", relu2" : "",
+                          ")"));
   }
   int64_t rows = 0;
   for (int i = 0; i < p.n_parts && i < kGemvMaxParts; ++i) rows += p.parts[i].N;

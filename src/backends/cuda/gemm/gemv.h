@@ -24,8 +24,27 @@ struct GemvPart {
   void* y = nullptr;
   int N = 0;
 };
+// x computed by every block instead of read (ops::residual_norm_linear: the decode chain's residual add + RMSNorm
+// folded into the dense layer that consumes it, one launch fewer): x[t] = weight * rms_norm(residual[t] + a[t]),
+// or + round(a[t] + b[t]) when b is set, with the sum of squares and the roundings of the norm kernel
+// (norm/row_norm.cuh, NormMode::kAdd / kAdd2) at its thread layout for the row (`threads` threads of
+// kGemvNormVecs 8-element vectors each, threads <= 256): x is bit-identical to add_rms_norm's output. Block 0 writes
+// the new residual to residual_out, which must not overlap residual, a or b (every block reads those). Needs
+// 16-bit activations, K % 8 == 0, weight in the activation dtype, 16-byte aligned pointers. residual null: off.
+constexpr int kGemvNormVecs = 2;
+struct GemvResidualNorm {
+  const void* residual = nullptr;  // [T, K]
+  const void* a = nullptr;         // [T, K]
+  const void* b = nullptr;         // [T, K] or null
+  void* residual_out = nullptr;    // [T, K]
+  const void* weight = nullptr;    // [K]
+  float eps = 0.0f;
+  int threads = 0;
+};
+
 struct GemvParams {
-  const void* x = nullptr;
+  const void* x = nullptr;  // unused (null) when norm.residual is set
+  GemvResidualNorm norm;
   GemvPart parts[kGemvMaxParts];
   int n_parts = 1;
   int T = 0, K = 0;

@@ -16,6 +16,8 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
@@ -25,6 +27,7 @@
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/gemm/gemv.h"
 #include "backends/cuda/gemm/linear.h"
+#include "backends/cuda/norm/row_norm.cuh"
 #include "backends/device_api.h"
 #include "backends/profiler_events.h"
 
@@ -97,6 +100,10 @@ struct LtState {
   std::unordered_map<PlanKey, int, PlanKeyHash> decode_choice;
   // linear_multi's one GEMV launch: the warps per row measured fastest per shape (out = the parts' rows).
   std::unordered_map<PlanKey, int, PlanKeyHash> multi_choice;
+  // residual_norm_linear: the two ops (-1) or the one GEMV launch at w warps per row, measured fastest per shape
+  // (key bias: the add2 form); norm_forced_choice: the warps per row under NormFold::kAlways.
+  std::unordered_map<PlanKey, int, PlanKeyHash> norm_choice;
+  std::unordered_map<PlanKey, int, PlanKeyHash> norm_forced_choice;
 };
 
 LtState& lt_state() {
@@ -324,6 +331,106 @@ void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const T
     gemm::launch_gemv(p, x.dtype(), false, as_stream(ctx.stream));
   };
   run(fastest(lt_state().multi_choice, key, ctx.stream, {1, 2, 4}, 0, run));
+}
+
+namespace {
+// residual_norm_linear's one-launch GEMV path (NormFold); CHIMERA_RESIDUAL_NORM_FOLD=0|1|2 sets the default.
+std::atomic<int> g_norm_fold{[] {
+  const char* v = std::getenv("CHIMERA_RESIDUAL_NORM_FOLD");
+  return v == nullptr ? static_cast<int>(NormFold::kAuto) : std::clamp(std::atoi(v), 0, 2);
+}()};
+}  // namespace
+
+NormFold set_residual_norm_fold(NormFold fold) {
+  return static_cast<NormFold>(g_norm_fold.exchange(static_cast<int>(fold)));
+}
+
+bool residual_norm_linear_fused(const ops::ResidualNorm& rn, std::span<const Tensor> outs,
+                                std::span<const Tensor> weights, const Tensor& bias) {
+  const DType act = rn.a.dtype();
+  const int64_t T = rn.a.dim(0), D = rn.a.dim(1);
+  if (g_norm_fold.load(std::memory_order_relaxed) == static_cast<int>(NormFold::kOff) || T < 1 ||
+      T > kLinearGemvAutoMaxTokens) {
+    return false;
+  }
+  if ((act != DType::kBF16 && act != DType::kF16) || rn.norm_weight.dtype() != act || D % 8 != 0) return false;
+  for (const Tensor* t : {&rn.residual, &rn.residual_out, &rn.b}) {
+    if (*t && t->dtype() != act) return false;
+  }
+  if (!vec_aligned({rn.residual.data(), rn.residual_out.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr,
+                    rn.norm_weight.data()})) {
+    return false;
+  }
+  // The norm kernel's layout for the row (threads_per_row of its default vectors per thread): the GEMV block
+  // reproduces it when it has kGemvNormVecs vectors per thread and fits in the block's 256 threads.
+  const int n_vec = static_cast<int>(D / 8);
+  if (norm::default_vecs_per_thread(n_vec) != gemm::kGemvNormVecs) return false;
+  const int threads = norm::threads_per_row(n_vec, gemm::kGemvNormVecs);
+  if (threads < 1 || threads > 256) return false;
+  if (bias && (weights.size() != 1 || bias.dtype() != act)) return false;
+  int64_t rows = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (weights[i].dtype() != act || outs[i].dtype() != act) return false;
+    if (!gemm::gemv_supported(T, D, weights[i].dim(0), act, nullptr, weights[i].data(), outs[i].data())) return false;
+    rows += weights[i].dim(0);
+  }
+  return weights.size() <= static_cast<size_t>(gemm::kGemvMaxParts) && rows < (int64_t{1} << 31) / D;
+}
+
+void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, std::span<const Tensor> outs,
+                          std::span<const Tensor> weights, const Tensor& bias) {
+  const char* op = "ops::residual_norm_linear";
+  require_same_dtype(op, {{"a", &rn.a}, {"residual", &rn.residual}, {"residual_out", &rn.residual_out}, {"x", &rn.x}});
+  if (rn.b) require_same_dtype(op, {{"a", &rn.a}, {"b", &rn.b}});
+  const int64_t T = rn.a.dim(0), D = rn.a.dim(1);
+  if (T == 0) return;
+  if (D > (int64_t{1} << 30)) throw_runtime(str_cat(op, ": hidden size ", D, " exceeds one row of the norm kernel"));
+  gemm::GemvParams p;
+  const bool fusable = residual_norm_linear_fused(rn, outs, weights, bias);
+  int64_t rows = 0;
+  for (const Tensor& w : weights) rows += w.dim(0);
+  const PlanKey key{T, D, rows, rn.a.dtype(), static_cast<bool>(rn.b), 256u, 256u, 256u, bias ? 16u : 256u};
+  // -1: the two ops; w >= 0: the one GEMV launch at w warps per row (0: the GEMV's own rule).
+  const auto run = [&](int choice) {
+    if (choice >= 0) {
+      p.warps_per_row = choice;
+      gemm::launch_gemv(p, rn.a.dtype(), false, as_stream(ctx.stream));
+      return;
+    }
+    // The two ops: the norm kernel with the residual written out of place, then the dense layer(s).
+    const norm::RowNormParams p{rn.x.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual.data(),
+                                rn.norm_weight.data(), T, static_cast<int>(D), 1, rn.eps, rn.residual_out.data()};
+    if (rn.b) {
+      norm::launch_add2_rms_norm(p, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
+    } else {
+      norm::launch_add_rms_norm(p, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
+    }
+    if (weights.size() == 1) {
+      cuda::linear(ctx, outs[0], rn.x, weights[0], bias);
+    } else {
+      cuda::linear_multi(ctx, outs, rn.x, weights);
+    }
+  };
+  if (!fusable) return run(-1);
+  p.norm = {rn.residual.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual_out.data(),
+            rn.norm_weight.data(), rn.eps, norm::threads_per_row(static_cast<int>(D / 8), gemm::kGemvNormVecs)};
+  p.n_parts = static_cast<int>(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    p.parts[i] = {weights[i].data(), i == 0 && bias ? bias.data() : nullptr, outs[i].data(),
+                  static_cast<int>(weights[i].dim(0))};
+  }
+  p.T = static_cast<int>(T);
+  p.K = static_cast<int>(D);
+  p.N = static_cast<int>(rows);
+  // The fastest of the two ops and the one launch at 1, 2, 4 warps per row, timed per shape (every candidate reads
+  // residual, a and b and writes residual_out and the outputs, so the timing runs repeat the real call's results).
+  // Measured (bench norm_linear_decode, graph): the one launch wins at T = 1 (Nano in_proj 18.1 vs 19.6 us, q/k/v
+  // 9.5 vs 12.2) but not on the Nano in_proj at T = 2 (23.1 vs 19.7: cuBLASLt's tensor cores there). Inside a
+  // capture, before any timing, the one launch with the GEMV's own rule.
+  if (g_norm_fold.load(std::memory_order_relaxed) == static_cast<int>(NormFold::kAlways)) {
+    return run(fastest(lt_state().norm_forced_choice, key, ctx.stream, {1, 2, 4}, 0, run));
+  }
+  run(fastest(lt_state().norm_choice, key, ctx.stream, {-1, 1, 2, 4}, 0, run));
 }
 
 // down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel (at decode sizes the up GEMV applies relu^2); the [T, I] intermediate is in the

@@ -38,7 +38,14 @@ struct RowNormParams {
   int row_len;
   int weight_rows;  // 1, or n_groups (kGated)
   float eps;
+  // kAdd, kAdd2: where the new residual goes; null: in place. Must not overlap residual, x or z otherwise
+  // (ops::residual_norm_linear's residual ping-pong).
+  void* residual_out = nullptr;
 };
+
+__device__ __forceinline__ void* residual_dst(const RowNormParams& p) {
+  return p.residual_out != nullptr ? p.residual_out : p.residual;
+}
 
 __device__ __forceinline__ float silu_f32(float v) {
   return v / (1.0f + expf(-v));
@@ -73,8 +80,8 @@ __device__ __forceinline__ void row_value(const RowNormParams& p, size_t e, bool
   if constexpr (kMode == NormMode::kPlain) {
     load_f32<T, N>(static_cast<const T*>(p.x) + e, v);
   } else if constexpr (kMode == NormMode::kAdd || kMode == NormMode::kAdd2) {
-    T* res = static_cast<T*>(p.residual) + e;
-    load_f32<T, N, false>(res, v);
+    T* res = static_cast<T*>(residual_dst(p)) + e;
+    load_f32<T, N, false>(first ? static_cast<const T*>(p.residual) + e : res, v);
     if (first) {
       float xv[N];
       load_f32<T, N>(static_cast<const T*>(p.x) + e, xv);
@@ -197,7 +204,7 @@ __device__ __forceinline__ void row_combine(const RowNormParams& p, size_t e, Ra
     for (int j = 0; j < N; ++j) v[j] += xv[j];
     f32_to_raw<T, N>(v, a);
     raw_to_f32<T, N>(a, v);
-    store_raw<T, N>(static_cast<T*>(p.residual) + e, a);
+    store_raw<T, N>(static_cast<T*>(residual_dst(p)) + e, a);
   } else if constexpr (kMode == NormMode::kGated) {
     float zv[N];
     raw_to_f32<T, N>(b, zv);
@@ -289,6 +296,9 @@ __global__ void __launch_bounds__(kMaxThreads) row_norm_kernel(const RowNormPara
 
 inline constexpr int kSmallRowBlock = 128;  // threads per block when several rows share a block
 
+// Vector groups per thread for a row of n_vec groups when the caller does not choose (launch_row_norm_n).
+inline int default_vecs_per_thread(int n_vec) { return n_vec <= 2 * kMaxThreads ? 2 : 4; }
+
 // Threads per row for n_vec vector groups held `vecs` per thread: a power of two up to a warp, else a
 // multiple of 32 (0: too long for the register cache).
 inline int threads_per_row(int n_vec, int vecs) {
@@ -317,7 +327,7 @@ void launch_cached(const RowNormParams& p, int tpr, cudaStream_t stream) {
 template <NormMode kMode, typename T, typename W, int N>
 void launch_row_norm_n(const RowNormParams& p, int vecs_per_thread, cudaStream_t stream, const char* op) {
   const int n_vec = p.row_len / N;
-  int vecs = vecs_per_thread != 0 ? vecs_per_thread : (n_vec <= 2 * kMaxThreads ? 2 : 4);
+  int vecs = vecs_per_thread != 0 ? vecs_per_thread : default_vecs_per_thread(n_vec);
   if (N == 1 || (vecs != 2 && vecs != 4)) vecs = 4;
   const int tpr = threads_per_row(n_vec, vecs);
   if (tpr == 0) {
@@ -341,7 +351,7 @@ void launch_row_norm(const RowNormParams& p, DType act, DType weight, cudaStream
                      int vecs_per_thread) {
   if (p.rows == 0 || p.row_len == 0) return;
   if (p.rows > 0x7fffffffLL) throw_runtime(str_cat(op, ": ", p.rows, " rows exceed one launch"));
-  const bool aligned = vec_aligned({p.out, p.x, p.z, p.residual, p.weight});
+  const bool aligned = vec_aligned({p.out, p.x, p.z, p.residual, p.weight, p.residual_out});
   CHIMERA_DISPATCH_FLOAT(act, str_cat(op, " activations"), T, {
     CHIMERA_DISPATCH_FLOAT(weight, str_cat(op, " weight"), W, {
       constexpr int kN = vec_width<T>();
