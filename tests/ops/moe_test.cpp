@@ -1069,6 +1069,81 @@ TEST_P(OpsMoe, ExpertsWithSharedExpertMatchTheTwoOps) {
   }
 }
 
+// A MoE layer's input step folded into its ops (issue 4): router_gate_topk with the residual step and the shared
+// expert told that x is that step's output give the same bits as add(2)_rms_norm, then the router, then
+// moe_experts_shared on x, on each backend: x, the new residual, the choices and weights, the routed and shared
+// outputs. Hidden 2688 (the Nano norm layout, 192 threads) and 64 (8 threads); T = 1, 2 (on CUDA the step inside
+// the router kernel and the shared expert's early units) and 3 (the norm kernel first); add and add2.
+TEST_P(OpsMoe, ResidualStepFoldedIntoRouterAndSharedExpert) {
+  auto rng = test::Rng::for_test();
+  const std::vector<DType> dtypes =
+      on_cuda() ? std::vector<DType>{DType::kBF16, DType::kF16} : std::vector<DType>{DType::kF32};
+  struct Case {
+    int64_t E, k, D, I, Is;
+  };
+  for (const Case c : {Case{16, 4, 2688, 256, 512}, Case{8, 2, 64, 72, 136}}) {
+    for (DType dt : dtypes) {
+      const DType wt = on_cuda() ? dt : DType::kBF16;
+      std::vector<Tensor> d_up, d_down;
+      for (int64_t e = 0; e < c.E; ++e) {
+        d_up.push_back(in(init_weight(rng, {c.I, c.D}, wt)));
+        d_down.push_back(in(init_weight(rng, {c.D, c.I}, wt)));
+      }
+      const Tensor s_up = in(init_weight(rng, {c.Is, c.D}, wt)), s_down = in(init_weight(rng, {c.D, c.Is}, wt));
+      const Tensor gate = in(rng.normal_tensor({c.E, c.D}, 1.0f / std::sqrt(static_cast<float>(c.D))));
+      const Tensor bias = in(rng.normal_tensor({c.E}, 0.05f));
+      const ops::RouterParams rp{c.k, 1, 1, true, 2.5f};
+      const Tensor nw = in(round_to(rng.uniform_tensor({c.D}, 0.5f, 1.5f), dt), dt);
+      for (int64_t T : {1, 2, 3}) {
+        for (bool two : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " D=" << c.D << " T=" << T << " add2=" << two);
+          const Tensor residual = in(round_to(rng.normal_tensor({T, c.D}), dt), dt);
+          const Tensor a = in(round_to(rng.normal_tensor({T, c.D}), dt), dt);
+          const Tensor b = two ? in(round_to(rng.normal_tensor({T, c.D}), dt), dt) : Tensor();
+          // The ops one after the other.
+          Tensor r_ref = out(dt, {T, c.D}), x_ref = out(dt, {T, c.D});
+          ops::convert(ctx(), r_ref, residual);
+          if (two) {
+            ops::add2_rms_norm(ctx(), r_ref, x_ref, a, b, nw, 1e-5f);
+          } else {
+            ops::add_rms_norm(ctx(), r_ref, x_ref, a, nw, 1e-5f);
+          }
+          Tensor ids_ref = out(DType::kI32, {T, c.k}), w_ref = out(DType::kF32, {T, c.k});
+          ops::router_gate_topk(ctx(), ids_ref, w_ref, x_ref, gate, bias, rp);
+          Tensor o_ref = out(dt, {T, c.D}), so_ref = out(dt, {T, c.D});
+          ops::moe_experts_shared(ctx(), o_ref, x_ref, ids_ref, w_ref, d_up, d_down,
+                                  ops::SharedExpert{so_ref, x_ref, s_up, s_down});
+          // Folded.
+          Tensor r_out = out(dt, {T, c.D}), x = out(dt, {T, c.D});
+          const ops::ResidualNorm step{residual, r_out, a, b, nw, 1e-5f, x};
+          Tensor ids = out(DType::kI32, {T, c.k}), w = out(DType::kF32, {T, c.k});
+          ops::router_gate_topk(ctx(), ids, w, x, gate, bias, rp, &step);
+          Tensor o = out(dt, {T, c.D}), so = out(dt, {T, c.D});
+          ops::moe_experts_shared(ctx(), o, x, ids, w, d_up, d_down, ops::SharedExpert{so, x, s_up, s_down, &step});
+          EXPECT_TRUE(test::bit_equal(host_f32(x), host_f32(x_ref))) << "x";
+          EXPECT_TRUE(test::bit_equal(host_f32(r_out), host_f32(r_ref))) << "residual_out";
+          EXPECT_TRUE(test::bit_equal(host(ids), host(ids_ref))) << "ids";
+          EXPECT_TRUE(test::bit_equal(host_f32(w), host_f32(w_ref))) << "weights";
+          EXPECT_TRUE(test::bit_equal(host_f32(o), host_f32(o_ref))) << "routed";
+          EXPECT_TRUE(test::bit_equal(host_f32(so), host_f32(so_ref))) << "shared";
+        }
+      }
+    }
+  }
+  // The step's x must be the router's x.
+  const DType dt = on_cuda() ? DType::kBF16 : DType::kF32;
+  const Tensor x = out(dt, {1, 64}), other = out(dt, {1, 64}), r = out(dt, {1, 64}), r_out = out(dt, {1, 64});
+  const ops::ResidualNorm step{r, r_out, out(dt, {1, 64}), Tensor(), in(round_to(rng.uniform_tensor({64}, 0.5f, 1.5f), dt), dt),
+                               1e-5f, other};
+  Tensor ids = out(DType::kI32, {1, 2}), w = out(DType::kF32, {1, 2});
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::router_gate_topk(ctx(), ids, w, x, in(rng.normal_tensor({8, 64})), in(rng.normal_tensor({8})),
+                              ops::RouterParams{2, 1, 1, true, 1.0f}, &step);
+      },
+      ErrorKind::kRuntime, "ops::router_gate_topk: pre.x"));
+}
+
 TEST_P(OpsMoe, SharedExpertMismatchThrowsNamingTheOp) {
   const Tensor x = in(Tensor::zeros(DType::kF32, {2, 8}));
   Tensor o = out(DType::kF32, {2, 8}), so = out(DType::kF32, {2, 8});
