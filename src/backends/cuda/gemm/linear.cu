@@ -27,7 +27,6 @@
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/gemm/gemv.h"
 #include "backends/cuda/gemm/linear.h"
-#include "backends/cuda/norm/residual_step.h"
 #include "backends/device_api.h"
 #include "backends/profiler_events.h"
 

@@ -27,7 +27,7 @@
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/moe/experts.h"
 #include "backends/cuda/moe/moe_kernels.h"
-#include "backends/cuda/norm/residual_step.h"
+#include "backends/cuda/norm/residual_row.h"
 #include "backends/device_api.h"
 
 namespace chimera::cuda {

@@ -34,7 +34,6 @@
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/moe/moe_kernels.h"
 #include "backends/cuda/norm/residual_row.cuh"
-#include "backends/cuda/norm/residual_step.h"
 #include "backends/device_api.h"
 
 namespace chimera::cuda {

@@ -6,7 +6,7 @@
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
-#include "backends/cuda/norm/residual_step.h"
+#include "backends/cuda/norm/residual_row.h"
 #include "backends/cuda/norm/row_norm.cuh"
 
 namespace chimera::cuda {

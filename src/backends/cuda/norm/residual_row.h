@@ -2,6 +2,10 @@
 // device code and the bit-identity argument). Plain data: included by launchers' params structs.
 #pragma once
 
+#include <cstdint>
+
+#include "ops/ops.h"
+
 namespace chimera::cuda::norm {
 
 inline constexpr int kResidualRowVecs = 2;
@@ -16,5 +20,10 @@ struct ResidualRowArgs {
   float eps = 0.0f;
   int threads = 0;                 // the norm kernel's threads per row: norm::threads_per_row(K / 8, 2)
 };
+
+// The kernel arguments of rn's step when a block of block_threads threads can compute it (rows <= max_rows, 16-bit
+// activations, the norm weight in their dtype, K % 8 == 0, 16-byte aligned, the norm kernel's layout at two vectors
+// per thread with at most block_threads threads); false otherwise (the caller runs the two-op form). norm_ops.cu.
+bool residual_row_args(const ops::ResidualNorm& rn, int block_threads, int64_t max_rows, ResidualRowArgs* args);
 
 }  // namespace chimera::cuda::norm
