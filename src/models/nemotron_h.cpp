@@ -556,8 +556,8 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
   ops::linear(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
 }
 
-void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const ops::ResidualNorm* pre,
-                          const Tensor& x, const Tensor& shared_out, const Tensor& routed_out) const {
+void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const Tensor& x, const Tensor& shared_out,
+                          const Tensor& routed_out) const {
   const ModelConfig& c = config_;
   const MoeWeights& w = L.moe;
   const int64_t T = x.dim(0), k = c.num_experts_per_tok, Din = c.moe_input_dim();
@@ -569,14 +569,12 @@ void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const 
   Tensor ids = device::empty(ctx.device, DType::kI32, {T, k});
   Tensor weights = device::empty(ctx.device, DType::kF32, {T, k});
   ops::RouterParams rp{k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor};
-  ops::router_gate_topk(ctx, ids, weights, x, w.gate, w.e_score_correction_bias, rp, pre);
+  ops::router_gate_topk(ctx, ids, weights, x, w.gate, w.e_score_correction_bias, rp);
 
   // Routed experts, in the latent space when moe_latent_size is set (model-spec 6.2), and the shared expert, which
   // reads the full hidden state, never the latent one. One op: moe_experts then relu2_mlp (the CPU runs exactly
   // those), on CUDA at decode sizes the shared expert inside the routed experts' GEMV launches.
-  // With a folded step the router writes x; the shared expert's early units (CUDA) recompute it from the step's
-  // inputs, which the kernel before the router wrote (launch.cuh, "two back").
-  const ops::SharedExpert shared{shared_out, x, w.shared_experts.up_proj, w.shared_experts.down_proj, pre};
+  const ops::SharedExpert shared{shared_out, x, w.shared_experts.up_proj, w.shared_experts.down_proj};
   if (c.moe_latent_size) {
     Tensor latent_in = act(ctx, {T, Din}), latent_out = act(ctx, {T, Din});
     ops::linear(ctx, latent_in, x, w.fc1_latent_proj);
@@ -633,9 +631,9 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
   ops::rms_norm(ctx, x, h, layers_.empty() ? norm_f_ : layers_[0].norm, eps);
 
   // The residual step after layer i: h = h + mixer(x) (a MoE layer's shared + routed output rounded to the
-  // activation dtype first), x = the next layer's norm (or norm_f) of h. Before a Mamba, attention or MoE layer it
-  // is left pending and folded into that layer's first op (the input projection, or the router; one launch fewer at
-  // decode sizes on CUDA); before an MLP layer, one fused add + norm op here.
+  // activation dtype first), x = the next layer's norm (or norm_f) of h. Before a Mamba or attention layer it is
+  // left pending and folded into that layer's first dense op (one launch fewer at decode sizes on CUDA);
+  // otherwise one fused add + norm op here.
   // The last step (norm_f) folds into the lm_head when every row's logits are wanted (a decode step).
   const int64_t R = static_cast<int64_t>(b.logit_rows.size());
   bool every_row = R == T;
@@ -649,10 +647,13 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
       case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], pre, x, mix); break;
       case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], pre, x, mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, mix, x, L.mlp.up_proj, L.mlp.down_proj); break;
-      case LayerKind::kMoe: moe_mixer(ctx, L, pre, x, mix, routed); break;
+      case LayerKind::kMoe: moe_mixer(ctx, L, x, mix, routed); break;
     }
     if (has_pending) std::swap(h, h_next);  // the folded step wrote the new residual to h_next
-    const bool fold_next = i + 1 < layers_.size() ? layers_[i + 1].kind != LayerKind::kMlp : every_row;
+    const bool fold_next =
+        i + 1 < layers_.size()
+            ? layers_[i + 1].kind == LayerKind::kMamba || layers_[i + 1].kind == LayerKind::kAttention
+            : every_row;
     const Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].norm : norm_f_;
     const Tensor no_tensor;
     const Tensor& second = L.kind == LayerKind::kMoe ? routed : no_tensor;

@@ -116,10 +116,9 @@ class NemotronH {
   void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
                        const Tensor& block_tables, const ops::KvCacheView& kv, const ops::ResidualNorm* pre,
                        const Tensor& x, const Tensor& out) const;
-  // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm (or the next
-  // layer's folded step). `pre`, when set, is the residual step producing x, folded into the router.
-  void moe_mixer(const ops::Context& ctx, const LayerWeights& w, const ops::ResidualNorm* pre, const Tensor& x,
-                 const Tensor& shared_out, const Tensor& routed_out) const;
+  // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm.
+  void moe_mixer(const ops::Context& ctx, const LayerWeights& w, const Tensor& x, const Tensor& shared_out,
+                 const Tensor& routed_out) const;
 
   ModelConfig config_;
   Device device_ = Device::kCpu;

@@ -282,8 +282,12 @@ void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor
       [&] { CHIMERA_CUDA_CALL(cuda::linear_multi(ctx, outs, x, weights)); });
 }
 
-namespace {
-void check_residual_step(const Check& c, const ResidualNorm& rn) {
+void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<const Tensor> outs,
+                          std::span<const Tensor> weights, const Tensor& bias) {
+  const Check c(ctx, "residual_norm_linear");
+  if (outs.size() != weights.size() || weights.empty() || weights.size() > 3) {
+    c.fail("{} outputs for {} weights (1 to 3 of each, one output per weight)", outs.size(), weights.size());
+  }
   c.f32("a", rn.a, 2);
   if (rn.b) c.like("b", rn.b, "a", rn.a);
   c.like("residual", rn.residual, "a", rn.a);
@@ -293,25 +297,6 @@ void check_residual_step(const Check& c, const ResidualNorm& rn) {
   c.no_alias("residual_out", rn.residual_out, "residual", rn.residual);
   c.no_alias("residual_out", rn.residual_out, "a", rn.a);
   if (rn.b) c.no_alias("residual_out", rn.residual_out, "b", rn.b);
-}
-// The CPU reference of a residual step: residual_out = residual, then add(2)_rms_norm in place on it.
-void cpu_residual_step(const ResidualNorm& rn) {
-  cpu::convert(rn.residual_out, rn.residual);
-  if (rn.b) {
-    cpu::add2_rms_norm(rn.residual_out, rn.x, rn.a, rn.b, rn.norm_weight, rn.eps);
-  } else {
-    cpu::add_rms_norm(rn.residual_out, rn.x, rn.a, rn.norm_weight, rn.eps);
-  }
-}
-}  // namespace
-
-void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<const Tensor> outs,
-                          std::span<const Tensor> weights, const Tensor& bias) {
-  const Check c(ctx, "residual_norm_linear");
-  if (outs.size() != weights.size() || weights.empty() || weights.size() > 3) {
-    c.fail("{} outputs for {} weights (1 to 3 of each, one output per weight)", outs.size(), weights.size());
-  }
-  check_residual_step(c, rn);
   for (size_t i = 0; i < weights.size(); ++i) {
     const std::string w = fmt::format("weights[{}]", i), o = fmt::format("outs[{}]", i);
     c.weight(w.c_str(), weights[i], 2);
@@ -328,7 +313,12 @@ void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<
   }
   c.dispatch(
       [&] {
-        cpu_residual_step(rn);
+        cpu::convert(rn.residual_out, rn.residual);
+        if (rn.b) {
+          cpu::add2_rms_norm(rn.residual_out, rn.x, rn.a, rn.b, rn.norm_weight, rn.eps);
+        } else {
+          cpu::add_rms_norm(rn.residual_out, rn.x, rn.a, rn.norm_weight, rn.eps);
+        }
         for (size_t i = 0; i < weights.size(); ++i) cpu::linear(outs[i], rn.x, weights[i], bias);
       },
       [&] { CHIMERA_CUDA_CALL(cuda::residual_norm_linear(ctx, rn, outs, weights, bias)); });
@@ -583,24 +573,15 @@ void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_
 }
 
 void router_gate_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x,
-                      const Tensor& gate, const Tensor& correction_bias, const RouterParams& p,
-                      const ResidualNorm* pre) {
+                      const Tensor& gate, const Tensor& correction_bias, const RouterParams& p) {
   const Check c(ctx, "router_gate_topk");
   c.f32("x", x, 2);
   c.weight("gate", gate, 2);
   c.shape("gate", gate, {gate.dim(0), x.dim(1)}, "x", x);
   const int64_t T = x.dim(0), E = gate.dim(0);
   check_router(c, topk_ids, topk_weights, correction_bias, p, T, E, "x", x, "gate", gate);
-  if (pre != nullptr) {
-    check_residual_step(c, *pre);
-    if (pre->x.data() != x.data() || pre->x.shape() != x.shape()) c.fail("pre.x {} is not x {}", pre->x.describe(), x.describe());
-  }
-  c.dispatch(
-      [&] {
-        if (pre != nullptr) cpu_residual_step(*pre);
-        cpu::router_gate_topk(topk_ids, topk_weights, x, gate, correction_bias, p);
-      },
-      [&] { CHIMERA_CUDA_CALL(cuda::router_gate_topk(ctx, topk_ids, topk_weights, x, gate, correction_bias, p, pre)); });
+  c.dispatch([&] { cpu::router_gate_topk(topk_ids, topk_weights, x, gate, correction_bias, p); },
+             [&] { CHIMERA_CUDA_CALL(cuda::router_gate_topk(ctx, topk_ids, topk_weights, x, gate, correction_bias, p)); });
 }
 
 namespace {
@@ -651,12 +632,6 @@ void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, 
   c.no_alias("shared.out", shared.out, "x", x);
   c.no_alias("shared.out", shared.out, "shared.x", shared.x);
   c.no_alias("out", out, "shared.x", shared.x);
-  if (shared.x_step != nullptr) {
-    check_residual_step(c, *shared.x_step);
-    if (shared.x_step->x.data() != shared.x.data() || shared.x_step->x.shape() != shared.x.shape()) {
-      c.fail("shared.x_step's x {} is not shared.x {}", shared.x_step->x.describe(), shared.x.describe());
-    }
-  }
   c.dispatch(
       [&] {
         cpu::moe_experts(out, x, topk_ids, topk_weights, up_proj, down_proj);

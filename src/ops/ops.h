@@ -223,13 +223,8 @@ void router_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_
 // T <= 16, F32 gate, E <= 512) runs ONE kernel (GEMV split over experts and columns, the last block to finish
 // sums the column partials in a fixed order and selects); larger T keeps convert + cuBLASLt + router_topk.
 // The fused logits differ from cuBLASLt's only by fp32 summation order.
-// pre (optional): the residual step producing x (pre->x is x), run by this op first: exactly add_rms_norm /
-// add2_rms_norm(pre) then the router (a MoE layer's input norm folded into its router, issue 4). On CUDA at decode
-// sizes (T <= 2, 16-bit x) every router block computes x itself and block 0 writes x and the new residual: one
-// launch fewer. residual_out must not overlap residual, a or b.
 void router_gate_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x,
-                      const Tensor& gate, const Tensor& correction_bias, const RouterParams& p,
-                      const ResidualNorm* pre = nullptr);
+                      const Tensor& gate, const Tensor& correction_bias, const RouterParams& p);
 
 // Routed experts: out[t] = sum_j w[t, j] * down_e(relu(up_e(x[t]))^2), e = topk_ids[t, j].
 //   x: [T, Din]; out: [T, Din]; up[e]: [I, Din]; down[e]: [Din, I]; up.size() == down.size() == E.
@@ -244,11 +239,6 @@ struct SharedExpert {
   Tensor x;
   Tensor up_proj;
   Tensor down_proj;
-  // Optional: the residual step whose output x is, already run by the previous op (router_gate_topk with it). On
-  // CUDA the shared expert's early units (those before the up launch's PDL wait, launch.cuh "two back") recompute x
-  // from the step's inputs instead of reading x, which that previous kernel may still be writing; without it they
-  // wait. The caller guarantees that the step's inputs were written two or more launches back. Same results.
-  const ResidualNorm* x_step = nullptr;
 };
 
 // The routed experts and the shared expert of one MoE layer: exactly moe_experts(out, x, ...) and

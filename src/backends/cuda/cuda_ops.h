@@ -20,9 +20,6 @@ void convert(const ops::Context& ctx, const Tensor& out, const Tensor& in);
 void rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
 void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
                   const Tensor& weight, float eps);
-// The residual step's two-op form: the add (add2) + RMSNorm kernel with the new residual written to
-// rn.residual_out and x to rn.x.
-void residual_norm(const ops::Context& ctx, const ops::ResidualNorm& rn);
 void add2_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
                    const Tensor& weight, float eps);
 void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
@@ -77,8 +74,7 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
 void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
                  const Tensor& correction_bias, const ops::RouterParams& p);
 void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x,
-                      const Tensor& gate, const Tensor& correction_bias, const ops::RouterParams& p,
-                      const ops::ResidualNorm* pre);
+                      const Tensor& gate, const Tensor& correction_bias, const ops::RouterParams& p);
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 void moe_experts_shared(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,

@@ -37,7 +37,6 @@
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
-#include "backends/cuda/norm/residual_row.cuh"
 
 namespace chimera::cuda::gemm {
 namespace {
@@ -61,8 +60,90 @@ __device__ __forceinline__ PartRow part_row(const GemvParams& p, int row) {
   return PartRow{p.parts[0], row};
 }
 
+// 8 fp32 values rounded to T and packed as one 16-byte vector.
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 v;
+  store_f32<T, 8>(reinterpret_cast<T*>(&v), f);
+  return v;
+}
+
+// GemvParams::norm: rows [0, MT) of xs = weight * rms_norm(residual + a (+ round(a + b))) for the T real tokens,
+// zeros past them. Thread i < n.threads holds vectors i + k * n.threads (k < kGemvNormVecs) of the row, as the norm
+// kernel's threads do; its sum of squares goes through a full-warp and then an 8-warp butterfly, where the
+// norm kernel's shorter butterflies see the same non-zero terms in the same order (the extra terms are exact
+// zeros). nw: this thread's weight vectors, loaded before the PDL wait. Ends with a barrier.
+template <typename T, int MT>
+__device__ __forceinline__ void stage_normed_x(const GemvParams& p, uint4* xs, const uint4 (&nw)[kGemvNormVecs]) {
+  __shared__ float red[kWarps];
+  const GemvResidualNorm& n = p.norm;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int kv = p.K / 8;
+#pragma unroll 1  // one token at a time (registers)
+  for (int t = 0; t < MT; ++t) {
+    if (t >= p.T) {
+      for (int i = tid; i < kv; i += kThreads) xs[t * kv + i] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    const size_t row = static_cast<size_t>(t) * static_cast<size_t>(kv);
+    uint4 rv[kGemvNormVecs] = {}, av[kGemvNormVecs] = {}, bv[kGemvNormVecs] = {};
+#pragma unroll
+    for (int k = 0; k < kGemvNormVecs; ++k) {
+      const int i = tid + k * n.threads;
+      if (tid < n.threads && i < kv) {
+        rv[k] = static_cast<const uint4*>(n.residual)[row + i];
+        av[k] = static_cast<const uint4*>(n.a)[row + i];
+        if (n.b != nullptr) bv[k] = static_cast<const uint4*>(n.b)[row + i];
+      }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kGemvNormVecs; ++k) {
+      const int i = tid + k * n.threads;
+      if (tid < n.threads && i < kv) {
+        float v[8], x[8];
+        unpack8<T>(rv[k], v);
+        unpack8<T>(av[k], x);
+        if (n.b != nullptr) {
+          float z[8];
+          unpack8<T>(bv[k], z);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) x[j] = round_to<T>(x[j] + z[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = round_to<T>(v[j] + x[j]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
+        rv[k] = pack8<T>(v);  // exact: v is already rounded to T
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float total = lane < kWarps ? red[lane] : 0.0f;  // every warp sums the same partials in the same order
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+    const float inv = 1.0f / sqrtf(total / static_cast<float>(p.K) + n.eps);
+#pragma unroll
+    for (int k = 0; k < kGemvNormVecs; ++k) {
+      const int i = tid + k * n.threads;
+      if (tid < n.threads && i < kv) {
+        float v[8], w[8], o[8];
+        unpack8<T>(rv[k], v);
+        unpack8<T>(nw[k], w);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = w[j] * (v[j] * inv);
+        xs[t * kv + i] = pack8<T>(o);
+        if (blockIdx.x == 0) static_cast<uint4*>(n.residual_out)[row + i] = rv[k];
+      }
+    }
+    __syncthreads();  // red is reused by the next token
+  }
+}
+
 // x: [T, K] T, w_i: [N_i, K] T, bias_i: [N_i] T or null, y_i: [T, N_i] T. Dynamic shared memory: x, [MT][K] T
-// (zero rows past T). kNorm: x computed from GemvParams::norm (norm::residual_rows) instead of read.
+// (zero rows past T). kNorm: x computed from GemvParams::norm (stage_normed_x) instead of read.
 // kMinBlocks: __launch_bounds__'s blocks per SM. Unbounded, ptxas gives the T = 1 kernel 117 registers (2 blocks of
 // 256 threads per SM) and the norm variant at T = 2 111; bounded to 3 blocks they take 80 with no spill (T = 1).
 template <typename T, int MT, bool kRelu2, bool kNorm, int kMinBlocks>
@@ -91,15 +172,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const GemvPa
       wv[u] = row < p.N && v < v1 ? ld_stream(wrow + v) : make_uint4(0, 0, 0, 0);
     }
   }
-  [[maybe_unused]] uint4 nw[norm::kResidualRowVecs] = {};  // the norm weight (constant) of this thread's vectors
-  if constexpr (kNorm) norm::residual_row_weight(p.norm, p.K, nw);
+  [[maybe_unused]] uint4 nw[kGemvNormVecs] = {};  // the norm weight (constant) of this thread's vectors
+  if constexpr (kNorm) {
+    const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+    for (int k = 0; k < kGemvNormVecs; ++k) {
+      const int i = tid + k * p.norm.threads;
+      if (tid < p.norm.threads && i < kv) nw[k] = __ldg(static_cast<const uint4*>(p.norm.weight) + i);
+    }
+  }
   pdl_wait();
   pdl_trigger();
 
   // x -> shared memory (T * K / 8 vectors; the padding tokens up to MT are zeros).
   if constexpr (kNorm) {
-    for (int i = p.T * kv + static_cast<int>(threadIdx.x); i < MT * kv; i += kThreads) xs[i] = make_uint4(0, 0, 0, 0);
-    norm::residual_rows<T, kThreads, false, MT>(p.norm, p.T, p.K, nw, xs, blockIdx.x == 0, nullptr);
+    stage_normed_x<T, MT>(p, xs, nw);
   } else {
     const uint4* xg = static_cast<const uint4*>(p.x);
     for (int i = static_cast<int>(threadIdx.x); i < MT * kv; i += kThreads) {
@@ -260,7 +347,7 @@ void launch_gemv(const GemvParams& p, DType dtype, bool relu2, cudaStream_t stre
     throw_runtime(str_cat("ops::linear (gemv): warps_per_row ", p.warps_per_row, " must divide ", kWarps, " (or 0)"));
   }
   if (p.norm.residual != nullptr && (relu2 || p.norm.threads < 1 || p.norm.threads > kThreads ||
-                                     p.norm.threads * norm::kResidualRowVecs * 8 < p.K || p.norm.a == nullptr ||
+                                     p.norm.threads * kGemvNormVecs * 8 < p.K || p.norm.a == nullptr ||
                                      p.norm.residual_out == nullptr || p.norm.weight == nullptr)) {
     throw_runtime(str_cat("ops::linear (gemv): the residual norm needs a, residual_out, weight and 1..", kThreads,
                           " threads covering K = ", p.K, " (", p.norm.threads, " threads", relu2 ? ", relu2" : "",

@@ -6,7 +6,6 @@
 
 #include <cstdint>
 
-#include "backends/cuda/norm/residual_row.h"
 #include "core/dtype.h"
 
 namespace chimera::cuda::gemm {
@@ -26,13 +25,26 @@ struct GemvPart {
   int N = 0;
 };
 // x computed by every block instead of read (ops::residual_norm_linear: the decode chain's residual add + RMSNorm
-// folded into the dense layer that consumes it, one launch fewer): x = the residual step of `norm`
-// (norm/residual_row.cuh: bit-identical to the add_rms_norm / add2_rms_norm kernel's x); block 0 writes the new
-// residual. Needs norm.threads <= 256 (the block), 16-bit activations, K % 8 == 0, the norm weight in the
-// activation dtype, 16-byte aligned pointers. norm.residual null: off.
+// folded into the dense layer that consumes it, one launch fewer): x[t] = weight * rms_norm(residual[t] + a[t]),
+// or + round(a[t] + b[t]) when b is set, with the sum of squares and the roundings of the norm kernel
+// (norm/row_norm.cuh, NormMode::kAdd / kAdd2) at its thread layout for the row (`threads` threads of
+// kGemvNormVecs 8-element vectors each, threads <= 256): x is bit-identical to add_rms_norm's output. Block 0 writes
+// the new residual to residual_out, which must not overlap residual, a or b (every block reads those). Needs
+// 16-bit activations, K % 8 == 0, weight in the activation dtype, 16-byte aligned pointers. residual null: off.
+constexpr int kGemvNormVecs = 2;
+struct GemvResidualNorm {
+  const void* residual = nullptr;  // [T, K]
+  const void* a = nullptr;         // [T, K]
+  const void* b = nullptr;         // [T, K] or null
+  void* residual_out = nullptr;    // [T, K]
+  const void* weight = nullptr;    // [K]
+  float eps = 0.0f;
+  int threads = 0;
+};
+
 struct GemvParams {
   const void* x = nullptr;  // unused (null) when norm.residual is set
-  norm::ResidualRowArgs norm{};
+  GemvResidualNorm norm;
   GemvPart parts[kGemvMaxParts];
   int n_parts = 1;
   int T = 0, K = 0;

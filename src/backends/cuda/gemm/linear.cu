@@ -27,6 +27,7 @@
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/gemm/gemv.h"
 #include "backends/cuda/gemm/linear.h"
+#include "backends/cuda/norm/row_norm.cuh"
 #include "backends/device_api.h"
 #include "backends/profiler_events.h"
 
@@ -346,13 +347,26 @@ NormFold set_residual_norm_fold(NormFold fold) {
 
 bool residual_norm_linear_fused(const ops::ResidualNorm& rn, std::span<const Tensor> outs,
                                 std::span<const Tensor> weights, const Tensor& bias) {
-  norm::ResidualRowArgs args;
-  if (g_norm_fold.load(std::memory_order_relaxed) == static_cast<int>(NormFold::kOff) ||
-      !norm::residual_row_args(rn, 256, kLinearGemvAutoMaxTokens, &args)) {
-    return false;
-  }
   const DType act = rn.a.dtype();
   const int64_t T = rn.a.dim(0), D = rn.a.dim(1);
+  if (g_norm_fold.load(std::memory_order_relaxed) == static_cast<int>(NormFold::kOff) || T < 1 ||
+      T > kLinearGemvAutoMaxTokens) {
+    return false;
+  }
+  if ((act != DType::kBF16 && act != DType::kF16) || rn.norm_weight.dtype() != act || D % 8 != 0) return false;
+  for (const Tensor* t : {&rn.residual, &rn.residual_out, &rn.b}) {
+    if (*t && t->dtype() != act) return false;
+  }
+  if (!vec_aligned({rn.residual.data(), rn.residual_out.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr,
+                    rn.norm_weight.data()})) {
+    return false;
+  }
+  // The norm kernel's layout for the row (threads_per_row of its default vectors per thread): the GEMV block
+  // reproduces it when it has kGemvNormVecs vectors per thread and fits in the block's 256 threads.
+  const int n_vec = static_cast<int>(D / 8);
+  if (norm::default_vecs_per_thread(n_vec) != gemm::kGemvNormVecs) return false;
+  const int threads = norm::threads_per_row(n_vec, gemm::kGemvNormVecs);
+  if (threads < 1 || threads > 256) return false;
   if (bias && (weights.size() != 1 || bias.dtype() != act)) return false;
   int64_t rows = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -384,7 +398,13 @@ void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, 
       return;
     }
     // The two ops: the norm kernel with the residual written out of place, then the dense layer(s).
-    cuda::residual_norm(ctx, rn);
+    const norm::RowNormParams p{rn.x.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual.data(),
+                                rn.norm_weight.data(), T, static_cast<int>(D), 1, rn.eps, rn.residual_out.data()};
+    if (rn.b) {
+      norm::launch_add2_rms_norm(p, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
+    } else {
+      norm::launch_add_rms_norm(p, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
+    }
     if (weights.size() == 1) {
       cuda::linear(ctx, outs[0], rn.x, weights[0], bias);
     } else {
@@ -392,7 +412,8 @@ void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, 
     }
   };
   if (!fusable) return run(-1);
-  norm::residual_row_args(rn, 256, kLinearGemvAutoMaxTokens, &p.norm);
+  p.norm = {rn.residual.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual_out.data(),
+            rn.norm_weight.data(), rn.eps, norm::threads_per_row(static_cast<int>(D / 8), gemm::kGemvNormVecs)};
   p.n_parts = static_cast<int>(weights.size());
   for (size_t i = 0; i < weights.size(); ++i) {
     p.parts[i] = {weights[i].data(), i == 0 && bias ? bias.data() : nullptr, outs[i].data(),

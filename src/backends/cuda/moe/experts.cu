@@ -27,7 +27,6 @@
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/moe/experts.h"
 #include "backends/cuda/moe/moe_kernels.h"
-#include "backends/cuda/norm/residual_row.h"
 #include "backends/device_api.h"
 
 namespace chimera::cuda {
@@ -295,15 +294,6 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
       shared_up = {shared->up_proj.data(), shared->x.data(), hs.data(), static_cast<int>(hs.dim(1)),
                    static_cast<int>(shared->x.dim(1)), static_cast<int>(T)};
       shared_up.before_wait = g_early_shared.load(std::memory_order_relaxed);
-      // x is the output of a residual step the previous kernel (the router) is running: the early units compute it
-      // from the step's inputs, or, where a GEMV block cannot, wait for it.
-      if (shared_up.before_wait && shared->x_step != nullptr) {
-        const int64_t kmax = std::max(Din, shared->x.dim(1));
-        shared_up.before_wait =
-            norm::residual_row_args(*shared->x_step, 256, tile_rows, &shared_up.norm) &&
-            (tile_rows * kmax + T * shared->x.dim(1)) * 2 <= moe::kGemvMaxSmemBytes;
-        if (!shared_up.before_wait) shared_up.norm = {};
-      }
       shared_down = {shared->down_proj.data(), hs.data(), shared->out.data(), static_cast<int>(shared->out.dim(1)),
                      static_cast<int>(hs.dim(1)), static_cast<int>(T)};
     }

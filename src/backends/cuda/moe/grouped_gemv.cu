@@ -35,7 +35,6 @@
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/moe/moe_kernels.h"
-#include "backends/cuda/norm/residual_row.cuh"
 
 namespace chimera::cuda::moe {
 namespace {
@@ -218,15 +217,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
     cur = unit_of(a, u, int4{}, warp);
     load_step(cur, 0);
   }
-  // The early shared units' x from the residual step (GemvShared::norm): T rows after the unit staging area.
-  const uint4* shared_x = static_cast<const uint4*>(a.s.x);
-  if (kUp && early && a.s.norm.residual != nullptr) {
-    uint4 nw[norm::kResidualRowVecs];
-    norm::residual_row_weight(a.s.norm, a.s.K, nw);
-    uint4* xn = xs + static_cast<size_t>(NT) * (max(a.g.K, a.s.K) / 8);
-    norm::residual_rows<T, kThreads, false, NT>(a.s.norm, a.s.T, a.s.K, nw, xn, false, nullptr);
-    shared_x = xn;
-  }
   using PermuteShared = std::conditional_t<kUp, PermuteSmem, char>;
   __shared__ PermuteShared ps;
   __shared__ int s_nvalid[kGemvMaxTokens];
@@ -283,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
     // order); shared: row m of its input.
     {
       const int KC = cur.KC;
-      const uint4* X = cur.shared ? shared_x : static_cast<const uint4*>(a.g.x);
+      const uint4* X = static_cast<const uint4*>(cur.shared ? a.s.x : a.g.x);
       for (int i = tid; i < cur.nt * KC; i += kThreads) {
         const int m = i / KC, c = i - m * KC;
         const int64_t src = cur.shared ? m : kUp ? sorted_pair[cur.r0 + m] / a.g.top_k : cur.r0 + m;
@@ -403,8 +393,7 @@ void launch(const GemvArgs& a, cudaStream_t stream) {
   if (units > 0x7fffffff) throw_runtime(str_cat("ops::moe_experts: ", units, " GEMV units is too many"));
   const int64_t blocks = std::min<int64_t>(units, static_cast<int64_t>(kBlocksPerSm) * sm_count());
   const int kmax = std::max(a.g.K, a.s.weight ? a.s.K : 0);
-  size_t smem = static_cast<size_t>(NT) * kmax * sizeof(T);
-  if (a.s.norm.residual != nullptr) smem += static_cast<size_t>(a.s.T) * a.s.K * sizeof(T);  // the step's x rows
+  const size_t smem = static_cast<size_t>(NT) * kmax * sizeof(T);
   static const bool configured = [] {
     set_max_dynamic_smem(moe_gemv_kernel<T, NT, kUp>, kGemvMaxSmemBytes, "ops::moe_experts");
     return true;
@@ -467,14 +456,6 @@ void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int ti
   if (shared.weight && (shared.K % 8 != 0 || shared.N < 1 || shared.T < 1 || shared.T > tile_rows)) {
     throw_runtime(str_cat("ops::moe_experts: the GEMV shared expert needs K % 8 == 0 and 1 <= T <= ", tile_rows,
                           " (K = ", shared.K, ", N = ", shared.N, ", T = ", shared.T, ")"));
-  }
-  if (shared.norm.residual != nullptr &&
-      (!up || !shared.before_wait || !shared.weight || shared.norm.threads < 1 || shared.norm.threads > kThreads ||
-       shared.norm.threads * norm::kResidualRowVecs * 8 < shared.K ||
-       (static_cast<int64_t>(tile_rows) * kmax + shared.T * shared.K) * 2 > kGemvMaxSmemBytes)) {
-    throw_runtime(str_cat("ops::moe_experts: the shared expert's residual step needs the up launch with early shared "
-                          "units, 1..", kThreads, " threads covering K = ", shared.K, " (", shared.norm.threads,
-                          ") and its x rows in shared memory"));
   }
   if (fold.topk_ids != nullptr) {
     const bool ok = fold.T >= 1 && fold.T <= tile_rows && fold.T * p.top_k <= kGemvFoldMaxPairs &&

@@ -7,7 +7,6 @@
 
 #include <cstdint>
 
-#include "backends/cuda/norm/residual_row.h"
 #include "core/dtype.h"
 
 namespace chimera::cuda::moe {
@@ -63,14 +62,7 @@ struct GateTopkParams {
   // Selection (benchmarks compare them): 0 = automatic, 1 = one warp per token (any n_group), 2 = the
   // block-per-token select, token after token (n_group == 1; otherwise the warps).
   int select = 0;
-  // The residual step folded in (ops::router_gate_topk with a step; norm.residual null: off): x is not read but
-  // computed by every block into shared memory (norm/residual_row.cuh, bit-identical to the norm kernel's), and
-  // block (0, 0) writes it to x_out and the new residual to norm.residual_out. T <= kGateNormMaxTokens, 16-bit x,
-  // norm.threads <= the block's 512 threads.
-  norm::ResidualRowArgs norm{};
-  void* x_out = nullptr;  // [T, D] x_dtype
 };
-inline constexpr int kGateNormMaxTokens = 2;
 // The ticket counter is one of a few zero-initialised device words, one per host thread (slot = thread id mod
 // 64): launches from one host thread must be stream-ordered (as ops on one stream are), two threads never share one.
 void launch_router_gate_topk(const GateTopkParams& p, cudaStream_t stream);
@@ -144,10 +136,6 @@ struct GemvShared {
   // Up only: every shared unit runs before pdl_wait() (launch.cuh, "two back"), overlapping the predecessor (the
   // router): x must be written at least two launches back and the predecessor must not touch `out`.
   bool before_wait = false;
-  // Up with before_wait only (norm.residual null: off): x is the output of this residual step, which the
-  // predecessor (the router) runs and writes; the early shared units compute it from the step's inputs (written two
-  // or more launches back) into shared memory instead of reading x (norm/residual_row.cuh; the same bits).
-  norm::ResidualRowArgs norm{};
 };
 // The permutation and the combine folded into the GEMV launches (decode: each saves one of the dependent launches of
 // a MoE layer). Measured on the H200 (Nano, graph step): the permutation fold takes batch-1 decode from 2.745 to

@@ -26,14 +26,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/moe/moe_kernels.h"
-#include "backends/cuda/norm/residual_row.cuh"
 #include "backends/device_api.h"
 
 namespace chimera::cuda {
@@ -387,13 +385,11 @@ struct GateLaunch {
 // shared-memory staging barrier sits on the chain. The fmaf order per lane (columns ascending) and the butterfly
 // are the same as with the former shared-memory staging: bit-identical partials. Registers: 64 per thread (40 to
 // 64 before), still two 512-thread blocks per SM, except the group-limited 512-expert instance (96: one per SM).
-// xsrc: g.x, or the block's own x in shared memory (GateTopkParams::norm).
 template <typename XT>
-__device__ __forceinline__ void gate_partial(const GateLaunch& L, const void* xsrc, int split, int d0, int len, int e,
-                                             int lane) {
+__device__ __forceinline__ void gate_partial(const GateLaunch& L, int split, int d0, int len, int e, int lane) {
   const GateTopkParams& g = L.g;
   const int T = g.route.T, E = g.route.E;
-  const XT* x = static_cast<const XT*>(xsrc);
+  const XT* x = static_cast<const XT*>(g.x);
   const float* w = g.gate + static_cast<int64_t>(e) * g.D + d0;
   float acc[kGateMaxTokens];
 #pragma unroll
@@ -455,42 +451,23 @@ __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const Ga
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int e = static_cast<int>(blockIdx.y) * kGateWarps + warp;
 
-  // PDL prologue: pull this warp's slice of the (constant) gate row into L2 while the previous kernel drains, and
-  // (residual step) this thread's norm weight; x, the partials and the ticket word are step data, touched only
-  // after the wait.
+  // PDL prologue: pull this warp's slice of the (constant) gate row into L2 while the previous kernel drains;
+  // x, the partials and the ticket word are step data, touched only after the wait.
   if (e < E) {
     for (int d = lane * kL2LineFloats; d < len; d += 32 * kL2LineFloats) {
       prefetch_l2(g.gate + static_cast<int64_t>(e) * g.D + d0 + d);
     }
   }
-  const bool step = g.norm.residual != nullptr;
-  uint4 nw[norm::kResidualRowVecs] = {};
-  if (step) norm::residual_row_weight(g.norm, g.D, nw);
   pdl_wait();
   pdl_trigger();
 
-  // The residual step: x of every token into shared memory (the phase-2 area, free until the ticket), by the
-  // whole block; block (0, 0) also writes x and the new residual.
-  const void* xsrc = g.x;
-  if (step) {
-    uint4* xs = reinterpret_cast<uint4*>(gate_smem4);
-    const bool first = blockIdx.x == 0 && blockIdx.y == 0;
-    uint4* x_out = first ? static_cast<uint4*>(g.x_out) : nullptr;
-    if (g.x_dtype == DType::kBF16) {
-      norm::residual_rows<__nv_bfloat16, kGateThreads, true, kGateNormMaxTokens>(g.norm, T, g.D, nw, xs, first, x_out);
-    } else {
-      norm::residual_rows<__half, kGateThreads, true, kGateNormMaxTokens>(g.norm, T, g.D, nw, xs, first, x_out);
-    }
-    xsrc = xs;
-  }
-
   if (e < E) {
     if (g.x_dtype == DType::kBF16) {
-      gate_partial<__nv_bfloat16>(L, xsrc, split, d0, len, e, lane);
+      gate_partial<__nv_bfloat16>(L, split, d0, len, e, lane);
     } else if (g.x_dtype == DType::kF16) {
-      gate_partial<__half>(L, xsrc, split, d0, len, e, lane);
+      gate_partial<__half>(L, split, d0, len, e, lane);
     } else {
-      gate_partial<float>(L, xsrc, split, d0, len, e, lane);
+      gate_partial<float>(L, split, d0, len, e, lane);
     }
   }
 
@@ -550,10 +527,7 @@ size_t gate_smem_bytes(int T, int E, int n_group, int /*chunk*/) {
 
 template <int NPER, bool kGroups>
 void launch_gate(const GateLaunch& L, cudaStream_t stream) {
-  size_t smem = gate_smem_bytes(L.g.route.T, L.g.route.E, L.g.route.n_group, L.g.split.chunk);
-  if (L.g.norm.residual != nullptr) {  // the residual step's x rows share the phase-2 area
-    smem = std::max(smem, static_cast<size_t>(L.g.route.T) * static_cast<size_t>(L.g.D) * 2);
-  }
+  const size_t smem = gate_smem_bytes(L.g.route.T, L.g.route.E, L.g.route.n_group, L.g.split.chunk);
   if (smem > 48 * 1024) {
     set_max_dynamic_smem(router_gate_topk_kernel<NPER, kGroups>, smem, "ops::router_gate_topk");
   }
@@ -613,13 +587,6 @@ void launch_router_gate_topk(const GateTopkParams& p, cudaStream_t stream) {
                           " groups, D = ", p.D, " is not supported by the fused kernel (supported: T <= ",
                           kGateMaxTokens, ", E <= 512, k <= min(32, E), shared memory <= ", kGateMaxSmemBytes, ")"));
   }
-  if (p.norm.residual != nullptr &&
-      (r.T > kGateNormMaxTokens || (p.x_dtype != DType::kBF16 && p.x_dtype != DType::kF16) || p.x_out == nullptr ||
-       p.norm.threads < 1 || p.norm.threads > kGateThreads || p.norm.threads * norm::kResidualRowVecs * 8 < p.D)) {
-    throw_runtime(str_cat("ops::router_gate_topk: the residual step needs T <= ", kGateNormMaxTokens,
-                          ", 16-bit x, x_out and 1..", kGateThreads, " threads covering D = ", p.D, " (T = ", r.T,
-                          ", ", p.norm.threads, " threads)"));
-  }
   GateLaunch L{p, ticket_slot(), p.D % 4 == 0 && reinterpret_cast<uintptr_t>(p.gate) % 16 == 0};
   with_nper(r.E, [&](auto nper) { launch_gate_nper<decltype(nper)::value>(L, stream); });
 }
@@ -648,20 +615,10 @@ void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& 
   moe::launch_router_topk(k, as_stream(ctx.stream));
 }
 
-namespace {
-// The residual step inside the fused router kernel (the default); CHIMERA_ROUTER_RESIDUAL_STEP=0 runs it as the norm
-// kernel before the router instead (A/B runs of the whole engine; the same results).
-std::atomic<bool> g_router_step{[] {
-  const char* v = std::getenv("CHIMERA_ROUTER_RESIDUAL_STEP");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
-}  // namespace
-
 // Decode sizes: one kernel. Otherwise (and for a 16-bit gate) the three ops it replaces: x -> fp32, cuBLASLt
 // fp32 logits, router_topk.
 void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x,
-                      const Tensor& gate, const Tensor& correction_bias, const ops::RouterParams& p,
-                      const ops::ResidualNorm* pre) {
+                      const Tensor& gate, const Tensor& correction_bias, const ops::RouterParams& p) {
   const char* op = "ops::router_gate_topk";
   if (topk_weights.dtype() != DType::kF32) {
     throw_runtime(str_cat(op, ": topk_weights ", topk_weights.describe(), " must be F32 on CUDA"));
@@ -671,11 +628,6 @@ void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Ten
   const bool fused = gate.dtype() == DType::kF32 && D <= 0x7fffffffLL &&
                      moe::gate_topk_supported(static_cast<int>(T), static_cast<int>(E), static_cast<int>(p.top_k),
                                               static_cast<int>(p.n_group), static_cast<int>(D));
-  // The residual step: inside the fused kernel where its blocks can compute it, else the norm kernel first.
-  norm::ResidualRowArgs step{};
-  const bool step_inside = pre != nullptr && fused && g_router_step.load(std::memory_order_relaxed) &&
-                           norm::residual_row_args(*pre, moe::kGateWarps * 32, moe::kGateNormMaxTokens, &step);
-  if (pre != nullptr && !step_inside) cuda::residual_norm(ctx, *pre);
   if (!fused) {
     Tensor x_f32 = x;
     if (x.dtype() != DType::kF32) {
@@ -707,10 +659,6 @@ void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Ten
   g.split = moe::gate_topk_split(g.route.E, g.D);
   const Tensor partial = device::empty(Device::kCuda, DType::kF32, {g.split.n_split, T, E});
   g.partial = partial.data_as<float>();
-  if (step_inside) {
-    g.norm = step;
-    g.x_out = x.data();
-  }
   moe::launch_router_gate_topk(g, as_stream(ctx.stream));
 }
 

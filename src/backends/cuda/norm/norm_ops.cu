@@ -6,7 +6,6 @@
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
-#include "backends/cuda/norm/residual_row.h"
 #include "backends/cuda/norm/row_norm.cuh"
 
 namespace chimera::cuda {
@@ -117,52 +116,6 @@ void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor&
       out.data(), x.data(), nullptr, residual.data(), weight.data(), x.dim(0), checked_int(op, "hidden size", x.dim(1)),
       1,          eps};
   norm::launch_add_rms_norm(p, x.dtype(), weight.dtype(), as_stream(ctx.stream));
-}
-
-void residual_norm(const ops::Context& ctx, const ops::ResidualNorm& rn) {
-  const char* op = "ops::residual_norm";
-  require_same_dtype(op, {{"a", &rn.a}, {"residual", &rn.residual}, {"residual_out", &rn.residual_out}, {"x", &rn.x}});
-  if (rn.b) require_same_dtype(op, {{"a", &rn.a}, {"b", &rn.b}});
-  const norm::RowNormParams p{rn.x.data(),
-                              rn.a.data(),
-                              rn.b ? rn.b.data() : nullptr,
-                              rn.residual.data(),
-                              rn.norm_weight.data(),
-                              rn.a.dim(0),
-                              checked_int(op, "hidden size", rn.a.dim(1)),
-                              1,
-                              rn.eps,
-                              rn.residual_out.data()};
-  if (rn.b) {
-    norm::launch_add2_rms_norm(p, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
-  } else {
-    norm::launch_add_rms_norm(p, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
-  }
-}
-
-bool norm::residual_row_args(const ops::ResidualNorm& rn, int block_threads, int64_t max_rows, ResidualRowArgs* args) {
-  const DType act = rn.a.dtype();
-  const int64_t T = rn.a.dim(0), D = rn.a.dim(1);
-  if (T < 1 || T > max_rows || (act != DType::kBF16 && act != DType::kF16) || D % 8 != 0 || D > (1 << 30)) {
-    return false;
-  }
-  if (rn.norm_weight.dtype() != act || rn.residual.dtype() != act || rn.residual_out.dtype() != act ||
-      (rn.b && rn.b.dtype() != act)) {
-    return false;
-  }
-  if (!vec_aligned({rn.residual.data(), rn.residual_out.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr,
-                    rn.norm_weight.data()})) {
-    return false;
-  }
-  // The norm kernel's layout for the row: the consuming block reproduces it with kResidualRowVecs vectors per
-  // thread when its threads cover the norm's.
-  const int n_vec = static_cast<int>(D / 8);
-  if (default_vecs_per_thread(n_vec) != kResidualRowVecs) return false;
-  const int threads = threads_per_row(n_vec, kResidualRowVecs);
-  if (threads < 1 || threads > block_threads) return false;
-  *args = {rn.residual.data(), rn.a.data(),        rn.b ? rn.b.data() : nullptr, rn.residual_out.data(),
-           rn.norm_weight.data(), rn.eps, threads};
-  return true;
 }
 
 void add2_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
