@@ -80,7 +80,9 @@ MemoryPlan plan_memory(const ModelConfig& c, DType weight_dtype, DType act_dtype
                                   2 * c.moe_latent_size.value_or(0));
   }
   const int64_t tokens = std::max(limits.max_tokens_per_step, 1);
-  p.workspace = static_cast<size_t>(tokens * (4 * D + widest) * asize + seqs * c.vocab_size * 4 * 2);
+  // 5 x D per token: the residual stream's two buffers (NemotronH::forward_device alternates them), the normed
+  // input, the mixer output and the MoE layer's routed output.
+  p.workspace = static_cast<size_t>(tokens * (5 * D + widest) * asize + seqs * c.vocab_size * 4 * 2);
   return p;
 }
 
