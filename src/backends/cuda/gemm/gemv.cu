@@ -31,8 +31,6 @@
 #include "backends/cuda/gemm/gemv.h"
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_vec.cuh"
@@ -144,8 +142,7 @@ __device__ __forceinline__ void stage_normed_x(const GemvParams& p, uint4* xs, c
 
 // x: [T, K] T, w_i: [N_i, K] T, bias_i: [N_i] T or null, y_i: [T, N_i] T. Dynamic shared memory: x, [MT][K] T
 // (zero rows past T). kNorm: x computed from GemvParams::norm (stage_normed_x) instead of read.
-// kMinBlocks: __launch_bounds__'s blocks per SM. Unbounded, ptxas gives the T = 1 kernel 117 registers (2 blocks of
-// 256 threads per SM) and the norm variant at T = 2 111; bounded to 3 blocks they take 80 with no spill (T = 1).
+// kMinBlocks: __launch_bounds__'s blocks per SM (launch_mt: 3 for the norm variant at T <= 2, else unbounded).
 template <typename T, int MT, bool kRelu2, bool kNorm, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const GemvParams p) {
   extern __shared__ uint4 gemv_smem[];
@@ -272,13 +269,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const GemvPa
   }
 }
 
-// __launch_bounds__ blocks per SM of the plain kernel at T <= 2: 1 (unbounded, the default) or 3
-// (CHIMERA_GEMV_MIN_BLOCKS=3; A/B runs of the whole engine; the same results).
-std::atomic<int> g_min_blocks{[] {
-  const char* v = std::getenv("CHIMERA_GEMV_MIN_BLOCKS");
-  return v != nullptr && std::atoi(v) == 3 ? 3 : 1;
-}()};
-
 // Warps per row: enough warps for every SM to hold ~16 of them streaming (split rows when N alone is too few);
 // then, while the GPU still holds all the warps at once, split further until a warp's share of a row is ONE load
 // step (kUnroll x 32 vectors): the whole weight is then requested in the first round trip, part of it before the
@@ -295,16 +285,10 @@ int auto_warps_per_row(int64_t N, int64_t K, int64_t resident_warps) {
 template <typename T, int MT, bool kRelu2>
 void launch_mt(const GemvParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(T) * static_cast<size_t>(MT) * static_cast<size_t>(p.K);
+  // The plain kernel unbounded (bounding it to 3 blocks per SM measured no faster in the engine: docs/perf.md, eighth
+  // session); the norm variant at T <= 2 bounded to 3 (80 registers; unbounded it took 111 at T = 2).
   auto* kernel = gemv_kernel<T, MT, kRelu2, false, 1>;
-  if constexpr (MT <= 2) {
-    if (p.norm.residual != nullptr) {
-      kernel = gemv_kernel<T, MT, false, true, 3>;
-    } else if (g_min_blocks.load(std::memory_order_relaxed) == 3) {
-      kernel = gemv_kernel<T, MT, kRelu2, false, 3>;
-    }
-  } else if (p.norm.residual != nullptr) {
-    kernel = gemv_kernel<T, MT, false, true, 1>;
-  }
+  if (p.norm.residual != nullptr) kernel = gemv_kernel<T, MT, false, true, MT <= 2 ? 3 : 1>;
   if (smem > 48 * 1024) {  // the opt-in is per device, so set it on every such launch (a host-side call)
     CHIMERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                        "ops::linear (gemv)");

@@ -345,36 +345,45 @@ NormFold set_residual_norm_fold(NormFold fold) {
   return static_cast<NormFold>(g_norm_fold.exchange(static_cast<int>(fold)));
 }
 
-bool residual_norm_linear_fused(const ops::ResidualNorm& rn, std::span<const Tensor> outs,
-                                std::span<const Tensor> weights, const Tensor& bias) {
+namespace {
+// The norm layout's threads per row when the one-launch path applies to these arguments (16-bit, T <= 2, the norm
+// kernel's layout for the row at kGemvNormVecs vectors per thread within the GEMV's 256 threads, every weight a GEMV
+// shape, ...) and is not turned off; 0 otherwise.
+int fused_norm_threads(const ops::ResidualNorm& rn, std::span<const Tensor> outs, std::span<const Tensor> weights,
+                       const Tensor& bias) {
   const DType act = rn.a.dtype();
   const int64_t T = rn.a.dim(0), D = rn.a.dim(1);
   if (g_norm_fold.load(std::memory_order_relaxed) == static_cast<int>(NormFold::kOff) || T < 1 ||
       T > kLinearGemvAutoMaxTokens) {
-    return false;
+    return 0;
   }
-  if ((act != DType::kBF16 && act != DType::kF16) || rn.norm_weight.dtype() != act || D % 8 != 0) return false;
+  if ((act != DType::kBF16 && act != DType::kF16) || rn.norm_weight.dtype() != act || D % 8 != 0) return 0;
   for (const Tensor* t : {&rn.residual, &rn.residual_out, &rn.b}) {
-    if (*t && t->dtype() != act) return false;
+    if (*t && t->dtype() != act) return 0;
   }
   if (!vec_aligned({rn.residual.data(), rn.residual_out.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr,
                     rn.norm_weight.data()})) {
-    return false;
+    return 0;
   }
-  // The norm kernel's layout for the row (threads_per_row of its default vectors per thread): the GEMV block
-  // reproduces it when it has kGemvNormVecs vectors per thread and fits in the block's 256 threads.
   const int n_vec = static_cast<int>(D / 8);
-  if (norm::default_vecs_per_thread(n_vec) != gemm::kGemvNormVecs) return false;
+  if (norm::default_vecs_per_thread(n_vec) != gemm::kGemvNormVecs) return 0;
   const int threads = norm::threads_per_row(n_vec, gemm::kGemvNormVecs);
-  if (threads < 1 || threads > 256) return false;
-  if (bias && (weights.size() != 1 || bias.dtype() != act)) return false;
+  if (threads < 1 || threads > 256) return 0;
+  if (bias && (weights.size() != 1 || bias.dtype() != act)) return 0;
   int64_t rows = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
-    if (weights[i].dtype() != act || outs[i].dtype() != act) return false;
-    if (!gemm::gemv_supported(T, D, weights[i].dim(0), act, nullptr, weights[i].data(), outs[i].data())) return false;
+    if (weights[i].dtype() != act || outs[i].dtype() != act) return 0;
+    if (!gemm::gemv_supported(T, D, weights[i].dim(0), act, nullptr, weights[i].data(), outs[i].data())) return 0;
     rows += weights[i].dim(0);
   }
-  return weights.size() <= static_cast<size_t>(gemm::kGemvMaxParts) && rows < (int64_t{1} << 31) / D;
+  const bool fits = weights.size() <= static_cast<size_t>(gemm::kGemvMaxParts) && rows < (int64_t{1} << 31) / D;
+  return fits ? threads : 0;
+}
+}  // namespace
+
+bool residual_norm_linear_fused(const ops::ResidualNorm& rn, std::span<const Tensor> outs,
+                                std::span<const Tensor> weights, const Tensor& bias) {
+  return fused_norm_threads(rn, outs, weights, bias) > 0;
 }
 
 void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, std::span<const Tensor> outs,
@@ -386,10 +395,7 @@ void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, 
   if (T == 0) return;
   if (D > (int64_t{1} << 30)) throw_runtime(str_cat(op, ": hidden size ", D, " exceeds one row of the norm kernel"));
   gemm::GemvParams p;
-  const bool fusable = residual_norm_linear_fused(rn, outs, weights, bias);
-  int64_t rows = 0;
-  for (const Tensor& w : weights) rows += w.dim(0);
-  const PlanKey key{T, D, rows, rn.a.dtype(), static_cast<bool>(rn.b), 256u, 256u, 256u, bias ? 16u : 256u};
+  const int norm_threads = fused_norm_threads(rn, outs, weights, bias);
   // -1: the two ops; w >= 0: the one GEMV launch at w warps per row (0: the GEMV's own rule).
   const auto run = [&](int choice) {
     if (choice >= 0) {
@@ -398,12 +404,12 @@ void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, 
       return;
     }
     // The two ops: the norm kernel with the residual written out of place, then the dense layer(s).
-    const norm::RowNormParams p{rn.x.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual.data(),
-                                rn.norm_weight.data(), T, static_cast<int>(D), 1, rn.eps, rn.residual_out.data()};
+    const norm::RowNormParams np{rn.x.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual.data(),
+                                 rn.norm_weight.data(), T, static_cast<int>(D), 1, rn.eps, rn.residual_out.data()};
     if (rn.b) {
-      norm::launch_add2_rms_norm(p, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
+      norm::launch_add2_rms_norm(np, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
     } else {
-      norm::launch_add_rms_norm(p, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
+      norm::launch_add_rms_norm(np, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
     }
     if (weights.size() == 1) {
       cuda::linear(ctx, outs[0], rn.x, weights[0], bias);
@@ -411,17 +417,20 @@ void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, 
       cuda::linear_multi(ctx, outs, rn.x, weights);
     }
   };
-  if (!fusable) return run(-1);
+  if (norm_threads == 0) return run(-1);
   p.norm = {rn.residual.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual_out.data(),
-            rn.norm_weight.data(), rn.eps, norm::threads_per_row(static_cast<int>(D / 8), gemm::kGemvNormVecs)};
+            rn.norm_weight.data(), rn.eps, norm_threads};
   p.n_parts = static_cast<int>(weights.size());
+  int64_t rows = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     p.parts[i] = {weights[i].data(), i == 0 && bias ? bias.data() : nullptr, outs[i].data(),
                   static_cast<int>(weights[i].dim(0))};
+    rows += weights[i].dim(0);
   }
   p.T = static_cast<int>(T);
   p.K = static_cast<int>(D);
   p.N = static_cast<int>(rows);
+  const PlanKey key{T, D, rows, rn.a.dtype(), static_cast<bool>(rn.b), 256u, 256u, 256u, bias ? 16u : 256u};
   // The fastest of the two ops and the one launch at 1, 2, 4 warps per row, timed per shape (every candidate reads
   // residual, a and b and writes residual_out and the outputs, so the timing runs repeat the real call's results).
   // Measured (bench norm_linear_decode, graph): the one launch wins at T = 1 (Nano in_proj 18.1 vs 19.6 us, q/k/v
