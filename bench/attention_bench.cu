@@ -89,8 +89,8 @@ void bench_decode(const Context& ctx, int64_t B, int64_t context) {
   ctx.run("attention_decode", shape, bytes, 0.0,
           [&] { ops::attention(c, out, q, k, v, cache, cu, ctx_lens, tables, 1.0f / std::sqrt(float(kHd))); });
   if (B <= 8) {
-    // Inside a CUDA graph with device-side metadata, as a captured decode step runs it (append, the device
-    // sequence table, decode and the split merge; splits planned for the block table's capacity). The split
+    // Inside a CUDA graph with device-side metadata, as a captured decode step runs it (append, decode and the
+    // split merge; splits planned for the block table's capacity). The split
     // merge three ways: automatic, fused into the decode kernel, the combine kernel; CHECK: the last two agree.
     const Tensor cu_dev = device::to_device(Tensor::from_i32({B + 1}, cu), Device::kCuda);
     const Tensor ctx_dev = device::to_device(Tensor::from_i32({B}, ctx_lens), Device::kCuda);

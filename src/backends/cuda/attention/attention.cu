@@ -35,16 +35,6 @@ int decode_tiles_per_split(const std::vector<attn::AttnSeq>& seqs, int kv_heads)
   return static_cast<int>(std::max<int64_t>(1, (tiles + target_ctas - 1) / target_ctas));
 }
 
-// Graph-capturable decode (ops::Indices::device given): the AttnSeq table is built on the device from the
-// device cu_seqlens / context_lens, so nothing of this step's host values reaches the launch.
-__global__ void build_seqs_kernel(const int32_t* cu_seqlens, const int32_t* context_lens, int num_seqs,
-                                  attn::AttnSeq* seqs) {
-  const int s = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  pdl_wait();  // PDL: cu_seqlens / context_lens are step metadata; seqs may still be read by the previous step
-  pdl_trigger();
-  if (s < num_seqs) seqs[s] = {cu_seqlens[s], cu_seqlens[s + 1] - cu_seqlens[s], context_lens[s], 0};
-}
-
 // The split plan of a graph-captured decode step cannot look at this step's context lengths: it is sized for
 // every sequence at the longest context its block table row can hold (kv_bound), the kernel computing each
 // sequence's own split count from its device AttnSeq (CTAs past it exit at once).
@@ -152,17 +142,13 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
   p.k_cache = cache.k.data();
   p.v_cache = cache.v.data();
   p.block_tables = block_tables.data_as<const int32_t>();
+  // Graph-capturable decode (ops::Indices::device given): the kernels build each sequence's AttnSeq from the device
+  // cu_seqlens / context_lens (load_seq), so nothing of this step's host values reaches a launch, and no launch
+  // builds a table.
   const bool device_meta = cu_seqlens.device != nullptr && context_lens.device != nullptr;
-  Tensor device_seqs;  // from the caching allocator (or the capture pool); later reuse is ordered on the stream
   if (device_meta) {
-    const int64_t words = static_cast<int64_t>(seqs.size()) * (sizeof(attn::AttnSeq) / sizeof(int32_t));
-    device_seqs = device::empty(Device::kCuda, DType::kI32, {words});
-    auto* dst = reinterpret_cast<attn::AttnSeq*>(device_seqs.data());
-    const int n = static_cast<int>(seqs.size());
-    launch(build_seqs_kernel, dim3(static_cast<unsigned>(ceil_div(n, 128))), dim3(128), 0, stream,
-           cu_seqlens.device, context_lens.device, n, dst);
-    CHIMERA_LAUNCH_CHECK("ops::attention (sequence table)");
-    p.seqs = dst;
+    p.cu_seqlens = cu_seqlens.device;
+    p.context_lens = context_lens.device;
   } else {
     p.seqs = static_cast<const attn::AttnSeq*>(
         upload_scratch(seqs.data(), seqs.size() * sizeof(attn::AttnSeq), stream, 0));

@@ -141,9 +141,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
   T* sV = sK + kStages * kTile * HD;      // [kStages][kTile][HD]
 
   const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
-  pdl_wait();  // PDL: the sequence table, q and the cache (this step's append) are earlier kernels' outputs
+  pdl_wait();  // PDL: q and the cache (this step's append) are earlier kernels' outputs
   pdl_trigger();
-  const AttnSeq sq = p.seqs[seq];
+  const AttnSeq sq = load_seq(p, seq);
   if (sq.n_new == 0) return;
   const int kv_len = sq.ctx_len + sq.n_new;  // n_new == 1 on this path
   const int num_splits = decode_num_splits(kv_len, ws.tiles_per_split);
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(HD) attention_decode_combine_kernel(AttentionP
   const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
   pdl_wait();  // PDL: the split kernel's partial results
   pdl_trigger();
-  const AttnSeq sq = p.seqs[seq];
+  const AttnSeq sq = load_seq(p, seq);
   if (sq.n_new == 0) return;
   const int kv_len = sq.ctx_len + sq.n_new;
   const int num_splits = decode_num_splits(kv_len, ws.tiles_per_split);
