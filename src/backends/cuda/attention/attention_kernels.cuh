@@ -84,6 +84,9 @@ struct DecodeWorkspace {
   int tiles_per_split = 1;
   int max_splits = 1;
   int ticket_slot = -1;  // set by launch_attention_decode: >= 0 when the decode kernel merges its own splits
+  // The decode kernel appends this step's k_new / v_new rows to the cache itself (no launch_append_kv before it):
+  // needs k_new / v_new 16-byte aligned.
+  bool append_kv = false;
 };
 
 // Appends k_new / v_new into the paged cache at positions ctx_len .. ctx_len + n_new - 1 (bit-exact copy).
@@ -104,7 +107,8 @@ void launch_attention_prefill(const AttentionParams& p, const PrefillTile* tiles
 // wherever it fits, 2 = always the combine kernel. Process-wide, read at each launch.
 void set_decode_merge_mode(int mode);
 
-// One new token per sequence over a long paged context, split across CTAs, then combined.
+// One new token per sequence over a long paged context, split across CTAs, then combined. With ws.append_kv it
+// also appends that token's k / v (the same cache bits as launch_append_kv), so no append launch precedes it.
 template <typename T, int HD>
 void launch_attention_decode(const AttentionParams& p, const DecodeWorkspace& ws, cudaStream_t stream);
 
