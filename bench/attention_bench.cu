@@ -11,12 +11,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "backends/cuda/attention/attention_kernels.cuh"
+#include "backends/cuda/cuda_ops.h"
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
 #include "ops/ops.h"
@@ -89,8 +91,8 @@ void bench_decode(const Context& ctx, int64_t B, int64_t context) {
   ctx.run("attention_decode", shape, bytes, 0.0,
           [&] { ops::attention(c, out, q, k, v, cache, cu, ctx_lens, tables, 1.0f / std::sqrt(float(kHd))); });
   if (B <= 8) {
-    // Inside a CUDA graph with device-side metadata, as a captured decode step runs it (append, the device
-    // sequence table, decode and the split merge; splits planned for the block table's capacity). The split
+    // Inside a CUDA graph with device-side metadata, as a captured decode step runs it (decode with the append
+    // folded in, the split merge; splits planned for the block table's capacity). The split
     // merge three ways: automatic, fused into the decode kernel, the combine kernel; CHECK: the last two agree.
     const Tensor cu_dev = device::to_device(Tensor::from_i32({B + 1}, cu), Device::kCuda);
     const Tensor ctx_dev = device::to_device(Tensor::from_i32({B}, ctx_lens), Device::kCuda);
@@ -113,6 +115,18 @@ void bench_decode(const Context& ctx, int64_t B, int64_t context) {
     }
     std::printf("CHECK attention_decode %s fused-vs-combine max_abs_diff=%.3g %s\n", shape.c_str(), diff,
                 diff <= 1e-2 ? "close" : "DIFFERENT");
+    // The append as its own launch (CHIMERA_ATTN_DECODE_APPEND=0) against the default, folded into the decode
+    // kernel; CHECK: the same bits.
+    const bool saved = cuda::set_attention_decode_append(false);
+    ctx.run_graph("attention_decode-append-launch", shape, bytes, 0.0, [&](cudaStream_t st, int) {
+      ops::attention(ops::Context{Device::kCuda, st}, out, q, k, v, cache, cu_idx, ctx_idx, tables,
+                     1.0f / std::sqrt(float(kHd)));
+    });
+    cuda::set_attention_decode_append(saved);
+    const Tensor separate = device::to_host_f32(out);
+    const bool same = std::memcmp(separate.f32(), outs[0].f32(), static_cast<size_t>(separate.nbytes())) == 0;
+    std::printf("CHECK attention_decode %s append-folded-vs-launch %s\n", shape.c_str(),
+                same ? "bit-identical" : "DIFFERENT");
   }
 }
 

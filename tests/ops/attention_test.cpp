@@ -11,6 +11,9 @@
 #include "common/backend_param.h"
 #include "common/compare.h"
 #include "core/parallel.h"
+#ifdef CHIMERA_HAVE_CUDA
+#include "backends/cuda/cuda_ops.h"
+#endif
 
 namespace chimera {
 namespace {
@@ -265,7 +268,141 @@ class OpsAttention : public BackendTest {
     check_rows(out, d, c, row_seq, row_pos, {}, dtype);
     check_cache(cache, d, l, lens, block_size);
   }
+
+  // One decode step in which sequence s gets n_new[s] (0: idle, or 1) tokens over a cache of ctx_lens[s] tokens
+  // written from the host. On CUDA twice from the same fresh cache: the append folded into the split-KV decode
+  // kernel (the default) and as its own launch (cuda::set_attention_decode_append(false)). Each run: output
+  // poisoned, then against the oracle; the cache holds every appended row bit-exact, an idle sequence's row ctx_len
+  // and the unowned blocks are untouched. Then the two runs' outputs and caches must be bit-identical.
+  void run_decode_append(test::Rng& rng, const AttnCase& c, const std::vector<int32_t>& ctx_lens,
+                         const std::vector<int32_t>& n_new, int64_t block_size, DType dtype, bool device_meta) const {
+    const size_t S = ctx_lens.size();
+    std::vector<int32_t> lens(S), done(S);
+    for (size_t s = 0; s < S; ++s) {
+      lens[s] = ctx_lens[s] + 1;  // data for position ctx_len even where it is not appended (idle)
+      done[s] = ctx_lens[s] + n_new[s];
+    }
+    const Seqs d = make_seqs(rng, c, lens, dtype, ctx_lens);
+    const PagedLayout l = make_layout(rng, lens, block_size);
+    Tensor hk = Tensor::empty(DType::kF32, {l.num_blocks, block_size, c.KVh, c.hd});
+    Tensor hv = Tensor::empty(DType::kF32, hk.shape());
+    test::poison(hk);
+    test::poison(hv);
+    for (size_t s = 0; s < S; ++s) {
+      for (int32_t pos = 0; pos < ctx_lens[s]; ++pos) {
+        const int64_t blk = l.tables.i32()[int64_t(s) * l.max_blocks + pos / block_size];
+        std::copy_n(d.k[s].select(pos).f32(), c.KVh * c.hd, hk.select(blk).select(pos % block_size).f32());
+        std::copy_n(d.v[s].select(pos).f32(), c.KVh * c.hd, hv.select(blk).select(pos % block_size).f32());
+      }
+    }
+    std::vector<int32_t> cu = {0};
+    std::vector<int64_t> row_seq, row_pos;
+    for (size_t s = 0; s < S; ++s) {
+      cu.push_back(cu.back() + n_new[s]);
+      if (n_new[s] > 0) {
+        row_seq.push_back(int64_t(s));
+        row_pos.push_back(ctx_lens[s]);
+      }
+    }
+    const int64_t T = cu.back();
+    Tensor qs = Tensor::empty(DType::kF32, {T, c.Qh, c.hd}), ks = Tensor::empty(DType::kF32, {T, c.KVh, c.hd});
+    Tensor vs = Tensor::empty(DType::kF32, {T, c.KVh, c.hd});
+    for (int64_t r = 0; r < T; ++r) {
+      const size_t s = size_t(row_seq[size_t(r)]);
+      std::copy_n(d.q[s].select(0).f32(), c.Qh * c.hd, qs.select(r).f32());
+      std::copy_n(d.k[s].select(ctx_lens[s]).f32(), c.KVh * c.hd, ks.select(r).f32());
+      std::copy_n(d.v[s].select(ctx_lens[s]).f32(), c.KVh * c.hd, vs.select(r).f32());
+    }
+    const Tensor q = on_backend(qs, dtype), k = on_backend(ks, dtype), v = on_backend(vs, dtype);
+    const Tensor tables = on_backend(l.tables);
+    Tensor cu_dev, ctx_dev;
+    ops::Indices cu_idx(cu), ctx_idx(ctx_lens);
+    if (device_meta) {
+      cu_dev = on_backend(Tensor::from_i32({int64_t(cu.size())}, cu));
+      ctx_dev = on_backend(Tensor::from_i32({int64_t(S)}, ctx_lens));
+      cu_idx = ops::Indices(cu, cu_dev.i32());
+      ctx_idx = ops::Indices(ctx_lens, ctx_dev.i32());
+    }
+    std::vector<bool> folds = {true};  // CPU: one path
+    if (on_cuda()) folds = {true, false};
+    std::vector<Tensor> outs, caches_k, caches_v;
+    for (const bool fold : folds) {
+      SCOPED_TRACE(::testing::Message() << (fold ? "append folded into decode" : "append launch"));
+      ops::KvCacheView cache{on_backend(hk, dtype), on_backend(hv, dtype)};
+      Tensor out = output(dtype, {T, c.Qh, c.hd});
+#ifdef CHIMERA_HAVE_CUDA
+      const bool saved = on_cuda() ? cuda::set_attention_decode_append(fold) : true;
+#endif
+      ops::attention(ctx(), out, q, k, v, cache, cu_idx, ctx_idx, tables, 1.0f / std::sqrt(float(c.hd)));
+#ifdef CHIMERA_HAVE_CUDA
+      if (on_cuda()) cuda::set_attention_decode_append(saved);
+#endif
+      check_rows(out, d, c, row_seq, row_pos, {}, dtype);
+      check_cache(cache, d, l, done, block_size);
+      const Tensor ck = host_f32(cache.k), cv = host_f32(cache.v);
+      for (size_t s = 0; s < S; ++s) {
+        if (n_new[s] > 0) continue;
+        const int32_t pos = ctx_lens[s];
+        const int64_t blk = l.tables.i32()[int64_t(s) * l.max_blocks + pos / block_size];
+        for (const Tensor* t : {&ck, &cv}) {
+          const Tensor row = t->select(blk).select(pos % block_size);
+          EXPECT_TRUE(std::all_of(row.f32(), row.f32() + row.numel(), [](float x) { return std::isnan(x); }))
+              << "idle sequence " << s << ": row " << pos << " was written";
+        }
+      }
+      outs.push_back(host_f32(out));
+      caches_k.push_back(ck);
+      caches_v.push_back(cv);
+    }
+    for (size_t i = 1; i < outs.size(); ++i) {
+      EXPECT_TRUE(test::bit_equal(outs[i], outs[0])) << "output: append launch vs folded";
+      EXPECT_TRUE(test::bit_equal(caches_k[i], caches_k[0])) << "k cache: append launch vs folded";
+      EXPECT_TRUE(test::bit_equal(caches_v[i], caches_v[0])) << "v cache: append launch vs folded";
+    }
+  }
 };
+
+// The decode step's append folded into the split-KV decode kernel (attention_decode.cu), against the oracle and
+// bit-identical to the append as its own launch. New rows at positions 0, 1, 63, 64, 65, 127 (first / last row of
+// a 64-key tile), 1000, 1024, 1031 (one 64-key split each: the appending CTA is the last of ~17); two idle
+// sequences (one between, one last); block sizes 1, 8, 64 put position ctx_len at a page start or end; GQA groups
+// 1, 4, 16 with head_dim 64 and 128. CUDA: BF16 and F16 (the decode path), eager (host sequence table) and with
+// device-side metadata (a captured step: AttnSeq built in the kernels, splits planned for the table's capacity),
+// and F32 (the generic kernel after the append launch). CPU: F32.
+TEST_P(OpsAttention, DecodeAppendFoldedAwkwardContexts) {
+  auto rng = test::Rng::for_test();
+  const std::vector<int32_t> ctx_lens = {0, 1, 63, 300, 64, 65, 127, 1000, 1024, 1031, 0};
+  const std::vector<int32_t> n_new = {1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0};
+  std::vector<DType> dtypes = {DType::kF32};
+  if (on_cuda()) dtypes = {DType::kBF16, DType::kF16, DType::kF32};
+  for (const AttnCase& c : {AttnCase{2, 2, 64}, AttnCase{8, 2, 128}, AttnCase{16, 1, 64}, AttnCase{32, 2, 128}}) {
+    for (const int64_t block_size : {1, 8, 64}) {
+      for (const DType dtype : dtypes) {
+        for (const bool device_meta : {false, true}) {
+          if (device_meta && !on_cuda()) continue;
+          SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " Qh=" << c.Qh << " KVh=" << c.KVh << " hd=" << c.hd
+                                            << " bs=" << block_size << (device_meta ? " device metadata" : " eager"));
+          run_decode_append(rng, c, ctx_lens, n_new, block_size, dtype, device_meta);
+        }
+      }
+    }
+  }
+}
+
+// Batch 1 (the Nano decode step: 32 q heads, 2 kv heads, head_dim 128) at tile and split boundaries, eager and
+// captured-style, and one idle sequence next to a single active one.
+TEST_P(OpsAttention, DecodeAppendFoldedBatch1) {
+  auto rng = test::Rng::for_test();
+  const DType dtype = on_cuda() ? DType::kBF16 : DType::kF32;
+  for (const int32_t ctx_len : {0, 63, 64, 1023, 1024, 4095, 8191}) {
+    for (const bool device_meta : {false, true}) {
+      if (device_meta && !on_cuda()) continue;
+      SCOPED_TRACE(::testing::Message() << "ctx " << ctx_len << (device_meta ? " device metadata" : " eager"));
+      run_decode_append(rng, {32, 2, 128}, {ctx_len}, {1}, 64, dtype, device_meta);
+      run_decode_append(rng, {32, 2, 128}, {ctx_len, 17}, {0, 1}, 16, dtype, device_meta);
+    }
+  }
+}
 
 const AttnCase kCases[] = {{6, 2, 20}, {5, 5, 33}, {3, 1, 8}, {8, 2, 128}};
 

@@ -1,13 +1,16 @@
 // ops::attention on CUDA: Tensors -> AttentionParams, host metadata -> device, kernel choice.
 //
-//   1. append this step's k, v into the paged cache (attention_generic.cu: append_kv_kernel)
+//   1. append this step's k, v into the paged cache (attention_generic.cu: append_kv_kernel); on the split-KV
+//      decode path the decode kernel does it itself (attention_decode.cu; CHIMERA_ATTN_DECODE_APPEND=0: separate)
 //   2. attention over the cache, by dtype / head_dim / shape of the batch:
 //        F32, or head_dim not 64 / 128, or unaligned tensors -> attention_generic_kernel (any shape)
 //        BF16 / F16, every sequence has at most one new token, Qh / KVh <= 16 -> split-KV decode
 //        BF16 / F16 otherwise (prefill, chunked prefill, mixed batches)   -> tensor-core prefill
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -24,6 +27,14 @@ constexpr char kOp[] = "ops::attention";
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// Whether the split-KV decode kernel appends the step's k / v rows itself (attention_decode.cu): one launch fewer per
+// attention layer on a decode step's critical path. CHIMERA_ATTN_DECODE_APPEND=0 keeps the separate append_kv launch
+// (A/B runs of the whole engine); the output and cache bits are the same either way.
+std::atomic<bool> g_decode_append{[] {
+  const char* v = std::getenv("CHIMERA_ATTN_DECODE_APPEND");
+  return v == nullptr || std::atoi(v) != 0;
+}()};
+
 // Target key tiles per decode split: about four CTAs per SM over the whole batch (balanced splits of
 // near-equal size per sequence, decode_num_splits), at least one 64-key tile each.
 int decode_tiles_per_split(const std::vector<attn::AttnSeq>& seqs, int kv_heads) {
@@ -33,16 +44,6 @@ int decode_tiles_per_split(const std::vector<attn::AttnSeq>& seqs, int kv_heads)
   }
   const int64_t target_ctas = int64_t{4} * sm_count();
   return static_cast<int>(std::max<int64_t>(1, (tiles + target_ctas - 1) / target_ctas));
-}
-
-// Graph-capturable decode (ops::Indices::device given): the AttnSeq table is built on the device from the
-// device cu_seqlens / context_lens, so nothing of this step's host values reaches the launch.
-__global__ void build_seqs_kernel(const int32_t* cu_seqlens, const int32_t* context_lens, int num_seqs,
-                                  attn::AttnSeq* seqs) {
-  const int s = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  pdl_wait();  // PDL: cu_seqlens / context_lens are step metadata; seqs may still be read by the previous step
-  pdl_trigger();
-  if (s < num_seqs) seqs[s] = {cu_seqlens[s], cu_seqlens[s + 1] - cu_seqlens[s], context_lens[s], 0};
 }
 
 // The split plan of a graph-captured decode step cannot look at this step's context lengths: it is sized for
@@ -55,20 +56,31 @@ void plan_splits_for_bound(attn::DecodeWorkspace& ws, int num_seqs, int kv_heads
   ws.max_splits = attn::decode_num_splits(kv_bound, ws.tiles_per_split);
 }
 
+// aligned: q, out and the cache 16-byte aligned (the tensor-core kernels); new_aligned: k, v too (the folded append).
 template <typename T>
 void run(const ops::Context& ctx, const attn::AttentionParams& base, const std::vector<attn::AttnSeq>& seqs,
-         int max_new, bool aligned, bool device_meta) {
+         int max_new, bool aligned, bool new_aligned, bool device_meta) {
   cudaStream_t stream = as_stream(ctx.stream);
   attn::AttentionParams p = base;
-  attn::launch_append_kv<T>(p, stream);
   if constexpr (std::is_same_v<T, float>) {
+    attn::launch_append_kv<T>(p, stream);
     attn::launch_attention_generic<T>(p, stream);
   } else {
     const int hd = p.head_dim, group = p.num_q_heads / p.num_kv_heads;
-    if ((hd != 64 && hd != 128) || !aligned) {
+    const bool tensor_cores = (hd == 64 || hd == 128) && aligned;
+    const bool decode = tensor_cores && max_new <= 1 && group <= attn::kDecodeMaxGroup;
+    if (tensor_cores && !decode && device_meta) {
+      throw_runtime(str_cat(kOp, ": device-side metadata (a captured step) is supported for decode batches only, "
+                                 "not for a prefill of ", max_new, " tokens"));
+    }
+    // The split-KV decode kernel appends the step's k / v rows itself: no append launch on the decode path.
+    const bool fold_append = decode && new_aligned && g_decode_append.load(std::memory_order_relaxed);
+    if (!fold_append) attn::launch_append_kv<T>(p, stream);
+    if (!tensor_cores) {
       attn::launch_attention_generic<T>(p, stream);
-    } else if (max_new <= 1 && group <= attn::kDecodeMaxGroup) {
+    } else if (decode) {
       attn::DecodeWorkspace ws;
+      ws.append_kv = fold_append;
       if (device_meta) {
         plan_splits_for_bound(ws, p.num_seqs, p.num_kv_heads, p.max_blocks * p.block_size);
       } else {
@@ -90,10 +102,6 @@ void run(const ops::Context& ctx, const attn::AttentionParams& base, const std::
       if (hd == 64) attn::launch_attention_decode<T, 64>(p, ws, stream);
       else attn::launch_attention_decode<T, 128>(p, ws, stream);
     } else {
-      if (device_meta) {
-        throw_runtime(str_cat(kOp, ": device-side metadata (a captured step) is supported for decode batches only, "
-                                   "not for a prefill of ", max_new, " tokens"));
-      }
       // Tiles of 64 query rows, heaviest (most keys) first.
       std::vector<attn::PrefillTile> tiles;
       std::vector<int> work;
@@ -152,17 +160,13 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
   p.k_cache = cache.k.data();
   p.v_cache = cache.v.data();
   p.block_tables = block_tables.data_as<const int32_t>();
+  // Graph-capturable decode (ops::Indices::device given): the kernels build each sequence's AttnSeq from the device
+  // cu_seqlens / context_lens (load_seq), so nothing of this step's host values reaches a launch, and no launch
+  // builds a table.
   const bool device_meta = cu_seqlens.device != nullptr && context_lens.device != nullptr;
-  Tensor device_seqs;  // from the caching allocator (or the capture pool); later reuse is ordered on the stream
   if (device_meta) {
-    const int64_t words = static_cast<int64_t>(seqs.size()) * (sizeof(attn::AttnSeq) / sizeof(int32_t));
-    device_seqs = device::empty(Device::kCuda, DType::kI32, {words});
-    auto* dst = reinterpret_cast<attn::AttnSeq*>(device_seqs.data());
-    const int n = static_cast<int>(seqs.size());
-    launch(build_seqs_kernel, dim3(static_cast<unsigned>(ceil_div(n, 128))), dim3(128), 0, stream,
-           cu_seqlens.device, context_lens.device, n, dst);
-    CHIMERA_LAUNCH_CHECK("ops::attention (sequence table)");
-    p.seqs = dst;
+    p.cu_seqlens = cu_seqlens.device;
+    p.context_lens = context_lens.device;
   } else {
     p.seqs = static_cast<const attn::AttnSeq*>(
         upload_scratch(seqs.data(), seqs.size() * sizeof(attn::AttnSeq), stream, 0));
@@ -176,8 +180,12 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
   p.max_blocks = static_cast<int>(block_tables.dim(1));
   p.scale_log2 = scale * 1.4426950408889634f;
   const bool aligned = aligned16(p.q) && aligned16(p.out) && aligned16(p.k_cache) && aligned16(p.v_cache);
+  const bool new_aligned = aligned16(p.k_new) && aligned16(p.v_new);
 
-  CHIMERA_DISPATCH_FLOAT(dt, "ops::attention q", Tc, run<Tc>(ctx, p, seqs, max_new, aligned, device_meta));
+  CHIMERA_DISPATCH_FLOAT(dt, "ops::attention q", Tc,
+                         run<Tc>(ctx, p, seqs, max_new, aligned, new_aligned, device_meta));
 }
+
+bool set_attention_decode_append(bool fold) { return g_decode_append.exchange(fold); }
 
 }  // namespace chimera::cuda

@@ -15,6 +15,12 @@
 //   the merge here loads every split's (m, l) at once (8 threads per row), then the O partials 8 at a time.
 // - attention_decode_combine_kernel for more splits (one SM would read all their partials), or where the
 //   merge's (m, l) table does not fit the freed K / V stages or there are more pairs than ticket words.
+// Folded append (DecodeWorkspace::append_kv, the default on this path): the new token's k / v row (position ctx_len,
+// the last key) lies in the last tile of the last split of each (sequence, kv head). That CTA gathers the row into
+// its K / V tile straight from k_new / v_new (load_kv_tile's new_pos, same cp.async stage as the rest of the tile)
+// and copies it into the paged cache; every other CTA's key range ends before ctx_len. So no CTA of the launch reads
+// the cache row being written, and the output bits equal those of a separate append_kv launch before the kernel
+// (the tile holds the same bits either way).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -141,13 +147,15 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
   T* sV = sK + kStages * kTile * HD;      // [kStages][kTile][HD]
 
   const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
-  pdl_wait();  // PDL: the sequence table, q and the cache (this step's append) are earlier kernels' outputs
+  const AttnSeq sq = load_seq(p, seq);  // step metadata: readable before the wait
+  // PDL: q, k_new / v_new and the cache (without the folded append: this step's append_kv) are earlier kernels'
+  // outputs; the cache row appended here may still be read by the previous step. Every block waits (launch.cuh).
+  pdl_wait();
   pdl_trigger();
-  const AttnSeq sq = p.seqs[seq];
-  if (sq.n_new == 0) return;
+  if (sq.n_new == 0) return;  // idle sequence: nothing to attend to, nothing appended
   const int kv_len = sq.ctx_len + sq.n_new;  // n_new == 1 on this path
   const int num_splits = decode_num_splits(kv_len, ws.tiles_per_split);
-  if (split >= num_splits) return;
+  if (split >= num_splits) return;  // the captured plan's surplus CTAs
   const int seq_tiles = (kv_len + kTile - 1) / kTile;
   const int t_begin = static_cast<int>(static_cast<int64_t>(split) * seq_tiles / num_splits);
   const int t_end = static_cast<int>(static_cast<int64_t>(split + 1) * seq_tiles / num_splits);
@@ -170,14 +178,29 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
   const T* vc = static_cast<const T*>(p.v_cache);
   const int my_ch = tid % CH, my_r0 = tid / CH;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks;
+  // Folded append: the last split holds key ctx_len (k_end == kv_len), taken from this step's k / v row.
+  const bool appends = ws.append_kv && split == num_splits - 1;
+  const int new_pos = appends ? sq.ctx_len : -1;
+  const int64_t new_off = (static_cast<int64_t>(sq.q_start) * p.num_kv_heads + kvh) * HD;  // in k_new / v_new
   auto load_kv = [&](int j, int buf) {
-    load_kv_tile<T, HD, kTile, kThreads>(sK, sV, buf, kc, vc, p, p.num_kv_heads, table, kvh, k_begin + j * kTile, k_end,
-                                         my_r0, my_ch);
+    load_kv_tile<T, HD, kTile, kThreads, true>(sK, sV, buf, kc, vc, p, p.num_kv_heads, table, kvh, k_begin + j * kTile,
+                                               k_end, my_r0, my_ch, new_pos, new_off);
   };
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
     if (st < n_tiles) load_kv(st, st);
     cp_async_commit();
+  }
+  // The append itself: the row's [HD] k and v slices of kv head kvh, one 16-byte chunk per thread (2 * CH <= 32: one
+  // warp), the bits append_kv copies. Issued after the first tiles' cp.async so their latencies overlap.
+  if (appends && tid < 2 * CH) {
+    const int pos = sq.ctx_len, ch = tid % CH;
+    const int64_t row = static_cast<int64_t>(table[pos / p.block_size]) * p.block_size + pos % p.block_size;
+    const int64_t dst_off = (row * p.num_kv_heads + kvh) * HD;
+    const bool is_v = tid >= CH;
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(is_v ? p.v_new : p.k_new) + new_off);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(is_v ? p.v_cache : p.k_cache) + dst_off);
+    dst[ch] = src[ch];
   }
 
   uint32_t qf[HD / 16][4];
@@ -294,9 +317,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
 template <typename T, int HD>
 __global__ void __launch_bounds__(HD) attention_decode_combine_kernel(AttentionParams p, DecodeWorkspace ws) {
   const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+  const AttnSeq sq = load_seq(p, seq);  // step metadata: readable before the wait
   pdl_wait();  // PDL: the split kernel's partial results
   pdl_trigger();
-  const AttnSeq sq = p.seqs[seq];
   if (sq.n_new == 0) return;
   const int kv_len = sq.ctx_len + sq.n_new;
   const int num_splits = decode_num_splits(kv_len, ws.tiles_per_split);

@@ -14,11 +14,11 @@ namespace {
 
 // The sequence owning query row t: the last sequence whose q_start <= t (idle sequences, n_new == 0,
 // share their q_start with the next one, so the last such index is the one with rows).
-__device__ __forceinline__ int find_seq(const AttnSeq* seqs, int num_seqs, int t) {
-  int lo = 0, hi = num_seqs - 1;
+__device__ __forceinline__ int find_seq(const AttentionParams& p, int t) {
+  int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (seqs[mid].q_start <= t) lo = mid;
+    if (load_q_start(p, mid) <= t) lo = mid;
     else hi = mid - 1;
   }
   return lo;
@@ -38,11 +38,11 @@ template <typename V>
 __global__ void append_kv_kernel(AttentionParams p, int elem_bytes) {
   const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  pdl_wait();  // PDL: the sequence table and k / v are step data; the cache rows may still be read by the previous step
+  pdl_wait();  // PDL: k / v are step data; the cache rows may still be read by the previous step
   pdl_trigger();
   if (t >= p.num_tokens) return;
-  const int s = find_seq(p.seqs, p.num_seqs, t);
-  const AttnSeq sq = p.seqs[s];
+  const int s = find_seq(p, t);
+  const AttnSeq sq = load_seq(p, s);
   const int pos = sq.ctx_len + (t - sq.q_start);
   const int blk = p.block_tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
   const int64_t row = static_cast<int64_t>(blk) * p.block_size + pos % p.block_size;
@@ -65,14 +65,14 @@ template <typename T, int VPL>
 __global__ void __launch_bounds__(128) attention_generic_kernel(AttentionParams p) {
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  pdl_wait();  // PDL: q, the sequence table and the cache are earlier kernels' outputs
+  pdl_wait();  // PDL: q and the cache are earlier kernels' outputs
   pdl_trigger();
   if (wid >= static_cast<int64_t>(p.num_tokens) * p.num_q_heads) return;
   const int t = static_cast<int>(wid / p.num_q_heads), head = static_cast<int>(wid % p.num_q_heads);
   const int kvh = head / (p.num_q_heads / p.num_kv_heads);
   const int hd = p.head_dim;
-  const int s = find_seq(p.seqs, p.num_seqs, t);
-  const AttnSeq sq = p.seqs[s];
+  const int s = find_seq(p, t);
+  const AttnSeq sq = load_seq(p, s);
   const int last = sq.ctx_len + (t - sq.q_start);  // attends to positions [0, last]
 
   const T* qr = static_cast<const T*>(p.q) + wid * hd;

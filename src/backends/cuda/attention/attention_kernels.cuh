@@ -5,7 +5,9 @@
 //   k_new, v_new:  [T, KVh, hd]                      this step's keys / values
 //   k/v cache:     [num_blocks, block_size, KVh, hd] same dtype as the activations
 //   block_tables:  [S, max_blocks] I32 on the device (row s lists sequence s's blocks in order)
-//   seqs:          [S] AttnSeq on the device (uploaded from cu_seqlens / context_lens)
+//   seqs:          [S] AttnSeq on the device (uploaded from cu_seqlens / context_lens), or null and then
+//   cu_seqlens:    [S + 1] I32 on the device  } the step's metadata, written by the host before the step (a
+//   context_lens:  [S] I32 on the device      } captured step's inputs): kernels build AttnSeq from them (load_seq)
 // Sequence s owns query rows [q_start, q_start + n_new); query i of it sits at position ctx_len + i and
 // attends to positions [0, ctx_len + i]; the sequence's keys span [0, ctx_len + n_new).
 #pragma once
@@ -31,7 +33,9 @@ struct AttentionParams {
   void* k_cache = nullptr;
   void* v_cache = nullptr;
   const int32_t* block_tables = nullptr;
-  const AttnSeq* seqs = nullptr;
+  const AttnSeq* seqs = nullptr;          // the eager path: a host-built table, uploaded
+  const int32_t* cu_seqlens = nullptr;    // the captured path (seqs null): device step metadata
+  const int32_t* context_lens = nullptr;
   int num_seqs = 0;
   int num_tokens = 0;
   int num_q_heads = 0;
@@ -41,6 +45,19 @@ struct AttentionParams {
   int max_blocks = 0;    // columns of block_tables
   float scale_log2 = 0;  // softmax scale * log2(e): the kernels use exp2
 };
+
+// Sequence s's AttnSeq, from the uploaded table or, on the captured path, from the device cu_seqlens /
+// context_lens (no table-building launch: one attention layer's decode step is on the critical path per launch).
+// Both are step metadata the host wrote before the step: readable before pdl_wait() (launch.cuh).
+__device__ __forceinline__ AttnSeq load_seq(const AttentionParams& p, int s) {
+  if (p.seqs != nullptr) return p.seqs[s];
+  const int q0 = p.cu_seqlens[s];
+  return {q0, p.cu_seqlens[s + 1] - q0, p.context_lens[s], 0};
+}
+// Its first query row alone (the binary search of attention_generic.cu).
+__device__ __forceinline__ int load_q_start(const AttentionParams& p, int s) {
+  return p.seqs != nullptr ? p.seqs[s].q_start : p.cu_seqlens[s];
+}
 
 // Prefill work list entry: one tile of kPrefillBlockM query rows of one sequence.
 struct PrefillTile {
@@ -67,6 +84,9 @@ struct DecodeWorkspace {
   int tiles_per_split = 1;
   int max_splits = 1;
   int ticket_slot = -1;  // set by launch_attention_decode: >= 0 when the decode kernel merges its own splits
+  // The decode kernel appends this step's k_new / v_new rows to the cache itself (no launch_append_kv before it):
+  // needs k_new / v_new 16-byte aligned.
+  bool append_kv = false;
 };
 
 // Appends k_new / v_new into the paged cache at positions ctx_len .. ctx_len + n_new - 1 (bit-exact copy).
@@ -87,7 +107,8 @@ void launch_attention_prefill(const AttentionParams& p, const PrefillTile* tiles
 // wherever it fits, 2 = always the combine kernel. Process-wide, read at each launch.
 void set_decode_merge_mode(int mode);
 
-// One new token per sequence over a long paged context, split across CTAs, then combined.
+// One new token per sequence over a long paged context, split across CTAs, then combined. With ws.append_kv it
+// also appends that token's k / v (the same cache bits as launch_append_kv), so no append launch precedes it.
 template <typename T, int HD>
 void launch_attention_decode(const AttentionParams& p, const DecodeWorkspace& ws, cudaStream_t stream);
 

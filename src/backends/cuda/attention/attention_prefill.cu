@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_prefill_kernel(Attentio
   pdl_trigger();
   const int head = blockIdx.x;
   const PrefillTile tile = tiles[blockIdx.y];
-  const AttnSeq sq = p.seqs[tile.seq];
+  const AttnSeq sq = load_seq(p, tile.seq);
   const int kvh = head / (p.num_q_heads / p.num_kv_heads);
   const int m0 = tile.m0;
   const int rows = min(BM, sq.n_new - m0);

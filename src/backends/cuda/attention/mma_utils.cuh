@@ -25,22 +25,32 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 // are zero-filled. The calling thread copies 16-byte chunk my_ch of tile rows my_r0 + i * kRowsPerPass (kThreads
 // threads, HD / 8 chunks a row). kc, vc: p.k_cache, p.v_cache as T; kv_heads: p.num_kv_heads (by value: read
 // through p here, it renumbered the decode kernel's PTX registers). The caller commits.
-template <typename T, int HD, int kRows, int kThreads>
+// kNewRow (the decode kernel's folded append), new_pos >= 0: the row of position new_pos (< end) is taken from this
+// step's k / v row of kv head kvh, p.k_new / p.v_new + new_off ([HD], not yet in the cache), instead of the cache.
+// A template flag: the run-time test alone costs the prefill kernel 4 registers.
+template <typename T, int HD, int kRows, int kThreads, bool kNewRow = false>
 __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, int buf, const T* kc, const T* vc, const AttentionParams& p,
                                              int kv_heads, const int32_t* table, int kvh, int first, int end,
-                                             int my_r0, int my_ch) {
+                                             int my_r0, int my_ch, int new_pos = -1, int64_t new_off = 0) {
   constexpr int kRowsPerPass = kThreads / (HD / 8);
 #pragma unroll
   for (int i = 0; i < kRows / kRowsPerPass; ++i) {
     const int r = my_r0 + i * kRowsPerPass, pos = first + r;
     const bool ok = pos < end;
-    int64_t off = 0;
-    if (ok) {
+    const T* ks = kc;
+    const T* vs = vc;
+    if (kNewRow && pos == new_pos) {
+      ks = static_cast<const T*>(p.k_new) + new_off + my_ch * 8;
+      vs = static_cast<const T*>(p.v_new) + new_off + my_ch * 8;
+    } else if (ok) {
       const int blk = table[pos / p.block_size];
-      off = ((static_cast<int64_t>(blk) * p.block_size + pos % p.block_size) * kv_heads + kvh) * HD + my_ch * 8;
+      const int64_t off =
+          ((static_cast<int64_t>(blk) * p.block_size + pos % p.block_size) * kv_heads + kvh) * HD + my_ch * 8;
+      ks = kc + off;
+      vs = vc + off;
     }
-    cp_async_16(sK + buf * kRows * HD + swz<HD>(r, my_ch), kc + off, ok);
-    cp_async_16(sV + buf * kRows * HD + swz<HD>(r, my_ch), vc + off, ok);
+    cp_async_16(sK + buf * kRows * HD + swz<HD>(r, my_ch), ks, ok);
+    cp_async_16(sV + buf * kRows * HD + swz<HD>(r, my_ch), vs, ok);
   }
 }
 
