@@ -811,7 +811,7 @@ TEST_P(OpsMoe, GemvPathSharedAndRepeatedExperts) {
 // router two launches before the down launch, the case the early read of topk_ids relies on (launch.cuh, "two
 // back"); the ids are poisoned before each call, so a read before the router's write would show.
 struct DownEarlyOutputs {
-  Tensor out, shared_out;  // host f32; shared_out empty without a shared expert
+  Tensor out{}, shared_out{};  // host f32; shared_out empty without a shared expert
 };
 Tensor poisoned_device(DType dt, Shape shape) {
   Tensor t = device::empty(Device::kCuda, dt, shape);
@@ -847,7 +847,7 @@ DownEarlyOutputs run_down_early(bool early, int fold, const ops::Context& ctx, c
 }
 
 struct DownEarlyCase {
-  int64_t E, k, Din, I, Is;  // Is: the shared expert's intermediate size (its x is the routed experts' x)
+  int64_t E{}, k{}, Din{}, I{}, Is{};  // Is: the shared expert's intermediate size (its x is the routed experts' x)
 };
 constexpr DownEarlyCase kDownEarlyCases[] = {{128, 6, 2688, 1856, 3712}, {512, 22, 1024, 264, 344}};
 
