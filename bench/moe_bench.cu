@@ -418,7 +418,8 @@ void bench_moe_layer_decode(const Context& ctx, const char* model, int64_t E, in
     CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
     // With its router in front (ops::router_gate_topk on the hidden state, then the experts on its choices, as the
     // model runs them): the shared expert's up units before the up launch's pdl_wait() (the default: they overlap
-    // the router) and after it (GemvShared::before_wait).
+    // the router) and after it (GemvShared::before_wait); and the down launch's routed first units started before
+    // its wait (the default) or after it (GemvFold::early_routed, CHIMERA_MOE_DOWN_EARLY).
     {
       const Tensor gate = random_f32({E, H}, 0.05f, static_cast<uint32_t>(500 + T));
       const Tensor bias = random_f32({E}, 0.1f, static_cast<uint32_t>(600 + T));
@@ -431,13 +432,20 @@ void bench_moe_layer_decode(const Context& ctx, const char* model, int64_t E, in
         ops::moe_experts_shared(c, in.out, in.x, r_ids, r_w, ec.up, ec.down,
                                 ops::SharedExpert{s_out, xh, s_up, s_down});
       };
-      for (const bool early : {true, false}) {
-        const bool prev = cuda::moe::set_gemv_early_shared(early);
+      struct Variant {
+        const char* name{};
+        bool early_shared{}, down_early{};
+      };
+      for (const Variant v : {Variant{"moe_layer-router-early", true, true},
+                              Variant{"moe_layer-router-late", false, true},
+                              Variant{"moe_layer-router-down-late", true, false}}) {
+        const bool prev = cuda::moe::set_gemv_early_shared(v.early_shared);
+        const bool prev_down = cuda::moe::set_gemv_down_early(v.down_early);
         routed_path(nullptr);
-        ctx.run_graph(early ? "moe_layer-router-early" : "moe_layer-router-late", shape, bytes, flops,
-                      [&](cudaStream_t st, int) { routed_path(st); });
+        ctx.run_graph(v.name, shape, bytes, flops, [&](cudaStream_t st, int) { routed_path(st); });
         CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
         cuda::moe::set_gemv_early_shared(prev);
+        cuda::moe::set_gemv_down_early(prev_down);
       }
     }
     ctx.run_graph("moe_experts-gemv", in.shape, in.bytes, in.flops, [&](cudaStream_t st, int) {

@@ -799,6 +799,175 @@ TEST_P(OpsMoe, GemvPathSharedAndRepeatedExperts) {
     }
   }
 }
+
+// The down launch's early start (moe_kernels.h, GemvFold::early_routed; cuda::moe::set_gemv_down_early): with the
+// permutation folded into the up launch, the down launch's blocks whose first unit is routed rebuild the work list
+// from topk_ids and issue that unit's first weight loads before their pdl_wait(). It must not change a bit: on vs off,
+// with the combine folded too (set_gemv_fold(2)) and against the permutation's own launch (fold 0: no early start),
+// over T 1, 2, 3, 8, the routing widths of Nano (128 / top-6) and Super (512 / top-22), routings with shared and
+// repeated experts and with skipped ids (-1, E; a token with none valid), with and without the shared expert (whose
+// units come first, so the routed units start at other blocks); and close to the CPU reference where the ids are
+// valid. Then with the ids from ops::router_gate_topk on the device right before the op, as the model runs it: the
+// router two launches before the down launch, the case the early read of topk_ids relies on (launch.cuh, "two
+// back"); the ids are poisoned before each call, so a read before the router's write would show.
+struct DownEarlyOutputs {
+  Tensor out{}, shared_out{};  // host f32; shared_out empty without a shared expert
+};
+Tensor poisoned_device(DType dt, Shape shape) {
+  Tensor t = device::empty(Device::kCuda, dt, shape);
+  Tensor poison = Tensor::empty(dt, std::move(shape));
+  std::memset(poison.data(), 0xff, poison.nbytes());
+  device::copy(t, poison);
+  return t;
+}
+// One GEMV-path call with the early start on or off and the given fold setting (both restored after).
+DownEarlyOutputs run_down_early(bool early, int fold, const ops::Context& ctx, const Tensor& dx, const Tensor& dids,
+                                const Tensor& dw, const ExpertSet& s, const Tensor* d_s_up, const Tensor* d_s_down) {
+  struct Restore {
+    bool prev;
+    ~Restore() {
+      cuda::moe::set_gemv_down_early(prev);
+      cuda::moe::set_gemv_fold(1);
+    }
+  } restore{cuda::moe::set_gemv_down_early(early)};
+  cuda::moe::set_gemv_fold(fold);
+  const int64_t T = dx.dim(0), D = dx.dim(1);
+  Tensor o = poisoned_device(dx.dtype(), {T, D});
+  DownEarlyOutputs r;
+  if (d_s_up != nullptr) {
+    Tensor so = poisoned_device(dx.dtype(), {T, D});
+    const ops::SharedExpert shared{so, dx, *d_s_up, *d_s_down};
+    cuda::moe::moe_experts_on_path(ctx, o, dx, dids, dw, s.d_up, s.d_down, cuda::moe::ExpertsPath::kGemv, &shared);
+    r.shared_out = device::to_host_f32(so);
+  } else {
+    cuda::moe::moe_experts_on_path(ctx, o, dx, dids, dw, s.d_up, s.d_down, cuda::moe::ExpertsPath::kGemv);
+  }
+  r.out = device::to_host_f32(o);
+  return r;
+}
+
+struct DownEarlyCase {
+  int64_t E{}, k{}, Din{}, I{}, Is{};  // Is: the shared expert's intermediate size (its x is the routed experts' x)
+};
+constexpr DownEarlyCase kDownEarlyCases[] = {{128, 6, 2688, 1856, 3712}, {512, 22, 1024, 264, 344}};
+
+TEST_P(OpsMoe, GemvDownEarlyStartGivesTheSameBits) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA GEMV path";
+  auto rng = test::Rng::for_test();
+  const DType dt = DType::kBF16;
+  const ops::Context ctx{Device::kCuda, nullptr};
+  for (const DownEarlyCase& c : kDownEarlyCases) {
+    const ExpertSet s = make_experts(rng, c.E, 4, c.Din, c.I, dt);
+    const Tensor s_up = init_weight(rng, {c.Is, c.Din}, dt), s_down = init_weight(rng, {c.Din, c.Is}, dt);
+    const Tensor d_s_up = device::to_device(s_up, Device::kCuda), d_s_down = device::to_device(s_down, Device::kCuda);
+    for (int64_t T : {1, 2, 3, 8}) {
+      // 0 the router's choices; 1 choices 0 and 1 on experts 5 and 2 for every token (an item of all T tokens);
+      // 2 as 1 with choice 2 repeating expert 2 (more pairs than T: several items for it); 3 skipped ids: -1 and E
+      // in some tokens, and (T > 1) a last token with no valid id (its output row: zeros).
+      for (int routing = 0; routing < 4; ++routing) {
+        SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " Din=" << c.Din << " I=" << c.I
+                                          << " T=" << T << " routing=" << routing);
+        Tensor ids, w;
+        random_routing(rng, T, c.E, c.k, 2.5f, ids, w);
+        for (int64_t t = 0; routing > 0 && t < T; ++t) {
+          int32_t* row = ids.i32() + t * c.k;
+          std::vector<int32_t> pick = {5, 2};
+          while (static_cast<int64_t>(pick.size()) < c.k) {
+            const auto e = static_cast<int32_t>(rng.integer(0, c.E - 1));
+            if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+          }
+          if (routing == 2) pick[2] = 2;
+          if (routing == 3 && t % 3 == 0) pick[3] = -1;
+          if (routing == 3 && t % 3 == 1) pick[1] = static_cast<int32_t>(c.E);
+          if (routing == 3 && T > 1 && t == T - 1) std::fill(pick.begin(), pick.end(), -1);
+          std::copy(pick.begin(), pick.end(), row);
+        }
+        const Tensor x = round_to(rng.normal_tensor({T, c.Din}), dt);
+        const Tensor dx = device::to_device(x, Device::kCuda, dt), dids = device::to_device(ids, Device::kCuda);
+        const Tensor dw = device::to_device(w, Device::kCuda);
+        // The CPU reference takes valid ids only.
+        const Tensor want = routing < 3 ? cpu_reference_rows(x, ids, w, s.up, s.down, all_rows(T)) : Tensor{};
+        for (bool with_shared : {false, true}) {
+          SCOPED_TRACE(with_shared ? "with the shared expert" : "routed experts only");
+          const Tensor* su = with_shared ? &d_s_up : nullptr;
+          const Tensor* sd = with_shared ? &d_s_down : nullptr;
+          const DownEarlyOutputs on = run_down_early(true, 1, ctx, dx, dids, dw, s, su, sd);
+          const DownEarlyOutputs off = run_down_early(false, 1, ctx, dx, dids, dw, s, su, sd);
+          EXPECT_TRUE(test::bit_equal(on.out, off.out));
+          for (bool early : {true, false}) {
+            EXPECT_TRUE(test::bit_equal(run_down_early(early, 2, ctx, dx, dids, dw, s, su, sd).out, on.out));
+          }
+          EXPECT_TRUE(test::bit_equal(run_down_early(true, 0, ctx, dx, dids, dw, s, su, sd).out, on.out));
+          if (with_shared) {
+            EXPECT_TRUE(test::bit_equal(on.shared_out, off.shared_out));
+            Tensor want_shared = Tensor::empty(DType::kF32, {T, c.Din});
+            ops::relu2_mlp(ops::Context{}, want_shared, x, s_up, s_down);
+            EXPECT_TRUE(test::nmse_close(on.shared_out, want_shared, test::kBF16ReductionNmse, test::kBF16Reduction));
+          }
+          if (routing < 3) {
+            EXPECT_TRUE(test::nmse_close(on.out, want, test::kBF16ReductionNmse, test::kBF16Reduction));
+          } else if (T > 1) {  // the token without a valid id: zeros
+            const float* last = on.out.f32() + (T - 1) * c.Din;
+            EXPECT_TRUE(std::all_of(last, last + c.Din, [](float v) { return v == 0.0f; }));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(OpsMoe, GemvDownEarlyStartAfterTheDeviceRouter) {
+  if (!on_cuda()) GTEST_SKIP() << "the CUDA GEMV path";
+  auto rng = test::Rng::for_test();
+  const DType dt = DType::kBF16;
+  const device::Stream stream = device::Stream::create();
+  const ops::Context ctx{Device::kCuda, stream.get()};
+  for (const DownEarlyCase& c : kDownEarlyCases) {
+    const ExpertSet s = make_experts(rng, c.E, 4, c.Din, c.I, dt);
+    const Tensor s_up = init_weight(rng, {c.Is, c.Din}, dt), s_down = init_weight(rng, {c.Din, c.Is}, dt);
+    const Tensor d_s_up = device::to_device(s_up, Device::kCuda), d_s_down = device::to_device(s_down, Device::kCuda);
+    const Tensor gate = device::to_device(rng.normal_tensor({c.E, c.Din}, 0.05f), Device::kCuda);
+    const Tensor bias = device::to_device(rng.normal_tensor({c.E}, 0.1f), Device::kCuda);
+    const ops::RouterParams rp{c.k, 1, 1, true, 2.5f};
+    for (int64_t T : {1, 2, 3, 8}) {
+      const Tensor x = round_to(rng.normal_tensor({T, c.Din}), dt);
+      const Tensor dx = device::to_device(x, Device::kCuda, dt);
+      for (bool with_shared : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " T=" << T << " shared=" << with_shared);
+        // Router, then the op on its fresh ids; both outputs and the ids poisoned first. Returns {out, shared out}.
+        auto call = [&](bool early, Tensor& ids, Tensor& w) {
+          struct Restore {
+            bool prev;
+            ~Restore() { cuda::moe::set_gemv_down_early(prev); }
+          } restore{cuda::moe::set_gemv_down_early(early)};
+          Tensor dids = poisoned_device(DType::kI32, {T, c.k}), dw = poisoned_device(DType::kF32, {T, c.k});
+          Tensor o = poisoned_device(dt, {T, c.Din}), so = poisoned_device(dt, {T, c.Din});
+          ops::router_gate_topk(ctx, dids, dw, dx, gate, bias, rp);
+          if (with_shared) {
+            const ops::SharedExpert shared{so, dx, d_s_up, d_s_down};
+            cuda::moe::moe_experts_on_path(ctx, o, dx, dids, dw, s.d_up, s.d_down, cuda::moe::ExpertsPath::kGemv,
+                                           &shared);
+          } else {
+            cuda::moe::moe_experts_on_path(ctx, o, dx, dids, dw, s.d_up, s.d_down, cuda::moe::ExpertsPath::kGemv);
+          }
+          stream.synchronize();
+          ids = device::to_host(dids);
+          w = device::to_host(dw);
+          return DownEarlyOutputs{device::to_host_f32(o), with_shared ? device::to_host_f32(so) : Tensor{}};
+        };
+        Tensor ids, w, ids_off, w_off;
+        const DownEarlyOutputs on = call(true, ids, w), off = call(false, ids_off, w_off);
+        ASSERT_TRUE(test::bit_equal(ids, ids_off));
+        EXPECT_TRUE(test::bit_equal(on.out, off.out));
+        if (with_shared) {
+          EXPECT_TRUE(test::bit_equal(on.shared_out, off.shared_out));
+        }
+        EXPECT_TRUE(test::nmse_close(on.out, cpu_reference_rows(x, ids, w, s.up, s.down, all_rows(T)),
+                                     test::kBF16ReductionNmse, test::kBF16Reduction));
+      }
+    }
+  }
+}
 #ifdef CHIMERA_HAVE_CUTLASS
 // The CUTLASS sm90 grouped GEMM path (ExpertsPath::kCutlass, cmake -DCHIMERA_CUTLASS=ON): against the CPU reference,
 // bit-identical on a second run, and close to the mma path on the same inputs (both fp32 accumulation with h rounded

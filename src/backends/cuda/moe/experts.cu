@@ -4,6 +4,7 @@
 //
 // At decode sizes on the GEMV path the permutation runs inside the up launch (moe_kernels.h, GemvFold): router + up +
 // down + combine per MoE layer. The combine can also run inside the down launch (set_gemv_fold(2)); measured slower.
+// With that fold the down launch's routed units start streaming before its pdl_wait() (GemvFold::early_routed).
 //
 // With the layer's shared expert (ops::moe_experts_shared) on the GEMV path: its up and down run as extra units of
 // the two GEMV launches (grouped_gemv.cu), so a decode MoE layer is router + 4 launches instead of router + 4 + 3
@@ -112,6 +113,15 @@ std::atomic<bool> g_early_shared{[] {
   return v == nullptr || std::atoi(v) != 0;
 }()};
 
+// With the permutation folded into the up launch: the down launch's blocks whose first unit is routed rebuild the
+// work list from topk_ids (two launches back) and issue that unit's first weight loads before their pdl_wait()
+// (GemvFold::early_routed). CHIMERA_MOE_DOWN_EARLY=0 turns it off (A/B runs of the whole engine); results are the
+// same bits either way.
+std::atomic<bool> g_down_early{[] {
+  const char* v = std::getenv("CHIMERA_MOE_DOWN_EARLY");
+  return v == nullptr || std::atoi(v) != 0;
+}()};
+
 // Whether kAuto takes the CUTLASS path from kCutlassMinTokens tokens (when built). CHIMERA_MOE_CUTLASS=0 turns it off
 // (A/B runs of the whole engine; the same bits as the mma path in every measured case).
 std::atomic<bool> g_cutlass_auto{[] {
@@ -142,6 +152,8 @@ bool moe::cutlass_built() {
 }
 
 bool moe::set_gemv_early_shared(bool on) { return g_early_shared.exchange(on, std::memory_order_relaxed); }
+
+bool moe::set_gemv_down_early(bool on) { return g_down_early.exchange(on, std::memory_order_relaxed); }
 
 void moe::set_gemv_fold(int fold) { g_gemv_fold.store(std::clamp(fold, 0, 2), std::memory_order_relaxed); }
 
@@ -305,10 +317,16 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
       fold_up.sorted_pair = sorted_pair;
       fold_up.items = items;
       fold_up.n_items = n_items;
-      if (fold_counts != nullptr) {
+      // The down launch comes right after the up launch, so topk_ids (written before the up launch) is two launches
+      // back from it: its early start may read them before its wait.
+      const bool down_early = g_down_early.load(std::memory_order_relaxed);
+      if (fold_counts != nullptr || down_early) {
         fold_down = fold_up;
-        fold_down.combined = out.data();
-        fold_down.counts = fold_counts;
+        fold_down.early_routed = down_early;
+        if (fold_counts != nullptr) {
+          fold_down.combined = out.data();
+          fold_down.counts = fold_counts;
+        }
       }
     }
     moe::launch_moe_gemv(up, shared_up, x.dtype(), tile_rows, true, stream, fold_up);

@@ -41,6 +41,12 @@ void set_gemv_fold(int fold);
 // default; CHIMERA_MOE_EARLY_SHARED=0 turns it off. Process-wide. Returns the previous setting.
 bool set_gemv_early_shared(bool on);
 
+// Benchmarks and tests: whether the down launch, with the permutation folded into the up launch, lets its blocks whose
+// first unit is routed rebuild the work list and issue that unit's first weight loads before its pdl_wait()
+// (moe_kernels.h, GemvFold::early_routed; results bit-identical either way). On by default; CHIMERA_MOE_DOWN_EARLY=0
+// turns it off. Process-wide. Returns the previous setting.
+bool set_gemv_down_early(bool on);
+
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                          const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
                          ExpertsPath path, const ops::SharedExpert* shared = nullptr);

@@ -29,7 +29,6 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <type_traits>
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_vec.cuh"
@@ -78,12 +77,14 @@ static_assert(kGemvFoldMaxPairs <= kThreads, "one thread per pair");
 // expert's pairs and the expert's count, by one pass over the P ids in shared memory (P <= 256: cheaper than a
 // launch). An item starts at every NT-th pair of an expert; its index is the number of starts at lower ranks, so
 // the items come out expert-major with the rows and counts of launch_moe_permute. Block 0 also writes the result
-// to global memory for the down launch. Returns the item count. All threads of the block must call it.
+// to global memory for the down launch (`publish`: the up launch, after its pdl_wait(); the down launch's early
+// rebuild, before its wait, writes shared memory only). Returns the item count. All threads of the block must call
+// it.
 template <int NT>
-__device__ int block_permute(const GemvArgs& a, PermuteSmem& ps) {
+__device__ int block_permute(const GemvArgs& a, PermuteSmem& ps, bool publish) {
   const int tid = static_cast<int>(threadIdx.x);
   const int P = a.f.T * a.g.top_k, E = a.f.E;
-  if (tid < P) ps.ids[tid] = a.f.topk_ids[tid];
+  if (tid < P) ps.ids[tid] = __ldcg(a.f.topk_ids + tid);  // from L2 (the down launch reads it before its wait)
   __syncthreads();
   int e = -1, rank = 0, pos = 0, cnt = 0;
   bool valid = false;
@@ -104,7 +105,7 @@ __device__ int block_permute(const GemvArgs& a, PermuteSmem& ps) {
     ps.flag[rank] = start ? 1 : 0;
   }
   const int n_items = __syncthreads_count(start);
-  const bool writer = blockIdx.x == 0;
+  const bool writer = publish && blockIdx.x == 0;
   if (valid && writer) a.f.sorted_pair[rank] = tid;
   if (start) {
     int idx = 0;
@@ -207,6 +208,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
 
   int u = static_cast<int>(blockIdx.x);
   Unit cur{};
+  __shared__ PermuteSmem ps;  // (fold) the block's own permutation: up always, down with GemvFold::early_routed
+  __shared__ int s_nvalid[kGemvMaxTokens];
+  const int4* items = a.g.items;
+  const int32_t* sorted_pair = a.g.sorted_pair;
   // The shared expert's weights are constants: its first loads go out before the wait, overlapping the
   // predecessor's tail (PDL). With GemvShared::before_wait (up only) the block runs all its shared units before the
   // wait: their input is the hidden state, written at least two launches back (launch.cuh, "two back"), and their
@@ -217,13 +222,27 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
     cur = unit_of(a, u, int4{}, warp);
     load_step(cur, 0);
   }
-  using PermuteShared = std::conditional_t<kUp, PermuteSmem, char>;
-  __shared__ PermuteShared ps;
-  __shared__ int s_nvalid[kGemvMaxTokens];
-  const int4* items = a.g.items;
-  const int32_t* sorted_pair = a.g.sorted_pair;
-  bool waited = false;
+  // (fold, down) GemvFold::early_routed, in a block whose first unit is routed: topk_ids was written at least two
+  // launches back (the router; the up launch is the predecessor: launch.cuh, "two back"), so the block rebuilds the
+  // up launch's work list before the wait (block_permute, the same deterministic sort: the same items, hence the same
+  // permuted rows r0 of h) and issues its first unit's first weight loads (constants, through the constant pointer
+  // table) before the wait too, instead of wait -> n_items / items -> weight pointer -> load after it. It reads h
+  // (the predecessor's output) only after the wait, and writes nothing before it. Blocks whose first unit is shared
+  // keep reading the list that the up launch's block 0 wrote, after the wait.
+  const bool early_routed = !kUp && !first_shared && a.f.topk_ids != nullptr && a.f.early_routed;  // block-uniform
   int total = a.shared_tiles;  // before the wait (early): the shared units only
+  int early_items = 0;
+  if (early_routed) {
+    early_items = block_permute<NT>(a, ps, false);
+    total = a.shared_tiles + early_items * a.g.n_tiles;
+    items = ps.items;
+    sorted_pair = ps.sorted;
+    if (u < total) {
+      cur = unit_of(a, u, item_of(a, items, u), warp);
+      load_step(cur, 0);
+    }
+  }
+  bool waited = false;
 
   while (true) {
     if (!waited && !(early && u < a.shared_tiles)) {
@@ -235,14 +254,14 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
       int n_items = 0;
       if constexpr (kUp) {
         if (a.f.topk_ids != nullptr) {
-          n_items = block_permute<NT>(a, ps);
+          n_items = block_permute<NT>(a, ps, true);
           items = ps.items;
           sorted_pair = ps.sorted;
         } else {
           n_items = *a.g.n_items;
         }
       } else {
-        n_items = *a.g.n_items;
+        n_items = early_routed ? early_items : *a.g.n_items;
         if (a.f.combined != nullptr && tid < a.f.T) {  // read after the unit loop's first barrier
           int nv = 0;
           for (int j = 0; j < a.g.top_k; ++j) {
@@ -258,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
       }
       total = a.shared_tiles + n_items * a.g.n_tiles;
       if (u >= total) return;        // uniform over the block, before any barrier
-      if (!first_shared || early) {  // (early: the first unit after the shared ones)
+      if ((!first_shared || early) && !early_routed) {  // (early: the first unit after the shared ones)
         cur = unit_of(a, u, item_of(a, items, u), warp);
         load_step(cur, 0);
       }
@@ -354,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
           if (row0 + r < N) h[row0 + r] = from_float<T>(g * g);
         }
       } else {
-        const int pair = a.g.sorted_pair[cur.r0 + t];
+        const int pair = sorted_pair[cur.r0 + t];
         const float w = a.g.topk_weights[pair];
         float* y = static_cast<float*>(a.g.out) + static_cast<int64_t>(pair) * N;
 #pragma unroll
@@ -458,8 +477,10 @@ void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int ti
                           " (K = ", shared.K, ", N = ", shared.N, ", T = ", shared.T, ")"));
   }
   if (fold.topk_ids != nullptr) {
+    const bool down_ok = (fold.combined == nullptr) == (fold.counts == nullptr) &&
+                         (fold.combined != nullptr || fold.early_routed);
     const bool ok = fold.T >= 1 && fold.T <= tile_rows && fold.T * p.top_k <= kGemvFoldMaxPairs &&
-                    (up ? fold.sorted_pair && fold.items && fold.n_items : fold.combined && fold.counts);
+                    (up ? fold.sorted_pair && fold.items && fold.n_items : down_ok);
     if (!ok) {
       throw_runtime(str_cat("ops::moe_experts: GEMV fold with T = ", fold.T, ", top-", p.top_k, " (needs T <= ",
                             tile_rows, ", T x top_k <= ", kGemvFoldMaxPairs, " and its output buffers)"));

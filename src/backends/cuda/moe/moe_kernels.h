@@ -149,20 +149,27 @@ struct GemvShared {
 //        (launch_moe_combine's order: bit-identical results) and writes combined[token, rows] in the activation
 //        dtype, then zeroes the count (the counts are zero between launches, so a graph replay finds them ready).
 //        Tokens without a valid pair get zeros. No combine launch.
+//   down (early_routed): a block whose first unit is routed rebuilds the up launch's permutation itself before its
+//        pdl_wait() (the same block sort: the same items and permuted rows) and issues that unit's first weight loads
+//        before the wait, instead of waiting for the list the up launch wrote, then its expert's weight pointer. Only
+//        when topk_ids was written at least two launches back (launch.cuh, "two back"): the up launch of this fold
+//        right before the down launch guarantees it. The same bits either way.
 struct GemvFold {
-  const int32_t* topk_ids = nullptr;  // [T, top_k]: non-null = fold (up: the permutation; down: the combine)
+  const int32_t* topk_ids = nullptr;  // [T, top_k]: non-null = fold (up: the permutation; down: combine / early)
   int T = 0, E = 0;
   int32_t* sorted_pair = nullptr;     // up: where block 0 writes the permutation for the down launch
   int4* items = nullptr;
   int32_t* n_items = nullptr;
-  void* combined = nullptr;           // down: [T, N] activation dtype
-  unsigned int* counts = nullptr;     // down: [T, ceil(N / 2)] zero on entry (gemv_fold_counts)
+  void* combined = nullptr;           // down: [T, N] activation dtype; nullptr: no combine fold
+  unsigned int* counts = nullptr;     // down: [T, ceil(N / 2)] zero on entry (gemv_fold_counts), with `combined`
+  bool early_routed = false;          // down: the routed units' early start (above)
 };
 inline constexpr int kGemvFoldMaxPairs = 256;  // one thread per pair in the block sort
 // The zeroed count words of the calling host thread (one slot per thread, as the router's tickets), or nullptr when
 // T x ceil(N / 2) exceeds a slot: the caller then launches permute / combine as separate kernels.
 unsigned int* gemv_fold_counts(int64_t T, int64_t N);
-// PDL: launched through cuda::launch; the shared expert's weights (constants) are requested before pdl_wait().
+// PDL: launched through cuda::launch; the shared expert's weights (constants) are requested before pdl_wait(), and
+// with GemvFold::early_routed (down) also a routed first unit's.
 void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int tile_rows, bool up,
                      cudaStream_t stream, const GemvFold& fold = {});
 
