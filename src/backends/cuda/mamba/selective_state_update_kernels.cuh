@@ -156,8 +156,8 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
       }
     }
   }
-  // 2. Where the new state goes (in place: the source slot; the same code as before kOop existed), per-head scalars, x of this lane's rows, B and C at this
-  // lane's columns (tiny, cached).
+  // 2. Where the new state goes (in place: the source slot, the code as before kOop), per-head scalars, x of this
+  // lane's rows, B and C at this lane's columns (tiny, cached).
   S* dst = state;
   if constexpr (kOop) dst = static_cast<S*>(p.state) + (static_cast<int64_t>(p.dst_slots[b]) * p.H + h) * p.P * N;
   const HeadScalars hs = head_scalars(p, hw, b, h);
