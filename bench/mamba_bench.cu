@@ -81,14 +81,19 @@ std::string ssu_shape(const SsuModel& m, int batch, DType state) {
 // graph: also the device time per launch inside a CUDA graph (run_graph).
 // persist_unit > 0: the persistent kernel with that many bytes of state per warp unit (async: the
 // cp.async-staged one); dynamic_chunk > 0: its dynamic split in chunks of that many units (else the static one).
+// out_of_place: SsuParams::dst_slots. Each rotation set holds 2 x batch slots, halves A and B; a call reads one half
+// and writes the other, and the set's next call goes back (ping-pong, so the state evolves as in place and every
+// call reads what an earlier call wrote, as the engine would). The bytes that must move are the same as in place
+// (each state read once and written once, to another address), so the rows compare directly with the in-place ones.
 void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
                const std::string& kernel, bool plain = false, bool graph = false, int persist_unit = 0,
-               bool async = false, int dynamic_chunk = 0) {
+               bool async = false, int dynamic_chunk = 0, bool out_of_place = false) {
   const DType act = DType::kBF16;
   const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
   const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
   const int sets = rotation_sets(state_bytes + act_bytes);
-  const int64_t num_slots = static_cast<int64_t>(sets) * batch;
+  const int halves = out_of_place ? 2 : 1;  // slot lists per set (out of place: A and B)
+  const int64_t num_slots = static_cast<int64_t>(sets) * halves * batch;
   const Tensor state = random_device(state_dtype, {num_slots, m.H, m.P, m.N}, -1.0f, 1.0f, 1);
   const Tensor x = random_device(act, {batch, m.H, m.P}, -1.0f, 1.0f, 2);
   const Tensor dt = random_device(act, {batch, m.H}, -3.0f, 0.0f, 3);
@@ -99,12 +104,18 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   sp.A_log = random_device(DType::kF32, {m.H}, 0.0f, 2.0f, 6);
   sp.D = random_device(DType::kF32, {m.H}, -1.0f, 1.0f, 7);
   sp.dt_bias = random_device(DType::kF32, {m.H}, -2.0f, 0.0f, 8);
-  // Set s uses slots s * batch .. s * batch + batch - 1, shuffled within the set.
+  // List l (set s = l / halves; out of place: half l % halves) uses slots l * batch .. l * batch + batch - 1,
+  // shuffled within the list.
   std::vector<int32_t> all(static_cast<size_t>(num_slots));
   std::iota(all.begin(), all.end(), 0);
   std::mt19937 gen(9);  // host shuffle of the slot ids
-  for (int s = 0; s < sets; ++s) std::shuffle(all.begin() + s * batch, all.begin() + (s + 1) * batch, gen);
+  for (int l = 0; l < sets * halves; ++l) std::shuffle(all.begin() + l * batch, all.begin() + (l + 1) * batch, gen);
   const Tensor slots = device_i32(all);
+  // Call i: set i % sets; out of place, it reads half (i / sets) % 2 and writes the other. Offsets into `all`.
+  const auto src_list = [&](int i) { return (static_cast<int64_t>(i % sets) * halves + (i / sets) % halves) * batch; };
+  const auto dst_list = [&](int i) {
+    return (static_cast<int64_t>(i % sets) * halves + (i / sets + 1) % halves) * batch;
+  };
 
   cuda::SsuParams p;
   p.x = x.data(), p.dt_raw = dt.data(), p.B = B.data(), p.C = C.data(), p.y = y.data(), p.state = state.data();
@@ -122,19 +133,26 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   int call = 0;
   const ops::Context octx{Device::kCuda, nullptr};
   ctx.run(kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, 0.0, [&] {
-    const int set = call++ % sets;
+    const int i = call++;
     if (rows_per_warp < 0) {
-      const std::span<const int32_t> host(all.data() + static_cast<size_t>(set) * batch, static_cast<size_t>(batch));
-      ops::selective_state_update(octx, y, x, dt, B, C, sp, state, host);
+      const std::span<const int32_t> host(all.data() + src_list(i), static_cast<size_t>(batch));
+      if (out_of_place) {
+        const std::span<const int32_t> dst(all.data() + dst_list(i), static_cast<size_t>(batch));
+        ops::selective_state_update(octx, y, x, dt, B, C, sp, state, host, dst);
+      } else {
+        ops::selective_state_update(octx, y, x, dt, B, C, sp, state, host);
+      }
     } else {
-      p.slots = slots.i32() + static_cast<int64_t>(set) * batch;
+      p.slots = slots.i32() + src_list(i);
+      p.dst_slots = out_of_place ? slots.i32() + dst_list(i) : nullptr;
       cuda::launch_selective_state_update(p, nullptr);
     }
   });
   if (graph && rows_per_warp >= 0) {
     ctx.run_graph(kernel, ssu_shape(m, batch, state_dtype), state_bytes + act_bytes, 0, [&](cudaStream_t st, int i) {
       cuda::SsuParams q = p;
-      q.slots = slots.i32() + static_cast<int64_t>(i % sets) * batch;
+      q.slots = slots.i32() + src_list(i);
+      q.dst_slots = out_of_place ? slots.i32() + dst_list(i) : nullptr;
       cuda::launch_selective_state_update(q, st);
     });
   }
@@ -179,6 +197,22 @@ CHIMERA_BENCH(mamba_ssu_persist_sched) {
             bench_ssu(ctx, *m, batch, sd, 0, base + "-dyn" + std::to_string(chunk), false, true, unit, false, chunk);
           }
         }
+      }
+    }
+  }
+}
+
+// Out-of-place state write (SsuParams::dst_slots) next to in place, the default kernel choice (kAuto: the persistent
+// kernel with the dynamic split at these batches), graph timing: "ssu" / "ssu-graph" in place (as in mamba_ssu),
+// "ssu-oop" / "ssu-oop-graph" out of place, same shapes and bytes. The question: does writing the new state to
+// another buffer beat the read-modify-write of one (bench/copy_bench.cu's copy_floor: 0.712 in place vs 0.832 into
+// another buffer of the 4.2 TB/s)?
+CHIMERA_BENCH(mamba_ssu_oop) {
+  for (const SsuModel* m : {&kSuper, &kNano}) {
+    for (DType sd : {DType::kF32, DType::kBF16}) {
+      for (int batch : {64, 256}) {
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu", false, true);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-oop", false, true, 0, false, 0, /*out_of_place=*/true);
       }
     }
   }

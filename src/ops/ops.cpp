@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "backends/cpu/cpu_ops.h"
@@ -392,11 +393,39 @@ void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const 
 
 void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
                             const Tensor& C, const SsmParams& p, const Tensor& ssm_state, const Indices& slots) {
+  selective_state_update(ctx, y, x, dt_raw, B, C, p, ssm_state, slots, Indices{});
+}
+
+void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
+                            const Tensor& C, const SsmParams& p, const Tensor& ssm_state, const Indices& slots,
+                            const Indices& dst_slots) {
   const Check c(ctx, "selective_state_update");
   check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
   c.slots(slots.host, ssm_state.dim(0));
-  c.dispatch([&] { cpu::selective_state_update(y, x, dt_raw, B, C, p, ssm_state, slots.host); }, [&] { CHIMERA_CUDA_CALL(cuda::selective_state_update(ctx, y, x, dt_raw, B, C, p, ssm_state, slots)); });
+  if (!dst_slots.empty()) {
+    // Out of place: a live row's destination is in range and no other live row's source or destination (a kernel may
+    // still be reading one sequence's source while it writes another's destination).
+    if (dst_slots.size() != slots.size()) c.fail("{} dst_slots for {} slots", dst_slots.size(), slots.size());
+    std::unordered_map<int32_t, size_t> src_of;  // source slot -> its sequence
+    for (size_t b = 0; b < slots.size(); ++b) {
+      if (slots[b] >= 0) src_of.emplace(slots[b], b);
+    }
+    std::unordered_set<int32_t> dst_seen;
+    for (size_t b = 0; b < slots.size(); ++b) {
+      if (slots[b] < 0) continue;
+      const int32_t d = dst_slots[b];
+      if (d < 0 || d >= ssm_state.dim(0)) {
+        c.fail("dst slot {} of sequence {} is out of range for {} state slots", d, b, ssm_state.dim(0));
+      }
+      if (!dst_seen.insert(d).second) c.fail("dst slot {} is the destination of more than one sequence", d);
+      const auto it = src_of.find(d);
+      if (it != src_of.end() && it->second != b) {
+        c.fail("dst slot {} of sequence {} is the source slot of sequence {}", d, b, it->second);
+      }
+    }
+  }
+  c.dispatch([&] { cpu::selective_state_update(y, x, dt_raw, B, C, p, ssm_state, slots.host, dst_slots.host); }, [&] { CHIMERA_CUDA_CALL(cuda::selective_state_update(ctx, y, x, dt_raw, B, C, p, ssm_state, slots, dst_slots)); });
 }
 
 namespace {

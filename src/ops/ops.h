@@ -161,6 +161,14 @@ void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const 
 void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                             const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
                             const Indices& slots);
+// Out of place: sequence b reads its state from slot slots[b] and writes the updated state to slot dst_slots[b] of the
+// same pool, leaving slots[b] as it was (speculative decoding keeps the old state to roll back to). y and the new state
+// have the same bits as the in-place update on the same backend. dst_slots: [B]; a row with slots[b] < 0 is skipped
+// whatever dst_slots[b] holds; otherwise dst_slots[b] must be in range, used by no other sequence as a source or a
+// destination (dst_slots[b] == slots[b] updates that row in place). Empty dst_slots: the in-place update.
+void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
+                            const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
+                            const Indices& slots, const Indices& dst_slots);
 
 // The whole Mamba-2 decode step between in_proj and out_proj, for one token per sequence (issue 4):
 //   causal_conv1d_update(xBC, silu) -> selective_state_update(x, dt_raw, B, C) -> gated_rms_norm(y, z)

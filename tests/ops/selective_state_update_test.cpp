@@ -3,6 +3,7 @@
 // state views; CUDA only: bf16 activations with f32 / bf16 / f16 state.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <tuple>
 #include <utility>
@@ -80,8 +81,55 @@ void naive_ssu(Tensor& y, const SsuInputs& in, Tensor& state, const std::vector<
   }
 }
 
+// Out-of-place slots over a pool of num_slots (>= 2 * batch): a random permutation gives the sources (slots) and,
+// disjoint from them, the destinations (dst); every fifth sequence is a pad (slots -1, dst another sequence's source:
+// ignored), and the last live sequence writes in place (dst == slots).
+std::pair<std::vector<int32_t>, std::vector<int32_t>> oop_slots(test::Rng& rng, int64_t batch, int64_t num_slots) {
+  std::vector<int32_t> perm(static_cast<size_t>(num_slots));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng.engine());
+  std::vector<int32_t> src(static_cast<size_t>(batch)), dst(static_cast<size_t>(batch));
+  int64_t last_live = -1;
+  for (int64_t b = 0; b < batch; ++b) {
+    const bool pad = b % 5 == 4;
+    src[b] = pad ? -1 : perm[b];
+    dst[b] = pad ? perm[0] : perm[batch + b];
+    if (!pad) last_live = b;
+  }
+  if (last_live > 0) dst[last_live] = src[last_live];
+  return {src, dst};
+}
+
 class OpsSelectiveStateUpdate : public BackendTest {
  protected:
+  // One step in place and one out of place (slots -> dst) from the same state `init` (host, the state dtype);
+  // run(state, y, oop) launches the step on the backend under test. Checks the same y bits (pad rows still poisoned
+  // in both), the in-place new state of slots[b] at dst[b] bit for bit, and that the sources (dst != slots) and every
+  // other slot keep their bits. Returns the out-of-place y and state on the host.
+  std::pair<Tensor, Tensor> check_oop(const std::function<void(const Tensor&, const Tensor&, bool)>& run,
+                                      const Tensor& init, DType act, Shape y_shape, const std::vector<int32_t>& slots,
+                                      const std::vector<int32_t>& dst) {
+    const Tensor s_ip = on_backend(init), s_oop = on_backend(init);
+    const Tensor y_ip = output(act, y_shape), y_oop = output(act, std::move(y_shape));
+    run(s_ip, y_ip, false);
+    run(s_oop, y_oop, true);
+    const Tensor hy_ip = device::to_host(y_ip), hy_oop = device::to_host(y_oop);
+    const Tensor h_ip = device::to_host(s_ip), h_oop = device::to_host(s_oop);
+    EXPECT_TRUE(test::bit_equal(hy_oop, hy_ip)) << "y";
+    std::vector<bool> written(static_cast<size_t>(init.dim(0)), false);
+    for (size_t b = 0; b < slots.size(); ++b) {
+      if (slots[b] < 0) continue;
+      written[static_cast<size_t>(dst[b])] = true;
+      EXPECT_TRUE(test::bit_equal(h_oop.select(dst[b]), h_ip.select(slots[b])))
+          << "sequence " << b << ": slot " << slots[b] << " -> " << dst[b];
+    }
+    for (int64_t sl = 0; sl < init.dim(0); ++sl) {  // sources and unused slots keep their bits
+      if (written[static_cast<size_t>(sl)]) continue;
+      EXPECT_TRUE(test::bit_equal(h_oop.select(sl), init.select(sl))) << "slot " << sl;
+    }
+    return {hy_oop, h_oop};
+  }
+
   // One decode step on the backend under test (activations in `act`, state in `state_dtype`, state given as
   // a device view `state` holding `state0`), checked against the oracle fed the same rounded inputs.
   void check_step(const SsuInputs& in, const std::vector<int32_t>& slots, const Tensor& state, DType act) {
@@ -247,6 +295,108 @@ TEST_P(OpsSelectiveStateUpdate, MisalignedStateViewMatchesNaive) {
   const Tensor host = random_state(rng, {4 * s.H * s.P * s.N + 1});
   const Tensor state = on_backend(host).rows(1, host.numel()).reshape({4, s.H, s.P, s.N});
   check_step(make_inputs(rng, 3, s), {2, 0, -1}, state, DType::kF32);
+}
+
+// Out of place through ops:: (every backend): the in-place bits at the destination slots, sources and unused slots
+// untouched, pads skipped whatever their destination, and the naive oracle's y and new state (f32). CUDA: the
+// portable (N = 7, misaligned) and fast kernels, grid and persistent (kAuto from batch 64).
+TEST_P(OpsSelectiveStateUpdate, OutOfPlaceMatchesInPlaceAndNaive) {
+  auto rng = test::Rng::for_test();
+  struct Case {
+    SsuShape s;
+    int64_t batch;
+  };
+  std::vector<Case> cases = {{{3, 5, 1, 7}, 4}, {{4, 64, 2, 128}, 6}, {{64, 64, 8, 128}, 9}, {{2, 13, 2, 256}, 3}};
+  if (on_cuda()) cases.push_back({{64, 64, 8, 128}, 64});  // the persistent kernel (kAuto), Nano heads
+  for (const Case& cs : cases) {
+    const SsuShape& s = cs.s;
+    SCOPED_TRACE(::testing::Message() << "H=" << s.H << " P=" << s.P << " G=" << s.G << " N=" << s.N
+                                      << " batch=" << cs.batch);
+    const SsuInputs in = make_inputs(rng, cs.batch, s);
+    const auto ids = oop_slots(rng, cs.batch, 2 * cs.batch + 3);
+    const std::vector<int32_t>& slots = ids.first;
+    const std::vector<int32_t>& dst = ids.second;
+    const Tensor init = random_state(rng, {2 * cs.batch + 3, s.H, s.P, s.N});
+    const Tensor x = on_backend(in.x), dt = on_backend(in.dt_raw), B = on_backend(in.B), C = on_backend(in.C);
+    ops::SsmParams p = in.p;
+    p.A_log = on_backend(in.p.A_log), p.D = on_backend(in.p.D), p.dt_bias = on_backend(in.p.dt_bias);
+    const auto [y, state] = check_oop(
+        [&](const Tensor& st, const Tensor& out, bool oop) {
+          if (oop) {
+            ops::selective_state_update(ctx(), out, x, dt, B, C, p, st, slots, dst);
+          } else {
+            ops::selective_state_update(ctx(), out, x, dt, B, C, p, st, slots);
+          }
+        },
+        init, DType::kF32, in.x.shape(), slots, dst);
+    Tensor want = Tensor::empty(DType::kF32, in.x.shape()), want_state = init.clone();
+    naive_ssu(want, in, want_state, slots);
+    Tensor got = y.clone();
+    const int64_t row = s.H * s.P;
+    for (size_t b = 0; b < slots.size(); ++b) {  // pad rows: untouched (checked as NaN), then excluded
+      if (slots[b] >= 0) continue;
+      for (int64_t i = int64_t(b) * row; i < int64_t(b + 1) * row; ++i) {
+        ASSERT_TRUE(std::isnan(got.f32()[i])) << "pad row element " << i << " was written";
+        got.f32()[i] = want.f32()[i] = 0.0f;
+      }
+    }
+    EXPECT_TRUE(test::nmse_close(got, want, test::kF32ReductionNmse, test::kF32Reduction));
+    for (size_t b = 0; b < slots.size(); ++b) {
+      if (slots[b] < 0) continue;
+      EXPECT_TRUE(test::nmse_close(state.select(dst[b]), want_state.select(slots[b]), test::kF32ReductionNmse,
+                                   test::kF32Reduction))
+          << "sequence " << b;
+    }
+  }
+}
+
+// A misaligned state view (CUDA: the portable kernel for N = 128) out of place: the in-place bits.
+TEST_P(OpsSelectiveStateUpdate, OutOfPlaceMisalignedStateView) {
+  auto rng = test::Rng::for_test();
+  const SsuShape s{4, 64, 2, 128};
+  const int64_t batch = 3, num_slots = 8;
+  const SsuInputs in = make_inputs(rng, batch, s);
+  const Tensor host = random_state(rng, {num_slots * s.H * s.P * s.N + 1});
+  const Tensor init = host.rows(1, host.numel()).clone().reshape({num_slots, s.H, s.P, s.N});
+  const std::vector<int32_t> slots = {2, 0, -1}, dst = {5, 7, 0};
+  const Tensor x = on_backend(in.x), dt = on_backend(in.dt_raw), B = on_backend(in.B), C = on_backend(in.C);
+  ops::SsmParams p = in.p;
+  p.A_log = on_backend(in.p.A_log), p.D = on_backend(in.p.D), p.dt_bias = on_backend(in.p.dt_bias);
+  check_oop(
+      [&](const Tensor& st, const Tensor& out, bool oop) {
+        const Tensor buf = device::empty(st.device(), DType::kF32, {st.numel() + 1});
+        const Tensor view = buf.rows(1, buf.numel()).reshape(st.shape());
+        device::copy(view, st);
+        if (oop) {
+          ops::selective_state_update(ctx(), out, x, dt, B, C, p, view, slots, dst);
+        } else {
+          ops::selective_state_update(ctx(), out, x, dt, B, C, p, view, slots);
+        }
+        device::copy(st, view);
+      },
+      init, DType::kF32, in.x.shape(), slots, dst);
+}
+
+// ops:: rejects destinations that are out of range, shared, or another live sequence's source.
+TEST_P(OpsSelectiveStateUpdate, OutOfPlaceRejectsBadDestinations) {
+  auto rng = test::Rng::for_test();
+  const SsuShape s{4, 8, 2, 16};
+  const SsuInputs in = make_inputs(rng, 3, s);
+  const Tensor x = on_backend(in.x), dt = on_backend(in.dt_raw), B = on_backend(in.B), C = on_backend(in.C);
+  ops::SsmParams p = in.p;
+  p.A_log = on_backend(in.p.A_log), p.D = on_backend(in.p.D), p.dt_bias = on_backend(in.p.dt_bias);
+  const Tensor y = output(DType::kF32, in.x.shape()), state = on_backend(random_state(rng, {6, s.H, s.P, s.N}));
+  const std::vector<int32_t> slots = {0, 1, -1};
+  auto call = [&](std::vector<int32_t> dst) {
+    return [&, dst] { ops::selective_state_update(ctx(), y, x, dt, B, C, p, state, slots, dst); };
+  };
+  EXPECT_TRUE(test::throws_error(call({2, 6, 3}), ErrorKind::kRuntime, "dst slot 6 of sequence 1 is out of range"));
+  EXPECT_TRUE(test::throws_error(call({-1, 3, 4}), ErrorKind::kRuntime, "dst slot -1 of sequence 0 is out of range"));
+  EXPECT_TRUE(test::throws_error(call({3, 3, 4}), ErrorKind::kRuntime, "is the destination of more than one"));
+  EXPECT_TRUE(test::throws_error(call({1, 3, 4}), ErrorKind::kRuntime, "is the source slot of sequence 1"));
+  EXPECT_TRUE(test::throws_error(call({2, 3}), ErrorKind::kRuntime, "2 dst_slots for 3 slots"));
+  // Accepted: a pad's destination is ignored (here another sequence's source), and a row may update in place.
+  ops::selective_state_update(ctx(), y, x, dt, B, C, p, state, slots, std::vector<int32_t>{0, 4, 1});
 }
 
 // ---- CUDA only ---------------------------------------------------------------------------------------
@@ -494,6 +644,63 @@ TEST_P(OpsSelectiveStateUpdate, DynamicSplitRejectsTheAsyncKernel) {
                                  ErrorKind::kRuntime, "SsuSplit::kDynamic is a kPersistent split only"));
   split_ = cuda::SsuSplit::kEqualWarps;
   launcher_kernel_ = 0;
+}
+
+// Out of place in every launcher variant the tests above force (grid row tilings and plain access, the persistent
+// kernel's static and dynamic splits at both unit sizes and few warps, the cp.async-staged kernel, the portable kernel
+// for N = 7), every state dtype: the in-place run's y and new state bits (same variant), sources and unused slots
+// untouched, pads skipped; N = 64 / 128 / 256, P = 13, permuted slots.
+TEST_P(OpsSelectiveStateUpdate, OutOfPlaceEveryKernelGivesTheInPlaceBits) {
+  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
+  auto rng = test::Rng::for_test();
+  struct Variant {
+    const char* name;
+    cuda::SsuKernel kernel = cuda::SsuKernel::kAuto;
+    int rows = 0, unit = 0, chunk = 0, warps = 0;
+    bool dynamic = false, plain = false;
+  };
+  const Variant variants[] = {
+      {"grid-auto", cuda::SsuKernel::kGrid},
+      {"grid-rpw4", cuda::SsuKernel::kGrid, 4},
+      {"grid-rpw8-plain", cuda::SsuKernel::kGrid, 8, 0, 0, 0, false, true},
+      {"grid-rpw16", cuda::SsuKernel::kGrid, 16},
+      {"persist4k", cuda::SsuKernel::kPersistent, 0, 4096},
+      {"persist2k", cuda::SsuKernel::kPersistent, 0, 2048},
+      {"persist4k-w3", cuda::SsuKernel::kPersistent, 0, 4096, 0, 3},
+      {"persist4k-dyn4", cuda::SsuKernel::kPersistent, 0, 4096, 4, 0, true},
+      {"persist2k-dyn1-w3", cuda::SsuKernel::kPersistent, 0, 2048, 1, 3, true},
+      {"async4k", cuda::SsuKernel::kPersistentAsync, 0, 4096},
+      {"async2k-w3", cuda::SsuKernel::kPersistentAsync, 0, 2048, 0, 3},
+      {"auto", cuda::SsuKernel::kAuto},
+  };
+  const SsuShape shapes[] = {{16, 64, 8, 128}, {5, 64, 1, 64}, {2, 13, 2, 256}, {3, 5, 1, 7}};
+  for (const SsuShape& s : shapes) {
+    const int64_t batch = 7, num_slots = 2 * batch + 2;
+    const auto ids = oop_slots(rng, batch, num_slots);
+    const std::vector<int32_t>& slots = ids.first;
+    const std::vector<int32_t>& dst = ids.second;
+    const DeviceStep d = device_step(make_inputs(rng, batch, s), s, batch, slots);
+    const Tensor dst_dev = on_backend(Tensor::from_i32({batch}, dst));
+    const Tensor init_f32 = random_state(rng, {num_slots, s.H, s.P, s.N});
+    for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
+      const Tensor init = test::cast_to(init_f32, sd);
+      for (const Variant& v : variants) {
+        SCOPED_TRACE(::testing::Message() << "H=" << s.H << " P=" << s.P << " G=" << s.G << " N=" << s.N
+                                          << " state=" << dtype_name(sd) << " variant=" << v.name);
+        check_oop(
+            [&](const Tensor& st, const Tensor& y, bool oop) {
+              cuda::SsuParams p = step_params(d, y, st);
+              p.kernel = v.kernel, p.rows_per_warp = v.rows, p.plain_state_access = v.plain;
+              p.unit_bytes = v.unit, p.persist_warps = v.warps;
+              if (v.dynamic) p.split = cuda::SsuSplit::kDynamic, p.dynamic_chunk = v.chunk;
+              if (oop) p.dst_slots = dst_dev.i32();
+              cuda::launch_selective_state_update(p, nullptr);
+              device::synchronize(Device::kCuda);
+            },
+            init, DType::kBF16, {batch, s.H, s.P}, slots, dst);
+      }
+    }
+  }
 }
 #endif
 

@@ -35,8 +35,10 @@ void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, cons
 void ssm_recurrence(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
                     const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
                     std::span<const int32_t> slots);
+// dst_slots empty: in place; else sequence b's new state goes to slot dst_slots[b] (ops.h).
 void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
-                            const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> slots);
+                            const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> slots,
+                            std::span<const int32_t> dst_slots = {});
 
 void attention(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v, const ops::KvCacheView& cache,
                std::span<const int32_t> cu_seqlens, std::span<const int32_t> context_lens, const Tensor& block_tables,

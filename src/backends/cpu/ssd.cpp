@@ -206,7 +206,8 @@ void ssm_recurrence(const Tensor& y, const Tensor& x, const Tensor& dt_raw, cons
 }
 
 void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
-                            const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> slots) {
+                            const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> slots,
+                            std::span<const int32_t> dst_slots) {
   const SsmDims d = ssm_dims(x, B);
   const int64_t H = d.H, P = d.P, G = d.G, N = d.N, hpg = d.heads_per_group();
   const std::vector<float> A = ssm_a(p), Dskip = to_f32_vector(p.D), dt_bias = to_f32_vector(p.dt_bias);
@@ -217,8 +218,12 @@ void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_r
       const int32_t slot = slots[static_cast<size_t>(b)];
       if (slot < 0) continue;
       const float dt = discretize_dt(dt_raw.f32()[b * H + h], dt_bias[h], p);
-      recurrence_step(ssm_state.f32() + (slot * H + h) * P * N, x.f32() + (b * H + h) * P, B.f32() + (b * G + g) * N,
-                      C.f32() + (b * G + g) * N, dt, A[h], Dskip[h], P, N, y.f32() + (b * H + h) * P);
+      // Out of place: the head's state copied to its destination, then the same in-place step there (same bits).
+      const int64_t dst = dst_slots.empty() ? slot : dst_slots[static_cast<size_t>(b)];
+      float* S = ssm_state.f32() + (dst * H + h) * P * N;
+      if (dst != slot) std::copy_n(ssm_state.f32() + (slot * H + h) * P * N, P * N, S);
+      recurrence_step(S, x.f32() + (b * H + h) * P, B.f32() + (b * G + g) * N, C.f32() + (b * G + g) * N, dt, A[h],
+                      Dskip[h], P, N, y.f32() + (b * H + h) * P);
     }
   });
 }

@@ -47,7 +47,7 @@ void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tens
 // mamba/ (selective_state_update.cu)
 void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                             const Tensor& B, const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
-                            const ops::Indices& slots);
+                            const ops::Indices& slots, const ops::Indices& dst_slots);
 // mamba/ (mamba_decode_fused.cu): conv update + selective state update + gated norm in one kernel.
 // mamba_decode_fusable: whether the fused kernel takes these sizes and dtypes on this device (else the caller
 // composes the three ops); mamba_decode_update throws when it does not.

@@ -14,7 +14,7 @@ void launch_selective_state_update(const SsuParams& p, cudaStream_t stream) {
 
 void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                             const Tensor& B, const Tensor& C, const ops::SsmParams& sp, const Tensor& ssm_state,
-                            const ops::Indices& slots) {
+                            const ops::Indices& slots, const ops::Indices& dst_slots) {
   // One activation dtype per call (the state and the [H] parameters may differ).
   for (const Tensor* t : {&y, &dt_raw, &B, &C}) {
     if (t->dtype() != x.dtype()) {
@@ -47,6 +47,7 @@ void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tens
   p.N = static_cast<int>(B.dim(2));
   if (p.batch == 0) return;
   p.slots = device_indices(slots, stream, 0);
+  p.dst_slots = dst_slots.empty() ? nullptr : device_indices(dst_slots, stream, 1);  // nullptr: in place
   launch_selective_state_update(p, stream);
 }
 

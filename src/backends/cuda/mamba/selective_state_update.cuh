@@ -41,8 +41,15 @@ struct SsuParams {
   const void* B;       // [batch, G, N]   act dtype
   const void* C;       // [batch, G, N]   act dtype
   void* y;             // [batch, H, P]   act dtype
-  void* state;         // [num_slots, H, P, N] state dtype, updated in place
+  void* state;         // [num_slots, H, P, N] state dtype, updated in place (or out of place: dst_slots)
   const int32_t* slots;  // [batch] device; slot < 0: skipped (y rows and state untouched)
+  // [batch] device, or nullptr (the default): in place. When set, sequence b reads its state from slot slots[b] and
+  // writes the updated state to slot dst_slots[b] of the same pool, leaving slots[b] as it was (speculative decoding
+  // keeps the old state for rollback; benchmarks: an out-of-place write moves the same bytes). The skip rule stays
+  // keyed on slots[b]: slots[b] < 0 skips the row whatever dst_slots[b] holds; otherwise dst_slots[b] must be a valid
+  // slot that no other sequence reads or writes (dst_slots[b] == slots[b] is that row in place). Same bits for y and
+  // the new state as the in-place update, in every kernel.
+  const int32_t* dst_slots = nullptr;
   const void* A_log;     // [H] a_log_dtype
   const void* D;         // [H] d_dtype
   const void* dt_bias;   // [H] dt_bias_dtype

@@ -25,6 +25,8 @@
 // cp.async-staged persistent kernel (SsuKernel::kPersistentAsync): the same walk and math, the state staged
 //   through shared memory three units deep instead of a register double buffer (see its section below).
 // Portable kernel: any P, N, alignment: a warp per row, lanes stride over N.
+// Out of place (SsuParams::dst_slots): every kernel reads slot slots[b] and stores to slot dst_slots[b] instead, with
+// the same math (same bits); the fast kernels are instantiated per mode (kOop), the portable one picks at run time.
 #pragma once
 
 #include <algorithm>
@@ -83,6 +85,20 @@ __device__ __forceinline__ HeadScalars head_scalars(const SsuParams& p, const He
   return s;
 }
 
+// The slot sequence b's updated state is written to (SsuParams::dst_slots): dst_slots[b] out of place (kOop), else its
+// source slot. The fast kernels take kOop as a template parameter (the launchers pick on dst_slots), so the in-place
+// kernels are the code they were (same registers) and the out-of-place ones carry no branch on the pointer. The
+// persistent kernels read it per unit just before the stores (a cached line: consecutive units share the sequence);
+// reading it at issue time into the unit's registers spilled more (ptxas -v, branch ssu9).
+template <bool kOop>
+__device__ __forceinline__ int dst_slot(const SsuParams& p, int b, int slot) {
+  if constexpr (kOop) {
+    return p.dst_slots[b];
+  } else {
+    return slot;
+  }
+}
+
 // One 16-byte vector of a state row updated in place (s = s * dA + dt * x * B at the lane's columns, vector v of the
 // row) and its part of y (s * C) added to acc: the inner step of the grid kernel, both persistent kernels and the
 // fused decode kernel. The callers write st back themselves (a shared store changed the PTX's compares).
@@ -107,7 +123,8 @@ __device__ __forceinline__ float reduce_row(float acc) {
 
 // state: [num_slots, H, P, N] S; see the file comment for the mapping.
 // kStream: cache-streaming hints on the state loads and stores (default; the plain variant is a benchmark).
-template <typename S, int N, int kRowsPerWarp, bool kStream>
+// kOop: the new state goes to slot dst_slots[b] (dst_slot above).
+template <typename S, int N, int kRowsPerWarp, bool kStream, bool kOop>
 __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) {
   using L = Layout<S, N>;
   static_assert(kRowsPerWarp % L::kRowsPerPass == 0, "rows per warp must be whole passes");
@@ -139,7 +156,10 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
       }
     }
   }
-  // 2. Per-head scalars, x of this lane's rows, B and C at this lane's columns (tiny, cached).
+  // 2. Where the new state goes (in place: the source slot, the code as before kOop), per-head scalars, x of this
+  // lane's rows, B and C at this lane's columns (tiny, cached).
+  S* dst = state;
+  if constexpr (kOop) dst = static_cast<S*>(p.state) + (static_cast<int64_t>(p.dst_slots[b]) * p.H + h) * p.P * N;
   const HeadScalars hs = head_scalars(p, hw, b, h);
   const int64_t xrow = (static_cast<int64_t>(b) * p.H + h) * p.P;
   float xv[kPasses];
@@ -169,7 +189,7 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
     for (int v = 0; v < L::kVecsPerLane; ++v) {
       update_state_vec<L>(st[i][v], v, hs.dA, dtx, Bv, Cv, acc);
       if (row < p.P) {
-        st[i][v].template store<kStream>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        st[i][v].template store<kStream>(dst + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       }
     }
     acc = reduce_row<L>(acc);
@@ -177,12 +197,12 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
   }
 }
 
-template <typename S, int N, int kRowsPerWarp>
+template <typename S, int N, int kRowsPerWarp, bool kOop>
 __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const SsuParams p) {
   if (p.plain_state_access) {
-    selective_state_update_body<S, N, kRowsPerWarp, false>(p);
+    selective_state_update_body<S, N, kRowsPerWarp, false, kOop>(p);
   } else {
-    selective_state_update_body<S, N, kRowsPerWarp, true>(p);
+    selective_state_update_body<S, N, kRowsPerWarp, true, kOop>(p);
   }
 }
 
@@ -267,7 +287,8 @@ static __device__ unsigned int g_ssu_dynamic[kSsuDynamicSlots][2];
 
 // grid (resident blocks), kThreads; see the file comment. kUnitRows <= 32 (x is one value a lane).
 // kDynamic: SsuSplit::kDynamic (chunks of units from a device counter) instead of a static run per warp.
-template <typename S, int N, int kUnitRows, int kMinBlocks, bool kDynamic = false>
+// kOop: the new state goes to slot dst_slots[b] (dst_slot above).
+template <typename S, int N, int kUnitRows, int kMinBlocks, bool kDynamic, bool kOop>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_persistent_kernel(const SsuParams p) {
   using L = Layout<S, N>;
   using Unit = PersistUnit<S, N, kUnitRows>;
@@ -323,7 +344,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
     if (un.slot < 0) return;  // pad: y and state untouched
     const int bh_i = un.b * p.H + un.h;
     refresh_unit_inputs<L, N>(p, un.b, un.h, un.dt_raw, heads_per_group, seg, hs_key, hs, bc_key, Bv, Cv);
-    S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
+    const int dst_id = dst_slot<kOop>(p, un.b, un.slot);
+    S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(dst_id) * p.H + un.h) * p.P * N;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = un.row0 + i * L::kRowsPerPass + sub;
@@ -426,7 +448,7 @@ struct AsyncUnit {
   float x, dt_raw;
 };
 
-template <typename S, int N, int kUnitRows>
+template <typename S, int N, int kUnitRows, bool kOop>
 __global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * static_cast<int>(sizeof(S))>)
     selective_state_update_async_kernel(const SsuParams p) {
   using L = Layout<S, N>;
@@ -477,7 +499,8 @@ __global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * stat
     if (un.slot < 0) return;
     const int bh_i = un.b * p.H + un.h;
     refresh_unit_inputs<L, N>(p, un.b, un.h, un.dt_raw, heads_per_group, seg, hs_key, hs, bc_key, Bv, Cv);
-    S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
+    const int dst_id = dst_slot<kOop>(p, un.b, un.slot);
+    S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(dst_id) * p.H + un.h) * p.P * N;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = un.row0 + i * L::kRowsPerPass + sub;
@@ -549,11 +572,11 @@ void launch_persistent_grid(Kernel* kernel, int per_sm, int64_t units, size_t sm
   launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p);
 }
 
-template <typename S, int N, int kUnitBytes>
+template <typename S, int N, int kUnitBytes, bool kOop>
 void launch_async_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
   constexpr size_t smem = size_t{kAsyncStages} * kWarps * kUnitBytes;
-  auto* kernel = selective_state_update_async_kernel<S, N, kRows>;
+  auto* kernel = selective_state_update_async_kernel<S, N, kRows, kOop>;
   // The opt-in above 48 KB is per device: set it on every launch (a cheap host call), occupancy once.
   set_max_dynamic_smem(kernel, smem, "ops::selective_state_update (async)");
   static const int per_sm =
@@ -561,21 +584,27 @@ void launch_async_bytes(const SsuParams& p, cudaStream_t stream) {
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), smem, p, stream);
 }
 
-template <typename S, int N, int kUnitBytes, bool kDynamic = false>
+template <typename S, int N, int kUnitBytes, bool kDynamic, bool kOop>
 void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
   constexpr int kMinBlocks = kPersistMinBlocks<kUnitBytes>;
-  auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks, kDynamic>;
+  auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks, kDynamic, kOop>;
   static const int per_sm =
       mamba::resident_blocks_per_sm(kernel, kThreads, 0, "ops::selective_state_update (occupancy)");
   launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), 0, p, stream);
 }
 
+template <typename S, int N, int kUnitBytes, bool kOop>
+void launch_persistent_oop(const SsuParams& p, cudaStream_t stream) {
+  if (p.kernel == SsuKernel::kPersistentAsync) return launch_async_bytes<S, N, kUnitBytes, kOop>(p, stream);
+  if (p.split == SsuSplit::kDynamic) return launch_persistent_bytes<S, N, kUnitBytes, true, kOop>(p, stream);
+  launch_persistent_bytes<S, N, kUnitBytes, false, kOop>(p, stream);
+}
+
 template <typename S, int N, int kUnitBytes>
 void launch_persistent_unit(const SsuParams& p, cudaStream_t stream) {
-  if (p.kernel == SsuKernel::kPersistentAsync) return launch_async_bytes<S, N, kUnitBytes>(p, stream);
-  if (p.split == SsuSplit::kDynamic) return launch_persistent_bytes<S, N, kUnitBytes, true>(p, stream);
-  launch_persistent_bytes<S, N, kUnitBytes>(p, stream);
+  if (p.dst_slots != nullptr) return launch_persistent_oop<S, N, kUnitBytes, true>(p, stream);
+  launch_persistent_oop<S, N, kUnitBytes, false>(p, stream);
 }
 
 template <typename S, int N>
@@ -609,12 +638,14 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kern
   const HeadScalars hs = head_scalars(p, hw, b, h);
   const int64_t xi = (static_cast<int64_t>(b) * p.H + h) * p.P + row;
   const float dtx = hs.dt * load_elem(p.x, p.act, xi);
-  S* st = static_cast<S*>(p.state) + ((static_cast<int64_t>(slot) * p.H + h) * p.P + row) * p.N;
+  const S* st = static_cast<const S*>(p.state) + ((static_cast<int64_t>(slot) * p.H + h) * p.P + row) * p.N;
+  const int dst_id = p.dst_slots != nullptr ? p.dst_slots[b] : slot;  // not a hot kernel: a runtime choice
+  S* dst = static_cast<S*>(p.state) + ((static_cast<int64_t>(dst_id) * p.H + h) * p.P + row) * p.N;
   const int64_t bc = (static_cast<int64_t>(b) * p.G + g) * p.N;
   float acc = 0.0f;
   for (int n = lane; n < p.N; n += 32) {
     const float s = fmaf(to_float(st[n]), hs.dA, dtx * load_elem(p.B, p.act, bc + n));
-    st[n] = from_float<S>(s);
+    dst[n] = from_float<S>(s);
     acc = fmaf(s, load_elem(p.C, p.act, bc + n), acc);
   }
 #pragma unroll
@@ -625,7 +656,11 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kern
 template <typename S, int N, int kRowsPerWarp>
 void launch_fast(const SsuParams& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.P, kWarps * kRowsPerWarp), p.H, p.batch);
-  launch(selective_state_update_kernel<S, N, kRowsPerWarp>, grid, dim3(kThreads), 0, stream, p);
+  if (p.dst_slots != nullptr) {
+    launch(selective_state_update_kernel<S, N, kRowsPerWarp, true>, grid, dim3(kThreads), 0, stream, p);
+  } else {
+    launch(selective_state_update_kernel<S, N, kRowsPerWarp, false>, grid, dim3(kThreads), 0, stream, p);
+  }
 }
 
 template <typename S, int N>
