@@ -601,9 +601,13 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
+// Until the phase of parity `phase` has completed; traps after kMaxSpins try_waits (a byte count the copies never
+// complete) so a test or a captured step fails with a launch error instead of hanging the device.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
+  constexpr uint32_t kMaxSpins = 1u << 26;
   uint32_t done = 0;
-  do {
+  for (uint32_t spins = 0; done == 0; ++spins) {
+    if (spins == kMaxSpins) __trap();
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
@@ -613,7 +617,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
         : "=r"(done)
         : "r"(smem_u32(bar)), "r"(phase)
         : "memory");
-  } while (done == 0);
+  }
 }
 // 1-D TMA bulk copy global -> this CTA's shared memory, completing `bytes` on `bar` (bytes % 16 == 0, both
 // addresses 16-byte aligned).
