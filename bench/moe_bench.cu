@@ -113,7 +113,8 @@ CHIMERA_BENCH(moe_router_nano) { bench_router(ctx, 128, 6, 2.5f); }
 // The router from its input (ops::router_gate_topk) at decode sizes: bf16 x [T, D], the fp32 gate [E, D]. Per T:
 // the op call; its device time in a CUDA graph ("router_gate_topk-graph": the fused kernel for T <= 16, the three-op
 // path above); the path it replaces in a graph ("router_3op-graph": x -> fp32, cuBLASLt fp32 logits, router_topk);
-// for T <= 16 both selections of the fused kernel ("-warpsel" / "-blocksel"), with CHECK lines: the two selections
+// for T <= 4 the op's two decode kernels ("-cluster" where it applies, "-splitk"); for T <= 16 both selections of
+// the split-K kernel ("-warpsel" / "-blocksel"), with CHECK lines: the two selections
 // identical, and the fused choices against the three-op path (equal up to fp32 summation order: a differing token
 // is a near-tie). Bytes: the fp32 gate (what the GEMV streams) + x + outputs.
 void bench_router_gate(const Context& ctx, const char* model, int64_t E, int64_t k, int64_t D, int64_t n_group,
@@ -157,6 +158,34 @@ void bench_router_gate(const Context& ctx, const char* model, int64_t E, int64_t
     std::printf("CHECK router_gate_topk %s fused-vs-3op tokens_with_other_choices=%lld max_weight_diff=%.3g %s\n",
                 shape.c_str(), static_cast<long long>(tokens_differ), max_w_diff,
                 tokens_differ == 0 && max_w_diff <= 1e-5 * scale ? "identical-choices" : "DIFFERENT (near-ties?)");
+    // The two decode kernels of the op (cuda::moe::set_router_cluster): the single-cluster kernel where the gate
+    // slice fits (Nano; not Super) and the split-K kernel with its ticket, with a CHECK that they route alike (the
+    // logits differ by fp32 summation order only).
+    if (T <= cuda::moe::kGateClusterMaxTokens) {
+      std::vector<Tensor> kouts;
+      int cluster_size = 0;
+      for (const bool cluster : {true, false}) {
+        const bool prev = cuda::moe::set_router_cluster(cluster);
+        ops::router_gate_topk(c, ids, w, x, gate, bias, rp);
+        CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench router_gate_topk");
+        const int used = cuda::moe::router_gate_last_cluster();
+        if (cluster) cluster_size = used;
+        if (!cluster || used > 0) {
+          ctx.run_graph(cluster ? "router_gate_topk-cluster" : "router_gate_topk-splitk", shape, bytes, 0,
+                        [&](cudaStream_t st, int) {
+                          ops::router_gate_topk(ops::Context{Device::kCuda, st}, ids, w, x, gate, bias, rp);
+                        });
+        }
+        kouts.push_back(device::to_host(ids));
+        kouts.push_back(device::to_host(w));
+        cuda::moe::set_router_cluster(prev);
+      }
+      int64_t differ = 0;
+      for (int64_t i = 0; i < T * k; ++i) differ += kouts[0].i32()[i] != kouts[2].i32()[i] ? 1 : 0;
+      std::printf("INFO router_gate_topk %s cluster_size=%d (0: the split-K kernel)\n", shape.c_str(), cluster_size);
+      std::printf("CHECK router_gate_topk %s cluster-vs-splitk ids_differ=%lld %s\n", shape.c_str(),
+                  static_cast<long long>(differ), differ == 0 ? "identical-choices" : "DIFFERENT (near-ties?)");
+    }
     if (T > cuda::moe::kGateMaxTokens) continue;
     cuda::moe::GateTopkParams g{};
     g.route.bias = bias.data(), g.route.bias_dtype = DType::kF32, g.route.topk_ids = ids.data_as<int32_t>();
@@ -432,20 +461,26 @@ void bench_moe_layer_decode(const Context& ctx, const char* model, int64_t E, in
         ops::moe_experts_shared(c, in.out, in.x, r_ids, r_w, ec.up, ec.down,
                                 ops::SharedExpert{s_out, xh, s_up, s_down});
       };
+      // "-cluster-off": the default with the router's split-K kernel instead of its single-cluster kernel
+      // (cuda::moe::set_router_cluster; the same kernel where the cluster one does not apply, e.g. Super's gate).
       struct Variant {
         const char* name{};
         bool early_shared{}, down_early{};
+        bool router_cluster = true;
       };
       for (const Variant v : {Variant{"moe_layer-router-early", true, true},
+                              Variant{"moe_layer-router-early-cluster-off", true, true, false},
                               Variant{"moe_layer-router-late", false, true},
                               Variant{"moe_layer-router-down-late", true, false}}) {
         const bool prev = cuda::moe::set_gemv_early_shared(v.early_shared);
         const bool prev_down = cuda::moe::set_gemv_down_early(v.down_early);
+        const bool prev_cluster = cuda::moe::set_router_cluster(v.router_cluster);
         routed_path(nullptr);
         ctx.run_graph(v.name, shape, bytes, flops, [&](cudaStream_t st, int) { routed_path(st); });
         CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
         cuda::moe::set_gemv_early_shared(prev);
         cuda::moe::set_gemv_down_early(prev_down);
+        cuda::moe::set_router_cluster(prev_cluster);
       }
     }
     ctx.run_graph("moe_experts-gemv", in.shape, in.bytes, in.flops, [&](cudaStream_t st, int) {

@@ -301,19 +301,42 @@ bool near_tie(const float* logits, const float* bias, int64_t E, const ops::Rout
   return false;
 }
 
+// Sets cuda::moe::set_router_cluster for a scope and restores the previous setting (no-op without CUDA).
+class RouterClusterScope {
+ public:
+#ifdef CHIMERA_HAVE_CUDA
+  explicit RouterClusterScope(bool on) : prev_(cuda::moe::set_router_cluster(on)) {}
+  ~RouterClusterScope() { cuda::moe::set_router_cluster(prev_); }
+#else
+  explicit RouterClusterScope(bool /*on*/) {}
+#endif
+  RouterClusterScope(const RouterClusterScope&) = delete;
+  RouterClusterScope& operator=(const RouterClusterScope&) = delete;
+
+ private:
+  [[maybe_unused]] bool prev_ = true;
+};
+
 class OpsRouterGate : public MoeBackendTest {
  protected:
-  // Routes from x (converted to x_dtype on the backend) on the backend under test; outputs poisoned first.
+  // Routes from x (converted to x_dtype on the backend) on the backend under test; outputs poisoned first. On CUDA
+  // `cluster` is the set_router_cluster switch for the call: on, decode sizes (T <= 4) with a gate slice that fits
+  // take the single-cluster kernel; off, the split-K kernel (moe_kernels.h).
   void route(const Tensor& x, DType x_dtype, const Tensor& gate, const Tensor& bias, const ops::RouterParams& p,
-             Tensor& ids, Tensor& w) {
+             Tensor& ids, Tensor& w, bool cluster = true) {
     Tensor d_ids = out(DType::kI32, {x.dim(0), p.top_k}), d_w = out(DType::kF32, {x.dim(0), p.top_k});
-    ops::router_gate_topk(ctx(), d_ids, d_w, in(x, x_dtype), in(gate), in(bias), p);
+    {
+      const RouterClusterScope scope(cluster);
+      ops::router_gate_topk(ctx(), d_ids, d_w, in(x, x_dtype), in(gate), in(bias), p);
+    }
     ids = host(d_ids);
     w = host_f32(d_w);
   }
   std::vector<DType> x_dtypes() const {
     return on_cuda() ? std::vector<DType>{DType::kF32, DType::kBF16, DType::kF16} : std::vector<DType>{DType::kF32};
   }
+  // Both CUDA kernels of the decode sizes (the cluster switch on, then off); one pass on the CPU.
+  std::vector<bool> cluster_settings() const { return on_cuda() ? std::vector<bool>{true, false} : std::vector<bool>{true}; }
 };
 
 // Nano (E 128 / top-6 on hidden 2688), Super (512 / top-22 on 4096), group-limited routing (the 512-expert one
@@ -340,12 +363,16 @@ TEST_P(OpsRouterGate, ExactLogitsGiveTheReferenceChoices) {
         SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " n_group=" << c.n_group << " D=" << c.D
                                           << " T=" << T << " x=" << dtype_name(xt));
         const Tensor x = grid_tensor(rng, {T, c.D}, 8.0f);  // exact in bf16 and f16 too
-        Tensor ids, w, want_ids, want_w;
-        route(x, xt, gate, bias, p, ids, w);
+        Tensor want_ids, want_w;
         cpu_gate_router(x, gate, bias, p, want_ids, want_w);
-        EXPECT_TRUE(test::bit_equal(ids, want_ids));
-        // The weights' normalising sum runs in rank order on the CPU and as a warp butterfly on CUDA: one ulp apart.
-        EXPECT_ALL_CLOSE(w, want_w, test::kF32Elementwise);
+        for (bool cluster : cluster_settings()) {
+          SCOPED_TRACE(::testing::Message() << "cluster switch " << cluster);
+          Tensor ids, w;
+          route(x, xt, gate, bias, p, ids, w, cluster);
+          EXPECT_TRUE(test::bit_equal(ids, want_ids));
+          // The weights' normalising sum runs in rank order on the CPU and as a warp butterfly on CUDA: one ulp apart.
+          EXPECT_ALL_CLOSE(w, want_w, test::kF32Elementwise);
+        }
       }
     }
   }
@@ -365,18 +392,22 @@ TEST_P(OpsRouterGate, RandomInputsMatchAwayFromNearTies) {
         SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " n_group=" << c.n_group << " D=" << c.D
                                           << " T=" << T << " x=" << dtype_name(xt));
         const Tensor x = round_to(rng.normal_tensor({T, c.D}), xt);
-        Tensor ids, w, want_ids, want_w, logits;
-        route(x, xt, gate, bias, p, ids, w);
+        Tensor want_ids, want_w, logits;
         cpu_gate_router(x, gate, bias, p, want_ids, want_w, &logits);
-        for (int64_t t = 0; t < T; ++t) {
-          ++tokens;
-          if (on_cuda() && near_tie(logits.f32() + t * c.E, bias.f32(), c.E, p, 1e-5)) {
-            ++skipped;
-            continue;
+        for (bool cluster : cluster_settings()) {
+          SCOPED_TRACE(::testing::Message() << "cluster switch " << cluster);
+          Tensor ids, w;
+          route(x, xt, gate, bias, p, ids, w, cluster);
+          for (int64_t t = 0; t < T; ++t) {
+            ++tokens;
+            if (on_cuda() && near_tie(logits.f32() + t * c.E, bias.f32(), c.E, p, 1e-5)) {
+              ++skipped;
+              continue;
+            }
+            SCOPED_TRACE(::testing::Message() << "token " << t);
+            EXPECT_TRUE(test::bit_equal(ids.select(t).clone(), want_ids.select(t).clone()));
+            EXPECT_ALL_CLOSE(w.select(t).clone(), want_w.select(t).clone(), test::kF32Elementwise);
           }
-          SCOPED_TRACE(::testing::Message() << "token " << t);
-          EXPECT_TRUE(test::bit_equal(ids.select(t).clone(), want_ids.select(t).clone()));
-          EXPECT_ALL_CLOSE(w.select(t).clone(), want_w.select(t).clone(), test::kF32Elementwise);
         }
       }
     }
@@ -386,8 +417,9 @@ TEST_P(OpsRouterGate, RandomInputsMatchAwayFromNearTies) {
   EXPECT_LE(skipped * 20, tokens);
 }
 
-// Many calls back to back with changing shapes (grid sizes): the fused kernel's ticket counter must be back at
-// zero after every launch, or a later call routes from incomplete logits.
+// Many calls back to back with changing shapes (grid sizes) and, on CUDA, alternating kernels (the cluster switch
+// on / off every call): the split-K kernel's ticket counter must be back at zero after every launch, or a later call
+// routes from incomplete logits.
 TEST_P(OpsRouterGate, RepeatedCallsWithChangingShapes) {
   auto rng = test::Rng::for_test();
   const GateCase cases[] = {kGateCases[0], kGateCases[2], kGateCases[6]};
@@ -404,10 +436,75 @@ TEST_P(OpsRouterGate, RepeatedCallsWithChangingShapes) {
     const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
     const Tensor x = grid_tensor(rng, {T, c.D}, 8.0f);
     Tensor ids, w, want_ids, want_w;
-    route(x, on_cuda() ? DType::kBF16 : DType::kF32, gates[ci], biases[ci], p, ids, w);
+    route(x, on_cuda() ? DType::kBF16 : DType::kF32, gates[ci], biases[ci], p, ids, w, (i / 3) % 2 == 0);
     cpu_gate_router(x, gates[ci], biases[ci], p, want_ids, want_w);
     ASSERT_TRUE(test::bit_equal(ids, want_ids));
     EXPECT_ALL_CLOSE(w, want_w, test::kF32Elementwise);  // the normalising sum's order differs (see above)
+  }
+}
+
+// The Nano router (E 128 / top-6, D 2688, fp32 gate) at T = 1..4 takes the cluster kernel when the switch is on (so
+// the cases above check it and cannot pass on the split-K kernel alone), and not when it is off, at T = 5, or for
+// Super's gate (512 x 4096 fp32 does not fit the CTAs' shared memory).
+TEST_P(OpsRouterGate, ClusterKernelRunsAtNanoDecodeSizes) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel choice";
+#ifdef CHIMERA_HAVE_CUDA
+  auto rng = test::Rng::for_test();
+  for (const GateCase& c : {kGateCases[0], kGateCases[1]}) {
+    const Tensor gate = grid_tensor(rng, {c.E, c.D}, 64.0f), bias = rng.normal_tensor({c.E}, 0.05f);
+    const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+    const bool nano = c.E == 128;
+    for (int64_t T : {1, 2, 3, 4, 5}) {
+      const Tensor x = grid_tensor(rng, {T, c.D}, 8.0f);
+      Tensor want_ids, want_w;
+      cpu_gate_router(x, gate, bias, p, want_ids, want_w);
+      for (bool cluster : {true, false}) {
+        SCOPED_TRACE(::testing::Message() << "E=" << c.E << " T=" << T << " cluster switch " << cluster);
+        Tensor ids, w;
+        route(x, DType::kBF16, gate, bias, p, ids, w, cluster);
+        const int used = cuda::moe::router_gate_last_cluster();
+        if (cluster && nano && T <= 4) {
+          EXPECT_TRUE(used == 16 || used == 8) << "cluster size " << used;
+        } else {
+          EXPECT_EQ(used, 0);
+        }
+        EXPECT_TRUE(test::bit_equal(ids, want_ids));
+        EXPECT_ALL_CLOSE(w, want_w, test::kF32Elementwise);
+      }
+    }
+  }
+#endif
+}
+
+// PDL ordering: x is written by the kernel launched right before the router on the same stream (ops::convert into
+// poisoned NaN memory, x the last T rows of a large output so its blocks finish late); the router must read x only
+// after that kernel completes. Both kernels, the Nano shape and an odd one (D % 4 != 0: the plain-load paths).
+TEST_P(OpsRouterGate, RoutesTheXThePreviousKernelWrote) {
+  auto rng = test::Rng::for_test();
+  for (const GateCase& c : {kGateCases[0], kGateCases[5]}) {
+    const Tensor gate = grid_tensor(rng, {c.E, c.D}, 64.0f), bias = rng.normal_tensor({c.E}, 0.05f);
+    const Tensor d_gate = in(gate), d_bias = in(bias);
+    const ops::RouterParams p{c.k, c.n_group, c.topk_group, true, c.scale};
+    const int64_t rows = on_cuda() ? (int64_t{16} << 20) / c.D : 8;  // 16 Mi elements through the convert on CUDA
+    const Tensor src = grid_tensor(rng, {rows, c.D}, 8.0f);                // exact in bf16
+    const Tensor d_src = in(src);
+    for (int64_t T : {1, 2, 3, 4}) {
+      const Tensor x = src.rows(rows - T, rows).clone();
+      Tensor want_ids, want_w;
+      cpu_gate_router(x, gate, bias, p, want_ids, want_w);
+      for (bool cluster : cluster_settings()) {
+        SCOPED_TRACE(::testing::Message() << "E=" << c.E << " D=" << c.D << " T=" << T << " cluster switch " << cluster);
+        const Tensor d_all = out(on_cuda() ? DType::kBF16 : DType::kF32, {rows, c.D});  // poisoned
+        Tensor d_ids = out(DType::kI32, {T, p.top_k}), d_w = out(DType::kF32, {T, p.top_k});
+        {
+          const RouterClusterScope scope(cluster);
+          ops::convert(ctx(), d_all, d_src);
+          ops::router_gate_topk(ctx(), d_ids, d_w, d_all.rows(rows - T, rows), d_gate, d_bias, p);
+        }
+        EXPECT_TRUE(test::bit_equal(host(d_ids), want_ids));
+        EXPECT_ALL_CLOSE(host_f32(d_w), want_w, test::kF32Elementwise);
+      }
+    }
   }
 }
 

@@ -47,6 +47,13 @@ bool set_gemv_early_shared(bool on);
 // turns it off. Process-wide. Returns the previous setting.
 bool set_gemv_down_early(bool on);
 
+// Benchmarks and tests: whether ops::router_gate_topk takes the single-cluster kernel where it applies (moe_kernels.h,
+// launch_router_gate_cluster: T <= 4 and an fp32 gate slice that fits a CTA, e.g. Nano; not Super) instead of the
+// split-K kernel. On by default; CHIMERA_ROUTER_CLUSTER=0 turns it off. Process-wide. Returns the previous setting.
+bool set_router_cluster(bool on);
+// Tests: the cluster size of the calling host thread's last ops::router_gate_topk on CUDA, 0 when another kernel ran.
+int router_gate_last_cluster();
+
 void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                          const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
                          ExpertsPath path, const ops::SharedExpert* shared = nullptr);

@@ -67,6 +67,33 @@ struct GateTopkParams {
 // 64): launches from one host thread must be stream-ordered (as ops on one stream are), two threads never share one.
 void launch_router_gate_topk(const GateTopkParams& p, cudaStream_t stream);
 
+// The same op in ONE thread-block cluster, for decode (T <= kGateClusterMaxTokens) when the fp32 gate is split over
+// C CTAs (C = 16, non-portable, or 8 when 16 cannot be co-scheduled) and a CTA's slice fits its shared memory.
+// Why: the kernel above has ~5 dependent global round trips after its pdl_wait (x, the partials' stores, fence +
+// ticket, the partials' loads, the outputs), each slow while the next kernel (the MoE up GEMV's shared-expert units,
+// started before their own wait) saturates DRAM: 12.5 us of critical path per Nano MoE layer in the engine against
+// 6.5 us alone. Here one round trip remains (x) before the outputs. CTA r owns experts [r * epc, (r + 1) * epc),
+// epc = ceil(E / C), 512 threads:
+//   0. before pdl_wait: the CTA's gate rows (contiguous, epc x D fp32) global -> shared with cp.async.bulk (TMA,
+//      completion on an mbarrier; D % 4 == 0 and a 16-byte aligned gate, else plain loads), CTA 0 the bias (both
+//      constants); nothing else, no global write;
+//   1. after it: x [T, D] into shared memory in its dtype; wait for the gate; warp w takes (row, column slice) tasks
+//      w, w + 16, ...: lane-strided fmaf over the slice (columns ascending), warp butterfly, then the slices summed in
+//      slice order: a fixed summation order (the same logits on every run; they differ from the kernel above by
+//      fp32 summation order only);
+//   2. the logits go straight into CTA 0's shared memory (distributed shared memory, after a cluster barrier that
+//      proves CTA 0 has started); the other CTAs arrive (release) on a second cluster barrier and exit;
+//   3. CTA 0 waits on it (acquire) and routes the T tokens with the kernel above's selection (warp / block select,
+//      group-limited routing included), the only global writes.
+// Nano (E 128, D 2688): 8 rows x 2688 x 4 = 84 KiB of gate per CTA at C = 16. Super's router (E 512, D 4096: 8 MiB
+// of fp32 gate, 512 KiB per CTA) does not fit and keeps the kernel above.
+inline constexpr int kGateClusterMaxTokens = 4;
+inline constexpr size_t kGateClusterMaxSmemBytes = 200 * 1024;  // dynamic shared memory per CTA
+// Launches the cluster kernel when the shape takes it (gate_topk_supported's domain, T <= kGateClusterMaxTokens,
+// x f32 / bf16 / f16, the CTA slice + x within kGateClusterMaxSmemBytes, a cluster of 16 or 8 that can be
+// co-scheduled) and returns its cluster size; returns 0 and launches nothing otherwise. p.partial is unused.
+int launch_router_gate_cluster(const GateTopkParams& p, cudaStream_t stream);
+
 // ---- grouped expert GEMMs -----------------------------------------------------------------------------
 // The (token, choice) pairs are numbered pair = t * top_k + j (P = T * top_k). The permutation orders them by
 // expert (stably: increasing pair id within an expert); "permuted row" r is the r-th pair in that order.

@@ -23,20 +23,30 @@
 // expf is up to 2 ulp off, which would break exact ties and near-ties; exp is therefore taken in double and
 // rounded (the correctly rounded expf except for inputs within 2^-28 ulp of a rounding boundary), then the
 // same IEEE add and divide (nvcc's default -prec-div=true).
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/moe/experts.h"
 #include "backends/cuda/moe/moe_kernels.h"
 #include "backends/device_api.h"
 
 namespace chimera::cuda {
 namespace moe {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kWarpsPerBlock = 4;
 constexpr unsigned kFull = 0xffffffffu;
@@ -551,6 +561,321 @@ int ticket_slot() {
   return slot;
 }
 
+// ---- router gate + top-k in one cluster (small T; moe_kernels.h has the design) --------------------------------
+constexpr int kClusterThreads = kGateThreads;  // 16 warps for the GEMV; also the block select's width (E <= 512)
+constexpr int kClusterWarps = kClusterThreads / 32;
+constexpr int kClusterSizes[] = {16, 8};  // preferred first; 16 is non-portable
+
+struct ClusterLaunch {
+  GateTopkParams g;
+  int epc;        // experts (gate rows) per CTA
+  int slices;     // column slices per row: the (row, slice) tasks spread over the 16 warps
+  int slice_len;  // columns per slice (a multiple of 4)
+  bool bulk;      // the gate slice by cp.async.bulk: D % 4 == 0 and a 16-byte aligned gate
+  bool vec4;      // D % 4 == 0: 16-byte gate reads from shared memory
+  bool x_vec;     // x copied in 16-byte pieces: T * D * sizeof(x) % 16 == 0 and a 16-byte aligned x
+  // Byte offsets into the dynamic shared memory (each 16-byte aligned), the same in every CTA (DSMEM addresses):
+  // gate [epc, D] f32 at 0, then x [T, D] x_dtype, partial dots [epc, slices, T] f32, logits [T, E] f32 (CTA 0's
+  // are the cluster's), bias [E] f32 (CTA 0), the group-limited warps' scratch [T, E + 2 n_group] f32.
+  unsigned off_x, off_part, off_logits, off_bias, off_scratch;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+  // Make the initialised barrier visible to the async proxy (the bulk copy's complete_tx).
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// Until the phase of parity `phase` has completed; traps after kMaxSpins try_waits (a byte count the copies never
+// complete) so a test or a captured step fails with a launch error instead of hanging the device.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
+  constexpr uint32_t kMaxSpins = 1u << 26;
+  uint32_t done = 0;
+  for (uint32_t spins = 0; done == 0; ++spins) {
+    if (spins == kMaxSpins) __trap();
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(phase)
+        : "memory");
+  }
+}
+// 1-D TMA bulk copy global -> this CTA's shared memory, completing `bytes` on `bar` (bytes % 16 == 0, both
+// addresses 16-byte aligned).
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+// Four consecutive x values (4-element aligned) from shared memory as fp32.
+template <typename XT>
+__device__ __forceinline__ float4 load_x4(const XT* p) {
+  if constexpr (std::is_same_v<XT, float>) {
+    return *reinterpret_cast<const float4*>(p);
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    XT v[4];
+    static_assert(sizeof(v) == sizeof(u));
+    memcpy(v, &u, sizeof(u));
+    return make_float4(to_float<XT>(v[0]), to_float<XT>(v[1]), to_float<XT>(v[2]), to_float<XT>(v[3]));
+  }
+}
+
+// Step 1 of the cluster kernel for this CTA's `rows` gate rows: x into shared memory, then the partial dot product
+// of every (row, slice) task and token into s_part[(row * slices + slice) * T + t]. Per task: lane l takes columns
+// slice * slice_len + l * 4 + 128 j (vec4) or + l + 32 j, columns ascending, then the butterfly: a fixed order.
+template <typename XT>
+__device__ __forceinline__ void cluster_dots(const ClusterLaunch& L, const float* s_gate, char* smem, float* s_part,
+                                             int rows, uint64_t* gate_bar) {
+  const GateTopkParams& g = L.g;
+  const int T = g.route.T, D = g.D;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  XT* s_x = reinterpret_cast<XT*>(smem + L.off_x);
+  if (L.x_vec) {
+    const int n = T * D * static_cast<int>(sizeof(XT)) / 16;
+    const uint4* src = static_cast<const uint4*>(g.x);
+    uint4* dst = reinterpret_cast<uint4*>(s_x);
+    for (int i = tid; i < n; i += kClusterThreads) dst[i] = src[i];
+  } else {
+    const XT* src = static_cast<const XT*>(g.x);
+    for (int i = tid; i < T * D; i += kClusterThreads) s_x[i] = src[i];
+  }
+  __syncthreads();
+  if (L.bulk) mbar_wait(gate_bar, 0);  // the gate slice has landed (one phase: the barrier is used once)
+
+  const int tasks = rows * L.slices;
+  for (int task = warp; task < tasks; task += kClusterWarps) {
+    const int r = task / L.slices, s = task % L.slices;
+    const int c0 = s * L.slice_len, len = min(L.slice_len, D - c0);
+    const float* w = s_gate + static_cast<int64_t>(r) * D + c0;
+    float acc[kGateClusterMaxTokens];
+#pragma unroll
+    for (int t = 0; t < kGateClusterMaxTokens; ++t) acc[t] = 0.0f;
+    if (L.vec4) {
+      for (int d = lane * 4; d < len; d += 128) {
+        const float4 wv = *reinterpret_cast<const float4*>(w + d);
+#pragma unroll
+        for (int t = 0; t < kGateClusterMaxTokens; ++t) {
+          if (t < T) {
+            const float4 xv = load_x4<XT>(s_x + static_cast<int64_t>(t) * D + c0 + d);
+            acc[t] = fmaf(wv.x, xv.x, acc[t]);
+            acc[t] = fmaf(wv.y, xv.y, acc[t]);
+            acc[t] = fmaf(wv.z, xv.z, acc[t]);
+            acc[t] = fmaf(wv.w, xv.w, acc[t]);
+          }
+        }
+      }
+    } else {
+      for (int d = lane; d < len; d += 32) {
+        const float wv = w[d];
+#pragma unroll
+        for (int t = 0; t < kGateClusterMaxTokens; ++t) {
+          if (t < T) acc[t] = fmaf(wv, to_float<XT>(s_x[static_cast<int64_t>(t) * D + c0 + d]), acc[t]);
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kGateClusterMaxTokens; ++t) {
+      if (t < T) {
+        float v = acc[t];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+        if (lane == 0) s_part[(r * L.slices + s) * T + t] = v;
+      }
+    }
+  }
+}
+
+template <int NPER, bool kGroups>
+__global__ void __launch_bounds__(kClusterThreads, 1) router_gate_cluster_kernel(const ClusterLaunch L) {
+  extern __shared__ float4 cluster_smem4[];
+  __shared__ uint64_t s_gate_bar;
+  char* smem = reinterpret_cast<char*>(cluster_smem4);
+  const cg::cluster_group cluster = cg::this_cluster();
+  const GateTopkParams& g = L.g;
+  const int T = g.route.T, E = g.route.E, D = g.D;
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int e0 = rank * L.epc;
+  const int rows = max(0, min(L.epc, E - e0));  // the last CTAs may own fewer rows, or none
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  float* s_gate = reinterpret_cast<float*>(smem);
+  float* s_part = reinterpret_cast<float*>(smem + L.off_part);
+  float* s_logits = reinterpret_cast<float*>(smem + L.off_logits);
+  float* s_bias = reinterpret_cast<float*>(smem + L.off_bias);
+
+  // Cluster barrier phase 1, arrive now, wait before the first remote store: CTA 0 has started (its shared memory
+  // exists) before anyone writes into it. Off the critical path: every CTA arrives at its start.
+  cluster_arrive_relaxed();
+
+  // PDL prologue: constants only (the gate slice, CTA 0's bias). x is the previous kernel's output; no global write.
+  const float* gate = g.gate + static_cast<int64_t>(e0) * D;
+  if (rows > 0) {
+    if (L.bulk) {
+      if (tid == 0) {
+        mbar_init(&s_gate_bar, 1);
+        mbar_expect_tx(&s_gate_bar, static_cast<uint32_t>(rows) * static_cast<uint32_t>(D) * 4u);
+        // One copy per gate row (each D * 4 bytes, a multiple of 16).
+        for (int r = 0; r < rows; ++r) {
+          bulk_g2s(s_gate + static_cast<int64_t>(r) * D, gate + static_cast<int64_t>(r) * D,
+                   static_cast<uint32_t>(D) * 4u, &s_gate_bar);
+        }
+      }
+    } else {
+      for (int i = tid; i < rows * D; i += kClusterThreads) s_gate[i] = __ldg(gate + i);
+    }
+  }
+  if (rank == 0 && tid < E) s_bias[tid] = load_elem(g.route.bias, g.route.bias_dtype, tid);
+  pdl_wait();
+  pdl_trigger();
+
+  if (rows > 0) {  // (mbar_init is published by cluster_dots' __syncthreads before anyone waits on the barrier)
+    if (g.x_dtype == DType::kBF16) {
+      cluster_dots<__nv_bfloat16>(L, s_gate, smem, s_part, rows, &s_gate_bar);
+    } else if (g.x_dtype == DType::kF16) {
+      cluster_dots<__half>(L, s_gate, smem, s_part, rows, &s_gate_bar);
+    } else {
+      cluster_dots<float>(L, s_gate, smem, s_part, rows, &s_gate_bar);
+    }
+  }
+  __syncthreads();  // s_part complete (and CTA 0's s_bias written)
+
+  // Step 2: logits[t, e0 + r] = the row's slices summed in slice order, stored into CTA 0's shared memory.
+  cluster_wait_acquire();  // phase 1
+  if (tid < rows * T) {
+    const int r = tid / T, t = tid % T;
+    float v = 0.0f;
+    for (int s = 0; s < L.slices; ++s) v += s_part[(r * L.slices + s) * T + t];
+    *cluster.map_shared_rank(s_logits + t * E + e0 + r, 0u) = v;
+  }
+  // Phase 2: the release orders this CTA's remote stores before CTA 0's acquire. Only CTA 0's shared memory is read
+  // across CTAs, so the others may leave right after arriving (the wait counts non-exited threads only).
+  cluster_arrive_release();
+  if (rank != 0) return;
+  cluster_wait_acquire();
+
+  // Step 3: CTA 0 routes, as router_gate_topk_kernel's phase 2.
+  RouterParams rp = g.route;
+  rp.logits = s_logits;
+  rp.logits_dtype = DType::kF32;
+  rp.bias = s_bias;
+  rp.bias_dtype = DType::kF32;
+  const bool block_select = !kGroups && (g.select == 2 || (g.select == 0 && T == 1 && E > 256));
+  if (block_select) {
+    for (int t = 0; t < T; ++t) {
+      route_token_block(rp, t);
+      __syncthreads();
+    }
+  } else if (warp < T) {
+    float* s_scratch = reinterpret_cast<float*>(smem + L.off_scratch);
+    route_token_warp<NPER, 0, kGroups>(rp, warp, lane, s_scratch + warp * (E + 2 * rp.n_group));
+  }
+}
+
+size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+// Fills the layout of L for cluster size cs; returns the dynamic shared memory bytes.
+size_t cluster_layout(ClusterLaunch& L, int cs) {
+  const GateTopkParams& g = L.g;
+  const size_t T = static_cast<size_t>(g.route.T), E = static_cast<size_t>(g.route.E), D = static_cast<size_t>(g.D);
+  L.epc = ceil_div(g.route.E, cs);
+  L.slices = std::max(1, kClusterWarps / L.epc);
+  L.slice_len = ceil_div(ceil_div(g.D, L.slices), 4) * 4;
+  L.slices = ceil_div(g.D, L.slice_len);
+  size_t off = align16(sizeof(float) * static_cast<size_t>(L.epc) * D);
+  L.off_x = static_cast<unsigned>(off);
+  off += align16(static_cast<size_t>(dtype_size(g.x_dtype)) * T * D);
+  L.off_part = static_cast<unsigned>(off);
+  off += align16(sizeof(float) * static_cast<size_t>(L.epc * L.slices) * T);
+  L.off_logits = static_cast<unsigned>(off);
+  off += align16(sizeof(float) * T * E);
+  L.off_bias = static_cast<unsigned>(off);
+  off += align16(sizeof(float) * E);
+  L.off_scratch = static_cast<unsigned>(off);
+  if (g.route.n_group > 1) off += align16(sizeof(float) * T * (E + 2 * static_cast<size_t>(g.route.n_group)));
+  return off;
+}
+
+// Whether `cs` CTAs of this instance with `smem` bytes can be co-scheduled (cached per instance: the occupancy query
+// is not free and its answer does not change within a process). The attributes are set once per instance, the
+// dynamic shared memory limit to its maximum, so any launch up to kGateClusterMaxSmemBytes is allowed afterwards.
+template <int NPER, bool kGroups>
+bool cluster_fits(int cs, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::pair<int, size_t>, bool> cache;
+  static bool attrs_ok = false, attrs_set = false;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(cs, smem);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  auto* kernel = router_gate_cluster_kernel<NPER, kGroups>;
+  if (!attrs_set) {
+    attrs_set = true;
+    attrs_ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
+               cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kGateClusterMaxSmemBytes)) == cudaSuccess;
+  }
+  bool ok = attrs_ok;
+  if (ok) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(cs));
+    cfg.blockDim = dim3(kClusterThreads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(cs);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    ok = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0;
+  }
+  (void)cudaGetLastError();  // a refused attribute or query is an answer, not a sticky error
+  cache.emplace(key, ok);
+  return ok;
+}
+
+template <int NPER, bool kGroups>
+int launch_cluster_instance(ClusterLaunch L, cudaStream_t stream) {
+  for (const int cs : kClusterSizes) {
+    const size_t smem = cluster_layout(L, cs);
+    if (smem > kGateClusterMaxSmemBytes || !cluster_fits<NPER, kGroups>(cs, smem)) continue;
+    CHIMERA_CUDA_CHECK(launch_cluster(router_gate_cluster_kernel<NPER, kGroups>, dim3(static_cast<unsigned>(cs)),
+                                      dim3(kClusterThreads), smem, stream, static_cast<unsigned>(cs), L),
+                       "ops::router_gate_topk");
+    return cs;
+  }
+  return 0;
+}
+
+// ops::router_gate_topk takes the cluster kernel where it can (set_router_cluster); CHIMERA_ROUTER_CLUSTER=0 turns it
+// off (A/B runs of the whole engine). Which kernel the calling host thread's last call used (tests).
+std::atomic<bool> g_router_cluster{[] {
+  const char* v = std::getenv("CHIMERA_ROUTER_CLUSTER");
+  return v == nullptr || std::atoi(v) != 0;
+}()};
+thread_local int t_last_router_cluster = 0;
+
 }  // namespace
 
 void launch_router_topk(const RouterParams& p, cudaStream_t stream) {
@@ -591,6 +916,28 @@ void launch_router_gate_topk(const GateTopkParams& p, cudaStream_t stream) {
   with_nper(r.E, [&](auto nper) { launch_gate_nper<decltype(nper)::value>(L, stream); });
 }
 
+int launch_router_gate_cluster(const GateTopkParams& p, cudaStream_t stream) {
+  const RouterParams& r = p.route;
+  if (r.T < 1 || r.T > kGateClusterMaxTokens || !gate_topk_supported(r.T, r.E, r.k, r.n_group, p.D)) return 0;
+  if (p.x_dtype != DType::kF32 && p.x_dtype != DType::kBF16 && p.x_dtype != DType::kF16) return 0;
+  ClusterLaunch L{};
+  L.g = p;
+  L.vec4 = p.D % 4 == 0;
+  L.bulk = L.vec4 && reinterpret_cast<uintptr_t>(p.gate) % 16 == 0;
+  const int64_t x_bytes = static_cast<int64_t>(r.T) * p.D * static_cast<int64_t>(dtype_size(p.x_dtype));
+  L.x_vec = x_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  int cs = 0;
+  with_nper(r.E, [&](auto nper) {
+    constexpr int kNper = decltype(nper)::value;
+    cs = r.n_group > 1 ? launch_cluster_instance<kNper, true>(L, stream) : launch_cluster_instance<kNper, false>(L, stream);
+  });
+  return cs;
+}
+
+bool set_router_cluster(bool on) { return g_router_cluster.exchange(on, std::memory_order_relaxed); }
+
+int router_gate_last_cluster() { return t_last_router_cluster; }
+
 }  // namespace moe
 
 void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,
@@ -615,8 +962,9 @@ void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& 
   moe::launch_router_topk(k, as_stream(ctx.stream));
 }
 
-// Decode sizes: one kernel. Otherwise (and for a 16-bit gate) the three ops it replaces: x -> fp32, cuBLASLt
-// fp32 logits, router_topk.
+// Decode sizes: one kernel, the cluster kernel where it applies (launch_router_gate_cluster: T <= 4 and a gate
+// slice that fits a CTA's shared memory, e.g. Nano; not Super's 8 MiB gate), else the split-K kernel with its
+// ticket. Otherwise (and for a 16-bit gate) the three ops it replaces: x -> fp32, cuBLASLt fp32 logits, router_topk.
 void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x,
                       const Tensor& gate, const Tensor& correction_bias, const ops::RouterParams& p) {
   const char* op = "ops::router_gate_topk";
@@ -628,6 +976,7 @@ void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Ten
   const bool fused = gate.dtype() == DType::kF32 && D <= 0x7fffffffLL &&
                      moe::gate_topk_supported(static_cast<int>(T), static_cast<int>(E), static_cast<int>(p.top_k),
                                               static_cast<int>(p.n_group), static_cast<int>(D));
+  moe::t_last_router_cluster = 0;
   if (!fused) {
     Tensor x_f32 = x;
     if (x.dtype() != DType::kF32) {
@@ -656,10 +1005,16 @@ void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Ten
   g.x_dtype = x.dtype();
   g.gate = gate.data_as<float>();
   g.D = static_cast<int>(D);
+  const cudaStream_t stream = as_stream(ctx.stream);
+  // Decode (T <= 4) with a gate slice that fits a cluster CTA (Nano): the cluster kernel, no workspace.
+  if (moe::g_router_cluster.load(std::memory_order_relaxed)) {
+    moe::t_last_router_cluster = moe::launch_router_gate_cluster(g, stream);
+    if (moe::t_last_router_cluster > 0) return;
+  }
   g.split = moe::gate_topk_split(g.route.E, g.D);
   const Tensor partial = device::empty(Device::kCuda, DType::kF32, {g.split.n_split, T, E});
   g.partial = partial.data_as<float>();
-  moe::launch_router_gate_topk(g, as_stream(ctx.stream));
+  moe::launch_router_gate_topk(g, stream);
 }
 
 }  // namespace chimera::cuda
