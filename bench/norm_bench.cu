@@ -16,7 +16,6 @@
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/gemm/gemv.h"
 #include "backends/cuda/gemm/linear.h"
-#include "backends/cuda/launch.cuh"
 #include "backends/cuda/norm/row_norm.cuh"
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
@@ -248,53 +247,6 @@ CHIMERA_BENCH(linear_bf16) {
           const LinearSet& s = sets[static_cast<size_t>(i) % sets.size()];
           ops::linear(ops::Context{Device::kCuda, st}, s.y, s.x, s.w);
         });
-      }
-    }
-  }
-}
-
-// A stand-in for a latency-bound kernel (the fused Mamba decode step, attention): 64 blocks that wait `ns` after their
-// PDL wait, touching no memory, and let the next kernel start its prologue right away.
-__global__ void busy_kernel(long long ns) {
-  cuda::pdl_wait();
-  cuda::pdl_trigger();
-  if (threadIdx.x != 0) return;
-  long long t0 = 0, t = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
-}
-
-// ops::linear_staged against ops::linear right after a latency-bound kernel, as the engine runs the Nano out_proj /
-// o_proj (T = 1, 2): device time per (busy kernel + dense layer) pair in a CUDA graph, and the busy kernel alone, so
-// the layer's marginal cost is the difference. bytes: the layer's (weight + x + y).
-CHIMERA_BENCH(linear_after_latency) {
-  const LinearProj projs[] = {{"nano_out_proj", 4096, 2688}, {"super_latent_in", 4096, 1024}};
-  for (long long busy_ns : {5000LL, 10000LL}) {
-    const std::string tag = " busy=" + std::to_string(busy_ns / 1000) + "us";
-    ctx.run_graph("busy_only", "64 blocks" + tag, 0.0, 0.0, [&](cudaStream_t st, int) {
-      CHIMERA_CUDA_CHECK(cuda::launch(busy_kernel, dim3(64), dim3(32), 0, st, busy_ns), "busy_kernel");
-    });
-    for (const LinearProj& p : projs) {
-      for (int64_t T : {int64_t{1}, int64_t{2}}) {
-        const double bytes = 2.0 * (p.out * p.in + T * p.in + T * p.out);
-        const double flops = 2.0 * T * p.in * p.out;
-        const std::vector<LinearSet> sets = linear_sets(p, T, rotations(bytes));
-        for (bool staged : {false, true}) {
-          ctx.run_graph(staged ? "busy+linear_staged" : "busy+linear", linear_shape(p, T) + tag, bytes, flops,
-                        [&](cudaStream_t st, int i) {
-                          const LinearSet& s = sets[static_cast<size_t>(i) % sets.size()];
-                          const ops::Context c{Device::kCuda, st};
-                          CHIMERA_CUDA_CHECK(cuda::launch(busy_kernel, dim3(64), dim3(32), 0, st, busy_ns),
-                                             "busy_kernel");
-                          if (staged) {
-                            ops::linear_staged(c, s.y, s.x, s.w);
-                          } else {
-                            ops::linear(c, s.y, s.x, s.w);
-                          }
-                        });
-        }
       }
     }
   }

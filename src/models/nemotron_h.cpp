@@ -531,8 +531,7 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
     ops::gated_rms_norm(ctx, Ts == T ? normed : normed.rows(0, Ts), y.reshape({Ts, Di}), z, w.norm, G,
                         c.layer_norm_epsilon);
   }
-  // After the decode step's latency-bound kernels: the weight may stream while they run (ops::linear_staged).
-  ops::linear_staged(ctx, out, normed, w.out_proj, w.out_proj_bias);
+  ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);
 }
 
 void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
@@ -554,7 +553,7 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
                  ops::Indices(b.cu_seqlens, dm ? dm->cu_seqlens : nullptr),
                  ops::Indices(b.context_lens, dm ? dm->context_lens : nullptr), block_tables,
                  1.0f / std::sqrt(static_cast<float>(hd)));
-  ops::linear_staged(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
+  ops::linear(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
 }
 
 void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const Tensor& x, const Tensor& shared_out,

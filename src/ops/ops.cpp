@@ -262,22 +262,6 @@ void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor
   c.dispatch([&] { cpu::linear(out, x, weight, bias); }, [&] { CHIMERA_CUDA_CALL(cuda::linear(ctx, out, x, weight, bias)); });
 }
 
-void linear_staged(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  const Check c(ctx, "linear_staged");
-  c.f32("x", x, 2);
-  c.weight("weight", weight, 2);
-  c.shape("weight", weight, {weight.dim(0), x.dim(1)}, "x", x);
-  c.f32("out", out, 2);
-  c.shape("out", out, {x.dim(0), weight.dim(0)}, "x @ weight^T with weight", weight);
-  if (bias) {
-    c.weight("bias", bias, 1);
-    c.shape("bias", bias, {weight.dim(0)}, "weight", weight);
-  }
-  c.no_alias("out", out, "x", x);
-  c.dispatch([&] { cpu::linear(out, x, weight, bias); },
-             [&] { CHIMERA_CUDA_CALL(cuda::linear_staged(ctx, out, x, weight, bias)); });
-}
-
 void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor& x, std::span<const Tensor> weights) {
   const Check c(ctx, "linear_multi");
   if (outs.size() != weights.size() || weights.empty() || weights.size() > 3) {

@@ -84,14 +84,6 @@ void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, cons
 void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
             const Tensor& bias = Tensor());
 
-// linear() for a dense layer that runs right after a latency-bound kernel (a Mamba layer's out_proj after the decode
-// step's conv + state update + gated norm, an attention layer's o_proj after the split-KV decode): exactly linear()
-// (the CPU runs it). On CUDA at decode sizes (T <= 2, 16-bit), where each SM's share of the weight fits its shared
-// memory, one block per SM copies its rows there before the PDL wait, so the weight streams while the previous
-// kernel still runs (gemm/gemv_staged.cu); the products agree with linear()'s GEMV to fp32 rounding. Elsewhere linear().
-void linear_staged(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                   const Tensor& bias = Tensor());
-
 // The same x through 1..3 weights (no bias): exactly linear(outs[i], x, weights[i]) for each i (the CPU runs those).
 // On CUDA at decode sizes (T <= 2, 16-bit) one GEMV launch streams all the weights: an attention layer's q, k and
 // v projections as one launch instead of three dependent ones. outs[i]: [T, weights[i].dim(0)].

@@ -165,65 +165,6 @@ TEST_P(OpsLinear, GemvPathAtDecodeSizes) {
 #endif
 }
 
-// ops::linear_staged == linear: against the oracle on every backend and weight dtype, T = 1, 2 (the staged GEMV on
-// CUDA at 16 bits: asserted where it applies) and 3 (linear); row counts below, at and above the SM count (blocks
-// with no rows, with one, with the Nano out_proj's 21), K from one 16-byte vector to 8192 (the last that keeps x in
-// registers) and one past the shared-memory limit (refused, so linear); with and without bias. Then after a kernel
-// that writes x on the same stream (x poisoned first): the weight copy before the PDL wait must not let x be read early.
-TEST_P(OpsLinear, StagedMatchesLinear) {
-  auto rng = test::Rng::for_test();
-  struct Case {
-    int64_t K, N;
-    bool staged;  // whether CUDA's staged path takes it at 16 bits (132-SM H200: rows of K per SM in ~227 KB)
-  };
-  const Case cases[] = {{8, 1, true},       {40, 7, true},       {4096, 2688, true}, {4096, 131, true},
-                        {2688, 5000, true}, {8192, 1000, true},  {72, 300, true},    {8192, 3000, false}};
-  for (DType wt : {DType::kF32, DType::kBF16, DType::kF16}) {
-    const DType act = act_for(wt);
-    for (const Case& k : cases) {
-      for (int64_t T : {1, 2, 3}) {
-        const bool with_bias = (T + k.N) % 2 == 1;
-        SCOPED_TRACE(::testing::Message() << dtype_name(wt) << " T=" << T << " K=" << k.K << " N=" << k.N
-                                          << " bias=" << with_bias);
-        const Tensor x = rounded(rng.uniform_tensor({T, k.K}, -1.0f, 1.0f), act);
-        const Tensor w = test::cast_to(rng.uniform_tensor({k.N, k.K}, -0.05f, 0.05f), wt);
-        const Tensor b = with_bias ? test::cast_to(rng.uniform_tensor({k.N}, -1.0f, 1.0f), wt) : Tensor();
-        Tensor y = output(act, {T, k.N});
-        const Tensor dx = on_backend(x, act), dw = on_backend(w), db = b ? on_backend(b) : Tensor();
-#ifdef CHIMERA_HAVE_CUDA
-        if (on_cuda() && act != DType::kF32) {
-          EXPECT_EQ(cuda::linear_staged_applies(y, dx, dw, db), k.staged && T <= 2);
-        }
-#endif
-        ops::linear_staged(ctx(), y, dx, dw, db);
-        EXPECT_TRUE(close(host_f32(y), naive_linear(x, w, b), act));
-      }
-    }
-  }
-#ifdef CHIMERA_HAVE_CUDA
-  if (on_cuda()) {
-    // x written by the kernel right before (a copy kernel launched with PDL), x's buffer poisoned before that.
-    for (int64_t T : {1, 2}) {
-      const Tensor x = rounded(rng.uniform_tensor({T, 4096}, -1.0f, 1.0f), DType::kBF16);
-      const Tensor w = test::cast_to(rng.uniform_tensor({2688, 4096}, -0.05f, 0.05f), DType::kBF16);
-      const Tensor dsrc = on_backend(x, DType::kBF16), dw = on_backend(w);
-      for (int rep = 0; rep < 3; ++rep) {
-        Tensor dx = output(DType::kBF16, {T, 4096});  // poisoned
-        Tensor y = output(DType::kBF16, {T, 2688});
-        ops::add(ctx(), dx, dsrc, on_backend(Tensor::zeros(DType::kF32, {T, 4096}), DType::kBF16));
-        ops::linear_staged(ctx(), y, dx, dw);
-        EXPECT_TRUE(close(host_f32(y), naive_linear(x, w), DType::kBF16)) << "T=" << T;
-      }
-    }
-  }
-#endif
-  const Tensor x = on_backend(rng.normal_tensor({2, 32}), DType::kF32);
-  const Tensor w = on_backend(rng.normal_tensor({5, 32}));
-  const Tensor bad = output(DType::kF32, {2, 6});
-  EXPECT_TRUE(test::throws_error([&] { ops::linear_staged(ctx(), bad, x, w); }, ErrorKind::kRuntime,
-                                 "ops::linear_staged"));
-}
-
 // ops::linear_multi: the same x through 1..3 weights (an attention layer's q, k, v). Each output against the oracle,
 // on both backends, every weight dtype, T = 1, 2 (one GEMV launch on CUDA at 16 bits) and 3, 17 (one linear per
 // part); row counts that put part boundaries inside a row group (7 + 9 + 1, the Nano q / k / v 4096 + 256 + 256);

@@ -160,9 +160,7 @@ TEST_P(ProfilerTest, TinyModelPrefillAndDecodeStepsByOpKind) {
               static_cast<int64_t>(config.layers.size()));
     EXPECT_EQ(calls(*m, "add"), 0);
     // In / out projections and the lm_head.
-    EXPECT_GE(calls(*m, "linear") + calls(*m, "linear_staged") + calls(*m, "residual_norm_linear"),
-              n_mamba + n_attention + 1);
-    EXPECT_EQ(calls(*m, "linear_staged"), n_mamba + n_attention);  // out_proj / o_proj after the mixer's kernels
+    EXPECT_GE(calls(*m, "linear") + calls(*m, "residual_norm_linear"), n_mamba + n_attention + 1);
     EXPECT_GE(calls(*m, "embedding"), 1);
   }
   std::printf("%s\n  %s\n%s\n  %s\n%s", GetParam() == Device::kCpu ? "[ CPU ]" : "[ CUDA ]", prefill.name.c_str(),

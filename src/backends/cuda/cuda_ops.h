@@ -31,8 +31,6 @@ void copy_columns(const ops::Context& ctx, const Tensor& out, const Tensor& in, 
 
 // gemm/ (linear.cu: cuBLASLt)
 void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias);
-void linear_staged(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                   const Tensor& bias);
 void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const Tensor& x,
                   std::span<const Tensor> weights);
 void relu2_mlp(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& up_proj,

@@ -52,20 +52,6 @@ struct GemvParams {
   int warps_per_row = 0;  // 1, 2, 4 or 8 warps share a row; 0: chosen at launch (launch_gemv has the rule)
 };
 
-// ops::linear_staged (gemv_staged.cu has the design): y[T, N] = x[T, K] @ w[N, K]^T (+ bias) with one block per SM
-// that copies its contiguous rows of w into shared memory before the PDL wait, for a dense layer that follows a
-// latency-bound kernel. T <= 2, BF16/F16, K % 8 == 0, K <= 8192, 16-byte aligned x and w, ceil(N / SMs) <= 64 rows
-// of K that fit one block's shared memory.
-struct GemvStagedParams {
-  const void* x = nullptr;     // [T, K]
-  const void* w = nullptr;     // [N, K]
-  const void* bias = nullptr;  // [N] or null
-  void* y = nullptr;           // [T, N]
-  int T = 0, K = 0, N = 0;
-};
-bool gemv_staged_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x, const void* w);
-void launch_gemv_staged(const GemvStagedParams& p, DType dtype, cudaStream_t stream);
-
 // Whether the GEMV handles this shape: 1 <= T <= 8, K % 8 == 0, BF16/F16, 16-byte aligned x, w and y, x fits in
 // shared memory.
 bool gemv_supported(int64_t T, int64_t K, int64_t N, DType dtype, const void* x, const void* w, const void* y);

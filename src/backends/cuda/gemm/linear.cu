@@ -302,39 +302,6 @@ void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x,
   run(choice);
 }
 
-namespace {
-std::atomic<bool> g_linear_staged{[] {
-  const char* v = std::getenv("CHIMERA_LINEAR_STAGED");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
-}  // namespace
-
-bool set_linear_staged(bool on) { return g_linear_staged.exchange(on); }
-
-bool linear_staged_applies(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  return g_linear_staged.load(std::memory_order_relaxed) && x.dtype() == weight.dtype() &&
-         out.dtype() == x.dtype() && (!bias || bias.dtype() == x.dtype()) &&
-         gemm::gemv_staged_supported(x.dim(0), x.dim(1), weight.dim(0), x.dtype(), x.data(), weight.data());
-}
-
-// Not timed against the other paths, unlike cuda::linear: its gain is the weight stream overlapping the kernel
-// before it, which a measurement of the op alone cannot see (the engine A/B in docs/perf.md decides).
-void linear_staged(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                   const Tensor& bias) {
-  if (x.dim(0) == 0 || weight.dim(0) == 0 || !linear_staged_applies(out, x, weight, bias)) {
-    return cuda::linear(ctx, out, x, weight, bias);
-  }
-  gemm::GemvStagedParams p;
-  p.x = x.data();
-  p.w = weight.data();
-  p.bias = bias ? bias.data() : nullptr;
-  p.y = out.data();
-  p.T = static_cast<int>(x.dim(0));
-  p.K = static_cast<int>(x.dim(1));
-  p.N = static_cast<int>(weight.dim(0));
-  gemm::launch_gemv_staged(p, x.dtype(), as_stream(ctx.stream));
-}
-
 void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const Tensor& x,
                   std::span<const Tensor> weights) {
   // One GEMV launch for all parts when each of them is a GEMV shape at a decode size; else one linear per part.

@@ -25,13 +25,6 @@ NormFold set_residual_norm_fold(NormFold fold);
 bool residual_norm_linear_fused(const ops::ResidualNorm& rn, std::span<const Tensor> outs,
                                 std::span<const Tensor> weights, const Tensor& bias);
 
-// ops::linear_staged's path (gemm/gemv_staged.cu, the weights copied into shared memory before the PDL wait): on
-// (the default) where it applies, else cuda::linear. CHIMERA_LINEAR_STAGED=0 sets the default off (engine A/B runs).
-// Process-wide; returns the previous setting.
-bool set_linear_staged(bool on);
-// Whether ops::linear_staged takes the staged path for these arguments (and it is on).
-bool linear_staged_applies(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias);
-
 void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
                     const Tensor& bias, LinearPath path);
 
