@@ -100,6 +100,28 @@ cudaError_t launch_cluster(void (*kernel)(KArgs...), dim3 grid, dim3 block, size
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+// Whether one cluster of `cluster_x` CTAs of `kernel` (block threads, smem dynamic bytes each) can be resident at
+// once (cudaOccupancyMaxActiveClusters > 0). A refused query is an answer: its error is cleared. Clusters above 8
+// CTAs need the non-portable attribute set on the kernel first (as for launch_cluster).
+template <typename... KArgs>
+bool cluster_fits_once(void (*kernel)(KArgs...), unsigned cluster_x, unsigned block, size_t smem) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(cluster_x);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_x;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  const bool ok = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0;
+  (void)cudaGetLastError();
+  return ok;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute when pdl_enabled(). Returns the launch's
 // error; callers follow it with CHIMERA_LAUNCH_CHECK / CHIMERA_CUDA_CHECK as for <<<>>>.
 template <typename... KArgs, typename... Args>

@@ -301,22 +301,8 @@ bool cluster_fits(int cluster, size_t smem) {
     ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) ==
          cudaSuccess;
   }
-  if (ok) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(cluster));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int n = 0;
-    ok = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0;
-  }
-  (void)cudaGetLastError();  // a refused attribute or query is an answer, not a sticky error
+  if (ok) ok = cluster_fits_once(kernel, static_cast<unsigned>(cluster), static_cast<unsigned>(kThreads), smem);
+  (void)cudaGetLastError();  // a refused attribute is an answer, not a sticky error
   cache.emplace(key, ok);
   return ok;
 }

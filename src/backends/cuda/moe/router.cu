@@ -834,23 +834,9 @@ bool cluster_fits(int cs, size_t smem) {
                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kGateClusterMaxSmemBytes)) == cudaSuccess;
   }
-  bool ok = attrs_ok;
-  if (ok) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(cs));
-    cfg.blockDim = dim3(kClusterThreads);
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(cs);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int n = 0;
-    ok = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0;
-  }
-  (void)cudaGetLastError();  // a refused attribute or query is an answer, not a sticky error
+  const bool ok =
+      attrs_ok && cluster_fits_once(kernel, static_cast<unsigned>(cs), static_cast<unsigned>(kClusterThreads), smem);
+  (void)cudaGetLastError();  // a refused attribute is an answer, not a sticky error
   cache.emplace(key, ok);
   return ok;
 }
