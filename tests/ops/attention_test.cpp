@@ -219,6 +219,43 @@ class OpsAttention : public BackendTest {
     check_cache(cache, d, l, done, block_size);
   }
 
+  // The paged cache on the host (poisoned) holding positions [0, ctx_lens[s]) of every sequence's k and v.
+  struct HostKv {
+    Tensor k, v;
+  };
+  static HostKv host_cache(const Seqs& d, const AttnCase& c, const PagedLayout& l,
+                           const std::vector<int32_t>& ctx_lens, int64_t block_size) {
+    HostKv h{Tensor::empty(DType::kF32, {l.num_blocks, block_size, c.KVh, c.hd}), Tensor{}};
+    h.v = Tensor::empty(DType::kF32, h.k.shape());
+    test::poison(h.k);
+    test::poison(h.v);
+    for (size_t s = 0; s < ctx_lens.size(); ++s) {
+      for (int32_t pos = 0; pos < ctx_lens[s]; ++pos) {
+        const int64_t blk = l.tables.i32()[int64_t(s) * l.max_blocks + pos / block_size];
+        std::copy_n(d.k[s].select(pos).f32(), c.KVh * c.hd, h.k.select(blk).select(pos % block_size).f32());
+        std::copy_n(d.v[s].select(pos).f32(), c.KVh * c.hd, h.v.select(blk).select(pos % block_size).f32());
+      }
+    }
+    return h;
+  }
+
+  // cu_seqlens / context_lens as ops::Indices over the caller's vectors, with device copies when device_meta (a
+  // captured step's inputs; kept alive here).
+  struct StepMeta {
+    Tensor cu_dev, ctx_dev;
+    ops::Indices cu, ctx;
+  };
+  StepMeta step_meta(const std::vector<int32_t>& cu, const std::vector<int32_t>& ctx_lens, bool device_meta) const {
+    StepMeta m{Tensor{}, Tensor{}, ops::Indices(cu), ops::Indices(ctx_lens)};
+    if (device_meta) {
+      m.cu_dev = on_backend(Tensor::from_i32({int64_t(cu.size())}, cu));
+      m.ctx_dev = on_backend(Tensor::from_i32({int64_t(ctx_lens.size())}, ctx_lens));
+      m.cu = ops::Indices(cu, m.cu_dev.i32());
+      m.ctx = ops::Indices(ctx_lens, m.ctx_dev.i32());
+    }
+    return m;
+  }
+
   // One decode step (one new token per sequence) over caches of ctx_lens tokens written from the host.
   // device_meta: cu_seqlens / context_lens also on the device (a captured step's inputs), so the split plan is
   // sized for the block table's capacity and each sequence's CTAs past its own split count exit.
@@ -229,18 +266,8 @@ class OpsAttention : public BackendTest {
     for (size_t s = 0; s < S; ++s) lens[s] = ctx_lens[s] + 1;
     const Seqs d = make_seqs(rng, c, lens, dtype, ctx_lens);
     const PagedLayout l = make_layout(rng, lens, block_size);
-    Tensor hk = Tensor::empty(DType::kF32, {l.num_blocks, block_size, c.KVh, c.hd});
-    Tensor hv = Tensor::empty(DType::kF32, hk.shape());
-    test::poison(hk);
-    test::poison(hv);
-    for (size_t s = 0; s < S; ++s) {
-      for (int32_t pos = 0; pos < ctx_lens[s]; ++pos) {
-        const int64_t blk = l.tables.i32()[int64_t(s) * l.max_blocks + pos / block_size];
-        std::copy_n(d.k[s].select(pos).f32(), c.KVh * c.hd, hk.select(blk).select(pos % block_size).f32());
-        std::copy_n(d.v[s].select(pos).f32(), c.KVh * c.hd, hv.select(blk).select(pos % block_size).f32());
-      }
-    }
-    ops::KvCacheView cache{on_backend(hk, dtype), on_backend(hv, dtype)};
+    const HostKv h = host_cache(d, c, l, ctx_lens, block_size);
+    ops::KvCacheView cache{on_backend(h.k, dtype), on_backend(h.v, dtype)};
     const int64_t T = int64_t(S);
     Tensor qs = Tensor::empty(DType::kF32, {T, c.Qh, c.hd}), ks = Tensor::empty(DType::kF32, {T, c.KVh, c.hd});
     Tensor vs = Tensor::empty(DType::kF32, {T, c.KVh, c.hd});
@@ -255,16 +282,9 @@ class OpsAttention : public BackendTest {
       row_pos[s] = ctx_lens[s];
     }
     Tensor out = output(dtype, {T, c.Qh, c.hd});
-    Tensor cu_dev, ctx_dev;
-    ops::Indices cu_idx(cu), ctx_idx(ctx_lens);
-    if (device_meta) {
-      cu_dev = on_backend(Tensor::from_i32({int64_t(cu.size())}, cu));
-      ctx_dev = on_backend(Tensor::from_i32({int64_t(S)}, ctx_lens));
-      cu_idx = ops::Indices(cu, cu_dev.i32());
-      ctx_idx = ops::Indices(ctx_lens, ctx_dev.i32());
-    }
-    ops::attention(ctx(), out, on_backend(qs, dtype), on_backend(ks, dtype), on_backend(vs, dtype), cache, cu_idx,
-                   ctx_idx, on_backend(l.tables), 1.0f / std::sqrt(float(c.hd)));
+    const StepMeta m = step_meta(cu, ctx_lens, device_meta);
+    ops::attention(ctx(), out, on_backend(qs, dtype), on_backend(ks, dtype), on_backend(vs, dtype), cache, m.cu,
+                   m.ctx, on_backend(l.tables), 1.0f / std::sqrt(float(c.hd)));
     check_rows(out, d, c, row_seq, row_pos, {}, dtype);
     check_cache(cache, d, l, lens, block_size);
   }
@@ -284,17 +304,7 @@ class OpsAttention : public BackendTest {
     }
     const Seqs d = make_seqs(rng, c, lens, dtype, ctx_lens);
     const PagedLayout l = make_layout(rng, lens, block_size);
-    Tensor hk = Tensor::empty(DType::kF32, {l.num_blocks, block_size, c.KVh, c.hd});
-    Tensor hv = Tensor::empty(DType::kF32, hk.shape());
-    test::poison(hk);
-    test::poison(hv);
-    for (size_t s = 0; s < S; ++s) {
-      for (int32_t pos = 0; pos < ctx_lens[s]; ++pos) {
-        const int64_t blk = l.tables.i32()[int64_t(s) * l.max_blocks + pos / block_size];
-        std::copy_n(d.k[s].select(pos).f32(), c.KVh * c.hd, hk.select(blk).select(pos % block_size).f32());
-        std::copy_n(d.v[s].select(pos).f32(), c.KVh * c.hd, hv.select(blk).select(pos % block_size).f32());
-      }
-    }
+    const HostKv h = host_cache(d, c, l, ctx_lens, block_size);
     std::vector<int32_t> cu = {0};
     std::vector<int64_t> row_seq, row_pos;
     for (size_t s = 0; s < S; ++s) {
@@ -315,25 +325,18 @@ class OpsAttention : public BackendTest {
     }
     const Tensor q = on_backend(qs, dtype), k = on_backend(ks, dtype), v = on_backend(vs, dtype);
     const Tensor tables = on_backend(l.tables);
-    Tensor cu_dev, ctx_dev;
-    ops::Indices cu_idx(cu), ctx_idx(ctx_lens);
-    if (device_meta) {
-      cu_dev = on_backend(Tensor::from_i32({int64_t(cu.size())}, cu));
-      ctx_dev = on_backend(Tensor::from_i32({int64_t(S)}, ctx_lens));
-      cu_idx = ops::Indices(cu, cu_dev.i32());
-      ctx_idx = ops::Indices(ctx_lens, ctx_dev.i32());
-    }
+    const StepMeta m = step_meta(cu, ctx_lens, device_meta);
     std::vector<bool> folds = {true};  // CPU: one path
     if (on_cuda()) folds = {true, false};
     std::vector<Tensor> outs, caches_k, caches_v;
     for (const bool fold : folds) {
       SCOPED_TRACE(::testing::Message() << (fold ? "append folded into decode" : "append launch"));
-      ops::KvCacheView cache{on_backend(hk, dtype), on_backend(hv, dtype)};
+      ops::KvCacheView cache{on_backend(h.k, dtype), on_backend(h.v, dtype)};
       Tensor out = output(dtype, {T, c.Qh, c.hd});
 #ifdef CHIMERA_HAVE_CUDA
       const bool saved = on_cuda() ? cuda::set_attention_decode_append(fold) : true;
 #endif
-      ops::attention(ctx(), out, q, k, v, cache, cu_idx, ctx_idx, tables, 1.0f / std::sqrt(float(c.hd)));
+      ops::attention(ctx(), out, q, k, v, cache, m.cu, m.ctx, tables, 1.0f / std::sqrt(float(c.hd)));
 #ifdef CHIMERA_HAVE_CUDA
       if (on_cuda()) cuda::set_attention_decode_append(saved);
 #endif
