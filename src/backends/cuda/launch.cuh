@@ -70,6 +70,19 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// The split cluster barrier (sm_90): every thread of every CTA of the cluster arrives, then waits. The release /
+// acquire pair orders each CTA's earlier (distributed) shared-memory writes before the others' later reads; the
+// relaxed arrive orders nothing (a barrier that only proves every CTA has started).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // As launch(), for a kernel run in thread-block clusters of `cluster_x` CTAs along x (grid.x a multiple of it;
 // 0: no cluster, what launch() passes). Clusters above 8 CTAs need cudaFuncAttributeNonPortableClusterSizeAllowed
 // set on the kernel first.

@@ -59,9 +59,6 @@ inline size_t smem_bytes(int nx, int N, int K) {
   return sizeof(float) * static_cast<size_t>(2 * nx + 2 * N + 2 * N * (K - 1));
 }
 
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-
 template <typename T, typename S, int N>
 __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const MambaDecodeParams p) {
   using L = ssu::Layout<S, N>;
@@ -272,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
   cluster.sync();  // every CTA's partial is written
   float total = 0.0f;
   for (int r = 0; r < cs; ++r) total += *cluster.map_shared_rank(&cta_ss, static_cast<unsigned>(r));
-  cluster_arrive();  // done with the other CTAs' shared memory
+  cluster_arrive_release();  // done with the other CTAs' shared memory
   const float inv = 1.0f / sqrtf(total / static_cast<float>(hpg * P) + p.eps);
   T* const out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * Di + static_cast<int64_t>(head0) * P;
 #pragma unroll
@@ -280,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
     const int i = tid + k * kThreads;
     if (i < nx) out[i] = from_float<T>(nw[k] * (u[k] * inv));
   }
-  cluster_wait();  // nobody leaves while a peer may still read its cta_ss
+  cluster_wait_acquire();  // nobody leaves while a peer may still read its cta_ss
 }
 
 // Whether `cluster` CTAs of this kernel with `smem` bytes can be co-scheduled (cached: the occupancy query

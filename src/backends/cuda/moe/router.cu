@@ -448,6 +448,24 @@ __device__ __forceinline__ void gate_partial(const GateLaunch& L, int split, int
   }
 }
 
+// Phase 2's selection, shared by both router_gate_topk kernels, over rp.logits [T][E] f32 already in shared memory.
+// The block select for one token of a wide router only: at Nano's 128 experts the warp select measured faster at
+// T = 1 too (moe_router_gate_nano, graph: 6.34 vs 7.04 us); 512 experts keep the block select at T = 1. Otherwise
+// warp t routes token t with scratch + t * (E + 2 n_group) floats (the group-limited warps' scratch). Whole block.
+template <int NPER, bool kGroups>
+__device__ __forceinline__ void select_tokens(const RouterParams& rp, int select, int warp, int lane, float* scratch) {
+  const int T = rp.T, E = rp.E;
+  const bool block_select = !kGroups && (select == 2 || (select == 0 && T == 1 && E > 256));
+  if (block_select) {
+    for (int t = 0; t < T; ++t) {
+      route_token_block(rp, t);
+      __syncthreads();
+    }
+  } else if (warp < T) {
+    route_token_warp<NPER, 0, kGroups>(rp, warp, lane, scratch + warp * (E + 2 * rp.n_group));
+  }
+}
+
 template <int NPER, bool kGroups>
 __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const GateLaunch L) {
   // Phase 2: logits [T][E], then (kGroups) each warp's E + 2 n_group floats.
@@ -515,17 +533,7 @@ __global__ void __launch_bounds__(kGateThreads) router_gate_topk_kernel(const Ga
   RouterParams rp = g.route;
   rp.logits = s_logits;
   rp.logits_dtype = DType::kF32;
-  // The block select for one token of a wide router only: at Nano's 128 experts the warp select measured faster
-  // at T = 1 too (moe_router_gate_nano, graph: 6.34 vs 7.04 us); 512 experts keep the block select at T = 1.
-  const bool block_select = !kGroups && (g.select == 2 || (g.select == 0 && T == 1 && E > 256));
-  if (block_select) {
-    for (int t = 0; t < T; ++t) {
-      route_token_block(rp, t);
-      __syncthreads();
-    }
-  } else if (warp < T) {
-    route_token_warp<NPER, 0, kGroups>(rp, warp, lane, s_logits + T * E + warp * (E + 2 * rp.n_group));
-  }
+  select_tokens<NPER, kGroups>(rp, g.select, warp, lane, s_logits + T * E);
 }
 
 // Phase 2's logits (and the group-limited warps' scratch); phase 1 needs no shared memory.
@@ -582,15 +590,6 @@ struct ClusterLaunch {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -780,16 +779,7 @@ __global__ void __launch_bounds__(kClusterThreads, 1) router_gate_cluster_kernel
   rp.logits_dtype = DType::kF32;
   rp.bias = s_bias;
   rp.bias_dtype = DType::kF32;
-  const bool block_select = !kGroups && (g.select == 2 || (g.select == 0 && T == 1 && E > 256));
-  if (block_select) {
-    for (int t = 0; t < T; ++t) {
-      route_token_block(rp, t);
-      __syncthreads();
-    }
-  } else if (warp < T) {
-    float* s_scratch = reinterpret_cast<float*>(smem + L.off_scratch);
-    route_token_warp<NPER, 0, kGroups>(rp, warp, lane, s_scratch + warp * (E + 2 * rp.n_group));
-  }
+  select_tokens<NPER, kGroups>(rp, g.select, warp, lane, reinterpret_cast<float*>(smem + L.off_scratch));
 }
 
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
