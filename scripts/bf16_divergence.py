@@ -26,6 +26,7 @@ import transformers
 from transformers import LogitsProcessorList, NemotronHForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_fixtures  # noqa: E402
 from make_fixtures import ForceTokens  # noqa: E402
 
 
@@ -55,11 +56,7 @@ def load(fixture_dir, dtype):
 
 
 def fp32_on_bf16_weights(fixture_dir):
-    bf16, m = load(fixture_dir, torch.bfloat16), load(fixture_dir, torch.float32)
-    src = {**dict(bf16.named_parameters()), **dict(bf16.named_buffers())}
-    for name, t in [*m.named_parameters(), *m.named_buffers()]:
-        t.copy_(src[name].float())  # e_score_correction_bias stays fp32 in the bf16 model too
-    return m
+    return make_fixtures.fp32_on_bf16_weights(load(fixture_dir, torch.bfloat16), fixture_dir)
 
 
 def run_in_fp32(module):

@@ -28,6 +28,11 @@ bf16 mode (issue 4; the GPU machine): python3 scripts/make_fixtures.py --bf16-lo
     <name>.logits_bf16_<p>.npy   float32 [len(prompt_p) + len(greedy_p) - 1, vocab] (bf16 values, exact in f32)
     <name>.expected_bf16.json    versions, implementations, top-1 agreement with the fp32 fixture, and the bf16
                                  cached-vs-full-forward difference of transformers itself (its own bf16 noise)
+    <name>.router_margin_<p>.npy float32 [same rows] (fixtures with MoE layers): at each teacher-forced position,
+                                 the smallest top-k selection margin (k-th minus (k+1)-th biased router score) over
+                                 the MoE layers, from fp32 math on the same bf16 weights over prompt + greedy[:-1]
+                                 (one full forward). Where it is small, bf16 rounding on either side may pick
+                                 another expert set; the tests use it to tell those positions apart.
   Copy them into tests/fixtures/models/<name>/ as logits_bf16_<p>.npy and expected_bf16.json (the script prints
   the commands).
 """
@@ -468,6 +473,39 @@ def rel_to_max(got, ref):
     return float((err / scale).max())
 
 
+def fp32_on_bf16_weights(bf16_model, fixture_dir, **kw):
+    """fp32 math on the bf16 model's (rounded) weights: the neutral reference both bf16 runs scatter around.
+    e_score_correction_bias is fp32 in the bf16 model too (transformers keeps it so)."""
+    m = NemotronHForCausalLM.from_pretrained(
+        fixture_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager", **kw
+    ).to(next(bf16_model.parameters()).device).eval()
+    src = {**dict(bf16_model.named_parameters()), **dict(bf16_model.named_buffers())}
+    for n, t in [*m.named_parameters(), *m.named_buffers()]:
+        t.copy_(src[n].float())
+    return m
+
+
+@torch.no_grad()
+def router_margins(model, ids):
+    """[T] smallest top-k selection margin over the MoE layers at each position of one full forward (None: no MoE).
+    The gate's outputs are (router logits [T, E], weights, indices); selection is on sigmoid + correction bias."""
+    margins, hooks = [], []
+    for layer in model.model.layers:
+        if layer.block_type != "moe":
+            continue
+        gate = layer.mixer.gate
+
+        def hook(mod, args, out, gate=gate):
+            ranked = (torch.sigmoid(out[0].float()) + gate.e_score_correction_bias.float()).sort(-1, descending=True)[0]
+            margins.append(ranked[:, gate.top_k - 1] - ranked[:, gate.top_k])
+
+        hooks.append(gate.register_forward_hook(hook))
+    model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return torch.stack(margins).amin(0).cpu() if margins else None
+
+
 @torch.no_grad()
 def make_bf16_one(fixture_dir, name, outdir, device):
     from transformers import LogitsProcessorList
@@ -482,6 +520,7 @@ def make_bf16_one(fixture_dir, name, outdir, device):
     model.eval()
     assert not model.config.use_mamba_kernels, "the fixtures use transformers' torch Mamba path"
     assert next(model.parameters()).dtype == torch.bfloat16
+    model32 = fp32_on_bf16_weights(model, fixture_dir, **kw)
     rows_written, agree, total, worst_cache_vs_full, worst_vs_fp32 = [], 0, 0, 0.0, 0.0
     for p, (prompt, greedy) in enumerate(zip(expected["prompts"], expected["greedy"])):
         n_prompt, n_new = len(prompt), len(greedy)
@@ -513,6 +552,12 @@ def make_bf16_one(fixture_dir, name, outdir, device):
         fn = f"{name}.logits_bf16_{p}.npy"
         np.save(os.path.join(outdir, fn), logits.numpy().astype(np.float32))
         rows_written.append((fn, logits.shape[0]))
+        rm = router_margins(model32, torch.tensor([prompt + greedy[:-1]], device=device))
+        if rm is not None:
+            assert rm.shape[0] == logits.shape[0]
+            np.save(os.path.join(outdir, f"{name}.router_margin_{p}.npy"), rm.numpy().astype(np.float32))
+            log(f"  {name} prompt {p}: {int((rm < 0.01).sum())} of {rm.shape[0]} positions with a router margin "
+                f"below 0.01 (smallest {float(rm.min()):.2e})")
     meta = {
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
@@ -546,7 +591,9 @@ def make_bf16_logits(fixtures_root, outdir, only, device):
         make_bf16_one(os.path.join(fixtures_root, name), name, outdir, device)
     log("\ninstall them with (repository root):")
     for name in names:
-        log(f"  for f in {outdir}/{name}.logits_bf16_*.npy {outdir}/{name}.expected_bf16.json; do "
+        margins = (f"{outdir}/{name}.router_margin_*.npy "
+                   if os.path.exists(os.path.join(outdir, f"{name}.router_margin_0.npy")) else "")
+        log(f"  for f in {outdir}/{name}.logits_bf16_*.npy {margins}{outdir}/{name}.expected_bf16.json; do "
             f"cp \"$f\" tests/fixtures/models/{name}/\"${{f##*/{name}.}}\"; done")
 
 

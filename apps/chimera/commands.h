@@ -21,6 +21,7 @@ struct GenerateOptions {
   std::string device = "cpu";
   std::string dtype;  // "" = the device's default: float32 on the CPU, bfloat16 on CUDA
   std::string logits_out;
+  std::string dump_activations;  // --dump-activations DIR (NemotronH::set_activation_dump)
   SamplingParams sampling;
   int32_t max_model_len = 4096;
   bool no_special_tokens = false;

@@ -34,6 +34,8 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
       ->capture_default_str();
   app.add_option("--logits-out", o.logits_out,
                  "Write float32 logits of every prompt position and every generated step to FILE.npy");
+  app.add_option("--dump-activations", o.dump_activations,
+                 "Debugging: write each layer's input (and a MoE layer's experts) of the prefill to DIR as .npy");
   app.add_flag("--no-special-tokens", o.no_special_tokens, "Do not add the tokenizer's special tokens (BOS)");
   app.add_flag("-q,--quiet", o.quiet, "No statistics on stderr");
 }
@@ -83,6 +85,7 @@ int run_generate(const GenerateOptions& o) {
   limits.max_tokens_per_step = std::min(ec.scheduler.max_num_batched_tokens, o.max_model_len);
   limits.block_size = ec.cache.block_size;
   LoadedModel m = load_model(o.source, /*with_weights=*/true, model_options, limits);
+  if (!o.dump_activations.empty()) m.model->set_activation_dump(o.dump_activations);
   std::vector<int32_t> prompt;
   if (!o.prompt_ids.empty()) {
     prompt = parse_ids(o.prompt_ids);

@@ -15,6 +15,7 @@
 #include "core/counter_rng.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "io/npy.h"
 
 namespace chimera {
 namespace {
@@ -556,8 +557,8 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
   ops::linear(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
 }
 
-void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const Tensor& x, const Tensor& shared_out,
-                          const Tensor& routed_out) const {
+void NemotronH::moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeights& L, const Tensor& x,
+                          const Tensor& shared_out, const Tensor& routed_out) const {
   const ModelConfig& c = config_;
   const MoeWeights& w = L.moe;
   const int64_t T = x.dim(0), k = c.num_experts_per_tok, Din = c.moe_input_dim();
@@ -570,6 +571,7 @@ void NemotronH::moe_mixer(const ops::Context& ctx, const LayerWeights& L, const 
   Tensor weights = device::empty(ctx.device, DType::kF32, {T, k});
   ops::RouterParams rp{k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor};
   ops::router_gate_topk(ctx, ids, weights, x, w.gate, w.e_score_correction_bias, rp);
+  dump_activation(layer, "experts", ids);
 
   // Routed experts, in the latent space when moe_latent_size is set (model-spec 6.2), and the shared expert, which
   // reads the full hidden state, never the latent one. One op: moe_experts then relu2_mlp (the CPU runs exactly
@@ -589,6 +591,25 @@ Tensor NemotronH::act(const ops::Context& ctx, Shape shape) const {
   return device::empty(ctx.device, act_dtype_, std::move(shape));
 }
 
+void NemotronH::set_activation_dump(std::filesystem::path dir) {
+  if (!dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec || !std::filesystem::is_directory(dir)) {
+      invalid_input("--dump-activations {}: cannot create the directory ({})", dir.string(), ec.message());
+    }
+  }
+  dump_dir_ = std::move(dir);
+  dumped_steps_ = 0;
+}
+
+void NemotronH::dump_activation(size_t layer, const char* what, const Tensor& t) const {
+  if (dump_step_ < 0) return;
+  // to_host / to_host_f32 copy synchronously, after the work queued before them.
+  const Tensor host = t.dtype() == DType::kI32 ? device::to_host(t) : device::to_host_f32(t);
+  write_npy(dump_dir_ / fmt::format("step{}_layer{}_{}.npy", dump_step_, layer, what), host);
+}
+
 Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
   Tensor logits = forward_device(ctx, b, state);
   // Host fp32 logits (a no-op on the CPU).
@@ -597,6 +618,7 @@ Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelStat
 
 Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
   b.validate();
+  dump_step_ = !dump_dir_.empty() && b.num_prefill_seqs > 0 ? dumped_steps_++ : -1;
   if (ctx.device != device_) {
     runtime_error("NemotronH::forward: the model was loaded for the {} but the context is {}",
                   device_ == Device::kCpu ? "CPU" : "GPU", ctx.device == Device::kCpu ? "the CPU" : "a GPU");
@@ -647,9 +669,10 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
       case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], pre, x, mix); break;
       case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], pre, x, mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, mix, x, L.mlp.up_proj, L.mlp.down_proj); break;
-      case LayerKind::kMoe: moe_mixer(ctx, L, x, mix, routed); break;
+      case LayerKind::kMoe: moe_mixer(ctx, i, L, x, mix, routed); break;
     }
     if (has_pending) std::swap(h, h_next);  // the folded step wrote the new residual to h_next
+    dump_activation(i, "input", h);         // h is layer i's input now: the folded step has run
     const bool fold_next =
         i + 1 < layers_.size()
             ? layers_[i + 1].kind == LayerKind::kMamba || layers_[i + 1].kind == LayerKind::kAttention

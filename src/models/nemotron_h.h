@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -103,11 +104,20 @@ class NemotronH {
   // decode step can be captured in a CUDA graph when batch.device_meta is set.
   Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const;
 
+  // Debugging (chimera generate --dump-activations DIR; scripts/bf16_layer_error.py reads it): every later forward
+  // step that has prefill rows (an eager step, never a captured decode graph) writes, per layer i,
+  //   DIR/step<s>_layer<i>_input.npy    [T, hidden] fp32: the residual stream entering layer i
+  //   DIR/step<s>_layer<i>_experts.npy  [T, k] int32: a MoE layer's chosen experts, in the router's order
+  // with s counting those steps from 0. Each write waits for the device (slow: for diagnosis only). Empty: off.
+  void set_activation_dump(std::filesystem::path dir);
+
  private:
   NemotronH() = default;
   static NemotronH bind(const ModelConfig& config, WeightTable& weights, const ModelOptions& options);
   // An uninitialised activation on `device` in the activation dtype.
   Tensor act(const ops::Context& ctx, Shape shape) const;
+  // set_activation_dump's write of `t` as DIR/step<s>_layer<layer>_<what>.npy, when this step is dumped.
+  void dump_activation(size_t layer, const char* what, const Tensor& t) const;
   // The Mamba and attention mixers read their normed input x only through their first dense op; `pre`, when set,
   // is the residual step that produces x (pre->x == x), folded into that op (ops::residual_norm_linear).
   void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const Tensor& conv_state,
@@ -116,9 +126,10 @@ class NemotronH {
   void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
                        const Tensor& block_tables, const ops::KvCacheView& kv, const ops::ResidualNorm* pre,
                        const Tensor& x, const Tensor& out) const;
-  // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm.
-  void moe_mixer(const ops::Context& ctx, const LayerWeights& w, const Tensor& x, const Tensor& shared_out,
-                 const Tensor& routed_out) const;
+  // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm. `layer`
+  // names its dumps.
+  void moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeights& w, const Tensor& x,
+                 const Tensor& shared_out, const Tensor& routed_out) const;
 
   ModelConfig config_;
   Device device_ = Device::kCpu;
@@ -128,6 +139,9 @@ class NemotronH {
   Tensor norm_f_;   // [D]
   Tensor lm_head_;  // [V, D]
   std::map<std::string, Tensor> mtp_;  // host views (the MTP head does not run yet)
+  std::filesystem::path dump_dir_;     // set_activation_dump; empty: off
+  mutable int dump_step_ = -1;         // the dumped step's number; -1 while the current step is not dumped
+  mutable int dumped_steps_ = 0;
 };
 
 }  // namespace chimera

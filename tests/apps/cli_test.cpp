@@ -14,6 +14,7 @@
 #include "backends/device_api.h"
 #include "common/compare.h"
 #include "io/npy.h"
+#include "io/safetensors.h"
 
 namespace chimera {
 namespace {
@@ -162,6 +163,44 @@ TEST_F(Cli, LogitsOutHasARowPerPromptPositionAndStep) {
   r = run_cli("generate -m " + d.string() + " -p hello");
   EXPECT_EQ(r.status, 2) << r.out;
   EXPECT_NE(r.out.find("no tokenizer.json"), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, DumpActivationsWritesEachLayersInputAndTheExperts) {
+  // super_like: Mamba, MoE and attention layers ("MEM*EME"), 16 experts top-3, hidden 64.
+  const fs::path model = test::source_path("tests/fixtures/models/super_like");
+  const fs::path dir = tmp_ / "dump";
+  const std::vector<int32_t> ids = {3, 141, 59, 26};
+  auto r = run_cli("generate -m " + model.string() + " --prompt-ids 3,141,59,26 -n 2 -q --dump-activations " +
+                   dir.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::string pattern = "MEM*EME";
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const Tensor in = read_npy(dir / ("step0_layer" + std::to_string(i) + "_input.npy"));
+    EXPECT_EQ(in.shape(), (Shape{4, 64})) << "layer " << i;
+    const fs::path experts = dir / ("step0_layer" + std::to_string(i) + "_experts.npy");
+    ASSERT_EQ(fs::exists(experts), pattern[i] == 'E') << experts;
+    if (pattern[i] == 'E') {
+      const Tensor e = read_npy(experts);
+      ASSERT_EQ(e.shape(), (Shape{4, 3}));
+      for (int64_t j = 0; j < e.numel(); ++j) EXPECT_TRUE(e.i32()[j] >= 0 && e.i32()[j] < 16) << e.i32()[j];
+    }
+  }
+  // Layer 0's input is the embedding of the prompt ids; only the prefill step is dumped.
+  const Tensor in0 = read_npy(dir / "step0_layer0_input.npy");
+  const Checkpoint ckpt = Checkpoint::open(model);
+  const Tensor emb = ckpt.tensor("model.embeddings.weight");
+  for (size_t t = 0; t < ids.size(); ++t) {
+    for (int64_t d = 0; d < 64; ++d) {
+      ASSERT_EQ(in0.f32()[static_cast<int64_t>(t) * 64 + d], emb.f32()[static_cast<int64_t>(ids[t]) * 64 + d]) << "token " << t << " dim " << d;
+    }
+  }
+  EXPECT_FALSE(fs::exists(dir / "step1_layer0_input.npy"));
+  // A directory that cannot be made is a usage error naming the flag.
+  std::ofstream(tmp_ / "file") << "x";
+  r = run_cli("generate -m " + model.string() + " --prompt-ids 3,141 -n 1 -q --dump-activations " +
+              (tmp_ / "file" / "sub").string());
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--dump-activations"), std::string::npos) << r.out;
 }
 
 TEST_F(Cli, InfoShowsPlanParamsAndMemory) {

@@ -48,17 +48,22 @@ inline constexpr double kGpuBf16GraphVsEagerRelToMax = 2e-2;
 inline constexpr double kGpuBf16TieMargin = 1.0 / 64;
 inline constexpr double kGpuBf16LogitsRelToMax = 0.05;
 inline constexpr double kGpuBf16Top1Agreement = 0.99;
-// super_like (LatentMoE, 16 experts top-3, groups, scale 2.5, correction bias std 0.5) does NOT meet the bar above:
-// measured on the H200 (2026-11-30) 166 / 171 = 97.1 % of decidable positions and p90 0.071. The cause is its
-// routers, not one missing bf16 rounding (scripts/bf16_divergence.py, CPU, 2026-11-30): 44 of its 185 positions
-// have a top-3 selection margin (3rd vs 4th biased score, scores ~1) below 0.01 in some MoE layer, bf16 activation
-// noise (~1-2 % of the router input after six layers) flips such choices (8 of 555 decisions differ between
-// transformers bf16 and fp32 math on the same bf16 weights), and a flipped row's logits move by 0.14-0.38 of
-// max|logit|. Which rows flip depends on where each implementation rounds: transformers bf16 with only its Mamba
-// mixers in fp32 scores 98.25 %, fp32 transformers 98.25 %, Chimera's CPU backend on bf16 weights (fp32 math)
-// 99.42 % (p90 0.026), transformers CPU bf16 vs its GPU bf16 100 % (p90 0.009); all reach 100 % on the positions
-// whose smallest router margin is above 0.01. Its bounds hold the measured level so a regression still fails; the
-// gap to issue 4's 99 % is reported, not hidden.
+// super_like (LatentMoE, 16 experts top-3, groups, scale 2.5, correction bias std 0.5) does NOT meet the bar above
+// over all decidable positions: measured on the H200 166 / 171 = 97.1 % and p90 0.071 (2026-11-30, unchanged
+// 2026-12-01). The cause is its routers, not Chimera's bf16 arithmetic (measured 2026-12-01 on the H200 with
+// scripts/bf16_layer_error.py): block by block, Chimera's bf16 output is as close to fp32 math on the same input as
+// transformers' bf16 block is (local error median 1-5e-3 both, ours no larger in 14 of 18 blocks), and its
+// residual stream stays closer to the fp32 one (median 1.2e-2 vs 1.3e-2 at the last MoE layer). But 49 of the 185
+// positions have a top-3 selection margin (3rd vs 4th biased score, scores ~1) below 0.01 in some MoE layer, where
+// either run's bf16 noise (~1 % of the router input after six layers) picks another expert set: in the three
+// prompt prefills transformers bf16 flips 3 such choices against fp32 math and Chimera 5, at different positions
+// (margins 0.0007-0.008), and a flipped row's logits move by up to 0.56 of max|logit|. All five of Chimera's
+// decidable misses sit at positions whose router margin is below 0.01 (0.0004-0.008); on the 125 robust positions
+// it agrees at every one (so does the CPU on bf16 weights, whose one decidable miss is transformers' flip).
+// So both bf16 tests also measure the robust positions (decidable, and every router margin at that position >=
+// kBf16RouterTieMargin, from router_margin_<p>.npy) and hold them to issue 4's 99 % on every fixture; the plain
+// decidable rate of super_like keeps the bounds below, at the measured level, so a regression still fails.
+inline constexpr double kBf16RouterTieMargin = 0.01;
 inline constexpr double kGpuBf16Top1AgreementSuperLike = 0.97;
 inline constexpr double kGpuBf16LogitsRelToMaxSuperLike = 0.08;
 // The CPU backend on bf16 weights (fp32 math; models/nemotron_h_bf16_test.cpp) vs the same transformers bf16 logits,

@@ -18,6 +18,7 @@
 #include "common/compare.h"
 #include "common/tolerances.h"
 #include "io/model_config.h"
+#include "io/npy.h"
 #include "io/safetensors.h"
 #include "models/nemotron_h.h"
 #include "runtime/engine.h"
@@ -101,8 +102,6 @@ inline ::testing::AssertionResult logits_match(const std::vector<float>& got, co
   return ::testing::AssertionSuccess();
 }
 
-// Runs one prompt through the engine (prefill in chunks of `chunk` tokens, then token-by-token decode),
-// collecting the logits of every prompt position and every generated step. Runs on the model's device.
 // One teacher-forced position of a bf16 run against transformers' bf16 logits (V of each): both top-1 choices, the
 // reference's top-2 margin, and max|logit - ref| / max|ref|. Decidable: the margin above kGpuBf16TieMargin of the
 // reference's largest |logit| (below it both runs' rounding noise decides the order).
@@ -128,11 +127,52 @@ inline Top1Row compare_top1_row(const float* got, const float* ref, int64_t V) {
   return r;
 }
 
+// The reference's smallest MoE router selection margin at each of the `rows` teacher-forced positions of prompt p
+// (router_margin_<p>.npy, scripts/make_fixtures.py --bf16-logits-only: k-th minus (k+1)-th biased score, the least
+// over the MoE layers, from fp32 math on the bf16 weights). +inf everywhere when the fixture has none (no MoE layer).
+inline std::vector<float> router_margins(const Fixture& f, size_t p, int64_t rows) {
+  const fs::path path = f.dir / ("router_margin_" + std::to_string(p) + ".npy");
+  if (!fs::exists(path)) return std::vector<float>(static_cast<size_t>(rows), INFINITY);
+  const Tensor t = read_npy(path);
+  EXPECT_EQ(t.numel(), rows) << path << " has one margin per teacher-forced position";
+  std::vector<float> m(t.f32(), t.f32() + t.numel());
+  m.resize(static_cast<size_t>(rows), INFINITY);
+  return m;
+}
+
+// Both bf16 tests' tally of teacher-forced rows against transformers' bf16 logits. Robust rows: decidable, and the
+// reference's routers there at least kBf16RouterTieMargin away from another expert set (tolerances.h says why).
+struct Bf16Tally {
+  int64_t total = 0, agree = 0, decidable = 0, agree_decidable = 0, robust = 0, agree_robust = 0;
+  std::vector<double> row_err;  // per position max|logit - ref| / max|ref|
+
+  void add(const Top1Row& c, float router_margin) {
+    const bool same = c.top_got == c.top_ref, robust_row = c.decidable && router_margin >= kBf16RouterTieMargin;
+    ++total;
+    agree += same;
+    decidable += c.decidable;
+    agree_decidable += c.decidable && same;
+    robust += robust_row;
+    agree_robust += robust_row && same;
+    row_err.push_back(c.rel_err);
+  }
+  static double rate(int64_t hits, int64_t n) { return n > 0 ? static_cast<double>(hits) / static_cast<double>(n) : 1.0; }
+  double rate_decidable() const { return rate(agree_decidable, decidable); }
+  double rate_robust() const { return rate(agree_robust, robust); }
+  double percentile(double q) const {
+    std::vector<double> s = row_err;
+    std::sort(s.begin(), s.end());
+    return s.empty() ? 0.0 : s[static_cast<size_t>(q * static_cast<double>(s.size() - 1))];
+  }
+};
+
 struct RunResult {
   std::vector<int32_t> tokens;
   std::vector<float> logits;
 };
 
+// Runs one prompt through the engine (prefill in chunks of `max_batched_tokens` tokens, then token-by-token
+// decode), collecting the logits of every prompt position and every generated step. Runs on the model's device.
 inline RunResult run_prompt(const NemotronH& model, const std::vector<int32_t>& prompt, int32_t n_new,
                      int32_t max_batched_tokens) {
   EngineConfig ec;
