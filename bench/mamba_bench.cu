@@ -233,8 +233,8 @@ CHIMERA_BENCH(mamba_ssu_variants) {
 constexpr int kConvDim = 10240;  // Super: Di + 2 * G * N
 constexpr int kConvK = 4;
 
-// kernel: "conv1d-prefill" (the tile kernel), "conv1d-prefill-persist8" / "-persist4" (the persistent kernel
-// with 8 / 4 tokens per time lane).
+// kernel: "conv1d-prefill" (the tile kernel), "-waittiles" (its variant, below), "conv1d-prefill-persist8"
+// / "-persist4" (the persistent kernel with 8 / 4 tokens per time lane).
 void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::string& kernel = "conv1d-prefill") {
   const DType act = DType::kBF16;
   const int64_t T = static_cast<int64_t>(n_seqs) * seq_len, C = kConvDim;
@@ -265,9 +265,13 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::
   p.x = x.data(), p.out = out.data(), p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.n_tiles = n_tiles;
-  if (kernel != "conv1d-prefill") {
+  if (kernel.starts_with("conv1d-prefill-persist")) {
     p.prefill_kernel = 2;
     p.prefill_persist_rows = kernel == "conv1d-prefill-persist4" ? 4 : 8;
+  } else {
+    // "conv1d-prefill" is what the ops:: adapter launches (tile list read before the PDL wait); "-waittiles" reads
+    // it after the wait.
+    p.tiles_before_wait = kernel != "conv1d-prefill-waittiles";
   }
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_T" + std::to_string(T) + "_seqs" +
@@ -338,7 +342,7 @@ CHIMERA_BENCH(mamba_conv1d) {
 
 // The persistent prefill kernel and forced update shapes, next to the defaults above (same shapes).
 CHIMERA_BENCH(mamba_conv1d_variants) {
-  for (const char* k : {"conv1d-prefill-persist8", "conv1d-prefill-persist4"}) {
+  for (const char* k : {"conv1d-prefill-waittiles", "conv1d-prefill-persist8", "conv1d-prefill-persist4"}) {
     for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens, k);
     bench_conv_prefill(ctx, 8, 1024, k);
   }

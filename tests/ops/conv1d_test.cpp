@@ -71,6 +71,7 @@ class OpsConv1d : public BackendTest {
  protected:
   // CUDA launcher-level variants (Conv1dParams fields; all 0: through ops::).
   int prefill_kernel_ = 0, persist_rows_ = 0, persist_chunks_ = 0, update_rows_ = 0, update_threads_ = 0;
+  bool tiles_before_wait_ = false;  // prefill: the ops:: adapter's setting is true
   bool slots_before_wait_ = false;  // update: the ops:: adapter's setting is true
   bool variant() const { return prefill_kernel_ != 0 || update_rows_ != 0 || update_threads_ != 0; }
 
@@ -96,6 +97,7 @@ class OpsConv1d : public BackendTest {
     p.state_dtype = state.dtype();
     p.C = x.dim(1), p.K = int(w.dim(-1)), p.silu = silu;
     p.prefill_kernel = prefill_kernel_, p.prefill_persist_rows = persist_rows_, p.persist_chunks = persist_chunks_;
+    p.tiles_before_wait = tiles_before_wait_;
     p.update_rows = update_rows_, p.update_threads = update_threads_;
     p.slots_before_wait = slots_before_wait_;
     Tensor meta;
@@ -412,7 +414,7 @@ TEST_P(OpsConv1d, PersistentPrefillLongPromptsAtSuperWidth) {
 }
 
 // The persistent prefill kernel and the tile kernel give identical bits (same FMA order, carried left inputs
-// equal to loaded ones), split or not.
+// equal to loaded ones), split or not, and so does the tile kernel reading its tile list before the PDL wait.
 TEST_P(OpsConv1d, PersistentPrefillEqualsTileKernel) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
@@ -424,10 +426,12 @@ TEST_P(OpsConv1d, PersistentPrefillEqualsTileKernel) {
   const Tensor state0 = rng.normal_tensor({5, C, K - 1});
   Tensor ref_out, ref_state;
   // 0: the tile kernel; 8 / 4: the persistent kernel's tokens per time lane (resident grid, then 2 runs per
-  // channel group).
-  for (int cfg : {0, 8, 4, -8, -4}) {
+  // channel group); 1: the tile kernel with the tile list read before the PDL wait.
+  for (int cfg : {0, 8, 4, -8, -4, 1}) {
     SCOPED_TRACE(::testing::Message() << "cfg=" << cfg);
-    prefill_kernel_ = cfg == 0 ? 1 : 2, persist_rows_ = std::abs(cfg), persist_chunks_ = cfg < 0 ? 2 : 0;
+    const bool tile = cfg == 0 || cfg == 1;
+    prefill_kernel_ = tile ? 1 : 2, persist_rows_ = tile ? 0 : std::abs(cfg), persist_chunks_ = cfg < 0 ? 2 : 0;
+    tiles_before_wait_ = cfg == 1;
     const Tensor out = output(DType::kBF16, {T, C}), state = on_backend(state0, DType::kBF16);
     launch_variant(out, x, w, bias, state, cu, slots, true, false);
     const Tensor ho = device::to_host(out), hs = device::to_host(state);

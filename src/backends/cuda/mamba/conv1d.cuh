@@ -44,6 +44,9 @@ struct Conv1dParams {
   //      bytes) and walks an equal run of consecutive 32- or 16-token units, staged through shared memory
   //      by cp.async three units deep; left inputs from the previous unit's staged rows (conv1d.cu).
   int prefill_kernel = 0;
+  // The tile list may be read before pdl_wait() (launch.cuh): host-built metadata copied to the device before the
+  // launch, which no kernel writes (the ops:: adapter sets it).
+  bool tiles_before_wait = false;
   int prefill_persist_rows = 0;  // persistent kernel: tokens per time lane, 8 (32-token units) or 4; 0 = 8
   // Persistent kernel: time runs per channel group. 0 = as many as the resident warps allow; > 0 caps it
   // (tests: a few warps walking long runs). The launcher passes the kernel its final value here.
