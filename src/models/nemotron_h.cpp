@@ -605,7 +605,8 @@ void NemotronH::set_activation_dump(std::filesystem::path dir) {
 
 void NemotronH::dump_activation(size_t layer, const char* what, const Tensor& t) const {
   if (dump_step_ < 0) return;
-  // to_host / to_host_f32 copy synchronously, after the work queued before them.
+  // Every stream's work done first (the step may run on a non-blocking stream), then a synchronous copy.
+  device::synchronize(t.device());
   const Tensor host = t.dtype() == DType::kI32 ? device::to_host(t) : device::to_host_f32(t);
   write_npy(dump_dir_ / fmt::format("step{}_layer{}_{}.npy", dump_step_, layer, what), host);
 }
