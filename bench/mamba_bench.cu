@@ -265,13 +265,16 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::
   p.x = x.data(), p.out = out.data(), p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.n_tiles = n_tiles;
-  if (kernel.starts_with("conv1d-prefill-persist")) {
+  if (kernel == "conv1d-prefill-persist8" || kernel == "conv1d-prefill-persist4") {
     p.prefill_kernel = 2;
     p.prefill_persist_rows = kernel == "conv1d-prefill-persist4" ? 4 : 8;
-  } else {
+  } else if (kernel == "conv1d-prefill" || kernel == "conv1d-prefill-waittiles") {
     // "conv1d-prefill" is what the ops:: adapter launches (tile list read before the PDL wait); "-waittiles" reads
     // it after the wait.
-    p.tiles_before_wait = kernel != "conv1d-prefill-waittiles";
+    p.tiles_before_wait = kernel == "conv1d-prefill";
+  } else {
+    throw_runtime("bench_conv_prefill: unknown kernel " + kernel +
+                  " (conv1d-prefill, conv1d-prefill-waittiles, conv1d-prefill-persist8, conv1d-prefill-persist4)");
   }
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_T" + std::to_string(T) + "_seqs" +

@@ -18,6 +18,7 @@ Needs torch and transformers (the versions in the fixture's expected_bf16.json) 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,6 +94,8 @@ def main():
         subprocess.run([args.chimera, "generate", "-m", fix, "--prompt-ids", ",".join(map(str, prompt)), "-n", "1",
                         "--device", "cuda", "--dtype", "bfloat16", "--dump-activations", dump, "-q"],
                        check=True, stdout=subprocess.DEVNULL)
+        if os.path.exists(os.path.join(dump, "step1_layer0_input.npy")):
+            raise SystemExit(f"prompt {p}: chimera split the prompt into several prefill steps; this script compares one")
         ours = [torch.from_numpy(np.load(os.path.join(dump, f"step0_layer{i}_input.npy"))).cuda().reshape(-1, D)
                 for i in range(len(layers))]
         ids = torch.tensor([prompt], device="cuda")
@@ -125,9 +128,12 @@ def main():
                 print(f"   router: chimera vs transformers bf16 differ at {ob}; vs fp32w: chimera {of}, transformers "
                       f"bf16 {bfl}; fp32w margins there: " +
                       (" ".join(f"{t}:{margin[t]:.4f}" for t in sorted(set(ob + of + bfl))) or "-") +
-                      f"; positions with margin < 0.01: {int((margin < 0.01).sum())} of {T}")
+                      f"; positions with margin < {make_fixtures.ROUTER_TIE_MARGIN}: "
+                      f"{int((margin < make_fixtures.ROUTER_TIE_MARGIN).sum())} of {T}")
     print(f"\nsummary: Chimera's local block error median <= transformers bf16's in {lower} of {blocks} blocks; "
           f"expert sets differing from fp32w: Chimera {flips['chimera']}, transformers bf16 {flips['transformers']}")
+    if not args.keep:
+        shutil.rmtree(tmp)
 
 
 if __name__ == "__main__":

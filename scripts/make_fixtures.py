@@ -33,8 +33,8 @@ bf16 mode (issue 4; the GPU machine): python3 scripts/make_fixtures.py --bf16-lo
                                  the MoE layers, from fp32 math on the same bf16 weights over prompt + greedy[:-1]
                                  (one full forward). Where it is small, bf16 rounding on either side may pick
                                  another expert set; the tests use it to tell those positions apart.
-  Copy them into tests/fixtures/models/<name>/ as logits_bf16_<p>.npy and expected_bf16.json (the script prints
-  the commands).
+  Copy them into tests/fixtures/models/<name>/ as logits_bf16_<p>.npy, router_margin_<p>.npy and expected_bf16.json
+  (the script prints the commands; the tests fail on a MoE fixture without its router margins).
 """
 
 import argparse
@@ -485,15 +485,24 @@ def fp32_on_bf16_weights(bf16_model, fixture_dir, **kw):
     return m
 
 
+# Router margin below which bf16 rounding on either side may pick another expert set (the tests' kBf16RouterTieMargin,
+# tests/common/tolerances.h; scripts/bf16_layer_error.py counts such positions too).
+ROUTER_TIE_MARGIN = 0.01
+
+
 @torch.no_grad()
 def router_margins(model, ids):
     """[T] smallest top-k selection margin over the MoE layers at each position of one full forward (None: no MoE).
-    The gate's outputs are (router logits [T, E], weights, indices); selection is on sigmoid + correction bias."""
+    The gate's outputs are (router logits [T, E], weights, indices); selection is on sigmoid + correction bias, over
+    all experts (group-limited routing, n_group > 1, would need the group mask: not handled, so refused)."""
     margins, hooks = [], []
     for layer in model.model.layers:
         if layer.block_type != "moe":
             continue
         gate = layer.mixer.gate
+        if model.config.n_group != 1 or gate.top_k >= model.config.n_routed_experts:
+            raise RuntimeError(f"router_margins: n_group {model.config.n_group}, top_k {gate.top_k} of "
+                               f"{model.config.n_routed_experts} experts is not supported (n_group 1, top_k < experts)")
 
         def hook(mod, args, out, gate=gate):
             ranked = (torch.sigmoid(out[0].float()) + gate.e_score_correction_bias.float()).sort(-1, descending=True)[0]
@@ -556,8 +565,8 @@ def make_bf16_one(fixture_dir, name, outdir, device):
         if rm is not None:
             assert rm.shape[0] == logits.shape[0]
             np.save(os.path.join(outdir, f"{name}.router_margin_{p}.npy"), rm.numpy().astype(np.float32))
-            log(f"  {name} prompt {p}: {int((rm < 0.01).sum())} of {rm.shape[0]} positions with a router margin "
-                f"below 0.01 (smallest {float(rm.min()):.2e})")
+            log(f"  {name} prompt {p}: {int((rm < ROUTER_TIE_MARGIN).sum())} of {rm.shape[0]} positions with a "
+                f"router margin below {ROUTER_TIE_MARGIN} (smallest {float(rm.min()):.2e})")
     meta = {
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,

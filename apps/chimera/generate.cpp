@@ -85,7 +85,13 @@ int run_generate(const GenerateOptions& o) {
   limits.max_tokens_per_step = std::min(ec.scheduler.max_num_batched_tokens, o.max_model_len);
   limits.block_size = ec.cache.block_size;
   LoadedModel m = load_model(o.source, /*with_weights=*/true, model_options, limits);
-  if (!o.dump_activations.empty()) m.model->set_activation_dump(o.dump_activations);
+  if (!o.dump_activations.empty()) {
+    try {
+      m.model->set_activation_dump(o.dump_activations);
+    } catch (const Error& e) {
+      invalid_input("--dump-activations: {}", e.what());
+    }
+  }
   std::vector<int32_t> prompt;
   if (!o.prompt_ids.empty()) {
     prompt = parse_ids(o.prompt_ids);

@@ -594,13 +594,17 @@ Tensor NemotronH::act(const ops::Context& ctx, Shape shape) const {
 void NemotronH::set_activation_dump(std::filesystem::path dir) {
   if (!dir.empty()) {
     std::error_code ec;
+    if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
+      invalid_input("activation dump directory {}: exists and is not a directory", dir.string());
+    }
     std::filesystem::create_directories(dir, ec);
     if (ec || !std::filesystem::is_directory(dir)) {
-      invalid_input("--dump-activations {}: cannot create the directory ({})", dir.string(), ec.message());
+      invalid_input("activation dump directory {}: cannot be created ({})", dir.string(), ec.message());
     }
   }
   dump_dir_ = std::move(dir);
   dumped_steps_ = 0;
+  dump_step_ = -1;
 }
 
 void NemotronH::dump_activation(size_t layer, const char* what, const Tensor& t) const {
@@ -619,11 +623,12 @@ Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelStat
 
 Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
   b.validate();
-  dump_step_ = !dump_dir_.empty() && b.num_prefill_seqs > 0 ? dumped_steps_++ : -1;
   if (ctx.device != device_) {
     runtime_error("NemotronH::forward: the model was loaded for the {} but the context is {}",
                   device_ == Device::kCpu ? "CPU" : "GPU", ctx.device == Device::kCpu ? "the CPU" : "a GPU");
   }
+  // Written only while a dump is on (a debugging session: one thread), so concurrent forwards stay read-only.
+  if (!dump_dir_.empty()) dump_step_ = b.num_prefill_seqs > 0 ? dumped_steps_++ : -1;
   const ModelConfig& c = config_;
   const int64_t T = b.num_tokens(), D = c.hidden_size;
   const float eps = c.layer_norm_epsilon;

@@ -140,7 +140,8 @@ class NemotronH {
   Tensor lm_head_;  // [V, D]
   std::map<std::string, Tensor> mtp_;  // host views (the MTP head does not run yet)
   std::filesystem::path dump_dir_;     // set_activation_dump; empty: off
-  mutable int dump_step_ = -1;         // the dumped step's number; -1 while the current step is not dumped
+  // The dumped step's number, -1 while the current step is not dumped; both written only while a dump is on.
+  mutable int dump_step_ = -1;
   mutable int dumped_steps_ = 0;
 };
 

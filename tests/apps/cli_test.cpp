@@ -170,13 +170,21 @@ TEST_F(Cli, DumpActivationsWritesEachLayersInputAndTheExperts) {
   const fs::path model = test::source_path("tests/fixtures/models/super_like");
   const fs::path dir = tmp_ / "dump";
   const std::vector<int32_t> ids = {3, 141, 59, 26};
-  auto r = run_cli("generate -m " + model.string() + " --prompt-ids 3,141,59,26 -n 2 -q --dump-activations " +
-                   dir.string());
+  const std::string gen = "generate -m " + model.string() + " --prompt-ids 3,141,59,26 -n 4 --ignore-eos -q";
+  auto r = run_cli(gen + " --dump-activations " + dir.string());
   ASSERT_EQ(r.status, 0) << r.out;
+  const RunOutput plain = run_cli(gen);  // dumping changes nothing that is computed
+  ASSERT_EQ(plain.status, 0) << plain.out;
+  EXPECT_EQ(r.out, plain.out);
   const std::string pattern = "MEM*EME";
+  Tensor before;  // the previous layer's input: each layer adds its mixer's output, so consecutive inputs differ
   for (size_t i = 0; i < pattern.size(); ++i) {
     const Tensor in = read_npy(dir / ("step0_layer" + std::to_string(i) + "_input.npy"));
-    EXPECT_EQ(in.shape(), (Shape{4, 64})) << "layer " << i;
+    ASSERT_EQ(in.shape(), (Shape{4, 64})) << "layer " << i;
+    if (before) {
+      EXPECT_FALSE(test::bit_equal(in, before)) << "layer " << i << "'s input equals layer " << i - 1 << "'s";
+    }
+    before = in;
     const fs::path experts = dir / ("step0_layer" + std::to_string(i) + "_experts.npy");
     ASSERT_EQ(fs::exists(experts), pattern[i] == 'E') << experts;
     if (pattern[i] == 'E') {
@@ -191,16 +199,20 @@ TEST_F(Cli, DumpActivationsWritesEachLayersInputAndTheExperts) {
   const Tensor emb = ckpt.tensor("model.embeddings.weight");
   for (size_t t = 0; t < ids.size(); ++t) {
     for (int64_t d = 0; d < 64; ++d) {
-      ASSERT_EQ(in0.f32()[static_cast<int64_t>(t) * 64 + d], emb.f32()[static_cast<int64_t>(ids[t]) * 64 + d]) << "token " << t << " dim " << d;
+      const int64_t got = static_cast<int64_t>(t) * 64 + d, want = static_cast<int64_t>(ids[t]) * 64 + d;
+      ASSERT_EQ(in0.f32()[got], emb.f32()[want]) << "token " << t << " dim " << d;
     }
   }
   EXPECT_FALSE(fs::exists(dir / "step1_layer0_input.npy"));
-  // A directory that cannot be made is a usage error naming the flag.
+  // A directory that cannot be made, or a file in its place, is a usage error naming the flag.
   std::ofstream(tmp_ / "file") << "x";
-  r = run_cli("generate -m " + model.string() + " --prompt-ids 3,141 -n 1 -q --dump-activations " +
-              (tmp_ / "file" / "sub").string());
-  EXPECT_EQ(r.status, 2) << r.out;
-  EXPECT_NE(r.out.find("--dump-activations"), std::string::npos) << r.out;
+  for (const auto& [path, why] : {std::pair{tmp_ / "file" / "sub", "cannot be created"},
+                                  std::pair{tmp_ / "file", "exists and is not a directory"}}) {
+    r = run_cli("generate -m " + model.string() + " --prompt-ids 3,141 -n 1 -q --dump-activations " + path.string());
+    EXPECT_EQ(r.status, 2) << r.out;
+    EXPECT_NE(r.out.find("--dump-activations"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(why), std::string::npos) << r.out;
+  }
 }
 
 TEST_F(Cli, InfoShowsPlanParamsAndMemory) {

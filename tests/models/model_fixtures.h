@@ -129,10 +129,16 @@ inline Top1Row compare_top1_row(const float* got, const float* ref, int64_t V) {
 
 // The reference's smallest MoE router selection margin at each of the `rows` teacher-forced positions of prompt p
 // (router_margin_<p>.npy, scripts/make_fixtures.py --bf16-logits-only: k-th minus (k+1)-th biased score, the least
-// over the MoE layers, from fp32 math on the bf16 weights). +inf everywhere when the fixture has none (no MoE layer).
-inline std::vector<float> router_margins(const Fixture& f, size_t p, int64_t rows) {
+// over the MoE layers, from fp32 math on the bf16 weights). +inf everywhere for a model without MoE layers; a MoE
+// fixture without the file fails (it would silently make every position robust).
+inline std::vector<float> router_margins(const Fixture& f, const ModelConfig& config, size_t p, int64_t rows) {
   const fs::path path = f.dir / ("router_margin_" + std::to_string(p) + ".npy");
-  if (!fs::exists(path)) return std::vector<float>(static_cast<size_t>(rows), INFINITY);
+  const bool moe = std::find(config.layers.begin(), config.layers.end(), LayerKind::kMoe) != config.layers.end();
+  if (!moe) return std::vector<float>(static_cast<size_t>(rows), INFINITY);
+  if (!fs::exists(path)) {
+    ADD_FAILURE() << path << " is missing (scripts/make_fixtures.py --bf16-logits-only writes it for MoE fixtures)";
+    return std::vector<float>(static_cast<size_t>(rows), -INFINITY);
+  }
   const Tensor t = read_npy(path);
   EXPECT_EQ(t.numel(), rows) << path << " has one margin per teacher-forced position";
   std::vector<float> m(t.f32(), t.f32() + t.numel());
@@ -156,7 +162,9 @@ struct Bf16Tally {
     agree_robust += robust_row && same;
     row_err.push_back(c.rel_err);
   }
-  static double rate(int64_t hits, int64_t n) { return n > 0 ? static_cast<double>(hits) / static_cast<double>(n) : 1.0; }
+  static double rate(int64_t hits, int64_t n) {
+    return n > 0 ? static_cast<double>(hits) / static_cast<double>(n) : 1.0;
+  }
   double rate_decidable() const { return rate(agree_decidable, decidable); }
   double rate_robust() const { return rate(agree_robust, robust); }
   double percentile(double q) const {

@@ -58,7 +58,7 @@ TEST_P(CpuBf16Weights, MatchesTransformersBf16) {
     all.insert(all.end(), f.greedy[p].begin(), f.greedy[p].end() - 1);
     const auto rows = static_cast<int64_t>(all.size());
     ASSERT_EQ(ref.shape(), (Shape{rows, V}));
-    const std::vector<float> router_margin = router_margins(f, p, rows);
+    const std::vector<float> router_margin = router_margins(f, l.config, p, rows);
     // Teacher forcing as one prefill: fp32 math gives the same rows as prefill + decode (TransformersParity).
     const RunResult r = run_prompt(*l.model, all, 1, 4096);
     ASSERT_GE(static_cast<int64_t>(r.logits.size()), rows * V);

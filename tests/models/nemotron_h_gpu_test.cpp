@@ -262,7 +262,7 @@ TEST_P(GpuParity, Bf16TeacherForcedMatchesTransformersBf16) {
     all.insert(all.end(), f.greedy[p].begin(), f.greedy[p].end() - 1);
     const auto rows = static_cast<int64_t>(all.size());
     ASSERT_EQ(ref.shape(), (Shape{rows, V})) << "logits_bf16 rows are the teacher-forced positions";
-    const std::vector<float> router_margin = router_margins(f, p, rows);
+    const std::vector<float> router_margin = router_margins(f, l.config, p, rows);
     const std::vector<float> got = teacher_forced(*l.model, all, f.prompts[p].size());
     ASSERT_EQ(static_cast<int64_t>(got.size()), rows * V);
     for (int64_t r = 0; r < rows; ++r) {

@@ -414,7 +414,8 @@ TEST_P(OpsConv1d, PersistentPrefillLongPromptsAtSuperWidth) {
 }
 
 // The persistent prefill kernel and the tile kernel give identical bits (same FMA order, carried left inputs
-// equal to loaded ones), split or not, and so does the tile kernel reading its tile list before the PDL wait.
+// equal to loaded ones), split or not, and so does the tile kernel reading its tile list before the PDL wait (the
+// same bits from either read order; the list is uploaded synchronously here, so no launch overlap is exercised).
 TEST_P(OpsConv1d, PersistentPrefillEqualsTileKernel) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
