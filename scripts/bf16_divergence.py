@@ -134,12 +134,12 @@ def divergence(fixture_dir, expected):
             if layer.block_type == "moe":
                 gate = models["fp32w"].model.layers[i].mixer.gate
                 ib, (rl, _, i_f) = b[("router", i)][2], f[("router", i)]
-                ranked = (torch.sigmoid(rl) + gate.e_score_correction_bias).sort(-1, descending=True)[0]
-                margin = ranked[:, gate.top_k - 1] - ranked[:, gate.top_k]
+                margin = make_fixtures.selection_margin(gate, rl)
                 flips = [t for t in range(ids.shape[1]) if set(ib[t].tolist()) != set(i_f[t].tolist())]
                 line += (f"; router: {len(flips)} expert-set flips " +
                          " ".join(f"[row {t} margin {margin[t]:.4f} logit err {row_err[t]:.2f}]" for t in flips) +
-                         f"; rows with selection margin < 0.01: {int((margin < 0.01).sum())}")
+                         f"; rows with selection margin < {make_fixtures.ROUTER_TIE_MARGIN}: "
+                         f"{int((margin < make_fixtures.ROUTER_TIE_MARGIN).sum())}")
             print(line)
 
 

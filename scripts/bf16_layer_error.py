@@ -116,8 +116,7 @@ def main():
                 logits_f, _, idf = hf[("router", i)]
                 idb = hb[("router", i)][2]
                 ido = np.load(os.path.join(dump, f"step0_layer{i}_experts.npy")).reshape(T, -1)
-                ranked = (torch.sigmoid(logits_f.float()) + gate.e_score_correction_bias).sort(-1, descending=True)[0]
-                margin = ranked[:, gate.top_k - 1] - ranked[:, gate.top_k]
+                margin = make_fixtures.selection_margin(gate, logits_f)
 
                 def differ(a, b):
                     return [t for t in range(T) if set(a[t].tolist()) != set(b[t].tolist())]

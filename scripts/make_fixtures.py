@@ -252,6 +252,14 @@ def margins_of(logits, start, n):
     return (top2[:, 0] - top2[:, 1]).tolist()
 
 
+def selection_margin(gate, router_logits):
+    """[T]: per token, the k-th minus the (k+1)-th biased router score (sigmoid + e_score_correction_bias, what the
+    top-k is taken over): how far the chosen expert set is from another one. Needs top_k < the number of experts."""
+    scores = torch.sigmoid(router_logits.float()) + gate.e_score_correction_bias.float()
+    v = scores.topk(gate.top_k + 1, dim=-1).values
+    return v[:, -2] - v[:, -1]
+
+
 class Probe:
     """Forward hooks collecting diagnostics during full forwards: router selection margins, min softplus(dt)."""
 
@@ -264,14 +272,12 @@ class Probe:
             mixer = layer.mixer
             if layer.block_type == "moe":
                 gate = mixer.gate
-                k = gate.top_k
 
-                def hook_gate(mod, inp, out, k=k):
+                def hook_gate(mod, inp, out):
                     x = inp[0].reshape(-1, mod.hidden_dim).float()
-                    scores = torch.sigmoid(x @ mod.weight.float().t()) + mod.e_score_correction_bias
-                    if k < scores.shape[-1]:
-                        v = scores.topk(k + 1, dim=-1).values
-                        self.router_margin = min(self.router_margin, float((v[:, k - 1] - v[:, k]).min()))
+                    logits = x @ mod.weight.float().t()  # fp32 logits whatever the model's dtype
+                    if mod.top_k < logits.shape[-1]:
+                        self.router_margin = min(self.router_margin, float(selection_margin(mod, logits).min()))
 
                 self.handles.append(gate.register_forward_hook(hook_gate))
             elif layer.block_type == "linear_attention":
@@ -504,11 +510,7 @@ def router_margins(model, ids):
             raise RuntimeError(f"router_margins: n_group {model.config.n_group}, top_k {gate.top_k} of "
                                f"{model.config.n_routed_experts} experts is not supported (n_group 1, top_k < experts)")
 
-        def hook(mod, args, out, gate=gate):
-            ranked = (torch.sigmoid(out[0].float()) + gate.e_score_correction_bias.float()).sort(-1, descending=True)[0]
-            margins.append(ranked[:, gate.top_k - 1] - ranked[:, gate.top_k])
-
-        hooks.append(gate.register_forward_hook(hook))
+        hooks.append(gate.register_forward_hook(lambda mod, args, out: margins.append(selection_margin(mod, out[0]))))
     model(input_ids=ids, use_cache=False)
     for h in hooks:
         h.remove()
