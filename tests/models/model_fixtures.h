@@ -146,6 +146,35 @@ inline std::vector<float> router_margins(const Fixture& f, const ModelConfig& co
   return m;
 }
 
+// One prompt's teacher-forced reference from transformers run in bf16 (scripts/make_fixtures.py --bf16-logits-only):
+// the tokens fed (prompt, then the reference continuation but its last token), the bf16 logits [rows, vocab] and
+// the router margin of each row.
+struct Bf16Reference {
+  std::vector<int32_t> tokens;
+  Tensor logits;
+  std::vector<float> router_margin;
+  int64_t rows() const { return static_cast<int64_t>(tokens.size()); }
+};
+
+// The first logits_bf16_<p>.npy the fixture lacks ("" when it has them all): the bf16 tests skip without them.
+inline std::string missing_bf16_reference(const Fixture& f) {
+  for (size_t p = 0; p < f.prompts.size(); ++p) {
+    const std::string name = "logits_bf16_" + std::to_string(p) + ".npy";
+    if (!fs::exists(f.dir / name)) return name;
+  }
+  return "";
+}
+
+// Fills `ref` for prompt p (call under ASSERT_NO_FATAL_FAILURE: a logits file of the wrong shape fails).
+inline void load_bf16_reference(const Fixture& f, const ModelConfig& config, size_t p, Bf16Reference& ref) {
+  ref.tokens = f.prompts[p];
+  ref.tokens.insert(ref.tokens.end(), f.greedy[p].begin(), f.greedy[p].end() - 1);
+  ref.logits = read_npy(f.dir / ("logits_bf16_" + std::to_string(p) + ".npy"));
+  ASSERT_EQ(ref.logits.shape(), (Shape{ref.rows(), config.vocab_size}))
+      << "logits_bf16 rows are the teacher-forced positions";
+  ref.router_margin = router_margins(f, config, p, ref.rows());
+}
+
 // Both bf16 tests' tally of teacher-forced rows against transformers' bf16 logits. Robust rows: decidable, and the
 // reference's routers there at least kBf16RouterTieMargin away from another expert set (tolerances.h says why).
 struct Bf16Tally {

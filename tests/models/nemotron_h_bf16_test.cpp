@@ -41,10 +41,8 @@ class CpuBf16Weights : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CpuBf16Weights, MatchesTransformersBf16) {
   const Fixture f = load_fixture(GetParam());
-  for (size_t p = 0; p < f.prompts.size(); ++p) {
-    if (!fs::exists(f.dir / fmt::format("logits_bf16_{}.npy", p))) {
-      GTEST_SKIP() << f.name << " has no logits_bf16_" << p << ".npy";
-    }
+  if (const std::string missing = missing_bf16_reference(f); !missing.empty()) {
+    GTEST_SKIP() << f.name << " has no " << missing;
   }
   TempDir dir;
   write_bf16_checkpoint(f.dir, dir.path());
@@ -53,18 +51,14 @@ TEST_P(CpuBf16Weights, MatchesTransformersBf16) {
   Bf16Tally tally;
   for (size_t p = 0; p < f.prompts.size(); ++p) {
     SCOPED_TRACE(fmt::format("{} prompt {}", f.name, p));
-    const Tensor ref = read_npy(f.dir / fmt::format("logits_bf16_{}.npy", p));
-    std::vector<int32_t> all = f.prompts[p];
-    all.insert(all.end(), f.greedy[p].begin(), f.greedy[p].end() - 1);
-    const auto rows = static_cast<int64_t>(all.size());
-    ASSERT_EQ(ref.shape(), (Shape{rows, V}));
-    const std::vector<float> router_margin = router_margins(f, l.config, p, rows);
+    Bf16Reference ref;
+    ASSERT_NO_FATAL_FAILURE(load_bf16_reference(f, l.config, p, ref));
     // Teacher forcing as one prefill: fp32 math gives the same rows as prefill + decode (TransformersParity).
-    const RunResult r = run_prompt(*l.model, all, 1, 4096);
-    ASSERT_GE(static_cast<int64_t>(r.logits.size()), rows * V);
-    for (int64_t row = 0; row < rows; ++row) {
-      const Top1Row c = compare_top1_row(r.logits.data() + row * V, ref.f32() + row * V, V);
-      const float rm = router_margin[static_cast<size_t>(row)];
+    const RunResult r = run_prompt(*l.model, ref.tokens, 1, 4096);
+    ASSERT_GE(static_cast<int64_t>(r.logits.size()), ref.rows() * V);
+    for (int64_t row = 0; row < ref.rows(); ++row) {
+      const Top1Row c = compare_top1_row(r.logits.data() + row * V, ref.logits.f32() + row * V, V);
+      const float rm = ref.router_margin[static_cast<size_t>(row)];
       tally.add(c, rm);
       if (c.decidable && c.top_got != c.top_ref) {
         std::printf("[ cpu bf16w ] %s prompt %zu row %lld: top-1 %lld, transformers bf16 %lld (margin %.2e of "

@@ -241,11 +241,9 @@ TEST_P(GpuParity, DeviceSamplingEqualsHostSampling) {
 // Against transformers' own bf16 run: the 99 % top-1 bar and a stated logit error bound.
 TEST_P(GpuParity, Bf16TeacherForcedMatchesTransformersBf16) {
   const Fixture f = load_fixture(GetParam());
-  for (size_t p = 0; p < f.prompts.size(); ++p) {
-    if (!fs::exists(f.dir / fmt::format("logits_bf16_{}.npy", p))) {
-      GTEST_SKIP() << f.name << " has no logits_bf16_" << p
-                   << ".npy (make them with scripts/make_fixtures.py --bf16-logits-only on the GPU machine)";
-    }
+  if (const std::string missing = missing_bf16_reference(f); !missing.empty()) {
+    GTEST_SKIP() << f.name << " has no " << missing
+                 << " (make them with scripts/make_fixtures.py --bf16-logits-only on the GPU machine)";
   }
   LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, DType::kBF16});
   const int64_t V = l.config.vocab_size;
@@ -257,19 +255,15 @@ TEST_P(GpuParity, Bf16TeacherForcedMatchesTransformersBf16) {
   Bf16Tally tally;
   for (size_t p = 0; p < f.prompts.size(); ++p) {
     SCOPED_TRACE(fmt::format("{} prompt {}", f.name, p));
-    const Tensor ref = read_npy(f.dir / fmt::format("logits_bf16_{}.npy", p));
-    std::vector<int32_t> all = f.prompts[p];
-    all.insert(all.end(), f.greedy[p].begin(), f.greedy[p].end() - 1);
-    const auto rows = static_cast<int64_t>(all.size());
-    ASSERT_EQ(ref.shape(), (Shape{rows, V})) << "logits_bf16 rows are the teacher-forced positions";
-    const std::vector<float> router_margin = router_margins(f, l.config, p, rows);
-    const std::vector<float> got = teacher_forced(*l.model, all, f.prompts[p].size());
-    ASSERT_EQ(static_cast<int64_t>(got.size()), rows * V);
-    for (int64_t r = 0; r < rows; ++r) {
+    Bf16Reference ref;
+    ASSERT_NO_FATAL_FAILURE(load_bf16_reference(f, l.config, p, ref));
+    const std::vector<float> got = teacher_forced(*l.model, ref.tokens, f.prompts[p].size());
+    ASSERT_EQ(static_cast<int64_t>(got.size()), ref.rows() * V);
+    for (int64_t r = 0; r < ref.rows(); ++r) {
       const float* g = got.data() + r * V;
       ASSERT_TRUE(std::all_of(g, g + V, [](float v) { return std::isfinite(v); })) << "row " << r;
-      const Top1Row c = compare_top1_row(g, ref.f32() + r * V, V);
-      const float rm = router_margin[static_cast<size_t>(r)];
+      const Top1Row c = compare_top1_row(g, ref.logits.f32() + r * V, V);
+      const float rm = ref.router_margin[static_cast<size_t>(r)];
       tally.add(c, rm);
       if (c.top_got != c.top_ref) {
         std::printf("[ gpu bf16 ] %s prompt %zu row %lld: chimera top-1 %lld, transformers %lld; reference top-2 "
