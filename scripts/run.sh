@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/build.sh
+bash scripts/build.sh chimera_cli   # the CLI only: the test binary is built by test.sh
 ./build/chimera generate -m models/nemotron-h-tiny -p "${1:-The capital of France is}" -n "${2:-48}" "${@:3}"

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/build.sh
+bash scripts/build.sh               # every target: library, CLI, tests (and benchmarks with CUDA)
 cd build
 ctest --output-on-failure -j "$(nproc)" "$@"
