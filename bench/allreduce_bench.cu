@@ -244,7 +244,7 @@ void run_latency() {
                 std::string(dist::strategy_name(forced)).c_str());
   }
   std::printf("allreduce_latency: lookup table for 2 ranks %s\n",
-              dist::sm90_table_measured(2) ? "measured" : "PROVISIONAL (seed rule, not measured)");
+              dist::sm90_table_measured(2) ? "measured" : "PROVISIONAL (default rule, not measured)");
   const int64_t tokens_list[] = {1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096};
   const int64_t hidden_list[] = {2688, 4096, 8192};
   const int64_t max_hidden = 8192;

@@ -1,4 +1,4 @@
-// The AllReduce the model calls once per layer, with the next layer's norm fused in (seed 6.2, cross-layer
+// The AllReduce the model calls once per layer, with the next layer's norm fused in (cross-layer
 // fusion): sum the row-parallel partial outputs over the tensor-parallel ranks, add the residual, RMSNorm,
 // optionally quantise to FP8, in one kernel where the strategy allows (ONESHOT, TWOSHOT) or as ncclAllReduce +
 // one fused epilogue kernel (NCCL).
@@ -30,12 +30,12 @@ struct AllReduceConfig {
   // Forced strategy; kAuto asks the lookup table. Set from the CLI (--allreduce-strategy, or the
   // CHIMERA_ALLREDUCE_STRATEGY environment variable, read once there); never read from the environment here.
   AllReduceStrategy strategy = AllReduceStrategy::kAuto;
-  // Workspace capacity per message: max tokens x hidden x element size (seed: 64 MiB). Each rank allocates
+  // Workspace capacity per message: max tokens x hidden x element size (64 MiB default). Each rank allocates
   // 3 x n_ranks x this (Lamport) + n_ranks x this (TWOSHOT staging, sums). Larger messages go to NCCL.
   int64_t max_message_bytes = int64_t{64} << 20;
   // With strategy kAuto: instead of the lookup table, time every eligible strategy end to end (NCCL with its
   // separate norm kernel) the first time a (pattern, dtype, hidden bucket, tokens bucket) is seen, on the caller's
-  // buffers, take the winner by the slowest rank's time (every rank decides the same) and cache it (seed 7.3).
+  // buffers, take the winner by the slowest rank's time (every rank decides the same) and cache it.
   // The timing calls happen inside that first run() (a few ms; outputs are rewritten by the real call, an
   // in-place residual is protected). A first call of a key inside a CUDA graph capture cannot be timed: it uses
   // the table and is tuned on the next call outside a capture.

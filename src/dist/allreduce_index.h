@@ -2,9 +2,9 @@
 // device, so that the CPU tests (tests/dist/allreduce_index_test.cpp) check exactly what the kernels compute
 // for 2, 4 and 8 ranks. No CUDA types, no allocation.
 //
-// Seed references (shared/seeds/allreduce-fusion-in-trtllm.txt): 4.2.1 ONESHOT Lamport (triple buffer,
-// "uses flag_value % 3 and clears (flag_value + 2) % 3"), 4.2.2 TWOSHOT (reduce-scatter, barrier, all-gather),
-// 7.2 the lookup-table keys (tp index, fusion index, log2 hidden - 7, log2 tokens).
+// The designs follow TensorRT-LLM's fused AllReduce: ONESHOT with the Lamport protocol (a triple buffer: call n
+// uses slot n % 3 and clears slot (n + 2) % 3), TWOSHOT (reduce-scatter, barrier, all-gather), and a lookup table
+// keyed (ranks index, fusion index, hidden bucket, tokens bucket) (docs/architecture.md, tensor parallelism).
 #pragma once
 
 #include <cstdint>
@@ -113,7 +113,7 @@ CHIMERA_HD Range oneshot_chunk(int block, int grid, int64_t total_vecs) {
 // Wrap-safe "flag has reached epoch" for the barrier flags (uint32 epochs, a peer can be one barrier ahead).
 CHIMERA_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return static_cast<int32_t>(flag - epoch) >= 0; }
 
-// ---- lookup-table keys (seed 7.2) ------------------------------------------------------------------------
+// ---- lookup-table keys --------------------------------------------------------------------------------
 // ranks 2 -> 0, 4 -> 1, 8 -> 2 (others: -1).
 CHIMERA_HD int ranks_index(int n_ranks) {
   return n_ranks == 2 ? 0 : n_ranks == 4 ? 1 : n_ranks == 8 ? 2 : -1;

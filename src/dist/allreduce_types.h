@@ -6,7 +6,7 @@
 
 namespace chimera::dist {
 
-// Seed 5.1/5.2/5.3: NCCL (ncclAllReduce + our fused norm kernel), ONESHOT (Lamport push, one kernel),
+// The strategies: NCCL (ncclAllReduce + our fused norm kernel), ONESHOT (Lamport push, one kernel),
 // TWOSHOT (reduce-scatter + all-gather with flag barriers, one kernel). AUTO asks the lookup table.
 enum class AllReduceStrategy : uint8_t { kAuto, kNccl, kOneShot, kTwoShot };
 
@@ -19,7 +19,7 @@ enum class AllReduceStrategy : uint8_t { kAuto, kNccl, kOneShot, kTwoShot };
 //              programmatic dependent launch (src/backends/cuda/dist/oneshot_per_block.cu).
 enum class OneShotKernel : uint8_t { kLegacy, kPerBlock };
 
-// What follows the sum, chosen at compile time (seed 6.3). With s = sum over ranks of input:
+// What follows the sum, chosen at compile time. With s = sum over ranks of input:
 //   kAllReduce:             output = s
 //   kResidualRmsNorm:       residual_out = s + residual_in; norm_out = rms_norm(residual_out) * w
 //   kResidualRmsNormFp8:    residual_out = s + residual_in; fp8_out = e4m3(rms_norm(residual_out) * w / scale)

@@ -39,12 +39,12 @@ struct StrategyQuery {
 inline constexpr int64_t kMaxRowVecs = 4096;  // 1024 threads x 4 vectors in registers: bf16 32768, fp32 16384
 bool custom_eligible(const StrategyQuery& q);
 
-// The SM90 lookup table keyed (ranks index, pattern, measured hidden, measured tokens) (seed 7.2, with the
-// power-of-two buckets replaced by the sizes the sweep measured: allreduce_index.h, table_hidden_index /
+// The SM90 lookup table keyed (ranks index, pattern, measured hidden, measured tokens) (TensorRT-LLM's
+// static table, with its power-of-two buckets replaced by the sizes the sweep measured: allreduce_index.h, table_hidden_index /
 // table_tokens_index), generated into src/dist/sm90_allreduce_table.inc by scripts/make_allreduce_table.py from
 // the sweep (`chimera_bench allreduce_sweep`, which iterates sm90_table_hidden() x sm90_table_tokens(), so the
 // sweep and the lookup use the same sizes). Sizes outside the table clamp to its edge; ranks other than 2, 4, 8
-// get NCCL. Entries not measured follow the seed's rule: ONESHOT up to kOneShotMaxTokens tokens (seed 4.2.2,
+// get NCCL. Entries not measured follow the default rule: ONESHOT up to kOneShotMaxTokens tokens (TensorRT-LLM's
 // kOneShotMaxToken = 128), TWOSHOT above.
 inline constexpr int64_t kOneShotMaxTokens = 128;
 AllReduceStrategy lookup_sm90(int n_ranks, FusionPattern pattern, int64_t hidden, int64_t tokens);
@@ -57,7 +57,7 @@ std::span<const int64_t> sm90_table_tokens();
 inline constexpr int64_t kSweepHidden[] = {128, 256, 512, 1024, 2048, 2688, 4096, 4480, 8192, 16384};
 inline constexpr int64_t kSweepTokens[] = {1,   2,   4,    8,    16,   32,   64,   128,  192,  256,
                                            384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192};
-// Whether the table's rows for n_ranks come from a measurement (false: the seed's rule; 4 and 8 ranks always,
+// Whether the table's rows for n_ranks come from a measurement (false: the default rule; 4 and 8 ranks always,
 // until a 4/8-GPU machine runs the sweep).
 bool sm90_table_measured(int n_ranks);
 
@@ -65,7 +65,7 @@ bool sm90_table_measured(int n_ranks);
 // back to NCCL), else the lookup table; never kAuto.
 AllReduceStrategy select_strategy(const StrategyQuery& q, AllReduceStrategy forced);
 
-// ---- the runtime autotuner's decisions (AllReduceConfig::autotune; seed 7.3) ------------------------------
+// ---- the runtime autotuner's decisions (AllReduceConfig::autotune) -----------------------------------------
 // Calls are tuned once per key: (pattern, element size, table row of hidden, table column of tokens), the
 // table's granularity plus the dtype.
 uint32_t autotune_key(FusionPattern pattern, int elem_bytes, int64_t hidden, int64_t tokens);

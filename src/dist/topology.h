@@ -1,5 +1,5 @@
 // Which local GPUs can map each other's memory, and over what link. Custom AllReduce kernels need peer access
-// between every pair of ranks; without it only NCCL is eligible (seed 8.1).
+// between every pair of ranks; without it only NCCL is eligible.
 #pragma once
 
 #include <cstdint>

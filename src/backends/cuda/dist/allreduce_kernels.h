@@ -65,7 +65,7 @@ struct PeerArgs {
   uint32_t* epochs;               // TWOSHOT: this rank's barrier count per block, [kMaxBlocks]
 };
 
-// ONESHOT (seed 4.2.1): push the input to every rank's Lamport slot, spin on the local slot until every rank's
+// ONESHOT (Lamport protocol): push the input to every rank's Lamport slot, spin on the local slot until every rank's
 // data is there, sum in rank order, fuse. One kernel; graph-capturable (the slot lives in device memory).
 void launch_oneshot(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,
                     void* stream);
@@ -74,7 +74,7 @@ void launch_oneshot(DType dtype, FusionPattern pattern, const FusionArgs& args, 
 // Never mix it with launch_oneshot on one workspace (different slot counters).
 void launch_oneshot_per_block(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,
                               void* stream);
-// TWOSHOT (seed 4.2.2): push each peer's share of the input into its staging buffer, barrier, reduce this rank's
+// TWOSHOT (explicit barriers): push each peer's share of the input into its staging buffer, barrier, reduce this rank's
 // share of every row and write it to all ranks, barrier, fuse from the local buffer. One kernel, launched with
 // programmatic dependent launch when device::pdl_enabled(); graph-capturable.
 void launch_twoshot(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,

@@ -1,4 +1,4 @@
-// The NCCL path's epilogue (seed 5.3: NCCL has no fusion): ncclAllReduce has written the full sum; this one
+// The NCCL path's epilogue (NCCL has no fusion): ncclAllReduce has written the full sum; this one
 // kernel adds the residual, normalises and quantises with the same fuse_row as the custom kernels, so all
 // three strategies share one definition of the fused math. Also the Lamport buffer fill.
 #include "backends/cuda/dist/fusion_common.cuh"

@@ -1,5 +1,5 @@
 // Device pieces shared by the ONESHOT, TWOSHOT and NCCL-epilogue kernels: 16-byte vectors of T <-> fp32
-// registers, the Lamport empty pattern, the fused epilogue (residual add -> RMSNorm -> FP8, seed 6.3) and the
+// registers, the Lamport empty pattern, the fused epilogue (residual add -> RMSNorm -> FP8) and the
 // runtime -> template dispatch.
 #pragma once
 

@@ -1,4 +1,4 @@
-// ONESHOT AllReduce with the Lamport protocol (seed 4.2.1) and the fused epilogue (seed 6.3).
+// ONESHOT AllReduce with the Lamport protocol and the fused epilogue.
 //
 // Per call, on every rank, one kernel:
 //   1. push:   each block copies its rows of the input (canonicalised, allreduce_index.h) into region

@@ -1,5 +1,5 @@
-// TWOSHOT AllReduce (seed 4.2.2): reduce-scatter then all-gather in one kernel, ordered by flag barriers
-// (st.release.sys / ld.acquire.sys), with the fused epilogue (seed 6.3).
+// TWOSHOT AllReduce: reduce-scatter then all-gather in one kernel, ordered by flag barriers
+// (st.release.sys / ld.acquire.sys), with the fused epilogue.
 //
 // Per call, on every rank, one kernel; block b owns rows t = b, b + grid, ... on every rank, and each row is
 // split into n_ranks shares (twoshot_range): rank r reduces share r of every row.
