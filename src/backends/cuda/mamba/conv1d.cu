@@ -6,11 +6,11 @@
 // time lanes, each time lane owning kRows = 8 consecutive tokens in registers (8 independent vector loads in
 // flight). The window slides along time in registers. The K-1 inputs left of a lane's first token are the
 // last K-1 tokens of the time lane before it: a warp shuffle up by 8 lanes, four 32-bit words per 16-byte
-// pack (seed 8.1). Only time lane 0 reads its left inputs from memory: the previous tile's rows (L1/L2 hits)
+// pack. Only time lane 0 reads its left inputs from memory: the previous tile's rows (L1/L2 hits)
 // or, at the sequence start, the conv state, issued while the tile's own loads are in flight. Weights and
-// bias go through the read-only cache, as 16-byte vectors when they are in the activation dtype (seed 8.2);
-// two outputs per step with independent FMA chains (seed 8.3); SiLU with __expf and an approximate divide
-// (seed 8.4). Grid: channel blocks fastest, so concurrently running blocks stream whole token rows.
+// bias go through the read-only cache, as 16-byte vectors when they are in the activation dtype;
+// two outputs per step with independent FMA chains; SiLU with __expf and an approximate divide
+// Grid: channel blocks fastest, so concurrently running blocks stream whole token rows.
 //
 // Final state: the tile at the sequence start, time lane 0, writes the last K-1 inputs of the sequence into
 // the slot after reading the old state into registers itself, so no other block touches that slot (slots
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 4) causal_conv1d_kernel(const Conv1d
       }
     }
   }
-  // 3. Other time lanes: the last K-1 tokens of the time lane before, by warp shuffle (seed 8.1).
+  // 3. Other time lanes: the last K-1 tokens of the time lane before, by warp shuffle.
 #pragma unroll
   for (int i = 0; i < K - 1; ++i) {
     const XPack v = xr[kRows - (K - 1) + i].shfl_up(kChanLanes);

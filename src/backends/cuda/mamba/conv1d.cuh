@@ -1,4 +1,4 @@
-// Depthwise causal conv1d of the Mamba-2 mixer (model-spec 3.3, 3.5; seed section 8), channel-last layout:
+// Depthwise causal conv1d of the Mamba-2 mixer (docs/model.md 3.3, 3.5), channel-last layout:
 //   out[t, c] = act( bias[c] + sum_{j<K} w[c, j] * hist[t + j, c] ),  hist = conv_state[slot, c, :] ++ x[:, c]
 // over a packed varlen batch (prefill), and the one-token update for a batch of slots (decode). The conv
 // state keeps the K-1 inputs preceding the next token (vLLM / TRT-LLM layout [num_slots, C, K-1]).

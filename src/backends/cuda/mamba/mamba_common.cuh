@@ -16,7 +16,7 @@ namespace chimera::cuda::mamba {
 
 // ---- raw packs ------------------------------------------------------------------------------------
 // E elements of T (float, __nv_bfloat16 or __half) held as raw 32-bit words, so that a 16-byte pack is one
-// vector load and can be moved between lanes with four 32-bit shuffles (seed 8.1). Element indices must be
+// vector load and can be moved between lanes with four 32-bit shuffles. Element indices must be
 // compile-time constants after unrolling (the words stay in registers).
 template <typename T, int E>
 struct Pack {
@@ -120,7 +120,7 @@ struct Pack {
     }
   }
 
-  // The pack of the lane `delta` below (lanes < delta keep their own), word by word (seed 8.1).
+  // The pack of the lane `delta` below (lanes < delta keep their own), word by word.
   __device__ __forceinline__ Pack shfl_up(unsigned delta) const {
     Pack r;
 #pragma unroll
@@ -130,7 +130,7 @@ struct Pack {
 };
 
 // ---- runtime-dtype scalars (parameters: conv weight / bias, A_log, D, dt_bias; small activations) -----
-// Read-only parameter loads go through the read-only data cache (__ldg, seed 8.2).
+// Read-only parameter loads go through the read-only data cache (__ldg).
 __device__ __forceinline__ float load_param(const void* p, DType t, int64_t i) {
   switch (t) {
     case DType::kBF16:
@@ -158,7 +158,7 @@ __device__ __forceinline__ void store_elem(void* p, DType t, int64_t i, float v)
 }
 
 // ---- scalar math ----------------------------------------------------------------------------------
-// SiLU with the SFU exponential and an approximate divide (seed 8.4; __fdividef is MUFU.RCP + FMUL, whereas
+// SiLU with the SFU exponential and an approximate divide (__fdividef is MUFU.RCP + FMUL, whereas
 // __frcp_rn is the correctly rounded reciprocal with its refinement sequence): a few ulp, far inside the fp32
 // elementwise bound. For v < -88, 1 + e^-v is +inf and the result is -0 (the true value is below 1e-37).
 __device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
@@ -183,7 +183,7 @@ int resident_blocks_per_sm(Kernel* kernel, int threads, size_t smem, const char*
 }
 
 // Conv taps and bias of E consecutive channels c0.. (weight [C, K], bias [C] or null), as fp32, through the
-// read-only cache (seed 8.2). vec: weight / bias are in the activation dtype T and 16-byte aligned, and E > 1:
+// read-only cache. vec: weight / bias are in the activation dtype T and 16-byte aligned, and E > 1:
 // then E * K taps are E * K * sizeof(T) = 16 * K contiguous bytes, one vector load each 16 bytes.
 template <typename T, int E, int K>
 __device__ __forceinline__ void load_taps(const void* weight, DType weight_dtype, const void* bias, DType bias_dtype,

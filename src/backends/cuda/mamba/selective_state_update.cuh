@@ -1,4 +1,4 @@
-// Mamba-2 decode step, the selective state update (model-spec 3.5; seed section 6), for a batch of state
+// Mamba-2 decode step, the selective state update (docs/model.md 3.5), for a batch of state
 // slots. Per sequence b and head h (group g = h / (H / G)):
 //   dt = clamp(softplus(dt_raw[b, h] + dt_bias[h]), dt_min, dt_max);  dA = exp(dt * -exp(A_log[h]))
 //   S[p, n] = S[p, n] * dA + dt * x[b, h, p] * B[b, g, n]            (state read once, written once)
@@ -15,7 +15,7 @@
 namespace chimera::cuda {
 
 // Which fast kernel runs (benchmarks and tests pick; the ops:: adapter leaves kAuto).
-//   kGrid: a block per (row tile, head, sequence), the seed's simple kernel with its dim-tiled grid.
+//   kGrid: a block per (row tile, head, sequence), FlashInfer's simple kernel design with its dim-tiled grid.
 //   kPersistent: a resident grid; each warp walks a contiguous run of (sequence, head, row tile) units and
 //     issues the next unit's state loads before the current unit's math and stores (double-buffered in
 //     registers), so a warp always has a unit of state in flight and no block launches, slot look-ups or
@@ -57,7 +57,7 @@ struct SsuParams {
   DType a_log_dtype = DType::kF32, d_dtype = DType::kF32, dt_bias_dtype = DType::kF32;
   float dt_min = 0.0f, dt_max = 0.0f;
   int batch = 0, H = 0, P = 0, N = 0, G = 0;
-  // Rows of P per warp in the fast kernel: 0 picks by occupancy (the seed's dim tiling for small batches);
+  // Rows of P per warp in the fast kernel: 0 picks by occupancy (FlashInfer's dim tiling for small batches);
   // 4, 8 or 16 force one (benchmarks).
   int rows_per_warp = 0;
   // Plain loads / stores of the state instead of the cache-streaming ones (benchmarks; grid kernel only).

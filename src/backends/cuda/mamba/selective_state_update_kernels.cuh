@@ -1,7 +1,7 @@
 // Kernels of the selective state update (see selective_state_update.cuh for the math), templated on the
 // state element type S; included by the per-dtype instantiation files only.
 //
-// Fast kernel (the seed's "simple" kernel, 6.4.1, with its dim-tiled grid for small batches):
+// Fast kernel (FlashInfer's "simple" SSU kernel design, with its dim-tiled grid for small batches):
 //   grid (ceil(P / rows_per_block), H, batch), 4 warps (heads of one slot are adjacent in memory, so blocks
 //   dispatched together stream through contiguous state). A state row S[p, :] is N contiguous elements; a group
 //   of kLanesPerRow lanes covers one row with 16-byte vectors (fp32 N=128: 32 lanes x 4 floats; bf16 N=128:
@@ -10,7 +10,7 @@
 //   per lane), then updates, writes back (streaming stores: the state is touched once per step) and reduces
 //   y over the row's lanes with xor shuffles. dt, dA and D are per-head scalars; B, C come from L1/L2.
 //   Rows per warp: about 2 KB of state per warp (fp32 N=128: 4 rows, bf16: 8; measured best on the H200 at
-//   batch 64 and 256, see bench/mamba_notes.md), halved while the grid would leave SMs idle (the seed's
+//   batch 64 and 256, see bench/mamba_notes.md), halved while the grid would leave SMs idle (FlashInfer's
 //   dim-tiling rule: tile when there are fewer than 2 blocks per SM).
 // Persistent kernel (SsuKernel::kPersistent): the same lane mapping and math (identical bits), but a resident
 //   grid (occupancy x SMs, 4 warps a block) in which warp w walks the contiguous run of units

@@ -7,7 +7,7 @@
 // at ~147 TFLOP/s, i.e. ~0.11-0.14 mma.sync per cycle per SM, whatever the C.B^T loop structure or the number
 // of heads sharing B: the likely limit is feeding shared memory (one 89 KB chunk in flight per SM through
 // per-thread cp.async), not the tensor cores. Next: TMA bulk copies with a third stage, blocks of several
-// heads sharing the B / C tiles and C.B^T in the scan, then wgmma (seed: tuned-chunk-scan section).
+// heads sharing the B / C tiles and C.B^T in the scan, then wgmma.
 //
 // One block of 8 warps per (superchunk, head); grid order puts the heads of one superchunk next to each other
 // so the B / C tiles they share stay in L2. Shared-memory tiles (xs, bs, cs: ssd_mma_tiles.cuh) keep the global

@@ -8,16 +8,16 @@
 //   bound, the per-token work spread over E threads, selection by a radix select of barrier counts;
 // - one warp per token (group-limited routing, and large T where throughput matters more than latency).
 //
-// Warp design (seed document, section 5.2, adapted): one warp per token, 4 tokens per 128-thread block. Each lane
+// Warp design (TensorRT-LLM's fused Nemotron router, adapted): one warp per token, 4 tokens per 128-thread block. Each lane
 // holds E/32 candidates (16 for the 512-expert Super router) as 64-bit keys: the biased score made
 // integer-orderable (CUB's TwiddleIn) in the high word, 0xFFFF - expert in the low word, so a larger key is
 // "higher score, then lower index". A lane sorts its candidates once (register bitonic network); each of the
 // k rounds then takes the warp maximum with two 32-bit redux.sync.max (sm_80+; the value word, then the index
-// word among the lanes that hold that value) and the winning lane shifts its sorted list by one. The seed's
+// word among the lanes that hold that value) and the winning lane shifts its sorted list by one. TensorRT-LLM's
 // block-per-token layout (16 warps loading, 4 warps reducing 128 experts each, one warp merging 88
 // candidates) needs two k-round phases on the critical path; one warp with 16 sorted candidates per lane
 // needs one, and the whole block of 4 tokens stays in registers. E = 512 / k = 22 is its own template
-// instance (fully unrolled rounds), the seed's specialisation.
+// instance (fully unrolled rounds), as TensorRT-LLM specialises it.
 //
 // Bit-exactness with the CPU: the CPU computes 1 / (1 + std::exp(-x)) in float (glibc expf, < 0.51 ulp). CUDA's
 // expf is up to 2 ulp off, which would break exact ties and near-ties; exp is therefore taken in double and
@@ -863,7 +863,7 @@ void launch_router_topk(const RouterParams& p, cudaStream_t stream) {
   // One block per token where latency bounds the call (and for kernel == 2); the warp kernel otherwise.
   const bool block = p.n_group == 1 && (p.kernel == 2 || (p.kernel == 0 && p.T <= kBlockMaxTokens));
   if (block) return launch_router_block(p, stream);
-  // The Nemotron 3 Super router: 512 experts, top-22, one group (seed 5.2).
+  // The Nemotron 3 Super router: 512 experts, top-22, one group.
   if (p.E == 512 && p.k == 22 && p.n_group == 1) return launch_router<16, 22, false>(p, stream);
   with_nper(p.E, [&](auto nper) { launch_router_nper<decltype(nper)::value>(p, stream); });
 }
