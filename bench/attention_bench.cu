@@ -1,4 +1,4 @@
-// Attention benchmarks at Nemotron 3 Nano / Super shapes (model-spec 9: 32 q heads, 2 kv heads, head_dim
+// Attention benchmarks at Nemotron 3 Nano / Super shapes (docs/model.md 9: 32 q heads, 2 kv heads, head_dim
 // 128), bf16 activations and KV cache, paged cache with 64-token blocks in shuffled order.
 //   prefill: one sequence of 1K / 8K / 32K tokens (append + causal prefill) -> TFLOP/s of the causal
 //            attention (4 * hd * Qh * T(T+1)/2 useful FLOPs).

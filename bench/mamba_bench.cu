@@ -1,4 +1,4 @@
-// Mamba kernels at Nemotron 3 Nano / Super shapes (model-spec 9): the selective state update (decode), the
+// Mamba kernels at Nemotron 3 Nano / Super shapes (docs/model.md 9): the selective state update (decode), the
 // causal conv1d (prefill and decode update) and the fused decode step (conv update + SSU + gated norm, issue 4)
 // against the three ops it replaces. Bytes are the ones that must move (state read + write, inputs
 // read, outputs written), so floor_ratio is the achieved fraction of the measured 4.2 TB/s copy bandwidth.

@@ -1,4 +1,4 @@
-// MoE kernel benchmarks at the Nemotron 3 shapes (model-spec 9): the fused router (Super E=512 / top-22, Nano
+// MoE kernel benchmarks at the Nemotron 3 shapes (docs/model.md 9): the fused router (Super E=512 / top-22, Nano
 // E=128 / top-6) and the routed experts (permute + grouped up GEMM + relu2 + grouped down GEMM + combine).
 // Each case times the public op (ops::router_topk / ops::moe_experts), host validation and launches included.
 //

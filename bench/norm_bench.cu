@@ -1,4 +1,4 @@
-// Benchmarks of the norm / dense / sampling family at Nemotron 3 Nano and Super shapes (model-spec 9):
+// Benchmarks of the norm / dense / sampling family at Nemotron 3 Nano and Super shapes (docs/model.md 9):
 // add + RMSNorm and RMSNorm (hidden 2688 / 4096 / 8192, 1..16384 tokens), gated RMSNorm (Mamba Di and
 // groups), embedding, linear (in_proj / out_proj / lm_head, 1 / 64 / 4096 tokens) and sampling.
 // Each case goes through the ops:: entry point (validation + launch, what the engine calls). Inputs are
@@ -158,7 +158,7 @@ CHIMERA_BENCH(rms_norm_bf16) {
   }
 }
 
-// Mamba gated norm: Nano Di = 4096, Super Di = 8192, 8 groups each (model-spec 3.1).
+// Mamba gated norm: Nano Di = 4096, Super Di = 8192, 8 groups each (docs/model.md 3.1).
 CHIMERA_BENCH(gated_rms_norm_bf16) {
   const ops::Context c{Device::kCuda, nullptr};
   const std::pair<const char*, int64_t> models[] = {{"nano", 4096}, {"super", 8192}};

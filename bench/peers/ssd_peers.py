@@ -57,7 +57,7 @@ def inputs(T, H, S=1):
 
 
 def ssd_torch(x, dt, A, B, C, D, dt_bias, init):
-    """Chunked SSD (model-spec 3.4) in fp32 torch ops, HF torch_forward style: exp(segsum) intra-chunk,
+    """Chunked SSD (docs/model.md 3.4) in fp32 torch ops, HF torch_forward style: exp(segsum) intra-chunk,
     chunk states by einsum, the inter-chunk pass as one exp(segsum) matrix over chunks. x [b, T, H, P] with
     T a multiple of Q; returns y (bf16) and the final state [b, H, P, N] (fp32)."""
     b, T, H, _ = x.shape

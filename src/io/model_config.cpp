@@ -1,4 +1,4 @@
-// config.json -> ModelConfig (model-spec 1.2). Defaults are HF NemotronHConfig's; legacy aliases resolve to
+// config.json -> ModelConfig (docs/model.md 1.2). Defaults are HF NemotronHConfig's; legacy aliases resolve to
 // the canonical field. A JSON null counts as "not set" (HF configs write e.g. "sliding_window": null).
 #include "io/model_config.h"
 

@@ -1,5 +1,5 @@
 // ModelConfig: one validated view of a Hugging Face `config.json` for model_type "nemotron_h"
-// (model-spec 1.2). Field names follow the config; legacy aliases are resolved by the parser.
+// (docs/model.md 1.2). Field names follow the config; legacy aliases are resolved by the parser.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,7 @@
 
 namespace chimera {
 
-// One mixer per layer (model-spec 1.1).
+// One mixer per layer (docs/model.md 1.1).
 enum class LayerKind : uint8_t {
   kMamba,      // 'M'  linear_attention / mamba
   kAttention,  // '*'  full_attention / attention
@@ -73,7 +73,7 @@ struct ModelConfig {
   std::vector<LayerKind> mtp_layers;
 
   float layer_norm_epsilon = 1e-5f;  // aliases: rms_norm_eps, norm_eps
-  bool residual_in_fp32 = false;     // ignored by HF native (model-spec 2.2)
+  bool residual_in_fp32 = false;     // ignored by HF native (docs/model.md 2.2)
   bool tie_word_embeddings = false;
   std::string torch_dtype = "bfloat16";  // "torch_dtype" or "dtype"
 
@@ -81,7 +81,7 @@ struct ModelConfig {
   std::vector<int64_t> eos_token_ids = {2};  // config eos_token_id, replaced by generation_config.json's
   int64_t pad_token_id = 0;
 
-  // Derived sizes (model-spec 3.1).
+  // Derived sizes (docs/model.md 3.1).
   int64_t mamba_inner() const { return mamba_num_heads * mamba_head_dim; }             // Di
   int64_t conv_dim() const { return mamba_inner() + 2 * n_groups * ssm_state_size; }   // Cd
   int64_t in_proj_dim() const { return 2 * mamba_inner() + 2 * n_groups * ssm_state_size + mamba_num_heads; }

@@ -7,8 +7,8 @@
 namespace chimera {
 namespace {
 
-// config.json fields as published (model-spec section 9, verbatim copies where one was found). Fields left
-// out take the HF defaults of model-spec 1.2, which the published files repeat.
+// config.json fields as published (docs/model.md section 9, verbatim copies where one was found). Fields left
+// out take the HF defaults of docs/model.md 1.2, which the published files repeat.
 constexpr const char* kNemotronH8B = R"({
   "model_type": "nemotron_h", "vocab_size": 131072, "hidden_size": 4096,
   "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",

@@ -1,4 +1,4 @@
-// Config presets for synthetic (random-weight) models: the published configs of model-spec section 9 as
+// Config presets for synthetic (random-weight) models: the published configs of docs/model.md section 9 as
 // config.json text, parsed by the same parser as a checkpoint's config.json, plus `tiny` for tests.
 #pragma once
 

@@ -1,4 +1,4 @@
-// safetensors reader: memory-mapped, every header checked (model-spec / issue 2 "Loading"):
+// safetensors reader: memory-mapped, every header checked (docs/model.md 2.1):
 //   header length within the file, JSON well formed, dtype known, data_offsets inside the data section,
 //   end - begin == numel * dtype size, no two tensors overlapping. Errors (kInvalidInput) name the file
 //   and the tensor.

@@ -219,7 +219,7 @@ class Uploader {
   // Parameters the kernels read in fp32 (A_log, D, dt_bias, correction bias, router gate).
   void f32(Tensor& t) { put(t, DType::kF32); }
   // fp32 storage holding model-dtype values: A_log, D, dt_bias and the router gate. transformers loads them in the
-  // model dtype (only e_score_correction_bias is kept in fp32, model-spec 8.5 / 8.6) and upcasts them in the
+  // model dtype (only e_score_correction_bias is kept in fp32, docs/model.md 8.5 / 8.6) and upcasts them in the
   // forward, so a 16-bit model rounds an fp32 checkpoint's values once here (a no-op for 16-bit checkpoints).
   void f32_in_model_dtype(Tensor& t) {
     if (t && dtype_ != DType::kF32 && t.dtype() != dtype_) t = device::to_device(t, Device::kCpu, dtype_);
@@ -479,7 +479,7 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   const std::span<const int32_t> cu(b.cu_seqlens);
   const ops::Indices slots(b.state_slots, b.device_meta ? b.device_meta->state_slots : nullptr);
 
-  // in_proj rows: [ z : Di | xBC : Cd | dt : H ]  (model-spec 3.2)
+  // in_proj rows: [ z : Di | xBC : Cd | dt : H ]  (docs/model.md 3.2)
   Tensor zxbcdt = act(ctx, {T, c.in_proj_dim()});
   input_linear(ctx, pre, x, {&zxbcdt, 1}, {&w.in_proj, 1}, w.in_proj_bias);
   Tensor normed = act(ctx, {T, Di});
@@ -547,7 +547,7 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
   const Tensor qkv_out[] = {q, k, v};
   const Tensor qkv_w[] = {w.q_proj, w.k_proj, w.v_proj};
   input_linear(ctx, pre, x, qkv_out, qkv_w, Tensor());
-  // No positional encoding of any kind (model-spec 4): the Mamba layers carry position.
+  // No positional encoding of any kind (docs/model.md 4): the Mamba layers carry position.
   Tensor o = act(ctx, {T, Qh, hd});
   const StepBatch::DeviceMeta* dm = b.device_meta;
   ops::attention(ctx, o, q.reshape({T, Qh, hd}), k.reshape({T, KVh, hd}), v.reshape({T, KVh, hd}), kv,
@@ -563,7 +563,7 @@ void NemotronH::moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeig
   const MoeWeights& w = L.moe;
   const int64_t T = x.dim(0), k = c.num_experts_per_tok, Din = c.moe_input_dim();
 
-  // Router (model-spec 6.1): fp32 logits, sigmoid, bias for selection only, top-k, normalise, scale.
+  // Router (docs/model.md 6.1): fp32 logits, sigmoid, bias for selection only, top-k, normalise, scale.
   // On CUDA with 16-bit activations the gate is F32 and the op upcasts x, as transformers does
   // (F.linear(x.float(), weight.float())): expert choices are sensitive to rounded router logits. One op: at
   // decode sizes one CUDA kernel (logits GEMV + top-k), otherwise convert + GEMM + router_topk.
@@ -573,7 +573,7 @@ void NemotronH::moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeig
   ops::router_gate_topk(ctx, ids, weights, x, w.gate, w.e_score_correction_bias, rp);
   dump_activation(layer, "experts", ids);
 
-  // Routed experts, in the latent space when moe_latent_size is set (model-spec 6.2), and the shared expert, which
+  // Routed experts, in the latent space when moe_latent_size is set (docs/model.md 6.2), and the shared expert, which
   // reads the full hidden state, never the latent one. One op: moe_experts then relu2_mlp (the CPU runs exactly
   // those), on CUDA at decode sizes the shared expert inside the routed experts' GEMV launches.
   const ops::SharedExpert shared{shared_out, x, w.shared_experts.up_proj, w.shared_experts.down_proj};

@@ -72,7 +72,7 @@ void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out,
 void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
                    const Tensor& weight, float eps);
 
-// Gated grouped RMSNorm (model-spec 3.3, norm_before_gate = false):
+// Gated grouped RMSNorm (docs/model.md 3.3, norm_before_gate = false):
 //   u = y * silu(z); per group of D/n_groups channels: u *= rsqrt(mean(u^2) + eps); out = weight * u
 // y, z, out: [T, D]; weight: [D]; D % n_groups == 0.
 void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z,
@@ -142,7 +142,7 @@ struct SsmParams {
   float dt_max = 1.0f / 0.0f;  // +inf: the (0, inf) default of time_step_limit is a no-op
 };
 
-// Chunked SSD prefill (model-spec 3.4) over a packed batch, with initial states read from and final states
+// Chunked SSD prefill (docs/model.md 3.4) over a packed batch, with initial states read from and final states
 // written to ssm_state slots. x: [T, H, P]; dt_raw: [T, H]; B, C: [T, G, N]; y: [T, H, P];
 // ssm_state: [num_slots, H, P, N] f32. Head h uses group h / (H / G). The chunk grid restarts at each
 // sequence start. A pad sequence (slot < 0) is skipped: its y rows are left untouched.
@@ -150,12 +150,12 @@ void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const 
                     const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
                     std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size);
 
-// The plain per-token recurrence (model-spec 3.3): the test oracle for ssd_chunk_scan, same contract.
+// The plain per-token recurrence (docs/model.md 3.3): the test oracle for ssd_chunk_scan, same contract.
 void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                     const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
                     std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots);
 
-// Decode: one token per sequence (model-spec 3.5). x, y: [B, H, P]; dt_raw: [B, H]; B, C: [B, G, N];
+// Decode: one token per sequence (docs/model.md 3.5). x, y: [B, H, P]; dt_raw: [B, H]; B, C: [B, G, N];
 // slots: [B] (slot < 0: skipped, y left untouched). dt is clamped to [dt_min, dt_max] as in the prefill, so a
 // one-token ssd_chunk_scan and this update agree (HF's decode kernel ignores the limit; a no-op for (0, inf)).
 void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
@@ -172,7 +172,7 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
 
 // The whole Mamba-2 decode step between in_proj and out_proj, for one token per sequence (issue 4):
 //   causal_conv1d_update(xBC, silu) -> selective_state_update(x, dt_raw, B, C) -> gated_rms_norm(y, z)
-// from the in_proj output rows zxbcdt [B, Di + Cd + H] = [ z : Di | xBC : Cd | dt_raw : H ] (model-spec 3.2) to
+// from the in_proj output rows zxbcdt [B, Di + Cd + H] = [ z : Di | xBC : Cd | dt_raw : H ] (docs/model.md 3.2) to
 // out [B, Di]. Sizes come from the state: ssm_state [num_slots, H, P, N], Di = H * P, Cd = Di + 2 * n_groups * N;
 // conv_weight [Cd, K] (or [Cd, 1, K]), conv_bias [Cd] or undefined, conv_state [num_slots, Cd, K-1], p's [H]
 // parameters, norm_weight [Di] (norm groups of Di / n_groups channels = the heads of one B/C group).
@@ -216,7 +216,7 @@ struct RouterParams {
   float routed_scaling_factor = 1.0f;
 };
 
-// DeepSeek-V3 "noaux_tc" sigmoid router (model-spec 6.1) from fp32 router logits.
+// DeepSeek-V3 "noaux_tc" sigmoid router (docs/model.md 6.1) from fp32 router logits.
 //   logits: [T, E] f32; correction_bias: [E]; topk_ids: [T, k] I32; topk_weights: [T, k] f32.
 //   Selection uses sigmoid(logits) + bias, weights are the unbiased sigmoid scores, renormalised
 //   (w / (sum + 1e-20)) when norm_topk_prob, times routed_scaling_factor. Output order: by descending

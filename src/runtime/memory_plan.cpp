@@ -15,7 +15,7 @@ int64_t count(const ModelConfig& c, LayerKind k) {
 
 }  // namespace
 
-// Shapes of model-spec 2.1 (the loader's name table in models/nemotron_h.cpp); each layer's pre-mixer norm
+// Shapes of docs/model.md 2.1 (the loader's name table in models/nemotron_h.cpp); each layer's pre-mixer norm
 // counts with its kind, as in NemotronH::parameter_counts().
 std::map<std::string, int64_t> parameter_counts(const ModelConfig& c) {
   const int64_t D = c.hidden_size, H = c.mamba_num_heads, Di = c.mamba_inner(), Cd = c.conv_dim();

@@ -26,7 +26,7 @@ ModelConfig load_fixture(const std::string& name) {
 json minimal() { return {{"model_type", "nemotron_h"}, {"hybrid_override_pattern", "M*-E"}}; }
 ModelConfig parse(const json& j) { return parse_model_config(j.dump(), "cfg.json"); }
 
-// ---- published configs (model-spec 9, sizes from 3.1) ----------------------------------------------
+// ---- published configs (docs/model.md 9, sizes from 3.1) ----------------------------------------------
 
 TEST(ModelConfigPublished, NemotronH8B) {
   const ModelConfig c = load_fixture("nemotron-h-8b.json");

@@ -1,4 +1,4 @@
-// The synthetic-model presets parse to the published shapes of model-spec section 9, and --num-layers keeps
+// The synthetic-model presets parse to the published shapes of docs/model.md section 9, and --num-layers keeps
 // the first N layers of the pattern.
 #include <gtest/gtest.h>
 

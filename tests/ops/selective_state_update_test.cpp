@@ -1,4 +1,4 @@
-// selective_state_update (the Mamba-2 decode step, model-spec 3.5) against a naive double oracle on every
+// selective_state_update (the Mamba-2 decode step, docs/model.md 3.5) against a naive double oracle on every
 // backend: odd and model head shapes, batches of 1 to 64 with pads and permuted slots, dt limits, misaligned
 // state views; CUDA only: bf16 activations with f32 / bf16 / f16 state.
 #include <algorithm>
@@ -52,7 +52,7 @@ Tensor random_state(test::Rng& rng, Shape shape) {
   return t;
 }
 
-// Naive decode step in double (model-spec 3.5 with the dt clamp of ops.h) on host F32 tensors; `state` is
+// Naive decode step in double (docs/model.md 3.5 with the dt clamp of ops.h) on host F32 tensors; `state` is
 // updated in place, pad rows of y are not written.
 void naive_ssu(Tensor& y, const SsuInputs& in, Tensor& state, const std::vector<int32_t>& slots) {
   const int64_t H = in.x.dim(1), P = in.x.dim(2), G = in.B.dim(1), N = in.B.dim(2);

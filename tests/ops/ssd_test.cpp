@@ -41,7 +41,7 @@ SsmInputs make_inputs(test::Rng& rng, int64_t T, const SsmCase& c) {
   return in;
 }
 
-// Naive recurrence (model-spec 3.3) in double; the state is a host copy updated in place.
+// Naive recurrence (docs/model.md 3.3) in double; the state is a host copy updated in place.
 void naive_ssm(Tensor& y, const SsmInputs& in, Tensor& state, const std::vector<int32_t>& cu,
                const std::vector<int32_t>& slots) {
   const int64_t H = in.x.dim(1), P = in.x.dim(2), G = in.B.dim(1), N = in.B.dim(2);

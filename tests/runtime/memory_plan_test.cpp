@@ -13,7 +13,7 @@ constexpr double kGB = 1e9;
 constexpr size_t kGiB = size_t{1} << 30;
 
 TEST(MemoryPlan, ParameterCountsOfThePublishedModels) {
-  // Exact sums of the model-spec 2.1 shapes (cross-checked by hand in Python).
+  // Exact sums of the docs/model.md 2.1 shapes (cross-checked by hand in Python).
   EXPECT_EQ(parameter_count(model_preset("nemotron-h-8b")), 8100852736);
   EXPECT_EQ(parameter_count(model_preset("nemotron-3-nano-30b-a3b")), 31577940288);
   EXPECT_EQ(parameter_count(model_preset("nemotron-3-super-120b-a12b")), 120668707840);

@@ -1,4 +1,4 @@
-// Causal GQA attention over a packed batch with a paged KV cache (model-spec 4; no RoPE).
+// Causal GQA attention over a packed batch with a paged KV cache (docs/model.md 4; no RoPE).
 #include <algorithm>
 #include <cmath>
 #include <cstring>

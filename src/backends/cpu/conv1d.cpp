@@ -1,4 +1,4 @@
-// Depthwise causal conv1d over a packed batch with per-slot conv state (model-spec 3.3, 3.5).
+// Depthwise causal conv1d over a packed batch with per-slot conv state (docs/model.md 3.3, 3.5).
 // conv_state[slot, c, j] is the input at time j - (K-1) relative to the sequence's first new token.
 #include <vector>
 

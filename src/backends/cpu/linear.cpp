@@ -1,4 +1,4 @@
-// Dense layers: linear (y = x @ W^T + b), relu2, relu2_mlp (model-spec 5).
+// Dense layers: linear (y = x @ W^T + b), relu2, relu2_mlp (docs/model.md 5).
 #include <algorithm>
 #include <vector>
 

@@ -1,4 +1,4 @@
-// MoE: DeepSeek-V3 noaux_tc sigmoid router (model-spec 6.1) and the routed non-gated relu2 experts (6.2).
+// MoE: DeepSeek-V3 noaux_tc sigmoid router (docs/model.md 6.1) and the routed non-gated relu2 experts (6.2).
 #include <algorithm>
 #include <cstring>
 #include <limits>

@@ -1,4 +1,4 @@
-// Embedding lookup and the RMSNorm family (model-spec 2.2, 3.3 gated grouped norm).
+// Embedding lookup and the RMSNorm family (docs/model.md 2.2, 3.3 gated grouped norm).
 #include <cstring>
 #include <vector>
 

@@ -1,4 +1,4 @@
-// Mamba-2 selective state space: chunked SSD prefill (model-spec 3.4), the plain recurrence (3.3, the test
+// Mamba-2 selective state space: chunked SSD prefill (docs/model.md 3.4), the plain recurrence (3.3, the test
 // oracle) and the single-token state update (3.5).
 //
 // ssd_chunk_scan mirrors mamba_ssm's mamba_chunk_scan_combined stage by stage so the CUDA port can be tested
@@ -38,7 +38,7 @@ struct Chunk {
   int64_t seq, begin, end;
 };
 
-// Per-token recurrence step on one head's state S [P, N] (model-spec 3.3 / 3.5); writes y_row [P].
+// Per-token recurrence step on one head's state S [P, N] (docs/model.md 3.3 / 3.5); writes y_row [P].
 void recurrence_step(float* S, const float* x_row, const float* b, const float* c, float dt, float a, float d,
                      int64_t P, int64_t N, float* y_row) {
   const float dA = std::exp(dt * a);

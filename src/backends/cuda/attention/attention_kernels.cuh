@@ -1,4 +1,4 @@
-// Attention kernels of the CUDA backend (model-spec 4: causal GQA, no positional encoding, paged KV cache).
+// Attention kernels of the CUDA backend (docs/model.md 4: causal GQA, no positional encoding, paged KV cache).
 // Plain params structs and launchers; no framework types. attention.cu adapts Tensors to these.
 //
 //   q, out:        [T, Qh, hd]                       activation dtype (F32, BF16 or F16)

@@ -1,5 +1,5 @@
 // The Mamba-2 decode step of one layer in ONE kernel (issue 4): from the in_proj output row of each sequence
-//   [ z : Di | xBC : Cd | dt_raw : H ]                                        (model-spec 3.2)
+//   [ z : Di | xBC : Cd | dt_raw : H ]                                        (docs/model.md 3.2)
 // to the gated-norm output, exactly the three ops of the unfused path with the same roundings:
 //   1. causal_conv1d_update(xBC) + SiLU   (conv1d_update.cu: same FMA order, fast SiLU, rounded to the act dtype)
 //   2. selective_state_update(x, dt, B, C) (selective_state_update_kernels.cuh: same lane layout, y rounded)
@@ -14,7 +14,7 @@
 // group's heads (heads_per_group / cluster heads each). Every CTA computes the conv of its heads' x channels
 // and, redundantly (cheap, L2-resident), the group's B and C channels; after a cluster barrier (every CTA has
 // read the old B/C conv state) the B/C state is written once, split over the ranks. The gated norm's group is
-// exactly the heads of one Mamba group (model-spec 3.1), so its sum of squares is reduced across the cluster
+// exactly the heads of one Mamba group (docs/model.md 3.1), so its sum of squares is reduced across the cluster
 // through distributed shared memory, summed in rank order (every CTA gets the same bits).
 #pragma once
 

@@ -1,4 +1,4 @@
-// SSD chunked scan (model-spec 3.4) and the plain recurrence (3.3) on CUDA: the params structs and the
+// SSD chunked scan (docs/model.md 3.4) and the plain recurrence (3.3) on CUDA: the params structs and the
 // launchers shared by ssd.cu (the Tensor adapter), ssd_portable.cu (fp32 SIMT kernels, any shape and dtype)
 // and ssd_mma.cu (bf16 / f16 tensor-core kernels for the Nemotron shape P = 64, N = 128, chunk 128).
 //
@@ -105,7 +105,7 @@ void launch_ssd_chunk_scan_group_mma(const SsdParams& p, cudaStream_t stream);
 template <typename T>
 void launch_ssd_chunk_scan_split_mma(const SsdParams& p, bool stage_y, cudaStream_t stream);
 
-// The plain per-token recurrence (model-spec 3.3), one block per (sequence, head).
+// The plain per-token recurrence (docs/model.md 3.3), one block per (sequence, head).
 struct SsmRecurrenceParams {
   const void* x = nullptr;       // [T, H, P]
   const void* dt_raw = nullptr;  // [T, H]

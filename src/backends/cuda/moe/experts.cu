@@ -1,4 +1,4 @@
-// ops::moe_experts on CUDA (model-spec 6.2): permutation -> grouped up GEMM (+relu2) -> grouped down GEMM
+// ops::moe_experts on CUDA (docs/model.md 6.2): permutation -> grouped up GEMM (+relu2) -> grouped down GEMM
 // (x routing weight) -> combine, four launches on ctx.stream with no host synchronisation (the tile counts live
 // on the device; the grids are sized by an upper bound and surplus blocks exit at once).
 //

@@ -6,7 +6,7 @@
 // Swap-AB: the expert weight W_e [N, K] is the MMA's A operand (its rows fill the 16-row side) and the few
 // tokens of an expert are the 8-column B side, so decode (1-3 tokens per expert) wastes MMA columns, not
 // weight bandwidth. Every weight tile is read from HBM once per work item; MoE at Nemotron shapes is
-// weight-bandwidth bound up to ~1k tokens (model-spec 9: Nano 128 x 10 MB experts, Super 512 x 5.5 MB).
+// weight-bandwidth bound up to ~1k tokens (docs/model.md 9: Nano 128 x 10 MB experts, Super 512 x 5.5 MB).
 //
 // Block: 128 threads = 4 warps stacked along N; warp tile WM = BN / 4 weight rows x BT tokens. Shared tiles are
 // [rows][BK = 64] 16-bit with the 16-byte chunk index XOR-swizzled by (row % 8), so the 8 row addresses of each

@@ -1,4 +1,4 @@
-// MoE token permutation and combine (model-spec 6.2): the (token, choice) pairs sorted by expert, stably, as
+// MoE token permutation and combine (docs/model.md 6.2): the (token, choice) pairs sorted by expert, stably, as
 // the GEMM work list; and the weighted expert outputs summed back to token order. Both deterministic: no
 // global atomics, a fixed summation order.
 #include <cstdint>

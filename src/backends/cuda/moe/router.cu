@@ -1,4 +1,4 @@
-// Fused DeepSeek-V3 "noaux_tc" sigmoid router (model-spec 6.1) in one launch: sigmoid, + correction bias for
+// Fused DeepSeek-V3 "noaux_tc" sigmoid router (docs/model.md 6.1) in one launch: sigmoid, + correction bias for
 // selection only, optional group-limited masking, top-k on the biased scores (ties toward the lower expert
 // index), gather of the unbiased scores, w / (sum + 1e-20) when norm_topk_prob, times routed_scaling_factor.
 // Output sorted by descending biased score, exactly like the CPU reference (backends/cpu/moe.cpp).

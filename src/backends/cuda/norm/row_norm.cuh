@@ -1,4 +1,4 @@
-// The RMSNorm family as one row-normalisation kernel (model-spec 2.2 and 3.3):
+// The RMSNorm family as one row-normalisation kernel (docs/model.md 2.2 and 3.3):
 //   kPlain: out = w * x * rsqrt(mean(x^2) + eps)
 //   kAdd:   residual += x (stored in the activation dtype), out = rms_norm(residual as stored); ONE pass:
 //           x and residual are read once, residual and out written once, the row held in fp32 registers.
