@@ -1,6 +1,6 @@
 // The kernel benchmark harness (a separate binary, never a test): CUDA-event timing of a launch sequence,
 // and one report line per case with time, achieved bandwidth or FLOP rate, and the ratio to the machine's
-// measured ceiling (anchors.md: 4.2 TB/s device copy, ~790 TFLOP/s dense bf16).
+// measured ceiling (docs/perf.md, "Method and floors": 4.2 TB/s device copy, ~790 TFLOP/s dense bf16).
 //
 //   CHIMERA_BENCH(ssu_fp32_state) { ... ctx.run("selective_state_update", shape, bytes, flops, [&] { launch(); }); }
 //

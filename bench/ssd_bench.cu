@@ -4,7 +4,7 @@
 //
 // FLOPs are the useful FLOPs of the chunked algorithm as mamba_ssm computes it (full chunk tiles), per chunk:
 //   H * (2 Q P N [chunk state] + 2 Q P N [C . S_in] + 2 Q Q P [(C.B * L) . x]) + G * 2 Q Q N [C . B]
-// (anchors.md: ~213 GFLOP at 32K tokens with 128 heads). Bytes: x, dt, B, C read, y written, the state read
+// (~213 GFLOP at 32K tokens with 128 heads). Bytes: x, dt, B, C read, y written, the state read
 // and written once. The peer numbers come from bench/peers/ssd_peers.py with the same shape text.
 #include <cuda_bf16.h>
 

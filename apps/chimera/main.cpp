@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   int threads = 0;
   app.add_option("--threads", threads, "CPU threads for the reference backend (default: all cores)")
       ->check(CLI::NonNegativeNumber);
-  // The only place CHIMERA_ALLREDUCE_STRATEGY is read (style.md 8: flags and env -> one validated config).
+  // The only place CHIMERA_ALLREDUCE_STRATEGY is read (docs/style.md 8: flags and env -> one validated config).
   std::string allreduce_strategy = "auto";
   app.add_option("--allreduce-strategy", allreduce_strategy,
                  "Tensor-parallel AllReduce strategy: auto, nccl, oneshot, twoshot")

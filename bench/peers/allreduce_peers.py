@@ -17,7 +17,7 @@ are forced below, whatever the caller's environment says.
 """
 import os
 
-# Never enable NVLink multicast on the shared hosts (.library/device/KINDS.md): set before torch / NCCL start,
+# Never enable NVLink multicast on the shared hosts (docs/build.md 9): set before torch / NCCL start,
 # inherited by the spawned processes.
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NCCL_NVLS_ENABLE"] = "0"

@@ -1,5 +1,5 @@
 // Element types of checkpoints and tensors, and scalar conversions on the host.
-// g++ 12 has no std::bfloat16_t (build-notes 3): bf16 / fp16 / fp8 are converted by bit manipulation here.
+// g++ 12 has no std::bfloat16_t (docs/build.md 3): bf16 / fp16 / fp8 are converted by bit manipulation here.
 #pragma once
 
 #include <cstddef>

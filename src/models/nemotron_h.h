@@ -19,7 +19,7 @@ namespace chimera {
 
 class WeightTable;  // nemotron_h.cpp: checkpoint names -> tensors, or the synthetic weight source
 
-// Member names equal the checkpoint keys under `backbone.layers.{i}.mixer.` (style.md: loading is a name table).
+// Member names equal the checkpoint keys under `backbone.layers.{i}.mixer.` (docs/style.md 1: loading is a name table).
 struct MambaWeights {
   Tensor in_proj;          // [2*Di + 2*G*N + H, D]
   Tensor in_proj_bias;     // [2*Di + 2*G*N + H] when use_bias

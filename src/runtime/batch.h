@@ -1,5 +1,5 @@
 // StepBatch: the one description of a forward step, the same for every backend, prefill and decode
-// (design.md "One batch description for every backend"). Plain data: the scheduler builds it, the model
+// (docs/architecture.md "One batch description"). Plain data: the scheduler builds it, the model
 // reads it, nothing else is needed to run a step.
 #pragma once
 

@@ -1,4 +1,5 @@
-// The engine loop: schedule -> execute -> update (design.md). One Engine runs one model on one backend.
+// The engine loop: schedule -> execute -> update (docs/architecture.md "The engine loop"). One Engine runs one
+// model on one backend.
 #pragma once
 
 #include <cstdint>

@@ -5,7 +5,7 @@
 // Bytes read per token differ from active x dtype in two places: the embedding table is indexed (one row is
 // read, not vocab_size rows), and the fp32-kept parameters (A_log, D, dt_bias, router gate and bias; see
 // memory_plan.h) cost 4 bytes each. State traffic (Mamba state, KV cache) is left out: at batch 1 and short
-// contexts it is small beside the weights; at large batch it is not (docs/anchors.md).
+// contexts it is small beside the weights; at large batch it is not (docs/perf.md, "Method and floors").
 #pragma once
 
 #include <cstdint>
@@ -15,7 +15,7 @@
 
 namespace chimera {
 
-// The H200's measured device-to-device copy bandwidth (docs/anchors.md: 4.21 TB/s, read + write).
+// The H200's measured device-to-device copy bandwidth (docs/perf.md, "Method and floors": 4.21 TB/s, read + write).
 constexpr double kH200MeasuredBandwidth = 4.2e12;  // bytes/s
 
 // Parameters one token uses: parameter_count(config) with each MoE layer's routed experts scaled by top-k / E.

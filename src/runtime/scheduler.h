@@ -1,5 +1,5 @@
 // The scheduler decides, as plain data, which sequences run in the next step and how many tokens each
-// (design.md "The engine loop"): every running decode sequence gets one token; then waiting or partly
+// (docs/architecture.md "The engine loop"): every running decode sequence gets one token; then waiting or partly
 // prefilled prompts fill the remaining token budget (chunked prefill), while Mamba slots and KV blocks last.
 // It never touches tensors, so it is tested without a model.
 #pragma once

@@ -1,4 +1,4 @@
-// Per-sequence state that lives outside the model (design.md "State lives outside the model"):
+// Per-sequence state that lives outside the model (docs/architecture.md "State caches"):
 //   * Mamba state slots: per Mamba layer a conv state [slots, conv_dim, conv_kernel - 1] and an SSM state
 //     [slots, mamba_num_heads, mamba_head_dim, ssm_state_size], fp32. A sequence owns one slot id across
 //     all Mamba layers. The conv state has the activation dtype (F32 on the CPU, bf16 / fp32 on CUDA).

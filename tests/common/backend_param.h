@@ -1,4 +1,4 @@
-// One test body per backend (style.md 6): op tests derive from BackendTest and are instantiated with
+// One test body per backend (docs/style.md 6): op tests derive from BackendTest and are instantiated with
 // CHIMERA_INSTANTIATE_BACKENDS(Suite), giving "Suite.Test/Cpu" and "Suite.Test/Cuda". The CUDA instance skips
 // cleanly when the build has no CUDA backend or the machine has no GPU (CI); otherwise ctx() hands the ops a
 // CUDA context, on_backend() moves host inputs there and to_host_f32() brings results back for comparison.

@@ -1,4 +1,4 @@
-// The one tolerance table (style.md 5). Every numeric comparison in the tests takes its bound from here.
+// The one tolerance table (docs/style.md 5). Every numeric comparison in the tests takes its bound from here.
 #pragma once
 
 namespace chimera::test {

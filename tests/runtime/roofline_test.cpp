@@ -1,4 +1,4 @@
-// The batch-1 decode roofline's arithmetic on the published configs (docs/anchors.md "Physical limits").
+// The batch-1 decode roofline's arithmetic on the published configs (docs/perf.md, "Method and floors").
 #include <gtest/gtest.h>
 
 #include "core/error.h"
@@ -22,7 +22,7 @@ TEST(Roofline, Nano30BReadsAbout3p2BParamsPerToken) {
   EXPECT_NEAR(static_cast<double>(r.params_read), 3.23e9, 0.02e9);
   EXPECT_GT(r.bytes_per_token, 6.3e9);
   EXPECT_LT(r.bytes_per_token, 6.6e9);
-  // 4.2e12 / 6.47e9 ~ 649 tok/s (anchors.md's 732 corresponds to ~4.7 TB/s on the same bytes).
+  // 4.2e12 / 6.47e9 ~ 649 tok/s.
   EXPECT_GT(r.tokens_per_s, 630);
   EXPECT_LT(r.tokens_per_s, 740);
   EXPECT_DOUBLE_EQ(r.tokens_per_s, 4.2e12 / r.bytes_per_token);
@@ -34,7 +34,7 @@ TEST(Roofline, Nano30BReadsAbout3p2BParamsPerToken) {
 TEST(Roofline, DenseModelCountsEveryParameter) {
   const ModelConfig c = model_preset("nemotron-h-8b");
   EXPECT_EQ(active_parameter_count(c), parameter_count(c));
-  // ~8.1B, ~7.6B read per token in bf16 at 4.2 TB/s: ~270-280 tok/s (anchors.md rounds to 300 at 8B).
+  // ~8.1B, ~7.6B read per token in bf16 at 4.2 TB/s: ~270-280 tok/s.
   const DecodeRoofline r = batch1_decode_roofline(c, DType::kBF16, 4.2e12);
   EXPECT_GT(r.tokens_per_s, 250);
   EXPECT_LT(r.tokens_per_s, 300);

@@ -1,4 +1,4 @@
-// CPU reference backend: the ground truth every other backend is tested against (style.md 2).
+// CPU reference backend: the ground truth every other backend is tested against (docs/style.md 2).
 // Same contracts as ops/ops.h; shapes, dtypes and devices are already validated by the entry points there,
 // so these functions trust their arguments. All math in fp32; activations F32; weights F32/BF16/F16.
 #pragma once
