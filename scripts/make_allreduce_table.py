@@ -3,7 +3,7 @@
 (src/dist/strategy.cpp includes it), from a measurement sweep or from the default rule
 (ONESHOT up to 128 tokens, TWOSHOT above: TensorRT-LLM's kOneShotMaxToken).
 
-The table is keyed (ranks, fusion pattern, hidden, tokens) as TensorRT-LLM's static table, but by the sizes the sweep measured
+The table is keyed (ranks, fusion pattern, hidden, tokens) as TensorRT-LLM's, but by the sizes the sweep measured
 instead of power-of-two buckets: the file carries the lists (kSm90Hidden, kSm90Tokens) and the lookup
 (src/dist/allreduce_index.h: table_hidden_index, table_tokens_index) takes the row of the NEAREST measured
 hidden on a log scale and the column of the smallest measured token count >= tokens (column j covers
@@ -23,7 +23,7 @@ Three ways to run it:
   python3 scripts/make_allreduce_table.py --provisional --out src/dist/sm90_allreduce_table.inc
 
 A sweep measures 2 ranks only (the machine has 2 GPUs); the 4- and 8-rank rows always follow the default rule and
-say so (issue 6 measures them). A 2-rank entry the sweep did not reach (a timeout) also falls back to the default
+say so (a 4/8-GPU machine measures them). A 2-rank entry the sweep did not reach (a timeout) also falls back to the default
 rule, and the header counts how many entries were measured.
 
 Sweep lines parsed (bench/allreduce_bench.cu), times in microseconds, '-' where a strategy is not eligible:
@@ -112,7 +112,7 @@ def render(measured, hidden_list, tokens_list, header):
             note = ("MEASURED where the sweep reached (see the header), default rule elsewhere" if n_measured
                     else "PROVISIONAL: default rule, not measured")
         else:
-            note = "NOT MEASURED: default rule (needs a 4/8-GPU machine, issue 6)"
+            note = "NOT MEASURED: default rule (needs a 4/8-GPU machine)"
         out.append(f"    {{  // {ranks} ranks: {note}")
         for pattern in PATTERNS:
             out.append(f"        {{  // {pattern}")

@@ -1,4 +1,4 @@
-// chimera bench: end-to-end throughput through the Engine, as `generate` and the server use it (issue 4).
+// chimera bench: end-to-end throughput through the Engine, as `generate` uses it.
 //   prefill  one sequence of each --input-lens length: time to first token (chunked prefill by the scheduler's
 //            token budget, as in the product), tokens/s = input length / TTFT
 //   decode   --batch-sizes sequences, each after a --decode-context-token prefill: time per output token = the

@@ -40,8 +40,8 @@ struct AllReduceConfig {
   // in-place residual is protected). A first call of a key inside a CUDA graph capture cannot be timed: it uses
   // the table and is tuned on the next call outside a capture.
   bool autotune = false;
-  // The ONESHOT kernel (allreduce_types.h). kPerBlock: measured on 2 H200 (bf16 + residual + RMSNorm, 64 x 8192)
-  // 7.35 us against the legacy kernel's 9.51 us; kLegacy stays for comparison (CHIMERA_ONESHOT_KERNEL=legacy).
+  // The ONESHOT kernel (allreduce_types.h). kPerBlock is the faster one at small messages (docs/perf.md,
+  // AllReduce); kLegacy stays for comparison (CHIMERA_ONESHOT_KERNEL=legacy).
   OneShotKernel oneshot_kernel = OneShotKernel::kPerBlock;
 };
 

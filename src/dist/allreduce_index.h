@@ -46,7 +46,7 @@ CHIMERA_HD int64_t lamport_offset(int slot, int src_rank, int64_t elem, int n_ra
 // The clear of a slot covers only what the call that read it used: element j in [0, n_ranks x message_elems)
 // of the clear is element j % message_elems of source region j / message_elems. (Clearing the contiguous
 // extent from region 0 to the end of the last message would touch (n_ranks - 1) x capacity elements every call:
-// 64 MiB per call with the default workspace, ~20 us on an H200, more than the whole small-message AllReduce.)
+// 64 MiB per call with the default workspace, longer than the whole small-message AllReduce.)
 CHIMERA_HD int64_t lamport_clear_elems(int n_ranks, int64_t message_elems) {
   return static_cast<int64_t>(n_ranks) * message_elems;
 }

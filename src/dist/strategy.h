@@ -39,9 +39,9 @@ struct StrategyQuery {
 inline constexpr int64_t kMaxRowVecs = 4096;  // 1024 threads x 4 vectors in registers: bf16 32768, fp32 16384
 bool custom_eligible(const StrategyQuery& q);
 
-// The SM90 lookup table keyed (ranks index, pattern, measured hidden, measured tokens) (TensorRT-LLM's
-// static table, with its power-of-two buckets replaced by the sizes the sweep measured: allreduce_index.h, table_hidden_index /
-// table_tokens_index), generated into src/dist/sm90_allreduce_table.inc by scripts/make_allreduce_table.py from
+// The SM90 lookup table keyed (ranks index, pattern, measured hidden, measured tokens) (as TensorRT-LLM's
+// static table, its power-of-two buckets replaced by the sizes the sweep measured: allreduce_index.h,
+// table_hidden_index / table_tokens_index), generated into src/dist/sm90_allreduce_table.inc by scripts/make_allreduce_table.py from
 // the sweep (`chimera_bench allreduce_sweep`, which iterates sm90_table_hidden() x sm90_table_tokens(), so the
 // sweep and the lookup use the same sizes). Sizes outside the table clamp to its edge; ranks other than 2, 4, 8
 // get NCCL. Entries not measured follow the default rule: ONESHOT up to kOneShotMaxTokens tokens (TensorRT-LLM's

@@ -89,7 +89,7 @@ void linear(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor
 // v projections as one launch instead of three dependent ones. outs[i]: [T, weights[i].dim(0)].
 void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor& x, std::span<const Tensor> weights);
 
-// The residual step between two layers folded into the next layer's first dense op (issue 4):
+// The residual step between two layers folded into the next layer's first dense op:
 //   residual_out = residual + a                 (add_rms_norm), or residual + round(a + b) when b is defined
 //                                               (add2_rms_norm: a MoE layer's shared and routed outputs)
 //   x = rms_norm(residual_out) * norm_weight
@@ -170,7 +170,7 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
                             const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
                             const Indices& slots, const Indices& dst_slots);
 
-// The whole Mamba-2 decode step between in_proj and out_proj, for one token per sequence (issue 4):
+// The whole Mamba-2 decode step between in_proj and out_proj, for one token per sequence:
 //   causal_conv1d_update(xBC, silu) -> selective_state_update(x, dt_raw, B, C) -> gated_rms_norm(y, z)
 // from the in_proj output rows zxbcdt [B, Di + Cd + H] = [ z : Di | xBC : Cd | dt_raw : H ] (docs/model.md 3.2) to
 // out [B, Di]. Sizes come from the state: ssm_state [num_slots, H, P, N], Di = H * P, Cd = Di + 2 * n_groups * N;

@@ -1,4 +1,4 @@
-// Per-op time breakdown of one engine step (`chimera bench --profile`, issue 4).
+// Per-op time breakdown of one engine step (`chimera bench --profile`).
 //
 // The ops dispatcher (ops.cpp, Check::dispatch) opens a ProfileScope around every backend call when
 // ops::Context::profiler is set. The profiler is passive until armed: begin_step() .. end_step() brackets one
@@ -15,7 +15,7 @@
 //   span_ms  first op's start to last op's end (device clock on CUDA)
 //   ops_ms   the sum of the ops' times; span - ops = gaps between ops (launch / host overhead inside the
 //            forward), wall - span = host work before the first op and after the last
-// Profiling costs two event records per op (~2 us of host time each on CUDA), so a profiled step is slower
+// Profiling costs two event records per op (host time on CUDA), so a profiled step is slower
 // than an unprofiled one when the host is the bottleneck; compare op times, not the wall time, with the bench.
 #pragma once
 

@@ -8,7 +8,7 @@
 //   bound, the per-token work spread over E threads, selection by a radix select of barrier counts;
 // - one warp per token (group-limited routing, and large T where throughput matters more than latency).
 //
-// Warp design (TensorRT-LLM's fused Nemotron router, adapted): one warp per token, 4 tokens per 128-thread block. Each lane
+// Warp design (TensorRT-LLM's fused router, adapted): one warp per token, 4 tokens per 128-thread block. Each lane
 // holds E/32 candidates (16 for the 512-expert Super router) as 64-bit keys: the biased score made
 // integer-orderable (CUB's TwiddleIn) in the high word, 0xFFFF - expert in the low word, so a larger key is
 // "higher score, then lower index". A lane sorts its candidates once (register bitonic network); each of the
