@@ -13,6 +13,7 @@
 
 #include "common/backend_param.h"
 #include "common/compare.h"
+#include "common/tolerances.h"
 #include "core/error.h"
 #include "io/model_config.h"
 #include "io/safetensors.h"
@@ -209,7 +210,8 @@ TEST_P(EngineTest, ASmallKvPoolPreemptsAndGivesTheSameOutputs) {
           worst = std::max(worst, static_cast<double>(std::abs(small.logits[p][i] - big.logits[p][i])));
           scale = std::max(scale, static_cast<double>(std::abs(big.logits[p][i])));
         }
-        EXPECT_LE(worst, (on_cuda() ? 5e-2 : 1e-4) * scale) << "prompt " << p;
+        EXPECT_LE(worst, (on_cuda() ? test::kGpuBf16LogitsRelToMax : test::kModelLogitsRelToMax) * scale)
+            << "prompt " << p;
       }
     }
   }
