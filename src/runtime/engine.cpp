@@ -7,7 +7,7 @@
 
 namespace chimera {
 
-Engine::Engine(const NemotronH& model, const ops::Context& ctx, const EngineConfig& config)
+Engine::Engine(const Model& model, const ops::Context& ctx, const EngineConfig& config)
     : model_(model),
       ctx_(ctx),
       config_(config),
@@ -230,7 +230,7 @@ std::vector<Sequence> Engine::take_finished() {
   return out;
 }
 
-std::vector<std::vector<int32_t>> generate_all(const NemotronH& model, const ops::Context& ctx,
+std::vector<std::vector<int32_t>> generate_all(const Model& model, const ops::Context& ctx,
                                                const EngineConfig& config,
                                                const std::vector<std::vector<int32_t>>& prompts,
                                                const SamplingParams& sampling) {

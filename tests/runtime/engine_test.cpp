@@ -17,6 +17,8 @@
 #include "core/error.h"
 #include "io/model_config.h"
 #include "io/safetensors.h"
+#include "models/nemotron_h.h"
+#include "runtime/model.h"
 
 namespace chimera {
 namespace {
@@ -235,6 +237,38 @@ TEST_P(EngineTest, BoundedWaitingQueueRefusesWithOverloadedAndAcceptsAgainLater)
   while (engine.has_unfinished()) engine.step();
   EXPECT_EQ(by_id(engine.take_finished()).size(), 3u);
   EXPECT_EQ(c, 2);  // a refused request spends no id
+}
+
+// The engine needs nothing of a model beyond runtime/model.h: a wrapper that only forwards (and counts steps)
+// runs the same requests to the same tokens.
+class CountingModel : public Model {
+ public:
+  explicit CountingModel(const Model& inner) : inner_(inner) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  Device device() const override { return inner_.device(); }
+  DType activation_dtype() const override { return inner_.activation_dtype(); }
+  Tensor forward(const ops::Context& ctx, const StepBatch& b, ModelState& state) const override {
+    ++steps;
+    return inner_.forward(ctx, b, state);
+  }
+  Tensor forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state) const override {
+    ++steps;
+    return inner_.forward_device(ctx, b, state);
+  }
+  mutable int steps = 0;
+
+ private:
+  const Model& inner_;
+};
+
+TEST_P(EngineTest, RunsAnyModelThroughTheModelInterface) {
+  const CountingModel counting(*model_);
+  const std::vector<std::vector<int32_t>> prompts = {prompt(7, 1), prompt(12, 2)};
+  EngineConfig ec = small_config(2);
+  ec.cuda_graphs = false;  // every step calls the model
+  const auto got = generate_all(counting, ctx(), ec, prompts, sampling(6));
+  EXPECT_EQ(got, generate_all(*model_, ctx(), ec, prompts, sampling(6)));
+  EXPECT_EQ(counting.steps, 6);  // one prefill step with both prompts, then 5 decode steps
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(EngineTest);
