@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "backends/device_api.h"
-#include "models/nemotron_h.h"
+#include "runtime/model.h"
 #include "runtime/scheduler.h"
 #include "runtime/state_cache.h"
 
@@ -36,15 +36,34 @@ struct TokenEvent {
 class Engine {
  public:
   // ctx.device must be the model's device; the caches are allocated there in the model's activation dtype.
-  Engine(const NemotronH& model, const ops::Context& ctx, const EngineConfig& config);
+  Engine(const Model& model, const ops::Context& ctx, const EngineConfig& config);
 
-  // Queues a request; returns its sequence id. Bad prompts / parameters -> kInvalidInput.
+  // Queues a request; returns its sequence id. Bad prompts / parameters -> kInvalidInput; a full waiting queue
+  // (SchedulerConfig::max_waiting) -> kOverloaded.
   int32_t add_request(std::vector<int32_t> prompt, const SamplingParams& sampling);
   bool has_unfinished() const { return scheduler_.has_unfinished(); }
   // One step; returns the tokens sampled in it, in batch order.
   std::vector<TokenEvent> step();
   // Sequences finished so far (tokens = prompt + generated), removed from the engine.
   std::vector<Sequence> take_finished();
+  // Removes a waiting or running sequence now: its Mamba slot and KV blocks are free for the next step, and it
+  // appears in take_finished() with FinishReason::kAbort. False (a no-op) for an unknown or finished id.
+  // Call it between steps, on the thread that steps.
+  bool abort_request(int32_t seq_id);
+
+  // Load figures a server reports (all between steps).
+  int32_t num_running() const { return static_cast<int32_t>(scheduler_.num_running()); }
+  int32_t num_waiting() const { return static_cast<int32_t>(scheduler_.num_waiting()); }
+  int32_t num_total_blocks() const { return cache_.sizes().num_blocks; }
+  int32_t num_free_blocks() const { return cache_.free_blocks(); }
+  int32_t num_total_slots() const { return cache_.sizes().max_seqs; }
+  int32_t num_free_slots() const { return cache_.free_slots(); }
+  // Sequences preempted so far (each counted once per preemption) for want of KV blocks.
+  int64_t num_preemptions() const { return scheduler_.num_preemptions(); }
+  // Fraction of the KV pool's blocks held by sequences, in [0, 1].
+  double kv_cache_usage() const {
+    return 1.0 - static_cast<double>(num_free_blocks()) / static_cast<double>(num_total_blocks());
+  }
 
   // Called with each logits row the engine produces, in order per sequence: prompt rows (when
   // return_prompt_logits) then one row per generated token.
@@ -71,7 +90,7 @@ class Engine {
   std::vector<int32_t> sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows);
 
 
-  const NemotronH& model_;
+  const Model& model_;
   ops::Context ctx_;
   EngineConfig config_;
   StateCache cache_;
@@ -87,7 +106,7 @@ class Engine {
 };
 
 // Convenience: runs the engine to completion over several prompts; returns each generated token list.
-std::vector<std::vector<int32_t>> generate_all(const NemotronH& model, const ops::Context& ctx,
+std::vector<std::vector<int32_t>> generate_all(const Model& model, const ops::Context& ctx,
                                                const EngineConfig& config,
                                                const std::vector<std::vector<int32_t>>& prompts,
                                                const SamplingParams& sampling);
