@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <string>
 #include <vector>
 
 #include "runtime/sampler.h"
@@ -13,7 +14,8 @@
 
 namespace chimera {
 
-enum class FinishReason { kNone, kStop, kLength };
+// kError: the sequence cannot go on (non-finite logits); Sequence::error / TokenEvent::error say why.
+enum class FinishReason { kNone, kStop, kLength, kError };
 
 struct Sequence {
   int32_t id = 0;
@@ -24,6 +26,7 @@ struct Sequence {
   std::vector<int32_t> blocks;  // KV blocks
   SamplingParams sampling;
   FinishReason finish = FinishReason::kNone;
+  std::string error;  // kError: the message
 
   int32_t num_generated() const { return static_cast<int32_t>(tokens.size()) - prompt_len; }
   bool finished() const { return finish != FinishReason::kNone; }
