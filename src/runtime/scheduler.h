@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "runtime/sampler.h"
@@ -21,7 +22,8 @@
 namespace chimera {
 
 // kAbort: the caller removed the sequence (Engine::abort_request) before it stopped or reached its length.
-enum class FinishReason { kNone, kStop, kLength, kAbort };
+// kError: the sequence cannot go on (non-finite logits); Sequence::error / TokenEvent::error say why.
+enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
 
 struct Sequence {
   int32_t id = 0;
@@ -36,6 +38,7 @@ struct Sequence {
   // (or reporting) logits rows again.
   int32_t num_computed_max = 0;
   int32_t num_preemptions = 0;
+  std::string error;  // kError: the message
 
   int32_t num_generated() const { return static_cast<int32_t>(tokens.size()) - prompt_len; }
   // Tokens not yet in the caches (the next step's candidates).
