@@ -462,9 +462,7 @@ TEST_P(OpsSelectiveStateUpdate, PersistentKernelMatchesNaive) {
   auto rng = test::Rng::for_test();
   for (const auto& [kernel, unit] : std::initializer_list<std::pair<cuda::SsuKernel, int>>{
            {cuda::SsuKernel::kPersistent, 0},
-           {cuda::SsuKernel::kPersistent, 2048},
-           {cuda::SsuKernel::kPersistentAsync, 0},
-           {cuda::SsuKernel::kPersistentAsync, 2048}}) {
+           {cuda::SsuKernel::kPersistent, 2048}}) {
     launcher_kernel_ = static_cast<int>(kernel);
     unit_bytes_ = unit;
     SCOPED_TRACE(::testing::Message() << "kernel=" << static_cast<int>(kernel) << " unit_bytes=" << unit);
@@ -487,10 +485,8 @@ TEST_P(OpsSelectiveStateUpdate, PersistentKernelMatchesNaive) {
   SsuInputs in = make_inputs(rng, 6, {4, 64, 2, 128});
   in.p.dt_min = 0.02f;
   in.p.dt_max = 0.08f;
-  for (cuda::SsuKernel kernel : {cuda::SsuKernel::kPersistent, cuda::SsuKernel::kPersistentAsync}) {
-    launcher_kernel_ = static_cast<int>(kernel), unit_bytes_ = 0;
-    check_step(in, {7, 0, 3, -1, 5, 2}, on_backend(random_state(rng, {8, 4, 64, 128})), DType::kF32);
-  }
+  launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistent), unit_bytes_ = 0;
+  check_step(in, {7, 0, 3, -1, 5, 2}, on_backend(random_state(rng, {8, 4, 64, 128})), DType::kF32);
 }
 
 // The fast kernel's row tilings (4, 8, 16 rows per warp; 0 = the occupancy rule), state access variants and
@@ -504,9 +500,8 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
   const Tensor state0 = random_state(rng, {7, s.H, s.P, s.N});
   for (DType sd : {DType::kF32, DType::kBF16}) {
     Tensor ref_y, ref_state;
-    // rows 4, 8, 16 and 0 (the rule) for the grid kernel; -4096 / -2048: the persistent kernel's units;
-    // -14096 / -12048: the cp.async-staged persistent kernel's.
-    for (int rows : {0, 4, 8, 16, -4096, -2048, -14096, -12048}) {
+    // rows 4, 8, 16 and 0 (the rule) for the grid kernel; -4096 / -2048: the persistent kernel's units.
+    for (int rows : {0, 4, 8, 16, -4096, -2048}) {
       SCOPED_TRACE(::testing::Message() << "state=" << dtype_name(sd) << " rows_per_warp=" << rows);
       const Tensor state = on_backend(state0, sd);
       const Tensor y = output(DType::kBF16, {batch, s.H, s.P});
@@ -514,8 +509,8 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
       p.rows_per_warp = std::max(rows, 0);
       p.plain_state_access = rows == 8;  // the benchmark-only plain loads / stores compute the same bits
       if (rows < 0) {
-        p.kernel = rows < -10000 ? cuda::SsuKernel::kPersistentAsync : cuda::SsuKernel::kPersistent;
-        p.unit_bytes = -rows % 10000;
+        p.kernel = cuda::SsuKernel::kPersistent;
+        p.unit_bytes = -rows;
       }
       cuda::launch_selective_state_update(p, nullptr);
       device::synchronize(Device::kCuda);
@@ -634,20 +629,8 @@ TEST_P(OpsSelectiveStateUpdate, DynamicSplitMatchesNaive) {
   split_ = cuda::SsuSplit::kEqualWarps, dynamic_chunk_ = 0, launcher_kernel_ = 0;
 }
 
-// The dynamic split is the kPersistent kernel's: asked of the cp.async-staged kernel, a clear error.
-TEST_P(OpsSelectiveStateUpdate, DynamicSplitRejectsTheAsyncKernel) {
-  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
-  auto rng = test::Rng::for_test();
-  launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistentAsync);
-  split_ = cuda::SsuSplit::kDynamic;
-  EXPECT_TRUE(test::throws_error([&] { check_random(rng, {4, 64, 2, 128}, 3, DType::kBF16, DType::kF32); },
-                                 ErrorKind::kRuntime, "SsuSplit::kDynamic is a kPersistent split only"));
-  split_ = cuda::SsuSplit::kEqualWarps;
-  launcher_kernel_ = 0;
-}
-
 // Out of place in every launcher variant the tests above force (grid row tilings and plain access, the persistent
-// kernel's static and dynamic splits at both unit sizes and few warps, the cp.async-staged kernel, the portable kernel
+// kernel's static and dynamic splits at both unit sizes and few warps, the portable kernel
 // for N = 7), every state dtype: the in-place run's y and new state bits (same variant), sources and unused slots
 // untouched, pads skipped; N = 64 / 128 / 256, P = 13, permuted slots.
 TEST_P(OpsSelectiveStateUpdate, OutOfPlaceEveryKernelGivesTheInPlaceBits) {
@@ -669,8 +652,6 @@ TEST_P(OpsSelectiveStateUpdate, OutOfPlaceEveryKernelGivesTheInPlaceBits) {
       {"persist4k-w3", cuda::SsuKernel::kPersistent, 0, 4096, 0, 3},
       {"persist4k-dyn4", cuda::SsuKernel::kPersistent, 0, 4096, 4, 0, true},
       {"persist2k-dyn1-w3", cuda::SsuKernel::kPersistent, 0, 2048, 1, 3, true},
-      {"async4k", cuda::SsuKernel::kPersistentAsync, 0, 4096},
-      {"async2k-w3", cuda::SsuKernel::kPersistentAsync, 0, 2048, 0, 3},
       {"auto", cuda::SsuKernel::kAuto},
   };
   const SsuShape shapes[] = {{16, 64, 8, 128}, {5, 64, 1, 64}, {2, 13, 2, 256}, {3, 5, 1, 7}};
