@@ -121,7 +121,7 @@ __device__ __forceinline__ void group_sync(int q) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(q + 1), "n"(kGroupThreads) : "memory");
 }
 
-template <typename T, bool kStageY>
+template <typename T>
 __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_kernel(SsdParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<SplitSmem<T>*>(smem_raw);
@@ -288,12 +288,12 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
         xs_j += 16 * kXStride;
       }
     }
-    // + D x, rounded to T: stored straight from the accumulators (4 bytes per lane, 16 of each 32-byte sector),
-    // or with kStageY through this stage's C tile (read by nobody until the copy of chunk ci + 2, issued after
-    // the next chunk's first barrier) so that the group stores its 32 rows as whole 128-byte lines.
+    // + D x, rounded to T, through this stage's C tile (read by nobody until the copy of chunk ci + 2, issued after
+    // the next chunk's first barrier) so that the group stores its 32 rows as whole 128-byte lines (straight from
+    // the accumulators a lane would store 4 bytes, 16 of each 32-byte sector).
     T* yc = y + (static_cast<size_t>(ch.x) * p.H + h) * kP;  // this chunk's first row of head h
     const int y_row = p.H * kP;
-    T* ys = sm.stage[ci & 1].cs;  // kStageY: [Q, P + 8] tile of y
+    T* ys = sm.stage[ci & 1].cs;  // [Q, P + 8] tile of y
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -302,18 +302,12 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int l = (r ? l_hi : l_lo) + half * 8;
-          if (kStageY || l < len) {
-            const uint32_t out = y_plus_dx(acc[r][j][2 * half], acc[r][j][2 * half + 1], d_skip, t.xs, l, pc);
-            if constexpr (kStageY) {
-              *reinterpret_cast<uint32_t*>(&ys[l * kXStride + pc]) = out;
-            } else {
-              *reinterpret_cast<uint32_t*>(&yc[l * y_row + pc]) = out;
-            }
-          }
+          const uint32_t out = y_plus_dx(acc[r][j][2 * half], acc[r][j][2 * half + 1], d_skip, t.xs, l, pc);
+          *reinterpret_cast<uint32_t*>(&ys[l * kXStride + pc]) = out;
         }
       }
     }
-    if constexpr (kStageY) {
+    {
       group_sync(q);  // the group's rows of ys written
       const int i = threadIdx.x % kGroupThreads, v = i % 8;
 #pragma unroll
@@ -353,9 +347,9 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
   }
 }
 
-template <typename T, bool kStageY>
+template <typename T>
 void launch_split(const SsdParams& p, cudaStream_t stream) {
-  launch_with_smem(ssd_chunk_scan_split_mma_kernel<T, kStageY>,
+  launch_with_smem(ssd_chunk_scan_split_mma_kernel<T>,
                    static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kSplitThreads, sizeof(SplitSmem<T>),
                    p, stream, "ops::ssd_chunk_scan (chunk_scan split mma)");
 }
@@ -364,7 +358,7 @@ void launch_split(const SsdParams& p, cudaStream_t stream) {
 
 template <typename T>
 void launch_ssd_chunk_scan_split_mma(const SsdParams& p, cudaStream_t stream) {
-  launch_split<T, true>(p, stream);
+  launch_split<T>(p, stream);
 }
 
 template void launch_ssd_chunk_scan_split_mma<__nv_bfloat16>(const SsdParams&, cudaStream_t);
