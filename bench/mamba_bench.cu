@@ -79,14 +79,15 @@ std::string ssu_shape(const SsuModel& m, int batch, DType state) {
 
 // rows_per_warp < 0: through ops:: instead of the launcher.
 // graph: also the device time per launch inside a CUDA graph (run_graph).
-// persist_unit > 0: the persistent kernel with that many bytes of state per warp unit; dynamic_chunk > 0: its dynamic split in chunks of that many units (else the static one).
+// persistent: the persistent kernel forced; dynamic_chunk > 0: its dynamic split in chunks of that many units (else
+// the static one).
 // out_of_place: SsuParams::dst_slots. Each rotation set holds 2 x batch slots, halves A and B; a call reads one half
 // and writes the other, and the set's next call goes back (ping-pong, so the state evolves as in place and every
 // call reads what an earlier call wrote, as the engine would). The bytes that must move are the same as in place
 // (each state read once and written once, to another address), so the rows compare directly with the in-place ones.
 void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
-               const std::string& kernel, bool plain = false, bool graph = false, int persist_unit = 0,
-               int dynamic_chunk = 0, bool out_of_place = false) {
+               const std::string& kernel, bool graph = false, bool persistent = false, int dynamic_chunk = 0,
+               bool out_of_place = false) {
   const DType act = DType::kBF16;
   const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
   const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
@@ -123,10 +124,8 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   p.dt_min = 0.0f, p.dt_max = std::numeric_limits<float>::infinity();
   p.batch = batch, p.H = m.H, p.P = m.P, p.N = m.N, p.G = m.G;
   p.rows_per_warp = std::max(rows_per_warp, 0);
-  p.plain_state_access = plain;
-  if (persist_unit > 0) {
+  if (persistent) {
     p.kernel = cuda::SsuKernel::kPersistent;
-    p.unit_bytes = persist_unit;
     if (dynamic_chunk > 0) p.split = cuda::SsuSplit::kDynamic, p.dynamic_chunk = dynamic_chunk;
   }
   int call = 0;
@@ -160,37 +159,33 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
 CHIMERA_BENCH(mamba_ssu) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
-      for (int batch : {1, 8, 64, 256}) bench_ssu(ctx, *m, batch, sd, 0, "ssu", false, batch >= 64);
+      for (int batch : {1, 8, 64, 256}) bench_ssu(ctx, *m, batch, sd, 0, "ssu", batch >= 64);
     }
   }
 }
 
-// The persistent kernel (4 KB and 2 KB units) next to the grid
+// The persistent kernel forced next to the grid
 // kernel ("ssu" above, same shapes), graph timing.
 CHIMERA_BENCH(mamba_ssu_persist) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
       for (int batch : {8, 64, 256}) {
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist4k", false, true, 4096);
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist2k", false, true, 2048);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist4k", true, true);
       }
     }
   }
 }
 
-// The persistent kernel's dynamic split (batch 64; same bits as ssu-persist4k / 2k, the static
-// split, which run first in the same process for comparison), graph timing, batch 64, f32 and bf16 state. Kernel
-// names: ssu-p<unit>-dyn<chunk>[-graph], chunks of 1 / 2 / 4 / 8 units (kAuto takes 4 KB units, chunks of 4).
+// The persistent kernel's dynamic split (batch 64; same bits as ssu-persist4k, the static split, which runs first
+// in the same process for comparison), graph timing, batch 64, f32 and bf16 state. Kernel names:
+// ssu-p4k-dyn<chunk>[-graph], chunks of 1 / 2 / 4 / 8 units (kAuto takes chunks of 4).
 CHIMERA_BENCH(mamba_ssu_persist_sched) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
-      for (int batch : {64}) {  // b256 meets both bars already (docs/perf.md)
-        for (int unit : {4096, 2048}) {
-          const std::string base = "ssu-p" + std::to_string(unit / 1024) + "k";
-          bench_ssu(ctx, *m, batch, sd, 0, unit == 4096 ? "ssu-persist4k" : "ssu-persist2k", false, true, unit);
-          for (int chunk : {1, 2, 4, 8}) {
-            bench_ssu(ctx, *m, batch, sd, 0, base + "-dyn" + std::to_string(chunk), false, true, unit, chunk);
-          }
+      for (int batch : {64}) {
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist4k", true, true);
+        for (int chunk : {1, 2, 4, 8}) {
+          bench_ssu(ctx, *m, batch, sd, 0, "ssu-p4k-dyn" + std::to_string(chunk), true, true, chunk);
         }
       }
     }
@@ -206,20 +201,19 @@ CHIMERA_BENCH(mamba_ssu_oop) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
       for (int batch : {64, 256}) {
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu", false, true);
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu-oop", false, true, 0, 0, /*out_of_place=*/true);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu", true);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-oop", true, false, 0, /*out_of_place=*/true);
       }
     }
   }
 }
 
-// Row tilings of the fast kernel, plain (not cache-streaming) state access, and the ops:: path.
+// Row tilings of the fast kernel and the ops:: path.
 CHIMERA_BENCH(mamba_ssu_variants) {
   for (DType sd : {DType::kF32, DType::kBF16}) {
     for (int batch : {1, 8, 64, 256}) {
       for (int rows : {4, 8, 16}) bench_ssu(ctx, kSuper, batch, sd, rows, "ssu-rpw" + std::to_string(rows));
     }
-    for (int batch : {64, 256}) bench_ssu(ctx, kSuper, batch, sd, 0, "ssu-plain", true);
     bench_ssu(ctx, kSuper, 64, sd, -1, "ssu-op");
   }
 }

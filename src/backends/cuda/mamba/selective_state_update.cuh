@@ -57,16 +57,11 @@ struct SsuParams {
   // Rows of P per warp in the fast kernel: 0 picks by occupancy (the seed's dim tiling for small batches);
   // 4, 8 or 16 force one (benchmarks).
   int rows_per_warp = 0;
-  // Plain loads / stores of the state instead of the cache-streaming ones (benchmarks; grid kernel only).
-  bool plain_state_access = false;
   // kAuto: the persistent kernel from batch 64, the grid kernel below.
   SsuKernel kernel = SsuKernel::kAuto;
   // kAuto at N = 128 with an f32 or bf16 state: the persistent kernel's dynamic split in chunks of 4 units
   // (ops::KernelConfig::ssu_dynamic_split); false keeps the equal static split. Same bits.
   bool auto_dynamic = true;
-  // Persistent kernels: bytes of state per warp unit (rows = unit_bytes / (N * sizeof(state))): 0 = 4096,
-  // or 2048 (more resident warps, half the registers / shared memory each).
-  int unit_bytes = 0;
   // Persistent kernels: 0 = the resident warps; > 0 caps the warps (tests: long runs at small sizes).
   int persist_warps = 0;
   // kPersistent only: the work split (SsuSplit above).

@@ -15,7 +15,7 @@
 // Persistent kernel (SsuKernel::kPersistent): the same lane mapping and math (identical bits), but a resident
 //   grid (occupancy x SMs, 4 warps a block) in which warp w walks the contiguous run of units
 //   [w * U / W, (w + 1) * U / W) of the U = batch * H * ceil(P / kUnitRows) units (sequence, head, row tile),
-//   tile fastest. A unit is kUnitRows = unit_bytes / (N * sizeof(S)) rows: 4 KB of state (bf16 N = 128: 16
+//   tile fastest. A unit is kUnitRows = 4096 / (N * sizeof(S)) rows: 4 KB of state (bf16 N = 128: 16
 //   rows, 128 bytes a lane). Two register buffers: the next unit's state loads (and its x, dt_raw) are issued
 //   before the current unit's update, stores and reduction, so every warp keeps a unit of loads in flight
 //   (16 warps / SM x 4 KB = 64 KB+ per SM) across the whole step: no per-block launch, slot look-up or
@@ -120,9 +120,9 @@ __device__ __forceinline__ float reduce_row(float acc) {
 }
 
 // state: [num_slots, H, P, N] S; see the file comment for the mapping.
-// kStream: cache-streaming hints on the state loads and stores (default; the plain variant is a benchmark).
+// The state loads and stores carry cache-streaming hints (each state byte is touched once per step).
 // kOop: the new state goes to slot dst_slots[b] (dst_slot above).
-template <typename S, int N, int kRowsPerWarp, bool kStream, bool kOop>
+template <typename S, int N, int kRowsPerWarp, bool kOop>
 __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) {
   using L = Layout<S, N>;
   static_assert(kRowsPerWarp % L::kRowsPerPass == 0, "rows per warp must be whole passes");
@@ -148,7 +148,7 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
 #pragma unroll
     for (int v = 0; v < L::kVecsPerLane; ++v) {
       if (row < p.P) {
-        st[i][v].template load<kStream>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        st[i][v].template load<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       } else {
         st[i][v].zero();
       }
@@ -187,7 +187,7 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
     for (int v = 0; v < L::kVecsPerLane; ++v) {
       update_state_vec<L>(st[i][v], v, hs.dA, dtx, Bv, Cv, acc);
       if (row < p.P) {
-        st[i][v].template store<kStream>(dst + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        st[i][v].template store<true>(dst + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       }
     }
     acc = reduce_row<L>(acc);
@@ -197,19 +197,14 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
 
 template <typename S, int N, int kRowsPerWarp, bool kOop>
 __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const SsuParams p) {
-  if (p.plain_state_access) {
-    selective_state_update_body<S, N, kRowsPerWarp, false, kOop>(p);
-  } else {
-    selective_state_update_body<S, N, kRowsPerWarp, true, kOop>(p);
-  }
+  selective_state_update_body<S, N, kRowsPerWarp, kOop>(p);
 }
 
 // ---- persistent kernel ----------------------------------------------------------------------------
 // Resident blocks per SM the persistent kernel is compiled for (registers: two buffers of 128 bytes of state
-// a lane at 4 KB units, 64 at 2 KB units, plus B, C at the lane's columns and the unit bookkeeping):
-// 4 KB units: 16 warps / SM (128 registers); 2 KB units: 20 warps / SM (102 registers).
-template <int kUnitBytes>
-constexpr int kPersistMinBlocks = kUnitBytes >= 4096 ? 4 : 5;
+// a lane, plus B, C at the lane's columns and the unit bookkeeping): 16 warps / SM (128 registers).
+inline constexpr int kPersistUnitBytes = 4096;
+inline constexpr int kPersistMinBlocks = 4;
 
 // One unit in flight: where it is and what was loaded for it (state, this lane's x, the head's dt_raw).
 template <typename S, int N, int kUnitRows>
@@ -449,7 +444,7 @@ void launch_persistent_grid(Kernel* kernel, int per_sm, int64_t units, size_t sm
 template <typename S, int N, int kUnitBytes, bool kDynamic, bool kOop>
 void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
-  constexpr int kMinBlocks = kPersistMinBlocks<kUnitBytes>;
+  constexpr int kMinBlocks = kPersistMinBlocks;
   auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks, kDynamic, kOop>;
   static const int per_sm =
       mamba::resident_blocks_per_sm(kernel, kThreads, 0, "ops::selective_state_update (occupancy)");
@@ -470,16 +465,7 @@ void launch_persistent_unit(const SsuParams& p, cudaStream_t stream) {
 
 template <typename S, int N>
 void launch_persistent(const SsuParams& p, cudaStream_t stream) {
-  switch (p.unit_bytes) {
-    case 0:
-    case 4096:
-      return launch_persistent_unit<S, N, 4096>(p, stream);
-    case 2048:
-      return launch_persistent_unit<S, N, 2048>(p, stream);
-    default:
-      throw_runtime(
-          str_cat("ops::selective_state_update: unit_bytes ", p.unit_bytes, " is not supported (0, 2048, 4096)"));
-  }
+  launch_persistent_unit<S, N, kPersistUnitBytes>(p, stream);
 }
 
 // Portable: grid (ceil(P / kWarps), H, batch); warp w of block x handles row x * kWarps + w.
@@ -568,7 +554,7 @@ void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream
     SsuParams q = p;
     q.dynamic_slot = ssu_dynamic_slot();
     const bool dynamic_shape = p.N == 128 && (std::is_same_v<S, float> || std::is_same_v<S, __nv_bfloat16>);
-    if (dynamic_shape && p.kernel == SsuKernel::kAuto && p.unit_bytes == 0 && p.split == SsuSplit::kEqualWarps &&
+    if (dynamic_shape && p.kernel == SsuKernel::kAuto && p.split == SsuSplit::kEqualWarps &&
         p.auto_dynamic) {
       q.kernel = SsuKernel::kPersistent;
       q.split = SsuSplit::kDynamic;
