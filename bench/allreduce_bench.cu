@@ -180,10 +180,11 @@ struct Rig {
 
   // The slower rank's median; `took`: the strategy the call ran.
   double measure(dist::AllReduceFusion& ar, FusionPattern pattern, int64_t tokens, int64_t hidden, int calls,
-                 int replays, AllReduceStrategy* took) {
+                 int replays, AllReduceStrategy* took, bool pdl = true) {
     double us[kRanks] = {};
     AllReduceStrategy ran[kRanks] = {};
     comm->run_ranks([&](int r) {
+      const device::LaunchScope launch_scope(pdl);  // the rank thread's launches
       us[r] = time_rank(ar, r, params(r, pattern, tokens, hidden), calls, replays, &ran[r]);
     });
     if (took) *took = ran[0];
@@ -376,7 +377,7 @@ void run_oneshot() {
   const dist::Topology topo = dist::detect_topology(rig.comm->devices());
   dist::AllReduceFusion per_block(*rig.comm, topo, c);
   const bool pdl_default = device::pdl_enabled();
-  std::printf("allreduce_oneshot: PDL available %s (CHIMERA_PDL=0 turns it off everywhere)\n", pdl_default ? "yes" : "no");
+  std::printf("allreduce_oneshot: PDL available %s\n", pdl_default ? "yes" : "no");
   struct Row {
     int64_t hidden, tokens;
     double legacy, pb_pdl, pb_nopdl;
@@ -389,9 +390,8 @@ void run_oneshot() {
       const int calls = calls_for(static_cast<int64_t>(bytes));
       Row row{hidden, tokens, 0, 0, 0};
       auto one = [&](const char* name, dist::AllReduceFusion& ar, bool pdl) {
-        device::set_pdl_enabled(pdl && pdl_default);
         const double us =
-            rig.measure(ar, FusionPattern::kResidualRmsNorm, tokens, hidden, calls, 20, nullptr);
+            rig.measure(ar, FusionPattern::kResidualRmsNorm, tokens, hidden, calls, 20, nullptr, pdl && pdl_default);
         std::printf("BENCH kernel=allreduce_oneshot_%s shape=%s us=%.2f gbps=%.1f tflops=0 floor_ratio=0\n", name,
                     shape.c_str(), us, 4.0 * bytes / (us * 1e-6) / 1e9);
         std::fflush(stdout);
@@ -403,7 +403,6 @@ void run_oneshot() {
       rows.push_back(row);
     }
   }
-  device::set_pdl_enabled(pdl_default);
   std::printf("TABLE ONESHOT + residual + RMSNorm, bf16, 2 ranks: us per call (median of 20 graph replays of "
               "back-to-back calls, slower rank)\n");
   std::printf("TABLE %6s %6s %9s %9s %9s %9s %s\n", "hidden", "tokens", "legacy", "per_block", "pb_nopdl",

@@ -92,37 +92,24 @@ void bench_decode(const Context& ctx, int64_t B, int64_t context) {
           [&] { ops::attention(c, out, q, k, v, cache, cu, ctx_lens, tables, 1.0f / std::sqrt(float(kHd))); });
   if (B <= 8) {
     // Inside a CUDA graph with device-side metadata, as a captured decode step runs it (decode with the append
-    // folded in, the split merge; splits planned for the block table's capacity). The split
-    // merge three ways: automatic, fused into the decode kernel, the combine kernel; CHECK: the last two agree.
+    // folded in, the split merge; splits planned for the block table's capacity).
     const Tensor cu_dev = device::to_device(Tensor::from_i32({B + 1}, cu), Device::kCuda);
     const Tensor ctx_dev = device::to_device(Tensor::from_i32({B}, ctx_lens), Device::kCuda);
     const ops::Indices cu_idx(cu, cu_dev.i32()), ctx_idx(ctx_lens, ctx_dev.i32());
     std::vector<Tensor> outs;
-    for (int mode : {0, 1, 2}) {
-      cuda::attn::set_decode_merge_mode(mode);
-      const char* name =
-          mode == 0 ? "attention_decode" : mode == 1 ? "attention_decode-fused" : "attention_decode-combine";
-      ctx.run_graph(name, shape, bytes, 0.0, [&](cudaStream_t st, int) {
-        ops::attention(ops::Context{Device::kCuda, st}, out, q, k, v, cache, cu_idx, ctx_idx, tables,
-                       1.0f / std::sqrt(float(kHd)));
-      });
-      outs.push_back(device::to_host_f32(out));
-    }
-    cuda::attn::set_decode_merge_mode(0);
-    double diff = 0.0;
-    for (int64_t i = 0; i < outs[1].numel(); ++i) {
-      diff = std::max(diff, double(std::fabs(outs[1].f32()[i] - outs[2].f32()[i])));
-    }
-    std::printf("CHECK attention_decode %s fused-vs-combine max_abs_diff=%.3g %s\n", shape.c_str(), diff,
-                diff <= 1e-2 ? "close" : "DIFFERENT");
-    // The append as its own launch (CHIMERA_ATTN_DECODE_APPEND=0) against the default, folded into the decode
-    // kernel; CHECK: the same bits.
-    const bool saved = cuda::set_attention_decode_append(false);
-    ctx.run_graph("attention_decode-append-launch", shape, bytes, 0.0, [&](cudaStream_t st, int) {
+    ctx.run_graph("attention_decode", shape, bytes, 0.0, [&](cudaStream_t st, int) {
       ops::attention(ops::Context{Device::kCuda, st}, out, q, k, v, cache, cu_idx, ctx_idx, tables,
                      1.0f / std::sqrt(float(kHd)));
     });
-    cuda::set_attention_decode_append(saved);
+    outs.push_back(device::to_host_f32(out));
+    // The append as its own launch (KernelConfig::attention_decode_append off) against the default, folded into the
+    // decode kernel; CHECK: the same bits.
+    ops::Context separate_ctx{Device::kCuda, nullptr};
+    separate_ctx.kernels.attention_decode_append = false;
+    ctx.run_graph("attention_decode-append-launch", shape, bytes, 0.0, [&](cudaStream_t st, int) {
+      separate_ctx.stream = st;
+      ops::attention(separate_ctx, out, q, k, v, cache, cu_idx, ctx_idx, tables, 1.0f / std::sqrt(float(kHd)));
+    });
     const Tensor separate = device::to_host_f32(out);
     const bool same = std::memcmp(separate.f32(), outs[0].f32(), static_cast<size_t>(separate.nbytes())) == 0;
     std::printf("CHECK attention_decode %s append-folded-vs-launch %s\n", shape.c_str(),

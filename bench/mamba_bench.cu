@@ -79,15 +79,15 @@ std::string ssu_shape(const SsuModel& m, int batch, DType state) {
 
 // rows_per_warp < 0: through ops:: instead of the launcher.
 // graph: also the device time per launch inside a CUDA graph (run_graph).
-// persist_unit > 0: the persistent kernel with that many bytes of state per warp unit (async: the
-// cp.async-staged one); dynamic_chunk > 0: its dynamic split in chunks of that many units (else the static one).
+// persistent: the persistent kernel forced; dynamic_chunk > 0: its dynamic split in chunks of that many units (else
+// the static one).
 // out_of_place: SsuParams::dst_slots. Each rotation set holds 2 x batch slots, halves A and B; a call reads one half
 // and writes the other, and the set's next call goes back (ping-pong, so the state evolves as in place and every
 // call reads what an earlier call wrote, as the engine would). The bytes that must move are the same as in place
 // (each state read once and written once, to another address), so the rows compare directly with the in-place ones.
 void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dtype, int rows_per_warp,
-               const std::string& kernel, bool plain = false, bool graph = false, int persist_unit = 0,
-               bool async = false, int dynamic_chunk = 0, bool out_of_place = false) {
+               const std::string& kernel, bool graph = false, bool persistent = false, int dynamic_chunk = 0,
+               bool out_of_place = false) {
   const DType act = DType::kBF16;
   const double state_bytes = 2.0 * batch * m.H * m.P * m.N * static_cast<double>(dtype_size(state_dtype));
   const double act_bytes = (2.0 * batch * m.H * m.P + batch * m.H + 2.0 * batch * m.G * m.N) * dtype_size(act);
@@ -124,10 +124,8 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   p.dt_min = 0.0f, p.dt_max = std::numeric_limits<float>::infinity();
   p.batch = batch, p.H = m.H, p.P = m.P, p.N = m.N, p.G = m.G;
   p.rows_per_warp = std::max(rows_per_warp, 0);
-  p.plain_state_access = plain;
-  if (persist_unit > 0) {
-    p.kernel = async ? cuda::SsuKernel::kPersistentAsync : cuda::SsuKernel::kPersistent;
-    p.unit_bytes = persist_unit;
+  if (persistent) {
+    p.kernel = cuda::SsuKernel::kPersistent;
     if (dynamic_chunk > 0) p.split = cuda::SsuSplit::kDynamic, p.dynamic_chunk = dynamic_chunk;
   }
   int call = 0;
@@ -161,41 +159,33 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
 CHIMERA_BENCH(mamba_ssu) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
-      for (int batch : {1, 8, 64, 256}) bench_ssu(ctx, *m, batch, sd, 0, "ssu", false, batch >= 64);
+      for (int batch : {1, 8, 64, 256}) bench_ssu(ctx, *m, batch, sd, 0, "ssu", batch >= 64);
     }
   }
 }
 
-// The persistent kernels (register double buffer / cp.async-staged; 4 KB and 2 KB units) next to the grid
+// The persistent kernel forced next to the grid
 // kernel ("ssu" above, same shapes), graph timing.
 CHIMERA_BENCH(mamba_ssu_persist) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
       for (int batch : {8, 64, 256}) {
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist4k", false, true, 4096);
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist2k", false, true, 2048);
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu-async4k", false, true, 4096, true);
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu-async2k", false, true, 2048, true);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist4k", true, true);
       }
     }
   }
 }
 
-// The register persistent kernel's dynamic split (issue 3, batch 64; same bits as ssu-persist4k / 2k, the static
-// split, which run first in the same process for comparison), graph timing, batch 64, f32 and bf16 state. Kernel
-// names: ssu-p<unit>-dyn<chunk>[-graph], chunks of 1 / 2 / 4 / 8 units (kAuto takes 4 KB units, chunks of 4). The
-// other variants measured with this bench (memory hints, store orders, full static grid, blocks per SM; none
-// better) are on branch ssu6.
+// The persistent kernel's dynamic split (batch 64; same bits as ssu-persist4k, the static split, which runs first
+// in the same process for comparison), graph timing, batch 64, f32 and bf16 state. Kernel names:
+// ssu-p4k-dyn<chunk>[-graph], chunks of 1 / 2 / 4 / 8 units (kAuto takes chunks of 4).
 CHIMERA_BENCH(mamba_ssu_persist_sched) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
-      for (int batch : {64}) {  // b256 meets both bars already (docs/perf.md)
-        for (int unit : {4096, 2048}) {
-          const std::string base = "ssu-p" + std::to_string(unit / 1024) + "k";
-          bench_ssu(ctx, *m, batch, sd, 0, unit == 4096 ? "ssu-persist4k" : "ssu-persist2k", false, true, unit);
-          for (int chunk : {1, 2, 4, 8}) {
-            bench_ssu(ctx, *m, batch, sd, 0, base + "-dyn" + std::to_string(chunk), false, true, unit, false, chunk);
-          }
+      for (int batch : {64}) {
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-persist4k", true, true);
+        for (int chunk : {1, 2, 4, 8}) {
+          bench_ssu(ctx, *m, batch, sd, 0, "ssu-p4k-dyn" + std::to_string(chunk), true, true, chunk);
         }
       }
     }
@@ -211,20 +201,19 @@ CHIMERA_BENCH(mamba_ssu_oop) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
     for (DType sd : {DType::kF32, DType::kBF16}) {
       for (int batch : {64, 256}) {
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu", false, true);
-        bench_ssu(ctx, *m, batch, sd, 0, "ssu-oop", false, true, 0, false, 0, /*out_of_place=*/true);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu", true);
+        bench_ssu(ctx, *m, batch, sd, 0, "ssu-oop", true, false, 0, /*out_of_place=*/true);
       }
     }
   }
 }
 
-// Row tilings of the fast kernel, plain (not cache-streaming) state access, and the ops:: path.
+// Row tilings of the fast kernel and the ops:: path.
 CHIMERA_BENCH(mamba_ssu_variants) {
   for (DType sd : {DType::kF32, DType::kBF16}) {
     for (int batch : {1, 8, 64, 256}) {
       for (int rows : {4, 8, 16}) bench_ssu(ctx, kSuper, batch, sd, rows, "ssu-rpw" + std::to_string(rows));
     }
-    for (int batch : {64, 256}) bench_ssu(ctx, kSuper, batch, sd, 0, "ssu-plain", true);
     bench_ssu(ctx, kSuper, 64, sd, -1, "ssu-op");
   }
 }
@@ -233,8 +222,8 @@ CHIMERA_BENCH(mamba_ssu_variants) {
 constexpr int kConvDim = 10240;  // Super: Di + 2 * G * N
 constexpr int kConvK = 4;
 
-// kernel: "conv1d-prefill" (the tile kernel), "-waittiles" (its variant, below), "conv1d-prefill-persist8"
-// / "-persist4" (the persistent kernel with 8 / 4 tokens per time lane).
+// kernel: "conv1d-prefill" (the tile kernel as the ops:: adapter launches it), "-waittiles" (the tile list read
+// after the PDL wait).
 void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::string& kernel = "conv1d-prefill") {
   const DType act = DType::kBF16;
   const int64_t T = static_cast<int64_t>(n_seqs) * seq_len, C = kConvDim;
@@ -265,16 +254,13 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::
   p.x = x.data(), p.out = out.data(), p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.n_tiles = n_tiles;
-  if (kernel == "conv1d-prefill-persist8" || kernel == "conv1d-prefill-persist4") {
-    p.prefill_kernel = 2;
-    p.prefill_persist_rows = kernel == "conv1d-prefill-persist4" ? 4 : 8;
-  } else if (kernel == "conv1d-prefill" || kernel == "conv1d-prefill-waittiles") {
+  if (kernel == "conv1d-prefill" || kernel == "conv1d-prefill-waittiles") {
     // "conv1d-prefill" is what the ops:: adapter launches (tile list read before the PDL wait); "-waittiles" reads
     // it after the wait.
     p.tiles_before_wait = kernel == "conv1d-prefill";
   } else {
     throw_runtime("bench_conv_prefill: unknown kernel " + kernel +
-                  " (conv1d-prefill, conv1d-prefill-waittiles, conv1d-prefill-persist8, conv1d-prefill-persist4)");
+                  " (conv1d-prefill, conv1d-prefill-waittiles)");
   }
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_T" + std::to_string(T) + "_seqs" +
@@ -290,10 +276,9 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::
   });
 }
 
-// rows / threads: the update kernel's shape (0: the automatic rule); the kernel name says which.
 // slots_before_wait: as the ops:: adapter sets it (true), or the slot look-up after the PDL wait
 // ("conv1d-update-waitslots").
-void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads = 0, bool slots_before_wait = true) {
+void bench_conv_update(const Context& ctx, int batch, bool slots_before_wait = true) {
   const DType act = DType::kBF16;
   const int64_t C = kConvDim;
   const double bytes = 2.0 * batch * C * dtype_size(act) + 2.0 * batch * C * (kConvK - 1) * dtype_size(act) +
@@ -311,12 +296,8 @@ void bench_conv_update(const Context& ctx, int batch, int rows = 0, int threads 
   p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.batch = batch;
-  p.update_rows = rows, p.update_threads = threads;
   p.slots_before_wait = slots_before_wait;
-  const std::string kernel = (rows == 0 && threads == 0 ? std::string("conv1d-update")
-                                                        : "conv1d-update-r" + std::to_string(rows) + "t" +
-                                                              std::to_string(threads)) +
-                             (slots_before_wait ? "" : "-waitslots");
+  const std::string kernel = std::string("conv1d-update") + (slots_before_wait ? "" : "-waitslots");
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_b" + std::to_string(batch) + "_act-bf16";
   ctx.run(kernel, shape, bytes, 0.0, [&] {
@@ -340,21 +321,13 @@ CHIMERA_BENCH(mamba_conv1d) {
   for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens);
   bench_conv_prefill(ctx, 8, 1024);
   for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch);
-  for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch, 0, 0, false);
+  for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch, false);
 }
 
-// The persistent prefill kernel and forced update shapes, next to the defaults above (same shapes).
+// The tile kernel reading its tile list after the PDL wait, next to the default above (same shapes).
 CHIMERA_BENCH(mamba_conv1d_variants) {
-  for (const char* k : {"conv1d-prefill-waittiles", "conv1d-prefill-persist8", "conv1d-prefill-persist4"}) {
-    for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens, k);
-    bench_conv_prefill(ctx, 8, 1024, k);
-  }
-  for (int batch : {64, 256}) {
-    for (const auto& [rows, threads] :
-         std::initializer_list<std::pair<int, int>>{{1, 128}, {1, 64}, {2, 64}, {2, 32}, {4, 32}, {4, 64}, {4, 128}}) {
-      bench_conv_update(ctx, batch, rows, threads);
-    }
-  }
+  for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens, "conv1d-prefill-waittiles");
+  bench_conv_prefill(ctx, 8, 1024, "conv1d-prefill-waittiles");
 }
 
 // ---- fused decode step: conv update + SSU + gated norm vs the three ops -----------------------------------
@@ -400,8 +373,10 @@ void bench_mamba_decode(const Context& ctx, const SsuModel& m, int batch, DType 
   const int cluster = cuda::mamba_decode_fused_cluster(probe);
   std::printf("INFO mamba-decode-fused %s cluster=%d (0: the op composes the three ops)\n", shape.c_str(), cluster);
 
+  ops::KernelConfig fused_kernels;  // the fused kernel at every batch (the plan takes it for the smallest only)
+  fused_kernels.mamba_decode_fused_max_rows = batch;
   const double fused_us = ctx.run_graph("mamba-decode-fused", shape, bytes, 0, [&](cudaStream_t st, int i) {
-    ops::mamba_decode_update(ops::Context{Device::kCuda, st}, out, zxbcdt, conv_w, conv_b, sp, norm_w, m.G, eps,
+    ops::mamba_decode_update(ops::Context{Device::kCuda, st, nullptr, fused_kernels}, out, zxbcdt, conv_w, conv_b, sp, norm_w, m.G, eps,
                              conv_state, ssm_state, set_slots(i));
   });
   const double three_us = ctx.run_graph("mamba-decode-3ops", shape, bytes, 0, [&](cudaStream_t st, int i) {

@@ -158,27 +158,29 @@ void bench_router_gate(const Context& ctx, const char* model, int64_t E, int64_t
     std::printf("CHECK router_gate_topk %s fused-vs-3op tokens_with_other_choices=%lld max_weight_diff=%.3g %s\n",
                 shape.c_str(), static_cast<long long>(tokens_differ), max_w_diff,
                 tokens_differ == 0 && max_w_diff <= 1e-5 * scale ? "identical-choices" : "DIFFERENT (near-ties?)");
-    // The two decode kernels of the op (cuda::moe::set_router_cluster): the single-cluster kernel where the gate
+    // The two decode kernels of the op (KernelConfig::router_cluster): the single-cluster kernel where the gate
     // slice fits (Nano; not Super) and the split-K kernel with its ticket, with a CHECK that they route alike (the
     // logits differ by fp32 summation order only).
     if (T <= cuda::moe::kGateClusterMaxTokens) {
       std::vector<Tensor> kouts;
       int cluster_size = 0;
       for (const bool cluster : {true, false}) {
-        const bool prev = cuda::moe::set_router_cluster(cluster);
-        ops::router_gate_topk(c, ids, w, x, gate, bias, rp);
+        ops::Context kc = c;
+        kc.kernels.router_cluster = cluster;
+        ops::router_gate_topk(kc, ids, w, x, gate, bias, rp);
         CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench router_gate_topk");
         const int used = cuda::moe::router_gate_last_cluster();
         if (cluster) cluster_size = used;
         if (!cluster || used > 0) {
           ctx.run_graph(cluster ? "router_gate_topk-cluster" : "router_gate_topk-splitk", shape, bytes, 0,
                         [&](cudaStream_t st, int) {
-                          ops::router_gate_topk(ops::Context{Device::kCuda, st}, ids, w, x, gate, bias, rp);
+                          ops::Context gc = kc;
+                          gc.stream = st;
+                          ops::router_gate_topk(gc, ids, w, x, gate, bias, rp);
                         });
         }
         kouts.push_back(device::to_host(ids));
         kouts.push_back(device::to_host(w));
-        cuda::moe::set_router_cluster(prev);
       }
       int64_t differ = 0;
       for (int64_t i = 0; i < T * k; ++i) differ += kouts[0].i32()[i] != kouts[2].i32()[i] ? 1 : 0;
@@ -377,16 +379,16 @@ void bench_experts_prefill(const Context& ctx, const char* model, int64_t E, int
     if (results.size() < 2) continue;
     // The CUTLASS path's two token tiles forced (the automatic choice above: 128 when P / min(E, P) > 96).
     for (int tile_n : {64, 128}) {
-      const int prev = cuda::moe::set_cutlass_tile_n(tile_n);
+      ops::KernelConfig kernels;
+      kernels.moe_cutlass_tile_n = tile_n;
       const auto call = [&](cudaStream_t st) {
-        cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, st}, in.out, in.x, in.ids, in.w, ec.up, ec.down,
+        cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, st, nullptr, kernels}, in.out, in.x, in.ids, in.w, ec.up, ec.down,
                                        cuda::moe::ExpertsPath::kCutlass);
       };
       ctx.run_graph(
           std::string("moe_experts-cutlass-n") + std::to_string(tile_n), in.shape, in.bytes, in.flops,
           [&](cudaStream_t st, int) { call(st); }, 5);
       CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
-      cuda::moe::set_cutlass_tile_n(prev);
     }
     double max_diff = 0, max_ref = 0;
     int64_t differ = 0;
@@ -448,21 +450,21 @@ void bench_moe_layer_decode(const Context& ctx, const char* model, int64_t E, in
     // With its router in front (ops::router_gate_topk on the hidden state, then the experts on its choices, as the
     // model runs them): the shared expert's up units before the up launch's pdl_wait() (the default: they overlap
     // the router) and after it (GemvShared::before_wait); and the down launch's routed first units started before
-    // its wait (the default) or after it (GemvFold::early_routed, CHIMERA_MOE_DOWN_EARLY).
+    // its wait (the default) or after it (GemvFold::early_routed, KernelConfig::moe_down_early).
     {
       const Tensor gate = random_f32({E, H}, 0.05f, static_cast<uint32_t>(500 + T));
       const Tensor bias = random_f32({E}, 0.1f, static_cast<uint32_t>(600 + T));
       Tensor r_ids = device::empty(Device::kCuda, DType::kI32, {T, k});
       Tensor r_w = device::empty(Device::kCuda, DType::kF32, {T, k});
       const ops::RouterParams rp{k, 1, 1, true, scale};
-      const auto routed_path = [&](cudaStream_t st) {
-        const ops::Context c{Device::kCuda, st};
+      const auto routed_path = [&](cudaStream_t st, const ops::KernelConfig& kernels) {
+        const ops::Context c{Device::kCuda, st, nullptr, kernels};
         ops::router_gate_topk(c, r_ids, r_w, xh, gate, bias, rp);
         ops::moe_experts_shared(c, in.out, in.x, r_ids, r_w, ec.up, ec.down,
                                 ops::SharedExpert{s_out, xh, s_up, s_down});
       };
       // "-cluster-off": the default with the router's split-K kernel instead of its single-cluster kernel
-      // (cuda::moe::set_router_cluster; the same kernel where the cluster one does not apply, e.g. Super's gate).
+      // (KernelConfig::router_cluster; the same kernel where the cluster one does not apply, e.g. Super's gate).
       struct Variant {
         const char* name{};
         bool early_shared{}, down_early{};
@@ -472,15 +474,13 @@ void bench_moe_layer_decode(const Context& ctx, const char* model, int64_t E, in
                               Variant{"moe_layer-router-early-cluster-off", true, true, false},
                               Variant{"moe_layer-router-late", false, true},
                               Variant{"moe_layer-router-down-late", true, false}}) {
-        const bool prev = cuda::moe::set_gemv_early_shared(v.early_shared);
-        const bool prev_down = cuda::moe::set_gemv_down_early(v.down_early);
-        const bool prev_cluster = cuda::moe::set_router_cluster(v.router_cluster);
-        routed_path(nullptr);
-        ctx.run_graph(v.name, shape, bytes, flops, [&](cudaStream_t st, int) { routed_path(st); });
+        ops::KernelConfig kernels;
+        kernels.moe_early_shared = v.early_shared;
+        kernels.moe_down_early = v.down_early;
+        kernels.router_cluster = v.router_cluster;
+        routed_path(nullptr, kernels);
+        ctx.run_graph(v.name, shape, bytes, flops, [&](cudaStream_t st, int) { routed_path(st, kernels); });
         CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
-        cuda::moe::set_gemv_early_shared(prev);
-        cuda::moe::set_gemv_down_early(prev_down);
-        cuda::moe::set_router_cluster(prev_cluster);
       }
     }
     ctx.run_graph("moe_experts-gemv", in.shape, in.bytes, in.flops, [&](cudaStream_t st, int) {

@@ -252,8 +252,9 @@ CHIMERA_BENCH(linear_bf16) {
   }
 }
 
-// Decode-size dense layers (T = 1, 2, 4, 8) at every projection shape of a Nano / Super decode step: the GEMV path
-// (with and without PDL) against cuBLASLt, device time per call in a CUDA graph; floor = bytes / 4.2 TB/s.
+// Decode-size dense layers (T = 1, 2, 4, 8) at every projection shape of a Nano / Super decode step: the plan's
+// choice (ops::linear), the GEMV (with and without PDL) and cuBLASLt, device time per call in a CUDA graph;
+// floor = bytes / 4.2 TB/s.
 CHIMERA_BENCH(linear_decode) {
   const LinearProj projs[] = {{"nano_in_proj", 2688, 10304},     {"nano_out_proj", 4096, 2688},
                               {"nano_shared_up", 2688, 3712},    {"nano_shared_down", 3712, 2688},
@@ -261,55 +262,42 @@ CHIMERA_BENCH(linear_decode) {
                               {"nano_o_proj", 4096, 2688},       {"nano_lm_head", 2688, 131072},
                               {"super_in_proj", 4096, 18560},    {"super_out_proj", 8192, 4096},
                               {"super_latent_in", 4096, 1024}};
-  const bool pdl_default = device::pdl_enabled();
   for (const LinearProj& p : projs) {
     for (int64_t T : {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}}) {
       const double bytes = 2.0 * (p.out * p.in + T * p.in + T * p.out);
       const double flops = 2.0 * T * p.in * p.out;
       const std::vector<LinearSet> sets = linear_sets(p, T, rotations(bytes));
       const std::string shape = linear_shape(p, T);
+      const bool gemv_ok = cuda::linear_gemv_supported(sets[0].y, sets[0].x, sets[0].w);
+      ctx.run_graph("linear_plan", shape, bytes, flops, [&](cudaStream_t st, int i) {
+        const LinearSet& s = sets[static_cast<size_t>(i) % sets.size()];
+        ops::linear(ops::Context{Device::kCuda, st}, s.y, s.x, s.w);
+      });
       struct Variant {
         const char* kernel;
-        cuda::LinearPath path;
+        int choice;
         bool pdl;
       };
-      for (const Variant& v : {Variant{"linear_gemv", cuda::LinearPath::kGemv, true},
-                               Variant{"linear_gemv_nopdl", cuda::LinearPath::kGemv, false},
-                               Variant{"linear_cublas", cuda::LinearPath::kCublas, false}}) {
-        if (v.pdl && !pdl_default) continue;
-        if (v.path == cuda::LinearPath::kGemv && !cuda::linear_gemv_supported(sets[0].y, sets[0].x, sets[0].w)) continue;
-        device::set_pdl_enabled(v.pdl);
+      for (const Variant& v : {Variant{"linear_gemv", 0, true}, Variant{"linear_gemv_nopdl", 0, false},
+                               Variant{"linear_cublas", cuda::kSeparate, false}}) {
+        if (v.choice != cuda::kSeparate && !gemv_ok) continue;
+        ops::KernelConfig kernels;
+        kernels.pdl = v.pdl;
         ctx.run_graph(v.kernel, shape, bytes, flops, [&](cudaStream_t st, int i) {
           const LinearSet& s = sets[static_cast<size_t>(i) % sets.size()];
-          cuda::linear_on_path(ops::Context{Device::kCuda, st}, s.y, s.x, s.w, Tensor(), v.path);
+          cuda::linear_with_choice(ops::Context{Device::kCuda, st, nullptr, kernels}, s.y, s.x, s.w, Tensor(),
+                                   v.choice);
         });
-      }
-      device::set_pdl_enabled(pdl_default);
-      // The GEMV at fixed warps per row (the automatic rule: gemv.cu, auto_warps_per_row).
-      if (T <= 2 && cuda::linear_gemv_supported(sets[0].y, sets[0].x, sets[0].w)) {
-        for (int wpr : {1, 2, 4}) {
-          ctx.run_graph("linear_gemv_wpr" + std::to_string(wpr), shape, bytes, flops, [&](cudaStream_t st, int i) {
-            const LinearSet& s = sets[static_cast<size_t>(i) % sets.size()];
-            cuda::gemm::GemvParams g;
-            g.x = s.x.data();
-            g.parts[0] = {s.w.data(), nullptr, s.y.data(), static_cast<int>(p.out)};
-            g.T = static_cast<int>(T);
-            g.K = static_cast<int>(p.in);
-            g.N = static_cast<int>(p.out);
-            g.warps_per_row = wpr;
-            cuda::gemm::launch_gemv(g, s.x.dtype(), false, st);
-          });
-        }
       }
     }
   }
 }
 
-// The residual step folded into the next layer's input projection (ops::residual_norm_linear) at decode sizes,
-// (the one GEMV launch, NormFold::kAlways) against the two ops it replaces (add + RMSNorm kernel, then the dense
-// layer: NormFold::kOff),
-// device time per call in a CUDA graph: Nano in_proj after a MoE layer (add2), Nano q/k/v after a Mamba layer,
-// Super in_proj (add2). Floor = bytes / 4.2 TB/s (weights + residual, addends, new residual, outputs).
+// The residual step folded into the next layer's input projection (ops::residual_norm_linear) at decode sizes:
+// the plan's choice, the one GEMV launch (the GEMV's own warps-per-row rule) and the two ops it replaces (add +
+// RMSNorm kernel, then the dense layer), device time per call in a CUDA graph: Nano in_proj after a MoE layer
+// (add2), Nano q/k/v after a Mamba layer, Super in_proj (add2). Floor = bytes / 4.2 TB/s (weights + residual,
+// addends, new residual, outputs).
 CHIMERA_BENCH(norm_linear_decode) {
   struct Shape {
     const char* name;
@@ -344,17 +332,132 @@ CHIMERA_BENCH(norm_linear_decode) {
       }
       const std::string shape = "T=" + std::to_string(T) + " D=" + std::to_string(sh.D) + " rows=" +
                                 std::to_string(rows) + (sh.add2 ? " add2" : " add") + " bf16 (" + sh.name + ")";
-      for (bool fold : {true, false}) {
-        const cuda::NormFold saved = cuda::set_residual_norm_fold(fold ? cuda::NormFold::kAlways : cuda::NormFold::kOff);
-        ctx.run_graph(fold ? "residual_norm_linear" : "add_norm_then_linear", shape, bytes, flops,
+      const auto step = [&](const Set& s) {
+        return ops::ResidualNorm{s.residual, s.residual_out, s.a, s.b, s.norm_w, 1e-5f, s.x};
+      };
+      ctx.run_graph("residual_norm_linear_plan", shape, bytes, flops, [&](cudaStream_t st, int i) {
+        const Set& s = sets[static_cast<size_t>(i) % sets.size()];
+        ops::residual_norm_linear(ops::Context{Device::kCuda, st}, step(s), s.y, s.w);
+      });
+      for (int choice : {0, cuda::kSeparate}) {
+        ctx.run_graph(choice == 0 ? "residual_norm_linear" : "add_norm_then_linear", shape, bytes, flops,
                       [&](cudaStream_t st, int i) {
                         const Set& s = sets[static_cast<size_t>(i) % sets.size()];
-                        ops::residual_norm_linear(ops::Context{Device::kCuda, st},
-                                                  ops::ResidualNorm{s.residual, s.residual_out, s.a, s.b, s.norm_w,
-                                                                    1e-5f, s.x},
-                                                  s.y, s.w);
+                        cuda::residual_norm_linear_with_choice(ops::Context{Device::kCuda, st}, step(s), s.y, s.w,
+                                                               Tensor(), choice);
                       });
-        cuda::set_residual_norm_fold(saved);
+      }
+    }
+  }
+}
+
+// The offline tuning of the dense-layer plan (gemm/linear.h, sm90_linear_table.inc): every decode-size shape of a
+// Nano / Super step (T = 1, 2; bf16) with every candidate choice, device time per call inside a CUDA graph (as a
+// captured decode step runs it). One line per candidate ("TUNE ... us=") and one per shape with the fastest
+// ("PLAN kind tokens in out choice", ties to the earlier candidate): scripts/make_linear_table.py turns the PLAN
+// lines into the table. About 30 s on the H200.
+CHIMERA_BENCH(linear_tune) {
+  Context quick = ctx;
+  quick.warmup = 3;
+  quick.iters = 15;
+  struct Linear {
+    int64_t in, out;
+  };
+  // kLinear: every projection that runs as ops::linear at decode sizes (including the parts of the multi / norm
+  // shapes below, which run as linears when those paths do not apply).
+  const Linear linears[] = {{2688, 10304}, {4096, 2688}, {2688, 3712}, {3712, 2688}, {2688, 4096},
+                            {2688, 256},   {4096, 18560}, {8192, 4096}, {4096, 1024}, {1024, 4096},
+                            {4096, 4096},  {4096, 5376},  {5376, 4096}, {4096, 256}};
+  struct Parts {
+    int64_t D;
+    std::vector<int64_t> rows;
+  };
+  const Parts multis[] = {{2688, {4096, 256, 256}}, {4096, {4096, 256, 256}}};
+  const Parts norms[] = {{2688, {10304}}, {2688, {4096, 256, 256}}, {4096, {18560}}, {4096, {4096, 256, 256}}};
+  const auto report = [](int kind, int64_t T, int64_t in, int64_t out, int choice, double us) {
+    std::printf("TUNE kind=%d tokens=%lld in=%lld out=%lld choice=%d us=%.3f\n", kind, static_cast<long long>(T),
+                static_cast<long long>(in), static_cast<long long>(out), choice, us);
+  };
+  const auto plan = [](int kind, int64_t T, int64_t in, int64_t out, int choice) {
+    std::printf("PLAN %d %lld %lld %lld %d\n", kind, static_cast<long long>(T), static_cast<long long>(in),
+                static_cast<long long>(out), choice);
+    std::fflush(stdout);
+  };
+  for (int64_t T : {int64_t{1}, int64_t{2}}) {
+    for (const Linear& l : linears) {
+      const LinearProj p{"tune", l.in, l.out};
+      const double bytes = 2.0 * (l.out * l.in + T * l.in + T * l.out);
+      const std::vector<LinearSet> sets = linear_sets(p, T, rotations(bytes));
+      if (!cuda::linear_gemv_supported(sets[0].y, sets[0].x, sets[0].w)) continue;
+      int best = cuda::kSeparate;
+      double best_us = 0.0;
+      for (int choice : {cuda::kSeparate, 0, 1, 2, 4}) {
+        const double us = quick.run_graph("linear_tune", linear_shape(p, T) + " choice=" + std::to_string(choice),
+                                          bytes, 0.0, [&](cudaStream_t st, int i) {
+                                            const LinearSet& s = sets[static_cast<size_t>(i) % sets.size()];
+                                            cuda::linear_with_choice(ops::Context{Device::kCuda, st}, s.y, s.x, s.w,
+                                                                     Tensor(), choice);
+                                          });
+        report(0, T, l.in, l.out, choice, us);
+        if (choice == cuda::kSeparate || us < best_us) best = choice, best_us = us;
+      }
+      plan(0, T, l.in, l.out, best);
+    }
+    const float lo = -0.02f, hi = 0.02f;
+    for (const Parts& m : multis) {
+      int64_t rows = 0;
+      std::vector<Tensor> w, y;
+      for (int64_t r : m.rows) {
+        rows += r;
+        w.push_back(random(DType::kBF16, {r, m.D}, lo, hi));
+        y.push_back(random(DType::kBF16, {T, r}));
+      }
+      const Tensor x = random(DType::kBF16, {T, m.D});
+      const double bytes = 2.0 * (rows * m.D + T * m.D + T * rows);
+      int best = 0;
+      double best_us = 0.0;
+      for (int choice : {0, 1, 2, 4}) {
+        const double us = quick.run_graph(
+            "linear_multi_tune", "T=" + std::to_string(T) + " D=" + std::to_string(m.D) + " rows=" + std::to_string(rows),
+            bytes, 0.0, [&](cudaStream_t st, int) {
+              cuda::linear_multi_with_choice(ops::Context{Device::kCuda, st}, y, x, w, choice);
+            });
+        report(1, T, m.D, rows, choice, us);
+        if (choice == 0 || us < best_us) best = choice, best_us = us;
+      }
+      plan(1, T, m.D, rows, best);
+    }
+    for (const Parts& n : norms) {
+      for (bool add2 : {false, true}) {
+        int64_t rows = 0;
+        std::vector<Tensor> w, y;
+        for (int64_t r : n.rows) {
+          rows += r;
+          w.push_back(random(DType::kBF16, {r, n.D}, lo, hi));
+          y.push_back(random(DType::kBF16, {T, r}));
+        }
+        const Tensor residual = random(DType::kBF16, {T, n.D}), residual_out = random(DType::kBF16, {T, n.D});
+        const Tensor a = random(DType::kBF16, {T, n.D}), b = add2 ? random(DType::kBF16, {T, n.D}) : Tensor();
+        const Tensor norm_w = random(DType::kBF16, {n.D}, 0.5f, 1.5f), x = random(DType::kBF16, {T, n.D});
+        const ops::ResidualNorm rn{residual, residual_out, a, b, norm_w, 1e-5f, x};
+        const ops::Context probe{Device::kCuda, nullptr};
+        if (!cuda::residual_norm_linear_fused(probe, rn, y, w, Tensor())) continue;
+        const int kind = add2 ? 3 : 2;
+        const double bytes = 2.0 * (rows * n.D + T * n.D * (add2 ? 4 : 3) + T * rows + n.D);
+        int best = cuda::kSeparate;
+        double best_us = 0.0;
+        for (int choice : {cuda::kSeparate, 0, 1, 2, 4}) {
+          const double us = quick.run_graph(
+              "residual_norm_linear_tune",
+              "T=" + std::to_string(T) + " D=" + std::to_string(n.D) + " rows=" + std::to_string(rows) +
+                  (add2 ? " add2" : " add") + " choice=" + std::to_string(choice),
+              bytes, 0.0, [&](cudaStream_t st, int) {
+                cuda::residual_norm_linear_with_choice(ops::Context{Device::kCuda, st}, rn, y, w, Tensor(), choice);
+              });
+          report(kind, T, n.D, rows, choice, us);
+          if (choice == cuda::kSeparate || us < best_us) best = choice, best_us = us;
+        }
+        plan(kind, T, n.D, rows, best);
       }
     }
   }

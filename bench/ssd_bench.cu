@@ -103,38 +103,16 @@ void prefill(const Context& ctx, const char* model, int64_t H, const std::vector
 
 std::string describe(const cuda::SsdOptions& o, const cuda::SsdRunner& r) {
   if (o.portable) return "portable";
-  return "M=" + (o.superchunk ? std::to_string(o.superchunk) : "auto(" + std::to_string(r.superchunk()) + ")") +
-         " state_heads=" + std::to_string(o.state_heads) +
-         (o.group_cb            ? " group_cb"
-          : o.scan_variant == 1 ? " split16"
-          : o.scan_variant == 2 ? " split16_stage_y"
-          : o.fused_cb          ? " fused_cb"
-                                : " tiled_cb");
+  return "M=" + (o.superchunk ? std::to_string(o.superchunk) : "auto(" + std::to_string(r.superchunk()) + ")");
 }
 
-// Where the time goes: each stage alone, for the default kernels (first: the 16-warp scan with y stored through
-// shared memory, split16_stage_y), the first 8-warp scan (fused_cb), group_cb (C.B^T once per chunk and group in
-// stage chunk_bmm, 2 heads per scan block), the 16-warp scan storing y from registers (split16), the run-1 kernels
-// (one head per state block, C.B^T tile by tile), each change alone, and superchunks of 4, 8, 16 (32) chunks.
-// Stage FLOPs: chunk_state 2 Q P N per chunk and head; chunk_scan the rest plus the state steps it repeats
-// inside superchunks ((M - 1) / M of chunk_state's). Stage bytes: what the stage must move at least.
-const cuda::SsdOptions kStageVariants[] = {
-    {},                    // the default: the 16-warp scan with y through shared memory (split16_stage_y)
-    {.scan_variant = 0},   // the first scan, 8 warps (fused_cb)
-    {.group_cb = true},
-    {.scan_variant = 1},
-    {.state_heads = 1, .fused_cb = false, .scan_variant = 0},
-    {.state_heads = 1, .scan_variant = 0},
-    {.fused_cb = false, .scan_variant = 0},
-    {.superchunk = 4, .scan_variant = 0},
-    {.superchunk = 8, .scan_variant = 0},
-    {.superchunk = 16, .scan_variant = 0},
-    {.superchunk = 8, .group_cb = true},
-    {.superchunk = 8},
-    {.superchunk = 32},
-};
-// The default against the other two scans only.
-const cuda::SsdOptions kSplitVariants[] = {{}, {.scan_variant = 0}, {.scan_variant = 1}};
+// Where the time goes: each stage alone, for the default kernels at the automatic superchunk length and at
+// superchunks of 4, 8, 16, 32 chunks. Stage FLOPs: chunk_state 2 Q P N per chunk and head; chunk_scan the rest
+// plus the state steps it repeats inside superchunks ((M - 1) / M of chunk_state's). Stage bytes: what the stage
+// must move at least.
+const cuda::SsdOptions kStageVariants[] = {{}, {.superchunk = 4}, {.superchunk = 8}, {.superchunk = 16},
+                                           {.superchunk = 32}};
+const cuda::SsdOptions kDefaultOnly[] = {{}};
 
 void stages(const Context& ctx, const char* model, int64_t H, int32_t T, std::span<const cuda::SsdOptions> variants) {
   const Problem pr(H, {T});
@@ -150,11 +128,6 @@ void stages(const Context& ctx, const char* model, int64_t H, int32_t T, std::sp
     ctx.run(k + "-cumsum", shape, T * H * (2.0 + 8.0), 0.0, [&] { r.chunk_cumsum(); });
     ctx.run(k + "-chunk_state", shape, 2.0 * T * (H * kP + kG * kN) + state_bytes, state_flops,
             [&] { r.chunk_state(); });
-    if (r.uses_group_cb()) {
-      // C, B read, C.B^T (36 of 64 tiles, fp32) written once per chunk and group.
-      ctx.run(k + "-chunk_bmm", shape, chunks * kG * (2.0 * Q * kN * 2.0 + cuda::kSsdCbChunkFloats * 4.0),
-              chunks * kG * 2.0 * Q * Q * kN * (36.0 / 64.0), [&] { r.chunk_bmm(); });
-    }
     ctx.run(k + "-state_passing", shape, 3.0 * state_bytes, 0.0, [&] { r.state_passing(); });
     ctx.run(k + "-chunk_scan", shape, 2.0 * T * (2.0 * H * kP + 2.0 * kG * kN) + state_bytes,
             pr.flops - state_flops * (1.0 / r.superchunk()), [&] { r.chunk_scan(); });
@@ -162,12 +135,11 @@ void stages(const Context& ctx, const char* model, int64_t H, int32_t T, std::sp
   }
 }
 
-// The whole op (host plan included, as ops::ssd_chunk_scan) for the default kernels (split16_stage_y), the first
-// 8-warp scan, group_cb and split16 side by side.
+// The whole op (host plan included, as ops::ssd_chunk_scan) at the automatic superchunk length and at 8 and 16.
 void prefill_variants(const Context& ctx, const char* model, int64_t H, const std::vector<int32_t>& lens) {
   const Problem pr(H, lens);
-  for (const cuda::SsdOptions& o : {cuda::SsdOptions{}, cuda::SsdOptions{.scan_variant = 0},
-                                    cuda::SsdOptions{.group_cb = true}, cuda::SsdOptions{.scan_variant = 1}}) {
+  for (const cuda::SsdOptions& o : {cuda::SsdOptions{}, cuda::SsdOptions{.superchunk = 8},
+                                    cuda::SsdOptions{.superchunk = 16}}) {
     const std::string shape = pr.shape + " " + describe(o, pr.runner(o));
     ctx.run(std::string("ssd_variant-") + model, shape, pr.bytes, pr.flops, [&] { pr.runner(o).run(); });
   }
@@ -221,7 +193,7 @@ CHIMERA_BENCH(ssd_prefill_super_batch) { prefill(ctx, "super", 128, std::vector<
 CHIMERA_BENCH(ssd_stages) {
   stages(ctx, "super", 128, 32768, kStageVariants);
   stages(ctx, "nano", 64, 8192, kStageVariants);
-  stages(ctx, "nano", 64, 32768, kSplitVariants);
+  stages(ctx, "nano", 64, 32768, kDefaultOnly);
 }
 
 CHIMERA_BENCH(ssd_prefill_variants) {
@@ -232,19 +204,9 @@ CHIMERA_BENCH(ssd_prefill_variants) {
 
 CHIMERA_BENCH(ssd_cross_check) {
   (void)ctx;
-  cross_check("nano", 64, 8192, {.state_heads = 1, .portable = true});                 // the portable fp32 kernels
-  cross_check("super", 128, 32768, {.state_heads = 1, .fused_cb = false, .scan_variant = 0});  // the first GPU run's
-  cross_check("super", 128, 32768, {.superchunk = 16, .state_heads = 1, .scan_variant = 0});
-  cross_check("super", 128, 32768, {.group_cb = true});                                 // expect 0 (same bits)
-  cross_check("nano", 64, 8192, {.group_cb = true});
-  cross_check("super", 128, 8192, {.superchunk = 3, .group_cb = true});
-  cross_check("super", 128, 32768, {.scan_variant = 1});                                // expect 0 (same bits)
-  cross_check("nano", 64, 32768, {.scan_variant = 1});                                  // expect 0
-  cross_check("nano", 64, 8192, {.scan_variant = 1});                                   // expect 0
-  cross_check("super", 128, 8192, {.superchunk = 3, .scan_variant = 1});
-  cross_check("super", 128, 32768, {.scan_variant = 0});                                // expect 0
-  cross_check("nano", 64, 32768, {.scan_variant = 0});                                  // expect 0
-  cross_check("nano", 64, 8192, {.scan_variant = 0});                                   // expect 0
+  cross_check("nano", 64, 8192, {.portable = true});  // the portable fp32 kernels
+  cross_check("super", 128, 32768, {.superchunk = 16});
+  cross_check("super", 128, 8192, {.superchunk = 3});
 }
 
 }  // namespace chimera::bench

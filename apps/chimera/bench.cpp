@@ -28,6 +28,7 @@
 #include "core/parallel.h"
 #include "model_loading.h"
 #include "runtime/engine.h"
+#include "runtime/kernel_env.h"
 #include "runtime/memory_plan.h"
 #include "runtime/profiler.h"
 #include "runtime/roofline.h"
@@ -314,11 +315,13 @@ int run_bench(const BenchOptions& o) {
     if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
     mo.device = Device::kCuda;
     mo.dtype = o.dtype == "float32" ? DType::kF32 : DType::kBF16;
-    if (!o.pdl) device::set_pdl_enabled(false);  // before any launch or graph capture
   } else if (!o.dtype.empty() && o.dtype != "float32") {
     invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);
   }
   if (o.input_lens.empty() && o.batch_sizes.empty()) invalid_input("--input-lens and --batch-sizes are both empty");
+  // The kernel configuration: the environment registry's overrides (runtime/kernel_env.h), then the flags.
+  ops::KernelConfig kernels = kernel_config_from_env();
+  if (!o.pdl) kernels.pdl = false;
 
   // Weights first (they must fit: a model that does not load is an error, not a skipped size).
   MemoryLimits load_limits;
@@ -336,7 +339,7 @@ int run_bench(const BenchOptions& o) {
   std::vector<StepProfile> profiles;
   Runner run{o,
              *m.model,
-             ops::Context{mo.device, nullptr, profiler.get()},
+             ops::Context{mo.device, nullptr, profiler.get(), kernels},
              weight_dtype_of(o, c, mo),
              SchedulerConfig{},
              &profiles};
@@ -349,7 +352,7 @@ int run_bench(const BenchOptions& o) {
   const std::string wdt = std::string(dtype_name(run.weight_dtype));
 
   // PDL as the kernels will see it: on by default on sm_90+, off with --no-pdl or CHIMERA_PDL=0.
-  const bool pdl = mo.device == Device::kCuda && device::pdl_enabled();
+  const bool pdl = mo.device == Device::kCuda && kernels.pdl && device::pdl_enabled();
   fmt::print("chimera bench | {} | {} {} (weights {}) | {} | PDL {} | commit {}\n", model_name, o.device, act, wdt,
              device_desc, pdl ? "on" : "off", CHIMERA_GIT_COMMIT);
   fmt::print(

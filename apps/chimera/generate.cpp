@@ -12,6 +12,7 @@
 #include "io/npy.h"
 #include "model_loading.h"
 #include "runtime/engine.h"
+#include "runtime/kernel_env.h"
 
 namespace chimera::cli {
 
@@ -123,7 +124,8 @@ int run_generate(const GenerateOptions& o) {
   ec.cache.max_model_len = std::max<int32_t>(o.max_model_len, static_cast<int32_t>(prompt.size()) + 1);
   ec.scheduler.max_num_seqs = 1;
   ec.return_prompt_logits = !o.logits_out.empty();
-  Engine engine(*m.model, ops::Context{model_options.device, nullptr}, ec);
+  // The kernel configuration: the defaults with the environment registry's overrides (runtime/kernel_env.h).
+  Engine engine(*m.model, ops::Context{model_options.device, nullptr, nullptr, kernel_config_from_env()}, ec);
   std::vector<float> logit_rows;
   if (!o.logits_out.empty()) {
     engine.on_logits = [&](int32_t, std::span<const float> row) {

@@ -31,11 +31,24 @@ void copy(const Tensor& dst, const Tensor& src);
 void zero(const Tensor& t);
 // Waits for all work on the device.
 void synchronize(Device device);
-// Programmatic dependent launch for the kernels launched through cuda/launch.cuh: on by default on sm_90+,
-// CHIMERA_PDL=0 in the environment turns it off, set_pdl_enabled() overrides both (tests and benchmarks compare
-// the two; set it before capturing a graph: a captured graph keeps the setting it was captured with).
+// Programmatic dependent launch for the kernels launched through cuda/launch.cuh: whether the calling thread's next
+// launch asks for it: the device supports it (sm_90+) and the innermost live LaunchScope of this thread allows it
+// (no scope: allowed, ops::KernelConfig's default).
 bool pdl_enabled();
-void set_pdl_enabled(bool on);
+// The launch options of the CUDA kernels the calling thread launches while the scope lives. ops:: installs one from
+// ctx.kernels around every CUDA op, so a kernel's launch follows the context of the op that launches it; code that
+// launches kernels outside ops:: (the AllReduce, benchmarks, tests) installs its own. Scopes nest (the destructor
+// restores the enclosing one); a captured CUDA graph keeps the options it was captured with.
+class LaunchScope {
+ public:
+  explicit LaunchScope(bool pdl);
+  ~LaunchScope();
+  LaunchScope(const LaunchScope&) = delete;
+  LaunchScope& operator=(const LaunchScope&) = delete;
+
+ private:
+  bool previous_;
+};
 // Bytes held by the CUDA caching allocator (in use, cached).
 std::pair<size_t, size_t> cuda_memory_stats();
 

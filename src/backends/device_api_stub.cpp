@@ -8,7 +8,8 @@ namespace chimera::device {
 
 bool cuda_available() { return false; }
 bool pdl_enabled() { return false; }
-void set_pdl_enabled(bool /*on*/) {}
+LaunchScope::LaunchScope(bool /*pdl*/) : previous_(true) {}
+LaunchScope::~LaunchScope() = default;
 std::string describe_cuda() { return "this build of chimera has no CUDA backend (nvcc was not found)"; }
 
 static void no_cuda(Device d) {

@@ -484,52 +484,28 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   input_linear(ctx, pre, x, {&zxbcdt, 1}, {&w.in_proj, 1}, w.in_proj_bias);
   Tensor normed = act(ctx, {T, Di});
 
-  // Decode rows on CUDA at batch <= kFusedMambaDecodeMaxRows: conv update + selective state update + gated norm
-  // as ONE op straight from the in_proj rows (one fused kernel where the sizes allow; the op composes the three
-  // otherwise). Above that the separate kernels are faster (bench mamba_decode_fused on the H200, Nano: fused 1.12x
-  // at batch 1, 0.82x at 8, 0.47x at 64). The CPU keeps the three ops for every row (output unchanged bit for bit).
-  constexpr int64_t kFusedMambaDecodeMaxRows = 2;
-  const bool fused_decode = ctx.device == Device::kCuda && Tp < T && T - Tp <= kFusedMambaDecodeMaxRows;
-  if (fused_decode) {
+  // Decode rows: conv update + selective state update + gated norm as ONE op straight from the in_proj rows (which
+  // kernels run is the backend's choice: one fused kernel for small batches on CUDA, the three ops otherwise).
+  if (Tp < T) {
     ops::mamba_decode_update(ctx, normed.rows(Tp, T), zxbcdt.rows(Tp, T), w.conv1d_weight, w.conv1d_bias, w.ssm,
                              w.norm, G, c.layer_norm_epsilon, conv_state, ssm_state, slots.subspan(np),
                              /*prefetch_states=*/true);  // the previous kernel is in_proj
   }
-  const int64_t Ts = fused_decode ? Tp : T;  // rows through the separate ops
-  if (Ts > 0) {
-    const Tensor in_rows = Ts == T ? zxbcdt : zxbcdt.rows(0, Ts);
+  // Prefill rows: varlen causal conv + SiLU, chunked SSD scan, gated norm.
+  if (np > 0) {
+    const Tensor in_rows = Tp == T ? zxbcdt : zxbcdt.rows(0, Tp);
     Tensor z, xbc, dt;
     split_columns(ctx, in_rows, {Di, Cd, H}, {&z, &xbc, &dt});
-
-    // Depthwise causal conv + SiLU: varlen prefill for the first sequences, one-step update for the rest.
-    Tensor xbc_act = act(ctx, {Ts, Cd});
-    if (np > 0) {
-      ops::causal_conv1d(ctx, xbc_act.rows(0, Tp), xbc.rows(0, Tp), w.conv1d_weight, w.conv1d_bias, conv_state,
-                         cu.first(np + 1), slots.host.first(np), /*silu=*/true);
-    }
-    if (Tp < Ts) {
-      ops::causal_conv1d_update(ctx, xbc_act.rows(Tp, Ts), xbc.rows(Tp, Ts), w.conv1d_weight, w.conv1d_bias,
-                                conv_state, slots.subspan(np), /*silu=*/true);
-    }
+    Tensor xbc_act = act(ctx, {Tp, Cd});
+    ops::causal_conv1d(ctx, xbc_act, xbc, w.conv1d_weight, w.conv1d_bias, conv_state, cu.first(np + 1),
+                       slots.host.first(np), /*silu=*/true);
     Tensor xs, B, C;
     split_columns(ctx, xbc_act, {Di, G * N, G * N}, {&xs, &B, &C});
-    xs = xs.reshape({Ts, H, P});
-    B = B.reshape({Ts, G, N});
-    C = C.reshape({Ts, G, N});
-
-    // Selective SSM: chunked SSD scan for prefill, selective state update for decode.
-    Tensor y = act(ctx, {Ts, H, P});
-    if (np > 0) {
-      ops::ssd_chunk_scan(ctx, y.rows(0, Tp), xs.rows(0, Tp), dt.rows(0, Tp), B.rows(0, Tp), C.rows(0, Tp), w.ssm,
-                          ssm_state, cu.first(np + 1), slots.host.first(np), c.chunk_size);
-    }
-    if (Tp < Ts) {
-      ops::selective_state_update(ctx, y.rows(Tp, Ts), xs.rows(Tp, Ts), dt.rows(Tp, Ts), B.rows(Tp, Ts),
-                                  C.rows(Tp, Ts), w.ssm, ssm_state, slots.subspan(np));
-    }
-
+    Tensor y = act(ctx, {Tp, H, P});
+    ops::ssd_chunk_scan(ctx, y, xs.reshape({Tp, H, P}), dt, B.reshape({Tp, G, N}), C.reshape({Tp, G, N}), w.ssm,
+                        ssm_state, cu.first(np + 1), slots.host.first(np), c.chunk_size);
     // Gate first, then per-group RMSNorm (norm_before_gate = false).
-    ops::gated_rms_norm(ctx, Ts == T ? normed : normed.rows(0, Ts), y.reshape({Ts, Di}), z, w.norm, G,
+    ops::gated_rms_norm(ctx, Tp == T ? normed : normed.rows(0, Tp), y.reshape({Tp, Di}), z, w.norm, G,
                         c.layer_norm_epsilon);
   }
   ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);

@@ -112,9 +112,12 @@ class Check {
       case Device::kCpu:
         cpu_fn();
         return;
-      case Device::kCuda:
+      case Device::kCuda: {
+        // The kernels this op launches take their launch options (PDL) from this context's configuration.
+        const device::LaunchScope launch_scope(ctx_.kernels.pdl);
         cuda_fn();
         return;
+      }
     }
     runtime_error("ops::{}: unknown device", op_);
   }
@@ -501,8 +504,10 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
   if (static_cast<int64_t>(slots.size()) != Bn) c.fail("{} slots for zxbcdt {}", slots.size(), zxbcdt.describe());
   c.slots(slots.host, std::min(conv_state.dim(0), ssm_state.dim(0)));
 #ifdef CHIMERA_HAVE_CUDA
-  const bool fused =
-      ctx.device == Device::kCuda && cuda::mamba_decode_fusable(zxbcdt, conv_weight, conv_state, ssm_state, n_groups);
+  // The backend's plan: the fused kernel up to mamba_decode_fused_max_rows rows (beyond that the separate kernels
+  // fill the GPU better), where it takes the sizes.
+  const bool fused = ctx.device == Device::kCuda && Bn <= ctx.kernels.mamba_decode_fused_max_rows &&
+                     cuda::mamba_decode_fusable(zxbcdt, conv_weight, conv_state, ssm_state, n_groups);
 #else
   const bool fused = false;
 #endif

@@ -1,7 +1,8 @@
 // Backend-neutral entry points of every Nemotron-H operation.
 //
 // Each function checks shapes and dtypes once (an ErrorKind::kRuntime error naming the op and the tensor
-// on mismatch), then dispatches on ctx.device to the CPU reference (backends/cpu) or, later, CUDA.
+// on mismatch), then dispatches on ctx.device to the CPU reference (backends/cpu) or CUDA (backends/cuda: which
+// kernel runs for a shape is the backend's plan, docs/kernel_plan.md, with the switches of ctx.kernels).
 // Conventions:
 //   * Activations are F32 on the CPU backend (the reference computes everything in fp32).
 //   * Weights may be F32, BF16 or F16 (converted on the fly, fp32 accumulation).
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/kernel_config.h"
 
 namespace chimera {
 class Profiler;  // runtime/profiler.h
@@ -31,6 +33,8 @@ struct Context {
   // When set and armed (Profiler::begin_step), every op is bracketed by an NVTX range and timed (CUDA events
   // on `stream`; steady_clock on the CPU). Null: no cost beyond one pointer test per op.
   Profiler* profiler = nullptr;
+  // Which kernel variants the CUDA backend runs (ops/kernel_config.h); immutable for the context's lifetime.
+  KernelConfig kernels = {};
 };
 
 // Int32 metadata of a step: token ids, state slots, sequence offsets, context lengths. `host` always holds the
@@ -177,14 +181,17 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
 // conv_weight [Cd, K] (or [Cd, 1, K]), conv_bias [Cd] or undefined, conv_state [num_slots, Cd, K-1], p's [H]
 // parameters, norm_weight [Di] (norm groups of Di / n_groups channels = the heads of one B/C group).
 // slots: [B] (slot < 0: pad, both states untouched and its out row unspecified).
-// The result is exactly the three ops in order (the CPU reference composes them). On CUDA one kernel (a thread-
-// block cluster per sequence and group) computes them with the same roundings to the activation dtype at the same
-// points: conv and SSM state bit-identical to the three CUDA kernels, out within an ulp (the norm's sum of squares
-// is added in another order). Sizes the kernel does not take (N not in {16, 32, 64, 128, 256}, K not in {2, 3, 4}, a
-// misaligned state, no cluster fits) run the three ops instead, so the op works for every valid shape.
+// The result is exactly the three ops in order (the CPU reference composes them). The model calls this op for every
+// decode batch; the backend picks the kernels. On CUDA, up to ctx.kernels.mamba_decode_fused_max_rows rows, one
+// kernel (a thread-block cluster per sequence and group) computes them with the same roundings to the activation
+// dtype at the same points: conv and SSM state bit-identical to the three CUDA kernels, out within an ulp (the norm's
+// sum of squares is added in another order). More rows, or sizes the kernel does not take (N not in {16, 32, 64,
+// 128, 256}, K not in {2, 3, 4}, a misaligned state, no cluster fits), run the three ops instead, so the op works for
+// every valid shape.
 // prefetch_states (CUDA, fused kernel): the slots' conv and SSM states are loaded before the kernel's PDL wait,
-// overlapping the previous kernel (launch.cuh, "two back"). The caller guarantees that the previous kernel on the
-// stream writes neither state (the model: this layer's in_proj). Same results either way.
+// overlapping the previous kernel (launch.cuh, "two back"), when ctx.kernels.mamba_prefetch_states. The caller
+// guarantees that the previous kernel on the stream writes neither state (the model: this layer's in_proj). Same
+// results either way.
 void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,

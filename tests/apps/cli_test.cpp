@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -163,6 +164,38 @@ TEST_F(Cli, LogitsOutHasARowPerPromptPositionAndStep) {
   r = run_cli("generate -m " + d.string() + " -p hello");
   EXPECT_EQ(r.status, 2) << r.out;
   EXPECT_NE(r.out.find("no tokenizer.json"), std::string::npos) << r.out;
+}
+
+// Deterministic output end to end: the same generate command twice writes byte-identical --logits-out files, greedy
+// and seeded sampling, on the CPU and (skipped without a GPU) on CUDA in bf16 and float32 with CUDA graphs.
+TEST_F(Cli, GenerateTwiceWritesTheSameLogitBytes) {
+  const std::string model = test::source_path("tests/fixtures/models/super_like");
+  struct Run {
+    const char* device_flags;
+    bool gpu;
+  };
+  for (const Run& run : {Run{"", false}, Run{"--device cuda --dtype bfloat16", true},
+                         Run{"--device cuda --dtype float32", true}}) {
+    if (run.gpu && !device::cuda_available()) continue;
+    for (const char* sampling : {"", "--temperature 0.8 --top-k 20 --seed 7"}) {
+      SCOPED_TRACE(std::string(run.device_flags) + " " + sampling);
+      std::string bytes[2];
+      for (int i = 0; i < 2; ++i) {
+        const fs::path f = tmp_ / ("logits" + std::to_string(i) + ".npy");
+        const auto r = run_cli("generate -m " + model + " --prompt-ids 3,141,59,26,5 -n 5 --ignore-eos -q " +
+                               run.device_flags + " " + sampling + " --logits-out " + f.string());
+        ASSERT_EQ(r.status, 0) << r.out;
+        std::ifstream in(f, std::ios::binary);
+        bytes[i].assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      }
+      ASSERT_FALSE(bytes[0].empty());
+      EXPECT_TRUE(bytes[0] == bytes[1]) << "the two --logits-out files differ";
+    }
+  }
+  if (!device::cuda_available()) {
+    std::printf("Cli.GenerateTwiceWritesTheSameLogitBytes: CPU checked, CUDA runs left out: %s\n",
+                device::describe_cuda().c_str());
+  }
 }
 
 TEST_F(Cli, DumpActivationsWritesEachLayersInputAndTheExperts) {

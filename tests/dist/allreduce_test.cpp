@@ -668,9 +668,7 @@ TEST_F(AllReduceTwoGpu, BackToBackCallsWithoutHostSync) {
   constexpr int kCalls = 200, kSets = 3;
   constexpr int64_t kHidden = 2688, kRows = 160;
   const int64_t tokens_list[] = {1, 7, 64, 129, 160, 2, 33};
-  const bool pdl_before = device::pdl_enabled();
   for (bool pdl : {true, false}) {
-    device::set_pdl_enabled(pdl);
     for (Variant v : {kOneShotLegacy, kOneShotPerBlock, kAutoPerBlock, kTwoShot}) {
       for (DType t : {DType::kBF16, DType::kF32}) {
         const std::string name = variant_name(v) + " " + std::string(dtype_name(t)) + (pdl ? " pdl" : " no pdl");
@@ -704,6 +702,7 @@ TEST_F(AllReduceTwoGpu, BackToBackCallsWithoutHostSync) {
         last.weight = d.weight;
         const Reference ref = reference(last);
         comm_->run_ranks([&](int r) {
+          const device::LaunchScope launch_scope(pdl);  // each rank's thread launches with this PDL setting
           upload(r, last, &ref);
           // every set's input side by side in the input buffer; the chain starts from d's residual
           for (int k = 0; k < kSets; ++k) {
@@ -728,7 +727,6 @@ TEST_F(AllReduceTwoGpu, BackToBackCallsWithoutHostSync) {
       }
     }
   }
-  device::set_pdl_enabled(pdl_before);
 }
 
 TEST_F(AllReduceTwoGpu, OverWorkspaceFallsBackToNccl) {

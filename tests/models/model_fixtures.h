@@ -255,6 +255,7 @@ struct BatchOptions {
   bool cuda_graphs = true;
   bool keep_logits = true;
   SamplingParams sampling;  // max_new_tokens comes from n_new; ignore_eos is set
+  ops::KernelConfig kernels = {};  // the engine context's kernel configuration
 };
 struct BatchRun {
   std::vector<RunResult> results;
@@ -270,7 +271,7 @@ inline BatchRun run_batch_with(const NemotronH& model, const std::vector<std::ve
   ec.scheduler.max_num_batched_tokens = 40;
   ec.return_prompt_logits = options.keep_logits;
   ec.cuda_graphs = options.cuda_graphs;
-  Engine engine(model, ops::Context{model.device(), nullptr}, ec);
+  Engine engine(model, ops::Context{model.device(), nullptr, nullptr, options.kernels}, ec);
   std::map<int32_t, RunResult> by_id;
   if (options.keep_logits) {
     engine.on_logits = [&](int32_t id, std::span<const float> row) {

@@ -196,19 +196,15 @@ TEST_P(GpuParity, CudaGraphDecodeEqualsEager) {
 TEST_P(GpuParity, PdlOnEqualsPdlOff) {
   const Fixture f = load_fixture(GetParam());
   const std::vector<int32_t> n_new = finish_apart(std::vector<int32_t>(f.prompts.size(), 24));
-  const bool saved = device::pdl_enabled();
-  struct Restore {
-    bool on;
-    ~Restore() { device::set_pdl_enabled(on); }
-  } restore{saved};
   for (DType dt : {DType::kF32, DType::kBF16}) {
     LoadedFixture l = load_model(f.dir, ModelOptions{Device::kCuda, dt});
     const int64_t V = l.config.vocab_size;
     for (bool graphs : {false, true}) {
       SCOPED_TRACE(fmt::format("{} {} {}", f.name, dtype_name(dt), graphs ? "graphs" : "eager"));
-      device::set_pdl_enabled(false);
-      const BatchRun off = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = graphs});
-      device::set_pdl_enabled(true);
+      ops::KernelConfig no_pdl;
+      no_pdl.pdl = false;
+      const BatchRun off =
+          run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = graphs, .kernels = no_pdl});
       const BatchRun on = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = graphs});
       EXPECT_EQ(on.graph_sizes, off.graph_sizes);
       if (graphs) {

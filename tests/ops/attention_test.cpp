@@ -291,7 +291,7 @@ class OpsAttention : public BackendTest {
 
   // One decode step in which sequence s gets n_new[s] (0: idle, or 1) tokens over a cache of ctx_lens[s] tokens
   // written from the host. On CUDA twice from the same fresh cache: the append folded into the split-KV decode
-  // kernel (the default) and as its own launch (cuda::set_attention_decode_append(false)). Each run: output
+  // kernel (the default) and as its own launch (KernelConfig::attention_decode_append off). Each run: output
   // poisoned, then against the oracle; the cache holds every appended row bit-exact, an idle sequence's row ctx_len
   // and the unowned blocks are untouched. Then the two runs' outputs and caches must be bit-identical.
   void run_decode_append(test::Rng& rng, const AttnCase& c, const std::vector<int32_t>& ctx_lens,
@@ -333,13 +333,9 @@ class OpsAttention : public BackendTest {
       SCOPED_TRACE(::testing::Message() << (fold ? "append folded into decode" : "append launch"));
       ops::KvCacheView cache{on_backend(h.k, dtype), on_backend(h.v, dtype)};
       Tensor out = output(dtype, {T, c.Qh, c.hd});
-#ifdef CHIMERA_HAVE_CUDA
-      const bool saved = on_cuda() ? cuda::set_attention_decode_append(fold) : true;
-#endif
-      ops::attention(ctx(), out, q, k, v, cache, m.cu, m.ctx, tables, 1.0f / std::sqrt(float(c.hd)));
-#ifdef CHIMERA_HAVE_CUDA
-      if (on_cuda()) cuda::set_attention_decode_append(saved);
-#endif
+      ops::Context run_ctx = ctx();
+      run_ctx.kernels.attention_decode_append = fold;
+      ops::attention(run_ctx, out, q, k, v, cache, m.cu, m.ctx, tables, 1.0f / std::sqrt(float(c.hd)));
       check_rows(out, d, c, row_seq, row_pos, {}, dtype);
       check_cache(cache, d, l, done, block_size);
       const Tensor ck = host_f32(cache.k), cv = host_f32(cache.v);

@@ -69,22 +69,11 @@ RandomBatch random_batch(test::Rng& rng, int n_seqs, int max_len) {
 
 class OpsConv1d : public BackendTest {
  protected:
-  // CUDA launcher-level variants (Conv1dParams fields; all 0: through ops::).
-  int prefill_kernel_ = 0, persist_rows_ = 0, persist_chunks_ = 0, update_rows_ = 0, update_threads_ = 0;
+  // Through the CUDA launchers with these Conv1dParams settings instead of through ops:: (launcher_).
+  bool launcher_ = false;
   bool tiles_before_wait_ = false;  // prefill: the ops:: adapter's setting is true
   bool slots_before_wait_ = false;  // update: the ops:: adapter's setting is true
-  bool variant() const { return prefill_kernel_ != 0 || update_rows_ != 0 || update_threads_ != 0; }
-
-  // body() with the persistent prefill kernel at each of its unit shapes (persist_rows_ 0: the default, then 4).
-  template <typename F>
-  void for_each_persist_rows(F&& body) {
-    prefill_kernel_ = 2;
-    for (int rows : {0, 4}) {
-      persist_rows_ = rows;
-      SCOPED_TRACE(::testing::Message() << "persist_rows=" << rows);
-      body();
-    }
-  }
+  bool variant() const { return launcher_; }
 
   // The ops:: adapters' job, through the launchers with the variant fields set (CUDA only).
   void launch_variant(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& state,
@@ -96,9 +85,7 @@ class OpsConv1d : public BackendTest {
     p.act = x.dtype(), p.weight_dtype = w.dtype(), p.bias_dtype = bias ? bias.dtype() : DType::kF32;
     p.state_dtype = state.dtype();
     p.C = x.dim(1), p.K = int(w.dim(-1)), p.silu = silu;
-    p.prefill_kernel = prefill_kernel_, p.prefill_persist_rows = persist_rows_, p.persist_chunks = persist_chunks_;
     p.tiles_before_wait = tiles_before_wait_;
-    p.update_rows = update_rows_, p.update_threads = update_threads_;
     p.slots_before_wait = slots_before_wait_;
     Tensor meta;
     if (update) {
@@ -370,53 +357,9 @@ TEST_P(OpsConv1d, UpdateBf16EveryStateDtype) {
   check_update(rng, {2, -1, 0}, 4, 66, 2, DType::kF32, DType::kF16, DType::kF32);
 }
 
-// The persistent prefill kernel (32- and 16-token units) against the oracle: mixed lengths with pads, empty and
-// sub-K-1 sequences, sequences ending inside a unit and crossing many (left inputs from the previous unit),
-// every K, f32 and bf16 activations, every state dtype, and runs of more than 32 tiles per warp (the tile
-// list is broadcast 32 tiles at a time).
-TEST_P(OpsConv1d, PersistentPrefillMatchesNaive) {
-  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
-  auto rng = test::Rng::for_test();
-  for_each_persist_rows([&] {
-    const std::vector<int32_t> lens = {17, 1, 2, 5, 0, 13, 70, 33};
-    const std::vector<int32_t> slots = {5, 0, 3, -1, 6, 2, 9, 1};
-    for (int64_t K : {4, 3, 2}) {
-      SCOPED_TRACE(::testing::Message() << "K=" << K);
-      check_prefill(rng, cu_from(lens), slots, 10, 264, K, DType::kF32, DType::kF32, DType::kF32, K != 3);
-    }
-    for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
-      const RandomBatch rb = random_batch(rng, 7, 70);
-      SCOPED_TRACE(::testing::Message() << "bf16, state=" << dtype_name(sd));
-      check_prefill(rng, rb.cu, rb.slots, rb.num_slots, 4480, 4, DType::kBF16, sd, DType::kBF16, true);
-    }
-    // One warp per channel group walking every unit (> 32 tiles: the tile list is re-broadcast), then
-    // three: runs that start mid-sequence (left inputs loaded) and cross sequences, pads and empty ones.
-    for (int chunks : {1, 3}) {
-      persist_chunks_ = chunks;
-      SCOPED_TRACE(::testing::Message() << "persist_chunks=" << chunks);
-      check_prefill(rng, {0, 4099}, {1}, 3, 64, 4, DType::kBF16, DType::kF32, DType::kBF16, true);
-      const RandomBatch rb = random_batch(rng, 12, 100);
-      check_prefill(rng, rb.cu, rb.slots, rb.num_slots, 264, 4, DType::kF32, DType::kF32, DType::kF32, true);
-      check_prefill(rng, rb.cu, rb.slots, rb.num_slots, 264, 3, DType::kBF16, DType::kBF16, DType::kBF16, true);
-    }
-    persist_chunks_ = 0;
-  });
-}
-
-// As above at the Super width with long prompts (kept apart so the test above stays small enough for the
-// sanitizers).
-TEST_P(OpsConv1d, PersistentPrefillLongPromptsAtSuperWidth) {
-  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
-  auto rng = test::Rng::for_test();
-  for_each_persist_rows([&] {
-    check_prefill(rng, {0, 989, 1100, 3000}, {3, 0, 1}, 4, 10240, 4, DType::kBF16, DType::kBF16, DType::kBF16, true);
-  });
-}
-
-// The persistent prefill kernel and the tile kernel give identical bits (same FMA order, carried left inputs
-// equal to loaded ones), split or not, and so does the tile kernel reading its tile list before the PDL wait (the
-// same bits from either read order; the list is uploaded synchronously here, so no launch overlap is exercised).
-TEST_P(OpsConv1d, PersistentPrefillEqualsTileKernel) {
+// The tile kernel reading its tile list before the PDL wait gives the same bits as reading it after (the list is
+// uploaded synchronously here, so no launch overlap is exercised).
+TEST_P(OpsConv1d, TileListBeforeTheWaitGivesTheSameBits) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
   const std::vector<int32_t> cu = cu_from({300, 7, 0, 1024, 45}), slots = {2, 4, 0, -1, 1};
@@ -426,17 +369,14 @@ TEST_P(OpsConv1d, PersistentPrefillEqualsTileKernel) {
   const Tensor bias = on_backend(test::cast_to(rng.normal_tensor({C}), DType::kBF16));
   const Tensor state0 = rng.normal_tensor({5, C, K - 1});
   Tensor ref_out, ref_state;
-  // 0: the tile kernel; 8 / 4: the persistent kernel's tokens per time lane (resident grid, then 2 runs per
-  // channel group); 1: the tile kernel with the tile list read before the PDL wait.
-  for (int cfg : {0, 8, 4, -8, -4, 1}) {
-    SCOPED_TRACE(::testing::Message() << "cfg=" << cfg);
-    const bool tile = cfg == 0 || cfg == 1;
-    prefill_kernel_ = tile ? 1 : 2, persist_rows_ = tile ? 0 : std::abs(cfg), persist_chunks_ = cfg < 0 ? 2 : 0;
-    tiles_before_wait_ = cfg == 1;
+  launcher_ = true;
+  for (bool before : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "tiles_before_wait=" << before);
+    tiles_before_wait_ = before;
     const Tensor out = output(DType::kBF16, {T, C}), state = on_backend(state0, DType::kBF16);
     launch_variant(out, x, w, bias, state, cu, slots, true, false);
     const Tensor ho = device::to_host(out), hs = device::to_host(state);
-    if (cfg == 0) {
+    if (!before) {
       ref_out = ho, ref_state = hs;
     } else {
       EXPECT_TRUE(test::bit_equal(ho, ref_out));
@@ -445,28 +385,25 @@ TEST_P(OpsConv1d, PersistentPrefillEqualsTileKernel) {
   }
 }
 
-// Every update kernel shape (rows per thread x threads per block) against the oracle, with pads and permuted
-// slots, bf16 activations and every state dtype, C not a multiple of the block's channels; the slot ids read
-// before or after the PDL wait (Conv1dParams::slots_before_wait).
-TEST_P(OpsConv1d, UpdateShapesMatchNaive) {
+// The update kernel through the launcher against the oracle, with pads and permuted slots, bf16 activations and
+// every state dtype, C not a multiple of the block's channels; the slot ids read before or after the PDL wait
+// (Conv1dParams::slots_before_wait).
+TEST_P(OpsConv1d, UpdateSlotsBeforeOrAfterTheWaitMatchNaive) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
-  for (int rows : {1, 2, 4}) {
-    for (int threads : {32, 64, 128}) {
-      update_rows_ = rows, update_threads_ = threads;
-      slots_before_wait_ = (rows + threads / 32) % 2 == 0;  // both settings over the shapes
-      for (int n : {1, 7, 64}) {
-        const RandomBatch rb = random_batch(rng, n, 1);
-        for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
-          SCOPED_TRACE(::testing::Message() << "rows=" << rows << " threads=" << threads << " batch=" << n
-                                            << " state=" << dtype_name(sd) << " slots_before_wait="
-                                            << slots_before_wait_);
-          check_update(rng, rb.slots, rb.num_slots, 2688, 4, DType::kBF16, sd, DType::kBF16);
-        }
+  launcher_ = true;
+  for (bool before : {false, true}) {
+    slots_before_wait_ = before;
+    for (int n : {1, 7, 64}) {
+      const RandomBatch rb = random_batch(rng, n, 1);
+      for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
+        SCOPED_TRACE(::testing::Message() << "batch=" << n << " state=" << dtype_name(sd)
+                                          << " slots_before_wait=" << before);
+        check_update(rng, rb.slots, rb.num_slots, 2688, 4, DType::kBF16, sd, DType::kBF16);
       }
-      SCOPED_TRACE("f32 activations and state, K = 3, C = 264");
-      check_update(rng, {2, -1, 0, 5, 3}, 6, 264, 3, DType::kF32, DType::kF32, DType::kF32);
     }
+    SCOPED_TRACE("f32 activations and state, K = 3, C = 264");
+    check_update(rng, {2, -1, 0, 5, 3}, 6, 264, 3, DType::kF32, DType::kF32, DType::kF32);
   }
 }
 

@@ -140,17 +140,17 @@ TEST_P(OpsLinear, GemvPathAtDecodeSizes) {
         const Tensor w = test::cast_to(rng.uniform_tensor({k.N, k.K}, -0.05f, 0.05f), act);
         const Tensor b = with_bias ? test::cast_to(rng.uniform_tensor({k.N}, -1.0f, 1.0f), act) : Tensor();
         const Tensor want = naive_linear(x, w, b);
-        for (cuda::LinearPath path : {cuda::LinearPath::kGemv, cuda::LinearPath::kCublas}) {
+        for (int path : {0, 1, 2, 4, cuda::kSeparate}) {  // the GEMV (own rule, 1 / 2 / 4 warps per row), cuBLASLt
           Tensor y = output(act, {T, k.N});
           const Tensor dx = on_backend(x, act), dw = on_backend(w);
-          if (path == cuda::LinearPath::kGemv) {
+          if (path != cuda::kSeparate) {
             // Every case fits the GEMV's limits except x past its shared-memory budget (T > 4 with K = 8192).
             const int64_t mt = T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8;  // tokens rounded up as the kernel stages them
             ASSERT_EQ(cuda::linear_gemv_supported(y, dx, dw), k.K * mt * 2 <= 100 * 1024);
             if (!cuda::linear_gemv_supported(y, dx, dw)) continue;
           }
-          cuda::linear_on_path(ctx(), y, dx, dw, b ? on_backend(b) : Tensor(), path);
-          EXPECT_TRUE(close(host_f32(y), want, act)) << (path == cuda::LinearPath::kGemv ? "gemv" : "cublas");
+          cuda::linear_with_choice(ctx(), y, dx, dw, b ? on_backend(b) : Tensor(), path);
+          EXPECT_TRUE(close(host_f32(y), want, act)) << "choice " << path;
         }
       }
     }
@@ -158,8 +158,38 @@ TEST_P(OpsLinear, GemvPathAtDecodeSizes) {
   const Tensor x = on_backend(rng.normal_tensor({2, 33}), DType::kBF16);
   const Tensor w = on_backend(test::cast_to(rng.normal_tensor({5, 33}), DType::kBF16));
   Tensor y = output(DType::kBF16, {2, 5});
-  EXPECT_TRUE(test::throws_error([&] { cuda::linear_on_path(ctx(), y, x, w, Tensor(), cuda::LinearPath::kGemv); },
+  EXPECT_TRUE(test::throws_error([&] { cuda::linear_with_choice(ctx(), y, x, w, Tensor(), 0); },
                                  ErrorKind::kRuntime, "GEMV path"));
+#else
+  GTEST_SKIP() << "no CUDA backend in this build";
+#endif
+}
+
+// The dense-layer plan (gemm/linear.h): every table row names a valid choice for its kind, no shape is listed twice,
+// and the rule for unlisted shapes is what linear.h documents. Host code: runs in every CUDA build, GPU or not.
+TEST_P(OpsLinear, PlanTableIsWellFormed) {
+#ifdef CHIMERA_HAVE_CUDA
+  if (GetParam() != Device::kCpu) GTEST_SKIP() << "host code: checked once, under the CPU instance";
+  const auto table = cuda::linear_plan_table();
+  ASSERT_FALSE(table.empty());
+  for (size_t i = 0; i < table.size(); ++i) {
+    const cuda::LinearPlanEntry& e = table[i];
+    SCOPED_TRACE(::testing::Message() << "row " << i << " kind " << static_cast<int>(e.kind) << " T=" << e.tokens
+                                      << " in=" << e.in << " out=" << e.out);
+    EXPECT_TRUE(e.tokens >= 1 && e.tokens <= cuda::kLinearGemvAutoMaxTokens);
+    const bool separate_ok = e.kind != cuda::LinearKind::kMulti;
+    EXPECT_TRUE(e.choice == 0 || e.choice == 1 || e.choice == 2 || e.choice == 4 ||
+                (separate_ok && e.choice == cuda::kSeparate));
+    EXPECT_EQ(cuda::linear_plan_choice(e.kind, e.tokens, e.in, e.out), e.choice);
+    for (size_t j = i + 1; j < table.size(); ++j) {
+      EXPECT_FALSE(table[j].kind == e.kind && table[j].tokens == e.tokens && table[j].in == e.in &&
+                   table[j].out == e.out) << "listed again at row " << j;
+    }
+  }
+  EXPECT_EQ(cuda::linear_plan_choice(cuda::LinearKind::kLinear, 1, 40, 7), 0);
+  EXPECT_EQ(cuda::linear_plan_choice(cuda::LinearKind::kMulti, 2, 40, 17), 0);
+  EXPECT_EQ(cuda::linear_plan_choice(cuda::LinearKind::kNormAdd, 1, 40, 7), 0);
+  EXPECT_EQ(cuda::linear_plan_choice(cuda::LinearKind::kNormAdd2, 2, 40, 7), cuda::kSeparate);
 #else
   GTEST_SKIP() << "no CUDA backend in this build";
 #endif
@@ -243,13 +273,21 @@ TEST_P(OpsLinear, ResidualNormLinearIsAddNormThenLinear) {
           }
           const Tensor bias = test::cast_to(rng.uniform_tensor({part_rows[0]}, -1.0f, 1.0f), act);
           std::vector<int> folds = {1};  // CPU: one path
-          if (on_cuda()) folds = {2, 0, 1};  // NormFold kAlways, kOff, kAuto
+          if (on_cuda()) folds = {2, 0, 1};  // the one launch wherever it applies, the fold off, the plan
           for (int fold : folds) {
             SCOPED_TRACE(::testing::Message() << "fold " << fold);
+            ops::Context run_ctx = ctx();
+            run_ctx.kernels.residual_norm_fold = fold != 0;
+            // fold 2: the one launch at the GEMV's own rule where it applies (else the plan).
+            const auto rnl = [&](const ops::ResidualNorm& rn, std::span<const Tensor> outs,
+                                 std::span<const Tensor> weights, const Tensor& b1) {
 #ifdef CHIMERA_HAVE_CUDA
-            const cuda::NormFold saved =
-                on_cuda() ? cuda::set_residual_norm_fold(static_cast<cuda::NormFold>(fold)) : cuda::NormFold::kAuto;
+              if (fold == 2 && cuda::residual_norm_linear_fused(run_ctx, rn, outs, weights, b1)) {
+                return cuda::residual_norm_linear_with_choice(run_ctx, rn, outs, weights, b1, 0);
+              }
 #endif
+              ops::residual_norm_linear(run_ctx, rn, outs, weights, b1);
+            };
             const auto step = [&](const Tensor& r_out, const Tensor& x) {
               return ops::ResidualNorm{residual, r_out, a, b, nw, 1e-5f, x};
             };
@@ -260,10 +298,10 @@ TEST_P(OpsLinear, ResidualNormLinearIsAddNormThenLinear) {
 #ifdef CHIMERA_HAVE_CUDA
               if (on_cuda()) {
                 const bool want_fused = fold != 0 && act != DType::kF32 && T <= 2 && D != 4480;
-                EXPECT_EQ(cuda::residual_norm_linear_fused(step(r_out, x), outs, weights, Tensor()), want_fused);
+                EXPECT_EQ(cuda::residual_norm_linear_fused(run_ctx, step(r_out, x), outs, weights, Tensor()), want_fused);
               }
 #endif
-              ops::residual_norm_linear(ctx(), step(r_out, x), outs, weights);
+              rnl(step(r_out, x), outs, weights, Tensor());
               EXPECT_TRUE(test::bit_equal(host_f32(y), x_host)) << "x";
               EXPECT_TRUE(test::bit_equal(host_f32(r_out), host_f32(r_ref))) << "residual_out";
             }
@@ -272,17 +310,14 @@ TEST_P(OpsLinear, ResidualNormLinearIsAddNormThenLinear) {
               Tensor r_out = output(act, {T, D}), x = output(act, {T, D});
               std::vector<Tensor> ys;
               for (int64_t n : part_rows) ys.push_back(output(act, {T, n}));
-              ops::residual_norm_linear(ctx(), step(r_out, x), ys, dws);
+              rnl(step(r_out, x), ys, dws, Tensor());
               for (size_t i = 0; i < ys.size(); ++i) EXPECT_TRUE(close(host_f32(ys[i]), naive_linear(x_host, ws[i]), act)) << i;
               Tensor y = output(act, {T, part_rows[0]});
               const Tensor outs[] = {y}, weights[] = {dws[0]};
-              ops::residual_norm_linear(ctx(), step(r_out, x), outs, weights, on_backend(bias));
+              rnl(step(r_out, x), outs, weights, on_backend(bias));
               EXPECT_TRUE(close(host_f32(y), naive_linear(x_host, ws[0], bias), act)) << "bias";
               EXPECT_TRUE(test::bit_equal(host_f32(r_out), host_f32(r_ref))) << "residual_out";
             }
-#ifdef CHIMERA_HAVE_CUDA
-            if (on_cuda()) cuda::set_residual_norm_fold(saved);
-#endif
           }
         }
       }

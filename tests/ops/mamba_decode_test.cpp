@@ -150,7 +150,10 @@ class OpsMambaDecodeUpdate : public BackendTest {
       const Tensor out = output(act, {batch, d.Di()}), out_ref = output(act, {batch, d.Di()});
       // Odd steps load the states before the kernel's PDL wait (prefetch_states; the inputs came by copies, so the
       // states are settled): the same bits are expected either way.
-      ops::mamba_decode_update(ctx(), out, fz.zxbcdt, fz.conv_w, fz.conv_b, fz.p, fz.norm_w, d.G, 1e-5f,
+      // The kernel under test at every batch size (the plan takes it only for the smallest batches).
+      ops::Context fused_ctx = ctx();
+      fused_ctx.kernels.mamba_decode_fused_max_rows = batch;
+      ops::mamba_decode_update(fused_ctx, out, fz.zxbcdt, fz.conv_w, fz.conv_b, fz.p, fz.norm_w, d.G, 1e-5f,
                                fz.conv_state, fz.ssm_state, slots, /*prefetch_states=*/step % 2 == 1);
       three_ops(ctx(), out_ref, ref, d, slots);
 

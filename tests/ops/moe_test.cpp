@@ -301,33 +301,18 @@ bool near_tie(const float* logits, const float* bias, int64_t E, const ops::Rout
   return false;
 }
 
-// Sets cuda::moe::set_router_cluster for a scope and restores the previous setting (no-op without CUDA).
-class RouterClusterScope {
- public:
-#ifdef CHIMERA_HAVE_CUDA
-  explicit RouterClusterScope(bool on) : prev_(cuda::moe::set_router_cluster(on)) {}
-  ~RouterClusterScope() { cuda::moe::set_router_cluster(prev_); }
-#else
-  explicit RouterClusterScope(bool /*on*/) {}
-#endif
-  RouterClusterScope(const RouterClusterScope&) = delete;
-  RouterClusterScope& operator=(const RouterClusterScope&) = delete;
-
- private:
-  [[maybe_unused]] bool prev_ = true;
-};
-
 class OpsRouterGate : public MoeBackendTest {
  protected:
   // Routes from x (converted to x_dtype on the backend) on the backend under test; outputs poisoned first. On CUDA
-  // `cluster` is the set_router_cluster switch for the call: on, decode sizes (T <= 4) with a gate slice that fits
+  // `cluster` is KernelConfig::router_cluster for the call: on, decode sizes (T <= 4) with a gate slice that fits
   // take the single-cluster kernel; off, the split-K kernel (moe_kernels.h).
   void route(const Tensor& x, DType x_dtype, const Tensor& gate, const Tensor& bias, const ops::RouterParams& p,
              Tensor& ids, Tensor& w, bool cluster = true) {
     Tensor d_ids = out(DType::kI32, {x.dim(0), p.top_k}), d_w = out(DType::kF32, {x.dim(0), p.top_k});
     {
-      const RouterClusterScope scope(cluster);
-      ops::router_gate_topk(ctx(), d_ids, d_w, in(x, x_dtype), in(gate), in(bias), p);
+      ops::Context c = ctx();
+      c.kernels.router_cluster = cluster;
+      ops::router_gate_topk(c, d_ids, d_w, in(x, x_dtype), in(gate), in(bias), p);
     }
     ids = host(d_ids);
     w = host_f32(d_w);
@@ -497,9 +482,10 @@ TEST_P(OpsRouterGate, RoutesTheXThePreviousKernelWrote) {
         const Tensor d_all = out(on_cuda() ? DType::kBF16 : DType::kF32, {rows, c.D});  // poisoned
         Tensor d_ids = out(DType::kI32, {T, p.top_k}), d_w = out(DType::kF32, {T, p.top_k});
         {
-          const RouterClusterScope scope(cluster);
-          ops::convert(ctx(), d_all, d_src);
-          ops::router_gate_topk(ctx(), d_ids, d_w, d_all.rows(rows - T, rows), d_gate, d_bias, p);
+          ops::Context rc = ctx();
+          rc.kernels.router_cluster = cluster;
+          ops::convert(rc, d_all, d_src);
+          ops::router_gate_topk(rc, d_ids, d_w, d_all.rows(rows - T, rows), d_gate, d_bias, p);
         }
         EXPECT_TRUE(test::bit_equal(host(d_ids), want_ids));
         EXPECT_ALL_CLOSE(host_f32(d_w), want_w, test::kF32Elementwise);
@@ -784,27 +770,25 @@ ExpertSet make_experts(test::Rng& rng, int64_t E, int64_t distinct, int64_t Din,
 
 // One call on a forced path into a poisoned device output, back as host f32.
 Tensor run_path(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
-                cuda::moe::ExpertsPath path) {
+                cuda::moe::ExpertsPath path, const ops::KernelConfig& kernels = {}) {
   Tensor o = device::empty(Device::kCuda, dt, x.shape());
   Tensor poison = Tensor::empty(dt, x.shape());
   std::memset(poison.data(), 0xff, poison.nbytes());
   device::copy(o, poison);
   const Tensor dx = device::to_device(x, Device::kCuda, dt), dids = device::to_device(ids, Device::kCuda);
   const Tensor dw = device::to_device(w, Device::kCuda);
-  cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, nullptr}, o, dx, dids, dw, s.d_up, s.d_down, path);
+  cuda::moe::moe_experts_on_path(ops::Context{Device::kCuda, nullptr, nullptr, kernels}, o, dx, dids, dw, s.d_up,
+                                 s.d_down, path);
   return device::to_host_f32(o);
 }
 
-// The GEMV path with another fold setting (moe_kernels.h, GemvFold; cuda::moe::set_gemv_fold): 0 the permutation and
-// the combine as their own launches, 2 both folded into the GEMV launches. Every setting must give the same bits as
-// the default (1: the permutation folded).
-Tensor run_path_fold(int fold, const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
-                     cuda::moe::ExpertsPath path) {
-  struct Restore {
-    ~Restore() { cuda::moe::set_gemv_fold(1); }
-  } restore;
-  cuda::moe::set_gemv_fold(fold);
-  return run_path(x, dt, ids, w, s, path);
+// The GEMV path with the permutation as its own launch (KernelConfig::moe_gemv_fold off) instead of folded into the
+// up launch (moe_kernels.h, GemvFold): the same bits.
+Tensor run_path_unfolded(const Tensor& x, DType dt, const Tensor& ids, const Tensor& w, const ExpertSet& s,
+                         cuda::moe::ExpertsPath path) {
+  ops::KernelConfig k;
+  k.moe_gemv_fold = false;
+  return run_path(x, dt, ids, w, s, path, k);
 }
 
 // The decode GEMV path (grouped_gemv.cu) forced at every tile of tokens (1, 2, 4, 8 per work item, and more
@@ -828,8 +812,7 @@ void gemv_path_case(const GemvCase& c, std::initializer_list<int64_t> tokens) {
       EXPECT_TRUE(test::nmse_close(pick_rows(got, rows), cpu_reference_rows(x, ids, w, s.up, s.down, rows),
                                    test::kBF16ReductionNmse, test::kBF16Reduction));
       EXPECT_TRUE(test::bit_equal(run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
-      EXPECT_TRUE(test::bit_equal(run_path_fold(0, x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
-      EXPECT_TRUE(test::bit_equal(run_path_fold(2, x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
+      EXPECT_TRUE(test::bit_equal(run_path_unfolded(x, dt, ids, w, s, cuda::moe::ExpertsPath::kGemv), got));
       EXPECT_TRUE(test::nmse_close(got, run_path(x, dt, ids, w, s, cuda::moe::ExpertsPath::kMma),
                                    test::kBF16ReductionNmse, test::kBF16Reduction));
     }
@@ -889,18 +872,16 @@ TEST_P(OpsMoe, GemvPathSharedAndRepeatedExperts) {
                                      test::kBF16ReductionNmse, test::kBF16Reduction));
         EXPECT_TRUE(test::bit_equal(run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
         EXPECT_TRUE(
-            test::bit_equal(run_path_fold(0, x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
-        EXPECT_TRUE(
-            test::bit_equal(run_path_fold(2, x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
+            test::bit_equal(run_path_unfolded(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto), got));
       }
     }
   }
 }
 
-// The down launch's early start (moe_kernels.h, GemvFold::early_routed; cuda::moe::set_gemv_down_early): with the
+// The down launch's early start (moe_kernels.h, GemvFold::early_routed; KernelConfig::moe_down_early): with the
 // permutation folded into the up launch, the down launch's blocks whose first unit is routed rebuild the work list
 // from topk_ids and issue that unit's first weight loads before their pdl_wait(). It must not change a bit: on vs off,
-// with the combine folded too (set_gemv_fold(2)) and against the permutation's own launch (fold 0: no early start),
+// and against the permutation's own launch (moe_gemv_fold off: no early start),
 // over T 1, 2, 3, 8, the routing widths of Nano (128 / top-6) and Super (512 / top-22), routings with shared and
 // repeated experts and with skipped ids (-1, E; a token with none valid), with and without the shared expert (whose
 // units come first, so the routed units start at other blocks); and close to the CPU reference where the ids are
@@ -917,17 +898,12 @@ Tensor poisoned_device(DType dt, Shape shape) {
   device::copy(t, poison);
   return t;
 }
-// One GEMV-path call with the early start on or off and the given fold setting (both restored after).
-DownEarlyOutputs run_down_early(bool early, int fold, const ops::Context& ctx, const Tensor& dx, const Tensor& dids,
+// One GEMV-path call with the early start on or off and the permutation folded or not.
+DownEarlyOutputs run_down_early(bool early, bool fold, const ops::Context& base, const Tensor& dx, const Tensor& dids,
                                 const Tensor& dw, const ExpertSet& s, const Tensor* d_s_up, const Tensor* d_s_down) {
-  struct Restore {
-    bool prev;
-    ~Restore() {
-      cuda::moe::set_gemv_down_early(prev);
-      cuda::moe::set_gemv_fold(1);
-    }
-  } restore{cuda::moe::set_gemv_down_early(early)};
-  cuda::moe::set_gemv_fold(fold);
+  ops::Context ctx = base;
+  ctx.kernels.moe_down_early = early;
+  ctx.kernels.moe_gemv_fold = fold;
   const int64_t T = dx.dim(0), D = dx.dim(1);
   Tensor o = poisoned_device(dx.dtype(), {T, D});
   DownEarlyOutputs r;
@@ -988,13 +964,10 @@ TEST_P(OpsMoe, GemvDownEarlyStartGivesTheSameBits) {
           SCOPED_TRACE(with_shared ? "with the shared expert" : "routed experts only");
           const Tensor* su = with_shared ? &d_s_up : nullptr;
           const Tensor* sd = with_shared ? &d_s_down : nullptr;
-          const DownEarlyOutputs on = run_down_early(true, 1, ctx, dx, dids, dw, s, su, sd);
-          const DownEarlyOutputs off = run_down_early(false, 1, ctx, dx, dids, dw, s, su, sd);
+          const DownEarlyOutputs on = run_down_early(true, true, ctx, dx, dids, dw, s, su, sd);
+          const DownEarlyOutputs off = run_down_early(false, true, ctx, dx, dids, dw, s, su, sd);
           EXPECT_TRUE(test::bit_equal(on.out, off.out));
-          for (bool early : {true, false}) {
-            EXPECT_TRUE(test::bit_equal(run_down_early(early, 2, ctx, dx, dids, dw, s, su, sd).out, on.out));
-          }
-          EXPECT_TRUE(test::bit_equal(run_down_early(true, 0, ctx, dx, dids, dw, s, su, sd).out, on.out));
+          EXPECT_TRUE(test::bit_equal(run_down_early(true, false, ctx, dx, dids, dw, s, su, sd).out, on.out));
           if (with_shared) {
             EXPECT_TRUE(test::bit_equal(on.shared_out, off.shared_out));
             Tensor want_shared = Tensor::empty(DType::kF32, {T, c.Din});
@@ -1018,7 +991,7 @@ TEST_P(OpsMoe, GemvDownEarlyStartAfterTheDeviceRouter) {
   auto rng = test::Rng::for_test();
   const DType dt = DType::kBF16;
   const device::Stream stream = device::Stream::create();
-  const ops::Context ctx{Device::kCuda, stream.get()};
+  const ops::Context step_ctx{Device::kCuda, stream.get()};
   for (const DownEarlyCase& c : kDownEarlyCases) {
     const ExpertSet s = make_experts(rng, c.E, 4, c.Din, c.I, dt);
     const Tensor s_up = init_weight(rng, {c.Is, c.Din}, dt), s_down = init_weight(rng, {c.Din, c.Is}, dt);
@@ -1033,10 +1006,8 @@ TEST_P(OpsMoe, GemvDownEarlyStartAfterTheDeviceRouter) {
         SCOPED_TRACE(::testing::Message() << "E=" << c.E << " k=" << c.k << " T=" << T << " shared=" << with_shared);
         // Router, then the op on its fresh ids; both outputs and the ids poisoned first. Returns {out, shared out}.
         auto call = [&](bool early, Tensor& ids, Tensor& w) {
-          struct Restore {
-            bool prev;
-            ~Restore() { cuda::moe::set_gemv_down_early(prev); }
-          } restore{cuda::moe::set_gemv_down_early(early)};
+          ops::Context ctx = step_ctx;
+          ctx.kernels.moe_down_early = early;
           Tensor dids = poisoned_device(DType::kI32, {T, c.k}), dw = poisoned_device(DType::kF32, {T, c.k});
           Tensor o = poisoned_device(dt, {T, c.Din}), so = poisoned_device(dt, {T, c.Din});
           ops::router_gate_topk(ctx, dids, dw, dx, gate, bias, rp);
@@ -1074,13 +1045,11 @@ TEST_P(OpsMoe, GemvDownEarlyStartAfterTheDeviceRouter) {
 struct CutlassCase {
   int64_t E, k, Din, I;
 };
-// The CUTLASS path with its token tile forced (cuda::moe::set_cutlass_tile_n: 64 or 128; 0 automatic).
+// The CUTLASS path with its token tile forced (KernelConfig::moe_cutlass_tile_n: 64 or 128; 0 automatic).
 Tensor run_cutlass_tile(int tile_n, const Tensor& x, const Tensor& ids, const Tensor& w, const ExpertSet& s) {
-  struct Restore {
-    int prev;
-    ~Restore() { cuda::moe::set_cutlass_tile_n(prev); }
-  } restore{cuda::moe::set_cutlass_tile_n(tile_n)};
-  return run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kCutlass);
+  ops::KernelConfig k;
+  k.moe_cutlass_tile_n = tile_n;
+  return run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kCutlass, k);
 }
 void cutlass_path_case(const CutlassCase& c, std::initializer_list<int64_t> tokens) {
   auto rng = test::Rng::for_test();
@@ -1129,7 +1098,7 @@ TEST_P(OpsMoe, CutlassPathAtModelSizes) {
 }
 
 // kAuto's prefill choice: CUTLASS from kCutlassMinTokens bf16 tokens (the same bits as the forced path), the mma
-// kernels below it and when turned off (set_cutlass_auto / CHIMERA_MOE_CUTLASS=0).
+// kernels below it and when turned off (KernelConfig::moe_cutlass).
 TEST_P(OpsMoe, AutoTakesCutlassFromItsTokenThreshold) {
   if (!on_cuda()) GTEST_SKIP() << "the CUDA CUTLASS path";
   auto rng = test::Rng::for_test();
@@ -1144,11 +1113,9 @@ TEST_P(OpsMoe, AutoTakesCutlassFromItsTokenThreshold) {
     const bool above = T >= cuda::moe::kCutlassMinTokens;
     const auto expected = above ? cuda::moe::ExpertsPath::kCutlass : cuda::moe::ExpertsPath::kMma;
     EXPECT_TRUE(test::bit_equal(got, run_path(x, DType::kBF16, ids, w, s, expected)));
-    struct Restore {
-      bool prev;
-      ~Restore() { cuda::moe::set_cutlass_auto(prev); }
-    } restore{cuda::moe::set_cutlass_auto(false)};
-    EXPECT_TRUE(test::bit_equal(run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto),
+    ops::KernelConfig no_cutlass;
+    no_cutlass.moe_cutlass = false;
+    EXPECT_TRUE(test::bit_equal(run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kAuto, no_cutlass),
                                 run_path(x, DType::kBF16, ids, w, s, cuda::moe::ExpertsPath::kMma)));
   }
 }
@@ -1315,15 +1282,13 @@ TEST_P(OpsMoe, ExpertsWithSharedExpertMatchTheTwoOps) {
           ops::moe_experts_shared(ctx(), o2, dx, dids, dw, d_up, d_down, ops::SharedExpert{so3, dxh, d_s_up, d_s_down});
           EXPECT_TRUE(test::bit_equal(host_f32(so3), got_shared));
 #ifdef CHIMERA_HAVE_CUDA
-          // The shared units after the up launch's pdl_wait() instead of before it (set_gemv_early_shared): the
+          // The shared units after the up launch's pdl_wait() instead of before it (moe_early_shared off): the
           // same bits for both outputs.
           {
-            struct Restore {
-              bool on;
-              ~Restore() { cuda::moe::set_gemv_early_shared(on); }
-            } restore{cuda::moe::set_gemv_early_shared(false)};
+            ops::Context late = ctx();
+            late.kernels.moe_early_shared = false;
             Tensor o4 = out(dt, {T, c.Din}), so4 = out(dt, {T, c.H});
-            ops::moe_experts_shared(ctx(), o4, dx, dids, dw, d_up, d_down,
+            ops::moe_experts_shared(late, o4, dx, dids, dw, d_up, d_down,
                                     ops::SharedExpert{so4, dxh, d_s_up, d_s_down});
             EXPECT_TRUE(test::bit_equal(host_f32(o4), got));
             EXPECT_TRUE(test::bit_equal(host_f32(so4), got_shared));

@@ -176,8 +176,8 @@ class OpsSelectiveStateUpdate : public BackendTest {
     }
   }
 
-  // CUDA launcher-level variant (SsuKernel as int, 0 = through ops::) and its unit size.
-  int launcher_kernel_ = 0, unit_bytes_ = 0, persist_warps_ = 0;
+  // CUDA launcher-level variant (SsuKernel as int, 0 = through ops::).
+  int launcher_kernel_ = 0, persist_warps_ = 0;
 #ifdef CHIMERA_HAVE_CUDA
   // kPersistent's work split (launch_variant only).
   cuda::SsuSplit split_ = cuda::SsuSplit::kEqualWarps;
@@ -222,7 +222,6 @@ class OpsSelectiveStateUpdate : public BackendTest {
     p.dt_min = sp.dt_min, p.dt_max = sp.dt_max;
     p.batch = int(x.dim(0)), p.H = int(x.dim(1)), p.P = int(x.dim(2)), p.G = int(B.dim(1)), p.N = int(B.dim(2));
     p.kernel = static_cast<cuda::SsuKernel>(launcher_kernel_);
-    p.unit_bytes = unit_bytes_;
     p.persist_warps = persist_warps_;
     p.split = split_, p.dynamic_chunk = dynamic_chunk_;
     cuda::launch_selective_state_update(p, nullptr);
@@ -454,20 +453,14 @@ TEST_P(OpsSelectiveStateUpdate, CudaRejectsMixedActivationDtypes) {
 }
 
 #ifdef CHIMERA_HAVE_CUDA
-// The persistent kernel (4 KB and 2 KB units) against the oracle: N = 64 / 128 / 256, P not a multiple of the
-// unit's rows (13, 80 with 16- and 32-row units), G = 1 and G = H, batches 1 to 64 with pads (every fifth
+// The persistent kernel (4 KB units) against the oracle: N = 64 / 128 / 256, P not a multiple of the unit's rows
+// (13, 80), G = 1 and G = H, batches 1 to 64 with pads (every fifth
 // sequence) and permuted slots, every state dtype, bf16 and f32 activations, dt limits.
 TEST_P(OpsSelectiveStateUpdate, PersistentKernelMatchesNaive) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
-  for (const auto& [kernel, unit] : std::initializer_list<std::pair<cuda::SsuKernel, int>>{
-           {cuda::SsuKernel::kPersistent, 0},
-           {cuda::SsuKernel::kPersistent, 2048},
-           {cuda::SsuKernel::kPersistentAsync, 0},
-           {cuda::SsuKernel::kPersistentAsync, 2048}}) {
-    launcher_kernel_ = static_cast<int>(kernel);
-    unit_bytes_ = unit;
-    SCOPED_TRACE(::testing::Message() << "kernel=" << static_cast<int>(kernel) << " unit_bytes=" << unit);
+  {
+    launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistent);
     for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
       check_random(rng, {128, 64, 8, 128}, 9, DType::kBF16, sd);  // Super heads
       check_random(rng, {5, 64, 1, 64}, 7, DType::kBF16, sd);     // N = 64, odd heads
@@ -487,14 +480,11 @@ TEST_P(OpsSelectiveStateUpdate, PersistentKernelMatchesNaive) {
   SsuInputs in = make_inputs(rng, 6, {4, 64, 2, 128});
   in.p.dt_min = 0.02f;
   in.p.dt_max = 0.08f;
-  for (cuda::SsuKernel kernel : {cuda::SsuKernel::kPersistent, cuda::SsuKernel::kPersistentAsync}) {
-    launcher_kernel_ = static_cast<int>(kernel), unit_bytes_ = 0;
-    check_step(in, {7, 0, 3, -1, 5, 2}, on_backend(random_state(rng, {8, 4, 64, 128})), DType::kF32);
-  }
+  launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistent);
+  check_step(in, {7, 0, 3, -1, 5, 2}, on_backend(random_state(rng, {8, 4, 64, 128})), DType::kF32);
 }
 
-// The fast kernel's row tilings (4, 8, 16 rows per warp; 0 = the occupancy rule), state access variants and
-// the persistent kernel compute every element the same way: identical bits, for an fp32 and a bf16 state.
+// The fast kernel's row tilings (4, 8, 16 rows per warp; 0 = the occupancy rule) and the persistent kernel compute every element the same way: identical bits, for an fp32 and a bf16 state.
 TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
@@ -504,19 +494,14 @@ TEST_P(OpsSelectiveStateUpdate, EveryRowTilingGivesTheSameBits) {
   const Tensor state0 = random_state(rng, {7, s.H, s.P, s.N});
   for (DType sd : {DType::kF32, DType::kBF16}) {
     Tensor ref_y, ref_state;
-    // rows 4, 8, 16 and 0 (the rule) for the grid kernel; -4096 / -2048: the persistent kernel's units;
-    // -14096 / -12048: the cp.async-staged persistent kernel's.
-    for (int rows : {0, 4, 8, 16, -4096, -2048, -14096, -12048}) {
+    // rows 4, 8, 16 and 0 (the rule) for the grid kernel; -1: the persistent kernel.
+    for (int rows : {0, 4, 8, 16, -1}) {
       SCOPED_TRACE(::testing::Message() << "state=" << dtype_name(sd) << " rows_per_warp=" << rows);
       const Tensor state = on_backend(state0, sd);
       const Tensor y = output(DType::kBF16, {batch, s.H, s.P});
       cuda::SsuParams p = step_params(d, y, state);
       p.rows_per_warp = std::max(rows, 0);
-      p.plain_state_access = rows == 8;  // the benchmark-only plain loads / stores compute the same bits
-      if (rows < 0) {
-        p.kernel = rows < -10000 ? cuda::SsuKernel::kPersistentAsync : cuda::SsuKernel::kPersistent;
-        p.unit_bytes = -rows % 10000;
-      }
+      if (rows < 0) p.kernel = cuda::SsuKernel::kPersistent;
       cuda::launch_selective_state_update(p, nullptr);
       device::synchronize(Device::kCuda);
       const Tensor hy = device::to_host(y), hs = device::to_host(state);
@@ -560,8 +545,8 @@ TEST_P(OpsSelectiveStateUpdate, AutoAtBatch64EqualsTheStaticSplit) {
   }
 }
 
-// The persistent kernel's dynamic split (issue 3's batch-64 work) changes only the schedule: the same bits as the
-// static split for both unit sizes and every state dtype, at N = 64 and 128, on P not a multiple of the unit's rows
+// The persistent kernel's dynamic split changes only the schedule: the same bits as the static split for every
+// state dtype, at N = 64 and 128, on P not a multiple of the unit's rows
 // (13, 36), one group and G = H, pads and permuted slots, chunks of 1 to 5 units, few warps walking long runs
 // (many grabs).
 TEST_P(OpsSelectiveStateUpdate, DynamicSplitGivesTheSameBits) {
@@ -577,14 +562,13 @@ TEST_P(OpsSelectiveStateUpdate, DynamicSplitGivesTheSameBits) {
     const DeviceStep d = device_step(make_inputs(rng, batch, s), s, batch, {6, 0, -1, 3, 5, 1});
     const Tensor state0 = random_state(rng, {7, s.H, s.P, s.N});
     for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
-      for (int unit : {4096, 2048}) {
+      {
         // One step from state0 with `v` (nullptr: the static split); y and the state to the host.
         auto run = [&](const Variant* v) {
           const Tensor state = on_backend(state0, sd);
           const Tensor y = output(DType::kBF16, {batch, s.H, s.P});
           cuda::SsuParams p = step_params(d, y, state);
           p.kernel = cuda::SsuKernel::kPersistent;
-          p.unit_bytes = unit;
           if (v != nullptr) p.split = cuda::SsuSplit::kDynamic, p.dynamic_chunk = v->chunk, p.persist_warps = v->warps;
           cuda::launch_selective_state_update(p, nullptr);
           device::synchronize(Device::kCuda);
@@ -593,7 +577,7 @@ TEST_P(OpsSelectiveStateUpdate, DynamicSplitGivesTheSameBits) {
         const auto [ref_y, ref_state] = run(nullptr);
         for (const Variant& v : variants) {
           SCOPED_TRACE(::testing::Message() << "H=" << s.H << " P=" << s.P << " G=" << s.G << " N=" << s.N
-                                            << " state=" << dtype_name(sd) << " unit=" << unit << " chunk=" << v.chunk
+                                            << " state=" << dtype_name(sd) << " chunk=" << v.chunk
                                             << " warps=" << v.warps);
           const auto [got_y, got_state] = run(&v);
           EXPECT_TRUE(test::bit_equal(got_y, ref_y));
@@ -611,9 +595,7 @@ TEST_P(OpsSelectiveStateUpdate, DynamicSplitMatchesNaive) {
   auto rng = test::Rng::for_test();
   launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistent);
   split_ = cuda::SsuSplit::kDynamic;
-  for (int unit : {0, 2048}) {
-    unit_bytes_ = unit;
-    SCOPED_TRACE(::testing::Message() << "unit=" << unit);
+  {
     for (DType sd : {DType::kF32, DType::kBF16}) {
       check_random(rng, {128, 64, 8, 128}, 9, DType::kBF16, sd);  // Super heads
       check_random(rng, {3, 36, 3, 128}, 17, DType::kF32, sd);    // P = 36, G = H
@@ -623,7 +605,6 @@ TEST_P(OpsSelectiveStateUpdate, DynamicSplitMatchesNaive) {
     check_random(rng, {16, 64, 4, 128}, 6, DType::kBF16, DType::kBF16);
     persist_warps_ = 0;
   }
-  unit_bytes_ = 0;
   const SsuShape s{8, 64, 2, 128};
   const Tensor state = on_backend(random_state(rng, {5, s.H, s.P, s.N}));
   for (int step = 0; step < 10; ++step) {
@@ -634,20 +615,8 @@ TEST_P(OpsSelectiveStateUpdate, DynamicSplitMatchesNaive) {
   split_ = cuda::SsuSplit::kEqualWarps, dynamic_chunk_ = 0, launcher_kernel_ = 0;
 }
 
-// The dynamic split is the kPersistent kernel's: asked of the cp.async-staged kernel, a clear error.
-TEST_P(OpsSelectiveStateUpdate, DynamicSplitRejectsTheAsyncKernel) {
-  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
-  auto rng = test::Rng::for_test();
-  launcher_kernel_ = static_cast<int>(cuda::SsuKernel::kPersistentAsync);
-  split_ = cuda::SsuSplit::kDynamic;
-  EXPECT_TRUE(test::throws_error([&] { check_random(rng, {4, 64, 2, 128}, 3, DType::kBF16, DType::kF32); },
-                                 ErrorKind::kRuntime, "SsuSplit::kDynamic is a kPersistent split only"));
-  split_ = cuda::SsuSplit::kEqualWarps;
-  launcher_kernel_ = 0;
-}
-
-// Out of place in every launcher variant the tests above force (grid row tilings and plain access, the persistent
-// kernel's static and dynamic splits at both unit sizes and few warps, the cp.async-staged kernel, the portable kernel
+// Out of place in every launcher variant the tests above force (grid row tilings, the persistent kernel's static
+// and dynamic splits and few warps, the portable kernel
 // for N = 7), every state dtype: the in-place run's y and new state bits (same variant), sources and unused slots
 // untouched, pads skipped; N = 64 / 128 / 256, P = 13, permuted slots.
 TEST_P(OpsSelectiveStateUpdate, OutOfPlaceEveryKernelGivesTheInPlaceBits) {
@@ -656,21 +625,18 @@ TEST_P(OpsSelectiveStateUpdate, OutOfPlaceEveryKernelGivesTheInPlaceBits) {
   struct Variant {
     const char* name;
     cuda::SsuKernel kernel = cuda::SsuKernel::kAuto;
-    int rows = 0, unit = 0, chunk = 0, warps = 0;
-    bool dynamic = false, plain = false;
+    int rows = 0, chunk = 0, warps = 0;
+    bool dynamic = false;
   };
   const Variant variants[] = {
       {"grid-auto", cuda::SsuKernel::kGrid},
       {"grid-rpw4", cuda::SsuKernel::kGrid, 4},
-      {"grid-rpw8-plain", cuda::SsuKernel::kGrid, 8, 0, 0, 0, false, true},
+      {"grid-rpw8", cuda::SsuKernel::kGrid, 8},
       {"grid-rpw16", cuda::SsuKernel::kGrid, 16},
-      {"persist4k", cuda::SsuKernel::kPersistent, 0, 4096},
-      {"persist2k", cuda::SsuKernel::kPersistent, 0, 2048},
-      {"persist4k-w3", cuda::SsuKernel::kPersistent, 0, 4096, 0, 3},
-      {"persist4k-dyn4", cuda::SsuKernel::kPersistent, 0, 4096, 4, 0, true},
-      {"persist2k-dyn1-w3", cuda::SsuKernel::kPersistent, 0, 2048, 1, 3, true},
-      {"async4k", cuda::SsuKernel::kPersistentAsync, 0, 4096},
-      {"async2k-w3", cuda::SsuKernel::kPersistentAsync, 0, 2048, 0, 3},
+      {"persist", cuda::SsuKernel::kPersistent},
+      {"persist-w3", cuda::SsuKernel::kPersistent, 0, 0, 3},
+      {"persist-dyn4", cuda::SsuKernel::kPersistent, 0, 4, 0, true},
+      {"persist-dyn1-w3", cuda::SsuKernel::kPersistent, 0, 1, 3, true},
       {"auto", cuda::SsuKernel::kAuto},
   };
   const SsuShape shapes[] = {{16, 64, 8, 128}, {5, 64, 1, 64}, {2, 13, 2, 256}, {3, 5, 1, 7}};
@@ -690,8 +656,8 @@ TEST_P(OpsSelectiveStateUpdate, OutOfPlaceEveryKernelGivesTheInPlaceBits) {
         check_oop(
             [&](const Tensor& st, const Tensor& y, bool oop) {
               cuda::SsuParams p = step_params(d, y, st);
-              p.kernel = v.kernel, p.rows_per_warp = v.rows, p.plain_state_access = v.plain;
-              p.unit_bytes = v.unit, p.persist_warps = v.warps;
+              p.kernel = v.kernel, p.rows_per_warp = v.rows;
+              p.persist_warps = v.warps;
               if (v.dynamic) p.split = cuda::SsuSplit::kDynamic, p.dynamic_chunk = v.chunk;
               if (oop) p.dst_slots = dst_dev.i32();
               cuda::launch_selective_state_update(p, nullptr);

@@ -555,12 +555,12 @@ TEST_P(OpsSsd, CudaRecurrenceSixteenBit) {
 }
 
 #ifdef CHIMERA_HAVE_CUDA
-// ---- group_cb: C.B^T once per (chunk, group) in its own stage, a scan of 2 heads per block reading it ------
+// ---- the tensor-core path's options (cuda::SsdOptions) ------------------------------------------------------
 // Against the CPU reference on the cases above: awkward single prompts (non-zero state from slot 1), packed
 // batches with pads, empty prompts and odd heads per group (3, 5, 7: the second head of a block idle), chunk-
 // crossing lengths, 16-bit states / activations / parameters, dt limits; superchunks of 1 (no state step in the
 // scan) and 3 (odd) as well as the automatic length.
-// The kernel-variant cases (the caller sets `variant`): a 4099-token prompt and a packed batch with pads; with
+// The tensor-core option cases (the caller sets `variant`): a 4099-token prompt and a packed batch with pads; with
 // `all` also short and chunk-crossing prompts, packed batches, 16-bit states / activations / parameters, dt limits.
 void variant_reference_cases(OpsSsd& t, bool all) {
   t.awkward_lengths(DType::kBF16, {4099});
@@ -575,96 +575,37 @@ void variant_reference_cases(OpsSsd& t, bool all) {
   t.check_scan(rng, {16, 64, 8, 128}, lens, slots, 6, 128, DType::kBF16, DType::kF32, DType::kF32, 0.02f, 0.08f);
 }
 
-TEST_P(OpsSsd, CudaGroupCbMatchesReference) {
-  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
+// The tensor-core path at forced superchunk lengths against the CPU reference: 1 (no state step in the scan), 3
+// (odd) and automatic; awkward single prompts, packed batches with pads and odd heads per group, 16-bit states /
+// activations / parameters, dt limits.
+TEST_P(OpsSsd, CudaSuperchunkLengthsMatchReference) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA option";
   for (int m : {0, 1, 3}) {
-    SCOPED_TRACE(::testing::Message() << "group_cb superchunk=" << m);
-    variant = cuda::SsdOptions{.superchunk = m, .group_cb = true};
+    SCOPED_TRACE(::testing::Message() << "superchunk=" << m);
+    variant = cuda::SsdOptions{.superchunk = m};
     variant_reference_cases(*this, m == 0);
   }
 }
 
-// Small enough for compute-sanitizer (memcheck, racecheck: the scan refills its single-buffered C, C.B^T and B
-// tiles while other warps compute): 2 heads per group and 5 (odd), superchunks of 2 over 3- and 2-chunk prompts.
-TEST_P(OpsSsd, CudaGroupCbSmall) {
-  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
-  auto rng = test::Rng::for_test();
-  variant = cuda::SsdOptions{.superchunk = 2, .group_cb = true};
-  const std::vector<int32_t> lens = {300, 0, 129, 1, 256}, slots = {2, 0, -1, 4, 1};
-  check_scan(rng, {4, 64, 2, 128}, lens, slots, 6, 128, DType::kBF16);
-  check_scan(rng, {10, 64, 2, 128}, lens, slots, 6, 128, DType::kBF16);
-}
-
-// group_cb computes every output element with the same sequence of operations as the default kernels (C.B^T by
-// the same mma chain over k = N, then the same scaling and the same order of tiles): identical bits.
-TEST_P(OpsSsd, CudaGroupCbSameBitsAsDefault) {
-  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
-  auto rng = test::Rng::for_test();
-  const cuda::SsdOptions first{.scan_variant = 0}, group_cb{.group_cb = true};
-  expect_same_bits(rng, kSuper, {989}, DType::kBF16, first, group_cb);
-  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, first, group_cb);
-  expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, first, group_cb);
-}
-
-// ---- scan_variant 1 / 2: 16 warps per (superchunk, head), each chunk's columns and C.B^T tiles split ----------
-// The same cases as group_cb against the CPU reference: superchunks of 1 (no state step), 3 (odd) and automatic,
-// awkward single prompts, packed batches with pads and odd heads per group, 16-bit states / activations /
-// parameters, dt limits; variant 2 (y staged through shared memory) on the first two.
-TEST_P(OpsSsd, CudaSplitScanMatchesReference) {
-  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
-  for (int v : {1, 2}) {
-    for (int m : {0, 1, 3}) {
-      SCOPED_TRACE(::testing::Message() << "scan_variant=" << v << " superchunk=" << m);
-      variant = cuda::SsdOptions{.superchunk = m, .scan_variant = v};
-      variant_reference_cases(*this, m == 0 && v == 1);
-    }
-  }
-}
-
-// Small enough for compute-sanitizer (memcheck; racecheck / synccheck: the block writes sb, x * w and the C.B^T
-// fragments in shared memory that other warps read, and refills the other copy stage while computing).
-TEST_P(OpsSsd, CudaSplitScanSmall) {
-  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
-  auto rng = test::Rng::for_test();
-  const std::vector<int32_t> lens = {300, 0, 129, 1, 256}, slots = {2, 0, -1, 4, 1};
-  for (int v : {1, 2}) {
-    SCOPED_TRACE(::testing::Message() << "scan_variant=" << v);
-    variant = cuda::SsdOptions{.superchunk = 2, .scan_variant = v};
-    check_scan(rng, {4, 64, 2, 128}, lens, slots, 6, 128, DType::kBF16);
-    check_scan(rng, {3, 64, 1, 128}, lens, slots, 6, 128, DType::kF16);
-  }
-}
-
-// The split scan (variant 2 is the default) computes every element with the first 8-warp scan's operation sequence
-// (ssd_mma_split.cu): same bits, for bf16 and f16, automatic and odd superchunk lengths (the state step inside a
-// superchunk), y stored from registers (variant 1) or through shared memory (variant 2).
-TEST_P(OpsSsd, CudaSplitScanSameBitsAsDefault) {
-  if (!on_cuda()) GTEST_SKIP() << "a CUDA kernel variant";
-  auto rng = test::Rng::for_test();
-  const cuda::SsdOptions first{.scan_variant = 0}, split{.scan_variant = 1}, staged{.scan_variant = 2};
-  expect_same_bits(rng, kSuper, {989}, DType::kBF16, first, split);
-  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, first, split);
-  expect_same_bits(rng, {10, 64, 2, 128}, {4099}, DType::kBF16, first, split);
-  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, first, split);
-  expect_same_bits(rng, kNano, {4099, 260}, DType::kBF16, {.superchunk = 3, .scan_variant = 0},
-                   {.superchunk = 3, .scan_variant = 1});
-  expect_same_bits(rng, kSuper, {989}, DType::kBF16, first, staged);
-  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, first, staged);
-  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, first, staged);
-}
-
-TEST_P(OpsSsd, CudaRejectsUnknownScanVariant) {
+// Small enough for compute-sanitizer (memcheck; racecheck / synccheck: the scan block writes sb, x * w and the
+// C.B^T fragments in shared memory that other warps read, and refills the other copy stage while computing).
+TEST_P(OpsSsd, CudaScanSmall) {
   if (!on_cuda()) GTEST_SKIP() << "a CUDA option";
   auto rng = test::Rng::for_test();
-  const std::vector<int32_t> cu = {0, 5}, slot = {0};
-  const SsmInputs d = dev(make_inputs(rng, 5, {4, 64, 2, 128}), DType::kBF16);
-  const Tensor y = poisoned(DType::kBF16, d.x.shape()), state = dev(Tensor::zeros(DType::kF32, {1, 4, 64, 128}));
-  EXPECT_TRUE(test::throws_error(
-      [&] {
-        cuda::SsdRunner(y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slot, 128, nullptr,
-                        cuda::SsdOptions{.scan_variant = 3});
-      },
-      ErrorKind::kRuntime, "ops::ssd_chunk_scan: SsdOptions::scan_variant 3 is not 0, 1 or 2"));
+  const std::vector<int32_t> lens = {300, 0, 129, 1, 256}, slots = {2, 0, -1, 4, 1};
+  variant = cuda::SsdOptions{.superchunk = 2};
+  check_scan(rng, {4, 64, 2, 128}, lens, slots, 6, 128, DType::kBF16);
+  check_scan(rng, {3, 64, 1, 128}, lens, slots, 6, 128, DType::kF16);
+}
+
+// The tensor-core path is deterministic: the same inputs twice give the same bits (fixed mma chains, no atomics).
+TEST_P(OpsSsd, CudaScanRepeatsItsBits) {
+  if (!on_cuda()) GTEST_SKIP() << "a CUDA option";
+  auto rng = test::Rng::for_test();
+  const cuda::SsdOptions def;
+  expect_same_bits(rng, kSuper, {989}, DType::kBF16, def, def);
+  expect_same_bits(rng, kNano, {0, 1, 128, 1000, 700, 129, 300}, DType::kBF16, def, def);
+  expect_same_bits(rng, {12, 64, 4, 128}, {1500, 77}, DType::kF16, def, def);
 }
 #endif
 

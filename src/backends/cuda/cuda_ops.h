@@ -69,10 +69,6 @@ void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, c
 void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                const ops::KvCacheView& cache, const ops::Indices& cu_seqlens, const ops::Indices& context_lens,
                const Tensor& block_tables, float scale);
-// Whether the split-KV decode kernel appends the step's k / v rows itself (true, the default;
-// CHIMERA_ATTN_DECODE_APPEND=0 sets false: a separate append launch). The same bits either way. Process-wide;
-// returns the previous setting.
-bool set_attention_decode_append(bool fold);
 
 // moe/ (router.cu, experts.cu)
 void router_topk(const ops::Context& ctx, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& logits,

@@ -137,24 +137,24 @@ bool cuda_available() {
 }
 
 namespace {
-// -1: not decided yet (first pdl_enabled() reads CHIMERA_PDL and the device's compute capability).
-std::atomic<int> g_pdl{-1};
+// Whether the current device can launch with PDL (compute capability 9.0+): a property of the hardware, read once.
+bool pdl_supported() {
+  static const bool supported = [] {
+    int dev = 0, major = 0;
+    return cuda_available() && cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+  }();
+  return supported;
+}
+// The innermost LaunchScope's setting on this thread (true without one: the KernelConfig default). Set only by
+// LaunchScope, from the configuration of the op (or caller) that launches.
+thread_local bool t_scope_pdl = true;
 }  // namespace
 
-bool pdl_enabled() {
-  int v = g_pdl.load(std::memory_order_relaxed);
-  if (v < 0) {
-    int dev = 0, major = 0;
-    const bool ok = cuda_available() && cudaGetDevice(&dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess;
-    const char* env = std::getenv("CHIMERA_PDL");
-    v = ok && major >= 9 && !(env != nullptr && std::strcmp(env, "0") == 0) ? 1 : 0;
-    g_pdl.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
+bool pdl_enabled() { return t_scope_pdl && pdl_supported(); }
 
-void set_pdl_enabled(bool on) { g_pdl.store(on ? 1 : 0, std::memory_order_relaxed); }
+LaunchScope::LaunchScope(bool pdl) : previous_(t_scope_pdl) { t_scope_pdl = pdl; }
+LaunchScope::~LaunchScope() { t_scope_pdl = previous_; }
 
 std::string describe_cuda() {
   if (!cuda_available()) return "no CUDA device is available (cudaGetDeviceCount found none)";

@@ -24,18 +24,6 @@
 namespace chimera {
 namespace {
 
-// Restores the process-wide PDL setting when a test ends.
-class PdlSetting {
- public:
-  explicit PdlSetting(bool on) : saved_(device::pdl_enabled()) { device::set_pdl_enabled(on); }
-  ~PdlSetting() { device::set_pdl_enabled(saved_); }
-  PdlSetting(const PdlSetting&) = delete;
-  PdlSetting& operator=(const PdlSetting&) = delete;
-
- private:
-  bool saved_;
-};
-
 struct ChainCase {
   bool pdl;
   bool graph;
@@ -55,7 +43,7 @@ class PdlLaunch : public ::testing::TestWithParam<ChainCase> {
 TEST_P(PdlLaunch, DependentChainIsExact) {
 #if defined(CHIMERA_HAVE_CUDA)
   const ChainCase cc = GetParam();
-  const PdlSetting pdl(cc.pdl);
+  const device::LaunchScope pdl(cc.pdl);  // this thread's launches
   ASSERT_EQ(device::pdl_enabled(), cc.pdl);
   test::Rng rng = test::Rng::for_test();
   test::PdlChain c;
@@ -118,9 +106,9 @@ TEST(PdlNeighbours, CublasLtBetweenPdlKernelsGivesTheSameBitsAsWithoutPdl) {
   const Tensor w = device::to_device(rng.normal_tensor({D, D}, 0.5f / 14.1f), Device::kCuda);
   const Tensor gamma = device::to_device(rng.uniform_tensor({D}, 0.5f, 1.5f), Device::kCuda);
   auto run = [&](bool pdl, bool graph) {
-    const PdlSetting setting(pdl);
     const device::Stream stream = device::Stream::create();
-    const ops::Context ctx{Device::kCuda, stream.get()};
+    ops::Context ctx{Device::kCuda, stream.get()};
+    ctx.kernels.pdl = pdl;  // the ops' launches follow their context
     const Tensor x = device::empty(Device::kCuda, DType::kF32, {T, D});
     const Tensor y = device::empty(Device::kCuda, DType::kF32, {T, D});
     const Tensor h = device::empty(Device::kCuda, DType::kF32, {T, D});

@@ -27,14 +27,6 @@ constexpr char kOp[] = "ops::attention";
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// Whether the split-KV decode kernel appends the step's k / v rows itself (attention_decode.cu): one launch fewer per
-// attention layer on a decode step's critical path. CHIMERA_ATTN_DECODE_APPEND=0 keeps the separate append_kv launch
-// (A/B runs of the whole engine); the output and cache bits are the same either way.
-std::atomic<bool> g_decode_append{[] {
-  const char* v = std::getenv("CHIMERA_ATTN_DECODE_APPEND");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
-
 // Target key tiles per decode split: about four CTAs per SM over the whole batch (balanced splits of
 // near-equal size per sequence, decode_num_splits), at least one 64-key tile each.
 int decode_tiles_per_split(const std::vector<attn::AttnSeq>& seqs, int kv_heads) {
@@ -74,7 +66,7 @@ void run(const ops::Context& ctx, const attn::AttentionParams& base, const std::
                                  "not for a prefill of ", max_new, " tokens"));
     }
     // The split-KV decode kernel appends the step's k / v rows itself: no append launch on the decode path.
-    const bool fold_append = decode && new_aligned && g_decode_append.load(std::memory_order_relaxed);
+    const bool fold_append = decode && new_aligned && ctx.kernels.attention_decode_append;
     if (!fold_append) attn::launch_append_kv<T>(p, stream);
     if (!tensor_cores) {
       attn::launch_attention_generic<T>(p, stream);
@@ -186,6 +178,5 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
                          run<Tc>(ctx, p, seqs, max_new, aligned, new_aligned, device_meta));
 }
 
-bool set_attention_decode_append(bool fold) { return g_decode_append.exchange(fold); }
 
 }  // namespace chimera::cuda

@@ -7,14 +7,9 @@
 // streams them in tiles of kDecodeTileKeys (64) through a cp.async pipeline of kStages; inside a tile warp w
 // owns keys 16w .. 16w+15 and keeps its own online softmax (m, l, O). At the end the 4 warps merge through
 // shared memory; a sequence with one split writes the output, otherwise the split writes O / l and (m, l)
-// to the workspace and the splits are merged with log-sum-exp weights:
-// - fused (up to kFuseMaxSplits splits): each split takes a ticket of its (sequence, kv head) after its
-//   writes; the last one merges all of them (merge_splits). A separate combine kernel behind a 34-CTA decode
-//   at batch 1 costs a whole second launch on the step's critical path (ncu, Nano 1K context: 8.3 us decode +
-//   10.9 us combine, the combine being one thread per (head, dim) walking 17 splits with dependent L2 loads);
-//   the merge here loads every split's (m, l) at once (8 threads per row), then the O partials 8 at a time.
-// - attention_decode_combine_kernel for more splits (one SM would read all their partials), or where the
-//   merge's (m, l) table does not fit the freed K / V stages or there are more pairs than ticket words.
+// to the workspace and attention_decode_combine_kernel merges the splits of each (sequence, q head) with
+// log-sum-exp weights in split order (one thread per (head, dim)), so the result does not depend on which split
+// finished first.
 // Folded append (DecodeWorkspace::append_kv, the default on this path): the new token's k / v row (position ctx_len,
 // the last key) lies in the last tile of the last split of each (sequence, kv head). That CTA gathers the row into
 // its K / V tile straight from k_new / v_new (load_kv_tile's new_pos, same cp.async stage as the rest of the tile)
@@ -24,7 +19,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <cmath>
 
 #include "backends/cuda/attention/attention_kernels.cuh"
@@ -42,100 +36,6 @@ constexpr int kTile = kDecodeTileKeys;
 template <int HD>
 constexpr int decode_smem_bytes() {
   return (16 + 2 * kStages * kTile) * HD * 2;  // Q (16 rows) + kStages of K and V tiles, 16-bit elements
-}
-
-// The fused merge reads num_splits x group x HD fp32 partials from L2 on ONE SM (139 KB at 17 splits, Nano at 1K):
-// cheaper than a second launch for a few splits, not for hundreds (the combine kernel spreads them over
-// q heads x sequences blocks). Unmeasured bound, see set_decode_merge_mode to compare both on the GPU.
-// 0: the fused merge is off by default. Measured on the H200 (bench attention_decode, graph): fused 15.8 vs decode +
-// combine kernel 12.1 us at B = 1, 1K context; 43.3 vs 28.5 at 8K (set_decode_merge_mode(1) forces it for benchmarks).
-constexpr int kFuseMaxSplits = 0;
-std::atomic<int> g_merge_mode{0};
-
-// Fused merge: one ticket word per (sequence, kv head) and host-thread slot (as router.cu's g_gate_tickets).
-// Zero at module load; atomicInc wraps each word back to zero once all of its splits arrived, so every launch
-// (and graph replay) leaves them at zero.
-constexpr int kTicketSlots = 16;
-constexpr int kTicketGroups = 2048;  // sequences x kv heads of one launch
-__device__ unsigned int g_decode_tickets[kTicketSlots][kTicketGroups];
-
-// The merge's (m, l) table, [16 rows][num_splits] float2, lives in the freed K / V stages.
-template <int HD>
-constexpr int merge_max_splits() {
-  return 2 * kStages * kTile * HD * 2 / (16 * static_cast<int>(sizeof(float2)));  // 6 * HD
-}
-
-// out rows of (seq, kv head) = sum_i w_i O_i / sum_i w_i, w_i = l_i 2^(m_i - M) over the num_splits partials
-// (the same arithmetic, in the same split order, as attention_decode_combine_kernel). Whole block; smem: the
-// freed K / V stages. Reads the partials from L2 (__ldcg): other CTAs wrote them.
-template <typename T, int HD>
-__device__ void merge_splits(const AttentionParams& p, const DecodeWorkspace& ws, const AttnSeq& sq, int seq, int kvh,
-                             int group, int num_splits, float2* sWL) {
-  __shared__ float s_l[16];
-  const int tid = threadIdx.x;
-  const int64_t part0 = (static_cast<int64_t>(seq) * p.num_kv_heads + kvh) * ws.max_splits;
-  // Step 1: 8 threads per row r (128 threads = 16 rows) load the row's (m, l) for every split in parallel.
-  {
-    const int r = tid / 8, sub = tid % 8;
-    const bool ok = r < group;
-    float mx = -INFINITY;
-    if (ok) {
-      for (int i = sub; i < num_splits; i += 8) {
-        const float2 ml = __ldcg(&ws.part_ml[(part0 + i) * 16 + r]);
-        sWL[r * num_splits + i] = ml;
-        mx = fmaxf(mx, ml.x);
-      }
-    }
-#pragma unroll
-    for (int off = 4; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float l = 0.0f;
-    if (ok) {
-      for (int i = sub; i < num_splits; i += 8) {
-        const float2 ml = sWL[r * num_splits + i];
-        const float w = ml.y * exp2f(ml.x - mx);
-        sWL[r * num_splits + i].x = w;
-        l += w;
-      }
-    }
-    // The row's sum in split order would need a serial pass; the combine kernel sums in split order, this
-    // sums 8 interleaved partial sums: the two differ by fp32 rounding only (well inside the tolerances).
-#pragma unroll
-    for (int off = 4; off > 0; off /= 2) l += __shfl_xor_sync(0xffffffffu, l, off);
-    if (ok && sub == 0) s_l[r] = l;
-  }
-  __syncthreads();
-  // Step 2: out[r][4c .. 4c + 3] = sum_i w_i O_i[r][4c ..] / l: independent float4 loads, unrolled over splits.
-  constexpr int C4 = HD / 4;
-  T* obase = static_cast<T*>(p.out) + (static_cast<int64_t>(sq.q_start) * p.num_q_heads + kvh * group) * HD;
-  for (int idx = tid; idx < group * C4; idx += kThreads) {
-    const int r = idx / C4, c = idx % C4;
-    const float4* po = reinterpret_cast<const float4*>(ws.part_o + (part0 * 16 + r) * HD) + c;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    // Eight L2 loads in flight per thread, then added in split order.
-    for (int i0 = 0; i0 < num_splits; i0 += 8) {
-      float4 o[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        o[j] = i0 + j < num_splits ? __ldcg(po + static_cast<int64_t>(i0 + j) * 16 * C4) : make_float4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (i0 + j < num_splits) {
-          const float w = sWL[r * num_splits + i0 + j].x;
-          acc.x += w * o[j].x;
-          acc.y += w * o[j].y;
-          acc.z += w * o[j].z;
-          acc.w += w * o[j].w;
-        }
-      }
-    }
-    const float l = s_l[r];
-    T* orow = obase + r * HD + 4 * c;
-    orow[0] = from_float<T>(acc.x / l);
-    orow[1] = from_float<T>(acc.y / l);
-    orow[2] = from_float<T>(acc.z / l);
-    orow[3] = from_float<T>(acc.w / l);
-  }
 }
 
 template <typename T, int HD>
@@ -296,20 +196,6 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(AttentionPar
       if (d == 0) ws.part_ml[part * 16 + r] = make_float2(mx, l);
     }
   }
-  if (direct || ws.ticket_slot < 0) return;
-
-  // The last split of this (sequence, kv head) merges. Writers fence before the ticket.
-  __shared__ bool s_last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    unsigned int* ticket = &g_decode_tickets[ws.ticket_slot][seq * p.num_kv_heads + kvh];
-    s_last = atomicInc(ticket, static_cast<unsigned int>(num_splits - 1)) == static_cast<unsigned int>(num_splits - 1);
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  merge_splits<T, HD>(p, ws, sq, seq, kvh, group, num_splits, reinterpret_cast<float2*>(sK));
 }
 
 // Merges the splits of each (sequence, q head): out = sum_i w_i O_i, w_i = l_i 2^(m_i - M) / sum_j (...).
@@ -343,11 +229,6 @@ __global__ void __launch_bounds__(HD) attention_decode_combine_kernel(AttentionP
   orow[d] = from_float<T>(acc / l);
 }
 
-int ticket_slot() {
-  static std::atomic<int> next{0};
-  thread_local const int slot = next.fetch_add(1) % kTicketSlots;
-  return slot;
-}
 
 }  // namespace
 
@@ -366,22 +247,14 @@ void launch_attention_decode(const AttentionParams& p, const DecodeWorkspace& ws
     throw_runtime(str_cat("ops::attention: decode grid (", ws.max_splits, " splits, ", p.num_seqs,
                           " sequences) exceeds 65535"));
   }
-  DecodeWorkspace w = ws;
-  const int mode = g_merge_mode.load(std::memory_order_relaxed);
-  const bool fits = ws.max_splits > 1 && ws.max_splits <= merge_max_splits<HD>() &&
-                    int64_t{p.num_seqs} * p.num_kv_heads <= kTicketGroups;
-  const bool fuse = fits && mode != 2 && (mode == 1 || ws.max_splits <= kFuseMaxSplits);
-  w.ticket_slot = fuse ? ticket_slot() : -1;
   const dim3 grid(ws.max_splits, p.num_kv_heads, p.num_seqs);
-  launch(attention_decode_kernel<T, HD>, grid, dim3(kThreads), smem, stream, p, w);
+  launch(attention_decode_kernel<T, HD>, grid, dim3(kThreads), smem, stream, p, ws);
   CHIMERA_LAUNCH_CHECK("ops::attention (decode)");
-  if (ws.max_splits > 1 && !fuse) {
-    launch(attention_decode_combine_kernel<T, HD>, dim3(p.num_q_heads, p.num_seqs), dim3(HD), 0, stream, p, w);
+  if (ws.max_splits > 1) {
+    launch(attention_decode_combine_kernel<T, HD>, dim3(p.num_q_heads, p.num_seqs), dim3(HD), 0, stream, p, ws);
     CHIMERA_LAUNCH_CHECK("ops::attention (decode combine)");
   }
 }
-
-void set_decode_merge_mode(int mode) { g_merge_mode.store(mode, std::memory_order_relaxed); }
 
 template void launch_attention_decode<__nv_bfloat16, 64>(const AttentionParams&, const DecodeWorkspace&, cudaStream_t);
 template void launch_attention_decode<__nv_bfloat16, 128>(const AttentionParams&, const DecodeWorkspace&,

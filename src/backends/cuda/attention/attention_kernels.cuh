@@ -70,8 +70,8 @@ inline constexpr int kPrefillBlockN = 64;  // keys per pipeline stage
 // Split-KV decode (flash-decoding): the n_tiles = ceil(kv_len / kDecodeTileKeys) key tiles of each
 // (sequence, kv head) are cut into splits = ceil(n_tiles / tiles_per_split) near-equal ranges (split i
 // takes tiles [i * n_tiles / splits, (i + 1) * n_tiles / splits)); each split is one CTA. With more than
-// one split, the partial results land in the workspace and the last split of each (sequence, kv head) to
-// finish merges them (few splits) or a combine kernel does (attention_decode.cu).
+// one split, the partial results land in the workspace and a combine kernel merges them in split order
+// (attention_decode.cu).
 inline constexpr int kDecodeTileKeys = 64;  // keys per pipeline stage (16 per warp)
 inline constexpr int kDecodeMaxGroup = 16;  // query heads of one kv head packed into the MMA's 16 rows
 __host__ __device__ inline int decode_num_splits(int kv_len, int tiles_per_split) {
@@ -83,7 +83,6 @@ struct DecodeWorkspace {
   float2* part_ml = nullptr; // [S, KVh, max_splits, 16]       (running max in log2 units, sum l)
   int tiles_per_split = 1;
   int max_splits = 1;
-  int ticket_slot = -1;  // set by launch_attention_decode: >= 0 when the decode kernel merges its own splits
   // The decode kernel appends this step's k_new / v_new rows to the cache itself (no launch_append_kv before it):
   // needs k_new / v_new 16-byte aligned.
   bool append_kv = false;
@@ -102,10 +101,6 @@ void launch_attention_generic(const AttentionParams& p, cudaStream_t stream);
 template <typename T, int HD>
 void launch_attention_prefill(const AttentionParams& p, const PrefillTile* tiles, int num_tiles,
                               cudaStream_t stream);
-
-// Benchmarks (bench/attention_bench.cu) only: how decode merges its splits. 0 = automatic, 1 = the fused merge
-// wherever it fits, 2 = always the combine kernel. Process-wide, read at each launch.
-void set_decode_merge_mode(int mode);
 
 // One new token per sequence over a long paged context, split across CTAs, then combined. With ws.append_kv it
 // also appends that token's k / v (the same cache bits as launch_append_kv), so no append launch precedes it.

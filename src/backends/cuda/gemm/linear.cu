@@ -10,17 +10,16 @@
 //
 // Per thread (cuBLASLt handles and descriptors are not shared across threads): one handle, one 32 MiB
 // workspace (NVIDIA's recommendation for Hopper), and a plan cache keyed by (T, in, out, dtype, bias,
-// pointer alignments) holding the descriptors and the algorithm the heuristic chose the first time.
+// pointer alignments) holding the descriptors and the algorithm the heuristic returns for that key (a deterministic
+// function of the key on a given cuBLASLt and device, so the same shape runs the same algorithm on every run).
+// At decode sizes (T <= kLinearGemvAutoMaxTokens) the plan of linear.h picks cuBLASLt or the GEMV per shape from
+// the tuned table (sm90_linear_table.inc) or its rule: never by timing at run time.
 // The workspace is shared by every call of the thread: calls from one thread on two concurrently running
 // streams would race on it (the engine runs one stream per thread).
 #include <cublasLt.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <initializer_list>
 #include <unordered_map>
 
 #include "backends/cuda/cuda_ops.h"
@@ -96,14 +95,6 @@ struct LtState {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
-  // kAuto at decode sizes: the path measured fastest per shape: -1 = cuBLASLt, w > 0 = the GEMV at w warps per row.
-  std::unordered_map<PlanKey, int, PlanKeyHash> decode_choice;
-  // linear_multi's one GEMV launch: the warps per row measured fastest per shape (out = the parts' rows).
-  std::unordered_map<PlanKey, int, PlanKeyHash> multi_choice;
-  // residual_norm_linear: the two ops (-1) or the one GEMV launch at w warps per row, measured fastest per shape
-  // (key bias: the add2 form); norm_forced_choice: the warps per row under NormFold::kAlways.
-  std::unordered_map<PlanKey, int, PlanKeyHash> norm_choice;
-  std::unordered_map<PlanKey, int, PlanKeyHash> norm_forced_choice;
 };
 
 LtState& lt_state() {
@@ -170,47 +161,6 @@ const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias) {
 
 namespace {
 
-// Best of 5 timings of 3 back-to-back calls of fn on `stream` (microseconds per call); synchronises the stream. For
-// the one-time choice between two paths on a shape (the output is overwritten by the caller's real call).
-double time_us(void* stream, const std::function<void()>& fn) {
-  cudaStream_t s = as_stream(stream);
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  CHIMERA_CUDA_CHECK(cudaEventCreate(&e0), "ops::linear (path timing)");
-  CHIMERA_CUDA_CHECK(cudaEventCreate(&e1), "ops::linear (path timing)");
-  float best = 1e30f;
-  fn();  // first use: plans, attributes
-  for (int rep = 0; rep < 5; ++rep) {
-    CHIMERA_CUDA_CHECK(cudaEventRecord(e0, s), "ops::linear (path timing)");
-    for (int i = 0; i < 3; ++i) fn();
-    CHIMERA_CUDA_CHECK(cudaEventRecord(e1, s), "ops::linear (path timing)");
-    CHIMERA_CUDA_CHECK(cudaEventSynchronize(e1), "ops::linear (path timing)");
-    float ms = 0.0f;
-    CHIMERA_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1), "ops::linear (path timing)");
-    best = std::min(best, ms);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return 1000.0 * best / 3.0;
-}
-
-// The candidate c for which run(c) was fastest on this shape: timed once per key (time_us) on the first call outside
-// a CUDA graph capture and cached in `choices`; inside a capture nothing can be timed, so `in_capture` is returned
-// uncached and the next call outside a capture decides. Ties go to the earlier candidate.
-int fastest(std::unordered_map<PlanKey, int, PlanKeyHash>& choices, const PlanKey& key, void* stream,
-            std::initializer_list<int> candidates, int in_capture, const std::function<void(int)>& run) {
-  const auto it = choices.find(key);
-  if (it != choices.end()) return it->second;
-  if (device::stream_capturing(stream)) return in_capture;
-  int best = *candidates.begin();
-  double best_us = 0.0;
-  for (int c : candidates) {
-    const double us = time_us(stream, [&] { run(c); });
-    if (c == *candidates.begin() || us < best_us) best = c, best_us = us;
-  }
-  choices.emplace(key, best);
-  return best;
-}
-
 // The GEMV path's launch for out = x @ weight^T (+ bias) (+ relu^2).
 void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
               bool relu2, int warps_per_row = 0) {
@@ -228,19 +178,53 @@ bool gemv_fits(const Tensor& out, const Tensor& x, const Tensor& weight) {
   return gemm::gemv_supported(x.dim(0), x.dim(1), weight.dim(0), x.dtype(), x.data(), weight.data(), out.data());
 }
 
+constexpr LinearPlanEntry kLinearPlanTable[] = {
+#include "backends/cuda/gemm/sm90_linear_table.inc"
+};
+
+void check_choice(const char* op, int choice, bool separate_ok) {
+  if (!(choice == 0 || choice == 1 || choice == 2 || choice == 4 || (separate_ok && choice == kSeparate))) {
+    throw_runtime(str_cat(op, ": plan choice ", choice, " is not one of ", separate_ok ? "-1, " : "", "0, 1, 2, 4"));
+  }
+}
+
 }  // namespace
+
+std::span<const LinearPlanEntry> linear_plan_table() { return kLinearPlanTable; }
+
+int linear_plan_choice(LinearKind kind, int64_t tokens, int64_t in, int64_t out) {
+  for (const LinearPlanEntry& e : kLinearPlanTable) {
+    if (e.kind == kind && e.tokens == tokens && e.in == in && e.out == out) return e.choice;
+  }
+  switch (kind) {
+    case LinearKind::kLinear:
+    case LinearKind::kMulti:
+      return 0;
+    case LinearKind::kNormAdd:
+    case LinearKind::kNormAdd2:
+      return tokens == 1 ? 0 : kSeparate;
+  }
+  return 0;
+}
 
 bool linear_gemv_supported(const Tensor& out, const Tensor& x, const Tensor& weight) {
   return gemv_fits(out, x, weight);
 }
 
 void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  linear_on_path(ctx, out, x, weight, bias, LinearPath::kAuto);
+  const int64_t T = x.dim(0);
+  // The plan: at decode sizes, where the GEMV takes the shape, the table's (or the rule's) choice; cuBLASLt otherwise.
+  const bool gemv_ok = T >= 1 && T <= kLinearGemvAutoMaxTokens && x.dtype() == weight.dtype() &&
+                       out.dtype() == x.dtype() && (!bias || bias.dtype() == x.dtype()) && x.dim(1) > 0 &&
+                       gemv_fits(out, x, weight);
+  const int choice = gemv_ok ? linear_plan_choice(LinearKind::kLinear, T, x.dim(1), weight.dim(0)) : kSeparate;
+  linear_with_choice(ctx, out, x, weight, bias, choice);
 }
 
-void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                    const Tensor& bias, LinearPath path) {
+void linear_with_choice(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+                        const Tensor& bias, int choice) {
   const char* op = "ops::linear";
+  check_choice(op, choice, true);
   require_same_dtype(op, {{"x", &x}, {"out", &out}});
   if (weight.dtype() != x.dtype()) {
     throw_runtime(str_cat(op, ": weight ", weight.describe(), " must have the activation dtype of x ", x.describe(),
@@ -253,10 +237,13 @@ void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x,
   const int64_t T = x.dim(0), in = x.dim(1), n_out = weight.dim(0);
   if (T == 0 || n_out == 0) return;
   if (in == 0) throw_runtime(str_cat(op, ": in_features 0 (x ", x.describe(), ") is not supported on CUDA"));
-  const bool gemv_ok = gemv_fits(out, x, weight);
-  if (path == LinearPath::kGemv && !gemv_ok) {
-    throw_runtime(str_cat(op, ": the GEMV path does not take x ", x.describe(), " @ weight ", weight.describe(),
-                          " (T <= ", gemm::kGemvMaxTokens, ", 16-bit, K % 8 == 0, 16-byte aligned)"));
+  if (choice != kSeparate) {
+    if (!gemv_fits(out, x, weight)) {
+      throw_runtime(str_cat(op, ": the GEMV path does not take x ", x.describe(), " @ weight ", weight.describe(),
+                            " (T <= ", gemm::kGemvMaxTokens, ", 16-bit, K % 8 == 0, 16-byte aligned)"));
+    }
+    run_gemv(ctx, out, x, weight, bias, false, choice);
+    return;
   }
   LtState& st = lt_state();
   const PlanKey key{T,
@@ -268,52 +255,51 @@ void linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x,
                     alignment(x.data()),
                     alignment(out.data()),
                     bias ? alignment(bias.data()) : 256u};
-  const auto run_cublas = [&] {
-    const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
-    if (bias) {
-      const void* b = bias.data();
-      CHIMERA_CUBLAS_CHECK(
-          cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)), op);
-    }
-    const float alpha = 1.0f, beta = 0.0f;
-    CHIMERA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, weight.data(), plan.w, x.data(), plan.x, &beta,
-                                        out.data(), plan.y, out.data(), plan.y, &plan.algo, st.workspace,
-                                        kWorkspaceBytes, as_stream(ctx.stream)),
+  const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
+  if (bias) {
+    const void* b = bias.data();
+    CHIMERA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)),
                          op);
-  };
-
-  // -1: cuBLASLt; 0: the GEMV with its own warps-per-row rule; w > 0: the GEMV at w warps per row.
-  const auto run = [&](int choice) {
-    if (choice < 0) {
-      run_cublas();
-    } else {
-      run_gemv(ctx, out, x, weight, bias, false, choice);
-    }
-  };
-  int choice = path == LinearPath::kGemv ? 0 : -1;
-  if (path == LinearPath::kAuto && gemv_ok && T <= kLinearGemvAutoMaxTokens) {
-    // Which path wins depends on the shape (bench linear_decode on the H200, T = 1, graph: the GEMV 8.7 vs 10.5 us
-    // on the Nano out_proj, 2.3 vs 5.9 on its k/v projections, but 17.7 vs 17.2 on its in_proj), and so does the
-    // GEMV's best split of a row over warps (q_proj 10.2 / 8.9 / 11.2 us at 1 / 2 / 4 warps per row, out_proj 8.7 /
-    // 9.0 / 9.5, Super out_proj 23.9 / 19.7 / 18.9): cuBLASLt and the GEMV at 1, 2 and 4 warps per row, the fastest
-    // kept per shape; inside a capture the GEMV with its own rule.
-    choice = fastest(st.decode_choice, key, ctx.stream, {-1, 1, 2, 4}, 0, run);
   }
-  run(choice);
+  const float alpha = 1.0f, beta = 0.0f;
+  CHIMERA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, weight.data(), plan.w, x.data(), plan.x, &beta,
+                                      out.data(), plan.y, out.data(), plan.y, &plan.algo, st.workspace,
+                                      kWorkspaceBytes, as_stream(ctx.stream)),
+                       op);
 }
+
+namespace {
+// Whether linear_multi's one GEMV launch takes these parts (each a GEMV shape at a decode size); the rows summed.
+bool multi_one_launch(std::span<const Tensor> outs, const Tensor& x, std::span<const Tensor> weights, int64_t& rows) {
+  bool ok = x.dim(0) >= 1 && x.dim(0) <= kLinearGemvAutoMaxTokens && weights.size() <= gemm::kGemvMaxParts;
+  rows = 0;
+  for (size_t i = 0; ok && i < weights.size(); ++i) {
+    ok = weights[i].dtype() == x.dtype() && outs[i].dtype() == x.dtype() && gemv_fits(outs[i], x, weights[i]);
+    rows += weights[i].dim(0);
+  }
+  return ok && rows < (int64_t{1} << 31) / std::max<int64_t>(1, x.dim(1));
+}
+}  // namespace
 
 void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const Tensor& x,
                   std::span<const Tensor> weights) {
   // One GEMV launch for all parts when each of them is a GEMV shape at a decode size; else one linear per part.
-  bool one_launch = x.dim(0) <= kLinearGemvAutoMaxTokens && weights.size() <= gemm::kGemvMaxParts;
   int64_t rows = 0;
-  for (size_t i = 0; one_launch && i < weights.size(); ++i) {
-    one_launch = weights[i].dtype() == x.dtype() && outs[i].dtype() == x.dtype() && gemv_fits(outs[i], x, weights[i]);
-    rows += weights[i].dim(0);
-  }
-  if (!one_launch || x.dim(0) == 0 || rows >= (int64_t{1} << 31) / std::max<int64_t>(1, x.dim(1))) {
+  if (!multi_one_launch(outs, x, weights, rows)) {
     for (size_t i = 0; i < weights.size(); ++i) cuda::linear(ctx, outs[i], x, weights[i], Tensor());
     return;
+  }
+  linear_multi_with_choice(ctx, outs, x, weights, linear_plan_choice(LinearKind::kMulti, x.dim(0), x.dim(1), rows));
+}
+
+void linear_multi_with_choice(const ops::Context& ctx, std::span<const Tensor> outs, const Tensor& x,
+                              std::span<const Tensor> weights, int choice) {
+  const char* op = "ops::linear_multi";
+  check_choice(op, choice, false);
+  int64_t rows = 0;
+  if (!multi_one_launch(outs, x, weights, rows)) {
+    throw_runtime(str_cat(op, ": the one GEMV launch does not take x ", x.describe(), " with ", weights.size(),
+                          " weights (T <= ", kLinearGemvAutoMaxTokens, ", each part a GEMV shape)"));
   }
   gemm::GemvParams p;
   p.x = x.data();
@@ -324,39 +310,19 @@ void linear_multi(const ops::Context& ctx, std::span<const Tensor> outs, const T
   p.T = static_cast<int>(x.dim(0));
   p.K = static_cast<int>(x.dim(1));
   p.N = static_cast<int>(rows);
-  // Warps per row as cuda::linear picks them: the fastest of 1, 2, 4 per shape; inside a capture the GEMV's own rule.
-  const PlanKey key{x.dim(0), x.dim(1), rows, x.dtype(), false, 256u, alignment(x.data()), 256u, 256u};
-  const auto run = [&](int w) {
-    p.warps_per_row = w;
-    gemm::launch_gemv(p, x.dtype(), false, as_stream(ctx.stream));
-  };
-  run(fastest(lt_state().multi_choice, key, ctx.stream, {1, 2, 4}, 0, run));
-}
-
-namespace {
-// residual_norm_linear's one-launch GEMV path (NormFold); CHIMERA_RESIDUAL_NORM_FOLD=0|1|2 sets the default.
-std::atomic<int> g_norm_fold{[] {
-  const char* v = std::getenv("CHIMERA_RESIDUAL_NORM_FOLD");
-  return v == nullptr ? static_cast<int>(NormFold::kAuto) : std::clamp(std::atoi(v), 0, 2);
-}()};
-}  // namespace
-
-NormFold set_residual_norm_fold(NormFold fold) {
-  return static_cast<NormFold>(g_norm_fold.exchange(static_cast<int>(fold)));
+  p.warps_per_row = choice;
+  gemm::launch_gemv(p, x.dtype(), false, as_stream(ctx.stream));
 }
 
 namespace {
 // The norm layout's threads per row when the one-launch path applies to these arguments (16-bit, T <= 2, the norm
 // kernel's layout for the row at kGemvNormVecs vectors per thread within the GEMV's 256 threads, every weight a GEMV
-// shape, ...) and is not turned off; 0 otherwise.
-int fused_norm_threads(const ops::ResidualNorm& rn, std::span<const Tensor> outs, std::span<const Tensor> weights,
-                       const Tensor& bias) {
+// shape, ...) and ctx.kernels allows it; 0 otherwise.
+int fused_norm_threads(const ops::Context& ctx, const ops::ResidualNorm& rn, std::span<const Tensor> outs,
+                       std::span<const Tensor> weights, const Tensor& bias) {
   const DType act = rn.a.dtype();
   const int64_t T = rn.a.dim(0), D = rn.a.dim(1);
-  if (g_norm_fold.load(std::memory_order_relaxed) == static_cast<int>(NormFold::kOff) || T < 1 ||
-      T > kLinearGemvAutoMaxTokens) {
-    return 0;
-  }
+  if (!ctx.kernels.residual_norm_fold || T < 1 || T > kLinearGemvAutoMaxTokens) return 0;
   if ((act != DType::kBF16 && act != DType::kF16) || rn.norm_weight.dtype() != act || D % 8 != 0) return 0;
   for (const Tensor* t : {&rn.residual, &rn.residual_out, &rn.b}) {
     if (*t && t->dtype() != act) return 0;
@@ -379,30 +345,38 @@ int fused_norm_threads(const ops::ResidualNorm& rn, std::span<const Tensor> outs
   const bool fits = weights.size() <= static_cast<size_t>(gemm::kGemvMaxParts) && rows < (int64_t{1} << 31) / D;
   return fits ? threads : 0;
 }
+
+int64_t total_rows(std::span<const Tensor> weights) {
+  int64_t rows = 0;
+  for (const Tensor& w : weights) rows += w.dim(0);
+  return rows;
+}
 }  // namespace
 
-bool residual_norm_linear_fused(const ops::ResidualNorm& rn, std::span<const Tensor> outs,
+bool residual_norm_linear_fused(const ops::Context& ctx, const ops::ResidualNorm& rn, std::span<const Tensor> outs,
                                 std::span<const Tensor> weights, const Tensor& bias) {
-  return fused_norm_threads(rn, outs, weights, bias) > 0;
+  return fused_norm_threads(ctx, rn, outs, weights, bias) > 0;
 }
 
 void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, std::span<const Tensor> outs,
                           std::span<const Tensor> weights, const Tensor& bias) {
+  const bool fused = fused_norm_threads(ctx, rn, outs, weights, bias) > 0;
+  const LinearKind kind = rn.b ? LinearKind::kNormAdd2 : LinearKind::kNormAdd;
+  const int choice = fused ? linear_plan_choice(kind, rn.a.dim(0), rn.a.dim(1), total_rows(weights)) : kSeparate;
+  residual_norm_linear_with_choice(ctx, rn, outs, weights, bias, choice);
+}
+
+void residual_norm_linear_with_choice(const ops::Context& ctx, const ops::ResidualNorm& rn,
+                                      std::span<const Tensor> outs, std::span<const Tensor> weights,
+                                      const Tensor& bias, int choice) {
   const char* op = "ops::residual_norm_linear";
+  check_choice(op, choice, true);
   require_same_dtype(op, {{"a", &rn.a}, {"residual", &rn.residual}, {"residual_out", &rn.residual_out}, {"x", &rn.x}});
   if (rn.b) require_same_dtype(op, {{"a", &rn.a}, {"b", &rn.b}});
   const int64_t T = rn.a.dim(0), D = rn.a.dim(1);
   if (T == 0) return;
   if (D > (int64_t{1} << 30)) throw_runtime(str_cat(op, ": hidden size ", D, " exceeds one row of the norm kernel"));
-  gemm::GemvParams p;
-  const int norm_threads = fused_norm_threads(rn, outs, weights, bias);
-  // -1: the two ops; w >= 0: the one GEMV launch at w warps per row (0: the GEMV's own rule).
-  const auto run = [&](int choice) {
-    if (choice >= 0) {
-      p.warps_per_row = choice;
-      gemm::launch_gemv(p, rn.a.dtype(), false, as_stream(ctx.stream));
-      return;
-    }
+  if (choice == kSeparate) {
     // The two ops: the norm kernel with the residual written out of place, then the dense layer(s).
     const norm::RowNormParams np{rn.x.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual.data(),
                                  rn.norm_weight.data(), T, static_cast<int>(D), 1, rn.eps, rn.residual_out.data()};
@@ -416,30 +390,28 @@ void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, 
     } else {
       cuda::linear_multi(ctx, outs, rn.x, weights);
     }
-  };
-  if (norm_threads == 0) return run(-1);
+    return;
+  }
+  const int norm_threads = fused_norm_threads(ctx, rn, outs, weights, bias);
+  if (norm_threads == 0) {
+    throw_runtime(str_cat(op, ": the one-launch path does not take a ", rn.a.describe(), " with ", weights.size(),
+                          " weights (16-bit, T <= ", kLinearGemvAutoMaxTokens,
+                          ", GEMV shapes, aligned rows, ctx.kernels.residual_norm_fold)"));
+  }
+  // One GEMV launch: every block recomputes the residual step for its rows (bit-identical to the norm kernel).
+  gemm::GemvParams p;
   p.norm = {rn.residual.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual_out.data(),
             rn.norm_weight.data(), rn.eps, norm_threads};
   p.n_parts = static_cast<int>(weights.size());
-  int64_t rows = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     p.parts[i] = {weights[i].data(), i == 0 && bias ? bias.data() : nullptr, outs[i].data(),
                   static_cast<int>(weights[i].dim(0))};
-    rows += weights[i].dim(0);
   }
   p.T = static_cast<int>(T);
   p.K = static_cast<int>(D);
-  p.N = static_cast<int>(rows);
-  const PlanKey key{T, D, rows, rn.a.dtype(), static_cast<bool>(rn.b), 256u, 256u, 256u, bias ? 16u : 256u};
-  // The fastest of the two ops and the one launch at 1, 2, 4 warps per row, timed per shape (every candidate reads
-  // residual, a and b and writes residual_out and the outputs, so the timing runs repeat the real call's results).
-  // Measured (bench norm_linear_decode, graph): the one launch wins at T = 1 (Nano in_proj 18.1 vs 19.6 us, q/k/v
-  // 9.5 vs 12.2) but not on the Nano in_proj at T = 2 (23.1 vs 19.7: cuBLASLt's tensor cores there). Inside a
-  // capture, before any timing, the one launch with the GEMV's own rule.
-  if (g_norm_fold.load(std::memory_order_relaxed) == static_cast<int>(NormFold::kAlways)) {
-    return run(fastest(lt_state().norm_forced_choice, key, ctx.stream, {1, 2, 4}, 0, run));
-  }
-  run(fastest(lt_state().norm_choice, key, ctx.stream, {-1, 1, 2, 4}, 0, run));
+  p.N = static_cast<int>(total_rows(weights));
+  p.warps_per_row = choice;
+  gemm::launch_gemv(p, rn.a.dtype(), false, as_stream(ctx.stream));
 }
 
 // down(relu(up(x))^2): two GEMMs around the in-place relu2 kernel (at decode sizes the up GEMV applies relu^2); the [T, I] intermediate is in the

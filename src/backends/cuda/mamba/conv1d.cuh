@@ -38,19 +38,9 @@ struct Conv1dParams {
   // prefill
   const Conv1dTile* tiles = nullptr;  // [n_tiles] device
   int n_tiles = 0;
-  // Prefill kernel (benchmarks and tests pick; the ops:: adapter leaves 0):
-  //   0 / 1: the tile kernel, a block per (channel block, tile);
-  //   2: the persistent kernel, a resident grid in which each warp keeps one channel group (8 lanes x 16
-  //      bytes) and walks an equal run of consecutive 32- or 16-token units, staged through shared memory
-  //      by cp.async three units deep; left inputs from the previous unit's staged rows (conv1d.cu).
-  int prefill_kernel = 0;
   // The tile list may be read before pdl_wait() (launch.cuh): host-built metadata copied to the device before the
   // launch, which no kernel writes (the ops:: adapter sets it).
   bool tiles_before_wait = false;
-  int prefill_persist_rows = 0;  // persistent kernel: tokens per time lane, 8 (32-token units) or 4; 0 = 8
-  // Persistent kernel: time runs per channel group. 0 = as many as the resident warps allow; > 0 caps it
-  // (tests: a few warps walking long runs). The launcher passes the kernel its final value here.
-  int persist_chunks = 0;
   // update
   const int32_t* slots = nullptr;  // [batch] device; slot < 0: row skipped
   int batch = 0;
@@ -58,9 +48,6 @@ struct Conv1dParams {
   // writes (ops::Indices: host values, or a device copy of them made before the step), so the ops:: adapter sets
   // it. Saves the slot look-up's round trip on the path slot -> state address -> state loads.
   bool slots_before_wait = false;
-  // Update kernel shape (benchmarks and tests): rows per thread (1, 2, 4) and threads per block (32, 64,
-  // 128); 0 = the automatic rule (conv1d_update.cu). The math per row is the same for every shape.
-  int update_rows = 0, update_threads = 0;
 };
 
 // Tiles of a packed batch: every non-pad, non-empty sequence cut into kConv1dTileRows-token tiles.

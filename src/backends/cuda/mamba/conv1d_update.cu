@@ -1,6 +1,6 @@
 // causal_conv1d_update: one new token per slot (decode), conv1d.cuh for the math.
 //   x, out [batch, C] act dtype; conv_state [num_slots, C, K-1] state dtype, shifted left by one in place.
-// Fast kernel: a thread per (R rows, E = 16 / sizeof(act) channels; R = 1 unless forced, see below). The taps
+// Fast kernel: a thread per (R = 1 row, E = 16 / sizeof(act) channels). The taps
 // go out first, once for all R rows (16-byte vectors when they are in the activation dtype; constant weights,
 // so under PDL they load while the previous kernel drains), then the R slot ids and the R 16-byte x loads (x
 // does not depend on the slot), then the E * (K-1) state elements of each row (contiguous: 16- or 8-byte
@@ -21,14 +21,10 @@ using mamba::store_elem;
 
 constexpr int kThreads = 128;
 
-// Rows per thread: 1 unless forced. Measured on the H200 (graph timing, Super C = 10240, bf16; bench/mamba_notes.md
-// Run 3): batch 64 one row x 128 threads 0.520 of the copy floor, 4 rows x 32 / 64 threads 0.523 / 0.543, 2 rows
-// 0.50; batch 256 one row 0.774-0.776, 2 rows 0.76, 4 rows 0.64-0.65 (the former rule: 4 rows, or 2 when the state
-// is wider than the activations, from 4 blocks per SM). At decode sizes more, smaller blocks beat loading each tap
-// vector once per several rows. The math per row is the same code, so results are identical for every R.
-// Benchmarks and tests may force the rows (1, 2, 4) and the block size (32, 64, 128 threads).
+// Rows per thread R: 1. At decode sizes more, smaller blocks (one row, 128 threads) keep more state loads in flight
+// than loading each tap vector once for several rows; the kernel keeps R as a template parameter (same math per row).
 
-// grid (ceil(C / (E * blockDim.x)), ceil(batch / R)), blockDim.x <= kThreads (32, 64 or 128).
+// grid (ceil(C / (E * kThreads)), ceil(batch / R)), kThreads threads.
 template <typename T, typename S, int K, int R>
 __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Conv1dParams p) {
   constexpr int E = 16 / static_cast<int>(sizeof(T));
@@ -123,27 +119,9 @@ void launch_k(const Conv1dParams& p, cudaStream_t stream) {
       q.taps_vec = mamba::aligned16(p.weight) && p.weight_dtype == p.act &&
                    (p.bias == nullptr || (mamba::aligned16(p.bias) && p.bias_dtype == p.act));
       CHIMERA_DISPATCH_FLOAT(p.state_dtype, "ops::causal_conv1d_update conv_state", S, {
-        const int threads = p.update_threads != 0 ? p.update_threads : kThreads;
-        if (threads != 32 && threads != 64 && threads != 128) {
-          throw_runtime(
-              str_cat("ops::causal_conv1d_update: update_threads ", threads, " is not supported (0, 32, 64, 128)"));
-        }
-        const int64_t chan_blocks = ceil_div(p.C, E * threads);
-        const int rows = p.update_rows != 0 ? p.update_rows : 1;
-        const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(ceil_div(p.batch, rows)));
-        switch (rows) {
-          case 1:
-            launch(causal_conv1d_update_kernel<T, S, K, 1>, grid, dim3(threads), 0, stream, q);
-            break;
-          case 2:
-            launch(causal_conv1d_update_kernel<T, S, K, 2>, grid, dim3(threads), 0, stream, q);
-            break;
-          case 4:
-            launch(causal_conv1d_update_kernel<T, S, K, 4>, grid, dim3(threads), 0, stream, q);
-            break;
-          default:
-            throw_runtime(str_cat("ops::causal_conv1d_update: update_rows ", rows, " is not supported (0, 1, 2, 4)"));
-        }
+        const int64_t chan_blocks = ceil_div(p.C, E * kThreads);
+        const dim3 grid(static_cast<unsigned>(chan_blocks), static_cast<unsigned>(p.batch));
+        launch(causal_conv1d_update_kernel<T, S, K, 1>, grid, dim3(kThreads), 0, stream, q);
       });
     } else {
       const dim3 grid(static_cast<unsigned>(ceil_div(p.C, kThreads)), static_cast<unsigned>(p.batch));

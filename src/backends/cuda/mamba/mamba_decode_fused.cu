@@ -103,12 +103,8 @@ void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tenso
   const cudaStream_t stream = as_stream(ctx.stream);
   p.slots = device_indices(slots, stream, 0);
   // A host slot list goes up by a copy right before the kernel: a full dependency, so the states are settled anyway.
-  // CHIMERA_MAMBA_PREFETCH=0 turns the early loads off (A/B runs of the whole engine; same results).
-  static const bool prefetch_allowed = [] {
-    const char* v = std::getenv("CHIMERA_MAMBA_PREFETCH");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
-  p.states_before_wait = prefetch_states && prefetch_allowed;
+  // ctx.kernels.mamba_prefetch_states off keeps the loads after the wait (same results).
+  p.states_before_wait = prefetch_states && ctx.kernels.mamba_prefetch_states;
   launch_mamba_decode_fused(p, stream);
 }
 

@@ -45,6 +45,7 @@ void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tens
   p.P = static_cast<int>(x.dim(2));
   p.G = static_cast<int>(B.dim(1));
   p.N = static_cast<int>(B.dim(2));
+  p.auto_dynamic = ctx.kernels.ssu_dynamic_split;
   if (p.batch == 0) return;
   p.slots = device_indices(slots, stream, 0);
   p.dst_slots = dst_slots.empty() ? nullptr : device_indices(dst_slots, stream, 1);  // nullptr: in place

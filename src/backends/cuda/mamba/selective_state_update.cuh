@@ -20,9 +20,7 @@ namespace chimera::cuda {
 //     issues the next unit's state loads before the current unit's math and stores (double-buffered in
 //     registers), so a warp always has a unit of state in flight and no block launches, slot look-ups or
 //     per-block prologues sit between the loads.
-//   kPersistentAsync: the same walk with the state staged global -> shared by cp.async, three stages a warp
-//     (two units in flight during the math, no registers held by data in flight).
-enum class SsuKernel : int8_t { kAuto, kGrid, kPersistent, kPersistentAsync };
+enum class SsuKernel : int8_t { kAuto, kGrid, kPersistent };
 
 // kPersistent only: how the units are split over the warps (same bits: each unit is computed alike).
 //   kEqualWarps: the fewest rounds, then as few warps as fill them (every warp the same unit count, but some SMs
@@ -30,9 +28,8 @@ enum class SsuKernel : int8_t { kAuto, kGrid, kPersistent, kPersistentAsync };
 //   kDynamic: every resident slot; warps take chunks of dynamic_chunk units from a device counter (finish within
 //     one chunk of each other whatever their speed). The counter is reset by the last warp; one counter pair per
 //     host thread (dynamic_slot), so the calls of one host thread must be stream-ordered (as ops on one stream
-//     are). kAuto takes it (chunks of 4) from batch 64 at N = 128 with an f32 or bf16 state: measured +4 to +7
-//     points of the copy floor (docs/perf.md). Other splits measured (branch ssu6): state access hints, store
-//     orders, a full static grid, fewer blocks per SM; none better.
+//     are). kAuto takes it (chunks of 4) from batch 64 at N = 128 with an f32 or bf16 state, where warps of one
+//     SM run at different speeds and a static split leaves the slowest warp's run on the critical path.
 enum class SsuSplit : int8_t { kEqualWarps, kDynamic };
 
 struct SsuParams {
@@ -60,13 +57,11 @@ struct SsuParams {
   // Rows of P per warp in the fast kernel: 0 picks by occupancy (FlashInfer's dim tiling for small batches);
   // 4, 8 or 16 force one (benchmarks).
   int rows_per_warp = 0;
-  // Plain loads / stores of the state instead of the cache-streaming ones (benchmarks; grid kernel only).
-  bool plain_state_access = false;
-  // kAuto: the persistent kernel from batch 64, the grid kernel below (measured: bench/mamba_notes.md).
+  // kAuto: the persistent kernel from batch 64, the grid kernel below.
   SsuKernel kernel = SsuKernel::kAuto;
-  // Persistent kernels: bytes of state per warp unit (rows = unit_bytes / (N * sizeof(state))): 0 = 4096,
-  // or 2048 (more resident warps, half the registers / shared memory each).
-  int unit_bytes = 0;
+  // kAuto at N = 128 with an f32 or bf16 state: the persistent kernel's dynamic split in chunks of 4 units
+  // (ops::KernelConfig::ssu_dynamic_split); false keeps the equal static split. Same bits.
+  bool auto_dynamic = true;
   // Persistent kernels: 0 = the resident warps; > 0 caps the warps (tests: long runs at small sizes).
   int persist_warps = 0;
   // kPersistent only: the work split (SsuSplit above).

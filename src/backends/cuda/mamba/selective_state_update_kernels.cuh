@@ -1,7 +1,7 @@
 // Kernels of the selective state update (see selective_state_update.cuh for the math), templated on the
 // state element type S; included by the per-dtype instantiation files only.
 //
-// Fast kernel (FlashInfer's "simple" SSU kernel design, with its dim-tiled grid for small batches):
+// Fast kernel (the seed's "simple" kernel, 6.4.1, with its dim-tiled grid for small batches):
 //   grid (ceil(P / rows_per_block), H, batch), 4 warps (heads of one slot are adjacent in memory, so blocks
 //   dispatched together stream through contiguous state). A state row S[p, :] is N contiguous elements; a group
 //   of kLanesPerRow lanes covers one row with 16-byte vectors (fp32 N=128: 32 lanes x 4 floats; bf16 N=128:
@@ -9,21 +9,19 @@
 //   their state loads before the first use (kRowsPerWarp / kRowsPerPass independent 16-byte loads in flight
 //   per lane), then updates, writes back (streaming stores: the state is touched once per step) and reduces
 //   y over the row's lanes with xor shuffles. dt, dA and D are per-head scalars; B, C come from L1/L2.
-//   Rows per warp: about 2 KB of state per warp (fp32 N=128: 4 rows, bf16: 8; measured best on the H200 at
-//   batch 64 and 256, see bench/mamba_notes.md), halved while the grid would leave SMs idle (FlashInfer's
+//   Rows per warp: about 2 KB of state per warp (fp32 N=128: 4 rows, bf16: 8: enough loads in flight per warp at
+//   batch 64 and 256 without spilling), halved while the grid would leave SMs idle (FlashInfer's
 //   dim-tiling rule: tile when there are fewer than 2 blocks per SM).
 // Persistent kernel (SsuKernel::kPersistent): the same lane mapping and math (identical bits), but a resident
 //   grid (occupancy x SMs, 4 warps a block) in which warp w walks the contiguous run of units
 //   [w * U / W, (w + 1) * U / W) of the U = batch * H * ceil(P / kUnitRows) units (sequence, head, row tile),
-//   tile fastest. A unit is kUnitRows = unit_bytes / (N * sizeof(S)) rows: 4 KB of state (bf16 N = 128: 16
+//   tile fastest. A unit is kUnitRows = 4096 / (N * sizeof(S)) rows: 4 KB of state (bf16 N = 128: 16
 //   rows, 128 bytes a lane). Two register buffers: the next unit's state loads (and its x, dt_raw) are issued
 //   before the current unit's update, stores and reduction, so every warp keeps a unit of loads in flight
 //   (16 warps / SM x 4 KB = 64 KB+ per SM) across the whole step: no per-block launch, slot look-up or
 //   prologue between the loads, and one tail for the grid instead of one per block. Consecutive units of a
 //   warp share the sequence (slot looked up once per sequence), mostly the head (dt, dA recomputed when it
 //   changes) and the group (B, C reloaded when it changes: every H / G * P / kUnitRows units).
-// cp.async-staged persistent kernel (SsuKernel::kPersistentAsync): the same walk and math, the state staged
-//   through shared memory three units deep instead of a register double buffer (see its section below).
 // Portable kernel: any P, N, alignment: a warp per row, lanes stride over N.
 // Out of place (SsuParams::dst_slots): every kernel reads slot slots[b] and stores to slot dst_slots[b] instead, with
 // the same math (same bits); the fast kernels are instantiated per mode (kOop), the portable one picks at run time.
@@ -89,7 +87,7 @@ __device__ __forceinline__ HeadScalars head_scalars(const SsuParams& p, const He
 // source slot. The fast kernels take kOop as a template parameter (the launchers pick on dst_slots), so the in-place
 // kernels are the code they were (same registers) and the out-of-place ones carry no branch on the pointer. The
 // persistent kernels read it per unit just before the stores (a cached line: consecutive units share the sequence);
-// reading it at issue time into the unit's registers spilled more (ptxas -v, branch ssu9).
+// reading it at issue time into the unit's registers spilled more (ptxas -v).
 template <bool kOop>
 __device__ __forceinline__ int dst_slot(const SsuParams& p, int b, int slot) {
   if constexpr (kOop) {
@@ -122,9 +120,9 @@ __device__ __forceinline__ float reduce_row(float acc) {
 }
 
 // state: [num_slots, H, P, N] S; see the file comment for the mapping.
-// kStream: cache-streaming hints on the state loads and stores (default; the plain variant is a benchmark).
+// The state loads and stores carry cache-streaming hints (each state byte is touched once per step).
 // kOop: the new state goes to slot dst_slots[b] (dst_slot above).
-template <typename S, int N, int kRowsPerWarp, bool kStream, bool kOop>
+template <typename S, int N, int kRowsPerWarp, bool kOop>
 __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) {
   using L = Layout<S, N>;
   static_assert(kRowsPerWarp % L::kRowsPerPass == 0, "rows per warp must be whole passes");
@@ -150,7 +148,7 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
 #pragma unroll
     for (int v = 0; v < L::kVecsPerLane; ++v) {
       if (row < p.P) {
-        st[i][v].template load<kStream>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        st[i][v].template load<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       } else {
         st[i][v].zero();
       }
@@ -189,7 +187,7 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
     for (int v = 0; v < L::kVecsPerLane; ++v) {
       update_state_vec<L>(st[i][v], v, hs.dA, dtx, Bv, Cv, acc);
       if (row < p.P) {
-        st[i][v].template store<kStream>(dst + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
+        st[i][v].template store<true>(dst + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       }
     }
     acc = reduce_row<L>(acc);
@@ -199,19 +197,14 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
 
 template <typename S, int N, int kRowsPerWarp, bool kOop>
 __global__ void __launch_bounds__(kThreads) selective_state_update_kernel(const SsuParams p) {
-  if (p.plain_state_access) {
-    selective_state_update_body<S, N, kRowsPerWarp, false, kOop>(p);
-  } else {
-    selective_state_update_body<S, N, kRowsPerWarp, true, kOop>(p);
-  }
+  selective_state_update_body<S, N, kRowsPerWarp, kOop>(p);
 }
 
 // ---- persistent kernel ----------------------------------------------------------------------------
 // Resident blocks per SM the persistent kernel is compiled for (registers: two buffers of 128 bytes of state
-// a lane at 4 KB units, 64 at 2 KB units, plus B, C at the lane's columns and the unit bookkeeping):
-// 4 KB units: 16 warps / SM (128 registers); 2 KB units: 20 warps / SM (102 registers).
-template <int kUnitBytes>
-constexpr int kPersistMinBlocks = kUnitBytes >= 4096 ? 4 : 5;
+// a lane, plus B, C at the lane's columns and the unit bookkeeping): 16 warps / SM (128 registers).
+inline constexpr int kPersistUnitBytes = 4096;
+inline constexpr int kPersistMinBlocks = 4;
 
 // One unit in flight: where it is and what was loaded for it (state, this lane's x, the head's dt_raw).
 template <typename S, int N, int kUnitRows>
@@ -225,7 +218,7 @@ struct PersistUnit {
 };
 
 // Unit u of a persistent walk: sequence b, head h, first row row0 and the state slot; the slot id is read once per
-// sequence (slot_b / slot_id carry the last lookup). U: PersistUnit or AsyncUnit.
+// sequence (slot_b / slot_id carry the last lookup).
 template <int kUnitRows, typename U>
 __device__ __forceinline__ void locate_unit(const SsuParams& p, int u, int tiles, int& slot_b, int& slot_id, U& un) {
   const int bh = u / tiles;
@@ -240,7 +233,7 @@ __device__ __forceinline__ void locate_unit(const SsuParams& p, int u, int tiles
 }
 
 // The rest of a unit's loads, issued after its state's: this lane's x (row row0 + lane % kUnitRows, 0 past P) and
-// the head's dt_raw. U: PersistUnit or AsyncUnit.
+// the head's dt_raw.
 template <int kUnitRows, typename U>
 __device__ __forceinline__ void load_unit_x_dt(const SsuParams& p, int lane, U& un) {
   const int64_t bh_i = static_cast<int64_t>(un.b) * p.H + un.h;
@@ -427,130 +420,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
   }
 }
 
-// ---- persistent kernel, cp.async-staged (SsuKernel::kPersistentAsync) ----------------------------------
-// The persistent kernel's walk, units and math (identical bits), but a unit's state goes global -> shared with
-// cp.async (16 bytes a lane a vector, zero-filled past P), kAsyncStages = 3 stages a warp: units u+1 and u+2
-// are in flight while u computes, and no registers are held by data in flight (the register kernel holds one
-// unit in flight in 64 registers). Each lane reads back only the vectors it copied, so its own
-// cp.async.wait_group is the only synchronisation. The loop is unrolled by the stage count so each unit's
-// bookkeeping (slot, head, row, x, dt_raw) stays in registers. Stores go from registers (streaming).
-constexpr int kAsyncStages = 3;
-
-using mamba::cp_async16;
-using mamba::cp_async_commit;
-using mamba::cp_async_wait;
-
-template <int kUnitBytes>
-constexpr int kAsyncMinBlocks = kUnitBytes >= 4096 ? 4 : 6;  // 4 KB: shared memory allows 4 blocks (48 KB each)
-
-struct AsyncUnit {
-  int b, h, row0, slot;  // slot < 0: a pad sequence, nothing copied or stored
-  float x, dt_raw;
-};
-
-template <typename S, int N, int kUnitRows, bool kOop>
-__global__ void __launch_bounds__(kThreads, kAsyncMinBlocks<kUnitRows * N * static_cast<int>(sizeof(S))>)
-    selective_state_update_async_kernel(const SsuParams p) {
-  using L = Layout<S, N>;
-  constexpr int kPasses = kUnitRows / L::kRowsPerPass;
-  constexpr int kVecs = kPasses * L::kVecsPerLane;  // 16-byte vectors a lane per unit
-  constexpr int kE = L::kElemsPerLane;
-  static_assert(kUnitRows % L::kRowsPerPass == 0 && kUnitRows <= 32, "a unit is whole passes, <= 32 rows");
-  extern __shared__ uint4 s_state[];  // [kAsyncStages][kWarps][kVecs][32 lanes]
-  pdl_wait();  // PDL: slots, dt_raw, x, B, C and the state are step data
-  pdl_trigger();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int seg = lane % L::kLanesPerRow, sub = lane / L::kLanesPerRow;
-  const int tiles = (p.P + kUnitRows - 1) / kUnitRows;
-  const int64_t units = static_cast<int64_t>(p.batch) * p.H * tiles;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const int u_begin = static_cast<int>(w * units / warps), u_end = static_cast<int>((w + 1) * units / warps);
-  const int heads_per_group = p.H / p.G;
-  auto vec_at = [&](int stage, int k) -> uint4* { return s_state + ((stage * kWarps + warp) * kVecs + k) * 32 + lane; };
-
-  int slot_b = -1, slot_id = -1;
-  auto issue = [&](AsyncUnit& un, int u, int stage) {
-    locate_unit<kUnitRows>(p, u, tiles, slot_b, slot_id, un);
-    if (un.slot < 0) return;
-    const S* state = static_cast<const S*>(p.state) + (static_cast<int64_t>(un.slot) * p.H + un.h) * p.P * N;
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int row = un.row0 + i * L::kRowsPerPass + sub;
-#pragma unroll
-      for (int v = 0; v < L::kVecsPerLane; ++v) {
-        const bool ok = row < p.P;
-        cp_async16(vec_at(stage, i * L::kVecsPerLane + v),
-                   ok ? static_cast<const void*>(state + static_cast<int64_t>(row) * N +
-                                                 (v * L::kLanesPerRow + seg) * L::kVecElems)
-                      : p.state,
-                   ok);
-      }
-    }
-    load_unit_x_dt<kUnitRows>(p, lane, un);
-  };
-
-  int hs_key = -1, bc_key = -1;
-  HeadScalars hs{0.0f, 0.0f, 0.0f};
-  float Bv[kE], Cv[kE];
-#pragma unroll
-  for (int e = 0; e < kE; ++e) Bv[e] = Cv[e] = 0.0f;
-  auto process = [&](const AsyncUnit& un, int stage) {
-    if (un.slot < 0) return;
-    const int bh_i = un.b * p.H + un.h;
-    refresh_unit_inputs<L, N>(p, un.b, un.h, un.dt_raw, heads_per_group, seg, hs_key, hs, bc_key, Bv, Cv);
-    const int dst_id = dst_slot<kOop>(p, un.b, un.slot);
-    S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(dst_id) * p.H + un.h) * p.P * N;
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int row = un.row0 + i * L::kRowsPerPass + sub;
-      const float xv = __shfl_sync(0xffffffffu, un.x, i * L::kRowsPerPass + sub);
-      const float dtx = hs.dt * xv;
-      float acc = 0.0f;
-#pragma unroll
-      for (int v = 0; v < L::kVecsPerLane; ++v) {
-        Pack<S, L::kVecElems> st;
-        const uint4 raw = *vec_at(stage, i * L::kVecsPerLane + v);
-        st.w[0] = raw.x, st.w[1] = raw.y, st.w[2] = raw.z, st.w[3] = raw.w;
-        update_state_vec<L>(st, v, hs.dA, dtx, Bv, Cv, acc);
-        if (row < p.P) {
-          st.template store<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
-        }
-      }
-      acc = reduce_row<L>(acc);
-      if (seg == 0 && row < p.P) store_elem(p.y, p.act, static_cast<int64_t>(bh_i) * p.P + row, acc + hs.d_skip * xv);
-    }
-  };
-
-  if (u_begin >= u_end) return;
-  static_assert(kAsyncStages == 3, "the loop below rotates three units");
-  AsyncUnit m0{}, m1{}, m2{};
-  int u = u_begin;
-  issue(m0, u, 0);
-  cp_async_commit();
-  if (u + 1 < u_end) issue(m1, u + 1, 1);
-  cp_async_commit();
-  // Per unit: copy unit u+2 into the stage unit u-1 used, wait for unit u (all but the two newest groups).
-  while (true) {
-    if (u + 2 < u_end) issue(m2, u + 2, 2);
-    cp_async_commit();
-    cp_async_wait<2>();
-    process(m0, 0);
-    if (++u >= u_end) break;
-    if (u + 2 < u_end) issue(m0, u + 2, 0);
-    cp_async_commit();
-    cp_async_wait<2>();
-    process(m1, 1);
-    if (++u >= u_end) break;
-    if (u + 2 < u_end) issue(m1, u + 2, 1);
-    cp_async_commit();
-    cp_async_wait<2>();
-    process(m2, 2);
-    if (++u >= u_end) break;
-  }
-  cp_async_wait<0>();
-}
-
 // SsuSplit::kEqualWarps: the fewest rounds, then as few warps as fill them, so every warp walks the same number
 // of units (the last ones maybe one fewer). kDynamic: every resident slot (the kernel hands out chunks).
 template <typename Kernel>
@@ -572,22 +441,10 @@ void launch_persistent_grid(Kernel* kernel, int per_sm, int64_t units, size_t sm
   launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p);
 }
 
-template <typename S, int N, int kUnitBytes, bool kOop>
-void launch_async_bytes(const SsuParams& p, cudaStream_t stream) {
-  constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
-  constexpr size_t smem = size_t{kAsyncStages} * kWarps * kUnitBytes;
-  auto* kernel = selective_state_update_async_kernel<S, N, kRows, kOop>;
-  // The opt-in above 48 KB is per device: set it on every launch (a cheap host call), occupancy once.
-  set_max_dynamic_smem(kernel, smem, "ops::selective_state_update (async)");
-  static const int per_sm =
-      mamba::resident_blocks_per_sm(kernel, kThreads, smem, "ops::selective_state_update (occupancy)");
-  launch_persistent_grid(kernel, per_sm, static_cast<int64_t>(p.batch) * p.H * ceil_div(p.P, kRows), smem, p, stream);
-}
-
 template <typename S, int N, int kUnitBytes, bool kDynamic, bool kOop>
 void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
   constexpr int kRows = kUnitBytes / (N * static_cast<int>(sizeof(S)));
-  constexpr int kMinBlocks = kPersistMinBlocks<kUnitBytes>;
+  constexpr int kMinBlocks = kPersistMinBlocks;
   auto* kernel = selective_state_update_persistent_kernel<S, N, kRows, kMinBlocks, kDynamic, kOop>;
   static const int per_sm =
       mamba::resident_blocks_per_sm(kernel, kThreads, 0, "ops::selective_state_update (occupancy)");
@@ -596,7 +453,6 @@ void launch_persistent_bytes(const SsuParams& p, cudaStream_t stream) {
 
 template <typename S, int N, int kUnitBytes, bool kOop>
 void launch_persistent_oop(const SsuParams& p, cudaStream_t stream) {
-  if (p.kernel == SsuKernel::kPersistentAsync) return launch_async_bytes<S, N, kUnitBytes, kOop>(p, stream);
   if (p.split == SsuSplit::kDynamic) return launch_persistent_bytes<S, N, kUnitBytes, true, kOop>(p, stream);
   launch_persistent_bytes<S, N, kUnitBytes, false, kOop>(p, stream);
 }
@@ -609,19 +465,7 @@ void launch_persistent_unit(const SsuParams& p, cudaStream_t stream) {
 
 template <typename S, int N>
 void launch_persistent(const SsuParams& p, cudaStream_t stream) {
-  if (p.kernel == SsuKernel::kPersistentAsync && p.split == SsuSplit::kDynamic) {
-    throw_runtime("ops::selective_state_update: SsuSplit::kDynamic is a kPersistent split only");
-  }
-  switch (p.unit_bytes) {
-    case 0:
-    case 4096:
-      return launch_persistent_unit<S, N, 4096>(p, stream);
-    case 2048:
-      return launch_persistent_unit<S, N, 2048>(p, stream);
-    default:
-      throw_runtime(
-          str_cat("ops::selective_state_update: unit_bytes ", p.unit_bytes, " is not supported (0, 2048, 4096)"));
-  }
+  launch_persistent_unit<S, N, kPersistUnitBytes>(p, stream);
 }
 
 // Portable: grid (ceil(P / kWarps), H, batch); warp w of block x handles row x * kWarps + w.
@@ -687,18 +531,6 @@ void launch_fast_rows(const SsuParams& p, cudaStream_t stream) {
 
 }  // namespace ssu
 
-// kAuto's work split for the persistent kernel: the dynamic split in chunks of 4 units where it was measured (graph
-// timing on the H200 at batch 64, N = 128, chimera_bench mamba_ssu_persist_sched, docs/perf.md: fp32 state Super
-// 0.828 -> 0.900, Nano 0.821 -> 0.857 of the copy floor; bf16 state Super 0.791 -> 0.843, Nano 0.781 -> 0.772).
-// CHIMERA_SSU_DYNAMIC=0 keeps the static split (A/B runs).
-inline bool ssu_auto_dynamic() {
-  static const bool on = [] {
-    const char* v = std::getenv("CHIMERA_SSU_DYNAMIC");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
-  return on;
-}
-
 // One counter slot per host thread (launches from one host thread are stream-ordered, as ops on one stream are).
 inline int ssu_dynamic_slot() {
   static std::atomic<int> next{0};
@@ -713,17 +545,17 @@ void launch_selective_state_update_typed(const SsuParams& p, cudaStream_t stream
     throw_runtime(str_cat("ops::selective_state_update: batch ", p.batch, " or heads ", p.H, " exceeds 65535"));
   }
   const bool fast = mamba::aligned16(p.state) && (p.N == 64 || p.N == 128 || p.N == 256);
-  // kAuto: the persistent kernel from batch 64 (graph timing on the H200, bf16 / fp32 state, Super and Nano:
-  // 0.78-0.84 of the copy floor at batch 64 vs 0.70-0.79 for the grid kernel, 0.81-0.87 vs 0.73-0.81 at 256;
-  // bench/mamba_notes.md), with the dynamic split where measured (ssu_auto_dynamic), the grid kernel below.
-  const bool persistent = p.kernel == SsuKernel::kPersistent || p.kernel == SsuKernel::kPersistentAsync ||
+  // kAuto: the persistent kernel from batch 64, where it keeps more state bytes in flight than the grid kernel (a
+  // larger share of the copy floor for both the Nano and Super head counts, bf16 and fp32 states), with the dynamic
+  // split at N = 128 for f32 / bf16 states (SsuParams::auto_dynamic); the grid kernel below batch 64.
+  const bool persistent = p.kernel == SsuKernel::kPersistent ||
                           (p.kernel == SsuKernel::kAuto && p.batch >= 64);
   if (fast && persistent) {
     SsuParams q = p;
     q.dynamic_slot = ssu_dynamic_slot();
-    const bool measured = p.N == 128 && (std::is_same_v<S, float> || std::is_same_v<S, __nv_bfloat16>);
-    if (measured && p.kernel == SsuKernel::kAuto && p.unit_bytes == 0 && p.split == SsuSplit::kEqualWarps &&
-        ssu_auto_dynamic()) {
+    const bool dynamic_shape = p.N == 128 && (std::is_same_v<S, float> || std::is_same_v<S, __nv_bfloat16>);
+    if (dynamic_shape && p.kernel == SsuKernel::kAuto && p.split == SsuSplit::kEqualWarps &&
+        p.auto_dynamic) {
       q.kernel = SsuKernel::kPersistent;
       q.split = SsuSplit::kDynamic;
       q.dynamic_chunk = 4;

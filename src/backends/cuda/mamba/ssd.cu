@@ -100,8 +100,8 @@ Plan make_plan(std::span<const int32_t> cu, std::span<const int32_t> slots, int6
 
 // Superchunk length for the tensor-core path: the largest power of two <= kMaxSuperchunk that keeps at
 // least three (superchunk, head) blocks per multiprocessor (the scan runs one block per multiprocessor).
-// Measured on the H200 (32K tokens, 128 heads), whole op: M = 1, 2, 4, 8 took 5.25, 3.72, 3.17, 2.89 ms with the
-// first state passing kernel; with the current one M = 4, 8, 16 take 2.86, 2.79, 2.72 ms (docs/perf.md).
+// Longer superchunks write fewer intermediate states (1/M of the per-chunk traffic) but give fewer blocks; three per
+// multiprocessor keeps the scan's one-block-per-SM grid full.
 int pick_superchunk(std::span<const int32_t> cu, std::span<const int32_t> slots, int64_t chunk, int64_t H) {
   int64_t n_chunks = 0;
   for (size_t s = 0; s < slots.size(); ++s) {
@@ -124,9 +124,6 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
       dt_bias_(sp.dt_bias.data()), options_(options), stream_(stream) {
   constexpr const char* kOp = "ops::ssd_chunk_scan";
   check_one_dtype(kOp, y, x, dt_raw, B, C);
-  if (options.scan_variant < 0 || options.scan_variant > 2) {
-    throw_runtime(str_cat(kOp, ": SsdOptions::scan_variant ", options.scan_variant, " is not 0, 1 or 2"));
-  }
   a_type_ = param_type(sp.A_log, kOp, "A_log");
   d_type_ = param_type(sp.D, kOp, "D");
   b_type_ = param_type(sp.dt_bias, kOp, "dt_bias");
@@ -136,7 +133,6 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   }
   use_mma_ = !options.portable && x.dtype() != DType::kF32 && P == kSsdMmaHeadDim && N == kSsdMmaStateSize &&
              chunk_size == kSsdMmaChunk && aligned16(x) && aligned16(B) && aligned16(C) && aligned16(y);
-  group_cb_ = use_mma_ && options.group_cb;
   superchunk_ = !use_mma_                ? 1
                 : options.superchunk > 0 ? options.superchunk
                                          : pick_superchunk(cu_seqlens, slots, chunk_size, H);
@@ -159,8 +155,6 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   const size_t w_states = ws.reserve(static_cast<size_t>(plan.n_supers()) * static_cast<size_t>(H * P * N));
   const size_t w_entering = ws.reserve(static_cast<size_t>(plan.n_supers()) * static_cast<size_t>(H * P * N));
   const size_t w_decay = ws.reserve(static_cast<size_t>(plan.n_supers()) * static_cast<size_t>(H));
-  const size_t w_cb =
-      ws.reserve(group_cb_ ? static_cast<size_t>(plan.n_chunks()) * static_cast<size_t>(G) * kSsdCbChunkFloats : 0);
   workspace_ = ws.allocate();
 
   p_.x = x.data();
@@ -192,7 +186,6 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   p_.states = ws.at(w_states);
   p_.entering = ws.at(w_entering);
   p_.decay = ws.at(w_decay);
-  p_.cb = group_cb_ ? ws.at(w_cb) : nullptr;
 }
 
 void SsdRunner::prepare() const {
@@ -203,19 +196,12 @@ void SsdRunner::chunk_cumsum() const {
   CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, { launch_ssd_chunk_cumsum<T>(p_, stream_); });
 }
 
-void SsdRunner::chunk_bmm() const {
-  if (!group_cb_) return;
-  CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, {
-    if constexpr (!std::is_same_v<T, float>) launch_ssd_chunk_bmm_mma<T>(p_, stream_);
-  });
-}
-
 void SsdRunner::chunk_state() const {
   CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, {
     if constexpr (std::is_same_v<T, float>) {
       launch_ssd_chunk_state_portable<T>(p_, stream_);
     } else if (use_mma_) {
-      launch_ssd_chunk_state_mma<T>(p_, options_.state_heads, stream_);
+      launch_ssd_chunk_state_mma<T>(p_, stream_);
     } else {
       launch_ssd_chunk_state_portable<T>(p_, stream_);
     }
@@ -230,12 +216,8 @@ void SsdRunner::chunk_scan() const {
   CHIMERA_DISPATCH_FLOAT(act_, "ops::ssd_chunk_scan x", T, {
     if constexpr (std::is_same_v<T, float>) {
       launch_ssd_chunk_scan_portable<T>(p_, stream_);
-    } else if (group_cb_) {
-      launch_ssd_chunk_scan_group_mma<T>(p_, stream_);
-    } else if (use_mma_ && options_.scan_variant != 0) {
-      launch_ssd_chunk_scan_split_mma<T>(p_, options_.scan_variant == 2, stream_);
     } else if (use_mma_) {
-      launch_ssd_chunk_scan_mma<T>(p_, options_.fused_cb, stream_);
+      launch_ssd_chunk_scan_split_mma<T>(p_, stream_);
     } else {
       launch_ssd_chunk_scan_portable<T>(p_, stream_);
     }
@@ -246,7 +228,6 @@ void SsdRunner::run() const {
   if (empty()) return;
   prepare();
   chunk_cumsum();
-  chunk_bmm();
   chunk_state();
   state_passing();
   chunk_scan();

@@ -1,6 +1,7 @@
 // SSD chunked scan (docs/model.md 3.4) and the plain recurrence (3.3) on CUDA: the params structs and the
 // launchers shared by ssd.cu (the Tensor adapter), ssd_portable.cu (fp32 SIMT kernels, any shape and dtype)
-// and ssd_mma.cu (bf16 / f16 tensor-core kernels for the Nemotron shape P = 64, N = 128, chunk 128).
+// and ssd_mma.cu / ssd_mma_split.cu (bf16 / f16 tensor-core kernels for the Nemotron shape P = 64, N = 128,
+// chunk 128).
 //
 // The prefill runs in five launches over a packed varlen batch whose chunk grid restarts at every sequence:
 //   1. ssd_prepare       A = -exp(A_log), D, dt_bias -> fp32 [H]
@@ -11,11 +12,7 @@
 //   4. state_passing     from ssm_state[slot]: entering[sc] <- the state entering superchunk sc; final -> ssm_state
 //   5. chunk_scan        per superchunk and head, chunk by chunk: y = Y_diag + exp(Acum) C S^T + D x, then the
 //                        state advanced over the chunk (the chunk_state step) for the next chunk.
-// Stage 5 runs with 16 warps per block (SsdOptions::scan_variant = 2, the default, ssd_mma_split.cu); 0 keeps the
-// first kernel's 8 (ssd_mma.cu). Measured on the H200 (docs/perf.md): the op at Super 32K 2077 vs 2702 us.
-// With SsdOptions::group_cb the tensor-core path adds
-//   2b. chunk_bmm        C.B^T once per (chunk, group) (as mamba_ssm's _bmm_chunk_fwd), fp32 -> cb, and the scan
-//                        runs two heads of a group per block on it instead of recomputing C.B^T for every head.
+// Stage 5 runs with 16 warps per block on the tensor-core path (ssd_mma_split.cu).
 // mamba_ssm materialises the state entering every chunk (M = 1); a superchunk of M chunks writes 1/M of
 // that state traffic and pays one extra state step per chunk in the scan. The portable kernels use M = 1.
 #pragma once
@@ -59,7 +56,6 @@ struct SsdParams {
   float* states = nullptr;     // [n_supers, H, P, N]: superchunk end states from a zero start (stage 3)
   float* entering = nullptr;   // [n_supers, H, P, N]: the state entering each superchunk (stage 4)
   float* decay = nullptr;      // [n_supers, H]: prod over the superchunk's chunks of exp(dA_cumsum[last])
-  float* cb = nullptr;         // [n_chunks, G, kSsdCbTiles, 32, 8]: C.B^T (group_cb only; layout in ssd_mma.cu)
 };
 
 // Element types of the fp32 parameter inputs (A_log, D, dt_bias may each be F32, BF16 or F16).
@@ -85,25 +81,15 @@ void launch_ssd_chunk_scan_portable(const SsdParams& p, cudaStream_t stream);
 inline constexpr int kSsdMmaHeadDim = 64;
 inline constexpr int kSsdMmaStateSize = 128;
 inline constexpr int kSsdMmaChunk = 128;
-// heads_per_block 1 or 2: the state pass shares one B tile between that many heads of a group.
-// fused_cb: the scan computes C.B^T and Y_off in one pass over N (more independent mma chains).
-template <typename T>
-void launch_ssd_chunk_state_mma(const SsdParams& p, int heads_per_block, cudaStream_t stream);
-template <typename T>
-void launch_ssd_chunk_scan_mma(const SsdParams& p, bool fused_cb, cudaStream_t stream);
-// The group_cb pair: chunk_bmm writes C.B^T of every chunk and group (the kSsdCbTiles 16 x 16 tiles on or below
-// the diagonal, fp32) to p.cb; the scan reads it, one block per (superchunk, 2 heads of a group).
+// The causal 16 x 16 C.B^T tiles of one chunk (on or below the diagonal), which the scan deals to its warp groups.
 inline constexpr int kSsdCbTiles = (kSsdMmaChunk / 16) * (kSsdMmaChunk / 16 + 1) / 2;  // 36
-inline constexpr int kSsdCbChunkFloats = kSsdCbTiles * 32 * 8;                            // per (chunk, group)
+// The state pass (ssd_mma.cu): two heads of a group per block share one B tile.
 template <typename T>
-void launch_ssd_chunk_bmm_mma(const SsdParams& p, cudaStream_t stream);
+void launch_ssd_chunk_state_mma(const SsdParams& p, cudaStream_t stream);
+// The scan (ssd_mma_split.cu): one block per (superchunk, head), each chunk's output columns, C.B^T tiles and state
+// columns split over 16 warps; y goes through shared memory and out as whole 128-byte rows.
 template <typename T>
-void launch_ssd_chunk_scan_group_mma(const SsdParams& p, cudaStream_t stream);
-// The 16-warp scan (ssd_mma_split.cu): one block per (superchunk, head) as the default scan, each chunk's output
-// columns, C.B^T tiles and state columns split over 16 warps; same bits as launch_ssd_chunk_scan_mma.
-// stage_y: y goes through shared memory and out as whole 128-byte rows.
-template <typename T>
-void launch_ssd_chunk_scan_split_mma(const SsdParams& p, bool stage_y, cudaStream_t stream);
+void launch_ssd_chunk_scan_split_mma(const SsdParams& p, cudaStream_t stream);
 
 // The plain per-token recurrence (docs/model.md 3.3), one block per (sequence, head).
 struct SsmRecurrenceParams {
@@ -127,19 +113,10 @@ void launch_ssm_recurrence(const SsmRecurrenceParams& p, cudaStream_t stream);
 // ---- the host side of one ssd_chunk_scan call -----------------------------------------------------------
 // Plans the chunk grid, uploads it, takes the workspace and runs the stages; cuda::ssd_chunk_scan is
 // SsdRunner(...).run(), and the benchmark times the stages one by one. Inputs are validated by ops::.
-// Tensor-core path variants (the defaults are what ops::ssd_chunk_scan runs; the benchmark compares).
+// Benchmark options (the defaults are what ops::ssd_chunk_scan runs).
 struct SsdOptions {
   int superchunk = 0;       // chunks per superchunk; 0 picks (see ssd.cu)
-  int state_heads = 2;      // heads sharing one block (and one B tile) in chunk_state: 1 or 2
-  bool fused_cb = true;     // chunk_scan computes C.B^T and Y_off in one pass
   bool portable = false;    // force the portable fp32 kernels (the benchmark's cross-check)
-  // C.B^T once per (chunk, group) in its own stage (chunk_bmm) and a scan of 2 heads per block that reads it
-  // (fused_cb then unused). Same bits as the default kernels.
-  bool group_cb = false;
-  // The chunk_scan kernel when group_cb is off: 0 = 8 warps per (superchunk, head) (ssd_mma.cu; fused_cb picks its
-  // C.B^T loop), 1 = 16 warps splitting each chunk's columns and C.B^T tiles (ssd_mma_split.cu; fused_cb unused),
-  // 2 (the default) = 1 with y stored through shared memory as whole 128-byte rows. Same bits.
-  int scan_variant = 2;
 };
 
 class SsdRunner {
@@ -149,11 +126,9 @@ class SsdRunner {
             std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, SsdOptions options = {});
   bool empty() const { return p_.n_chunks == 0; }  // every sequence a pad or empty: nothing to launch
   bool uses_mma() const { return use_mma_; }
-  bool uses_group_cb() const { return group_cb_; }
   int superchunk() const { return superchunk_; }
   void prepare() const;        // stage 1
   void chunk_cumsum() const;   // stage 2
-  void chunk_bmm() const;      // stage 2b (group_cb only; otherwise nothing)
   void chunk_state() const;    // stage 3
   void state_passing() const;  // stage 4 (reads and writes ssm_state)
   void chunk_scan() const;     // stage 5
@@ -168,7 +143,6 @@ class SsdRunner {
   const void* dt_bias_;
   ParamType a_type_, d_type_, b_type_;
   bool use_mma_ = false;
-  bool group_cb_ = false;
   int superchunk_ = 1;
   SsdOptions options_;
   cudaStream_t stream_;

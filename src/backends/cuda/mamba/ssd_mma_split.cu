@@ -1,9 +1,7 @@
-// SSD stage 5 (chunk_scan) with 16 warps per (superchunk, head) instead of the default's 8
-// (SsdOptions::scan_variant = 1, or 2 with y staged through shared memory). Same math, same per-element
-// operation order, hence the same bits as ssd_mma.cu's default scan; what changes is how one chunk's work is
-// split between warps. Not measured on a GPU yet.
+// SSD stage 5 (chunk_scan) on tensor cores: 16 warps per (superchunk, head), y staged through shared memory and
+// stored as whole 128-byte rows.
 //
-// Why: the default scan (8 warps, 245 registers, 195 KB of shared memory) holds one block of 8 warps per SM
+// Why 16 warps: a scan of 8 warps per block (245 registers, 195 KB of shared memory) holds one block per SM
 // and is latency bound (ncu at Super 32K: 2 warps per scheduler, 0.36 eligible, issue slots 28 % busy,
 // tensor pipe ~22 %); its warps are unbalanced (warp w owns output row tile w, so warp 7 does 8 causal C.B^T
 // tiles and warp 0 one: 320 vs 152 mma per chunk) and every warp recomputes the state step's decay weights
@@ -12,23 +10,22 @@
 //     tiles q and 7 - q (9 of the 36 causal 16 x 16 C.B^T tiles for every q: balanced); warp c of it the output
 //     columns p in [16 c, 16 c + 16) of both row tiles, and the state rows p in [16 q, 16 q + 16), columns
 //     n in [32 c, 32 c + 32).
-//   - Y_off (C . S_in^T) and the group's C.B^T tiles share one pass over k = N (as the default's fused_cb).
+//   - Y_off (C . S_in^T) and the group's C.B^T tiles share one pass over k = N.
 //     The 9 C.B^T tiles are 18 n8 halves, dealt round-robin to the group's 4 warps (5, 5, 4, 4); each warp
 //     scales its halves (cb_half_to_a: exp(Acum[l] - Acum[s]) dt[s], causal mask, rounded to T) and leaves
 //     them in shared memory as mma A fragments (`af`), from which all 4 warps read the tiles of their rows.
 //   - The state step's A operand x[s][p] * w[s], w[s] = exp(Acum[last] - Acum[s]) dt[s] rounded to T, is
 //     computed once per element into a shared tile (`xw`) instead of once per warp in registers.
 //   - Two block barriers per chunk: after the copy wait (tiles, sb visible), after the C.B^T exchange.
-//   - Variant 2 writes y into the chunk's C tile (dead by then) and, after a barrier of the 4-warp group, stores
-//     the group's 32 rows as whole 128-byte lines (variant 1: 4 bytes per lane straight from the accumulators).
+//   - y goes into the chunk's C tile (dead by then) and, after a barrier of the 4-warp group, out as the group's
+//     32 rows in whole 128-byte lines.
 // Per warp and chunk: 122 mma (+8 wasted on warps 2, 3 of each group, see the slots below), ~1100 instructions
-// (the default: 236 mma, ~2240 instructions per warp, 8 warps); 125-128 registers, no spills (ptxas -v).
-// Per element every product is the same mma chain as the default's (Y_off over k = N in kk order, times
-// exp(Acum[l]), then the C.B^T tiles j = 0.. in order; the state times exp(Acum[last]) then the chunk's rows
-// in kk order), and every scaling the same fp32 expression (ssd_mma_tiles.cuh), so y and the states match the
-// default bit for bit (test CudaSplitScanSameBitsAsDefault).
+// (an 8-warp split: 236 mma, ~2240 instructions per warp); 125-128 registers, no spills (ptxas -v).
+// Per element every product is one fixed mma chain (Y_off over k = N in kk order, times exp(Acum[l]), then the
+// C.B^T tiles j = 0.. in order; the state times exp(Acum[last]) then the chunk's rows in kk order), and every
+// scaling the same fp32 expression (ssd_mma_tiles.cuh).
 //
-// Shared memory (bf16 / f16, 232448 bytes: the sm_90 per-block maximum, one block per SM as the default):
+// Shared memory (bf16 / f16, 232448 bytes: the sm_90 per-block maximum, one block per SM):
 //   stage[2]  xs [Q, P + 8], bs, cs [Q, N + 8], dt, dA_cumsum [Q]     the chunk tiles, double-buffered
 //   sb [P, N + 8]     the entering state in T (B of Y_off)
 //   xw [Q, P + 8]     x * w in T (A^T of the state step)
@@ -124,7 +121,7 @@ __device__ __forceinline__ void group_sync(int q) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(q + 1), "n"(kGroupThreads) : "memory");
 }
 
-template <typename T, bool kStageY>
+template <typename T>
 __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_kernel(SsdParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<SplitSmem<T>*>(smem_raw);
@@ -291,12 +288,12 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
         xs_j += 16 * kXStride;
       }
     }
-    // + D x, rounded to T: stored straight from the accumulators (4 bytes per lane, 16 of each 32-byte sector),
-    // or with kStageY through this stage's C tile (read by nobody until the copy of chunk ci + 2, issued after
-    // the next chunk's first barrier) so that the group stores its 32 rows as whole 128-byte lines.
+    // + D x, rounded to T, through this stage's C tile (read by nobody until the copy of chunk ci + 2, issued after
+    // the next chunk's first barrier) so that the group stores its 32 rows as whole 128-byte lines (straight from
+    // the accumulators a lane would store 4 bytes, 16 of each 32-byte sector).
     T* yc = y + (static_cast<size_t>(ch.x) * p.H + h) * kP;  // this chunk's first row of head h
     const int y_row = p.H * kP;
-    T* ys = sm.stage[ci & 1].cs;  // kStageY: [Q, P + 8] tile of y
+    T* ys = sm.stage[ci & 1].cs;  // [Q, P + 8] tile of y
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -305,18 +302,12 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int l = (r ? l_hi : l_lo) + half * 8;
-          if (kStageY || l < len) {
-            const uint32_t out = y_plus_dx(acc[r][j][2 * half], acc[r][j][2 * half + 1], d_skip, t.xs, l, pc);
-            if constexpr (kStageY) {
-              *reinterpret_cast<uint32_t*>(&ys[l * kXStride + pc]) = out;
-            } else {
-              *reinterpret_cast<uint32_t*>(&yc[l * y_row + pc]) = out;
-            }
-          }
+          const uint32_t out = y_plus_dx(acc[r][j][2 * half], acc[r][j][2 * half + 1], d_skip, t.xs, l, pc);
+          *reinterpret_cast<uint32_t*>(&ys[l * kXStride + pc]) = out;
         }
       }
     }
-    if constexpr (kStageY) {
+    {
       group_sync(q);  // the group's rows of ys written
       const int i = threadIdx.x % kGroupThreads, v = i % 8;
 #pragma unroll
@@ -356,9 +347,9 @@ __global__ void __launch_bounds__(kSplitThreads, 1) ssd_chunk_scan_split_mma_ker
   }
 }
 
-template <typename T, bool kStageY>
+template <typename T>
 void launch_split(const SsdParams& p, cudaStream_t stream) {
-  launch_with_smem(ssd_chunk_scan_split_mma_kernel<T, kStageY>,
+  launch_with_smem(ssd_chunk_scan_split_mma_kernel<T>,
                    static_cast<unsigned>(p.n_supers) * static_cast<unsigned>(p.H), kSplitThreads, sizeof(SplitSmem<T>),
                    p, stream, "ops::ssd_chunk_scan (chunk_scan split mma)");
 }
@@ -366,15 +357,11 @@ void launch_split(const SsdParams& p, cudaStream_t stream) {
 }  // namespace
 
 template <typename T>
-void launch_ssd_chunk_scan_split_mma(const SsdParams& p, bool stage_y, cudaStream_t stream) {
-  if (stage_y) {
-    launch_split<T, true>(p, stream);
-  } else {
-    launch_split<T, false>(p, stream);
-  }
+void launch_ssd_chunk_scan_split_mma(const SsdParams& p, cudaStream_t stream) {
+  launch_split<T>(p, stream);
 }
 
-template void launch_ssd_chunk_scan_split_mma<__nv_bfloat16>(const SsdParams&, bool, cudaStream_t);
-template void launch_ssd_chunk_scan_split_mma<__half>(const SsdParams&, bool, cudaStream_t);
+template void launch_ssd_chunk_scan_split_mma<__nv_bfloat16>(const SsdParams&, cudaStream_t);
+template void launch_ssd_chunk_scan_split_mma<__half>(const SsdParams&, cudaStream_t);
 
 }  // namespace chimera::cuda

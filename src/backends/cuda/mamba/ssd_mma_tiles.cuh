@@ -1,5 +1,4 @@
-// The pieces the tensor-core SSD kernels share (ssd_mma.cu: chunk_state, the default chunk_scan, group_cb;
-// ssd_mma_split.cu: the 16-warp chunk_scan): tile shapes, shared-memory chunk tiles and their cp.async loaders,
+// The pieces the tensor-core SSD kernels share (ssd_mma.cu: chunk_state; ssd_mma_split.cu: chunk_scan): tile shapes, shared-memory chunk tiles and their cp.async loaders,
 // ldmatrix wrappers, fragment lane roles, the C.B^T -> A fragment conversion, the accumulator steps the scans
 // share (Y_off's row decay, the state rounded into sb, y + D x) and the launch. Every kernel that includes this
 // computes its per-element values with these same functions, which is what keeps their results bit-identical.

@@ -3,8 +3,8 @@
 // on the device; the grids are sized by an upper bound and surplus blocks exit at once).
 //
 // At decode sizes on the GEMV path the permutation runs inside the up launch (moe_kernels.h, GemvFold): router + up +
-// down + combine per MoE layer. The combine can also run inside the down launch (set_gemv_fold(2)); measured slower.
-// With that fold the down launch's routed units start streaming before its pdl_wait() (GemvFold::early_routed).
+// down + combine per MoE layer. With that fold the down launch's routed units start streaming before its pdl_wait()
+// (GemvFold::early_routed). The folds and early starts are switches of ctx.kernels (ops/kernel_config.h).
 //
 // With the layer's shared expert (ops::moe_experts_shared) on the GEMV path: its up and down run as extra units of
 // the two GEMV launches (grouped_gemv.cu), so a decode MoE layer is router + 4 launches instead of router + 4 + 3
@@ -97,51 +97,7 @@ const char* path_name(moe::ExpertsPath path) {
   }
 }
 
-// 0: permute and combine launched; 1 (default): the permutation folded into the up launch; 2: also the combine
-// folded into the down launch. CHIMERA_MOE_GEMV_FOLD=0|1|2 sets the default (A/B runs of the whole engine).
-std::atomic<int> g_gemv_fold{[] {
-  const char* v = std::getenv("CHIMERA_MOE_GEMV_FOLD");
-  return v == nullptr ? 1 : std::clamp(std::atoi(v), 0, 2);
-}()};
-bool gemv_fold_enabled() { return g_gemv_fold.load(std::memory_order_relaxed) >= 1; }
-bool gemv_fold_combine_enabled() { return g_gemv_fold.load(std::memory_order_relaxed) >= 2; }
-
-// The shared expert's up units before the up launch's pdl_wait(), overlapping the router (GemvShared::before_wait).
-// CHIMERA_MOE_EARLY_SHARED=0 turns it off (A/B runs of the whole engine); results are the same bits either way.
-std::atomic<bool> g_early_shared{[] {
-  const char* v = std::getenv("CHIMERA_MOE_EARLY_SHARED");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
-
-// With the permutation folded into the up launch: the down launch's blocks whose first unit is routed rebuild the
-// work list from topk_ids (two launches back) and issue that unit's first weight loads before their pdl_wait()
-// (GemvFold::early_routed). CHIMERA_MOE_DOWN_EARLY=0 turns it off (A/B runs of the whole engine); results are the
-// same bits either way.
-std::atomic<bool> g_down_early{[] {
-  const char* v = std::getenv("CHIMERA_MOE_DOWN_EARLY");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
-
-// Whether kAuto takes the CUTLASS path from kCutlassMinTokens tokens (when built). CHIMERA_MOE_CUTLASS=0 turns it off
-// (A/B runs of the whole engine; the same bits as the mma path in every measured case).
-std::atomic<bool> g_cutlass_auto{[] {
-  const char* v = std::getenv("CHIMERA_MOE_CUTLASS");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
-
-// The CUTLASS path's tokens per tile: 0 automatic (set_cutlass_tile_n), 64 or 128 forced.
-std::atomic<int> g_cutlass_tile_n{[] {
-  const char* v = std::getenv("CHIMERA_MOE_CUTLASS_TILE_N");
-  return v == nullptr ? 0 : std::atoi(v);
-}()};
-
 }  // namespace
-
-int moe::set_cutlass_tile_n(int tile_n) {
-  return g_cutlass_tile_n.exchange(tile_n, std::memory_order_relaxed);
-}
-
-bool moe::set_cutlass_auto(bool on) { return g_cutlass_auto.exchange(on, std::memory_order_relaxed); }
 
 bool moe::cutlass_built() {
 #ifdef CHIMERA_HAVE_CUTLASS
@@ -150,12 +106,6 @@ bool moe::cutlass_built() {
   return false;
 #endif
 }
-
-bool moe::set_gemv_early_shared(bool on) { return g_early_shared.exchange(on, std::memory_order_relaxed); }
-
-bool moe::set_gemv_down_early(bool on) { return g_down_early.exchange(on, std::memory_order_relaxed); }
-
-void moe::set_gemv_fold(int fold) { g_gemv_fold.store(std::clamp(fold, 0, 2), std::memory_order_relaxed); }
 
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
@@ -216,7 +166,7 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   if (path == ExpertsPath::kAuto) {
     path = !vec16 ? ExpertsPath::kSimt : gemv_ok && T <= moe::kGemvMaxTokens ? ExpertsPath::kGemv : ExpertsPath::kMma;
     if (path == ExpertsPath::kMma && x.dtype() == DType::kBF16 && T >= moe::kCutlassMinTokens && cutlass_built() &&
-        g_cutlass_auto.load(std::memory_order_relaxed)) {
+        ctx.kernels.moe_cutlass) {
       path = ExpertsPath::kCutlass;
     }
   } else if ((path == ExpertsPath::kMma && !vec16) || (path == ExpertsPath::kGemv && !gemv_ok) ||
@@ -271,10 +221,8 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
   pp.sorted_pair = sorted_pair;
   pp.items = items;
   pp.n_items = n_items;
-  // Decode: the permutation inside the up launch, and with set_gemv_fold(2) also the combine inside the down launch
-  // (moe_kernels.h, GemvFold).
-  const bool fold = gemv && gemv_fold_enabled() && P <= moe::kGemvFoldMaxPairs && T <= tile_rows;
-  unsigned int* fold_counts = fold && gemv_fold_combine_enabled() ? moe::gemv_fold_counts(T, Din) : nullptr;
+  // Decode: the permutation inside the up launch (moe_kernels.h, GemvFold).
+  const bool fold = gemv && ctx.kernels.moe_gemv_fold && P <= moe::kGemvFoldMaxPairs && T <= tile_rows;
   if (!fold) moe::launch_moe_permute(pp, stream);
 
   const void* const* tables = pointer_tables().get(up_proj, down_proj);
@@ -305,7 +253,7 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
       hs = device::empty(Device::kCuda, x.dtype(), {T, shared->up_proj.dim(0)});
       shared_up = {shared->up_proj.data(), shared->x.data(), hs.data(), static_cast<int>(hs.dim(1)),
                    static_cast<int>(shared->x.dim(1)), static_cast<int>(T)};
-      shared_up.before_wait = g_early_shared.load(std::memory_order_relaxed);
+      shared_up.before_wait = ctx.kernels.moe_early_shared;
       shared_down = {shared->down_proj.data(), hs.data(), shared->out.data(), static_cast<int>(shared->out.dim(1)),
                      static_cast<int>(hs.dim(1)), static_cast<int>(T)};
     }
@@ -319,22 +267,13 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
       fold_up.n_items = n_items;
       // The down launch comes right after the up launch, so topk_ids (written before the up launch) is two launches
       // back from it: its early start may read them before its wait.
-      const bool down_early = g_down_early.load(std::memory_order_relaxed);
-      if (fold_counts != nullptr || down_early) {
+      if (ctx.kernels.moe_down_early) {
         fold_down = fold_up;
-        fold_down.early_routed = down_early;
-        if (fold_counts != nullptr) {
-          fold_down.combined = out.data();
-          fold_down.counts = fold_counts;
-        }
+        fold_down.early_routed = true;
       }
     }
     moe::launch_moe_gemv(up, shared_up, x.dtype(), tile_rows, true, stream, fold_up);
     moe::launch_moe_gemv(down, shared_down, x.dtype(), tile_rows, false, stream, fold_down);
-    if (fold_down.combined != nullptr) {
-      if (!fuse_shared) shared_separately();
-      return;
-    }
   } else if (mma) {
     moe::launch_moe_gemm_mma(up, x.dtype(), tile, true, stream);
     moe::launch_moe_gemm_mma(down, x.dtype(), tile, false, stream);
@@ -361,7 +300,7 @@ void moe_experts_on_path(const ops::Context& ctx, const Tensor& out, const Tenso
     c.h = h.data();
     c.yp = y.data_as<float>();
     c.pair_row = pair_row.data_as<int32_t>();
-    const int forced = g_cutlass_tile_n.load(std::memory_order_relaxed);
+    const int forced = ctx.kernels.moe_cutlass_tile_n;
     c.tile_n = forced != 0 ? forced : P > 96 * active_bound ? 128 : 64;
     moe::launch_moe_experts_cutlass(c, ws.data(), ws_bytes, stream);
 #endif

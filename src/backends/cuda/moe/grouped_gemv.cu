@@ -5,11 +5,11 @@
 //   down: y[pair(r), n] = w[pair(r)] * sum_k h[r, k] * W_e[n, k] in fp32 -> y [P, D], row = pair id
 //   shared (GemvShared): relu2_mlp's up / down with its rounding points, all T tokens in every unit.
 //
-// Why persistent (issue 4): at T = 1 (Nano: 6 experts x [1856, 2688] up + [2688, 1856] down, 120 MB) the earlier
+// Why persistent: at T = 1 (Nano: 6 experts x [1856, 2688] up + [2688, 1856] down, 120 MB) the earlier
 // one-block-per-(item, 16 rows) grid gave 700-1000 blocks of 59-86 KB, each of which first waited for two dependent
 // L2 round trips (its work item, then the expert's weight pointer) and staged its token rows before its first
 // weight byte arrived, and then ran only 2-3 load steps: a quarter of a block's life had no weight loads in flight,
-// and the 2.6 waves left a partial last wave (0.66 of the floor with permute and combine). Here the grid is 2
+// and the 2.6 waves left a partial last wave. Here the grid is 2
 // blocks per SM, each block walks units u = blockIdx.x, + gridDim.x, ...; the next unit's work item and weight
 // pointer are read while this unit streams, and its first weight loads are issued before this unit's last FMAs,
 // so every lane keeps 8 x 16-byte loads in flight (64 KB per SM) across unit boundaries: what ~4 TB/s over 132
@@ -26,8 +26,6 @@
 // deterministic and independent of the grid size. No host sync: the unit count is read on the device, so the
 // launch can be captured in a CUDA graph.
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cstdint>
 
 #include "backends/cuda/cuda_common.cuh"
@@ -55,14 +53,8 @@ struct GemvArgs {
   GemmParams g;      // routed experts; g.n_tiles = ceil(g.N / kRowsPerBlock)
   GemvShared s;      // s.weight == nullptr: no shared expert
   int shared_tiles;  // ceil(s.N / kRowsPerBlock), 0 without a shared expert
-  GemvFold f;        // f.topk_ids == nullptr: permutation / combine launched separately
+  GemvFold f;        // f.topk_ids == nullptr: the permutation launched separately
 };
-
-// The fold's count words: one slot per host thread (launches from one thread are stream-ordered, as the router's
-// tickets), zero at module load and left at zero by every launch.
-constexpr int kFoldSlots = 32;
-constexpr int kFoldWords = 16384;  // T x ceil(N / kRows): Nano (N 2688) at T = 8 is 10752
-__device__ unsigned int g_fold_counts[kFoldSlots][kFoldWords];
 
 // The up launch's own permutation (GemvFold): pairs sorted by (expert, pair id), the work items of NT rows.
 struct PermuteSmem {
@@ -119,43 +111,6 @@ __device__ int block_permute(const GemvArgs& a, PermuteSmem& ps, bool publish) {
   return n_items;
 }
 
-// The combine of (token, this warp's kRows rows), by the warp that completed it: lane j < top_k holds choice j's y
-// values and its rank in (expert, choice) order; the sum runs in rank order from 0 (launch_moe_combine's order and
-// rounding), and lane 0 stores it and re-zeroes the count.
-template <typename T>
-__device__ void fold_combine_rows(const GemvArgs& a, int tok, int row0, int lane) {
-  const int k = a.g.top_k, E = a.f.E, N = a.g.N;
-  __threadfence();  // the other warps' y rows: they fenced before counting
-  const int e = lane < k ? __ldcg(a.f.topk_ids + static_cast<int64_t>(tok) * k + lane) : -1;
-  const bool valid = lane < k && e >= 0 && e < E;
-  int rank = 0;
-  for (int o = 0; o < k; ++o) {
-    const int eo = __shfl_sync(0xffffffffu, e, o);
-    rank += eo >= 0 && eo < E && (eo < e || (eo == e && o < lane)) ? 1 : 0;
-  }
-  const float* y = static_cast<const float*>(a.g.out) + (static_cast<int64_t>(tok) * k + lane) * N;
-  float v[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) v[r] = valid && row0 + r < N ? __ldcg(y + row0 + r) : 0.0f;
-  const int n = __popc(__ballot_sync(0xffffffffu, valid));
-  float acc[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
-  for (int q = 0; q < n; ++q) {
-    const int src = __ffs(__ballot_sync(0xffffffffu, valid && rank == q)) - 1;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r] += __shfl_sync(0xffffffffu, v[r], src);
-  }
-  if (lane == 0) {
-    T* o = static_cast<T*>(a.f.combined) + static_cast<int64_t>(tok) * N;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (row0 + r < N) o[row0 + r] = from_float<T>(acc[r]);
-    }
-    a.f.counts[tok * ((N + kRows - 1) / kRows) + row0 / kRows] = 0u;
-  }
-}
-
 // One unit as this warp sees it (kept small: the current and the next one are live at once).
 struct Unit {
   const uint4* w;  // the expert's weight matrix [N, KC] in 16-byte chunks
@@ -209,7 +164,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
   int u = static_cast<int>(blockIdx.x);
   Unit cur{};
   __shared__ PermuteSmem ps;  // (fold) the block's own permutation: up always, down with GemvFold::early_routed
-  __shared__ int s_nvalid[kGemvMaxTokens];
   const int4* items = a.g.items;
   const int32_t* sorted_pair = a.g.sorted_pair;
   // The shared expert's weights are constants: its first loads go out before the wait, overlapping the
@@ -249,8 +203,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
       pdl_wait();  // permute's items / the up kernel's h are visible from here; no other global write before it
       pdl_trigger();
       waited = true;
-      // The work list: the permute launch's, or (fold, up) this block's own sort; (fold, down) the valid pairs per
-      // token.
+      // The work list: the permute launch's, or (fold, up) this block's own sort.
       int n_items = 0;
       if constexpr (kUp) {
         if (a.f.topk_ids != nullptr) {
@@ -262,18 +215,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
         }
       } else {
         n_items = early_routed ? early_items : *a.g.n_items;
-        if (a.f.combined != nullptr && tid < a.f.T) {  // read after the unit loop's first barrier
-          int nv = 0;
-          for (int j = 0; j < a.g.top_k; ++j) {
-            const int e = a.f.topk_ids[tid * a.g.top_k + j];
-            nv += e >= 0 && e < a.f.E ? 1 : 0;
-          }
-          s_nvalid[tid] = nv;
-          if (nv == 0 && blockIdx.x == 0) {  // no unit will combine this token: zeros, as the combine kernel writes
-            T* o = static_cast<T*>(a.f.combined) + static_cast<int64_t>(tid) * a.g.N;
-            for (int c = 0; c < a.g.N; ++c) o[c] = from_float<T>(0.0f);
-          }
-        }
       }
       total = a.shared_tiles + n_items * a.g.n_tiles;
       if (u >= total) return;        // uniform over the block, before any barrier
@@ -343,7 +284,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
     }
 
     // Reduce over the lanes; lane t stores token t's outputs (rows row0 .. row0 + kRows - 1).
-    int fin_tok = -1;  // (fold, down) the token whose rows this lane's store completed
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (t >= nt) break;
@@ -379,19 +319,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) moe_gemv_kernel(const 
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           if (row0 + r < N) y[row0 + r] = v[r] * w;
-        }
-        if (a.f.combined != nullptr) {
-          __threadfence();  // y before the count: the completing warp reads it
-          const int tok = pair / a.g.top_k;
-          const unsigned int done = atomicAdd(&a.f.counts[tok * ((N + kRows - 1) / kRows) + row0 / kRows], 1u) + 1u;
-          if (done == static_cast<unsigned int>(s_nvalid[tok])) fin_tok = tok;
-        }
-      }
-    }
-    if constexpr (!kUp) {
-      if (a.f.combined != nullptr && !cur.shared && cur.active()) {  // warp-uniform
-        for (unsigned int m = __ballot_sync(0xffffffffu, fin_tok >= 0); m != 0; m &= m - 1) {
-          fold_combine_rows<T>(a, __shfl_sync(0xffffffffu, fin_tok, __ffs(m) - 1), cur.row0, lane);
         }
       }
     }
@@ -449,22 +376,6 @@ bool gemv_fits(int64_t T, int64_t K) {
   return T <= kGemvMaxTokens && K % 8 == 0 && static_cast<int64_t>(gemv_tile_rows(T)) * K * 2 <= kGemvMaxSmemBytes;
 }
 
-unsigned int* gemv_fold_counts(int64_t T, int64_t N) {
-  if (T < 1 || N < 1 || T * ((N + kRows - 1) / kRows) > kFoldWords) return nullptr;
-  static std::atomic<int> next{0};
-  thread_local const int slot = next.fetch_add(1) % kFoldSlots;
-  thread_local std::array<unsigned int*, 64> base{};  // the symbol's address on each device
-  int dev = 0;
-  CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), "ops::moe_experts");
-  if (dev < 0 || dev >= static_cast<int>(base.size())) return nullptr;
-  if (base[static_cast<size_t>(dev)] == nullptr) {
-    void* p = nullptr;
-    CHIMERA_CUDA_CHECK(cudaGetSymbolAddress(&p, g_fold_counts), "ops::moe_experts");
-    base[static_cast<size_t>(dev)] = static_cast<unsigned int*>(p);
-  }
-  return base[static_cast<size_t>(dev)] + static_cast<size_t>(slot) * kFoldWords;
-}
-
 void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int tile_rows, bool up,
                      cudaStream_t stream, const GemvFold& fold) {
   const int kmax = std::max(p.K, shared.weight ? shared.K : 0);
@@ -477,8 +388,7 @@ void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int ti
                           " (K = ", shared.K, ", N = ", shared.N, ", T = ", shared.T, ")"));
   }
   if (fold.topk_ids != nullptr) {
-    const bool down_ok = (fold.combined == nullptr) == (fold.counts == nullptr) &&
-                         (fold.combined != nullptr || fold.early_routed);
+    const bool down_ok = fold.early_routed;
     const bool ok = fold.T >= 1 && fold.T <= tile_rows && fold.T * p.top_k <= kGemvFoldMaxPairs &&
                     (up ? fold.sorted_pair && fold.items && fold.n_items : down_ok);
     if (!ok) {

@@ -71,8 +71,8 @@ void launch_router_gate_topk(const GateTopkParams& p, cudaStream_t stream);
 // C CTAs (C = 16, non-portable, or 8 when 16 cannot be co-scheduled) and a CTA's slice fits its shared memory.
 // Why: the kernel above has ~5 dependent global round trips after its pdl_wait (x, the partials' stores, fence +
 // ticket, the partials' loads, the outputs), each slow while the next kernel (the MoE up GEMV's shared-expert units,
-// started before their own wait) saturates DRAM: 12.5 us of critical path per Nano MoE layer in the engine against
-// 6.5 us alone. Here one round trip remains (x) before the outputs. CTA r owns experts [r * epc, (r + 1) * epc),
+// started before their own wait) saturates DRAM: in the engine the router's critical path is about twice its
+// stand-alone time. Here one round trip remains (x) before the outputs. CTA r owns experts [r * epc, (r + 1) * epc),
 // epc = ceil(E / C), 512 threads:
 //   0. before pdl_wait: the CTA's gate rows (contiguous, epc x D fp32) global -> shared with cp.async.bulk (TMA,
 //      completion on an mbarrier; D % 4 == 0 and a 16-byte aligned gate, else plain loads), CTA 0 the bias (both
@@ -164,37 +164,25 @@ struct GemvShared {
   // router): x must be written at least two launches back and the predecessor must not touch `out`.
   bool before_wait = false;
 };
-// The permutation and the combine folded into the GEMV launches (decode: each saves one of the dependent launches of
-// a MoE layer). Measured on the H200 (Nano, graph step): the permutation fold takes batch-1 decode from 2.745 to
-// 2.691 ms; the combine fold costs more than the launch it saves (b1 2.780, b8 8.16 vs 7.39 ms: the count's fence
-// waits for the next unit's prefetched weight loads), so experts.cu folds only the permutation by default.
+// The permutation folded into the GEMV launches (decode: one dependent launch fewer per MoE layer; the combine stays
+// its own launch, since folding it into the down launch would make every warp fence its y rows before a count).
 //   up   (topk_ids != nullptr): every block sorts the P <= kGemvFoldMaxPairs pairs itself (in shared memory, the
 //        same stable order and work items as launch_moe_permute), and block 0 writes sorted_pair / items / n_items
 //        for the down launch. No permute launch.
-//   down (combined != nullptr): after storing its y rows, a warp counts them per (token, row pair) in `counts`; the
-//        warp that completes a (token, row pair) sums the token's y rows in increasing (expert, choice) order
-//        (launch_moe_combine's order: bit-identical results) and writes combined[token, rows] in the activation
-//        dtype, then zeroes the count (the counts are zero between launches, so a graph replay finds them ready).
-//        Tokens without a valid pair get zeros. No combine launch.
 //   down (early_routed): a block whose first unit is routed rebuilds the up launch's permutation itself before its
 //        pdl_wait() (the same block sort: the same items and permuted rows) and issues that unit's first weight loads
 //        before the wait, instead of waiting for the list the up launch wrote, then its expert's weight pointer. Only
 //        when topk_ids was written at least two launches back (launch.cuh, "two back"): the up launch of this fold
 //        right before the down launch guarantees it. The same bits either way.
 struct GemvFold {
-  const int32_t* topk_ids = nullptr;  // [T, top_k]: non-null = fold (up: the permutation; down: combine / early)
+  const int32_t* topk_ids = nullptr;  // [T, top_k]: non-null = fold (up: the permutation; down: the early start)
   int T = 0, E = 0;
   int32_t* sorted_pair = nullptr;     // up: where block 0 writes the permutation for the down launch
   int4* items = nullptr;
   int32_t* n_items = nullptr;
-  void* combined = nullptr;           // down: [T, N] activation dtype; nullptr: no combine fold
-  unsigned int* counts = nullptr;     // down: [T, ceil(N / 2)] zero on entry (gemv_fold_counts), with `combined`
   bool early_routed = false;          // down: the routed units' early start (above)
 };
 inline constexpr int kGemvFoldMaxPairs = 256;  // one thread per pair in the block sort
-// The zeroed count words of the calling host thread (one slot per thread, as the router's tickets), or nullptr when
-// T x ceil(N / 2) exceeds a slot: the caller then launches permute / combine as separate kernels.
-unsigned int* gemv_fold_counts(int64_t T, int64_t N);
 // PDL: launched through cuda::launch; the shared expert's weights (constants) are requested before pdl_wait(), and
 // with GemvFold::early_routed (down) also a routed first unit's.
 void launch_moe_gemv(GemmParams p, const GemvShared& shared, DType dtype, int tile_rows, bool up,
@@ -230,7 +218,7 @@ struct CutlassExpertsParams {
   void* h;            // [P, I] bf16 scratch
   float* yp;          // [P, D] f32 out, permuted order
   int32_t* pair_row;  // [P] out: the permuted row of each valid pair
-  int tile_n = 64;    // tokens per CUTLASS tile: 64 or 128 (experts.cu picks; cuda::moe::set_cutlass_tile_n)
+  int tile_n = 64;    // tokens per CUTLASS tile: 64 or 128 (experts.cu picks; KernelConfig::moe_cutlass_tile_n forces)
 };
 // Bytes of device workspace launch_moe_experts_cutlass needs for `groups` groups on the current device (group
 // arrays + CUTLASS's per-SM tensor-map workspaces), 256-byte aligned.

@@ -54,7 +54,7 @@ constexpr unsigned kFull = 0xffffffffu;
 // v[s] = row[s * 32 + lane] as fp32 (0 past E). One dtype branch around the whole row, so that the sigmoid
 // below exists once per slot: with the dtype switch inside each element load the compiler duplicated the
 // sigmoid into every (logits dtype x bias dtype) path, a 9x larger kernel whose instruction fetches dominated
-// the single-warp latency (first H200 run: 17.6 us at E=512 / T=1 against 9.5 us at E=128).
+// the single-warp latency.
 template <int NPER>
 __device__ __forceinline__ void load_row(const void* base, DType dt, int64_t offset, int lane, int E,
                                          float (&v)[NPER]) {
@@ -260,8 +260,8 @@ void launch_router_nper(const RouterParams& p, cudaStream_t stream) {
 
 // ---- one block per token (n_group == 1) ------------------------------------------------------------------
 // The warp kernel above runs ~4k dependent instructions per token in ONE warp (16 sigmoids, a 16-key sort,
-// k arg-max rounds): at small T that single warp's latency is the whole kernel (E=512/k=22: 12.5 us per
-// call against 7.6 us for E=128/k=6 on the first H200 runs). Here a block of 32 * ceil(E / 32) threads
+// k arg-max rounds): at small T that single warp's latency is the whole kernel (E = 512 / k = 22 takes well over
+// E = 128 / k = 6). Here a block of 32 * ceil(E / 32) threads
 // takes one token, thread e = expert e, so the per-thread work is one load pair, one sigmoid and a short
 // selection loop whose steps cost one barrier each:
 //   1. choice = sigmoid(logit) + bias as an orderable u32 (`orderable`, the CPU's float order).
@@ -450,7 +450,7 @@ __device__ __forceinline__ void gate_partial(const GateLaunch& L, int split, int
 
 // Phase 2's selection, shared by both router_gate_topk kernels, over rp.logits [T][E] f32 already in shared memory.
 // The block select for one token of a wide router only: at Nano's 128 experts the warp select measured faster at
-// T = 1 too (moe_router_gate_nano, graph: 6.34 vs 7.04 us); 512 experts keep the block select at T = 1. Otherwise
+// T = 1 too (moe_router_gate_nano, graph); 512 experts keep the block select at T = 1. Otherwise
 // warp t routes token t with scratch + t * (E + 2 n_group) floats (the group-limited warps' scratch). Whole block.
 template <int NPER, bool kGroups>
 __device__ __forceinline__ void select_tokens(const RouterParams& rp, int select, int warp, int lane, float* scratch) {
@@ -844,12 +844,7 @@ int launch_cluster_instance(ClusterLaunch L, cudaStream_t stream) {
   return 0;
 }
 
-// ops::router_gate_topk takes the cluster kernel where it can (set_router_cluster); CHIMERA_ROUTER_CLUSTER=0 turns it
-// off (A/B runs of the whole engine). Which kernel the calling host thread's last call used (tests).
-std::atomic<bool> g_router_cluster{[] {
-  const char* v = std::getenv("CHIMERA_ROUTER_CLUSTER");
-  return v == nullptr || std::atoi(v) != 0;
-}()};
+// Which kernel the calling host thread's last ops::router_gate_topk used (tests).
 thread_local int t_last_router_cluster = 0;
 
 }  // namespace
@@ -909,8 +904,6 @@ int launch_router_gate_cluster(const GateTopkParams& p, cudaStream_t stream) {
   });
   return cs;
 }
-
-bool set_router_cluster(bool on) { return g_router_cluster.exchange(on, std::memory_order_relaxed); }
 
 int router_gate_last_cluster() { return t_last_router_cluster; }
 
@@ -983,7 +976,7 @@ void router_gate_topk(const ops::Context& ctx, const Tensor& topk_ids, const Ten
   g.D = static_cast<int>(D);
   const cudaStream_t stream = as_stream(ctx.stream);
   // Decode (T <= 4) with a gate slice that fits a cluster CTA (Nano): the cluster kernel, no workspace.
-  if (moe::g_router_cluster.load(std::memory_order_relaxed)) {
+  if (ctx.kernels.router_cluster) {
     moe::t_last_router_cluster = moe::launch_router_gate_cluster(g, stream);
     if (moe::t_last_router_cluster > 0) return;
   }
