@@ -1,7 +1,7 @@
 // Kernels of the selective state update (see selective_state_update.cuh for the math), templated on the
 // state element type S; included by the per-dtype instantiation files only.
 //
-// Fast kernel (the seed's "simple" kernel, 6.4.1, with its dim-tiled grid for small batches):
+// Fast kernel (FlashInfer's "simple" SSU kernel design, with its dim-tiled grid for small batches):
 //   grid (ceil(P / rows_per_block), H, batch), 4 warps (heads of one slot are adjacent in memory, so blocks
 //   dispatched together stream through contiguous state). A state row S[p, :] is N contiguous elements; a group
 //   of kLanesPerRow lanes covers one row with 16-byte vectors (fp32 N=128: 32 lanes x 4 floats; bf16 N=128:
