@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One script for the GPU machine's release checks, in steps that each fit one device call:
+#   OUT=<dir> bash bench/run_release_device.sh STEP...
+#   build     this tree (build-dev: CLI, tests, kernel benchmarks) and, when .baseline/ holds an older tree
+#             (git archive of the commit to compare with, tests/fixtures left out), that tree's CLI in
+#             .baseline/build, both with the carried .debs (scripts/device_env.sh)
+#   tune      chimera_bench linear_tune -> src/backends/cuda/gemm/sm90_linear_table.inc (copied to $OUT), rebuild
+#   tests     the whole chimera_tests suite ($OUT/tests.log)
+#   engine    chimera bench on the Nano shape, this tree and the baseline alternated (ENGINE_ROUNDS, default 1):
+#             prefill 1K / 8K, decode b1 / b64 / b256 after a 1K prompt; JSON per run in $OUT
+#   serve     chimera serve on the Nano shape (bf16, CUDA) and chimera bench serve against it, random 1K in / 1K out
+#             at SERVE_CONCURRENCY (default 1,64,256,1024); logs and JSON in $OUT
+# Every step prints a line starting with "== " and the elapsed seconds.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/release_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+el() { echo "== [$(($(date +%s) - T0))s] $*"; }
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+NANO=nemotron-3-nano-30b-a3b
+rc=0
+source scripts/device_env.sh  # carried .debs -> CMAKE_EXTRA
+for step in "$@"; do
+  case "$step" in
+  build)
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+    cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHIMERA_CUDA=ON "${CMAKE_EXTRA[@]}" \
+      >"$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
+    ( ninja -C build-dev -j 12 >"$OUT/build.log" 2>&1 || echo FAILED >"$OUT/build.failed" ) &
+    if [ -f .baseline/CMakeLists.txt ]; then
+      cmake -S .baseline -B .baseline/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHIMERA_CUDA=ON \
+        -DCHIMERA_BUILD_TESTS=OFF "${CMAKE_EXTRA[@]}" >"$OUT/cmake-baseline.log" 2>&1 &&
+        ninja -C .baseline/build -j 6 chimera_cli >"$OUT/build-baseline.log" 2>&1 ||
+        { echo "baseline build failed"; tail -30 "$OUT/build-baseline.log"; }
+    fi
+    wait
+    if [ -f "$OUT/build.failed" ]; then grep -E -A15 "error|FAILED" "$OUT/build.log" | head -80; exit 1; fi
+    grep -c -i "warning" "$OUT/build.log" | sed 's/^/build warnings: /'
+    el built ;;
+  tune)
+    python3 scripts/make_linear_table.py --bench ./build-dev/chimera_bench \
+      --out src/backends/cuda/gemm/sm90_linear_table.inc --log "$OUT/linear_tune.log" || rc=1
+    cp src/backends/cuda/gemm/sm90_linear_table.inc "$OUT/"
+    ninja -C build-dev -j 16 >"$OUT/rebuild.log" 2>&1 || { tail -30 "$OUT/rebuild.log"; exit 1; }
+    el tuned ;;
+  tests)
+    ./build-dev/chimera_tests --gtest_brief=1 >"$OUT/tests.log" 2>&1 || rc=1
+    grep -E "^\[  FAILED  \]|^\[==========\]|^\[  PASSED  \]|tests? (ran|skipped)" "$OUT/tests.log" | head -40
+    el tests ;;
+  engine)
+    args=(--synthetic "$NANO" --device cuda --input-lens 1024,8192 --batch-sizes 1,64,256 --decode-context 1024)
+    for r in $(seq "${ENGINE_ROUNDS:-1}"); do
+      if [ -x .baseline/build/chimera ]; then
+        .baseline/build/chimera bench "${args[@]}" --json-out "$OUT/engine_base_$r.json" 2>&1 | tail -14
+        el "baseline round $r"
+      fi
+      ./build-dev/chimera bench "${args[@]}" --json-out "$OUT/engine_new_$r.json" 2>&1 | tail -14
+      el "this tree round $r"
+    done ;;
+  serve)
+    port=8731
+    ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs 1024 \
+      --max-model-len 4096 >"$OUT/serve.log" 2>&1 &
+    spid=$!
+    for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+    el "server up"; head -20 "$OUT/serve.log"
+    for c in $(echo "${SERVE_CONCURRENCY:-1,64,256,1024}" | tr , ' '); do
+      n=$((c < 8 ? 8 : c)); [ "$c" -ge 256 ] && n=$c
+      ./build-dev/chimera bench serve --base-url "http://127.0.0.1:$port" --model "$NANO" --dataset-name random \
+        --random-input-len 1024 --random-output-len 1024 --num-prompts "$n" --max-concurrency "$c" \
+        --ignore-eos --seed 0 --save-result --result-filename "$OUT/serve_c$c.json" 2>&1 | tee "$OUT/serve_c$c.log" |
+        grep -E "Successful|duration|Output token|Mean TTFT|Median TTFT|Mean TPOT|Mean ITL|P99 ITL"
+      el "concurrency $c"
+    done
+    curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics.txt"
+    kill -INT "$spid"; wait "$spid"; echo "serve exit $?" ;;
+  *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+exit $rc
