@@ -30,7 +30,7 @@ for step in "$@"; do
     ( ninja -C build-dev -j 12 >"$OUT/build.log" 2>&1 || echo FAILED >"$OUT/build.failed" ) &
     if [ -f .baseline/CMakeLists.txt ]; then
       cmake -S .baseline -B .baseline/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHIMERA_CUDA=ON \
-        -DCHIMERA_BUILD_TESTS=OFF "${CMAKE_EXTRA[@]}" >"$OUT/cmake-baseline.log" 2>&1 &&
+        -DCHIMERA_BUILD_TESTS=OFF -DCHIMERA_CUTLASS_INCLUDE="$PWD/.deps/cutlass/include" "${CMAKE_EXTRA[@]}" >"$OUT/cmake-baseline.log" 2>&1 &&
         ninja -C .baseline/build -j 6 chimera_cli >"$OUT/build-baseline.log" 2>&1 ||
         { echo "baseline build failed"; tail -30 "$OUT/build-baseline.log"; }
     fi
