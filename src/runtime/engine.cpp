@@ -209,6 +209,13 @@ std::vector<TokenEvent> Engine::step() {
   return events;
 }
 
+bool Engine::abort_request(int32_t seq_id) {
+  std::optional<Sequence> s = scheduler_.abort(seq_id);
+  if (!s) return false;
+  finished_.push_back(std::move(*s));
+  return true;
+}
+
 std::vector<Sequence> Engine::take_finished() {
   std::vector<Sequence> out;
   out.swap(finished_);

@@ -44,6 +44,22 @@ class Engine {
   std::vector<TokenEvent> step();
   // Sequences finished so far (tokens = prompt + generated), removed from the engine.
   std::vector<Sequence> take_finished();
+  // Removes a waiting or running sequence now: its Mamba slot and KV blocks are free for the next step, and it
+  // appears in take_finished() with FinishReason::kAbort. False (a no-op) for an unknown or finished id.
+  // Call it between steps, on the thread that steps.
+  bool abort_request(int32_t seq_id);
+
+  // Load figures a server reports (all between steps).
+  int32_t num_running() const { return static_cast<int32_t>(scheduler_.num_running()); }
+  int32_t num_waiting() const { return static_cast<int32_t>(scheduler_.num_waiting()); }
+  int32_t num_total_blocks() const { return cache_.sizes().num_blocks; }
+  int32_t num_free_blocks() const { return cache_.free_blocks(); }
+  int32_t num_total_slots() const { return cache_.sizes().max_seqs; }
+  int32_t num_free_slots() const { return cache_.free_slots(); }
+  // Fraction of the KV pool's blocks held by sequences, in [0, 1].
+  double kv_cache_usage() const {
+    return 1.0 - static_cast<double>(num_free_blocks()) / static_cast<double>(num_total_blocks());
+  }
 
   // Called with each logits row the engine produces, in order per sequence: prompt rows (when
   // return_prompt_logits) then one row per generated token.

@@ -74,6 +74,26 @@ SchedulerOutput Scheduler::schedule() {
   return out;
 }
 
+std::optional<Sequence> Scheduler::abort(int32_t id) {
+  Sequence out;
+  auto r = std::find_if(running_.begin(), running_.end(), [id](const Sequence& s) { return s.id == id; });
+  if (r != running_.end()) {
+    if (r->finished()) return std::nullopt;
+    cache_.release_slot(r->slot);
+    cache_.release_blocks(r->blocks);
+    r->slot = -1;
+    out = std::move(*r);
+    running_.erase(r);
+  } else {
+    auto w = std::find_if(waiting_.begin(), waiting_.end(), [id](const Sequence& s) { return s.id == id; });
+    if (w == waiting_.end() || w->finished()) return std::nullopt;
+    out = std::move(*w);
+    waiting_.erase(w);
+  }
+  out.finish = FinishReason::kAbort;
+  return out;
+}
+
 std::vector<Sequence> Scheduler::collect_finished() {
   std::vector<Sequence> done;
   for (auto it = running_.begin(); it != running_.end();) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <vector>
 
 #include "runtime/sampler.h"
@@ -13,7 +14,8 @@
 
 namespace chimera {
 
-enum class FinishReason { kNone, kStop, kLength };
+// kAbort: the caller removed the sequence (Engine::abort_request) before it stopped or reached its length.
+enum class FinishReason { kNone, kStop, kLength, kAbort };
 
 struct Sequence {
   int32_t id = 0;
@@ -55,6 +57,9 @@ class Scheduler {
   SchedulerOutput schedule();
   // Frees the slot and blocks of finished sequences and forgets them; returns them.
   std::vector<Sequence> collect_finished();
+  // Removes a waiting or running, unfinished sequence at once, freeing its slot and blocks; it comes back with
+  // finish = kAbort. nullopt (and nothing changes) for an unknown or already finished id.
+  std::optional<Sequence> abort(int32_t id);
 
   Sequence& get(int32_t id);
   bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }

@@ -1,0 +1,156 @@
+// The engine as a server drives it: requests join and leave between steps. The bundled tiny model (every layer
+// kind) runs on each backend; a request's output in a busy engine must equal its output alone, whatever else
+// joins, leaves or is aborted around it (the sampler depends only on (seed, step), the state only on the
+// sequence's own tokens).
+#include "runtime/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+
+#include "common/backend_param.h"
+#include "common/compare.h"
+#include "io/model_config.h"
+#include "io/safetensors.h"
+
+namespace chimera {
+namespace {
+
+class EngineTest : public test::BackendTest {
+ protected:
+  void SetUp() override {
+    test::BackendTest::SetUp();
+    if (IsSkipped()) return;
+    const std::string dir = test::source_path("models/nemotron-h-tiny");
+    config_ = load_model_config(dir);
+    ckpt_ = std::make_unique<Checkpoint>(Checkpoint::open(dir));
+    const ModelOptions mo{GetParam(), GetParam() == Device::kCuda ? DType::kBF16 : DType::kF32};
+    model_ = std::make_unique<NemotronH>(NemotronH::load(config_, *ckpt_, mo));
+  }
+
+  EngineConfig small_config(int32_t seqs) const {
+    EngineConfig ec;
+    ec.cache.max_seqs = seqs;
+    ec.cache.max_model_len = 96;
+    ec.cache.block_size = 8;
+    ec.scheduler.max_num_seqs = seqs;
+    ec.scheduler.max_num_batched_tokens = 64;
+    return ec;
+  }
+
+  static std::vector<int32_t> prompt(int32_t len, int32_t salt) {
+    std::vector<int32_t> p(static_cast<size_t>(len));
+    for (int32_t i = 0; i < len; ++i) p[static_cast<size_t>(i)] = (salt * 131 + i * 17 + 3) % 4000 + 5;
+    return p;
+  }
+
+  static SamplingParams sampling(int32_t n, float temperature = 0.0f, uint64_t seed = 0) {
+    SamplingParams sp;
+    sp.max_new_tokens = n;
+    sp.ignore_eos = true;
+    sp.temperature = temperature;
+    sp.top_k = temperature > 0 ? 50 : 0;
+    sp.seed = seed;
+    return sp;
+  }
+
+  // The generated tokens of one request run alone in a fresh engine.
+  std::vector<int32_t> alone(const std::vector<int32_t>& p, const SamplingParams& sp) const {
+    return generate_all(*model_, ops::Context{GetParam(), nullptr}, small_config(1), {p}, sp)[0];
+  }
+
+  static std::map<int32_t, Sequence> by_id(std::vector<Sequence> done) {
+    std::map<int32_t, Sequence> m;
+    for (Sequence& s : done) m[s.id] = std::move(s);
+    return m;
+  }
+  static std::vector<int32_t> generated(const Sequence& s) {
+    return std::vector<int32_t>(s.tokens.begin() + s.prompt_len, s.tokens.end());
+  }
+
+  ModelConfig config_;
+  std::unique_ptr<Checkpoint> ckpt_;
+  std::unique_ptr<NemotronH> model_;
+};
+
+TEST_P(EngineTest, AbortFreesSlotAndBlocksAtOnceAndLeavesOthersUnchanged) {
+  Engine engine(*model_, ctx(), small_config(2));
+  EXPECT_EQ(engine.num_total_slots(), 2);
+  EXPECT_EQ(engine.num_total_blocks(), 2 * 12);  // 96 tokens / 8 per block, per slot
+  EXPECT_EQ(engine.kv_cache_usage(), 0.0);
+
+  const auto p0 = prompt(21, 0), p1 = prompt(13, 1), p2 = prompt(9, 2);
+  const int32_t a = engine.add_request(p0, sampling(12));
+  const int32_t b = engine.add_request(p1, sampling(12));
+  const int32_t c = engine.add_request(p2, sampling(12));
+  EXPECT_EQ(engine.num_waiting(), 3);
+  engine.step();  // a and b admitted (two slots), c waits
+  engine.step();
+  EXPECT_EQ(engine.num_running(), 2);
+  EXPECT_EQ(engine.num_waiting(), 1);
+  EXPECT_EQ(engine.num_free_slots(), 0);
+  const int32_t used_before = engine.num_total_blocks() - engine.num_free_blocks();
+  EXPECT_GT(engine.kv_cache_usage(), 0.0);
+
+  // Abort the running b: its slot and its 2 blocks (13 + 2 tokens) come back before any further step.
+  EXPECT_TRUE(engine.abort_request(b));
+  EXPECT_EQ(engine.num_running(), 1);
+  EXPECT_EQ(engine.num_free_slots(), 1);
+  EXPECT_EQ(engine.num_total_blocks() - engine.num_free_blocks(), used_before - 2);
+  // Twice, or an id never issued: no-ops.
+  EXPECT_FALSE(engine.abort_request(b));
+  EXPECT_FALSE(engine.abort_request(1000));
+  EXPECT_FALSE(engine.abort_request(-1));
+
+  // c takes b's slot (reused, so it must start from zero state); a new request d waits and is aborted there.
+  const auto p3 = prompt(17, 3);
+  const int32_t d = engine.add_request(p3, sampling(5));
+  engine.step();
+  EXPECT_EQ(engine.num_running(), 2);
+  EXPECT_EQ(engine.num_waiting(), 1);
+  EXPECT_TRUE(engine.abort_request(d));
+  EXPECT_EQ(engine.num_waiting(), 0);
+
+  while (engine.has_unfinished()) engine.step();
+  EXPECT_FALSE(engine.abort_request(a));  // finished
+  std::map<int32_t, Sequence> done = by_id(engine.take_finished());
+  ASSERT_EQ(done.size(), 4u);
+  EXPECT_EQ(done[b].finish, FinishReason::kAbort);
+  EXPECT_EQ(done[b].num_generated(), 2);  // the tokens it had when aborted
+  EXPECT_EQ(done[d].finish, FinishReason::kAbort);
+  EXPECT_EQ(done[d].num_generated(), 0);
+  EXPECT_EQ(done[a].finish, FinishReason::kLength);
+  EXPECT_EQ(done[c].finish, FinishReason::kLength);
+  EXPECT_EQ(generated(done[a]), alone(p0, sampling(12)));
+  EXPECT_EQ(generated(done[c]), alone(p2, sampling(12)));
+  // Everything returned to the pools.
+  EXPECT_EQ(engine.num_free_slots(), 2);
+  EXPECT_EQ(engine.num_free_blocks(), engine.num_total_blocks());
+  EXPECT_EQ(engine.kv_cache_usage(), 0.0);
+  EXPECT_TRUE(engine.take_finished().empty());
+}
+
+TEST_P(EngineTest, AbortMidPrefillReleasesTheChunkedSequence) {
+  EngineConfig ec = small_config(2);
+  ec.scheduler.max_num_batched_tokens = 8;  // a 30-token prompt prefills over 4 steps
+  Engine engine(*model_, ctx(), ec);
+  const int32_t a = engine.add_request(prompt(30, 4), sampling(3));
+  engine.step();
+  EXPECT_EQ(engine.num_running(), 1);
+  EXPECT_EQ(engine.num_free_blocks(), engine.num_total_blocks() - 1);
+  EXPECT_TRUE(engine.abort_request(a));
+  EXPECT_FALSE(engine.has_unfinished());
+  EXPECT_EQ(engine.num_free_blocks(), engine.num_total_blocks());
+  EXPECT_TRUE(engine.step().empty());
+  const std::vector<Sequence> done = engine.take_finished();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].finish, FinishReason::kAbort);
+  EXPECT_EQ(done[0].num_generated(), 0);
+}
+
+CHIMERA_INSTANTIATE_BACKENDS(EngineTest);
+
+}  // namespace
+}  // namespace chimera
