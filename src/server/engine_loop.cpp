@@ -8,21 +8,6 @@ namespace chimera::server {
 namespace {
 using Clock = std::chrono::steady_clock;
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-// The Engine's abort and gauges where this tree's Engine has them (templates: the checks need a dependent type).
-template <typename E>
-void abort_in_engine(E& e, int32_t seq_id) {
-  if constexpr (requires { e.abort_request(seq_id); }) e.abort_request(seq_id);
-}
-template <typename E>
-bool engine_gauges(const E& e, EngineGauges& g) {
-  if constexpr (requires { e.num_running(); e.num_waiting(); e.kv_cache_usage(); }) {
-    g.running = static_cast<int64_t>(e.num_running());
-    g.waiting = static_cast<int64_t>(e.num_waiting());
-    g.kv_cache_usage = static_cast<double>(e.kv_cache_usage());
-    return true;
-  }
-  return false;
-}
 const char* reason_label(FinishReason r, bool aborted) {
   if (aborted) return "abort";
   return r == FinishReason::kStop ? "stop" : "length";
@@ -112,19 +97,14 @@ void EngineLoop::apply_pending(std::deque<Pending>& adds, std::vector<std::pair<
     auto it = handles_.find(h);
     if (it == handles_.end()) continue;  // finished already, or never admitted
     const int32_t sid = it->second;
-    abort_in_engine(engine_, sid);
+    engine_.abort_request(sid);
     finish(sid, live_.at(sid), FinishReason::kStop, /*aborted=*/!as_stop, out);
   }
   for (auto& [ptr, ev] : out) ev.first->on_events(std::move(ev.second));
 }
 
 void EngineLoop::update_gauges() {
-  EngineGauges g;
-  if (!engine_gauges(engine_, g)) {
-    g.running = std::min<int64_t>(static_cast<int64_t>(live_.size()), max_num_seqs_);
-    g.waiting = static_cast<int64_t>(live_.size()) - g.running;
-  }
-  metrics_.set_gauges(g);
+  metrics_.set_gauges(EngineGauges{engine_.num_running(), engine_.num_waiting(), engine_.kv_cache_usage()});
 }
 
 void EngineLoop::run() {
@@ -177,7 +157,7 @@ void EngineLoop::run() {
       std::vector<int32_t> ids;
       for (const auto& [sid, live] : live_) ids.push_back(sid);
       for (int32_t sid : ids) {
-        abort_in_engine(engine_, sid);
+        engine_.abort_request(sid);
         Live& l = live_.at(sid);
         l.sink = nullptr;
         metrics_.record_finished("abort", l.prompt_len, l.generated, 0.0, 0.0);
@@ -195,7 +175,7 @@ void EngineLoop::run() {
     std::vector<std::pair<int32_t, FinishReason>> done;
     for (const TokenEvent& ev : events) {
       auto it = live_.find(ev.seq_id);
-      if (it == live_.end()) continue;  // aborted without engine support: its tokens go nowhere
+      if (it == live_.end()) continue;
       Live& l = it->second;
       if (ev.token >= 0) {
         ++new_tokens;

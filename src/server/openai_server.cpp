@@ -30,7 +30,9 @@ void send_error(Responder& r, const ApiError& e, int32_t retry_after_s) {
   send_json(r, e.status(), e.to_json(), std::move(extra));
 }
 
-const char* finish_name(FinishReason f) { return f == FinishReason::kStop ? "stop" : "length"; }
+const char* finish_name(FinishReason f) {
+  return f == FinishReason::kStop ? "stop" : f == FinishReason::kAbort ? "abort" : "length";
+}
 
 // One output sequence of a request, on the connection's strand.
 struct Choice {
