@@ -24,6 +24,19 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
   app.add_option("--temperature", o.sampling.temperature, "Sampling temperature (0 = greedy)")->capture_default_str();
   app.add_option("--top-k", o.sampling.top_k, "Keep the k most likely tokens (0 = off)")->capture_default_str();
   app.add_option("--top-p", o.sampling.top_p, "Nucleus sampling mass (1 = off)")->capture_default_str();
+  app.add_option("--min-p", o.sampling.min_p, "Keep tokens with p >= min_p * p_max (0 = off)")->capture_default_str();
+  app.add_option("--presence-penalty", o.sampling.presence_penalty,
+                 "Subtract this from the logit of every token generated so far (0 = off)")
+      ->capture_default_str();
+  app.add_option("--frequency-penalty", o.sampling.frequency_penalty,
+                 "Subtract this times its count from the logit of every token generated so far (0 = off)")
+      ->capture_default_str();
+  app.add_option("--repetition-penalty", o.sampling.repetition_penalty,
+                 "Divide positive (multiply negative) logits of prompt and generated tokens by this (1 = off)")
+      ->capture_default_str();
+  app.add_option("--stop-token-ids", o.sampling.stop_token_ids,
+                 "Token ids that end the generation (comma-separated; the stop token is generated)")
+      ->delimiter(',');
   app.add_option("--seed", o.sampling.seed, "Random seed for sampling")->capture_default_str();
   app.add_flag("--ignore-eos", o.sampling.ignore_eos, "Keep generating past end-of-sequence tokens");
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
@@ -128,6 +141,12 @@ int run_generate(const GenerateOptions& o) {
   std::chrono::steady_clock::time_point t_first{};
   while (engine.has_unfinished()) {
     for (const TokenEvent& ev : engine.step()) {
+      // Non-finite logits: nothing of this step is printed; the error ends the command (exit 1).
+      if (ev.finish == FinishReason::kError) {
+        fmt::print("\n");
+        std::fflush(stdout);
+        runtime_error("{}", ev.error);
+      }
       if (ev.token < 0) continue;
       if (generated++ == 0) t_first = std::chrono::steady_clock::now();
       if (stream) {

@@ -673,24 +673,68 @@ void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, 
 
 // ---- sampling --------------------------------------------------------------------------------------
 
-void sample_tokens(const Context& ctx, const Tensor& out_ids, const Tensor& logits, std::span<const SamplingRow> rows) {
+void sample_tokens(const Context& ctx, const SamplingOutputs& out, const Tensor& logits,
+                   std::span<const SamplingRow> rows, std::span<const PenaltyToken> penalty_tokens) {
   const Check c(ctx, "sample_tokens");
   c.present("logits", logits);
   if (logits.dtype() != DType::kF32 || logits.ndim() != 2) c.fail("logits {} must be a 2-D F32 tensor", logits.describe());
-  const int64_t R = logits.dim(0);
-  c.i32("out_ids", out_ids, 1);
-  c.shape("out_ids", out_ids, {R}, "logits", logits);
+  const int64_t R = logits.dim(0), V = logits.dim(1);
+  c.i32("out_ids", out.ids, 1);
+  c.shape("out_ids", out.ids, {R}, "logits", logits);
   if (static_cast<int64_t>(rows.size()) != R) c.fail("{} sampling rows for logits {}", rows.size(), logits.describe());
-  if (R > 0 && logits.dim(1) == 0) c.fail("logits {} has an empty vocabulary", logits.describe());
+  if (R > 0 && V == 0) c.fail("logits {} has an empty vocabulary", logits.describe());
+  int32_t top_wanted = 0;
   for (size_t r = 0; r < rows.size(); ++r) {
     const SamplingRow& p = rows[r];
     if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
       c.fail("row {}: temperature {} must be a finite number >= 0", r, p.temperature);
     if (p.top_k < 0) c.fail("row {}: top_k {} must be >= 0", r, p.top_k);
     if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) c.fail("row {}: top_p {} must be in (0, 1]", r, p.top_p);
+    if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) c.fail("row {}: min_p {} must be in [0, 1]", r, p.min_p);
+    if (!std::isfinite(p.presence_penalty) || !std::isfinite(p.frequency_penalty))
+      c.fail("row {}: presence_penalty {} and frequency_penalty {} must be finite", r, p.presence_penalty,
+             p.frequency_penalty);
+    if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty))
+      c.fail("row {}: repetition_penalty {} must be a finite number > 0", r, p.repetition_penalty);
+    if (p.num_top_logprobs < 0 || p.num_top_logprobs > kMaxTopLogprobs)
+      c.fail("row {}: num_top_logprobs {} must be in [0, {}]", r, p.num_top_logprobs, kMaxTopLogprobs);
+    if (p.penalty_begin < 0 || p.penalty_end < p.penalty_begin ||
+        static_cast<size_t>(p.penalty_end) > penalty_tokens.size())
+      c.fail("row {}: penalty range [{}, {}) is outside the {} penalty tokens", r, p.penalty_begin, p.penalty_end,
+             penalty_tokens.size());
+    top_wanted = std::max(top_wanted, p.num_top_logprobs);
   }
-  c.dispatch([&] { cpu::sample_tokens(out_ids, logits, rows); },
-             [&] { CHIMERA_CUDA_CALL(cuda::sample_tokens(ctx, out_ids, logits, rows)); });
+  for (size_t i = 0; i < penalty_tokens.size(); ++i) {
+    if (penalty_tokens[i].id < 0 || penalty_tokens[i].id >= V)
+      c.fail("penalty token {} is {}, outside the vocabulary [0, {})", i, penalty_tokens[i].id, V);
+  }
+  if (out.logprobs) {
+    c.present("logprobs", out.logprobs);
+    if (out.logprobs.dtype() != DType::kF32) c.fail("logprobs {} must be F32", out.logprobs.describe());
+    c.shape("logprobs", out.logprobs, {R}, "logits", logits);
+  }
+  if (top_wanted > 0 && (!out.top_ids || !out.top_logprobs))
+    c.fail("{} top logprobs wanted but top_ids / top_logprobs are undefined", top_wanted);
+  if (out.top_ids || out.top_logprobs) {
+    c.i32("top_ids", out.top_ids, 2);
+    c.present("top_logprobs", out.top_logprobs);
+    if (out.top_logprobs.dtype() != DType::kF32 || out.top_logprobs.shape() != out.top_ids.shape() ||
+        out.top_ids.dim(0) != R || out.top_ids.dim(1) < top_wanted)
+      c.fail("top_ids {} and top_logprobs {} must be [{}, >= {}] I32 and F32", out.top_ids.describe(),
+             out.top_logprobs.describe(), R, top_wanted);
+  }
+  if (out.nonfinite) {
+    c.i32("nonfinite", out.nonfinite, 1);
+    c.shape("nonfinite", out.nonfinite, {R}, "logits", logits);
+  }
+  c.dispatch([&] { cpu::sample_tokens(out, logits, rows, penalty_tokens); },
+             [&] { CHIMERA_CUDA_CALL(cuda::sample_tokens(ctx, out, logits, rows, penalty_tokens)); });
+}
+
+void sample_tokens(const Context& ctx, const Tensor& out_ids, const Tensor& logits, std::span<const SamplingRow> rows) {
+  SamplingOutputs out;
+  out.ids = out_ids;
+  sample_tokens(ctx, out, logits, rows, {});
 }
 
 // ---- small helpers ---------------------------------------------------------------------------------

@@ -259,20 +259,61 @@ void moe_experts_shared(const Context& ctx, const Tensor& out, const Tensor& x, 
                         std::span<const Tensor> down_proj, const SharedExpert& shared);
 
 // ---- sampling --------------------------------------------------------------------------------------
-// Per-row sampling parameters: temperature 0 (or top_k 1) is greedy; top_k 0 and top_p 1 are off.
+// Per-row sampling parameters. temperature 0 (or top_k 1) is greedy; top_k 0, top_p 1, min_p 0, presence and
+// frequency penalties 0 and repetition_penalty 1 are off.
 struct SamplingRow {
   float temperature = 0.0f;
   int32_t top_k = 0;
   float top_p = 1.0f;
   uint64_t seed = 0;
   uint64_t step = 0;  // index of the token being generated in its sequence: the uniform is counter_uniform(seed, step)
+  float min_p = 0.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float repetition_penalty = 1.0f;
+  int32_t num_top_logprobs = 0;  // top logprobs wanted for this row, 0..kMaxTopLogprobs
+  // This row's entries of the penalty token list: [penalty_begin, penalty_end).
+  int32_t penalty_begin = 0;
+  int32_t penalty_end = 0;
+};
+
+constexpr int32_t kMaxTopLogprobs = 20;
+
+// One distinct token of a sequence, for the penalties: how often it was generated so far, and whether the
+// prompt holds it. Repetition applies to tokens in the prompt or the output; presence and frequency to the
+// output only (OpenAI / vLLM semantics).
+struct PenaltyToken {
+  int32_t id = 0;
+  int32_t output_count = 0;
+  int32_t in_prompt = 0;
+};
+
+// Outputs of the full sampler; every tensor but ids may be left undefined (then it is not computed).
+struct SamplingOutputs {
+  Tensor ids;           // [R] I32: the sampled token of each row
+  Tensor logprobs;      // [R] F32: that token's log-probability under the raw logits (log-softmax, no penalty,
+                        //      no temperature)
+  Tensor top_ids;       // [R, K] I32: the K most likely tokens of the raw logits (ties: lower id first); a row
+                        //      that asked for fewer has -1 past its count
+  Tensor top_logprobs;  // [R, K] F32: their raw log-probabilities (0 past the row's count)
+  Tensor nonfinite;     // [R] I32: 1 where the row's logits hold a NaN or an infinity, else 0
 };
 
 // One token id per row of fp32 logits. out_ids: [R] I32; logits: [R, V] F32; rows: R parameter sets.
-// Greedy: argmax, ties -> lowest id. Otherwise the candidates in descending logit order (ties: lower id
-// first), cut to the first top_k, softmax at the temperature, cut to the smallest prefix whose mass reaches
-// top_p (at least one token), then inverse-CDF sampling of u = counter_uniform(seed, step) over that prefix.
-// Invalid parameters (temperature < 0 or not finite, top_k < 0, top_p outside (0, 1]) -> kRuntime.
+// Order of operations (vLLM's): penalties -> temperature -> min_p -> top-k -> top-p -> sample.
+// Penalties (from each row's PenaltyToken entries): a repeated token's logit l becomes l / repetition_penalty
+// when l > 0, else l * repetition_penalty; then l -= frequency_penalty * output_count and
+// l -= presence_penalty * (output_count > 0). Greedy: argmax of the penalised logits, ties -> lowest id.
+// Otherwise the candidates in descending penalised-logit order (ties: lower id first); min_p keeps those with
+// exp((l - max) / T) >= min_p; then the first top_k; softmax at the temperature; the smallest prefix whose mass
+// reaches top_p (at least one token); inverse-CDF sampling of u = counter_uniform(seed, step) over that prefix.
+// Log-probabilities are those of the raw logits (vLLM's default logprobs mode, "raw_logprobs").
+// Invalid parameters (temperature < 0 or not finite, top_k < 0, top_p outside (0, 1], min_p outside [0, 1],
+// a penalty not finite, repetition_penalty <= 0, num_top_logprobs outside [0, kMaxTopLogprobs], a penalty range
+// outside the list, a penalty token outside the vocabulary) -> kRuntime.
+void sample_tokens(const Context& ctx, const SamplingOutputs& out, const Tensor& logits,
+                   std::span<const SamplingRow> rows, std::span<const PenaltyToken> penalty_tokens);
+// Only the ids (no penalty list).
 void sample_tokens(const Context& ctx, const Tensor& out_ids, const Tensor& logits, std::span<const SamplingRow> rows);
 
 // ---- small helpers used by the model ---------------------------------------------------------------

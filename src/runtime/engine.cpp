@@ -3,9 +3,20 @@
 #include <algorithm>
 #include <map>
 
+#include <fmt/core.h>
+
 #include "core/error.h"
 
 namespace chimera {
+namespace {
+// A sequence's prompt and generated tokens, for the sampling penalties.
+std::span<const int32_t> prompt_of(const Sequence& s) {
+  return std::span<const int32_t>(s.tokens).first(static_cast<size_t>(s.prompt_len));
+}
+std::span<const int32_t> generated_of(const Sequence& s) {
+  return std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.prompt_len));
+}
+}  // namespace
 
 Engine::Engine(const NemotronH& model, const ops::Context& ctx, const EngineConfig& config)
     : model_(model),
@@ -79,16 +90,47 @@ Tensor Engine::replay_decode(StepBatch& b) {
   return g.logits;
 }
 
-std::vector<int32_t> Engine::sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows) {
+std::vector<SampledToken> Engine::sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows,
+                                                   const std::vector<ops::PenaltyToken>& penalty_tokens,
+                                                   bool want_logprobs) {
   Tensor f32 = logits;
   if (logits.dtype() != DType::kF32) {
     f32 = device::empty(Device::kCuda, DType::kF32, logits.shape());
     ops::convert(ctx_, f32, logits);
   }
-  const Tensor ids = device::empty(Device::kCuda, DType::kI32, {logits.dim(0)});
-  ops::sample_tokens(ctx_, ids, f32, rows);
-  const Tensor host = device::to_host(ids);  // waits for the step
-  return std::vector<int32_t>(host.i32(), host.i32() + host.numel());
+  const int64_t R = logits.dim(0);
+  int32_t K = 0;
+  for (const ops::SamplingRow& r : rows) K = std::max(K, r.num_top_logprobs);
+  // ids and non-finite flags share one buffer (one copy back); logprobs only when asked.
+  const Tensor ints = device::empty(Device::kCuda, DType::kI32, {2 * R});
+  ops::SamplingOutputs out;
+  out.ids = ints.rows(0, R);
+  out.nonfinite = ints.rows(R, 2 * R);
+  if (want_logprobs) out.logprobs = device::empty(Device::kCuda, DType::kF32, {R});
+  if (K > 0) {
+    out.top_ids = device::empty(Device::kCuda, DType::kI32, {R, K});
+    out.top_logprobs = device::empty(Device::kCuda, DType::kF32, {R, K});
+  }
+  ops::sample_tokens(ctx_, out, f32, rows, penalty_tokens);
+  const Tensor host = device::to_host(ints);  // waits for the step
+  std::vector<SampledToken> tokens(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    tokens[r].id = host.i32()[r];
+    tokens[r].nonfinite = host.i32()[R + r] != 0;
+  }
+  if (want_logprobs) {
+    const Tensor lp = device::to_host(out.logprobs);
+    for (int64_t r = 0; r < R; ++r) tokens[r].logprob = lp.f32()[r];
+  }
+  if (K > 0) {
+    const Tensor ti = device::to_host(out.top_ids), tl = device::to_host(out.top_logprobs);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int32_t j = 0; j < rows[r].num_top_logprobs; ++j) {
+        tokens[r].top_logprobs.emplace_back(ti.i32()[r * K + j], tl.f32()[r * K + j]);
+      }
+    }
+  }
+  return tokens;
 }
 
 int32_t Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& sampling) {
@@ -97,6 +139,12 @@ int32_t Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& s
   for (size_t i = 0; i < prompt.size(); ++i) {
     if (prompt[i] < 0 || prompt[i] >= V) {
       invalid_input("prompt token {} at position {} is outside the vocabulary [0, {})", prompt[i], i, V);
+    }
+  }
+  for (size_t i = 0; i < sampling.stop_token_ids.size(); ++i) {
+    if (sampling.stop_token_ids[i] >= V) {
+      invalid_input("stop_token_ids (--stop-token-ids): entry {} is {}, outside the vocabulary [0, {})", i,
+                    sampling.stop_token_ids[i], V);
     }
   }
   Sequence s;
@@ -164,18 +212,24 @@ std::vector<TokenEvent> Engine::step() {
   }
   // On the GPU, when every logits row samples and nobody asked for the rows themselves, sampling runs there and
   // only the token ids come back; otherwise the rows come to the host (fp32) and are sampled there.
-  std::vector<int32_t> device_tokens;
+  std::vector<SampledToken> device_tokens;
   if (ctx_.device == Device::kCuda) {
     bool all_sample = !on_logits;
+    bool want_logprobs = false;
     std::vector<ops::SamplingRow> rows;
+    std::vector<ops::PenaltyToken> penalty_tokens;
     for (size_t r = 0; all_sample && r < row_owner.size(); ++r) {
       const Sequence& s = scheduler_.get(row_owner[r].seq_id);
       all_sample = row_owner[r].samples && s.sampling.max_new_tokens > 0;
-      rows.push_back({s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.sampling.seed,
-                      static_cast<uint64_t>(s.num_generated())});
+      ops::SamplingRow row = sampling_row(s.sampling, static_cast<uint64_t>(s.num_generated()));
+      row.penalty_begin = static_cast<int32_t>(penalty_tokens.size());
+      append_penalty_tokens(s.sampling, prompt_of(s), generated_of(s), penalty_tokens);
+      row.penalty_end = static_cast<int32_t>(penalty_tokens.size());
+      want_logprobs = want_logprobs || s.sampling.logprobs >= 0;
+      rows.push_back(row);
     }
     if (all_sample && !rows.empty()) {
-      device_tokens = sample_on_device(logits, rows);
+      device_tokens = sample_on_device(logits, rows, penalty_tokens, want_logprobs);
     } else {
       logits = device::to_host_f32(logits);
     }
@@ -193,17 +247,34 @@ std::vector<TokenEvent> Engine::step() {
       events.push_back({s.id, -1, s.finish});
       continue;
     }
-    const int32_t tok = on_host ? sample_token(row, s.sampling, static_cast<uint64_t>(s.num_generated()))
-                                : device_tokens[r];
+    const uint64_t step = static_cast<uint64_t>(s.num_generated());
+    SampledToken t = on_host ? sample_token(row, s.sampling, step, prompt_of(s), generated_of(s))
+                             : std::move(device_tokens[r]);
+    if (t.nonfinite) {
+      // NaN / Inf logits (broken weights or an overflow): sampling them gives plausible-looking garbage.
+      s.finish = FinishReason::kError;
+      s.error = fmt::format("non-finite logits at step {} of sequence {} (a NaN or an infinity among them)", step, s.id);
+      TokenEvent ev{s.id, -1, s.finish};
+      ev.error = s.error;
+      events.push_back(std::move(ev));
+      continue;
+    }
+    const int32_t tok = t.id;
     s.tokens.push_back(tok);
     const bool eos = !s.sampling.ignore_eos && std::find(stop_ids_.begin(), stop_ids_.end(), tok) != stop_ids_.end();
-    if (eos) {
+    const auto& stop_tokens = s.sampling.stop_token_ids;
+    if (eos || std::find(stop_tokens.begin(), stop_tokens.end(), tok) != stop_tokens.end()) {
       s.finish = FinishReason::kStop;
     } else if (s.num_generated() >= s.sampling.max_new_tokens ||
                static_cast<int32_t>(s.tokens.size()) >= cache_.sizes().max_model_len) {
       s.finish = FinishReason::kLength;
     }
-    events.push_back({s.id, tok, s.finish});
+    TokenEvent ev{s.id, tok, s.finish};
+    if (s.sampling.logprobs >= 0) {
+      ev.logprob = t.logprob;
+      ev.top_logprobs = std::move(t.top_logprobs);
+    }
+    events.push_back(std::move(ev));
   }
   for (Sequence& s : scheduler_.collect_finished()) finished_.push_back(std::move(s));
   return events;

@@ -6,6 +6,8 @@
 #include <map>
 #include <optional>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/device_api.h"
@@ -28,8 +30,14 @@ struct EngineConfig {
 
 struct TokenEvent {
   int32_t seq_id;
-  int32_t token;
+  int32_t token;        // -1 when the event only finishes the sequence (max_tokens 0, kError)
   FinishReason finish;  // kNone while the sequence goes on
+  // When the request asked for logprobs (>= 0): the token's log-probability under the raw logits (log-softmax
+  // before penalties and temperature, vLLM's default "raw_logprobs"), and the `logprobs` most likely tokens
+  // with theirs, most likely first (ties: lower id first).
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top_logprobs;
+  std::string error;  // kError: what went wrong ("non-finite logits at step N of sequence S")
 };
 
 class Engine {
@@ -82,8 +90,11 @@ class Engine {
   // The step's logits on the model's device (host fp32 on the CPU).
   Tensor execute(StepBatch& b);
   Tensor replay_decode(StepBatch& b);
-  // Token ids for the rows of `logits` (device, activation dtype), sampled on the GPU; one small copy back.
-  std::vector<int32_t> sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows);
+  // The rows of `logits` (device, activation dtype) sampled on the GPU: ids, non-finite flags and (when a row
+  // asks) logprobs come back in a few small copies.
+  std::vector<SampledToken> sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows,
+                                             const std::vector<ops::PenaltyToken>& penalty_tokens,
+                                             bool want_logprobs);
 
 
   const NemotronH& model_;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "runtime/sampler.h"
@@ -15,7 +16,8 @@
 namespace chimera {
 
 // kAbort: the caller removed the sequence (Engine::abort_request) before it stopped or reached its length.
-enum class FinishReason { kNone, kStop, kLength, kAbort };
+// kError: the sequence cannot go on (non-finite logits); Sequence::error / TokenEvent::error say why.
+enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
 
 struct Sequence {
   int32_t id = 0;
@@ -26,6 +28,7 @@ struct Sequence {
   std::vector<int32_t> blocks;  // KV blocks
   SamplingParams sampling;
   FinishReason finish = FinishReason::kNone;
+  std::string error;  // kError: the message
 
   int32_t num_generated() const { return static_cast<int32_t>(tokens.size()) - prompt_len; }
   bool finished() const { return finish != FinishReason::kNone; }

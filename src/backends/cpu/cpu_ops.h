@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
+#include <vector>
 
 #include "ops/ops.h"
 
@@ -52,8 +54,18 @@ void moe_experts(const Tensor& out, const Tensor& x, const Tensor& topk_ids, con
                  std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 
 // Sampling (sampling.cpp): sample_row is the whole algorithm for one row, also used by runtime's sample_token.
-int32_t sample_row(std::span<const float> logits, const ops::SamplingRow& p);
-void sample_tokens(const Tensor& out_ids, const Tensor& logits, std::span<const ops::SamplingRow> rows);
+struct SampledRow {
+  int32_t id = -1;
+  float logprob = 0.0f;                             // raw log-softmax of the sampled token
+  std::vector<std::pair<int32_t, float>> top;       // the num_top_logprobs most likely raw tokens
+  bool nonfinite = false;                           // the row holds a NaN or an infinity
+};
+// `penalties`: this row's distinct tokens (the row's penalty range already applied). with_logprob: compute
+// `logprob` (top is computed when p.num_top_logprobs > 0).
+SampledRow sample_row(std::span<const float> logits, const ops::SamplingRow& p,
+                      std::span<const ops::PenaltyToken> penalties, bool with_logprob);
+void sample_tokens(const ops::SamplingOutputs& out, const Tensor& logits, std::span<const ops::SamplingRow> rows,
+                   std::span<const ops::PenaltyToken> penalty_tokens);
 
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void copy_columns(const Tensor& out, const Tensor& in, int64_t col_begin);

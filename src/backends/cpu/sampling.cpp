@@ -1,5 +1,7 @@
-// Token sampling, the reference: greedy, temperature, top-k, top-p, with the counter-based uniform
-// (core/counter_rng.h) so a sequence's draws depend only on (seed, step). The CUDA sampler must agree.
+// Token sampling, the reference (ops/ops.h sample_tokens gives the contract): penalties -> temperature ->
+// min_p -> top-k -> top-p -> inverse-CDF sample, with the counter-based uniform (core/counter_rng.h) so a
+// sequence's draws depend only on (seed, step); log-probabilities of the raw logits. The CUDA sampler
+// (backends/cuda/sampling/sampling.cu) computes the same function.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -10,27 +12,53 @@
 #include "core/error.h"
 
 namespace chimera::cpu {
+namespace {
 
-int32_t sample_row(std::span<const float> logits, const ops::SamplingRow& p) {
-  CHIMERA_CHECK(!logits.empty(), "sample_token on empty logits");
-  const auto n = static_cast<int32_t>(logits.size());
-  if (p.temperature == 0.0f || p.top_k == 1) {
-    // max_element returns the first maximum: ties go to the lowest id.
-    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+bool has_penalty(const ops::SamplingRow& p) {
+  return p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.repetition_penalty != 1.0f;
+}
+
+// One penalised logit, in fp32 in this order (vLLM's apply_penalties): repetition, frequency, presence.
+float penalised(float l, const ops::SamplingRow& p, const ops::PenaltyToken& t) {
+  if (p.repetition_penalty != 1.0f && (t.in_prompt != 0 || t.output_count > 0)) {
+    l = l > 0.0f ? l / p.repetition_penalty : l * p.repetition_penalty;
   }
+  const float count = static_cast<float>(t.output_count);
+  const float freq = p.frequency_penalty * count;
+  l = l - freq;
+  if (t.output_count > 0) l = l - p.presence_penalty;
+  return l;
+}
+
+int32_t argmax(std::span<const float> l) {
+  // max_element returns the first maximum: ties go to the lowest id.
+  return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+}
+
+int32_t sample_penalised(std::span<const float> logits, const ops::SamplingRow& p) {
+  const auto n = static_cast<int32_t>(logits.size());
+  if (p.temperature == 0.0f || p.top_k == 1) return argmax(logits);
   // Candidates in descending logit order (stable: ties keep the lower id first).
   std::vector<int32_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  // Softmax numerators at the temperature relative to the best token, in double (the CUDA sampler's mass_of).
+  const double mx = logits[order[0]];
+  const double t = p.temperature;
+  auto mass = [&](int32_t id) { return std::exp((static_cast<double>(logits[id]) - mx) / t); };
   size_t keep = order.size();
+  if (p.min_p > 0.0f) {
+    // min_p: keep p_i >= min_p * p_max, i.e. exp((l_i - max) / T) >= min_p (a prefix of the order; never empty).
+    size_t cut = 1;
+    while (cut < keep && mass(order[cut]) >= static_cast<double>(p.min_p)) ++cut;
+    keep = cut;
+  }
   if (p.top_k > 0) keep = std::min(keep, static_cast<size_t>(p.top_k));
 
-  // Softmax over the kept candidates at the given temperature, in double for a stable cumulative sum.
   std::vector<double> prob(keep);
-  const double mx = logits[order[0]];
   double sum = 0.0;
   for (size_t i = 0; i < keep; ++i) {
-    prob[i] = std::exp((logits[order[i]] - mx) / p.temperature);
+    prob[i] = mass(order[i]);
     sum += prob[i];
   }
   for (double& q : prob) q /= sum;
@@ -59,11 +87,63 @@ int32_t sample_row(std::span<const float> logits, const ops::SamplingRow& p) {
   return order[keep - 1];
 }
 
-void sample_tokens(const Tensor& out_ids, const Tensor& logits, std::span<const ops::SamplingRow> rows) {
+}  // namespace
+
+SampledRow sample_row(std::span<const float> logits, const ops::SamplingRow& p,
+                      std::span<const ops::PenaltyToken> penalties, bool with_logprob) {
+  CHIMERA_CHECK(!logits.empty(), "sample_token on empty logits");
+  SampledRow out;
+  out.nonfinite = !std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); });
+
+  if (has_penalty(p) && !penalties.empty()) {
+    std::vector<float> pen(logits.begin(), logits.end());
+    for (const ops::PenaltyToken& t : penalties) pen[static_cast<size_t>(t.id)] = penalised(pen[t.id], p, t);
+    out.id = sample_penalised(pen, p);
+  } else {
+    out.id = sample_penalised(logits, p);
+  }
+
+  if (with_logprob || p.num_top_logprobs > 0) {
+    // Raw log-softmax in double: l - (max + log(sum exp(l - max))).
+    const double mx = *std::max_element(logits.begin(), logits.end());
+    double sum = 0.0;
+    for (float v : logits) sum += std::exp(static_cast<double>(v) - mx);
+    const double lse = mx + std::log(sum);
+    out.logprob = static_cast<float>(static_cast<double>(logits[out.id]) - lse);
+    if (p.num_top_logprobs > 0) {
+      const size_t k = std::min(logits.size(), static_cast<size_t>(p.num_top_logprobs));
+      std::vector<int32_t> ids(logits.size());
+      std::iota(ids.begin(), ids.end(), 0);
+      std::partial_sort(ids.begin(), ids.begin() + static_cast<long>(k), ids.end(), [&](int32_t a, int32_t b) {
+        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+      });
+      for (size_t i = 0; i < k; ++i) {
+        out.top.emplace_back(ids[i], static_cast<float>(static_cast<double>(logits[ids[i]]) - lse));
+      }
+    }
+  }
+  return out;
+}
+
+void sample_tokens(const ops::SamplingOutputs& out, const Tensor& logits, std::span<const ops::SamplingRow> rows,
+                   std::span<const ops::PenaltyToken> penalty_tokens) {
   const int64_t V = logits.dim(1);
+  const int64_t K = out.top_ids ? out.top_ids.dim(1) : 0;
   for (size_t r = 0; r < rows.size(); ++r) {
+    const ops::SamplingRow& p = rows[r];
     const std::span<const float> row(logits.f32() + static_cast<int64_t>(r) * V, static_cast<size_t>(V));
-    out_ids.i32()[r] = sample_row(row, rows[r]);
+    const SampledRow s =
+        sample_row(row, p, penalty_tokens.subspan(static_cast<size_t>(p.penalty_begin),
+                                                  static_cast<size_t>(p.penalty_end - p.penalty_begin)),
+                   static_cast<bool>(out.logprobs));
+    out.ids.i32()[r] = s.id;
+    if (out.logprobs) out.logprobs.f32()[r] = s.logprob;
+    if (out.nonfinite) out.nonfinite.i32()[r] = s.nonfinite ? 1 : 0;
+    for (int64_t j = 0; j < K; ++j) {
+      const bool have = j < static_cast<int64_t>(s.top.size());
+      out.top_ids.i32()[static_cast<int64_t>(r) * K + j] = have ? s.top[static_cast<size_t>(j)].first : -1;
+      out.top_logprobs.f32()[static_cast<int64_t>(r) * K + j] = have ? s.top[static_cast<size_t>(j)].second : 0.0f;
+    }
   }
 }
 

@@ -86,7 +86,7 @@ void moe_experts_shared(const ops::Context& ctx, const Tensor& out, const Tensor
                         const ops::SharedExpert& shared);
 
 // sampling/ (sampling.cu)
-void sample_tokens(const ops::Context& ctx, const Tensor& out_ids, const Tensor& logits,
-                   std::span<const ops::SamplingRow> rows);
+void sample_tokens(const ops::Context& ctx, const ops::SamplingOutputs& out, const Tensor& logits,
+                   std::span<const ops::SamplingRow> rows, std::span<const ops::PenaltyToken> penalty_tokens);
 
 }  // namespace chimera::cuda

@@ -410,16 +410,26 @@ int greedy_splits(int64_t R, int64_t V) {
 
 }  // namespace
 
-void sample_tokens(const ops::Context& ctx, const Tensor& out_ids, const Tensor& logits,
-                   std::span<const ops::SamplingRow> rows) {
+void sample_tokens(const ops::Context& ctx, const ops::SamplingOutputs& out, const Tensor& logits,
+                   std::span<const ops::SamplingRow> rows, std::span<const ops::PenaltyToken> penalty_tokens) {
   const char* op = "ops::sample_tokens";
+  const Tensor& out_ids = out.ids;
   const int64_t R = logits.dim(0), V = logits.dim(1);
   if (R == 0) return;
   // Fixed-point masses of up to 2^24 tokens fit 64-bit sums.
   if (V > (int64_t{1} << 24) || R > 0x7fffffffLL) {
     throw_runtime(str_cat(op, ": logits ", logits.describe(), " exceed the CUDA sampler's 2^24 vocabulary"));
   }
+  for (const ops::SamplingRow& row : rows) {
+    if (row.min_p != 0.0f || row.presence_penalty != 0.0f || row.frequency_penalty != 0.0f ||
+        row.repetition_penalty != 1.0f || row.num_top_logprobs > 0) {
+      throw_runtime(str_cat(op, ": min_p, penalties and top logprobs are not implemented on CUDA yet"));
+    }
+  }
+  (void)penalty_tokens;
+  if (out.logprobs) throw_runtime(str_cat(op, ": logprobs are not implemented on CUDA yet"));
   const cudaStream_t stream = as_stream(ctx.stream);
+  if (out.nonfinite) CHIMERA_CUDA_CHECK(cudaMemsetAsync(out.nonfinite.data(), 0, out.nonfinite.nbytes(), stream), op);
   bool all_greedy = true;
   for (const ops::SamplingRow& row : rows) all_greedy = all_greedy && (row.temperature == 0.0f || row.top_k == 1);
   const int splits = all_greedy ? greedy_splits(R, V) : 1;
