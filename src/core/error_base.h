@@ -1,6 +1,8 @@
 // Errors: one exception type carrying the category that decides the process exit status.
 //   kInvalidInput -> exit 2 (bad usage, bad file, bad config, bad tensor)
 //   kRuntime      -> exit 1 (something failed while running valid input)
+//   kOverloaded   -> exit 1 (valid input refused for now: the engine's waiting queue is full; a server answers
+//                    503 with Retry-After)
 // Exceptions rather than Status returns: the CPU reference path is deep (loader -> model -> ops) and every
 // failure is fatal for the request, so unwinding to the CLI / request boundary is the simple, honest shape.
 // This header has no fmt dependency so that CUDA sources (compiled by nvcc) can throw too.
@@ -12,7 +14,7 @@
 
 namespace chimera {
 
-enum class ErrorKind { kInvalidInput, kRuntime };
+enum class ErrorKind { kInvalidInput, kRuntime, kOverloaded };
 
 class Error : public std::runtime_error {
  public:

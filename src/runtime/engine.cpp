@@ -148,12 +148,12 @@ int32_t Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& s
     }
   }
   Sequence s;
-  s.id = next_id_++;
+  s.id = next_id_;
   s.prompt_len = static_cast<int32_t>(prompt.size());
   s.tokens = std::move(prompt);
   s.sampling = sampling;
-  scheduler_.add(std::move(s));
-  return next_id_ - 1;
+  scheduler_.add(std::move(s));  // may refuse it: the id is spent only once it is queued
+  return next_id_++;
 }
 
 std::vector<TokenEvent> Engine::step() {
@@ -167,38 +167,45 @@ std::vector<TokenEvent> Engine::step() {
     return events;
   }
 
-  // ---- build the step batch (prefill sequences first, then decodes) ----
+  // ---- build the step batch ----
+  // Sequences with several new tokens, or none in context, run the multi-token kernels (varlen conv, chunked
+  // scan, attention over context + new rows) and come first; sequences with one new token after a context run
+  // the single-token kernels (conv update, selective state update, decode attention).
   StepBatch b;
-  std::vector<const ScheduledSeq*> order;
-  for (const ScheduledSeq& s : plan.prefill) order.push_back(&s);
-  for (const ScheduledSeq& s : plan.decode) order.push_back(&s);
-  b.num_prefill_seqs = static_cast<int32_t>(plan.prefill.size());
+  std::vector<ScheduledSeq> order;
+  for (const ScheduledSeq& p : plan.seqs) {
+    if (p.num_tokens > 1 || scheduler_.get(p.seq_id).num_computed == 0) order.push_back(p);
+  }
+  b.num_prefill_seqs = static_cast<int32_t>(order.size());
+  for (const ScheduledSeq& p : plan.seqs) {
+    if (p.num_tokens == 1 && scheduler_.get(p.seq_id).num_computed > 0) order.push_back(p);
+  }
   const int32_t max_blocks = cache_.blocks_per_seq();
   b.block_tables = Tensor::zeros(DType::kI32, {static_cast<int64_t>(order.size()), max_blocks});
-  // For each sequence: does this step produce a token for it, and which logits rows belong to it.
+  // For each logits row: its sequence, and whether this step samples from it.
   struct RowOwner {
     int32_t seq_id;
     bool samples;
   };
   std::vector<RowOwner> row_owner;
   for (size_t i = 0; i < order.size(); ++i) {
-    Sequence& s = scheduler_.get(order[i]->seq_id);
-    const int32_t n = order[i]->num_tokens;
+    Sequence& s = scheduler_.get(order[i].seq_id);
+    const int32_t n = order[i].num_tokens;
     const int32_t start = b.num_tokens();
     b.token_ids.insert(b.token_ids.end(), s.tokens.begin() + s.num_computed, s.tokens.begin() + s.num_computed + n);
     b.cu_seqlens.push_back(b.num_tokens());
     b.context_lens.push_back(s.num_computed);
     b.state_slots.push_back(s.slot);
     std::copy(s.blocks.begin(), s.blocks.end(), b.block_tables.i32() + static_cast<int64_t>(i) * max_blocks);
+    // Row r holds the logits after token s.num_computed + r. A row is reported once: a preempted sequence
+    // recomputing its tokens reports only rows past num_computed_max; the last row samples the next token.
     const bool reaches_end = s.num_computed + n == static_cast<int32_t>(s.tokens.size());
-    if (config_.return_prompt_logits && s.in_prefill()) {
-      for (int32_t r = 0; r < n; ++r) {
+    for (int32_t r = 0; r < n; ++r) {
+      const bool last = reaches_end && r == n - 1;
+      if (last || (config_.return_prompt_logits && s.num_computed + r >= s.num_computed_max)) {
         b.logit_rows.push_back(start + r);
-        row_owner.push_back({s.id, reaches_end && r == n - 1});
+        row_owner.push_back({s.id, last});
       }
-    } else if (reaches_end) {
-      b.logit_rows.push_back(start + n - 1);
-      row_owner.push_back({s.id, true});
     }
   }
 
@@ -206,9 +213,10 @@ std::vector<TokenEvent> Engine::step() {
   Tensor logits = execute(b);
 
   // ---- update ----
-  for (size_t i = 0; i < order.size(); ++i) {
-    Sequence& s = scheduler_.get(order[i]->seq_id);
-    s.num_computed += order[i]->num_tokens;
+  for (const ScheduledSeq& p : order) {
+    Sequence& s = scheduler_.get(p.seq_id);
+    s.num_computed += p.num_tokens;
+    s.num_computed_max = std::max(s.num_computed_max, s.num_computed);
   }
   // On the GPU, when every logits row samples and nobody asked for the rows themselves, sampling runs there and
   // only the token ids come back; otherwise the rows come to the host (fp32) and are sampled there.

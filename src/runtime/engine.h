@@ -45,7 +45,8 @@ class Engine {
   // ctx.device must be the model's device; the caches are allocated there in the model's activation dtype.
   Engine(const NemotronH& model, const ops::Context& ctx, const EngineConfig& config);
 
-  // Queues a request; returns its sequence id. Bad prompts / parameters -> kInvalidInput.
+  // Queues a request; returns its sequence id. Bad prompts / parameters -> kInvalidInput; a full waiting queue
+  // (SchedulerConfig::max_waiting) -> kOverloaded.
   int32_t add_request(std::vector<int32_t> prompt, const SamplingParams& sampling);
   bool has_unfinished() const { return scheduler_.has_unfinished(); }
   // One step; returns the tokens sampled in it, in batch order.
@@ -64,6 +65,8 @@ class Engine {
   int32_t num_free_blocks() const { return cache_.free_blocks(); }
   int32_t num_total_slots() const { return cache_.sizes().max_seqs; }
   int32_t num_free_slots() const { return cache_.free_slots(); }
+  // Sequences preempted so far (each counted once per preemption) for want of KV blocks.
+  int64_t num_preemptions() const { return scheduler_.num_preemptions(); }
   // Fraction of the KV pool's blocks held by sequences, in [0, 1].
   double kv_cache_usage() const {
     return 1.0 - static_cast<double>(num_free_blocks()) / static_cast<double>(num_total_blocks());

@@ -11,6 +11,7 @@ Scheduler::Scheduler(const SchedulerConfig& config, StateCache& cache) : config_
   if (config_.max_num_batched_tokens < 1) {
     invalid_input("--max-num-batched-tokens must be >= 1, got {}", config_.max_num_batched_tokens);
   }
+  if (config_.max_waiting < 0) invalid_input("the waiting-queue bound must be >= 0, got {}", config_.max_waiting);
 }
 
 void Scheduler::add(Sequence seq) {
@@ -18,6 +19,10 @@ void Scheduler::add(Sequence seq) {
   if (static_cast<int32_t>(seq.tokens.size()) > cache_.sizes().max_model_len) {
     invalid_input("request {}: prompt of {} tokens exceeds --max-model-len {}", seq.id, seq.tokens.size(),
                   cache_.sizes().max_model_len);
+  }
+  if (config_.max_waiting > 0 && static_cast<int32_t>(waiting_.size()) >= config_.max_waiting) {
+    throw Error(ErrorKind::kOverloaded,
+                fmt::format("request {}: the waiting queue is full ({} requests)", seq.id, waiting_.size()));
   }
   waiting_.push_back(std::move(seq));
 }
@@ -32,31 +37,57 @@ Sequence& Scheduler::get(int32_t id) {
   runtime_error("scheduler: no sequence {}", id);
 }
 
+void Scheduler::preempt_last(SchedulerOutput& out, int32_t& budget) {
+  Sequence& v = running_.back();
+  // Already given tokens this step (a decode scheduled before a prompt chunk that needs its blocks): take back.
+  auto it = std::find_if(out.seqs.begin(), out.seqs.end(), [&](const ScheduledSeq& s) { return s.seq_id == v.id; });
+  if (it != out.seqs.end()) {
+    budget += it->num_tokens;
+    out.seqs.erase(it);
+  }
+  cache_.release_slot(v.slot);
+  cache_.release_blocks(v.blocks);
+  v.slot = -1;
+  v.num_computed = 0;
+  ++v.num_preemptions;
+  ++num_preemptions_;
+  out.preempted.push_back(v.id);
+  waiting_.push_front(std::move(v));
+  running_.pop_back();
+}
+
 SchedulerOutput Scheduler::schedule() {
   SchedulerOutput out;
   int32_t budget = config_.max_num_batched_tokens;
 
-  // 1. Every running sequence past its prompt decodes one token (it needs room for that token's KV).
-  for (Sequence& s : running_) {
-    if (s.finished() || s.in_prefill() || budget == 0) continue;
-    if (!cache_.reserve_blocks(s.blocks, s.num_computed + 1)) {
-      runtime_error("KV cache exhausted while decoding sequence {} ({} free blocks)", s.id, cache_.free_blocks());
+  // 1. Running sequences: past their prompt first (decodes), then those in their prompt (chunked prefill).
+  //    Each gets its pending tokens, as many as the budget allows, and the KV blocks they need, preempting
+  //    from the most recently admitted end when the pool is short.
+  for (const bool prompt_phase : {false, true}) {
+    for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+      Sequence& s = running_[i];
+      if (s.finished() || s.in_prefill() != prompt_phase) continue;
+      const int32_t n = std::min(budget, s.num_pending());
+      if (n <= 0) continue;
+      bool self_preempted = false;
+      while (!cache_.reserve_blocks(s.blocks, s.num_computed + n)) {
+        // The pool holds at least one sequence of max_model_len (StateCache checks), so a sequence alone
+        // always fits and there is someone to preempt.
+        CHIMERA_CHECK(running_.size() > 1, "sequence {} alone does not fit the KV pool", s.id);
+        self_preempted = running_.size() - 1 == i;
+        preempt_last(out, budget);
+        if (self_preempted) break;
+      }
+      if (self_preempted) break;  // s was the last running sequence: nothing after it
+      out.seqs.push_back({s.id, n});
+      budget -= n;
     }
-    out.decode.push_back({s.id, 1});
-    --budget;
   }
-  // 2. Running sequences still in their prompt continue their prefill (chunked).
-  for (Sequence& s : running_) {
-    if (s.finished() || !s.in_prefill() || budget == 0) continue;
-    const int32_t n = std::min(budget, s.prompt_len - s.num_computed);
-    if (!cache_.reserve_blocks(s.blocks, s.num_computed + n)) continue;
-    out.prefill.push_back({s.id, n});
-    budget -= n;
-  }
-  // 3. Admit waiting sequences in arrival order while slots, blocks and budget last.
+  // 2. Admit waiting sequences in arrival order (preempted ones are at the front) while slots, blocks and
+  //    budget last. Admission never preempts.
   while (!waiting_.empty() && budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
     Sequence& s = waiting_.front();
-    const int32_t n = std::min(budget, s.prompt_len - s.num_computed);
+    const int32_t n = std::min(budget, s.num_pending());
     std::vector<int32_t> blocks;
     if (!cache_.reserve_blocks(blocks, s.num_computed + n)) break;
     const int32_t slot = cache_.allocate_slot();
@@ -66,7 +97,7 @@ SchedulerOutput Scheduler::schedule() {
     }
     s.slot = slot;
     s.blocks = std::move(blocks);
-    out.prefill.push_back({s.id, n});
+    out.seqs.push_back({s.id, n});
     budget -= n;
     running_.push_back(std::move(s));
     waiting_.pop_front();

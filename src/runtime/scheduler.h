@@ -1,7 +1,13 @@
-// The scheduler decides, as plain data, which sequences run in the next step and how many tokens each
-// (design.md "The engine loop"): every running decode sequence gets one token; then waiting or partly
-// prefilled prompts fill the remaining token budget (chunked prefill), while Mamba slots and KV blocks last.
-// It never touches tensors, so it is tested without a model.
+// The scheduler decides, as plain data, which sequences run in the next step and how many new tokens each
+// (design.md "The engine loop"). It speaks in tokens: a sequence's computed tokens catch up with its tokens,
+// so one step may give a sequence one token (a decode), many (a prompt chunk, or a preempted sequence
+// recomputing its prompt and generated tokens) or, later, a decode token plus drafts. Priority: running
+// sequences past their prompt first, then running sequences in their prompt, then waiting sequences in
+// arrival order, while the token budget, the Mamba slots and the KV blocks last. When a running sequence
+// needs a KV block and none is free, the most recently admitted running sequence is preempted (recompute,
+// as vLLM v1): its slot and blocks are freed and it goes back to the front of the waiting queue with its
+// generated tokens, to be prefilled again on readmission. It never touches tensors, so it is tested
+// without a model.
 #pragma once
 
 #include <cstdint>
@@ -29,33 +35,43 @@ struct Sequence {
   SamplingParams sampling;
   FinishReason finish = FinishReason::kNone;
   std::string error;  // kError: the message
+  // The largest num_computed reached so far: a preempted sequence recomputes up to here without producing
+  // (or reporting) logits rows again.
+  int32_t num_computed_max = 0;
+  int32_t num_preemptions = 0;
 
   int32_t num_generated() const { return static_cast<int32_t>(tokens.size()) - prompt_len; }
+  // Tokens not yet in the caches (the next step's candidates).
+  int32_t num_pending() const { return static_cast<int32_t>(tokens.size()) - num_computed; }
   bool finished() const { return finish != FinishReason::kNone; }
   bool in_prefill() const { return num_computed < prompt_len; }
 };
 
 struct ScheduledSeq {
   int32_t seq_id;
-  int32_t num_tokens;  // new tokens this step
+  int32_t num_tokens;  // new tokens this step, >= 1
 };
 
 struct SchedulerOutput {
-  std::vector<ScheduledSeq> prefill;  // first in the packed batch
-  std::vector<ScheduledSeq> decode;   // one token each
-  bool empty() const { return prefill.empty() && decode.empty(); }
+  std::vector<ScheduledSeq> seqs;  // in priority order; the engine arranges them into the step batch
+  std::vector<int32_t> preempted;  // ids preempted while scheduling this step (now waiting)
+  bool empty() const { return seqs.empty(); }
 };
 
 struct SchedulerConfig {
   int32_t max_num_seqs = 8;               // sequences in flight
   int32_t max_num_batched_tokens = 2048;  // tokens per step (prefill chunks + decodes)
+  // Requests that may wait for admission; add() past it throws ErrorKind::kOverloaded. 0: no bound.
+  // Preempted sequences return to the queue whatever its length.
+  int32_t max_waiting = 0;
 };
 
 class Scheduler {
  public:
   Scheduler(const SchedulerConfig& config, StateCache& cache);
 
-  // Takes ownership of the sequence; it waits until a slot and blocks are free.
+  // Takes ownership of the sequence; it waits until a slot and blocks are free. kInvalidInput for an empty or
+  // too long prompt, kOverloaded when the waiting queue is full.
   void add(Sequence seq);
   SchedulerOutput schedule();
   // Frees the slot and blocks of finished sequences and forgets them; returns them.
@@ -68,12 +84,17 @@ class Scheduler {
   bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
+  int64_t num_preemptions() const { return num_preemptions_; }
 
  private:
+  // Moves running_.back() (the most recently admitted) back to the front of the waiting queue.
+  void preempt_last(SchedulerOutput& out, int32_t& budget);
+
   SchedulerConfig config_;
   StateCache& cache_;
   std::deque<Sequence> waiting_;
-  std::vector<Sequence> running_;  // admitted: own a slot; prefilling or decoding
+  std::vector<Sequence> running_;  // admitted (own a slot), in admission order
+  int64_t num_preemptions_ = 0;
 };
 
 }  // namespace chimera

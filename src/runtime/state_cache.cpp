@@ -22,6 +22,11 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
   if (sizes_.max_model_len < 1) invalid_input("max model length must be >= 1, got {}", sizes_.max_model_len);
   if (sizes_.block_size < 1) invalid_input("KV block size must be >= 1, got {}", sizes_.block_size);
   if (sizes_.num_blocks <= 0) sizes_.num_blocks = sizes_.max_seqs * blocks_per_seq();
+  // A sequence alone must always fit, or preemption could not make room for it.
+  if (sizes_.num_blocks < blocks_per_seq()) {
+    invalid_input("a KV pool of {} blocks of {} tokens cannot hold one sequence of --max-model-len {}",
+                  sizes_.num_blocks, sizes_.block_size, sizes_.max_model_len);
+  }
 
   const size_t n = config.layers.size();
   state_.conv.resize(n);

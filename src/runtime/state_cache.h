@@ -27,7 +27,8 @@ struct CacheSizes {
   int32_t max_seqs = 8;        // Mamba state slots
   int32_t max_model_len = 4096;  // tokens per sequence (prompt + generated)
   int32_t block_size = 16;     // KV tokens per block
-  // KV blocks in the pool; 0 = enough for max_seqs sequences of max_model_len tokens.
+  // KV blocks in the pool; 0 = enough for max_seqs sequences of max_model_len tokens. At least one sequence of
+  // max_model_len tokens (kInvalidInput otherwise); below max_seqs of them the scheduler preempts.
   int32_t num_blocks = 0;
 };
 
