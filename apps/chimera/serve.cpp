@@ -4,11 +4,14 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 #include <thread>
 
 #include <fmt/core.h>
 
 #include "backends/device_api.h"
+#include "chat/chat_template.h"
 #include "commands.h"
 #include "core/error.h"
 #include "runtime/engine.h"
@@ -103,12 +106,23 @@ int run_serve(const ServeOptions& o) {
   server::EngineLoopConfig lc;
   lc.max_waiting_seqs = o.max_waiting_seqs;
   server::EngineLoop loop(engine, metrics, lc, o.max_num_seqs);
+  // The chat template from the model directory (-m; with --synthetic, the directory lending the tokenizer).
+  std::optional<chat::ChatTemplate> chat_template;
+  if (m.tokenizer && std::filesystem::is_directory(o.source.model_dir)) {
+    chat_template = chat::ChatTemplate::load(o.source.model_dir);
+  }
+  if ((!o.reasoning_parser.empty() || !o.tool_call_parser.empty()) && !chat_template) {
+    invalid_input("--reasoning-parser / --tool-call-parser: {} has no chat template", o.source.model_dir);
+  }
   server::ServerConfig sc;
   sc.served_model_name = name;
   sc.api_key = o.api_key;
   sc.max_model_len = o.max_model_len;
   sc.vocab_size = m.config.vocab_size;
-  server::OpenAiServer api(sc, m.tokenizer ? &*m.tokenizer : nullptr, loop, metrics);
+  sc.reasoning_parser = o.reasoning_parser;
+  sc.tool_call_parser = o.tool_call_parser;
+  server::OpenAiServer api(sc, m.tokenizer ? &*m.tokenizer : nullptr, chat_template ? &*chat_template : nullptr, loop,
+                           metrics);
   server::HttpServerConfig hc;
   hc.host = o.host;
   hc.port = static_cast<uint16_t>(o.port);
@@ -122,6 +136,9 @@ int run_serve(const ServeOptions& o) {
   http.start();
   fmt::print("chimera serve: model {} ({} {}), max_num_seqs {}, max_model_len {}\n", name, o.device,
              dtype_name(m.model->activation_dtype()), o.max_num_seqs, o.max_model_len);
+  fmt::print("chimera serve: chat template {}{}{}\n", chat_template ? "from the model" : "none",
+             o.reasoning_parser.empty() ? "" : ", reasoning parser " + o.reasoning_parser,
+             o.tool_call_parser.empty() ? "" : ", tool-call parser " + o.tool_call_parser);
   fmt::print("chimera serve: listening on http://{}:{}\n", o.host, port);
   std::fflush(stdout);
 

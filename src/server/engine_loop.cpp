@@ -9,7 +9,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 const char* reason_label(FinishReason r, bool aborted) {
-  if (aborted) return "abort";
+  if (aborted || r == FinishReason::kAbort) return "abort";
+  if (r == FinishReason::kError) return "error";
   return r == FinishReason::kStop ? "stop" : "length";
 }
 }  // namespace
@@ -82,9 +83,15 @@ void EngineLoop::apply_pending(std::deque<Pending>& adds, std::vector<std::pair<
       int32_t sid = -1;
       try {
         sid = engine_.add_request(std::move(p.seqs[i].prompt), p.seqs[i].sampling);
-      } catch (const std::exception& e) {
+      } catch (const Error& e) {
         // The HTTP side validated the request; a refusal here still reaches its client as an error.
-        p.sink->on_error(e.what());
+        p.sink->on_error(e.kind() == ErrorKind::kInvalidInput ? 400 : e.kind() == ErrorKind::kOverloaded ? 503 : 500,
+                         e.what());
+        std::lock_guard lock(mu_);
+        --in_flight_;
+        continue;
+      } catch (const std::exception& e) {
+        p.sink->on_error(500, e.what());
         std::lock_guard lock(mu_);
         --in_flight_;
         continue;
@@ -153,7 +160,7 @@ void EngineLoop::run() {
     } catch (const std::exception& e) {
       // A failed step is the server's fault: every request in it gets the error and the engine is emptied of
       // them so that the server goes on for new requests.
-      for (auto& [sid, live] : live_) live.sink->on_error(fmt::format("engine step failed: {}", e.what()));
+      for (auto& [sid, live] : live_) live.sink->on_error(500, fmt::format("engine step failed: {}", e.what()));
       std::vector<int32_t> ids;
       for (const auto& [sid, live] : live_) ids.push_back(sid);
       for (int32_t sid : ids) {
@@ -193,7 +200,7 @@ void EngineLoop::run() {
       }
       auto& slot = out[l.sink.get()];
       slot.first = l.sink;
-      slot.second.push_back(SeqEvent{l.choice, ev.token, ev.finish, false});
+      slot.second.push_back(SeqEvent{l.choice, ev.token, ev.finish, false, ev.logprob, ev.top_logprobs, ev.error});
       if (ev.finish != FinishReason::kNone) done.emplace_back(ev.seq_id, ev.finish);
     }
     metrics_.add_generation_tokens(new_tokens);

@@ -26,6 +26,10 @@ struct SeqEvent {
   int32_t token = -1;  // -1: no token (finished without one, or aborted)
   FinishReason finish = FinishReason::kNone;
   bool aborted = false;  // finished by an abort (client gone, stop string, shutdown)
+  // When the sequence asked for logprobs: the token's and the top ones (TokenEvent's).
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top_logprobs;
+  std::string error;  // finish kError: why
 };
 
 // Where a request's events go. Called on the engine thread; implementations only queue and return.
@@ -33,8 +37,9 @@ class RequestSink {
  public:
   virtual ~RequestSink() = default;
   virtual void on_events(std::vector<SeqEvent> events) = 0;
-  // The engine refused a sequence (add_request threw): `message` says why.
-  virtual void on_error(std::string message) = 0;
+  // A sequence failed: the engine refused it (add_request threw; status 400 for input it calls invalid, else
+  // 500) or its step failed (500). `message` says why.
+  virtual void on_error(int status, std::string message) = 0;
 };
 
 struct SeqRequest {

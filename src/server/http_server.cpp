@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "server/api.h"
+#include "server/sse.h"
 
 namespace chimera::server {
 
@@ -96,11 +97,11 @@ class Session : public std::enable_shared_from_this<Session> {
   }
   void write(uint64_t gen, std::string data) {
     if (!live(gen) || !streaming_ || data.empty()) return;
-    enqueue(fmt::format("{:x}\r\n", data.size()) + data + "\r\n", false);
+    enqueue(http_chunk(data), false);
   }
   void end(uint64_t gen) {
     if (!live(gen) || !streaming_) return;
-    enqueue("0\r\n\r\n", true);
+    enqueue(http_chunk(""), true);
   }
   void set_on_disconnect(uint64_t gen, std::function<void()> fn) {
     if (!live(gen)) {

@@ -67,7 +67,7 @@ Metrics::Metrics(std::string model_name, int32_t max_model_len)
       queue_(kRequestLatencyBuckets),
       prompt_len_(buckets_1_2_5(max_model_len)),
       gen_len_(buckets_1_2_5(max_model_len)) {
-  for (const char* r : {"stop", "length", "abort"}) success_[r] = 0;
+  for (const char* r : {"stop", "length", "abort", "error"}) success_[r] = 0;
 }
 
 void Metrics::add_prompt_tokens(int64_t n) {

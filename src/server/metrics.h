@@ -48,7 +48,7 @@ class Metrics {
   void add_generation_tokens(int64_t n);
   void observe_ttft(double seconds);
   void observe_inter_token(double seconds);
-  // A finished request (one sequence, as vLLM counts): finished_reason "stop", "length" or "abort".
+  // A finished request (one sequence, as vLLM counts): finished_reason "stop", "length", "abort" or "error".
   void record_finished(const std::string& finished_reason, int64_t prompt_tokens, int64_t generation_tokens,
                        double e2e_seconds, double queue_seconds);
   void set_gauges(const EngineGauges& g);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "chat/chat_template.h"
 #include "server/engine_loop.h"
 #include "server/http_server.h"
 #include "server/metrics.h"
@@ -24,12 +25,16 @@ struct ServerConfig {
   int64_t vocab_size = 0;
   std::string version = "0.1.0";
   int32_t retry_after_s = 1;  // Retry-After of a 503
+  std::string reasoning_parser;  // "" or "nemotron_v3": reasoning_content
+  std::string tool_call_parser;  // "" or "nemotron_v3": tool_calls
 };
 
 class OpenAiServer {
  public:
   // `tokenizer` may be null (a synthetic model without one): text prompts are then refused with 400.
-  OpenAiServer(ServerConfig config, const Tokenizer* tokenizer, EngineLoop& loop, Metrics& metrics);
+  // `chat_template` may be null (the model has none): /v1/chat/completions then answers 400.
+  OpenAiServer(ServerConfig config, const Tokenizer* tokenizer, const chat::ChatTemplate* chat_template,
+               EngineLoop& loop, Metrics& metrics);
   void handle(HttpRequest request, std::shared_ptr<Responder> responder);
 
  private:
@@ -40,6 +45,7 @@ class OpenAiServer {
 
   ServerConfig config_;
   const Tokenizer* tokenizer_;
+  const chat::ChatTemplate* chat_template_;
   EngineLoop& loop_;
   Metrics& metrics_;
   std::atomic<uint64_t> next_id_{0};
