@@ -72,6 +72,8 @@ class Session : public std::enable_shared_from_this<Session> {
       : stream_(std::move(socket)), write_timer_(stream_.get_executor()), server_(server) {}
 
   void start() {
+    beast::error_code ignored;
+    stream_.socket().non_blocking(true, ignored);  // only watch_disconnect() reads synchronously
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->read_header(); });
   }
 
@@ -127,6 +129,11 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void on_header(beast::error_code ec) {
     if (ec == http::error::header_limit) return reject(431, "the request's header is too large");
+    if (ec == http::error::body_limit) {
+      // Beast checks Content-Length against the limit with the header.
+      return reject(413, fmt::format("the request body is larger than the limit of {} bytes",
+                                     server_.config.max_body_bytes));
+    }
     if (ec == http::error::end_of_stream || ec == beast::error::timeout || ec == net::error::eof ||
         ec == net::error::connection_reset || ec == net::error::operation_aborted) {
       return close();
@@ -218,7 +225,8 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // While a response is pending, a read on the socket tells when the client goes away. Bytes that arrive
-  // instead (a pipelined request) stay in buffer_ for the next read.
+  // instead (a pipelined request) stay in buffer_ for the next read. The socket is non-blocking for this read:
+  // a readiness that turns out spurious (no bytes, no end of file) re-arms the wait.
   void watch_disconnect() {
     stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this(), gen = gen_](beast::error_code ec) {
       if (ec || self->closed_ || gen != self->gen_ || !self->in_response_) {
@@ -226,11 +234,10 @@ class Session : public std::enable_shared_from_this<Session> {
         return;
       }
       beast::error_code rec;
-      const size_t avail = self->stream_.socket().available(rec);
-      if (rec || avail == 0) return self->close();  // orderly shutdown or reset
-      auto mb = self->buffer_.prepare(std::min<size_t>(avail, 64 << 10));
+      auto mb = self->buffer_.prepare(64 << 10);
       const size_t n = self->stream_.socket().read_some(mb, rec);
-      if (rec) return self->close();
+      if (rec == net::error::would_block || rec == net::error::try_again) return self->watch_disconnect();
+      if (rec) return self->close();  // end of file or reset: the client is gone
       self->buffer_.commit(n);
       // Still there; a pipelined request waits in the buffer until this response ends.
     });

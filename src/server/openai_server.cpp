@@ -533,14 +533,29 @@ void OpenAiServer::generate(const HttpRequest& req, const std::shared_ptr<Respon
 void OpenAiServer::tokenize(const HttpRequest& req, const std::shared_ptr<Responder>& r) {
   const json body = parse_json_body(req.body);
   if (!tokenizer_) throw ApiError(400, "this server has no tokenizer");
-  auto it = body.find("prompt");
-  if (it == body.end() || !it->is_string()) throw ApiError(400, "'prompt' must be a string", "prompt");
   bool add_special = true;
+  std::string text;
+  if (body.contains("messages")) {
+    // A chat: the prompt the chat template renders (as /v1/chat/completions would send it to the engine).
+    const GenerationRequest g = parse_chat_request(body);
+    if (!chat_template_) throw ApiError(400, "the model has no chat template");
+    const nlohmann::ordered_json ob = nlohmann::ordered_json::parse(req.body);
+    text = chat_template_->render(chat::tool_call_arguments_as_objects(ob["messages"]),
+                                  ob.contains("tools") ? ob["tools"] : nlohmann::ordered_json(nullptr),
+                                  g.add_generation_prompt,
+                                  ob.contains("chat_template_kwargs") ? ob["chat_template_kwargs"]
+                                                                      : nlohmann::ordered_json(nullptr));
+    add_special = false;
+  } else {
+    auto it = body.find("prompt");
+    if (it == body.end() || !it->is_string()) throw ApiError(400, "'prompt' must be a string", "prompt");
+    text = it->get<std::string>();
+  }
   if (auto a = body.find("add_special_tokens"); a != body.end() && !a->is_null()) {
     if (!a->is_boolean()) throw ApiError(400, "'add_special_tokens' must be a boolean", "add_special_tokens");
     add_special = a->get<bool>();
   }
-  const std::vector<int32_t> ids = tokenizer_->encode(it->get<std::string>(), add_special);
+  const std::vector<int32_t> ids = tokenizer_->encode(text, add_special);
   send_json(*r, 200, json{{"count", ids.size()}, {"max_model_len", config_.max_model_len}, {"tokens", ids}});
 }
 

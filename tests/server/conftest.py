@@ -69,7 +69,41 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server():
-    s = Server("--max-num-seqs", "64", "--shutdown-timeout", "5")
+    s = Server("--max-num-seqs", "64", "--shutdown-timeout", "5", "--max-request-body-bytes", str(1 << 20),
+               "--request-timeout", "10", "--reasoning-parser", "nemotron_v3", "--tool-call-parser", "nemotron_v3")
     yield s
     rc = s.stop()
     assert rc == 0, "chimera serve exited with %r:\n%s" % (rc, "".join(s.lines[-40:]))
+
+
+def metrics(base):
+    """/metrics as {series: value} (series with labels as printed)."""
+    import minihttp
+    text = minihttp.get(base + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
+
+
+def metric(base, name, **labels):
+    """One series of /metrics by name and labels (model_name added)."""
+    want = dict(labels, model_name=MODEL_NAME)
+    for series, value in metrics(base).items():
+        if not series.startswith(name + "{"):
+            continue
+        got = dict(kv.split("=", 1) for kv in series[len(name) + 1:-1].split(","))
+        got = {k: v.strip('"') for k, v in got.items()}
+        if got == want:
+            return value
+    raise KeyError(f"{name}{labels} not in /metrics")
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
