@@ -9,6 +9,8 @@
 namespace chimera::chat {
 namespace {
 
+using nlohmann::ordered_json;
+
 std::string read_file(const std::filesystem::path& p) {
   std::ifstream f(p, std::ios::binary);
   if (!f) invalid_input("{}: cannot read", p.string());
@@ -26,6 +28,37 @@ std::string token_string(const nlohmann::json& cfg, const char* key, const std::
     return (*it)["content"].get<std::string>();
   }
   invalid_input("{}: \"{}\" must be a string or an object with \"content\"", file.string(), key);
+}
+
+// What apply_chat_template does to messages before rendering: keys whose value is None are dropped, and a
+// message's reasoning under any of its names ("reasoning_content", "thinking", "reasoning") is also passed as
+// "thinking" (first) and "reasoning_content" (last), i.e. {"thinking": r, **message, "reasoning_content": r}.
+ordered_json normalize_messages(const ordered_json& messages) {
+  static const char* kReasoningFields[] = {"reasoning_content", "thinking", "reasoning"};
+  ordered_json out = ordered_json::array();
+  for (const auto& m : messages) {
+    if (!m.is_object()) invalid_input("chat template: each message must be an object, got {}", m.dump());
+    ordered_json kept = ordered_json::object();
+    for (const auto& [k, v] : m.items()) {
+      if (!v.is_null()) kept[k] = v;
+    }
+    const ordered_json* reasoning = nullptr;
+    for (const char* f : kReasoningFields) {
+      if (kept.contains(f)) {
+        reasoning = &kept[f];
+        break;
+      }
+    }
+    if (reasoning) {
+      ordered_json aliased = ordered_json::object();
+      aliased["thinking"] = *reasoning;
+      for (const auto& [k, v] : kept.items()) aliased[k] = v;
+      aliased["reasoning_content"] = *reasoning;
+      kept = std::move(aliased);
+    }
+    out.push_back(std::move(kept));
+  }
+  return out;
 }
 
 }  // namespace
@@ -91,6 +124,7 @@ std::optional<ChatTemplate> ChatTemplate::load(const std::filesystem::path& mode
 std::string ChatTemplate::render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
                                  bool add_generation_prompt, const nlohmann::ordered_json& kwargs) const {
   if (!messages.is_array()) invalid_input("chat template: messages must be an array");
+  if (messages.empty()) invalid_input("chat template: the conversation is empty (messages needs at least one message)");
   if (!tools.is_null() && !tools.is_array()) invalid_input("chat template: tools must be an array or null");
   if (!kwargs.is_null() && !kwargs.is_object()) invalid_input("chat template: chat_template_kwargs must be an object");
   // transformers picks the tool_use template whenever tools is not None, and passes tools through as given.
@@ -100,7 +134,7 @@ std::string ChatTemplate::render(const nlohmann::ordered_json& messages, const n
   nlohmann::ordered_json vars = nlohmann::ordered_json::object();
   vars["bos_token"] = bos_token_;
   vars["eos_token"] = eos_token_;
-  vars["messages"] = messages;
+  vars["messages"] = normalize_messages(messages);
   vars["tools"] = tools;
   vars["documents"] = nullptr;
   vars["add_generation_prompt"] = add_generation_prompt;

@@ -352,7 +352,7 @@ Value apply_filter(Interpreter& in, const std::string& name, const Value& v, Cal
     const Dict* d = v.is_dict() ? v.dict().get() : v.is_namespace() ? &v.ns()->attrs : nullptr;
     if (!d) in.fail(line, std::string("items filter needs a mapping, got ") + type_name(v));
     List out;
-    for (const auto& [k, val] : d->entries) out.push_back(make_list({Value(k), val}));
+    for (const auto& [k, val] : d->entries) out.push_back(make_tuple({Value(k), val}));
     return make_list(std::move(out));
   }
   if (name == "upper" || name == "lower" || name == "title" || name == "capitalize") {
@@ -431,7 +431,7 @@ Value apply_filter(Interpreter& in, const std::string& name, const Value& v, Cal
     std::vector<Value> items;
     if (dictsort) {
       if (!v.is_dict()) in.fail(line, "dictsort needs a mapping");
-      for (const auto& [k, val] : v.dict()->entries) items.push_back(make_list({Value(k), val}));
+      for (const auto& [k, val] : v.dict()->entries) items.push_back(make_tuple({Value(k), val}));
     } else {
       items = in.iterate(v, line);
     }
@@ -500,7 +500,8 @@ Value apply_filter(Interpreter& in, const std::string& name, const Value& v, Cal
     std::string method = a.str(1, "common");
     double m = std::pow(10.0, static_cast<double>(prec));
     double x = v.as_double() * m;
-    double r = method == "ceil" ? std::ceil(x) : method == "floor" ? std::floor(x) : std::round(x);
+    // "common" is Python's round(): halves go to the even neighbour.
+    double r = method == "ceil" ? std::ceil(x) : method == "floor" ? std::floor(x) : std::nearbyint(x);
     return Value(r / m);
   }
   if (name == "select" || name == "reject") return select_items(in, v, ca, false, name == "select", line, name);
@@ -790,10 +791,10 @@ Value call_method(Interpreter& in, const Value& obj, const std::string& name, Ca
       if (sep.empty()) in.fail(line, "empty separator");
       size_t p = name == "partition" ? s.find(sep) : s.rfind(sep);
       if (p == std::string::npos) {
-        return name == "partition" ? make_list({Value(s), Value(""), Value("")})
-                                   : make_list({Value(""), Value(""), Value(s)});
+        return name == "partition" ? make_tuple({Value(s), Value(""), Value("")})
+                                   : make_tuple({Value(""), Value(""), Value(s)});
       }
-      return make_list({Value(s.substr(0, p)), Value(sep), Value(s.substr(p + sep.size()))});
+      return make_tuple({Value(s.substr(0, p)), Value(sep), Value(s.substr(p + sep.size()))});
     }
     if (name.rfind("is", 0) == 0) {
       std::vector<uint32_t> cps = utf8_decode(s);
@@ -824,7 +825,7 @@ Value call_method(Interpreter& in, const Value& obj, const std::string& name, Ca
       Args a(in, ca, fn, line, {});
       List out;
       for (const auto& [k, val] : d.entries) {
-        if (name == "items") out.push_back(make_list({Value(k), val}));
+        if (name == "items") out.push_back(make_tuple({Value(k), val}));
         else if (name == "keys") out.emplace_back(k);
         else out.push_back(val);
       }
@@ -895,6 +896,13 @@ Value global_function(const std::string& name) {
         for (const auto& [k, v] : p.dict()->entries) d.set(k, v);
       }
       for (const auto& [k, v] : a.keyword) d.set(k, v);
+      if (ns) {
+        for (const auto& [k, v] : d.entries) {
+          if (!k.empty() && k[0] == '_') {
+            in.fail(line, "namespace attributes cannot start with '_' (got '" + k + "')");
+          }
+        }
+      }
       if (!ns) return Value(std::make_shared<Dict>(std::move(d)));
       auto n = std::make_shared<Namespace>();
       n->attrs = std::move(d);

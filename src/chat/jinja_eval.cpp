@@ -135,6 +135,9 @@ Interpreter::Flow Interpreter::exec(const Node& n, std::string& out) {
           fail(n.line, "cannot assign attribute '" + n.text + "' on '" + n.names[0] + "' (" + type_name(target) +
                            "): only namespace() objects take attributes");
         }
+        if (!n.text.empty() && n.text[0] == '_') {
+          fail(n.line, "namespace attributes cannot start with '_' (got '" + n.text + "')");
+        }
         target.ns()->attrs.set(n.text, std::move(v));
       } else {
         bind_targets(n.names, v, n.line);
@@ -253,6 +256,8 @@ Interpreter::Flow Interpreter::exec_for(const Node& n, std::string& out) {
       return args.positional[static_cast<size_t>(i) % args.positional.size()];
     };
     loop->set("cycle", Value(cycle));
+    // Each iteration starts from a fresh frame: what the body assigns is gone by the next iteration.
+    frames_.back().vars.clear();
     assign("loop", Value(loop));
     bind_targets(n.names, items[static_cast<size_t>(i)], n.line);
     Flow f = exec(*n.b, out);
@@ -314,7 +319,9 @@ struct MacroCall {
       if (m.kids[i]) in.assign(m.names[i], in.eval(*m.kids[i]));
       else in.assign(m.names[i], Value::undefined("'" + m.names[i] + "'"));
     }
-    in.assign("varargs", Value(varargs));
+    Value va(varargs);
+    va.tuple = true;
+    in.assign("varargs", va);
     in.assign("kwargs", Value(kwargs));
     return Value(in.render_body(*m.a));
   }
@@ -662,7 +669,7 @@ Value Interpreter::eval(const Node& n) {
     case NodeKind::kTuple: {
       List items;
       for (const auto& k : n.kids) items.push_back(eval(*k));
-      return make_list(std::move(items));
+      return n.kind == NodeKind::kTuple ? make_tuple(std::move(items)) : make_list(std::move(items));
     }
     case NodeKind::kDictLit: {
       auto d = std::make_shared<Dict>();

@@ -60,6 +60,11 @@ void Dict::set(const std::string& key, Value value) {
 }
 
 Value make_list(List items) { return Value(std::make_shared<List>(std::move(items))); }
+Value make_tuple(List items) {
+  Value v = make_list(std::move(items));
+  v.tuple = true;
+  return v;
+}
 Value make_dict() { return Value(std::make_shared<Dict>()); }
 
 Value from_json(const nlohmann::ordered_json& j) {
@@ -170,19 +175,28 @@ std::string py_float_repr(double d) {
   std::string out = neg ? "-" : "";
   if (exp10 >= -4 && exp10 < 16) {
     if (exp10 < 0) {
-      out += "0." + std::string(static_cast<size_t>(-exp10 - 1), '0') + digits;
+      out += "0.";
+      out.append(static_cast<size_t>(-exp10 - 1), '0');
+      out += digits;
     } else {
       size_t int_len = static_cast<size_t>(exp10) + 1;
       if (digits.size() <= int_len) {
-        out += digits + std::string(int_len - digits.size(), '0') + ".0";
+        out += digits;
+        out.append(int_len - digits.size(), '0');
+        out += ".0";
       } else {
-        out += digits.substr(0, int_len) + "." + digits.substr(int_len);
+        out.append(digits, 0, int_len);
+        out += '.';
+        out.append(digits, int_len, std::string::npos);
       }
     }
     return out;
   }
-  out += digits.substr(0, 1);
-  if (digits.size() > 1) out += "." + digits.substr(1);
+  out += digits[0];
+  if (digits.size() > 1) {
+    out += '.';
+    out.append(digits, 1, std::string::npos);
+  }
   char ebuf[16];
   std::snprintf(ebuf, sizeof ebuf, "e%c%02d", exp10 < 0 ? '-' : '+', std::abs(exp10));
   return out + ebuf;
@@ -343,13 +357,15 @@ std::string to_json(const Value& v, int indent, bool sort_keys, const std::strin
 std::string py_repr(const Value& v) {
   if (v.is_string()) return repr_string(v.str());
   if (v.is_list()) {
-    std::string out = "[";
+    std::string out = v.tuple ? "(" : "[";
     const List& l = *v.list();
     for (size_t i = 0; i < l.size(); ++i) {
       if (i) out += ", ";
       out += py_repr(l[i]);
     }
-    return out + "]";
+    if (v.tuple && l.size() == 1) out += ',';
+    out += v.tuple ? ")" : "]";
+    return out;
   }
   if (v.is_dict()) {
     std::string out = "{";

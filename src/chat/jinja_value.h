@@ -34,6 +34,7 @@ struct None {};
 
 struct Value {
   std::variant<Undefined, None, bool, int64_t, double, std::string, ListPtr, DictPtr, NamespacePtr, CallablePtr> v;
+  bool tuple = false;  // a list that Python would hold as a tuple: printed "(a, b)"
 
   Value() : v(Undefined{}) {}
   Value(None n) : v(n) {}
@@ -97,6 +98,7 @@ struct Callable {
 };
 
 Value make_list(List items = {});
+Value make_tuple(List items);
 Value make_dict();
 Value from_json(const nlohmann::ordered_json& j);
 
