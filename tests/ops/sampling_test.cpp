@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <vector>
 
 #include "common/backend_param.h"
@@ -214,6 +215,208 @@ TEST_P(OpsSampling, RejectsBadParameters) {
   rows.pop_back();
   EXPECT_TRUE(test::throws_error([&] { ops::sample_tokens(ctx(), ids, logits, rows); }, ErrorKind::kRuntime,
                                  "ops::sample_tokens: 1 sampling rows for logits F32[2, 8]"));
+}
+
+// The full sampler's outputs on the backend under test and on the CPU reference.
+struct FullOut {
+  std::vector<int32_t> ids, nonfinite, top_ids;
+  std::vector<float> logprobs, top_logprobs;
+};
+FullOut full_outputs(const ops::Context& ctx, const Tensor& logits_host, const std::vector<ops::SamplingRow>& rows,
+                     const std::vector<ops::PenaltyToken>& pen, int64_t K) {
+  const int64_t R = logits_host.dim(0);
+  const Device d = ctx.device;
+  ops::SamplingOutputs out;
+  out.ids = device::empty(d, DType::kI32, {R});
+  out.logprobs = device::empty(d, DType::kF32, {R});
+  out.nonfinite = device::empty(d, DType::kI32, {R});
+  if (K > 0) {
+    out.top_ids = device::empty(d, DType::kI32, {R, K});
+    out.top_logprobs = device::empty(d, DType::kF32, {R, K});
+  }
+  ops::sample_tokens(ctx, out, device::to_device(logits_host, d), rows, pen);
+  FullOut f;
+  auto i32 = [](const Tensor& t) {
+    const Tensor h = device::to_host(t);
+    return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
+  };
+  auto f32 = [](const Tensor& t) {
+    const Tensor h = device::to_host(t);
+    return std::vector<float>(h.f32(), h.f32() + h.numel());
+  };
+  f.ids = i32(out.ids);
+  f.nonfinite = i32(out.nonfinite);
+  f.logprobs = f32(out.logprobs);
+  if (K > 0) {
+    f.top_ids = i32(out.top_ids);
+    f.top_logprobs = f32(out.top_logprobs);
+  }
+  return f;
+}
+
+// Every parameter together (penalties, min_p, top-k / top-p, logprobs, top logprobs, non-finite rows) on awkward
+// vocabulary and batch sizes: the backend against the CPU reference, and the reference against definitions
+// (log-softmax in double, the top tokens by a full sort, the flag by a scan). Greedy rows must agree exactly;
+// drawn rows in >= 98% of cases (a uniform within rounding of a CDF boundary may pick a neighbour).
+TEST_P(OpsSampling, AllParametersMatchTheCpuOnAwkwardShapes) {
+  auto rng = test::Rng::for_test();
+  const int64_t K = 6;
+  for (int64_t V : {1, 7, 4099, 131072}) {
+    for (int64_t R : {1, 3, 70}) {
+      if (!on_cuda() && V == 131072 && R > 3) continue;  // keep the CPU instance short
+      SCOPED_TRACE(::testing::Message() << "R=" << R << " V=" << V);
+      Tensor logits = tied_logits(rng, R, V);
+      std::vector<ops::SamplingRow> rows(R);
+      std::vector<ops::PenaltyToken> pen;
+      for (int64_t r = 0; r < R; ++r) {
+        ops::SamplingRow& row = rows[r];
+        const int kind = static_cast<int>(r % 5);
+        row.temperature = kind == 0 ? 0.0f : 0.5f + 0.25f * static_cast<float>(kind);
+        row.top_k = kind == 2 ? 20 : 0;
+        row.top_p = kind == 3 ? 0.8f : 1.0f;
+        row.min_p = kind == 4 ? 0.1f : (kind == 1 ? 0.02f : 0.0f);
+        row.seed = 77 + static_cast<uint64_t>(r);
+        row.step = static_cast<uint64_t>(r) * 3;
+        row.num_top_logprobs = static_cast<int32_t>(r % (K + 1));
+        if (r % 2 == 0) {
+          row.repetition_penalty = 1.3f;
+          row.frequency_penalty = 0.4f;
+          row.presence_penalty = 0.25f;
+          row.penalty_begin = static_cast<int32_t>(pen.size());
+          const int64_t n = std::min<int64_t>(V, 40);
+          for (int64_t i = 0; i < n; ++i) {  // distinct ids: the most likely few, then random ones
+            const int32_t id = static_cast<int32_t>(i < 5 ? (std::max_element(logits.f32() + r * V,
+                                                                              logits.f32() + (r + 1) * V) -
+                                                             (logits.f32() + r * V) + i) % V
+                                                          : rng.integer(0, V - 1));
+            bool dup = false;
+            for (int32_t j = row.penalty_begin; j < static_cast<int32_t>(pen.size()); ++j) dup = dup || pen[j].id == id;
+            if (!dup) pen.push_back({id, static_cast<int32_t>(i % 3), static_cast<int32_t>(i % 2)});
+          }
+          row.penalty_end = static_cast<int32_t>(pen.size());
+        }
+      }
+      if (R > 2) logits.f32()[2 * V + V / 2] = std::nanf("");  // row 2 non-finite
+      const FullOut got = full_outputs(ctx(), logits, rows, pen, K);
+      const FullOut want = full_outputs(ops::Context{}, logits, rows, pen, K);
+      int64_t drawn = 0, drawn_equal = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        const float* row = logits.f32() + r * V;
+        const bool bad = !std::all_of(row, row + V, [](float v) { return std::isfinite(v); });
+        ASSERT_EQ(want.nonfinite[r], bad ? 1 : 0) << "row " << r;
+        EXPECT_EQ(got.nonfinite[r], want.nonfinite[r]) << "row " << r;
+        if (bad) continue;
+        if (rows[r].temperature == 0.0f) {
+          EXPECT_EQ(got.ids[r], want.ids[r]) << "greedy row " << r;
+        } else {
+          ++drawn;
+          drawn_equal += got.ids[r] == want.ids[r];
+        }
+        // The reference's logprobs against log-softmax in double; the backend's against the reference's.
+        double mx = -INFINITY, sum = 0.0;
+        for (int64_t v = 0; v < V; ++v) mx = std::max(mx, static_cast<double>(row[v]));
+        for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - mx);
+        const double lse = mx + std::log(sum);
+        EXPECT_NEAR(want.logprobs[r], row[want.ids[r]] - lse, 1e-5) << "row " << r;
+        EXPECT_NEAR(got.logprobs[r], row[got.ids[r]] - lse, 1e-5) << "row " << r;
+        std::vector<int32_t> order(static_cast<size_t>(V));
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+        for (int64_t j = 0; j < K; ++j) {
+          const bool have = j < std::min<int64_t>(rows[r].num_top_logprobs, V);
+          const int32_t want_id = have ? order[j] : -1;
+          EXPECT_EQ(want.top_ids[r * K + j], want_id) << "row " << r << " rank " << j;
+          EXPECT_EQ(got.top_ids[r * K + j], want_id) << "row " << r << " rank " << j;
+          if (have) {
+            EXPECT_NEAR(got.top_logprobs[r * K + j], row[want_id] - lse, 1e-5) << "row " << r << " rank " << j;
+          }
+        }
+      }
+      EXPECT_GE(static_cast<double>(drawn_equal), 0.98 * static_cast<double>(drawn))
+          << drawn_equal << " of " << drawn << " drawn tokens equal to the CPU's";
+    }
+  }
+}
+
+// Penalties decide greedy rows: the penalised argmax, computed here from the definition, on every backend.
+TEST_P(OpsSampling, PenalisedGreedyIsTheArgmaxOfTheFormula) {
+  auto rng = test::Rng::for_test();
+  const int64_t R = 64, V = 4099;
+  const Tensor logits = rng.normal_tensor({R, V}, 1.0f);
+  std::vector<ops::SamplingRow> rows(R);
+  std::vector<ops::PenaltyToken> pen;
+  std::vector<std::vector<float>> ref(R);
+  for (int64_t r = 0; r < R; ++r) {
+    ops::SamplingRow& row = rows[r];
+    row.repetition_penalty = r % 4 == 0 ? 1.0f : 1.5f;
+    row.frequency_penalty = r % 3 == 0 ? 0.0f : 0.6f;
+    row.presence_penalty = r % 2 == 0 ? 0.0f : 0.9f;
+    row.penalty_begin = static_cast<int32_t>(pen.size());
+    ref[r].assign(logits.f32() + r * V, logits.f32() + (r + 1) * V);
+    // Penalise the current top 8 (distinct ids), so the argmax moves.
+    std::vector<int32_t> order(static_cast<size_t>(V));
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 8, order.end(),
+                      [&](int32_t a, int32_t b) { return ref[r][a] > ref[r][b]; });
+    for (int i = 0; i < 8; ++i) {
+      const ops::PenaltyToken t{order[i], i % 4, i % 2};
+      pen.push_back(t);
+      float& v = ref[r][order[i]];
+      if (t.in_prompt || t.output_count > 0) v = v > 0.0f ? v / row.repetition_penalty : v * row.repetition_penalty;
+      v = v - row.frequency_penalty * static_cast<float>(t.output_count);
+      if (t.output_count > 0) v = v - row.presence_penalty;
+    }
+    row.penalty_end = static_cast<int32_t>(pen.size());
+  }
+  Tensor ids = output(DType::kI32, {R});
+  ops::SamplingOutputs out;
+  out.ids = ids;
+  ops::sample_tokens(ctx(), out, on_backend(logits), rows, pen);
+  const Tensor h = device::to_host(ids);
+  for (int64_t r = 0; r < R; ++r) {
+    EXPECT_EQ(h.i32()[r], std::max_element(ref[r].begin(), ref[r].end()) - ref[r].begin()) << "row " << r;
+  }
+}
+
+// The greedy fast path (few rows, every row greedy, no penalties or logprobs) flags non-finite rows too.
+TEST_P(OpsSampling, NonFiniteFlagsOnTheGreedyPath) {
+  auto rng = test::Rng::for_test();
+  for (int64_t V : {7, 4099, 131072}) {
+    const int64_t R = 5;
+    Tensor logits = rng.normal_tensor({R, V}, 1.0f);
+    logits.f32()[1 * V + V - 1] = std::nanf("");
+    logits.f32()[3 * V] = INFINITY;
+    logits.f32()[4 * V + V / 2] = -INFINITY;
+    const std::vector<ops::SamplingRow> rows(R);
+    Tensor flags = output(DType::kI32, {R});
+    ops::SamplingOutputs out;
+    out.ids = output(DType::kI32, {R});
+    out.nonfinite = flags;
+    ops::sample_tokens(ctx(), out, on_backend(logits), rows, {});
+    const Tensor h = device::to_host(flags);
+    EXPECT_EQ(std::vector<int32_t>(h.i32(), h.i32() + R), (std::vector<int32_t>{0, 1, 0, 1, 1})) << "V=" << V;
+  }
+}
+
+TEST_P(OpsSampling, RejectsBadNewParameters) {
+  const Tensor logits = on_backend(Tensor::zeros(DType::kF32, {2, 8}));
+  ops::SamplingOutputs out;
+  out.ids = output(DType::kI32, {2});
+  std::vector<ops::SamplingRow> rows(2);
+  rows[1].min_p = 1.5f;
+  EXPECT_TRUE(test::throws_error([&] { ops::sample_tokens(ctx(), out, logits, rows, {}); }, ErrorKind::kRuntime,
+                                 "row 1: min_p 1.5 must be in [0, 1]"));
+  rows[1] = ops::SamplingRow{};
+  rows[1].num_top_logprobs = 3;
+  EXPECT_TRUE(test::throws_error([&] { ops::sample_tokens(ctx(), out, logits, rows, {}); }, ErrorKind::kRuntime,
+                                 "3 top logprobs wanted but top_ids / top_logprobs are undefined"));
+  rows[1] = ops::SamplingRow{};
+  rows[1].penalty_end = 1;
+  EXPECT_TRUE(test::throws_error([&] { ops::sample_tokens(ctx(), out, logits, rows, {}); }, ErrorKind::kRuntime,
+                                 "row 1: penalty range [0, 1) is outside the 0 penalty tokens"));
+  const std::vector<ops::PenaltyToken> pen{{8, 1, 0}};
+  EXPECT_TRUE(test::throws_error([&] { ops::sample_tokens(ctx(), out, logits, rows, pen); }, ErrorKind::kRuntime,
+                                 "penalty token 0 is 8, outside the vocabulary [0, 8)"));
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(OpsSampling);

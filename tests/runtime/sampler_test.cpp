@@ -493,8 +493,8 @@ void write_poisoned_model(const std::filesystem::path& src, const std::filesyste
 }
 
 // Non-finite logits stop the sequence with kError and a message naming the step and the sequence, instead of
-// sampling garbage: a NaN embedding row of a token the model generates at step 2 turns the logits from step 3
-// on into NaN; the other sequence of the batch (which never feeds that token) goes on.
+// sampling garbage: a NaN in the embedding row of a token the model generates at step 2 turns the logits of the
+// step after it first feeds that token into NaN.
 TEST_P(SamplerEngine, NonFiniteLogitsStopTheSequenceWithAnError) {
   SamplingParams sp;
   sp.max_new_tokens = 8;
@@ -505,10 +505,7 @@ TEST_P(SamplerEngine, NonFiniteLogitsStopTheSequenceWithAnError) {
   std::vector<int32_t> out;
   for (const TokenEvent& ev : clean.events) out.push_back(ev.token);
   const auto first = std::find(out.begin(), out.end(), poison) - out.begin();
-  const std::vector<int32_t> other_prompt{7, 8, 9};
-  if (std::find(other_prompt.begin(), other_prompt.end(), poison) != other_prompt.end()) {
-    GTEST_SKIP() << "the generated token is in the other prompt";
-  }
+  if (poison < 140 && (poison - 5) % 11 == 0) GTEST_SKIP() << "the generated token is in the prompt";
   const std::filesystem::path dir = std::filesystem::temp_directory_path() /
                                     ("chimera_poisoned_" + std::string(on_cuda() ? "cuda" : "cpu"));
   const int64_t H = config_.hidden_size;

@@ -1,7 +1,19 @@
 // Token sampling on the GPU, the same function as the CPU reference (backends/cpu/sampling.cpp):
-// greedy argmax (the first maximum, as std::max_element: ties -> lowest id, a NaN wins only at id 0), or
-// temperature / top-k / top-p / inverse-CDF sampling in descending logit order (ties: lower id first) with the
-// counter-based uniform of core/counter_rng.h.
+// penalties, then greedy argmax (the first maximum, as std::max_element: ties -> lowest id, a NaN wins only at
+// id 0), or temperature / min_p / top-k / top-p / inverse-CDF sampling in descending logit order (ties: lower id
+// first) with the counter-based uniform of core/counter_rng.h; log-probabilities of the raw logits and a
+// non-finite flag per row.
+//
+// Penalties: when a row has any, the op copies the logits and penalty_kernel rewrites, in the copy, the logit of
+// each distinct token of the row's PenaltyToken list (one thread per token: no two threads touch one logit),
+// with the reference's fp32 operations in its order (explicit _rn intrinsics: no contraction into an FMA).
+// The sampler then reads the copy; logprobs and the non-finite flag read the raw logits.
+//
+// min_p: exp((l - max) / T) >= min_p is monotone in the logit, so it is a key threshold (the least key that
+// passes, one block reduction); top-k, top-p and the sample then only look at keys at or above it.
+//
+// Logprobs: log-sum-exp of the raw row in double (its maximum, then one pass); the top-K raw tokens are K
+// block-wide argmax passes, each over the elements ranked after the previous pick (K <= 20, only when asked).
 //
 // No sort. Each step of the reference is "the first element of the sorted order at which a running total
 // reaches a target", so each is a radix select over the order-preserving 32-bit key of the logit, 8 bits per
@@ -30,6 +42,7 @@
 #include <cmath>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/device_api.h"
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/launch.cuh"
 #include "core/counter_rng.h"
@@ -41,13 +54,20 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBuckets = 256;
 constexpr int kRowsScratchSlot = 1;
+constexpr int kPenaltyScratchSlot = 2;
 constexpr double kFixedOne = 1099511627776.0;  // 2^40: the fixed-point scale of a mass in [0, 1]
 
 struct SampleParams {
   int32_t* out_ids;              // [R]
-  const float* logits;           // [R, V]
+  const float* logits;           // [R, V] what the sampler samples: the penalised copy, or the raw logits
+  const float* raw;              // [R, V] the raw logits (logprobs, the non-finite flag)
   const ops::SamplingRow* rows;  // [R] device copy of the host parameters
   int vocab;
+  float* logprobs;               // [R] or null
+  int32_t* top_ids;              // [R, top_k_stride] or null
+  float* top_logprobs;           // [R, top_k_stride] or null
+  int top_stride;
+  int32_t* nonfinite;            // [R] or null
 };
 
 // Order-preserving key: a < b as floats <=> key(a) < key(b) as unsigned; -0 and +0 are one key (the
@@ -89,6 +109,7 @@ struct Shared {
   unsigned long long bucket_mass[kBuckets];
   int bucket_count[kBuckets];
   unsigned long long red_u[kWarps];
+  double red_d[kWarps];
   int scan[kThreads];
   int chosen;
   unsigned long long mass_above;
@@ -104,6 +125,17 @@ __device__ uint64_t block_sum(uint64_t v, Shared& sh) {
   __syncthreads();
   uint64_t s = 0;
   for (int w = 0; w < kWarps; ++w) s += sh.red_u[w];
+  return s;
+}
+
+__device__ double block_sum_double(double v, Shared& sh) {
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) sh.red_d[warp] = v;
+  __syncthreads();
+  double s = 0.0;
+  for (int w = 0; w < kWarps; ++w) s += sh.red_d[w];
   return s;
 }
 
@@ -285,33 +317,38 @@ __device__ int find_tie(const float* l, int V, uint32_t key, long long tie_index
   return sh.found;
 }
 
-__global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) {
-  __shared__ Shared sh;
-  const int64_t r = blockIdx.x;
-  const int V = p.vocab;
-  const float* l = p.logits + r * V;
-  pdl_wait();  // PDL: the logits are the lm_head's output, the rows uploaded this step
-  pdl_trigger();
-  const ops::SamplingRow row = p.rows[r];
+// The sampled id of one row (greedy or drawn), from the (penalised) logits l.
+__device__ int sample_row_id(const float* l, int V, const ops::SamplingRow& row, Shared& sh) {
   const int tid = threadIdx.x;
-
   // The first maximum, as std::max_element (greedy_key).
   unsigned long long best = 0;
   for_each4(l, V, [&](float v, int i, bool valid) {
     if (valid) best = max(best, greedy_key(v, i));
   });
   const int best_i = greedy_id(block_max_key(best, sh));
-  if (row.temperature == 0.0f || row.top_k == 1) {
-    if (tid == 0) p.out_ids[r] = best_i;
-    return;
-  }
+  if (row.temperature == 0.0f || row.top_k == 1) return best_i;
   const float mx = l[best_i], t = row.temperature;
 
-  // Z: the softmax mass of the top-k (or of every token). Later steps only look at keys >= min_key.
+  // min_p: the least key whose mass exp((l - max) / T) reaches min_p (the maximum always does).
   uint32_t min_key = 0;
+  if (row.min_p > 0.0f) {
+    uint32_t least = 0xffffffffu;
+    const double want = static_cast<double>(row.min_p);
+    for (int i = tid; i < V; i += kThreads) {
+      const float v = l[i];
+      const double e = exp((static_cast<double>(v) - static_cast<double>(mx)) / static_cast<double>(t));
+      if (e >= want) least = min(least, key_of(v));
+    }
+    // A block minimum through the maximum of the complement.
+    min_key = ~static_cast<uint32_t>(block_max_key(static_cast<unsigned long long>(~least), sh));
+  }
+
+  // Z: the softmax mass of the top-k (or of every token at or above min_key). Later steps only look at keys
+  // >= min_key.
   uint64_t z;
   if (row.top_k > 0 && row.top_k < V) {
-    const Selection k = select<Crit::kCountAtLeast>(l, V, mx, t, 0, static_cast<double>(row.top_k), sh);
+    // Fewer than top_k tokens at or above min_key: the selection ends at the last of them (all are kept).
+    const Selection k = select<Crit::kCountAtLeast>(l, V, mx, t, min_key, static_cast<double>(row.top_k), sh);
     min_key = k.key;
     uint64_t s = 0;
     for (int i = tid; i < V; i += kThreads) {
@@ -321,7 +358,10 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) 
     z = block_sum(s, sh) + static_cast<uint64_t>(k.tie_index + 1) * mass_of(float_of(k.key), mx, t);
   } else {
     uint64_t s = 0;
-    for (int i = tid; i < V; i += kThreads) s += mass_of(l[i], mx, t);
+    for (int i = tid; i < V; i += kThreads) {
+      const float v = l[i];
+      if (key_of(v) >= min_key) s += mass_of(v, mx, t);
+    }
     z = block_sum(s, sh);
   }
   // The nucleus: the shortest prefix whose mass reaches top_p (never past the top-k).
@@ -332,8 +372,100 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) 
   }
   const double u = counter_uniform(row.seed, row.step);
   const Selection s = select<Crit::kMassAbove>(l, V, mx, t, min_key, u * static_cast<double>(z), sh);
-  const int id = find_tie(l, V, s.key, s.tie_index, sh);
+  return find_tie(l, V, s.key, s.tie_index, sh);
+}
+
+__global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) {
+  __shared__ Shared sh;
+  const int64_t r = blockIdx.x;
+  const int V = p.vocab;
+  const float* l = p.logits + r * V;
+  const float* raw = p.raw + r * V;
+  pdl_wait();  // PDL: the logits are the lm_head's (or the penalty kernel's) output, the rows uploaded this step
+  pdl_trigger();
+  const ops::SamplingRow row = p.rows[r];
+  const int tid = threadIdx.x;
+
+  const int id = sample_row_id(l, V, row, sh);
   if (tid == 0) p.out_ids[r] = id;
+
+  if (p.nonfinite != nullptr) {
+    bool bad = false;
+    for_each4(raw, V, [&](float v, int, bool valid) { bad = bad || (valid && !isfinite(v)); });
+    const int any = __syncthreads_or(bad ? 1 : 0);
+    if (tid == 0) p.nonfinite[r] = any != 0 ? 1 : 0;
+  }
+  const int k_want = p.top_ids != nullptr ? min(row.num_top_logprobs, V) : 0;
+  if (p.logprobs == nullptr && k_want == 0) {
+    if (p.top_ids != nullptr && tid == 0) {
+      for (int j = 0; j < p.top_stride; ++j) {
+        p.top_ids[r * p.top_stride + j] = -1;
+        p.top_logprobs[r * p.top_stride + j] = 0.0f;
+      }
+    }
+    return;
+  }
+  // Raw log-sum-exp in double: max, then sum of exp(l - max).
+  unsigned long long best = 0;
+  for_each4(raw, V, [&](float v, int i, bool valid) {
+    if (valid) best = max(best, greedy_key(v, i));
+  });
+  unsigned long long prev = block_max_key(best, sh);
+  const double rmax = raw[greedy_id(prev)];
+  double part = 0.0;
+  for (int i = tid; i < V; i += kThreads) part += exp(static_cast<double>(raw[i]) - rmax);
+  const double lse = rmax + log(block_sum_double(part, sh));
+  if (p.logprobs != nullptr && tid == 0) p.logprobs[r] = static_cast<float>(static_cast<double>(raw[id]) - lse);
+  // Top-K: pick j is the largest greedy_key below pick j - 1's (the order: logit descending, id ascending).
+  for (int j = 0; j < p.top_stride && p.top_ids != nullptr; ++j) {
+    if (j >= k_want) {
+      if (tid == 0) {
+        p.top_ids[r * p.top_stride + j] = -1;
+        p.top_logprobs[r * p.top_stride + j] = 0.0f;
+      }
+      continue;
+    }
+    if (j > 0) {
+      unsigned long long next = 0;
+      const unsigned long long bound = prev;
+      for_each4(raw, V, [&](float v, int i, bool valid) {
+        const unsigned long long k = greedy_key(v, i);
+        if (valid && k < bound) next = max(next, k);
+      });
+      prev = block_max_key(next, sh);
+    }
+    if (tid == 0) {
+      const int t = greedy_id(prev);
+      p.top_ids[r * p.top_stride + j] = t;
+      p.top_logprobs[r * p.top_stride + j] = static_cast<float>(static_cast<double>(raw[t]) - lse);
+    }
+  }
+}
+
+struct PenaltyParams {
+  float* logits;                   // [R, V] the copy to penalise
+  const ops::SamplingRow* rows;    // [R]
+  const ops::PenaltyToken* tokens; // the rows' distinct tokens
+  int vocab;
+};
+
+// One block per row; each thread rewrites the logits of distinct tokens of the row (no two threads share one).
+__global__ void __launch_bounds__(kThreads) penalty_kernel(const PenaltyParams p) {
+  const int64_t r = blockIdx.x;
+  pdl_wait();  // the copy was written by the memcpy before us; the rows and tokens were uploaded
+  pdl_trigger();
+  const ops::SamplingRow row = p.rows[r];
+  float* l = p.logits + r * p.vocab;
+  for (int i = row.penalty_begin + static_cast<int>(threadIdx.x); i < row.penalty_end; i += kThreads) {
+    const ops::PenaltyToken t = p.tokens[i];
+    float v = l[t.id];
+    if (row.repetition_penalty != 1.0f && (t.in_prompt != 0 || t.output_count > 0)) {
+      v = v > 0.0f ? __fdiv_rn(v, row.repetition_penalty) : __fmul_rn(v, row.repetition_penalty);
+    }
+    v = __fsub_rn(v, __fmul_rn(row.frequency_penalty, static_cast<float>(t.output_count)));
+    if (t.output_count > 0) v = __fsub_rn(v, row.presence_penalty);
+    l[t.id] = v;
+  }
 }
 
 // ---- greedy rows split over many blocks (see the header) ------------------------------------------------------
@@ -353,6 +485,7 @@ struct GreedyParams {
   int chunk;            // logits per block, a multiple of 4; grid.x = ceil(V / chunk)
   int slot;             // ticket slot of the calling host thread
   bool vec4;            // 16-byte loads: V % 4 == 0 and aligned logits
+  int32_t* nonfinite;   // [R], zeroed before the launch, or null
 };
 
 // grid (splits, R), kThreads. Block (s, r) takes logits [s * chunk, min(V, (s + 1) * chunk)) of row r.
@@ -366,15 +499,22 @@ __global__ void __launch_bounds__(kThreads) greedy_split_kernel(const GreedyPara
   pdl_trigger();
 
   unsigned long long best = 0;
+  bool bad = false;
   if (p.vec4) {  // c0, c1 and the row start are multiples of 4: whole float4s
     for (int i = c0 + 4 * tid; i < c1; i += 4 * kThreads) {
       const float4 q = __ldg(reinterpret_cast<const float4*>(l + i));
       best = max(best, max(max(greedy_key(q.x, i), greedy_key(q.y, i + 1)),
                            max(greedy_key(q.z, i + 2), greedy_key(q.w, i + 3))));
+      bad = bad || !isfinite(q.x) || !isfinite(q.y) || !isfinite(q.z) || !isfinite(q.w);
     }
   } else {
-    for (int i = c0 + tid; i < c1; i += kThreads) best = max(best, greedy_key(__ldg(l + i), i));
+    for (int i = c0 + tid; i < c1; i += kThreads) {
+      const float v = __ldg(l + i);
+      best = max(best, greedy_key(v, i));
+      bad = bad || !isfinite(v);
+    }
   }
+  if (__syncthreads_or(bad ? 1 : 0) != 0 && tid == 0 && p.nonfinite != nullptr) atomicOr(&p.nonfinite[r], 1);
   best = warp_max_u64(best);
   if (tid % 32 == 0) s_warp[tid / 32] = best;
   __syncthreads();
@@ -420,32 +560,56 @@ void sample_tokens(const ops::Context& ctx, const ops::SamplingOutputs& out, con
   if (V > (int64_t{1} << 24) || R > 0x7fffffffLL) {
     throw_runtime(str_cat(op, ": logits ", logits.describe(), " exceed the CUDA sampler's 2^24 vocabulary"));
   }
-  for (const ops::SamplingRow& row : rows) {
-    if (row.min_p != 0.0f || row.presence_penalty != 0.0f || row.frequency_penalty != 0.0f ||
-        row.repetition_penalty != 1.0f || row.num_top_logprobs > 0) {
-      throw_runtime(str_cat(op, ": min_p, penalties and top logprobs are not implemented on CUDA yet"));
-    }
-  }
-  (void)penalty_tokens;
-  if (out.logprobs) throw_runtime(str_cat(op, ": logprobs are not implemented on CUDA yet"));
   const cudaStream_t stream = as_stream(ctx.stream);
-  if (out.nonfinite) CHIMERA_CUDA_CHECK(cudaMemsetAsync(out.nonfinite.data(), 0, out.nonfinite.nbytes(), stream), op);
-  bool all_greedy = true;
-  for (const ops::SamplingRow& row : rows) all_greedy = all_greedy && (row.temperature == 0.0f || row.top_k == 1);
-  const int splits = all_greedy ? greedy_splits(R, V) : 1;
+  bool all_greedy = true, any_penalty = false;
+  for (const ops::SamplingRow& row : rows) {
+    all_greedy = all_greedy && (row.temperature == 0.0f || row.top_k == 1);
+    any_penalty = any_penalty || row.penalty_end > row.penalty_begin;
+  }
+  const bool want_logprobs = static_cast<bool>(out.logprobs) || static_cast<bool>(out.top_ids);
+  const int splits = all_greedy && !any_penalty && !want_logprobs ? greedy_splits(R, V) : 1;
   if (splits > 1) {  // no row parameters needed: nothing to upload (and the launch can be graph-captured)
+    if (out.nonfinite) {
+      CHIMERA_CUDA_CHECK(cudaMemsetAsync(out.nonfinite.data(), 0, out.nonfinite.nbytes(), stream), op);
+    }
     const int chunk = ceil_div(ceil_div(V, splits), 4) * 4;
-    const GreedyParams g{out_ids.data_as<int32_t>(), logits.data_as<const float>(), static_cast<int>(V), chunk,
-                         greedy_ticket_slot(), V % 4 == 0 && reinterpret_cast<uintptr_t>(logits.data()) % 16 == 0};
+    const GreedyParams g{out_ids.data_as<int32_t>(),
+                         logits.data_as<const float>(),
+                         static_cast<int>(V),
+                         chunk,
+                         greedy_ticket_slot(),
+                         V % 4 == 0 && reinterpret_cast<uintptr_t>(logits.data()) % 16 == 0,
+                         out.nonfinite ? out.nonfinite.data_as<int32_t>() : nullptr};
     const dim3 grid(static_cast<unsigned>(ceil_div(V, chunk)), static_cast<unsigned>(R));
     CHIMERA_CUDA_CHECK(launch(greedy_split_kernel, grid, dim3(kThreads), 0, stream, g), op);
     return;
   }
-  SampleParams p{out_ids.data_as<int32_t>(), logits.data_as<const float>(), nullptr, static_cast<int>(V)};
-  p.rows =
+  const auto* rows_device =
       static_cast<const ops::SamplingRow*>(upload_scratch(rows.data(), rows.size_bytes(), stream, kRowsScratchSlot));
-  launch(sample_kernel, dim3(static_cast<unsigned>(R)), dim3(kThreads), 0, stream, p);
-  CHIMERA_LAUNCH_CHECK(op);
+  // Penalties rewrite a copy of the logits (logprobs stay those of the raw rows).
+  Tensor penalised;
+  if (any_penalty) {
+    penalised = device::empty(Device::kCuda, DType::kF32, logits.shape());
+    CHIMERA_CUDA_CHECK(
+        cudaMemcpyAsync(penalised.data(), logits.data(), logits.nbytes(), cudaMemcpyDeviceToDevice, stream), op);
+    const PenaltyParams pp{penalised.data_as<float>(), rows_device,
+                           static_cast<const ops::PenaltyToken*>(upload_scratch(
+                               penalty_tokens.data(), penalty_tokens.size_bytes(), stream, kPenaltyScratchSlot)),
+                           static_cast<int>(V)};
+    CHIMERA_CUDA_CHECK(launch(penalty_kernel, dim3(static_cast<unsigned>(R)), dim3(kThreads), 0, stream, pp), op);
+  }
+  SampleParams p{};
+  p.out_ids = out_ids.data_as<int32_t>();
+  p.raw = logits.data_as<const float>();
+  p.logits = any_penalty ? penalised.data_as<const float>() : p.raw;
+  p.rows = rows_device;
+  p.vocab = static_cast<int>(V);
+  p.logprobs = out.logprobs ? out.logprobs.data_as<float>() : nullptr;
+  p.top_ids = out.top_ids ? out.top_ids.data_as<int32_t>() : nullptr;
+  p.top_logprobs = out.top_ids ? out.top_logprobs.data_as<float>() : nullptr;
+  p.top_stride = out.top_ids ? static_cast<int>(out.top_ids.dim(1)) : 0;
+  p.nonfinite = out.nonfinite ? out.nonfinite.data_as<int32_t>() : nullptr;
+  CHIMERA_CUDA_CHECK(launch(sample_kernel, dim3(static_cast<unsigned>(R)), dim3(kThreads), 0, stream, p), op);
 }
 
 }  // namespace chimera::cuda
