@@ -13,6 +13,7 @@
 #include "io/safetensors.h"
 #include "ops/ops.h"
 #include "runtime/batch.h"
+#include "runtime/model.h"
 #include "runtime/state_cache.h"
 
 namespace chimera {
@@ -74,7 +75,7 @@ struct LayerWeights {
   MoeWeights moe;
 };
 
-class NemotronH {
+class NemotronH : public Model {
  public:
   // Binds every tensor of the checkpoint by name, checking it against the config's shape. Accepts NVIDIA's
   // published naming (backbone.*, backbone.embeddings or backbone.embedding, one tensor per expert) and
@@ -88,21 +89,21 @@ class NemotronH {
   // activations O(1). On CUDA each layer is uploaded as soon as it is made. No MTP tensors.
   static NemotronH synthetic(const ModelConfig& config, const ModelOptions& options = {}, uint64_t seed = 0);
 
-  const ModelConfig& config() const { return config_; }
-  Device device() const { return device_; }
+  const ModelConfig& config() const override { return config_; }
+  Device device() const override { return device_; }
   // The dtype of every activation, the conv state and the KV cache: F32 on the CPU, options.dtype on CUDA.
-  DType activation_dtype() const { return act_dtype_; }
+  DType activation_dtype() const override { return act_dtype_; }
   const std::map<std::string, Tensor>& mtp_tensors() const { return mtp_; }
   // Parameter count per layer kind name ("embeddings", "mamba", ..., "lm_head").
   std::map<std::string, int64_t> parameter_counts() const;
 
   // One forward step on ctx.device (which must be the model's device): returns host fp32 logits
   // [batch.logit_rows.size(), vocab_size], whatever the device and activation dtype.
-  Tensor forward(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const;
+  Tensor forward(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const override;
   // The same step leaving the logits where they were computed: [logit_rows, vocab_size] on ctx.device in the
   // activation dtype. Enqueues work on ctx.stream and does not wait for it (no host synchronisation on CUDA), so a
   // decode step can be captured in a CUDA graph when batch.device_meta is set.
-  Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const;
+  Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const override;
 
   // Debugging (chimera generate --dump-activations DIR; scripts/bf16_layer_error.py reads it): every later forward
   // step that has prefill rows (an eager step, never a captured decode graph) writes, per layer i,

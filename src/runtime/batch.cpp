@@ -15,8 +15,9 @@ void StepBatch::validate() const {
   for (size_t i = 0; i < s; ++i) {
     const int32_t n = cu_seqlens[i + 1] - cu_seqlens[i];
     CHIMERA_CHECK(n >= 1, "sequence {} has {} new tokens", i, n);
+    CHIMERA_CHECK(context_lens[i] >= 0, "sequence {} has context {}", i, context_lens[i]);
     if (static_cast<int32_t>(i) >= num_prefill_seqs) {
-      CHIMERA_CHECK(n == 1, "decode sequence {} has {} new tokens", i, n);
+      CHIMERA_CHECK(n == 1, "sequence {} of the single-token group has {} new tokens", i, n);
     }
   }
   if (s > 0) {

@@ -11,7 +11,7 @@
 namespace chimera {
 
 struct StepBatch {
-  // Packed token ids of all sequences of the step: prefill sequences first, then decode sequences.
+  // Packed token ids of all sequences of the step: the multi-token group first, then the single-token group.
   std::vector<int32_t> token_ids;
   // Per sequence s: rows [cu_seqlens[s], cu_seqlens[s+1]) of the packed tokens. Size num_seqs + 1.
   std::vector<int32_t> cu_seqlens{0};
@@ -21,8 +21,12 @@ struct StepBatch {
   std::vector<int32_t> state_slots;
   // KV block table: [num_seqs, max_blocks_per_seq] I32 host tensor; row s lists sequence s's blocks.
   Tensor block_tables;
-  // The first num_prefill_seqs sequences run the prefill kernels (chunked scan, varlen conv); the rest
-  // are decode sequences with exactly one new token (selective state update, conv update).
+  // Which kernels a sequence runs; any sequence may carry any context. The first num_prefill_seqs sequences
+  // run the multi-token kernels (varlen causal conv, chunked SSD scan, attention of the new rows over context +
+  // new rows) with any number >= 1 of new tokens: a prompt chunk, a preempted sequence recomputing its tokens,
+  // a decode token with drafts. The rest run the single-token kernels (conv update, selective state update,
+  // decode attention), one new token each. The engine puts a sequence with one new token after a non-empty
+  // context in the second group, every other in the first.
   int32_t num_prefill_seqs = 0;
   // Packed rows whose logits the step returns, in this order (the last row of each sequence when
   // generating; every row when scoring a prompt).
@@ -43,7 +47,8 @@ struct StepBatch {
   int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_prefill_tokens() const { return cu_seqlens[static_cast<size_t>(num_prefill_seqs)]; }
-  // Checks internal consistency (sizes, monotone offsets, decode sequences of one token); kRuntime on error.
+  // Checks internal consistency (sizes, monotone offsets, one token per sequence of the single-token group,
+  // contexts >= 0); kRuntime on error.
   void validate() const;
 };
 

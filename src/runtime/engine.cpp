@@ -18,7 +18,7 @@ std::span<const int32_t> generated_of(const Sequence& s) {
 }
 }  // namespace
 
-Engine::Engine(const NemotronH& model, const ops::Context& ctx, const EngineConfig& config)
+Engine::Engine(const Model& model, const ops::Context& ctx, const EngineConfig& config)
     : model_(model),
       ctx_(ctx),
       config_(config),
@@ -301,7 +301,7 @@ std::vector<Sequence> Engine::take_finished() {
   return out;
 }
 
-std::vector<std::vector<int32_t>> generate_all(const NemotronH& model, const ops::Context& ctx,
+std::vector<std::vector<int32_t>> generate_all(const Model& model, const ops::Context& ctx,
                                                const EngineConfig& config,
                                                const std::vector<std::vector<int32_t>>& prompts,
                                                const SamplingParams& sampling) {

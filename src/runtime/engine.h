@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "backends/device_api.h"
-#include "models/nemotron_h.h"
+#include "runtime/model.h"
 #include "runtime/scheduler.h"
 #include "runtime/state_cache.h"
 
@@ -43,7 +43,7 @@ struct TokenEvent {
 class Engine {
  public:
   // ctx.device must be the model's device; the caches are allocated there in the model's activation dtype.
-  Engine(const NemotronH& model, const ops::Context& ctx, const EngineConfig& config);
+  Engine(const Model& model, const ops::Context& ctx, const EngineConfig& config);
 
   // Queues a request; returns its sequence id. Bad prompts / parameters -> kInvalidInput; a full waiting queue
   // (SchedulerConfig::max_waiting) -> kOverloaded.
@@ -100,7 +100,7 @@ class Engine {
                                              bool want_logprobs);
 
 
-  const NemotronH& model_;
+  const Model& model_;
   ops::Context ctx_;
   EngineConfig config_;
   StateCache cache_;
@@ -116,7 +116,7 @@ class Engine {
 };
 
 // Convenience: runs the engine to completion over several prompts; returns each generated token list.
-std::vector<std::vector<int32_t>> generate_all(const NemotronH& model, const ops::Context& ctx,
+std::vector<std::vector<int32_t>> generate_all(const Model& model, const ops::Context& ctx,
                                                const EngineConfig& config,
                                                const std::vector<std::vector<int32_t>>& prompts,
                                                const SamplingParams& sampling);

@@ -1,0 +1,156 @@
+#include "runtime/cache_sizing.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "runtime/memory_plan.h"
+
+namespace chimera {
+namespace {
+
+size_t mul(size_t a, size_t b, const char* what) {
+  size_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) invalid_input("cache sizing: {} overflows ({} x {})", what, a, b);
+  return r;
+}
+
+size_t add(size_t a, size_t b, const char* what) {
+  size_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) invalid_input("cache sizing: {} overflows ({} + {})", what, a, b);
+  return r;
+}
+
+size_t count(const ModelConfig& c, LayerKind k) {
+  return static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), k));
+}
+
+size_t positive(int64_t v, const char* what) {
+  if (v < 1) invalid_input("cache sizing: {} must be >= 1, got {}", what, v);
+  return static_cast<size_t>(v);
+}
+
+}  // namespace
+
+std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_num_seqs) {
+  std::vector<int32_t> sizes;
+  for (int32_t b : {1, 2, 4}) {
+    if (b < max_num_seqs) sizes.push_back(b);
+  }
+  for (int32_t b = 8; b < max_num_seqs; b += b < 256 ? 8 : 16) sizes.push_back(b);
+  if (max_num_seqs >= 1) sizes.push_back(max_num_seqs);
+  return sizes;
+}
+
+size_t mamba_slot_bytes(const ModelConfig& c, DType act_dtype) {
+  const size_t conv = mul(mul(positive(c.conv_dim(), "conv_dim"), positive(c.conv_kernel - 1, "conv_kernel - 1"),
+                              "conv state"),
+                          dtype_size(act_dtype), "conv state bytes");
+  const size_t ssm = mul(mul(mul(positive(c.mamba_num_heads, "mamba_num_heads"),
+                                 positive(c.mamba_head_dim, "mamba_head_dim"), "SSM state"),
+                             positive(c.ssm_state_size, "ssm_state_size"), "SSM state"),
+                         4, "SSM state bytes");
+  const size_t n = count(c, LayerKind::kMamba);
+  return n == 0 ? 0 : mul(add(conv, ssm, "Mamba state"), n, "Mamba state of all layers");
+}
+
+size_t kv_block_bytes(const ModelConfig& c, DType act_dtype, int32_t block_size) {
+  const size_t n = count(c, LayerKind::kAttention);
+  if (n == 0) return 0;
+  const size_t per_token = mul(mul(2, positive(c.num_key_value_heads, "num_key_value_heads"), "KV"),
+                               mul(positive(c.head_dim, "head_dim"), dtype_size(act_dtype), "KV"), "KV per token");
+  return mul(mul(per_token, positive(block_size, "block size"), "KV block"), n, "KV block of all layers");
+}
+
+int32_t CacheSizingPlan::max_concurrency() const {
+  const int64_t per_seq = (max_model_len + block_size - 1) / block_size;
+  if (block_bytes == 0) return mamba_slots;
+  return static_cast<int32_t>(std::min<int64_t>(mamba_slots, kv_blocks / per_seq));
+}
+
+CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weights_bytes,
+                            const device::MemoryInfo& memory, const CacheSizingRequest& r) {
+  if (!(r.gpu_memory_utilization > 0.0 && r.gpu_memory_utilization <= 1.0)) {
+    invalid_input("--gpu-memory-utilization must be in (0, 1], got {}", r.gpu_memory_utilization);
+  }
+  if (r.max_num_seqs < 1) invalid_input("--max-num-seqs must be >= 1, got {}", r.max_num_seqs);
+  if (r.max_model_len < 1) invalid_input("--max-model-len must be >= 1, got {}", r.max_model_len);
+  if (r.max_num_batched_tokens < 1) {
+    invalid_input("--max-num-batched-tokens must be >= 1, got {}", r.max_num_batched_tokens);
+  }
+  if (r.block_size < 1) invalid_input("the KV block size must be >= 1, got {}", r.block_size);
+  if (memory.total == 0 || memory.free > memory.total) {
+    invalid_input("cache sizing: device memory reads {} bytes free of {}", memory.free, memory.total);
+  }
+
+  CacheSizingPlan p;
+  p.total = memory.total;
+  p.in_use = memory.total - memory.free;
+  p.weights = weights_bytes;
+  p.block_size = r.block_size;
+  p.max_model_len = r.max_model_len;
+  const auto allowed = static_cast<size_t>(std::floor(static_cast<double>(memory.total) * r.gpu_memory_utilization));
+  if (allowed <= p.in_use) {
+    invalid_input("--gpu-memory-utilization {} allows {} of {}, but {} is in use already (weights {}): nothing is "
+                  "left for the caches",
+                  r.gpu_memory_utilization, gib(allowed), gib(memory.total), gib(p.in_use), gib(weights_bytes));
+  }
+  p.budget = allowed - p.in_use;
+
+  MemoryLimits lim;
+  lim.max_num_seqs = r.max_num_seqs;
+  lim.max_model_len = r.max_model_len;
+  lim.max_tokens_per_step = r.max_num_batched_tokens;
+  lim.block_size = r.block_size;
+  p.workspace = plan_memory(c, act_dtype, act_dtype, lim).workspace;
+  // Each captured decode graph keeps its step's activations in the graphs' pool: the workspace of a step of
+  // B tokens for every bucket B.
+  if (r.cuda_graphs) {
+    for (int32_t b : cuda_graph_batch_sizes(r.max_num_seqs)) {
+      lim.max_num_seqs = b;
+      lim.max_tokens_per_step = b;
+      p.graphs = add(p.graphs, plan_memory(c, act_dtype, act_dtype, lim).workspace, "graph allowance");
+    }
+  }
+  const size_t overhead = add(p.workspace, p.graphs, "workspace + graphs");
+  if (overhead >= p.budget) {
+    invalid_input("--gpu-memory-utilization {} leaves {} after weights and what is in use, less than the step "
+                  "workspace {} and the CUDA graphs' {}; lower --max-num-batched-tokens or --max-num-seqs",
+                  r.gpu_memory_utilization, gib(p.budget), gib(p.workspace), gib(p.graphs));
+  }
+  const size_t caches = p.budget - overhead;
+
+  p.slot_bytes = mamba_slot_bytes(c, act_dtype);
+  p.block_bytes = kv_block_bytes(c, act_dtype, r.block_size);
+  const size_t per_seq_blocks = (static_cast<size_t>(r.max_model_len) + r.block_size - 1) / r.block_size;
+  const size_t one_seq_kv = mul(per_seq_blocks, p.block_bytes, "KV of one sequence");
+  const size_t for_slots = caches > one_seq_kv ? caches - one_seq_kv : 0;
+  const size_t fit = p.slot_bytes == 0 ? static_cast<size_t>(r.max_num_seqs) : for_slots / p.slot_bytes;
+  p.max_slots_that_fit = static_cast<int32_t>(std::min<size_t>(fit, INT32_MAX));
+  if (caches <= one_seq_kv || fit < static_cast<size_t>(r.max_num_seqs)) {
+    invalid_input("--max-num-seqs {} is above the {} Mamba state slots that fit: {} for the caches ({} x "
+                  "--gpu-memory-utilization {} less {} in use, {} workspace, {} graphs) hold one {}-token sequence's "
+                  "KV ({}) and {} per slot",
+                  r.max_num_seqs, p.max_slots_that_fit, gib(caches), gib(memory.total), r.gpu_memory_utilization,
+                  gib(p.in_use), gib(p.workspace), gib(p.graphs), r.max_model_len, gib(one_seq_kv), gib(p.slot_bytes));
+  }
+  p.mamba_slots = r.max_num_seqs;
+  const size_t slots_bytes = mul(static_cast<size_t>(p.mamba_slots), p.slot_bytes, "Mamba state");
+  const size_t usable_blocks = mul(per_seq_blocks, static_cast<size_t>(r.max_num_seqs), "KV blocks");
+  const size_t blocks = p.block_bytes == 0 ? per_seq_blocks : (caches - slots_bytes) / p.block_bytes;
+  p.kv_blocks = static_cast<int32_t>(std::min({blocks, usable_blocks, static_cast<size_t>(INT32_MAX)}));
+  return p;
+}
+
+std::string format_cache_sizing(const CacheSizingPlan& p, const std::string& device_name) {
+  const double per_request = static_cast<double>(p.kv_tokens()) / static_cast<double>(p.max_model_len);
+  return fmt::format(
+      "{} memory: {} total, {} allowed; in use {} (weights {}); workspace {}, CUDA graphs {}\n"
+      "KV cache: {} blocks x {} = {} tokens ({}); Mamba state: {} slots ({})\n"
+      "maximum concurrency for {} tokens per request: {:.2f}x ({} sequences fit at once)\n",
+      device_name, gib(p.total), gib(p.budget + p.in_use), gib(p.in_use), gib(p.weights), gib(p.workspace),
+      gib(p.graphs), p.kv_blocks, p.block_size, p.kv_tokens(), gib(static_cast<size_t>(p.kv_blocks) * p.block_bytes),
+      p.mamba_slots, gib(p.mamba_slots * p.slot_bytes), p.max_model_len, per_request, p.max_concurrency());
+}
+
+}  // namespace chimera

@@ -1,0 +1,80 @@
+// Sizing the caches from the device's memory (as vLLM's --gpu-memory-utilization): after the weights are
+// loaded, the engine may use `gpu_memory_utilization` of the device's total memory. Whatever is in use already
+// (the weights, the CUDA context, other processes) comes off that budget, then the step workspace and the CUDA
+// graphs' allowance; the rest holds the Mamba state slots (one per sequence in flight, max_num_seqs of them)
+// and the paged KV pool (every remaining whole block, up to what max_num_seqs sequences of max_model_len
+// tokens can use). The same arithmetic runs on the host against MemAvailable / MemTotal.
+//   budget    = total x utilization - (total - free)
+//   caches    = budget - workspace - graphs
+//   slots     = max_num_seqs                         (kInvalidInput when fewer fit beside one full sequence's KV)
+//   kv_blocks = min((caches - slots x slot_bytes) / block_bytes, max_num_seqs x blocks_per_seq)
+//   max concurrency = min(slots, kv_blocks / blocks_per_seq): sequences of max_model_len that fit at once
+// All products and sums are checked (kInvalidInput on overflow, naming the quantity).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backends/device_api.h"
+#include "core/dtype.h"
+#include "io/model_config.h"
+#include "runtime/state_cache.h"
+
+namespace chimera {
+
+struct CacheSizingRequest {
+  double gpu_memory_utilization = 0.9;  // in (0, 1]
+  int32_t max_num_seqs = 256;
+  int32_t max_model_len = 4096;
+  int32_t max_num_batched_tokens = 2048;
+  int32_t block_size = 16;
+  bool cuda_graphs = true;  // reserve the graphs' allowance (decode buckets up to max_num_seqs)
+};
+
+struct CacheSizingPlan {
+  size_t total = 0;          // device memory
+  size_t in_use = 0;         // total - free when sized (weights included)
+  size_t weights = 0;        // as the caller counted them (reported, already inside in_use)
+  size_t budget = 0;         // total x utilization - in_use
+  size_t workspace = 0;      // step activations at max_num_batched_tokens (memory_plan's estimate)
+  size_t graphs = 0;         // allowance for the captured decode graphs' private pool
+  size_t slot_bytes = 0;     // Mamba conv + SSM state of one sequence, all Mamba layers
+  size_t block_bytes = 0;    // K + V of one block, all attention layers
+  int32_t mamba_slots = 0;
+  int32_t kv_blocks = 0;
+  int32_t block_size = 0;
+  int32_t max_model_len = 0;
+  int32_t max_slots_that_fit = 0;  // Mamba slots the budget could hold beside one full sequence's KV
+  int64_t kv_tokens() const { return static_cast<int64_t>(kv_blocks) * block_size; }
+  // Sequences of max_model_len tokens that fit at once (slots and KV both).
+  int32_t max_concurrency() const;
+  size_t cache_bytes() const { return mamba_slots * slot_bytes + static_cast<size_t>(kv_blocks) * block_bytes; }
+  CacheSizes cache_sizes() const {
+    return CacheSizes{.max_seqs = mamba_slots, .max_model_len = max_model_len, .block_size = block_size,
+                      .num_blocks = kv_blocks};
+  }
+};
+
+// The decode batch sizes the engine captures CUDA graphs for, ascending, ending at max_num_seqs:
+// 1, 2, 4, 8, then every multiple of 8 up to 256, then of 16 (vLLM's capture sizes), capped.
+std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_num_seqs);
+
+// Bytes of one sequence's Mamba state and of one KV block, exactly as StateCache allocates them.
+size_t mamba_slot_bytes(const ModelConfig& config, DType act_dtype);
+size_t kv_block_bytes(const ModelConfig& config, DType act_dtype, int32_t block_size);
+
+// kInvalidInput, naming the flag, for a utilization outside (0, 1], limits < 1, a budget that holds nothing, or
+// --max-num-seqs above the Mamba slots that fit.
+CacheSizingPlan size_caches(const ModelConfig& config, DType act_dtype, size_t weights_bytes,
+                            const device::MemoryInfo& memory, const CacheSizingRequest& request);
+
+// The start-up lines, e.g.
+//   memory: 139.80 GiB total, 0.90 utilization; weights 58.95 GiB; in use 60.12 GiB; workspace 1.20 GiB;
+//   graphs 0.50 GiB
+//   KV cache: 41210 blocks x 16 = 659360 tokens (30.12 GiB); Mamba state: 256 slots (11.01 GiB)
+//   maximum concurrency for 4096 tokens per request: 160.98x (256 sequences fit in both)
+std::string format_cache_sizing(const CacheSizingPlan& plan, const std::string& device_name);
+
+}  // namespace chimera

@@ -1,0 +1,145 @@
+// Sizing the caches from a device's memory: the plan's arithmetic against hand-set memory figures, the caches
+// it describes allocated for real (their bytes must equal the plan's), the errors a user can cause, and one
+// run against this host's MemAvailable, so the CPU path CI runs is the one the GPU uses.
+#include "runtime/cache_sizing.h"
+
+#include <gtest/gtest.h>
+
+#include "common/backend_param.h"
+#include "common/compare.h"
+#include "runtime/memory_plan.h"
+
+namespace chimera {
+namespace {
+
+constexpr size_t kGiB = size_t{1} << 30;
+
+ModelConfig tiny() { return load_model_config(test::source_path("models/nemotron-h-tiny")); }
+
+TEST(CacheSizing, GraphBatchSizesAreVllmsCaptureSizesUpToMaxNumSeqs) {
+  EXPECT_EQ(cuda_graph_batch_sizes(1), (std::vector<int32_t>{1}));
+  EXPECT_EQ(cuda_graph_batch_sizes(4), (std::vector<int32_t>{1, 2, 4}));
+  EXPECT_EQ(cuda_graph_batch_sizes(10), (std::vector<int32_t>{1, 2, 4, 8, 10}));
+  EXPECT_EQ(cuda_graph_batch_sizes(24), (std::vector<int32_t>{1, 2, 4, 8, 16, 24}));
+  const std::vector<int32_t> big = cuda_graph_batch_sizes(300);
+  EXPECT_EQ(big.size(), 3u + 32u + 3u);  // 1 2 4 | 8..256 step 8 | 272 288 | 300
+  EXPECT_EQ(big[35], 272);
+  EXPECT_EQ(big.back(), 300);
+  EXPECT_TRUE(std::is_sorted(big.begin(), big.end()));
+}
+
+TEST(CacheSizing, PerSlotAndPerBlockBytesMatchWhatStateCacheAllocates) {
+  const ModelConfig c = tiny();
+  // 3 slots and 5 blocks of 16, allocated for real (CPU, F32): the bytes split exactly into slots and blocks.
+  const StateCache cache(c, CacheSizes{.max_seqs = 3, .max_model_len = 64, .block_size = 16, .num_blocks = 5});
+  EXPECT_EQ(cache.bytes(), 3 * mamba_slot_bytes(c, DType::kF32) + 5 * kv_block_bytes(c, DType::kF32, 16));
+  // bf16 halves the conv state and KV, not the fp32 SSM state.
+  EXPECT_EQ(kv_block_bytes(c, DType::kBF16, 16) * 2, kv_block_bytes(c, DType::kF32, 16));
+  EXPECT_LT(mamba_slot_bytes(c, DType::kBF16), mamba_slot_bytes(c, DType::kF32));
+  EXPECT_GT(mamba_slot_bytes(c, DType::kBF16) * 2, mamba_slot_bytes(c, DType::kF32));
+}
+
+TEST(CacheSizing, BudgetIsUtilizationOfTotalLessWhatIsInUse) {
+  const ModelConfig c = tiny();
+  CacheSizingRequest r;
+  r.gpu_memory_utilization = 0.5;
+  r.max_num_seqs = 8;
+  r.max_model_len = 1000;
+  r.max_num_batched_tokens = 512;
+  r.block_size = 16;
+  // 10 GiB, 8 free: 5 GiB allowed, 2 in use -> 3 GiB budget: far more than 8 sequences of 1000 tokens use, so the
+  // pool is capped at 8 x 63 blocks and every slot has its full length.
+  const CacheSizingPlan p = size_caches(c, DType::kBF16, 123, {8 * kGiB, 10 * kGiB}, r);
+  EXPECT_EQ(p.budget, 3 * kGiB);
+  EXPECT_EQ(p.in_use, 2 * kGiB);
+  EXPECT_EQ(p.weights, 123u);
+  EXPECT_EQ(p.mamba_slots, 8);
+  EXPECT_EQ(p.kv_blocks, 8 * 63);
+  EXPECT_EQ(p.kv_tokens(), 8 * 63 * 16);
+  EXPECT_EQ(p.max_concurrency(), 8);
+  EXPECT_GT(p.workspace, 0u);
+  EXPECT_GT(p.graphs, 0u);
+  const CacheSizes s = p.cache_sizes();
+  EXPECT_EQ(s.max_seqs, 8);
+  EXPECT_EQ(s.num_blocks, 8 * 63);
+  EXPECT_EQ(s.max_model_len, 1000);
+  const std::string log = format_cache_sizing(p, "GPU");
+  EXPECT_NE(log.find("KV cache: 504 blocks x 16 = 8064 tokens"), std::string::npos) << log;
+  EXPECT_NE(log.find("Mamba state: 8 slots"), std::string::npos) << log;
+  EXPECT_NE(log.find("maximum concurrency for 1000 tokens per request: 8.06x (8 sequences fit at once)"),
+            std::string::npos)
+      << log;
+
+  // A budget that holds only part of that: the blocks are what remains after the slots and the overheads.
+  const size_t slot = mamba_slot_bytes(c, DType::kBF16), block = kv_block_bytes(c, DType::kBF16, 16);
+  const size_t caches = 8 * slot + 100 * block + block / 2;  // room for 100 whole blocks
+  r.gpu_memory_utilization = 1.0;
+  const size_t free = p.workspace + p.graphs + caches;
+  const CacheSizingPlan q = size_caches(c, DType::kBF16, 0, {free, free + kGiB}, r);
+  EXPECT_EQ(q.budget, free);
+  EXPECT_EQ(q.kv_blocks, 100);
+  EXPECT_EQ(q.max_concurrency(), 1);  // 100 blocks hold one 63-block sequence
+  EXPECT_LE(q.cache_bytes() + q.workspace + q.graphs, q.budget);
+  // The plan allocates: StateCache accepts its sizes (one full sequence fits) and holds exactly its bytes.
+  const StateCache cache(c, q.cache_sizes(), Device::kCpu, DType::kBF16);
+  EXPECT_EQ(cache.bytes(), q.cache_bytes());
+  // Without graphs the allowance goes to the KV pool.
+  r.cuda_graphs = false;
+  EXPECT_GT(size_caches(c, DType::kBF16, 0, {free, free + kGiB}, r).kv_blocks, 100);
+}
+
+TEST(CacheSizing, ClearErrorsForWhatDoesNotFit) {
+  const ModelConfig c = tiny();
+  CacheSizingRequest r;
+  r.max_num_seqs = 4;
+  r.max_model_len = 256;
+  r.max_num_batched_tokens = 64;
+  const device::MemoryInfo m{4 * kGiB, 8 * kGiB};
+  for (double u : {0.0, -0.1, 1.5}) {
+    r.gpu_memory_utilization = u;
+    EXPECT_TRUE(test::throws_error([&] { size_caches(c, DType::kBF16, 0, m, r); }, ErrorKind::kInvalidInput,
+                                   "--gpu-memory-utilization must be in (0, 1]"));
+  }
+  r.gpu_memory_utilization = 0.4;  // 3.2 GiB allowed, 4 in use
+  EXPECT_TRUE(test::throws_error([&] { size_caches(c, DType::kBF16, 0, m, r); }, ErrorKind::kInvalidInput,
+                                 "nothing is left for the caches"));
+
+  // Room for exactly 10 slots beside one full sequence's KV: --max-num-seqs 11 is refused, naming 10.
+  r.gpu_memory_utilization = 1.0;
+  r.cuda_graphs = false;
+  const size_t slot = mamba_slot_bytes(c, DType::kBF16), block = kv_block_bytes(c, DType::kBF16, 16);
+  r.max_num_seqs = 11;
+  const size_t workspace = size_caches(c, DType::kBF16, 0, m, r).workspace;
+  const size_t free = workspace + 10 * slot + 16 * block + slot / 2;
+  EXPECT_TRUE(test::throws_error([&] { size_caches(c, DType::kBF16, 0, {free, 8 * kGiB}, r); },
+                                 ErrorKind::kInvalidInput, "--max-num-seqs 11 is above the 10 Mamba state slots"));
+  r.max_num_seqs = 10;
+  const CacheSizingPlan p = size_caches(c, DType::kBF16, 0, {free, 8 * kGiB}, r);
+  EXPECT_EQ(p.mamba_slots, 10);
+  EXPECT_EQ(p.kv_blocks, (free - p.workspace - 10 * slot) / block);  // 16 and what half a slot holds
+  EXPECT_GE(p.max_slots_that_fit, 10);
+  r.max_num_seqs = 0;
+  EXPECT_TRUE(test::throws_error([&] { size_caches(c, DType::kBF16, 0, m, r); }, ErrorKind::kInvalidInput,
+                                 "--max-num-seqs must be >= 1"));
+}
+
+TEST(CacheSizing, SizesAgainstThisHostsAvailableMemory) {
+  const device::MemoryInfo host = device::host_memory_info();
+  ASSERT_GT(host.total, 0u);
+  ASSERT_LE(host.free, host.total);
+  CacheSizingRequest r;
+  r.gpu_memory_utilization = 1.0;  // the whole of MemAvailable
+  r.max_num_seqs = 2;
+  r.max_model_len = 128;
+  r.max_num_batched_tokens = 64;
+  const ModelConfig c = tiny();
+  const CacheSizingPlan p = size_caches(c, DType::kF32, 0, host, r);
+  EXPECT_EQ(p.budget, host.free);
+  EXPECT_EQ(p.mamba_slots, 2);
+  EXPECT_EQ(p.kv_blocks, 2 * 8);  // capped at what two 128-token sequences use: the host has far more
+  const StateCache cache(c, p.cache_sizes());
+  EXPECT_EQ(cache.bytes(), p.cache_bytes());
+}
+
+}  // namespace
+}  // namespace chimera
