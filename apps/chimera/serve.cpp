@@ -14,7 +14,9 @@
 #include "chat/chat_template.h"
 #include "commands.h"
 #include "core/error.h"
+#include "runtime/cache_sizing.h"
 #include "runtime/engine.h"
+#include "runtime/memory_plan.h"
 #include "server/engine_loop.h"
 #include "server/http_server.h"
 #include "server/metrics.h"
@@ -41,7 +43,8 @@ void add_serve(CLI::App& app, ServeOptions& o) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--gpu-memory-utilization", o.gpu_memory_utilization,
-                 "Fraction of the GPU's memory the engine may use")
+                 "CUDA: fraction of the GPU's memory the engine may use; the KV pool and Mamba slots get what is left "
+                 "after weights, workspace and graphs (the CPU sizes them for --max-num-seqs x --max-model-len)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--max-waiting-seqs", o.max_waiting_seqs,
@@ -97,7 +100,24 @@ int run_serve(const ServeOptions& o) {
   limits.max_model_len = o.max_model_len;
   limits.max_tokens_per_step = o.max_num_batched_tokens;
   limits.block_size = ec.cache.block_size;
+  // On CUDA the caches are sized from the device's memory after the weights (--gpu-memory-utilization), so the
+  // load-time check covers the weights and one sequence only.
+  if (model_options.device == Device::kCuda) limits.max_num_seqs = 1;
   LoadedModel m = load_model(o.source, /*with_weights=*/true, model_options, limits);
+  if (model_options.device == Device::kCuda) {
+    CacheSizingRequest req;
+    req.gpu_memory_utilization = o.gpu_memory_utilization;
+    req.max_num_seqs = o.max_num_seqs;
+    req.max_model_len = o.max_model_len;
+    req.max_num_batched_tokens = o.max_num_batched_tokens;
+    req.block_size = ec.cache.block_size;
+    req.cuda_graphs = ec.cuda_graphs;
+    const DType act = m.model->activation_dtype();
+    const size_t weights = plan_memory(m.config, model_options.dtype, act, limits).weights;
+    const CacheSizingPlan plan = size_caches(m.config, act, weights, device::memory_info(Device::kCuda), req);
+    ec.cache = plan.cache_sizes();
+    fmt::print("chimera serve: {}\n", format_cache_sizing(plan, "GPU"));
+  }
   Engine engine(*m.model, ops::Context{model_options.device, nullptr}, ec);
 
   std::string name = o.served_model_name;
