@@ -129,3 +129,29 @@ def test_max_tokens_length(client):
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 3
+
+
+def test_logprobs(client, references):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == r.choices[0].text == references[PROMPTS[0]][:len(r.choices[0].text)]
+    assert lp.text_offset[0] == 0
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0.0
+        # Greedy: the chosen token is the most likely of the top ones.
+        assert tok in top and top[tok] == max(top.values())
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                            logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs)
+
+
+def test_n_streaming(client):
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=6, temperature=0.9, n=2, seed=11)
+    whole = client.completions.create(**kw)
+    texts = ["", ""]
+    for c in client.completions.create(**kw, stream=True):
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [c.text for c in whole.choices]
