@@ -317,13 +317,17 @@ __device__ int find_tie(const float* l, int V, uint32_t key, long long tie_index
   return sh.found;
 }
 
-// The sampled id of one row (greedy or drawn), from the (penalised) logits l.
-__device__ int sample_row_id(const float* l, int V, const ops::SamplingRow& row, Shared& sh) {
+// The sampled id of one row (greedy or drawn), from the (penalised) logits l. `bad` gets whether this thread's
+// elements of l hold a NaN or an infinity (the first pass reads them all anyway).
+__device__ int sample_row_id(const float* l, int V, const ops::SamplingRow& row, Shared& sh, bool& bad) {
   const int tid = threadIdx.x;
   // The first maximum, as std::max_element (greedy_key).
   unsigned long long best = 0;
   for_each4(l, V, [&](float v, int i, bool valid) {
-    if (valid) best = max(best, greedy_key(v, i));
+    if (valid) {
+      best = max(best, greedy_key(v, i));
+      bad = bad || !isfinite(v);
+    }
   });
   const int best_i = greedy_id(block_max_key(best, sh));
   if (row.temperature == 0.0f || row.top_k == 1) return best_i;
@@ -386,12 +390,16 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) 
   const ops::SamplingRow row = p.rows[r];
   const int tid = threadIdx.x;
 
-  const int id = sample_row_id(l, V, row, sh);
+  bool bad = false;
+  const int id = sample_row_id(l, V, row, sh, bad);
   if (tid == 0) p.out_ids[r] = id;
 
   if (p.nonfinite != nullptr) {
-    bool bad = false;
-    for_each4(raw, V, [&](float v, int, bool valid) { bad = bad || (valid && !isfinite(v)); });
+    // Without penalties l is the raw row and the sampler's first pass already checked it.
+    if (l != raw) {
+      bad = false;
+      for_each4(raw, V, [&](float v, int, bool valid) { bad = bad || (valid && !isfinite(v)); });
+    }
     const int any = __syncthreads_or(bad ? 1 : 0);
     if (tid == 0) p.nonfinite[r] = any != 0 ? 1 : 0;
   }
