@@ -113,6 +113,16 @@ nlohmann::ordered_json convert_value(const std::string& value, const nlohmann::j
   return value;
 }
 
+// Model text is UTF-8 but a cut-off or hostile delta may not be: invalid bytes become U+FFFD so that the
+// arguments are always valid JSON text.
+std::string valid_utf8(std::string_view s) {
+  std::vector<uint32_t> cps = jinja::utf8_decode(s);
+  for (uint32_t& cp : cps) {
+    if (cp >= 0xDC80 && cp <= 0xDCFF) cp = 0xFFFD;
+  }
+  return jinja::utf8_encode(cps, 0, cps.size());
+}
+
 std::string strip_one_newline(std::string_view v) {
   if (!v.empty() && v.front() == '\n') v.remove_prefix(1);
   if (!v.empty() && v.back() == '\n') v.remove_suffix(1);
@@ -138,7 +148,9 @@ std::string ToolCallParser::next_id() {
   return std::string("call_") + buf;
 }
 
-bool ToolCallParser::parse_block(std::string_view block, ToolCall& out) {
+bool ToolCallParser::parse_block(std::string_view raw_block, ToolCall& out) {
+  const std::string fixed = valid_utf8(raw_block);
+  std::string_view block = fixed;
   size_t f = block.find(kFunctionOpen);
   if (f == std::string_view::npos) return false;
   size_t name_end = block.find('>', f + kFunctionOpen.size());

@@ -58,7 +58,7 @@ class ToolCallParser {
 
  private:
   std::string next_id();
-  bool parse_block(std::string_view block, ToolCall& out);  // text between <tool_call> and </tool_call>
+  bool parse_block(std::string_view raw_block, ToolCall& out);  // text between <tool_call> and </tool_call>
 
   nlohmann::json tools_;
   uint64_t id_state_;

@@ -106,6 +106,11 @@ TEST(JinjaBudget, HostileTemplatesStopWithAClearError) {
   // Unbounded macro recursion.
   EXPECT_NE(error_of("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}").find("recursed deeper"),
             std::string::npos);
+  // Recursion whose every level nests deep expressions: the evaluation depth bound stops it before the stack.
+  EXPECT_NE(error_of("{% macro f(n) %}{{ " + std::string(40, '[') + "f(n + 1)" + std::string(40, ']') +
+                     " }}{% endmacro %}{{ f(0) }}")
+                .find("nests too deeply"),
+            std::string::npos);
   // A string that doubles every iteration.
   EXPECT_NE(error_of("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
                      {}, small)

@@ -55,6 +55,14 @@ TEST(ToolCallParser, ValuesThatDoNotParseStayStrings) {
   EXPECT_EQ(r.content, "");
 }
 
+TEST(ToolCallParser, InvalidUtf8BecomesReplacementCharacters) {
+  ToolCallResult r = ToolCallParser().parse("<tool_call><function=f\xfa><parameter=x>a\xff\xfe" "b</parameter></function></tool_call>");
+  ASSERT_EQ(r.tool_calls.size(), 1u);
+  EXPECT_EQ(r.tool_calls[0].name, "f\xEF\xBF\xBD");
+  EXPECT_EQ(r.tool_calls[0].arguments, "{\"x\": \"a\xEF\xBF\xBD\xEF\xBF\xBD" "b\"}");
+  EXPECT_TRUE(ordered_json::accept(r.tool_calls[0].arguments));
+}
+
 TEST(ToolCallParser, NoToolCallIsAllContent) {
   ToolCallParser p;
   ToolCallResult r = p.parse("Just an answer with a < sign and <tool_ almost.");
