@@ -10,6 +10,8 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 PKGS=(build-essential cmake ninja-build pkg-config git
       nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev
       libgtest-dev libgmock-dev libbenchmark-dev python3 python3-venv)
+# chimera serve: Boost.Beast / Asio (header-only); curl for the server tests.
+PKGS+=(libboost1.81-dev curl)
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -21,9 +23,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 fi
 
-# Python venv for the scripts that regenerate fixtures and goldens (not needed to build or test).
+# Python venv: always with the server tests' client (tests/server: the `openai` package and pytest); with
+# CHIMERA_SETUP_PYTHON=1 also the scripts that regenerate fixtures and goldens.
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+if ! .venv/bin/python -c "import openai, pytest" >/dev/null 2>&1; then
+  .venv/bin/pip install -q -r scripts/requirements-test.txt
+fi
 if [ "${CHIMERA_SETUP_PYTHON:-0}" = "1" ]; then
-  if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
   .venv/bin/pip install -q -r scripts/requirements.txt
 fi
 # CUTLASS headers (PyPI's nvidia-cutlass wheel) for the MoE experts' prefill GEMM, on machines with nvcc and a GPU

@@ -62,12 +62,36 @@ struct BenchOptions {
   bool profile = false;
 };
 
+// chimera serve (serve.cpp): the OpenAI-compatible server; flags named as vLLM's.
+struct ServeOptions {
+  ModelSource source;
+  std::string host = "127.0.0.1";
+  int32_t port = 8000;
+  std::string served_model_name;
+  std::string api_key;
+  int32_t max_num_seqs = 64;
+  int32_t max_num_batched_tokens = 2048;
+  int32_t max_model_len = 4096;
+  double gpu_memory_utilization = 0.9;
+  int32_t max_waiting_seqs = 1024;
+  std::string device = "cpu";
+  std::string dtype;
+  std::string reasoning_parser;
+  std::string tool_call_parser;
+  int32_t io_threads = 4;
+  size_t max_body_bytes = size_t{32} << 20;
+  int32_t request_timeout_s = 30;
+  double shutdown_timeout_s = 30.0;
+};
+
 void add_generate(CLI::App& app, GenerateOptions& opt);
 void add_info(CLI::App& app, InfoOptions& opt);
 int run_generate(const GenerateOptions& opt);
 int run_info(const InfoOptions& opt);
 void add_bench(CLI::App& app, BenchOptions& opt);
 int run_bench(const BenchOptions& opt);
+void add_serve(CLI::App& app, ServeOptions& opt);
+int run_serve(const ServeOptions& opt);
 
 // The model bundled with the source tree (used when -m is not given).
 std::string default_model_dir();

@@ -37,6 +37,9 @@ int main(int argc, char** argv) {
   cli::BenchOptions bench;
   CLI::App* b = app.add_subcommand("bench", "End-to-end prefill and decode throughput, beside the batch-1 roofline");
   cli::add_bench(*b, bench);
+  cli::ServeOptions serve;
+  CLI::App* s = app.add_subcommand("serve", "An OpenAI-compatible HTTP server (completions, chat, metrics)");
+  cli::add_serve(*s, serve);
 
   try {
     app.parse(argc, argv);
@@ -57,6 +60,7 @@ int main(int argc, char** argv) {
     if (g->parsed()) return cli::run_generate(gen);
     if (i->parsed()) return cli::run_info(info);
     if (b->parsed()) return cli::run_bench(bench);
+    if (s->parsed()) return cli::run_serve(serve);
   } catch (const Error& e) {
     std::fflush(stdout);
     fmt::print(stderr, "\nchimera: error: {}\n", e.what());

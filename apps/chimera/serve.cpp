@@ -1,0 +1,186 @@
+// chimera serve: the OpenAI-compatible HTTP server (src/server/) over one Engine on its own thread.
+#include <pthread.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <thread>
+
+#include <fmt/core.h>
+
+#include "backends/device_api.h"
+#include "chat/chat_template.h"
+#include "commands.h"
+#include "core/error.h"
+#include "runtime/cache_sizing.h"
+#include "runtime/engine.h"
+#include "runtime/memory_plan.h"
+#include "server/engine_loop.h"
+#include "server/http_server.h"
+#include "server/metrics.h"
+#include "server/openai_server.h"
+
+namespace chimera::cli {
+
+void add_serve(CLI::App& app, ServeOptions& o) {
+  add_model_source(app, o.source);
+  app.add_option("--host", o.host, "Address to listen on")->capture_default_str();
+  app.add_option("--port", o.port, "Port to listen on (0: any free port; the address is printed)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  app.add_option("--served-model-name", o.served_model_name,
+                 "Model name of the API (default: the -m path as given, or synthetic-PRESET)");
+  app.add_option("--api-key", o.api_key, "Require 'Authorization: Bearer KEY' on /v1 routes");
+  app.add_option("--max-num-seqs", o.max_num_seqs, "Sequences the engine runs at once")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-num-batched-tokens", o.max_num_batched_tokens, "Tokens per engine step (prefill chunks + decodes)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-model-len", o.max_model_len, "Maximum tokens per sequence (prompt + output)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--gpu-memory-utilization", o.gpu_memory_utilization,
+                 "CUDA: fraction of the GPU's memory the engine may use; the KV pool and Mamba slots get what is left "
+                 "after weights, workspace and graphs (the CPU sizes them for --max-num-seqs x --max-model-len)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--max-waiting-seqs", o.max_waiting_seqs,
+                 "Sequences queued beyond --max-num-seqs; past it requests get 503 with Retry-After")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--dtype", o.dtype, "Weights and activations on CUDA: bfloat16 (default) or float32")
+      ->check(CLI::IsMember({"bfloat16", "float32"}));
+  app.add_option("--reasoning-parser", o.reasoning_parser, "Split reasoning into reasoning_content: nemotron_v3")
+      ->check(CLI::IsMember({"nemotron_v3"}));
+  app.add_option("--tool-call-parser", o.tool_call_parser, "Turn the model's tool calls into tool_calls")
+      ->check(CLI::IsMember({"nemotron_v3"}));
+  app.add_option("--io-threads", o.io_threads, "HTTP I/O threads")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--max-request-body-bytes", o.max_body_bytes, "Larger request bodies get 413")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--request-timeout", o.request_timeout_s,
+                 "Seconds a request may take to arrive, a keep-alive connection may idle, a write may wait")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--shutdown-timeout", o.shutdown_timeout_s,
+                 "On SIGINT / SIGTERM: seconds in-flight requests may finish before they are aborted")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+}
+
+int run_serve(const ServeOptions& o) {
+  ModelOptions model_options;
+  if (o.device == "cuda") {
+    if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
+    model_options.device = Device::kCuda;
+    model_options.dtype = o.dtype == "float32" ? DType::kF32 : DType::kBF16;
+  } else if (!o.dtype.empty() && o.dtype != "float32") {
+    invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);
+  }
+
+  // Signals go to the waiting main thread only (blocked here, before any thread starts, so every thread
+  // inherits the mask).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  EngineConfig ec;
+  ec.scheduler.max_num_seqs = o.max_num_seqs;
+  ec.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
+  ec.cache.max_seqs = o.max_num_seqs;
+  ec.cache.max_model_len = o.max_model_len;
+  MemoryLimits limits;
+  limits.max_num_seqs = o.max_num_seqs;
+  limits.max_model_len = o.max_model_len;
+  limits.max_tokens_per_step = o.max_num_batched_tokens;
+  limits.block_size = ec.cache.block_size;
+  // On CUDA the caches are sized from the device's memory after the weights (--gpu-memory-utilization), so the
+  // load-time check covers the weights and one sequence only.
+  if (model_options.device == Device::kCuda) limits.max_num_seqs = 1;
+  LoadedModel m = load_model(o.source, /*with_weights=*/true, model_options, limits);
+  if (model_options.device == Device::kCuda) {
+    CacheSizingRequest req;
+    req.gpu_memory_utilization = o.gpu_memory_utilization;
+    req.max_num_seqs = o.max_num_seqs;
+    req.max_model_len = o.max_model_len;
+    req.max_num_batched_tokens = o.max_num_batched_tokens;
+    req.block_size = ec.cache.block_size;
+    req.cuda_graphs = ec.cuda_graphs;
+    const DType act = m.model->activation_dtype();
+    const size_t weights = plan_memory(m.config, model_options.dtype, act, limits).weights;
+    const CacheSizingPlan plan = size_caches(m.config, act, weights, device::memory_info(Device::kCuda), req);
+    ec.cache = plan.cache_sizes();
+    fmt::print("chimera serve: {}\n", format_cache_sizing(plan, "GPU"));
+  }
+  Engine engine(*m.model, ops::Context{model_options.device, nullptr}, ec);
+
+  std::string name = o.served_model_name;
+  if (name.empty()) name = o.source.is_synthetic() ? "synthetic-" + o.source.synthetic : o.source.model_dir;
+  server::Metrics metrics(name, o.max_model_len);
+  server::EngineLoopConfig lc;
+  lc.max_waiting_seqs = o.max_waiting_seqs;
+  server::EngineLoop loop(engine, metrics, lc, o.max_num_seqs);
+  // The chat template from the model directory (-m; with --synthetic, the directory lending the tokenizer).
+  std::optional<chat::ChatTemplate> chat_template;
+  if (m.tokenizer && std::filesystem::is_directory(o.source.model_dir)) {
+    chat_template = chat::ChatTemplate::load(o.source.model_dir);
+  }
+  if ((!o.reasoning_parser.empty() || !o.tool_call_parser.empty()) && !chat_template) {
+    invalid_input("--reasoning-parser / --tool-call-parser: {} has no chat template", o.source.model_dir);
+  }
+  server::ServerConfig sc;
+  sc.served_model_name = name;
+  sc.api_key = o.api_key;
+  sc.max_model_len = o.max_model_len;
+  sc.vocab_size = m.config.vocab_size;
+  sc.reasoning_parser = o.reasoning_parser;
+  sc.tool_call_parser = o.tool_call_parser;
+  server::OpenAiServer api(sc, m.tokenizer ? &*m.tokenizer : nullptr, chat_template ? &*chat_template : nullptr, loop,
+                           metrics);
+  server::HttpServerConfig hc;
+  hc.host = o.host;
+  hc.port = static_cast<uint16_t>(o.port);
+  hc.io_threads = o.io_threads;
+  hc.max_body_bytes = o.max_body_bytes;
+  hc.request_timeout_s = o.request_timeout_s;
+  server::HttpServer http(hc, [&api](server::HttpRequest req, std::shared_ptr<server::Responder> r) {
+    api.handle(std::move(req), std::move(r));
+  });
+  const uint16_t port = http.listen();
+  http.start();
+  fmt::print("chimera serve: model {} ({} {}), max_num_seqs {}, max_model_len {}\n", name, o.device,
+             dtype_name(m.model->activation_dtype()), o.max_num_seqs, o.max_model_len);
+  fmt::print("chimera serve: chat template {}{}{}\n", chat_template ? "from the model" : "none",
+             o.reasoning_parser.empty() ? "" : ", reasoning parser " + o.reasoning_parser,
+             o.tool_call_parser.empty() ? "" : ", tool-call parser " + o.tool_call_parser);
+  fmt::print("chimera serve: listening on http://{}:{}\n", o.host, port);
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  fmt::print("chimera serve: {} received; no new connections, {} request(s) in flight get {} s\n",
+             sig == SIGINT ? "SIGINT" : "SIGTERM", http.active_requests(), o.shutdown_timeout_s);
+  std::fflush(stdout);
+  http.stop_accepting();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(o.shutdown_timeout_s);
+  while (std::chrono::steady_clock::now() < deadline && (loop.in_flight() > 0 || http.active_requests() > 0)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Whatever is left is aborted; its clients get their last chunk (finish_reason "abort") before the I/O stops.
+  loop.stop();
+  const auto flush_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (std::chrono::steady_clock::now() < flush_deadline && http.active_requests() > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  http.stop();
+  fmt::print("chimera serve: stopped\n");
+  return 0;
+}
+
+}  // namespace chimera::cli

@@ -1,0 +1,116 @@
+// The engine on its own thread. HTTP threads never touch the Engine (nor tensors): they submit requests and
+// aborts through a locked queue that the engine thread applies between steps, and receive each step's tokens
+// through their RequestSink (which posts them to the connection's strand; a step never waits on a client).
+// The thread steps back to back while there is work and sleeps on a condition variable when there is none.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/engine.h"
+#include "server/metrics.h"
+
+namespace chimera::server {
+
+// One sequence's output of one step.
+struct SeqEvent {
+  int32_t choice = 0;  // index of the sequence within its request
+  int32_t token = -1;  // -1: no token (finished without one, or aborted)
+  FinishReason finish = FinishReason::kNone;
+  bool aborted = false;  // finished by an abort (client gone, stop string, shutdown)
+  // When the sequence asked for logprobs: the token's and the top ones (TokenEvent's).
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top_logprobs;
+  std::string error;  // finish kError: why
+};
+
+// Where a request's events go. Called on the engine thread; implementations only queue and return.
+class RequestSink {
+ public:
+  virtual ~RequestSink() = default;
+  virtual void on_events(std::vector<SeqEvent> events) = 0;
+  // A sequence failed: the engine refused it (add_request threw; status 400 for input it calls invalid, else
+  // 500) or its step failed (500). `message` says why.
+  virtual void on_error(int status, std::string message) = 0;
+};
+
+struct SeqRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+};
+
+struct EngineLoopConfig {
+  // Sequences admitted past what the engine runs at once (--max-num-seqs); beyond, submit() -> 503.
+  int32_t max_waiting_seqs = 1024;
+};
+
+class EngineLoop {
+ public:
+  EngineLoop(Engine& engine, Metrics& metrics, EngineLoopConfig config, int32_t max_num_seqs);
+  ~EngineLoop();  // stop()
+  EngineLoop(const EngineLoop&) = delete;
+  EngineLoop& operator=(const EngineLoop&) = delete;
+
+  // Queues a request's sequences (choice i = seqs[i]); returns the handle of choice 0 (choice i has handle
+  // first + i). Throws ApiError 503 when the queue bound is reached. `arrival`: when the request arrived.
+  uint64_t submit(std::vector<SeqRequest> seqs, std::shared_ptr<RequestSink> sink,
+                  std::chrono::steady_clock::time_point arrival);
+  // Ends one sequence at the next step boundary (its slot and KV blocks are freed); unknown handles are ignored.
+  // as_stop: the server ended it on a stop string (counted as finished_reason "stop", not "abort").
+  void abort(uint64_t handle, bool as_stop = false);
+  // Sequences submitted and not yet finished.
+  int64_t in_flight() const;
+  // Ends the thread: every unfinished sequence is aborted (its sink sees the abort).
+  void stop();
+
+ private:
+  struct Pending {
+    uint64_t first_handle;
+    std::vector<SeqRequest> seqs;
+    std::shared_ptr<RequestSink> sink;
+    std::chrono::steady_clock::time_point arrival;
+  };
+  struct Live {
+    uint64_t handle;
+    int32_t choice;
+    std::shared_ptr<RequestSink> sink;
+    std::chrono::steady_clock::time_point arrival, last_token;
+    int32_t prompt_len;
+    int32_t generated = 0;
+    bool queue_time_recorded = false;
+    double queue_seconds = 0.0;
+  };
+  void run();
+  void apply_pending(std::deque<Pending>& adds, std::vector<std::pair<uint64_t, bool>>& aborts);
+  void finish(int32_t seq_id, Live& live, FinishReason reason, bool aborted,
+              std::unordered_map<RequestSink*, std::pair<std::shared_ptr<RequestSink>, std::vector<SeqEvent>>>& out);
+  void update_gauges();
+
+  Engine& engine_;
+  Metrics& metrics_;
+  EngineLoopConfig config_;
+  int32_t max_num_seqs_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> pending_;
+  std::vector<std::pair<uint64_t, bool>> pending_aborts_;
+  uint64_t next_handle_ = 1;
+  int64_t in_flight_ = 0;  // sequences submitted and not finished
+  bool stopping_ = false;
+
+  // Engine thread only.
+  std::unordered_map<int32_t, Live> live_;         // by engine sequence id
+  std::unordered_map<uint64_t, int32_t> handles_;  // handle -> engine sequence id
+  std::thread thread_;
+};
+
+}  // namespace chimera::server

@@ -1,0 +1,73 @@
+// The /metrics text: Prometheus exposition format with vLLM's names under chimera:, cumulative buckets, labels.
+#include "server/metrics.h"
+
+#include <gtest/gtest.h>
+
+#include <sstream>
+
+namespace chimera::server {
+namespace {
+
+bool has_line(const std::string& text, const std::string& line) {
+  std::istringstream in(text);
+  for (std::string l; std::getline(in, l);) {
+    if (l == line) return true;
+  }
+  return false;
+}
+
+TEST(ServerMetrics, HistogramBucketsAreCumulative) {
+  Histogram h({1.0, 2.0, 5.0});
+  for (double v : {0.5, 1.0, 1.5, 3.0, 7.0}) h.observe(v);
+  std::string out;
+  h.render(out, "x", "a=\"b\"");
+  EXPECT_TRUE(has_line(out, "x_bucket{a=\"b\",le=\"1\"} 2")) << out;  // le is inclusive
+  EXPECT_TRUE(has_line(out, "x_bucket{a=\"b\",le=\"2\"} 3")) << out;
+  EXPECT_TRUE(has_line(out, "x_bucket{a=\"b\",le=\"5\"} 4")) << out;
+  EXPECT_TRUE(has_line(out, "x_bucket{a=\"b\",le=\"+Inf\"} 5")) << out;
+  EXPECT_TRUE(has_line(out, "x_sum{a=\"b\"} 13")) << out;
+  EXPECT_TRUE(has_line(out, "x_count{a=\"b\"} 5")) << out;
+}
+
+TEST(ServerMetrics, OneTwoFiveBuckets) {
+  EXPECT_EQ(buckets_1_2_5(100), (std::vector<double>{1, 2, 5, 10, 20, 50, 100}));
+  EXPECT_EQ(buckets_1_2_5(4096).back(), 2000);
+}
+
+TEST(ServerMetrics, VllmNamesAndLabels) {
+  Metrics m("my \"model\"", 4096);
+  m.set_gauges({3, 2, 0.25});
+  m.add_prompt_tokens(10);
+  m.add_generation_tokens(7);
+  m.observe_ttft(0.03);
+  m.observe_inter_token(0.02);
+  m.record_finished("stop", 10, 7, 0.4, 0.01);
+  m.record_finished("abort", 5, 1, 0.2, 0.0);
+  const std::string t = m.render();
+  const std::string l = "model_name=\"my \\\"model\\\"\"";
+  EXPECT_TRUE(has_line(t, "chimera:num_requests_running{" + l + "} 3")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:num_requests_waiting{" + l + "} 2")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:kv_cache_usage_perc{" + l + "} 0.25")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:prompt_tokens_total{" + l + "} 10")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:generation_tokens_total{" + l + "} 7")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:request_success_total{" + l + ",finished_reason=\"stop\"} 1")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:request_success_total{" + l + ",finished_reason=\"abort\"} 1")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:request_success_total{" + l + ",finished_reason=\"length\"} 0")) << t;
+  EXPECT_TRUE(has_line(t, "# TYPE chimera:time_to_first_token_seconds histogram")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:time_to_first_token_seconds_bucket{" + l + ",le=\"0.04\"} 1")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:inter_token_latency_seconds_count{" + l + "} 1")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:e2e_request_latency_seconds_count{" + l + "} 2")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:request_queue_time_seconds_count{" + l + "} 2")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:request_prompt_tokens_sum{" + l + "} 15")) << t;
+  EXPECT_TRUE(has_line(t, "chimera:request_generation_tokens_sum{" + l + "} 8")) << t;
+  // Every sample line is NAME{labels} VALUE; every metric has HELP and TYPE.
+  std::istringstream in(t);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("# HELP ", 0) == 0 || line.rfind("# TYPE ", 0) == 0) continue;
+    EXPECT_EQ(line.rfind("chimera:", 0), 0u) << line;
+    EXPECT_NE(line.find("} "), std::string::npos) << line;
+  }
+}
+
+}  // namespace
+}  // namespace chimera::server
