@@ -10,6 +10,8 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 PKGS=(build-essential cmake ninja-build pkg-config git
       nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev
       libgtest-dev libgmock-dev libbenchmark-dev python3 python3-venv)
+# chimera bench serve: HTTP client (libcurl's multi interface drives every stream on one thread).
+PKGS+=(libcurl4-openssl-dev)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "bench_serve/bench_serve.h"
 #include "dist/allreduce_types.h"
 #include "model_loading.h"
 #include "runtime/sampler.h"
@@ -68,6 +69,9 @@ int run_generate(const GenerateOptions& opt);
 int run_info(const InfoOptions& opt);
 void add_bench(CLI::App& app, BenchOptions& opt);
 int run_bench(const BenchOptions& opt);
+// chimera bench serve (bench_serve.cpp): vLLM's `vllm bench serve` flags; backend is --backend.
+void add_bench_serve(CLI::App& app, bench_serve::BenchServeOptions& opt, std::string& backend);
+int run_bench_serve(bench_serve::BenchServeOptions opt, const std::string& backend);
 
 // The model bundled with the source tree (used when -m is not given).
 std::string default_model_dir();

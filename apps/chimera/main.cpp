@@ -37,6 +37,10 @@ int main(int argc, char** argv) {
   cli::BenchOptions bench;
   CLI::App* b = app.add_subcommand("bench", "End-to-end prefill and decode throughput, beside the batch-1 roofline");
   cli::add_bench(*b, bench);
+  bench_serve::BenchServeOptions bench_serve_opt;
+  std::string bench_serve_backend = "openai";
+  CLI::App* bs = b->add_subcommand("serve", "Load-test an OpenAI-compatible server (vLLM's `vllm bench serve`)");
+  cli::add_bench_serve(*bs, bench_serve_opt, bench_serve_backend);
 
   try {
     app.parse(argc, argv);
@@ -56,6 +60,7 @@ int main(int argc, char** argv) {
   try {
     if (g->parsed()) return cli::run_generate(gen);
     if (i->parsed()) return cli::run_info(info);
+    if (bs->parsed()) return cli::run_bench_serve(bench_serve_opt, bench_serve_backend);
     if (b->parsed()) return cli::run_bench(bench);
   } catch (const Error& e) {
     std::fflush(stdout);
