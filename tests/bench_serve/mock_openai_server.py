@@ -10,7 +10,7 @@ prompt was a token-id list, max_tokens and ignore_eos.
 
 Failure modes for the error tests (K-th request counted from 1): --fail-every K answers HTTP 500 with an
 OpenAI error body; --malformed-every K streams one chunk of invalid JSON; --drop-every K closes the
-connection after the first token.
+connection after the first token. --api-key KEY answers 401 to requests without "Authorization: Bearer KEY".
 
 Prints "PORT <n>" on stdout once listening (--port 0 picks a free loopback port).
 """
@@ -112,9 +112,15 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             self.send_json(400, {"error": {"message": "malformed JSON", "type": "BadRequestError", "code": 400}})
             return
+        if opt.api_key and self.headers.get("Authorization") != "Bearer " + opt.api_key:
+            self.send_json(401, {"error": {"message": "invalid API key", "type": "AuthenticationError",
+                                           "code": 401}})
+            return
         n = self.server.stats.begin(body)
         try:
             self.stream(body, n, chat)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client gave up on the stream (as it does on malformed SSE)
         finally:
             self.server.stats.end()
 
@@ -181,6 +187,7 @@ def main():
     ap.add_argument("--fail-every", type=int, default=0)
     ap.add_argument("--malformed-every", type=int, default=0)
     ap.add_argument("--drop-every", type=int, default=0)
+    ap.add_argument("--api-key", default="")
     opt = ap.parse_args()
     server = Server(("127.0.0.1", opt.port), Handler)
     server.opt = opt
