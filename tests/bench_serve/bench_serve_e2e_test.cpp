@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/compare.h"
+#include "tokenizer/tokenizer.h"
 
 namespace chimera {
 namespace {
@@ -313,6 +314,42 @@ TEST_F(BenchServeE2E, ModelFromServerAndChatEndpoint) {
   const json s = mock.stats();
   EXPECT_EQ(s["prompt_is_ids"][0], false);  // chat sends text messages
   EXPECT_EQ(s["max_tokens"][0], 4);         // as max_completion_tokens
+}
+
+TEST_F(BenchServeE2E, WithoutUsageTheTextIsTokenized) {
+  // No usage block: output tokens are the tokenizer's count of the streamed text, as vLLM counts them.
+  MockServer mock({"--no-usage"});
+  ASSERT_GT(mock.port(), 0);
+  const fs::path result = tmp_ / "nousage.json";
+  const auto r = run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() +
+                         " --random-input-len 8 --random-output-len 6 --num-prompts 2 --result-filename " +
+                         result.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const Tokenizer tok = Tokenizer::load(test::source_path("models/nemotron-h-tiny/tokenizer.json"));
+  std::string text;
+  for (int i = 0; i < 6; ++i) text += " tok";  // what the mock streams per token
+  const json j = read_json(result);
+  EXPECT_EQ(j["completed"], 2);
+  EXPECT_EQ(j["total_output_tokens"], 2 * static_cast<int64_t>(tok.encode(text).size()));
+}
+
+TEST_F(BenchServeE2E, SixtyFourStreamsAtOnce) {
+  MockServer mock({"--token-delay-ms", "5"});
+  ASSERT_GT(mock.port(), 0);
+  const fs::path result = tmp_ / "streams.json";
+  const auto r = run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() +
+                         " --random-input-len 64 --random-output-len 16 --num-prompts 128 --max-concurrency 64"
+                         " --random-prefix-len 16 --result-filename " +
+                         result.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json j = read_json(result);
+  EXPECT_EQ(j["completed"], 128);
+  EXPECT_EQ(j["failed"], 0);
+  EXPECT_EQ(j["total_input_tokens"], 128 * (64 + 16));  // the shared prefix counts in every prompt
+  EXPECT_EQ(j["total_output_tokens"], 128 * 16);
+  const json s = mock.stats();
+  EXPECT_EQ(s["requests"], 129);
+  EXPECT_EQ(s["peak_concurrency"], 64);
 }
 
 // A loopback port with nothing listening on it.
