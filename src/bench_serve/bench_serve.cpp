@@ -191,10 +191,15 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
     one.max_concurrency = 1;
     while (true) {
       RunResult r = run_requests(one, {requests[0]}, {0.0});
-      if (r.outputs[0].success) break;
-      if (std::chrono::steady_clock::now() + std::chrono::seconds(1) >= deadline) {
+      const RequestOutput& o = r.outputs[0];
+      if (o.success) break;
+      // Only a server that is not up yet is waited for: no response, or a gateway / unavailable status.
+      // Any other answer (a 4xx, a 500, a malformed stream) will not change by retrying.
+      const bool starting = o.http_status == 0 || o.http_status == 502 || o.http_status == 503 || o.http_status == 504;
+      if (!starting || std::chrono::steady_clock::now() + std::chrono::seconds(1) >= deadline) {
+        if (!starting) runtime_error("the initial test request to {} failed: {}", cfg.api_url, o.error);
         runtime_error("the initial test request to {} failed within --ready-check-timeout-sec {}: {}", cfg.api_url,
-                      py_float(opt.ready_check_timeout_sec), r.outputs[0].error);
+                      py_float(opt.ready_check_timeout_sec), o.error);
       }
       std::this_thread::sleep_for(std::chrono::seconds(1));
     }

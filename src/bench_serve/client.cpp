@@ -112,6 +112,7 @@ struct Transfer {
       if (!tail.empty()) on_event(tail, Clock::now());
     }
     if (status == 0) curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status);
+    out.http_status = status;
     out.start_time = seconds(sent - run_start);
     out.latency = seconds(last - sent);
     if (!error.empty()) {

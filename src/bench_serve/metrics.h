@@ -26,6 +26,7 @@ struct RequestOutput {
   std::vector<double> itl;  // gaps between content chunks
   std::string generated_text;
   std::string error;
+  long http_status = 0;  // 0: no HTTP response (connection refused, reset, ...)
 };
 
 // Mean / median / std / requested percentiles of one metric, in milliseconds.

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -291,6 +292,14 @@ TEST_F(BenchServeE2E, ApiKeyFromFlagOrEnvironment) {
   auto r = run_cli(args);
   EXPECT_EQ(r.status, 1) << r.out;
   EXPECT_NE(r.out.find("HTTP 401: invalid API key"), std::string::npos) << r.out;
+  // The initial test request gives up at once on an answer that retrying cannot change.
+  const auto t0 = std::chrono::steady_clock::now();
+  r = run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() + " --num-prompts 2");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("initial test request to " + mock.url() + "/v1/completions failed: HTTP 401"),
+            std::string::npos)
+      << r.out;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
   r = run_cli(args + " --api-key sekrit");
   EXPECT_EQ(r.status, 0) << r.out;
   r = run_cli(args, "OPENAI_API_KEY=sekrit");
@@ -350,6 +359,20 @@ TEST_F(BenchServeE2E, SixtyFourStreamsAtOnce) {
   const json s = mock.stats();
   EXPECT_EQ(s["requests"], 129);
   EXPECT_EQ(s["peak_concurrency"], 64);
+}
+
+TEST_F(BenchServeE2E, InitialTestRequestWaitsForAStartingServer) {
+  // 503 twice (a server still loading), then up: the test request is retried once a second.
+  MockServer mock({"--unavailable-first", "2"});
+  ASSERT_GT(mock.port(), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() +
+                         " --random-input-len 4 --random-output-len 2 --num-prompts 2 --ready-check-timeout-sec 60");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("Initial test run completed."), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Successful requests:                     2"), std::string::npos) << r.out;
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(1900));
+  EXPECT_EQ(mock.stats()["requests"], 3);
 }
 
 // A loopback port with nothing listening on it.

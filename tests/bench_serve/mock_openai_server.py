@@ -11,6 +11,7 @@ prompt was a token-id list, max_tokens and ignore_eos.
 Failure modes for the error tests (K-th request counted from 1): --fail-every K answers HTTP 500 with an
 OpenAI error body; --malformed-every K streams one chunk of invalid JSON; --drop-every K closes the
 connection after the first token. --api-key KEY answers 401 to requests without "Authorization: Bearer KEY".
+--unavailable-first K answers the first K POSTs 503 (a server still starting; they are not counted in /stats).
 
 Prints "PORT <n>" on stdout once listening (--port 0 picks a free loopback port).
 """
@@ -116,6 +117,12 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(401, {"error": {"message": "invalid API key", "type": "AuthenticationError",
                                            "code": 401}})
             return
+        with self.server.stats.lock:
+            self.server.unavailable_left -= 1
+            unavailable = self.server.unavailable_left >= 0
+        if unavailable:
+            self.send_json(503, {"error": {"message": "starting", "type": "ServiceUnavailableError", "code": 503}})
+            return
         n = self.server.stats.begin(body)
         try:
             self.stream(body, n, chat)
@@ -188,10 +195,12 @@ def main():
     ap.add_argument("--malformed-every", type=int, default=0)
     ap.add_argument("--drop-every", type=int, default=0)
     ap.add_argument("--api-key", default="")
+    ap.add_argument("--unavailable-first", type=int, default=0)
     opt = ap.parse_args()
     server = Server(("127.0.0.1", opt.port), Handler)
     server.opt = opt
     server.stats = Stats()
+    server.unavailable_left = opt.unavailable_first
     print("PORT %d" % server.server_address[1], flush=True)
     try:
         server.serve_forever()
