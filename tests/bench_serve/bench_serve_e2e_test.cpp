@@ -343,7 +343,9 @@ TEST_F(BenchServeE2E, WithoutUsageTheTextIsTokenized) {
 }
 
 TEST_F(BenchServeE2E, SixtyFourStreamsAtOnce) {
-  MockServer mock({"--token-delay-ms", "5"});
+  // Streams of 16 tokens 20 ms apart (0.3 s each) keep every slot busy long enough for the mock to see all 64
+  // at once even on a loaded machine.
+  MockServer mock({"--token-delay-ms", "20"});
   ASSERT_GT(mock.port(), 0);
   const fs::path result = tmp_ / "streams.json";
   const auto r = run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() +
