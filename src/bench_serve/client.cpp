@@ -1,6 +1,7 @@
 #include "bench_serve/client.h"
 
 #include <curl/curl.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +24,19 @@ void ensure_curl() {
 }
 
 constexpr size_t kMaxErrorBody = 4096;
+
+// One socket per stream: 1024 streams do not fit the common soft limit of 1024 descriptors. Raise the soft
+// limit toward the hard one (no privilege needed); if the hard limit is lower, the surplus connections fail
+// with libcurl's message and are counted as failed requests.
+void raise_fd_limit(size_t streams) {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  const rlim_t want = static_cast<rlim_t>(streams) + 256;
+  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < want) {
+    lim.rlim_cur = lim.rlim_max == RLIM_INFINITY ? want : std::min(want, lim.rlim_max);
+    setrlimit(RLIMIT_NOFILE, &lim);
+  }
+}
 
 // One request in flight.
 struct Transfer {
@@ -192,6 +206,7 @@ RunResult run_requests(const ClientConfig& cfg, const std::vector<PreparedReques
   if (!multi) runtime_error("libcurl: curl_multi_init failed");
   const size_t n = requests.size();
   const size_t limit = cfg.max_concurrency > 0 ? static_cast<size_t>(cfg.max_concurrency) : n;
+  raise_fd_limit(std::min(limit, n));
   // Keep every connection of the pool open between requests (keep-alive), as aiohttp's connector does.
   curl_multi_setopt(multi.get(), CURLMOPT_MAXCONNECTS, static_cast<long>(std::max<size_t>(limit, 1) + 4));
 
