@@ -25,6 +25,10 @@ void add_bench_serve(CLI::App& app, bench_serve::BenchServeOptions& o, std::stri
                  "when it is a directory)");
   app.add_option("--label", o.label, "Label of the result (file name prefix; default openai)");
   app.add_option("--dataset-name", o.dataset_name, "Dataset: random")->capture_default_str();
+  app.add_option("--prompt-format", o.prompt_format,
+                 "Completions prompts as token-id lists (exact lengths) or as their decoded text")
+      ->check(CLI::IsMember({"ids", "text"}))
+      ->capture_default_str();
   app.add_option("--random-input-len", o.random_input_len, "Random dataset: input tokens per request")
       ->check(kPositive)
       ->capture_default_str();

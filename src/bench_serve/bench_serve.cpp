@@ -108,6 +108,9 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
                   "/v1/chat/completions",
                   opt.endpoint);
   }
+  if (opt.prompt_format != "ids" && opt.prompt_format != "text") {
+    invalid_input("--prompt-format {}: expected ids or text", opt.prompt_format);
+  }
   ClientConfig cfg;
   cfg.api_url = base_url + opt.endpoint;
   cfg.chat = opt.endpoint.size() >= 16 && opt.endpoint.compare(opt.endpoint.size() - 16, 16, "chat/completions") == 0;
@@ -173,9 +176,10 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
 
   std::vector<PreparedRequest> requests(samples.size());
   for (size_t i = 0; i < samples.size(); ++i) {
-    const std::string text = cfg.chat ? tok.decode(samples[i].prompt_ids) : std::string();
+    const bool as_text = cfg.chat || opt.prompt_format == "text";
+    const std::string text = as_text ? tok.decode(samples[i].prompt_ids) : std::string();
     const std::vector<int32_t> none;
-    requests[i].body = make_payload(model_name, cfg.chat, cfg.chat ? none : samples[i].prompt_ids, text,
+    requests[i].body = make_payload(model_name, cfg.chat, as_text ? none : samples[i].prompt_ids, text,
                                     samples[i].output_len, ignore_eos, sampling)
                            .dump();
     requests[i].prompt_len = samples[i].prompt_len;
@@ -255,6 +259,7 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   result["base_url"] = base_url;
   result["endpoint"] = opt.endpoint;
   result["dataset_name"] = opt.dataset_name;
+  result["prompt_format"] = cfg.chat ? "text" : opt.prompt_format;
   result["random_input_len"] = opt.random_input_len;
   result["random_output_len"] = opt.random_output_len;
   result["random_range_ratio"] = opt.random_range_ratio;

@@ -23,6 +23,7 @@ struct BenchServeOptions {
   std::string tokenizer;          // DIR (with tokenizer.json) or a tokenizer.json; "" = --model when it is a DIR
   std::string label;
   std::string dataset_name = "random";
+  std::string prompt_format = "ids";  // /v1/completions prompts: "ids" (token-id lists) or "text" (decoded)
   int64_t random_input_len = 1024;
   int64_t random_output_len = 128;
   double random_range_ratio = 0.0;

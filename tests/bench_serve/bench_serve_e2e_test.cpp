@@ -377,6 +377,23 @@ TEST_F(BenchServeE2E, InitialTestRequestWaitsForAStartingServer) {
   EXPECT_EQ(mock.stats()["requests"], 3);
 }
 
+TEST_F(BenchServeE2E, TextPromptsAreTheDecodedIds) {
+  MockServer mock({});
+  ASSERT_GT(mock.port(), 0);
+  const fs::path result = tmp_ / "text.json";
+  const auto r = run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() +
+                         " --prompt-format text --random-input-len 16 --random-output-len 2 --num-prompts 2"
+                         " --result-filename " +
+                         result.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json j = read_json(result);
+  EXPECT_EQ(j["completed"], 2);
+  EXPECT_EQ(j["prompt_format"], "text");
+  EXPECT_EQ(j["total_input_tokens"], 32);  // the drawn lengths
+  const json s = mock.stats();
+  EXPECT_EQ(s["prompt_is_ids"][1], false);
+}
+
 // A loopback port with nothing listening on it.
 int unused_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
