@@ -13,8 +13,7 @@ void add_bench_serve(CLI::App& app, bench_serve::BenchServeOptions& o, std::stri
   app.add_option("--port", o.port, "Server port when --base-url is not given")
       ->check(CLI::Range(1, 65535))
       ->capture_default_str();
-  app.add_option("--endpoint", o.endpoint, "API path: /v1/completions or /v1/chat/completions")
-      ->capture_default_str();
+  app.add_option("--endpoint", o.endpoint, "API path: /v1/completions or /v1/chat/completions")->capture_default_str();
   app.add_option("--backend", backend, "openai / vllm (completions) or openai-chat (chat completions)")
       ->check(CLI::IsMember({"openai", "vllm", "openai-chat"}))
       ->capture_default_str();
@@ -52,8 +51,7 @@ void add_bench_serve(CLI::App& app, bench_serve::BenchServeOptions& o, std::stri
       ->capture_default_str();
   app.add_flag("--ignore-eos", o.ignore_eos, "Send ignore_eos (the random dataset always does, as vLLM)");
   app.add_option("--seed", o.seed, "Seed of the dataset and of the arrival times")->capture_default_str();
-  app.add_option("--temperature", o.temperature, "Sampling temperature sent with each request")
-      ->capture_default_str();
+  app.add_option("--temperature", o.temperature, "Sampling temperature sent with each request")->capture_default_str();
   app.add_option("--extra-body", o.extra_body, "JSON object merged into every request body");
   app.add_option("--header", o.headers, "Extra request header KEY=VALUE (repeatable)");
   app.add_option("--api-key", o.api_key, "Bearer token for the Authorization header")->envname("OPENAI_API_KEY");

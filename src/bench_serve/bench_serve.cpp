@@ -88,7 +88,9 @@ std::string local_date() {
 void print_row(std::FILE* out, const std::string& label, const std::string& value) {
   fmt::print(out, "{:<40} {:<10}\n", label, value);
 }
-std::string f2(double v) { return fmt::format("{:.2f}", v); }
+std::string f2(double v) {
+  return fmt::format("{:.2f}", v);
+}
 
 }  // namespace
 
@@ -104,9 +106,10 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   }
   if (opt.endpoint.empty() || opt.endpoint.front() != '/' || opt.endpoint.size() < 12 ||
       opt.endpoint.compare(opt.endpoint.size() - 11, 11, "completions") != 0) {
-    invalid_input("--endpoint {}: expected an OpenAI completions path such as /v1/completions or "
-                  "/v1/chat/completions",
-                  opt.endpoint);
+    invalid_input(
+        "--endpoint {}: expected an OpenAI completions path such as /v1/completions or "
+        "/v1/chat/completions",
+        opt.endpoint);
   }
   if (opt.prompt_format != "ids" && opt.prompt_format != "text") {
     invalid_input("--prompt-format {}: expected ids or text", opt.prompt_format);
@@ -125,7 +128,8 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   json extra = json::object();
   if (!opt.extra_body.empty()) {
     extra = json::parse(opt.extra_body, nullptr, false);
-    if (extra.is_discarded() || !extra.is_object()) invalid_input("--extra-body: not a JSON object: {}", opt.extra_body);
+    if (extra.is_discarded() || !extra.is_object())
+      invalid_input("--extra-body: not a JSON object: {}", opt.extra_body);
   }
   json sampling = {{"temperature", opt.temperature}};
   sampling.update(extra);
@@ -189,8 +193,7 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   if (opt.ready_check_timeout_sec > 0.0) {
     fmt::print(out, "Starting initial single prompt test run...\n");
     std::fflush(out);
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration<double>(opt.ready_check_timeout_sec);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opt.ready_check_timeout_sec);
     ClientConfig one = cfg;
     one.max_concurrency = 1;
     while (true) {
@@ -340,13 +343,11 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   if (opt.save_result || !opt.result_filename.empty()) {
     std::string name = opt.result_filename;
     if (name.empty()) {
-      std::string base_model = model_id.substr(model_id.find_last_of('/') == std::string::npos
-                                                   ? 0
-                                                   : model_id.find_last_of('/') + 1);
-      name = fmt::format("{}-{}qps{}-{}-{}.json", opt.label.empty() ? "openai" : opt.label,
-                         py_float(opt.request_rate),
-                         opt.max_concurrency > 0 ? fmt::format("-concurrency{}", opt.max_concurrency) : "",
-                         base_model, result["date"].get<std::string>());
+      std::string base_model =
+          model_id.substr(model_id.find_last_of('/') == std::string::npos ? 0 : model_id.find_last_of('/') + 1);
+      name = fmt::format("{}-{}qps{}-{}-{}.json", opt.label.empty() ? "openai" : opt.label, py_float(opt.request_rate),
+                         opt.max_concurrency > 0 ? fmt::format("-concurrency{}", opt.max_concurrency) : "", base_model,
+                         result["date"].get<std::string>());
     }
     fs::path path(name);
     if (!opt.result_dir.empty()) {

@@ -35,7 +35,7 @@ struct BenchServeOptions {
   bool ignore_eos = false;
   uint64_t seed = 0;
   double temperature = 0.0;
-  std::string extra_body;  // a JSON object merged into every payload
+  std::string extra_body;            // a JSON object merged into every payload
   std::vector<std::string> headers;  // KEY=VALUE
   std::string api_key;
   std::string percentile_metrics = "ttft,tpot,itl";

@@ -15,7 +15,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
 
 // curl_global_init is not thread-safe and must precede every other call; one function-local static does it once.
 void ensure_curl() {
@@ -199,8 +201,7 @@ nlohmann::json make_payload(const std::string& model, bool chat, const std::vect
 
 RunResult run_requests(const ClientConfig& cfg, const std::vector<PreparedRequest>& requests,
                        const std::vector<double>& arrivals) {
-  CHIMERA_CHECK(arrivals.size() == requests.size(), "{} arrivals for {} requests", arrivals.size(),
-                requests.size());
+  CHIMERA_CHECK(arrivals.size() == requests.size(), "{} arrivals for {} requests", arrivals.size(), requests.size());
   ensure_curl();
   std::unique_ptr<CURLM, MultiDeleter> multi(curl_multi_init());
   if (!multi) runtime_error("libcurl: curl_multi_init failed");
@@ -294,10 +295,11 @@ std::string first_model_id(const std::string& base_url, const ClientConfig& cfg)
   curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
   curl_easy_setopt(e, CURLOPT_TIMEOUT, 30L);
   curl_easy_setopt(e, CURLOPT_WRITEDATA, &body);
-  curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, +[](char* p, size_t s, size_t m, void* u) {
-    static_cast<std::string*>(u)->append(p, s * m);
-    return s * m;
-  });
+  curl_easy_setopt(
+      e, CURLOPT_WRITEFUNCTION, +[](char* p, size_t s, size_t m, void* u) {
+        static_cast<std::string*>(u)->append(p, s * m);
+        return s * m;
+      });
   const CURLcode code = curl_easy_perform(e);
   long status = 0;
   curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &status);

@@ -79,10 +79,11 @@ class MockServer {
     curl_easy_setopt(e, CURLOPT_URL, stats_url.c_str());
     curl_easy_setopt(e, CURLOPT_TIMEOUT, 10L);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, &body);
-    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, +[](char* p, size_t s, size_t m, void* u) {
-      static_cast<std::string*>(u)->append(p, s * m);
-      return s * m;
-    });
+    curl_easy_setopt(
+        e, CURLOPT_WRITEFUNCTION, +[](char* p, size_t s, size_t m, void* u) {
+          static_cast<std::string*>(u)->append(p, s * m);
+          return s * m;
+        });
     const CURLcode rc = curl_easy_perform(e);
     curl_easy_cleanup(e);
     EXPECT_EQ(rc, CURLE_OK);
@@ -113,7 +114,9 @@ RunOutput run_cli(const std::string& args, const std::string& env = "") {
   return r;
 }
 
-std::string tokenizer_flag() { return "--tokenizer " + test::source_path("models/nemotron-h-tiny"); }
+std::string tokenizer_flag() {
+  return "--tokenizer " + test::source_path("models/nemotron-h-tiny");
+}
 
 class BenchServeE2E : public ::testing::Test {
  protected:
@@ -143,17 +146,33 @@ TEST_F(BenchServeE2E, CountsLatenciesConcurrencyAndJsonKeys) {
   ASSERT_EQ(r.status, 0) << r.out;
   // vLLM's block, labels in its order.
   size_t pos = 0;
-  for (const char* label :
-       {"============ Serving Benchmark Result ============", "Successful requests:                     12",
-        "Failed requests:                         0", "Maximum request concurrency:             4",
-        "Benchmark duration (s):", "Total input tokens:                      384",
-        "Total generated tokens:                  120", "Request throughput (req/s):",
-        "Output token throughput (tok/s):", "Peak output token throughput (tok/s):", "Peak concurrent requests:",
-        "Total token throughput (tok/s):", "---------------Time to First Token----------------", "Mean TTFT (ms):",
-        "Median TTFT (ms):", "P99 TTFT (ms):", "-----Time per Output Token (excl. 1st token)------",
-        "Mean TPOT (ms):", "Median TPOT (ms):", "P99 TPOT (ms):", "---------------Inter-token Latency----------------",
-        "Mean ITL (ms):", "Median ITL (ms):", "P99 ITL (ms):", "Mean E2EL (ms):", "P99 E2EL (ms):",
-        "=================================================="}) {
+  for (const char* label : {"============ Serving Benchmark Result ============",
+                            "Successful requests:                     12",
+                            "Failed requests:                         0",
+                            "Maximum request concurrency:             4",
+                            "Benchmark duration (s):",
+                            "Total input tokens:                      384",
+                            "Total generated tokens:                  120",
+                            "Request throughput (req/s):",
+                            "Output token throughput (tok/s):",
+                            "Peak output token throughput (tok/s):",
+                            "Peak concurrent requests:",
+                            "Total token throughput (tok/s):",
+                            "---------------Time to First Token----------------",
+                            "Mean TTFT (ms):",
+                            "Median TTFT (ms):",
+                            "P99 TTFT (ms):",
+                            "-----Time per Output Token (excl. 1st token)------",
+                            "Mean TPOT (ms):",
+                            "Median TPOT (ms):",
+                            "P99 TPOT (ms):",
+                            "---------------Inter-token Latency----------------",
+                            "Mean ITL (ms):",
+                            "Median ITL (ms):",
+                            "P99 ITL (ms):",
+                            "Mean E2EL (ms):",
+                            "P99 E2EL (ms):",
+                            "=================================================="}) {
     const size_t at = r.out.find(label, pos);
     ASSERT_NE(at, std::string::npos) << "missing or out of order: " << label << "\n" << r.out;
     pos = at;
@@ -161,14 +180,44 @@ TEST_F(BenchServeE2E, CountsLatenciesConcurrencyAndJsonKeys) {
 
   const json j = read_json(result);
   ASSERT_FALSE(j.is_discarded());
-  for (const char* key :
-       {"date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
-        "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
-        "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
-        "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests", "mean_ttft_ms",
-        "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "std_tpot_ms",
-        "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "std_itl_ms", "p99_itl_ms", "mean_e2el_ms",
-        "median_e2el_ms", "std_e2el_ms", "p99_e2el_ms", "base_url"}) {
+  for (const char* key : {"date",
+                          "endpoint_type",
+                          "backend",
+                          "label",
+                          "model_id",
+                          "tokenizer_id",
+                          "num_prompts",
+                          "request_rate",
+                          "burstiness",
+                          "max_concurrency",
+                          "duration",
+                          "completed",
+                          "failed",
+                          "total_input_tokens",
+                          "total_output_tokens",
+                          "request_throughput",
+                          "request_goodput",
+                          "output_throughput",
+                          "total_token_throughput",
+                          "max_output_tokens_per_s",
+                          "max_concurrent_requests",
+                          "mean_ttft_ms",
+                          "median_ttft_ms",
+                          "std_ttft_ms",
+                          "p99_ttft_ms",
+                          "mean_tpot_ms",
+                          "median_tpot_ms",
+                          "std_tpot_ms",
+                          "p99_tpot_ms",
+                          "mean_itl_ms",
+                          "median_itl_ms",
+                          "std_itl_ms",
+                          "p99_itl_ms",
+                          "mean_e2el_ms",
+                          "median_e2el_ms",
+                          "std_e2el_ms",
+                          "p99_e2el_ms",
+                          "base_url"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["completed"], 12);
@@ -296,8 +345,7 @@ TEST_F(BenchServeE2E, ApiKeyFromFlagOrEnvironment) {
   const auto t0 = std::chrono::steady_clock::now();
   r = run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() + " --num-prompts 2");
   EXPECT_EQ(r.status, 1) << r.out;
-  EXPECT_NE(r.out.find("initial test request to " + mock.url() + "/v1/completions failed: HTTP 401"),
-            std::string::npos)
+  EXPECT_NE(r.out.find("initial test request to " + mock.url() + "/v1/completions failed: HTTP 401"), std::string::npos)
       << r.out;
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
   r = run_cli(args + " --api-key sekrit");
@@ -311,9 +359,9 @@ TEST_F(BenchServeE2E, ModelFromServerAndChatEndpoint) {
   MockServer mock({"--model", "served-by-mock"});
   ASSERT_GT(mock.port(), 0);
   const fs::path result = tmp_ / "chat.json";
-  const auto r = run_cli("bench serve --base-url " + mock.url() + " --endpoint /v1/chat/completions " +
-                         tokenizer_flag() + " --random-input-len 16 --random-output-len 4 --num-prompts 3" +
-                         " --result-filename " + result.string());
+  const auto r =
+      run_cli("bench serve --base-url " + mock.url() + " --endpoint /v1/chat/completions " + tokenizer_flag() +
+              " --random-input-len 16 --random-output-len 4 --num-prompts 3" + " --result-filename " + result.string());
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("Using model: served-by-mock"), std::string::npos) << r.out;
   const json j = read_json(result);
@@ -330,9 +378,9 @@ TEST_F(BenchServeE2E, WithoutUsageTheTextIsTokenized) {
   MockServer mock({"--no-usage"});
   ASSERT_GT(mock.port(), 0);
   const fs::path result = tmp_ / "nousage.json";
-  const auto r = run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() +
-                         " --random-input-len 8 --random-output-len 6 --num-prompts 2 --result-filename " +
-                         result.string());
+  const auto r =
+      run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() +
+              " --random-input-len 8 --random-output-len 6 --num-prompts 2 --result-filename " + result.string());
   ASSERT_EQ(r.status, 0) << r.out;
   const Tokenizer tok = Tokenizer::load(test::source_path("models/nemotron-h-tiny/tokenizer.json"));
   std::string text;
@@ -456,8 +504,8 @@ TEST_F(BenchServeE2E, BenchKeepsItsFlagsBesideServe) {
   }
   r = run_cli("bench serve --help");
   EXPECT_EQ(r.status, 0) << r.out;
-  for (const char* flag : {"--base-url", "--max-concurrency", "--request-rate", "--random-prefix-len",
-                           "--save-result", "--burstiness", "--ignore-eos"}) {
+  for (const char* flag : {"--base-url", "--max-concurrency", "--request-rate", "--random-prefix-len", "--save-result",
+                           "--burstiness", "--ignore-eos"}) {
     EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
   }
   EXPECT_EQ(run_cli("bench serve --no-such-flag").status, 2);

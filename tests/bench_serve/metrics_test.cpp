@@ -57,8 +57,8 @@ TEST(BenchServeMetrics, TpotItlTtftE2elAndThroughput) {
   // B: ttft 0.3, 3 tokens but 2 chunks (the server bundled two tokens into one chunk): gap 0.1, e2e 0.4,
   //    tpot (0.4 - 0.3) / 2 = 0.05 while its one ITL is 0.1 (TPOT counts tokens, ITL counts chunks).
   // C: one output token: no TPOT, no ITL. D: failed, counted apart and excluded from everything.
-  std::vector<RequestOutput> outs = {request(0.0, 0.1, {0.02, 0.02, 0.02}, 10, 4),
-                                     request(0.5, 0.3, {0.1}, 20, 3), request(1.0, 0.2, {}, 30, 1)};
+  std::vector<RequestOutput> outs = {request(0.0, 0.1, {0.02, 0.02, 0.02}, 10, 4), request(0.5, 0.3, {0.1}, 20, 3),
+                                     request(1.0, 0.2, {}, 30, 1)};
   RequestOutput failed;
   failed.prompt_len = 99;
   failed.output_tokens = 99;
