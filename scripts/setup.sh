@@ -12,6 +12,8 @@ PKGS=(build-essential cmake ninja-build pkg-config git
       libgtest-dev libgmock-dev libbenchmark-dev python3 python3-venv)
 # chimera serve: Boost.Beast / Asio (header-only); curl for the server tests.
 PKGS+=(libboost1.81-dev curl)
+# chimera bench serve: HTTP client (libcurl's multi interface drives every stream on one thread).
+PKGS+=(libcurl4-openssl-dev)
 
 missing=()
 for p in "${PKGS[@]}"; do

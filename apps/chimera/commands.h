@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "bench_serve/bench_serve.h"
 #include "dist/allreduce_types.h"
 #include "model_loading.h"
 #include "runtime/sampler.h"
@@ -92,6 +93,9 @@ void add_bench(CLI::App& app, BenchOptions& opt);
 int run_bench(const BenchOptions& opt);
 void add_serve(CLI::App& app, ServeOptions& opt);
 int run_serve(const ServeOptions& opt);
+// chimera bench serve (bench_serve.cpp): vLLM's `vllm bench serve` flags; backend is --backend.
+void add_bench_serve(CLI::App& app, bench_serve::BenchServeOptions& opt, std::string& backend);
+int run_bench_serve(bench_serve::BenchServeOptions opt, const std::string& backend);
 
 // The model bundled with the source tree (used when -m is not given).
 std::string default_model_dir();

@@ -40,6 +40,10 @@ int main(int argc, char** argv) {
   cli::ServeOptions serve;
   CLI::App* s = app.add_subcommand("serve", "An OpenAI-compatible HTTP server (completions, chat, metrics)");
   cli::add_serve(*s, serve);
+  bench_serve::BenchServeOptions bench_serve_opt;
+  std::string bench_serve_backend = "openai";
+  CLI::App* bs = b->add_subcommand("serve", "Load-test an OpenAI-compatible server (vLLM's `vllm bench serve`)");
+  cli::add_bench_serve(*bs, bench_serve_opt, bench_serve_backend);
 
   try {
     app.parse(argc, argv);
@@ -59,6 +63,7 @@ int main(int argc, char** argv) {
   try {
     if (g->parsed()) return cli::run_generate(gen);
     if (i->parsed()) return cli::run_info(info);
+    if (bs->parsed()) return cli::run_bench_serve(bench_serve_opt, bench_serve_backend);
     if (b->parsed()) return cli::run_bench(bench);
     if (s->parsed()) return cli::run_serve(serve);
   } catch (const Error& e) {

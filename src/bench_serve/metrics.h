@@ -1,0 +1,66 @@
+// The arithmetic of `chimera bench serve`: per-request timings -> the aggregate numbers vLLM's `vllm bench serve`
+// prints and saves, with its definitions:
+//   TTFT   time from sending the request to the first chunk whose `choices` is non-empty
+//   ITL    the gaps between consecutive such chunks (all requests' gaps pooled)
+//   TPOT   per request (e2e - ttft) / (output_tokens - 1), only for requests with more than one output token
+//   E2EL   time from sending the request to its last content chunk
+// Mean, median, standard deviation (population) and percentiles (numpy's default linear interpolation) over
+// the successful requests; 0 for an empty set. Throughputs divide by the benchmark's wall duration.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace chimera::bench_serve {
+
+// One request as the client saw it. Times in seconds; start_time on the run's clock (seconds since its start).
+struct RequestOutput {
+  bool success = false;
+  int64_t prompt_len = 0;
+  int64_t output_tokens = 0;   // completion_tokens of the usage block; 0 when the server sent none
+  int64_t content_chunks = 0;  // chunks with non-empty `choices`
+  double start_time = 0.0;
+  double ttft = 0.0;
+  double latency = 0.0;     // e2e
+  std::vector<double> itl;  // gaps between content chunks
+  std::string generated_text;
+  std::string error;
+  long http_status = 0;  // 0: no HTTP response (connection refused, reset, ...)
+};
+
+// Mean / median / std / requested percentiles of one metric, in milliseconds.
+struct MetricStats {
+  double mean_ms = 0.0;
+  double median_ms = 0.0;
+  double std_ms = 0.0;
+  std::vector<std::pair<double, double>> percentiles_ms;  // (p, value)
+};
+
+struct BenchmarkMetrics {
+  int64_t completed = 0;
+  int64_t failed = 0;
+  int64_t total_input = 0;
+  int64_t total_output = 0;
+  double request_throughput = 0.0;
+  double output_throughput = 0.0;
+  double total_token_throughput = 0.0;
+  MetricStats ttft, tpot, itl, e2el;
+  // Most output tokens in one whole-second bucket from the first request's start, and the most requests
+  // active in any one bucket.
+  double max_output_tokens_per_s = 0.0;
+  int64_t max_concurrent_requests = 0;
+};
+
+// numpy.percentile(values, p) with the default ("linear") method; 0 for no values. p in [0, 100].
+double percentile(std::vector<double> values, double p);
+double mean(const std::vector<double>& values);
+double stddev(const std::vector<double>& values);  // population (numpy.std's ddof=0)
+
+// values in seconds -> stats in milliseconds.
+MetricStats summarize(const std::vector<double>& values_s, const std::vector<double>& percentiles);
+
+BenchmarkMetrics compute_metrics(const std::vector<RequestOutput>& outputs, double duration_s,
+                                 const std::vector<double>& percentiles);
+
+}  // namespace chimera::bench_serve
