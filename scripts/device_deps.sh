@@ -9,9 +9,18 @@ cd "$(dirname "$0")/.."
 mkdir -p .deps
 cd .deps
 for p in libcli11-dev libfmt-dev libfmt9 libgtest-dev libpcre2-8-0 libpcre2-dev libpkgconf3 nlohmann-json3-dev \
-         pkgconf-bin pkgconf; do
+         pkgconf-bin pkgconf libboost1.81-dev libcurl4-openssl-dev libcurl4; do
   ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download "$p"
 done
+# libcurl's own dependencies, in rt/: scripts/device_env.sh unpacks only those whose library the GPU image lacks.
+mkdir -p rt
+cd rt
+for p in libbrotli1 libcom-err2 libgssapi-krb5-2 libidn2-0 libk5crypto3 libkeyutils1 libkrb5-3 libkrb5support0 \
+         libldap-2.5-0 libnghttp2-14 libpsl5 librtmp1 libsasl2-2 libssh2-1 libunistring2 libgnutls30 libhogweed6 \
+         libnettle8 libgmp10 libp11-kit0 libtasn1-6 libffi8 libzstd1; do
+  ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download "$p"
+done
+cd ..
 cd ..
 if [ "${CHIMERA_DEVICE_CUTLASS:-1}" != "0" ]; then scripts/fetch_cutlass.sh; fi
 ls .deps

@@ -17,6 +17,17 @@ if compgen -G ".deps/*.deb" >/dev/null; then
     chmod +x .deps/bin/pkg-config
     PKGC=$PWD/.deps/bin/pkg-config
   fi
+  # libcurl's dependencies (.deps/rt/*.deb): only the shared libraries the image has no copy of, so the image's
+  # own libraries are never shadowed.
+  if compgen -G ".deps/rt/*.deb" >/dev/null; then
+    R=$PWD/.deps/rtroot
+    mkdir -p "$R"
+    for f in .deps/rt/*.deb; do dpkg -x "$f" "$R"; done
+    for so in $(find "$R" -name 'lib*.so.*' \( -type f -o -type l \)); do
+      ldconfig -p | grep -qE "^[[:space:]]+$(basename "$so") " && rm -f "$so"
+    done
+    export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$R/usr/lib/x86_64-linux-gnu:$R/lib/x86_64-linux-gnu
+  fi
   export PKG_CONFIG_PATH=$D/usr/lib/x86_64-linux-gnu/pkgconfig:$D/usr/share/pkgconfig
   export LD_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   CMAKE_EXTRA=(-DCMAKE_PREFIX_PATH="$D/usr" -DPKG_CONFIG_EXECUTABLE="$PKGC")
