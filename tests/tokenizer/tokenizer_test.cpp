@@ -270,7 +270,7 @@ TEST(TokenizerErrors, MissingFileNamesPath) {
 }
 
 TEST(TokenizerErrors, MalformedJsonNamesFile) {
-  expect_invalid([] { Tokenizer::from_json("{\"model\": {", "broken.json"); }, {"broken.json", "malformed JSON"});
+  expect_invalid([] { Tokenizer::from_json("{\"model\": {", "broken.json"); }, {"broken.json", "not valid JSON"});
 }
 
 TEST(TokenizerErrors, UnsupportedModelType) {
