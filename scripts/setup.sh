@@ -10,6 +10,8 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 PKGS=(build-essential cmake ninja-build pkg-config git
       nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev
       libgtest-dev libgmock-dev libbenchmark-dev python3 python3-venv)
+# The fuzz harnesses (scripts/fuzz.sh, run briefly by scripts/test.sh): clang with libFuzzer and the sanitizer runtimes.
+PKGS+=(clang libclang-rt-dev)
 
 missing=()
 for p in "${PKGS[@]}"; do
