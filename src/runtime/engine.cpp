@@ -99,6 +99,10 @@ int32_t Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& s
       invalid_input("prompt token {} at position {} is outside the vocabulary [0, {})", prompt[i], i, V);
     }
   }
+  if (static_cast<int64_t>(prompt.size()) > cache_.sizes().max_model_len) {
+    invalid_input("the prompt is {} tokens, longer than the maximum model length {}", prompt.size(),
+                  cache_.sizes().max_model_len);
+  }
   Sequence s;
   s.id = next_id_++;
   s.prompt_len = static_cast<int32_t>(prompt.size());

@@ -342,3 +342,56 @@ TEST(TokenizerRegex, OnigurumaClassesKeepTheirMeaning) {
 
 }  // namespace
 }  // namespace chimera
+
+// ---- hostile tokenizer.json and the streaming decoder's cost ----------------------------------------
+
+namespace chimera {
+namespace {
+
+TEST(TokenizerHostile, HugeVocabularyIdIsRefusedBeforeAllocating) {
+  for (int64_t id : {int64_t{300000000}, int64_t{2147483647}}) {
+    json t = base_tokenizer();
+    t["model"]["vocab"]["\xC4\xA0zzzz"] = id;
+    expect_invalid([&] { Tokenizer::from_json(t.dump(), "huge.json"); },
+                   {"huge.json", "model.vocab", std::to_string(id), "at most"});
+  }
+  json t = base_tokenizer();
+  t["added_tokens"].push_back({{"id", 300000000}, {"content", "<big>"}, {"special", true}});
+  expect_invalid([&] { Tokenizer::from_json(t.dump(), "added.json"); }, {"added.json", "added_tokens", "300000000"});
+}
+
+TEST(TokenizerHostile, TokenizerPathThatIsADirectorySaysSo) {
+  const auto dir = std::filesystem::temp_directory_path() / ("chimera_tok_dir_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "tokenizer.json");
+  expect_invalid([&] { Tokenizer::load(dir / "tokenizer.json"); }, {"tokenizer.json", "is a directory"});
+  std::filesystem::remove_all(dir);
+}
+
+// 64K generated tokens: each feed decodes a bounded window, so the work (ids decoded) is linear and the time is
+// far from the quadratic re-decode (which took over a minute for this length).
+TEST(StreamingDecoderCost, SixtyFourThousandTokensAreLinearWork) {
+  const Tokenizer tok = Tokenizer::load(test::source_path("models/nemotron-h-tiny/tokenizer.json"));
+  std::string text;
+  for (const char* s : {"The quick brown fox jumps over the lazy dog. ", "\xE6\x97\xA5\xE6\x9C\xAC\xE8\xAA\x9E ",
+                        "\xF0\x9F\x98\x80 emoji ", "numbers 12345 "}) {
+    text += s;
+  }
+  std::vector<int32_t> ids;
+  while (ids.size() < 65536) {
+    const auto more = tok.encode(text);
+    ids.insert(ids.end(), more.begin(), more.end());
+  }
+  ids.resize(65536);
+  const auto t0 = std::chrono::steady_clock::now();
+  StreamingDecoder stream(tok);
+  std::string all;
+  for (int32_t id : ids) all += stream.feed(id);
+  all += stream.flush();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(all, tok.decode(ids));
+  EXPECT_LE(stream.decoded_ids(), 8 * ids.size()) << "work per token is not bounded";
+  EXPECT_LT(secs, 5.0);
+}
+
+}  // namespace
+}  // namespace chimera
