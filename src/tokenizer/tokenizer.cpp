@@ -384,6 +384,8 @@ void StreamingDecoder::advance(size_t window_bytes) {
     prefix_bytes_ = window_bytes;
   }
   held_returned_ = 0;
+  pending_ = 0;
+  last_window_bytes_ = prefix_bytes_;
 }
 
 std::string StreamingDecoder::feed(int32_t id) {
@@ -397,7 +399,11 @@ std::string StreamingDecoder::feed(int32_t id) {
     end -= kReplacement.size();
   }
   const bool complete = end == text.size();
-  if (!complete && ids_.size() - read_ > kMaxPendingTokens) end = text.size();  // held U+FFFD are final
+  // Only ids that changed the window's text count as pending: skipped special tokens between the bytes of one
+  // character must not make its U+FFFD final.
+  if (text.size() != last_window_bytes_) ++pending_;
+  last_window_bytes_ = text.size();
+  if (!complete && pending_ > kMaxPendingTokens) end = text.size();  // held U+FFFD are final
   const size_t from = prefix_bytes_ + held_returned_;
   std::string out = end > from ? text.substr(from, end - from) : std::string();
   if (end > from) held_returned_ = end - prefix_bytes_;

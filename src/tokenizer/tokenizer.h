@@ -49,11 +49,13 @@ class Tokenizer {
 // tokens before read_ make decoders that treat the first token specially (Strip, a leading space) decode the
 // new tokens as they do inside the sequence. The window moves on whenever its text ends on a complete
 // character; while it does not (a trailing U+FFFD), the text before the U+FFFD run is already returned and
-// the window grows, up to kMaxPendingTokens tokens: beyond that the held U+FFFD are final (a character has at
-// most 4 bytes, so no later token can complete it for byte-level vocabularies) and are returned.
+// the window grows, up to kMaxPendingTokens ids that changed its text (ids that add nothing, such as skipped
+// special tokens, do not count): beyond that the held U+FFFD are returned as final. A character has at most 4
+// bytes, so for byte-level vocabularies this differs from decode() only when an incomplete character starts
+// exactly at the last of kMaxPendingTokens byte-adding ids that all ended in U+FFFD.
 class StreamingDecoder {
  public:
-  static constexpr size_t kMaxPendingTokens = 16;
+  static constexpr size_t kMaxPendingTokens = 64;
 
   explicit StreamingDecoder(const Tokenizer& tok, bool skip_special_tokens = false);
   std::string feed(int32_t id);  // newly completed text (possibly empty)
@@ -73,6 +75,8 @@ class StreamingDecoder {
   size_t prefix_bytes_ = 0;     // decode(ids_[prefix_, read_)).size()
   size_t held_returned_ = 0;    // bytes beyond prefix_bytes_ of the current window already returned
   size_t decoded_ids_ = 0;
+  size_t pending_ = 0;            // ids fed since the window last ended on a complete character that changed its text
+  size_t last_window_bytes_ = 0;  // size of the window's text at the previous feed
 };
 
 }  // namespace chimera

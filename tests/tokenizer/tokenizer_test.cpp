@@ -367,6 +367,26 @@ TEST(TokenizerHostile, TokenizerPathThatIsADirectorySaysSo) {
   std::filesystem::remove_all(dir);
 }
 
+// Found by the tokenizer_codec fuzzer: the two bytes of U+034B ("\xCD\x8B", tokens 'Í' and 'ĭ' of the bundled
+// tokenizer) with many skipped special tokens between them. Ids that add no text must not make the held
+// U+FFFD final.
+TEST(StreamingDecoderHostile, SkippedSpecialTokensInsideACharacter) {
+  const Tokenizer tok = Tokenizer::load(test::source_path("models/nemotron-h-tiny/tokenizer.json"));
+  const int32_t first = *tok.token_to_id("\xC3\x8D"), second = *tok.token_to_id("\xC4\xAD");
+  ASSERT_TRUE(tok.is_special(0));
+  std::vector<int32_t> ids = {first};
+  ids.insert(ids.end(), 200, 0);
+  ids.push_back(second);
+  for (bool skip : {false, true}) {
+    StreamingDecoder stream(tok, skip);
+    std::string all;
+    for (int32_t id : ids) all += stream.feed(id);
+    all += stream.flush();
+    EXPECT_EQ(all, tok.decode(ids, skip)) << "skip_special_tokens " << skip;
+  }
+  EXPECT_EQ(tok.decode(ids, true), "\xCD\x8B");
+}
+
 // 64K generated tokens: each feed decodes a bounded window, so the work (ids decoded) is linear and the time is
 // far from the quadratic re-decode (which took over a minute for this length).
 TEST(StreamingDecoderCost, SixtyFourThousandTokensAreLinearWork) {
