@@ -14,6 +14,8 @@ PKGS=(build-essential cmake ninja-build pkg-config git
 PKGS+=(libboost1.81-dev curl)
 # chimera bench serve: HTTP client (libcurl's multi interface drives every stream on one thread).
 PKGS+=(libcurl4-openssl-dev)
+# The fuzz harnesses (scripts/fuzz.sh, run briefly by scripts/test.sh): clang with libFuzzer and the sanitizer runtimes.
+PKGS+=(clang libclang-rt-dev)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -19,6 +19,7 @@ struct GenerateOptions {
   ModelSource source;
   std::string prompt;
   std::string prompt_ids;  // "1,2,3"
+  std::string prompt_file;  // --prompt-file FILE, "-" = standard input
   std::string device = "cpu";
   std::string dtype;  // "" = the device's default: float32 on the CPU, bfloat16 on CUDA
   std::string logits_out;

@@ -1,7 +1,12 @@
 // chimera generate: tokenize, run the engine, stream the text, optionally dump every logits row.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <iterator>
 #include <sstream>
 
 #include <fmt/core.h>
@@ -20,6 +25,7 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
   add_model_source(app, o.source);
   app.add_option("-p,--prompt", o.prompt, "Prompt text");
   app.add_option("--prompt-ids", o.prompt_ids, "Prompt as comma-separated token ids instead of text");
+  app.add_option("--prompt-file", o.prompt_file, "Read the prompt text from FILE ('-': standard input)");
   app.add_option("-n,--max-tokens", o.sampling.max_new_tokens, "Maximum number of tokens to generate")
       ->capture_default_str();
   app.add_option("--temperature", o.sampling.temperature, "Sampling temperature (0 = greedy)")->capture_default_str();
@@ -57,6 +63,9 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
 namespace {
 std::vector<int32_t> parse_ids(const std::string& text) {
   std::vector<int32_t> ids;
+  // getline drops one trailing empty field: "1,2," would pass as "1,2".
+  const auto last = text.find_last_not_of(" \t");
+  if (last != std::string::npos && text[last] == ',') invalid_input("--prompt-ids: empty entry in '{}'", text);
   std::stringstream ss(text);
   std::string item;
   while (std::getline(ss, item, ',')) {
@@ -75,6 +84,29 @@ std::vector<int32_t> parse_ids(const std::string& text) {
   if (ids.empty()) invalid_input("--prompt-ids: no ids given");
   return ids;
 }
+
+// A prompt file, or standard input for "-", read whole.
+std::string read_prompt_file(const std::string& path) {
+  if (path == "-") {
+    std::string text((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+    if (std::cin.bad()) runtime_error("--prompt-file -: reading standard input failed");
+    return text;
+  }
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) invalid_input("--prompt-file: '{}' is a directory", path);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) invalid_input("--prompt-file: cannot open '{}': {}", path, std::strerror(errno));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) runtime_error("--prompt-file: reading '{}' failed", path);
+  return text;
+}
+
+// Standard output must take everything: a full disk or a closed pipe is an error, not a silent exit 0.
+void flush_stdout() {
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    runtime_error("writing to standard output failed: {}", std::strerror(errno));
+  }
+}
 }  // namespace
 
 int run_generate(const GenerateOptions& o) {
@@ -87,9 +119,20 @@ int run_generate(const GenerateOptions& o) {
   } else if (!o.dtype.empty() && o.dtype != "float32") {
     invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);
   }
-  if (o.prompt.empty() == o.prompt_ids.empty()) invalid_input("give exactly one of --prompt and --prompt-ids");
+  if (!o.prompt.empty() + !o.prompt_ids.empty() + !o.prompt_file.empty() != 1) {
+    invalid_input("give exactly one of --prompt, --prompt-ids and --prompt-file");
+  }
   o.sampling.validate();
   if (o.max_model_len < 1) invalid_input("--max-model-len must be >= 1, got {}", o.max_model_len);
+  // Outputs are checked before the work: an unwritable --logits-out fails now, not after the generation.
+  if (!o.logits_out.empty()) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(o.logits_out, ec)) invalid_input("--logits-out: '{}' is a directory", o.logits_out);
+    std::ofstream probe(o.logits_out, std::ios::binary | std::ios::trunc);
+    if (!probe) invalid_input("--logits-out: cannot write '{}': {}", o.logits_out, std::strerror(errno));
+  }
+  const std::string prompt_text = o.prompt_file.empty() ? o.prompt : read_prompt_file(o.prompt_file);
+  if (!o.prompt_file.empty() && prompt_text.empty()) invalid_input("--prompt-file: '{}' is empty", o.prompt_file);
 
   const auto t0 = std::chrono::steady_clock::now();
   EngineConfig ec;
@@ -115,13 +158,32 @@ int run_generate(const GenerateOptions& o) {
                     o.source.is_synthetic() ? "--synthetic " + o.source.synthetic : o.source.model_dir,
                     o.source.is_synthetic() ? " with this vocabulary" : "");
     }
-    prompt = m.tokenizer->encode(o.prompt, !o.no_special_tokens);
+    prompt = m.tokenizer->encode(prompt_text, !o.no_special_tokens);
     if (prompt.empty()) invalid_input("--prompt: the prompt encodes to no tokens");
   }
   const auto t_loaded = std::chrono::steady_clock::now();
 
+  // No silent truncation (as vLLM): a prompt beyond the sequence limit is an error; -n beyond it is capped with
+  // a notice. The limit is --max-model-len, and the model's max_position_embeddings where that is smaller.
+  const int64_t max_pos = m.config.max_position_embeddings;
+  const int64_t limit = std::min<int64_t>(o.max_model_len, max_pos);
+  const std::string limit_name = o.max_model_len <= max_pos
+                                     ? fmt::format("--max-model-len {}", o.max_model_len)
+                                     : fmt::format("the model's max_position_embeddings {}", max_pos);
+  const auto prompt_len = static_cast<int64_t>(prompt.size());
+  if (prompt_len > limit) {
+    invalid_input("the prompt is {} tokens, longer than {}; shorten it{}", prompt_len, limit_name,
+                  o.max_model_len <= max_pos ? " or raise --max-model-len" : "");
+  }
+  SamplingParams sampling = o.sampling;
+  if (prompt_len + sampling.max_new_tokens > limit) {
+    sampling.max_new_tokens = static_cast<int32_t>(limit - prompt_len);
+    fmt::print(stderr, "chimera: notice: -n {} capped to {}: the prompt's {} tokens plus the output reach {}\n",
+               o.sampling.max_new_tokens, sampling.max_new_tokens, prompt_len, limit_name);
+  }
+
   ec.cache.max_seqs = 1;
-  ec.cache.max_model_len = std::max<int32_t>(o.max_model_len, static_cast<int32_t>(prompt.size()) + 1);
+  ec.cache.max_model_len = static_cast<int32_t>(std::max<int64_t>(limit, prompt_len + 1));
   ec.scheduler.max_num_seqs = 1;
   ec.return_prompt_logits = !o.logits_out.empty();
   // The kernel configuration: the defaults with the environment registry's overrides (runtime/kernel_env.h).
@@ -132,12 +194,12 @@ int run_generate(const GenerateOptions& o) {
       logit_rows.insert(logit_rows.end(), row.begin(), row.end());
     };
   }
-  engine.add_request(prompt, o.sampling);
+  engine.add_request(prompt, sampling);
 
   std::optional<StreamingDecoder> stream;
   if (m.tokenizer) {
     stream.emplace(*m.tokenizer, /*skip_special_tokens=*/true);
-    if (!o.prompt.empty()) fmt::print("{}", o.prompt);
+    if (o.prompt_ids.empty()) fmt::print("{}", prompt_text);
   }
   int32_t generated = 0;
   std::chrono::steady_clock::time_point t_first{};
@@ -156,12 +218,12 @@ int run_generate(const GenerateOptions& o) {
       } else {
         fmt::print("{}{}", generated > 1 ? "," : "", ev.token);
       }
-      std::fflush(stdout);
+      flush_stdout();
     }
   }
   if (stream) fmt::print("{}", stream->flush());
   fmt::print("\n");
-  std::fflush(stdout);
+  flush_stdout();
   const auto t_end = std::chrono::steady_clock::now();
 
   if (!o.logits_out.empty()) {

@@ -1,7 +1,11 @@
 // chimera: inference for Nemotron-H / Nemotron 3 hybrid Mamba-2 / attention / MoE models.
 // Exit status: 0 success, 1 runtime error, 2 bad usage or bad input (flags, files, configs, tensors).
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <filesystem>
+#include <system_error>
 
 #include <fmt/core.h>
 
@@ -16,8 +20,15 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "chimera 0.1.0");
   int threads = 0;
-  app.add_option("--threads", threads, "CPU threads for the reference backend (default: all cores)")
-      ->check(CLI::NonNegativeNumber);
+  app.add_option("--threads", threads, "CPU threads for the reference backend (default 0: all cores)")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            int n = 0;
+            return CLI::detail::lexical_cast(v, n) && n >= 0 && n <= 4096
+                       ? std::string()
+                       : "--threads must be an integer from 0 (all cores) to 4096, got " + v;
+          },
+          "INT in [0, 4096]"));
   // The only place CHIMERA_ALLREDUCE_STRATEGY is read (docs/style.md 8: flags and env -> one validated config).
   std::string allreduce_strategy = "auto";
   app.add_option("--allreduce-strategy", allreduce_strategy,
@@ -61,11 +72,25 @@ int main(int argc, char** argv) {
   gen.allreduce_strategy = *dist::strategy_from_name(allreduce_strategy);
 
   try {
-    if (g->parsed()) return cli::run_generate(gen);
-    if (i->parsed()) return cli::run_info(info);
-    if (bs->parsed()) return cli::run_bench_serve(bench_serve_opt, bench_serve_backend);
-    if (b->parsed()) return cli::run_bench(bench);
-    if (s->parsed()) return cli::run_serve(serve);
+    int rc = 2;
+    if (g->parsed()) rc = cli::run_generate(gen);
+    if (i->parsed()) rc = cli::run_info(info);
+    if (bs->parsed()) rc = cli::run_bench_serve(bench_serve_opt, bench_serve_backend);
+    else if (b->parsed()) rc = cli::run_bench(bench);
+    if (s->parsed()) rc = cli::run_serve(serve);
+    // What a command printed must have reached standard output (a full disk, a closed pipe: exit 1).
+    if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+      fmt::print(stderr, "chimera: error: writing to standard output failed: {}\n", std::strerror(errno));
+      return 1;
+    }
+    return rc;
+  } catch (const std::filesystem::filesystem_error& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "\nchimera: error: {}\n", e.what());
+    return 1;
+  } catch (const std::system_error& e) {  // fmt::print reports a failed write to stdout this way
+    fmt::print(stderr, "\nchimera: error: writing output failed: {}\n", e.what());
+    return 1;
   } catch (const Error& e) {
     std::fflush(stdout);
     fmt::print(stderr, "\nchimera: error: {}\n", e.what());
@@ -75,5 +100,4 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "\nchimera: internal error: {}\n", e.what());
     return 1;
   }
-  return 2;
 }

@@ -29,8 +29,11 @@ void add_model_source(CLI::App& app, ModelSource& s) {
 ModelConfig load_source_config(const ModelSource& src) {
   if (!src.is_synthetic()) {
     if (src.num_layers != 0) invalid_input("--num-layers needs --synthetic (a checkpoint has all its layers)");
-    if (!std::filesystem::is_directory(src.model_dir)) {
-      invalid_input("model directory '{}' does not exist", src.model_dir);
+    std::error_code ec;
+    if (!std::filesystem::exists(src.model_dir, ec)) invalid_input("model directory '{}' does not exist", src.model_dir);
+    if (!std::filesystem::is_directory(src.model_dir, ec)) {
+      invalid_input("-m {}: is a file; -m names a model directory (config.json, *.safetensors, tokenizer.json)",
+                    src.model_dir);
     }
     return load_model_config(src.model_dir);
   }
@@ -39,15 +42,27 @@ ModelConfig load_source_config(const ModelSource& src) {
   return c;
 }
 
+void check_tokenizer_fits(const Tokenizer& tok, const ModelConfig& config, const std::string& tokenizer_path,
+                          const std::string& config_path) {
+  // Fewer ids than embedding rows: the model can sample an id the tokenizer cannot decode, mid-generation.
+  // More: the tokenizer can produce an id the embedding has no row for.
+  if (tok.vocab_size() != config.vocab_size) {
+    invalid_input("{} has {} token ids but {} says vocab_size {}: the tokenizer does not belong to this model",
+                  tokenizer_path, tok.vocab_size(), config_path, config.vocab_size);
+  }
+}
+
 LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOptions& options,
                        const std::optional<MemoryLimits>& limits) {
   namespace fs = std::filesystem;
   LoadedModel m;
   m.config = load_source_config(src);
-  if (with_weights && limits && (options.device == Device::kCuda || src.is_synthetic())) {
-    // Synthetic weights are generated in options.dtype; a checkpoint goes to the GPU in options.dtype.
+  if (with_weights && limits) {
+    // Synthetic weights are generated in options.dtype; a checkpoint goes to the GPU in options.dtype, and on the
+    // CPU is memory-mapped (its weights take no allocation: only the caches and workspace are checked).
     const DType act = options.device == Device::kCpu ? DType::kF32 : options.dtype;
-    const MemoryPlan plan = plan_memory(m.config, options.dtype, act, *limits);
+    MemoryPlan plan = plan_memory(m.config, options.dtype, act, *limits);
+    if (options.device == Device::kCpu && !src.is_synthetic()) plan.weights = 0;
     check_memory_plan(plan, device::memory_info(options.device).free, options.device == Device::kCuda ? "GPU" : "host");
   }
   if (src.is_synthetic()) {
@@ -62,10 +77,15 @@ LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOpt
     }
     return m;
   }
+  // The tokenizer first: a mismatch with the config is found before any weights are read.
+  const fs::path tok = fs::path(src.model_dir) / "tokenizer.json";
+  std::error_code ec;
+  if (fs::exists(tok, ec)) {
+    m.tokenizer.emplace(Tokenizer::load(tok));
+    check_tokenizer_fits(*m.tokenizer, m.config, tok.string(), (fs::path(src.model_dir) / "config.json").string());
+  }
   m.checkpoint = std::make_unique<Checkpoint>(Checkpoint::open(src.model_dir));
   if (with_weights) m.model = std::make_unique<NemotronH>(NemotronH::load(m.config, *m.checkpoint, options));
-  const fs::path tok = fs::path(src.model_dir) / "tokenizer.json";
-  if (fs::exists(tok)) m.tokenizer.emplace(Tokenizer::load(tok));
   return m;
 }
 

@@ -44,6 +44,9 @@ ModelConfig load_source_config(const ModelSource& src);
 // "needs X GiB (...) but the GPU has Y GiB free" before anything is allocated.
 LoadedModel load_model(const ModelSource& src, bool with_weights = true, const ModelOptions& options = {},
                        const std::optional<MemoryLimits>& limits = std::nullopt);
+// kInvalidInput naming both files unless the tokenizer's ids are exactly the model's embedding rows.
+void check_tokenizer_fits(const Tokenizer& tok, const ModelConfig& config, const std::string& tokenizer_path,
+                          const std::string& config_path);
 LoadedModel load_model_dir(const std::string& dir, bool with_weights = true, const ModelOptions& options = {});
 
 }  // namespace chimera::cli

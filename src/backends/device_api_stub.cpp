@@ -71,7 +71,7 @@ struct AllocPool::Impl {};
 AllocPool::AllocPool() { runtime_error("AllocPool: this build of chimera has no CUDA backend"); }
 size_t AllocPool::bytes() const { return 0; }
 ScopedAllocPool::ScopedAllocPool(const AllocPool&) : previous_(nullptr) {}
-ScopedAllocPool::~ScopedAllocPool() = default;
+ScopedAllocPool::~ScopedAllocPool() { previous_ = nullptr; }  // restores nothing: there is no pool without CUDA
 
 Graph Graph::capture(void*, const std::function<void()>&) {
   runtime_error("Graph: this build of chimera has no CUDA backend");

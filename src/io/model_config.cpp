@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/json_file.h"
 
 namespace chimera {
 
@@ -138,12 +139,7 @@ std::string quote_nonfinite_literals(const std::string& text) {
 }
 
 json parse_json_text(const std::string& text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(quote_nonfinite_literals(text));
-  } catch (const json::parse_error& e) {
-    invalid_input("{}not valid JSON: {}", prefix(source), e.what());
-  }
+  const json j = parse_json(quote_nonfinite_literals(text), source.empty() ? std::string("config") : source);
   if (!j.is_object()) invalid_input("{}must be a JSON object, got {}", prefix(source), j.type_name());
   return j;
 }
@@ -229,15 +225,19 @@ class Fields {
     const json* v = find({name});
     if (!v) return std::nullopt;
     std::vector<int64_t> r;
+    auto id = [&](const json& e) {
+      if (!e.is_number_integer() || (e.is_number_unsigned() && e.get<uint64_t>() > INT32_MAX) ||
+          (!e.is_number_unsigned() && (e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX))) {
+        type_error(name, *v, "a token id (0 <= id < 2^31) or a list of them");
+      }
+      return e.get<int64_t>();
+    };
     if (v->is_number_integer()) {
-      r.push_back(v->get<int64_t>());
+      r.push_back(id(*v));
       return r;
     }
     if (!v->is_array()) type_error(name, *v, "an integer or a list of integers");
-    for (const auto& e : *v) {
-      if (!e.is_number_integer()) type_error(name, *v, "an integer or a list of integers");
-      r.push_back(e.get<int64_t>());
-    }
+    for (const auto& e : *v) r.push_back(id(e));
     return r;
   }
 
@@ -267,6 +267,21 @@ bool has_kind(const std::vector<LayerKind>& ks, LayerKind k) {
   return std::find(ks.begin(), ks.end(), k) != ks.end();
 }
 
+// Special ids must be rows of the embedding: an eos_token_id outside the vocabulary never matches a sampled
+// token, so generation would silently run to the length cap. pad_token_id may be unset-like (HF writes it but
+// Chimera never pads); it is checked too, as a mistyped one is an edit worth reporting.
+void validate_token_ids(const ModelConfig& c, const std::string& source) {
+  const std::string p = prefix(source);
+  for (int64_t id : c.eos_token_ids) {
+    if (id < 0 || id >= c.vocab_size) {
+      invalid_input("{}eos_token_id {} is outside the vocabulary [0, {}) of vocab_size", p, id, c.vocab_size);
+    }
+  }
+  if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size) {
+    invalid_input("{}bos_token_id {} is outside the vocabulary [0, {}) of vocab_size", p, c.bos_token_id, c.vocab_size);
+  }
+}
+
 void validate(const ModelConfig& c, const std::string& source) {
   const std::string p = prefix(source);
   const std::pair<const char*, int64_t> positive[] = {
@@ -291,8 +306,25 @@ void validate(const ModelConfig& c, const std::string& source) {
       {"n_group", c.n_group},
       {"topk_group", c.topk_group},
   };
+  // Upper bounds keep every size derived from the config (products of a few of these, the memory plan's
+  // checked sums) inside int64 and say at once when a field was mistyped; real models are far below them.
   for (const auto& [name, v] : positive) {
     if (v <= 0) invalid_input("{}field '{}' must be positive, got {}", p, name, v);
+    const bool token_count = std::strcmp(name, "vocab_size") == 0 || std::strcmp(name, "max_position_embeddings") == 0;
+    const int64_t limit = token_count ? kMaxConfigTokens : kMaxConfigDim;
+    if (v > limit) invalid_input("{}field '{}' is {}, above the supported maximum {}", p, name, v, limit);
+  }
+  if (c.sliding_window && *c.sliding_window > kMaxConfigTokens) {
+    invalid_input("{}field 'sliding_window' is {}, above the supported maximum {}", p, *c.sliding_window,
+                  kMaxConfigTokens);
+  }
+  if (c.moe_latent_size && *c.moe_latent_size > kMaxConfigDim) {
+    invalid_input("{}field 'moe_latent_size' is {}, above the supported maximum {}", p, *c.moe_latent_size,
+                  kMaxConfigDim);
+  }
+  if (c.n_shared_experts > kMaxConfigDim || c.num_nextn_predict_layers > kMaxConfigDim) {
+    invalid_input("{}fields 'n_shared_experts' ({}) and 'num_nextn_predict_layers' ({}) must be at most {}", p,
+                  c.n_shared_experts, c.num_nextn_predict_layers, kMaxConfigDim);
   }
   if (c.sliding_window && *c.sliding_window <= 0) {
     invalid_input("{}field 'sliding_window' must be positive or null, got {}", p, *c.sliding_window);
@@ -331,18 +363,12 @@ void validate(const ModelConfig& c, const std::string& source) {
   if (c.mamba_hidden_act != "silu") {
     invalid_input("{}field 'mamba_hidden_act' is '{}'; only 'silu' is supported", p, c.mamba_hidden_act);
   }
+  validate_token_ids(c, source);
   if (c.time_step_limit_min > c.time_step_limit_max) {
     invalid_input("{}field 'time_step_limit' has min {} > max {}", p, c.time_step_limit_min, c.time_step_limit_max);
   }
 }
 
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) invalid_input("{}: cannot open", path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 }  // namespace
 
@@ -437,21 +463,25 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   return c;
 }
 
+void apply_generation_config(ModelConfig& c, const std::string& json_text, const std::string& source) {
+  const json g = parse_json_text(json_text, source);
+  const Fields f(g, source);
+  if (auto eos = f.int_or_list("eos_token_id")) c.eos_token_ids = std::move(*eos);
+  f.get({"bos_token_id"}, c.bos_token_id);
+  f.get({"pad_token_id"}, c.pad_token_id);
+  validate_token_ids(c, source);
+}
+
 ModelConfig load_model_config(const fs::path& model_dir) {
   const fs::path config_path = model_dir / "config.json";
   std::error_code ec;
-  if (!fs::is_regular_file(config_path, ec)) invalid_input("{}: config file does not exist", config_path.string());
-  ModelConfig c = parse_model_config(read_text(config_path), config_path.string());
+  ModelConfig c = parse_model_config(read_text_file(config_path, "config file", kMaxConfigFileBytes),
+                                     config_path.string());
 
   // generation_config.json, when present, decides the special ids used for generation (HF GenerationConfig).
   const fs::path gen_path = model_dir / "generation_config.json";
-  if (fs::exists(gen_path, ec)) {
-    const std::string source = gen_path.string();
-    const json g = parse_json_text(read_text(gen_path), source);
-    const Fields f(g, source);
-    if (auto eos = f.int_or_list("eos_token_id")) c.eos_token_ids = std::move(*eos);
-    f.get({"bos_token_id"}, c.bos_token_id);
-    f.get({"pad_token_id"}, c.pad_token_id);
+  if (fs::exists(gen_path, ec) || fs::is_symlink(gen_path, ec)) {
+    apply_generation_config(c, read_text_file(gen_path, "generation config", kMaxConfigFileBytes), gen_path.string());
   }
   return c;
 }

@@ -93,10 +93,17 @@ struct ModelConfig {
 // the character and its position.
 std::vector<LayerKind> parse_layer_pattern(const std::string& pattern, const std::string& field);
 
+// Bounds on config sizes (validate): dimensions (hidden_size, heads, experts, intermediate sizes, ...) and token
+// counts (vocab_size, max_position_embeddings, sliding_window).
+inline constexpr int64_t kMaxConfigDim = int64_t{1} << 20;
+inline constexpr int64_t kMaxConfigTokens = int64_t{1} << 31;
+
 // Reads and validates DIR/config.json (and DIR/generation_config.json for EOS ids when present).
 // Every error is kInvalidInput and names the file and the field.
 ModelConfig load_model_config(const std::filesystem::path& model_dir);
 // Same, from JSON text; `source` names it in errors.
 ModelConfig parse_model_config(const std::string& json_text, const std::string& source);
+// Applies generation_config.json text (eos / bos / pad ids) to `c` and checks the ids against its vocabulary.
+void apply_generation_config(ModelConfig& c, const std::string& json_text, const std::string& source);
 
 }  // namespace chimera

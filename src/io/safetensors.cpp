@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/json_file.h"
 
 namespace chimera {
 
@@ -71,39 +72,34 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const fs::path& path) {
   ::close(fd);  // the mapping stays valid without the descriptor
   if (addr == MAP_FAILED) invalid_input("{}: mmap of {} bytes failed: {}", p, size, std::strerror(map_errno));
 
+  return from_memory(std::shared_ptr<void>(addr, [size](void* a) { ::munmap(a, size); }), size, path);
+}
+
+std::shared_ptr<SafetensorsFile> SafetensorsFile::from_memory(std::shared_ptr<void> bytes, size_t size,
+                                                              const fs::path& path) {
+  const std::string p = path.string();
+  if (size < 8) {
+    invalid_input("{}: file is {} bytes, too short for a safetensors file (8-byte header length missing)", p, size);
+  }
   std::shared_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
   f->file_size_ = size;
-  f->mapping_ = std::shared_ptr<void>(addr, [size](void* a) { ::munmap(a, size); });
-  const auto* base = static_cast<const unsigned char*>(addr);
+  f->mapping_ = std::move(bytes);
+  const auto* base = static_cast<const unsigned char*>(f->mapping_.get());
 
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base[i];
+  // The length field is not echoed: for a file that is not a safetensors file it is 8 bytes of its content.
   if (header_len > size - 8) {
-    invalid_input("{}: header length {} exceeds the {} bytes after the 8-byte length field (file size {})", p,
-                  header_len, size - 8, size);
+    invalid_input("{}: the header length field exceeds the {} bytes after it (not a safetensors file, or truncated)",
+                  p, size - 8);
   }
   const char* header = reinterpret_cast<const char*>(base + 8);
   f->data_ = header + header_len;
   const uint64_t data_size = size - 8 - header_len;
 
-  // nlohmann keeps the last of duplicate keys silently; a header naming a tensor twice is corrupt.
-  std::set<std::string> seen;
-  std::string duplicate;
-  const json::parser_callback_t note_keys = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::key && depth == 1 && !seen.insert(parsed.get<std::string>()).second &&
-        duplicate.empty()) {
-      duplicate = parsed.get<std::string>();
-    }
-    return true;
-  };
-  json h;
-  try {
-    h = json::parse(header, header + header_len, note_keys);
-  } catch (const json::parse_error& e) {
-    invalid_input("{}: header is not valid JSON: {}", p, e.what());
-  }
-  if (!duplicate.empty()) invalid_input("{}: tensor '{}' appears twice in the header", p, duplicate);
+  // Duplicate keys (a tensor named twice), numbers outside a double, deep nesting: kInvalidInput naming the file.
+  const json h = parse_json(std::string_view(header, header_len), p + " header");
   if (!h.is_object()) invalid_input("{}: header must be a JSON object, got {}", p, h.type_name());
 
   for (const auto& [name, v] : h.items()) {
@@ -165,7 +161,7 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const fs::path& path) {
 
   // Overlap check: sort by begin; each tensor must start at or after the previous one's end. Holes are allowed.
   std::vector<const Entry*> by_offset;
-  for (const auto& [name, e] : f->entries_) by_offset.push_back(&e);
+  for (const auto& kv : f->entries_) by_offset.push_back(&kv.second);
   std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) {
     return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
   });
@@ -205,54 +201,126 @@ Tensor SafetensorsFile::tensor(const std::string& name) const {
 
 // ---- Checkpoint ------------------------------------------------------------------------------------
 
+namespace {
+
+// Where a checkpoint's files may live once links are followed: the model directory itself and, for a Hugging
+// Face cache snapshot (CACHE/models--X/snapshots/REV, whose files are links to CACHE/models--X/blobs/SHA), that
+// cache's blobs directory.
+std::vector<fs::path> allowed_roots(const fs::path& model_dir) {
+  std::error_code ec;
+  const fs::path dir = fs::canonical(model_dir, ec);
+  if (ec) invalid_input("model directory '{}': cannot resolve: {}", model_dir.string(), ec.message());
+  std::vector<fs::path> roots{dir};
+  if (dir.has_parent_path() && dir.parent_path().filename() == "snapshots") {
+    roots.push_back(dir.parent_path().parent_path() / "blobs");
+  }
+  return roots;
+}
+
+bool is_under(const fs::path& p, const fs::path& root) {
+  auto pi = p.begin();
+  for (auto ri = root.begin(); ri != root.end(); ++ri, ++pi) {
+    if (ri->empty()) continue;  // a trailing separator
+    if (pi == p.end() || *pi != *ri) return false;
+  }
+  return true;
+}
+
+// A file of the checkpoint named `entry` (relative to model_dir), confined: no absolute path, no '..', and after
+// following links a regular file under one of `roots`. `where` says who named it, for the messages.
+void check_entry_spelling(const std::string& entry, const std::string& where) {
+  const fs::path rel(entry);
+  if (entry.empty()) invalid_input("{}: the file name is empty", where);
+  if (entry.find('\0') != std::string::npos) invalid_input("{}: the file name holds a NUL byte", where);
+  if (rel.has_root_path()) {
+    invalid_input("{}: '{}' is an absolute path; shards must be files inside the model directory", where, entry);
+  }
+  for (const auto& part : rel) {
+    if (part == "..") {
+      invalid_input("{}: '{}' leaves the model directory ('..'); shards must be files inside it", where, entry);
+    }
+  }
+}
+
+std::string entry_where(const std::string& index, const std::string& tensor, const std::string& shard) {
+  return fmt::format("{}: weight_map entry for tensor '{}' (shard '{}')", index, tensor, shard);
+}
+
+fs::path confined_file(const fs::path& model_dir, const std::string& entry, const std::vector<fs::path>& roots,
+                       const std::string& where) {
+  check_entry_spelling(entry, where);
+  const fs::path rel(entry);
+  const fs::path joined = model_dir / rel;
+  std::error_code ec;
+  if (!fs::exists(joined, ec)) invalid_input("{}: '{}' does not exist", where, joined.string());
+  const fs::path real = fs::canonical(joined, ec);
+  if (ec) invalid_input("{}: '{}' cannot be resolved: {}", where, joined.string(), ec.message());
+  bool inside = false;
+  for (const auto& r : roots) inside = inside || is_under(real, r);
+  if (!inside) {
+    invalid_input("{}: '{}' resolves to '{}', outside the model directory '{}' (a link leaving it)", where, entry,
+                  real.string(), roots.front().string());
+  }
+  if (!fs::is_regular_file(real, ec)) invalid_input("{}: '{}' is not a regular file", where, joined.string());
+  return joined;
+}
+
+}  // namespace
+
+std::map<std::string, std::string> parse_safetensors_index(const std::string& json_text, const std::string& source) {
+  const json idx = parse_json(json_text, source);
+  if (!idx.is_object()) invalid_input("{}: must be a JSON object", source);
+  const auto wm = idx.find("weight_map");
+  if (wm == idx.end() || !wm->is_object()) invalid_input("{}: missing object field 'weight_map'", source);
+  std::map<std::string, std::string> weight_map;
+  for (const auto& item : wm->items()) {
+    if (!item.value().is_string()) {
+      invalid_input("{}: weight_map entry '{}' must be a file name string", source, item.key());
+    }
+    const std::string shard = item.value().get<std::string>();
+    check_entry_spelling(shard, entry_where(source, item.key(), shard));
+    weight_map[item.key()] = shard;
+  }
+  return weight_map;
+}
+
 Checkpoint Checkpoint::open(const fs::path& model_dir) {
   std::error_code ec;
   if (!fs::exists(model_dir, ec)) invalid_input("model directory '{}' does not exist", model_dir.string());
-  if (!fs::is_directory(model_dir, ec)) invalid_input("model directory '{}' is not a directory", model_dir.string());
+  if (!fs::is_directory(model_dir, ec)) {
+    invalid_input("model directory '{}' is a file, expected a directory (config.json, *.safetensors, "
+                  "tokenizer.json)",
+                  model_dir.string());
+  }
+  const std::vector<fs::path> roots = allowed_roots(model_dir);
 
   Checkpoint ck;
   ck.dir_ = model_dir;
   const fs::path index_path = model_dir / "model.safetensors.index.json";
   const fs::path single_path = model_dir / "model.safetensors";
 
-  // name -> shard file name, when read through an index
-  std::map<std::string, std::string> weight_map;
   if (fs::exists(index_path, ec)) {
     const std::string ip = index_path.string();
-    std::ifstream in(index_path, std::ios::binary);
-    if (!in) invalid_input("{}: cannot open", ip);
-    json idx;
-    try {
-      idx = json::parse(in);
-    } catch (const json::parse_error& e) {
-      invalid_input("{}: not valid JSON: {}", ip, e.what());
-    }
-    if (!idx.is_object()) invalid_input("{}: must be a JSON object", ip);
-    const auto wm = idx.find("weight_map");
-    if (wm == idx.end() || !wm->is_object()) invalid_input("{}: missing object field 'weight_map'", ip);
-    std::map<std::string, std::string> first_user;  // shard -> a tensor that names it (for messages)
-    for (const auto& [name, shard] : wm->items()) {
-      if (!shard.is_string()) invalid_input("{}: weight_map entry '{}' must be a file name string", ip, name);
-      weight_map[name] = shard.get<std::string>();
-      first_user.emplace(shard.get<std::string>(), name);
-    }
+    const std::map<std::string, std::string> weight_map =
+        parse_safetensors_index(read_text_file(index_path, "checkpoint index", kMaxConfigFileBytes), ip);
+    std::map<std::string, std::string> first_user;  // shard entry -> a tensor that names it (for messages)
+    for (const auto& [name, shard] : weight_map) first_user.emplace(shard, name);
+    std::map<std::string, size_t> shard_file;  // shard entry -> index into files_
     for (const auto& [shard, user] : first_user) {  // each shard opened once, in sorted order
-      const fs::path sp = model_dir / shard;
-      if (!fs::is_regular_file(sp, ec)) {
-        invalid_input("{}: shard '{}' (holding tensor '{}') does not exist", ip, sp.string(), user);
-      }
+      const fs::path sp = confined_file(model_dir, shard, roots, entry_where(ip, user, shard));
+      shard_file[shard] = ck.files_.size();
       ck.files_.push_back(SafetensorsFile::open(sp));
     }
     for (const auto& [name, shard] : weight_map) {
-      const auto it = std::find_if(ck.files_.begin(), ck.files_.end(),
-                                   [&](const auto& f) { return f->path() == model_dir / shard; });
-      if (!(*it)->contains(name)) {
+      const SafetensorsFile& f = *ck.files_[shard_file.at(shard)];
+      if (!f.contains(name)) {
         invalid_input("{}: tensor '{}' is mapped to shard '{}' but that shard has no such tensor", ip, name,
-                      (*it)->path().string());
+                      f.path().string());
       }
     }
-  } else if (fs::exists(single_path, ec)) {
-    ck.files_.push_back(SafetensorsFile::open(single_path));
+  } else if (fs::exists(single_path, ec) || fs::is_symlink(single_path, ec)) {
+    ck.files_.push_back(SafetensorsFile::open(
+        confined_file(model_dir, "model.safetensors", roots, model_dir.string() + ": model.safetensors")));
   } else {
     std::vector<fs::path> found;
     for (const auto& de : fs::directory_iterator(model_dir, ec)) {
@@ -265,7 +333,10 @@ Checkpoint Checkpoint::open(const fs::path& model_dir) {
                     model_dir.string());
     }
     std::sort(found.begin(), found.end());
-    for (const auto& fp : found) ck.files_.push_back(SafetensorsFile::open(fp));
+    for (const auto& fp : found) {
+      const std::string entry = fp.filename().string();
+      ck.files_.push_back(SafetensorsFile::open(confined_file(model_dir, entry, roots, fp.string())));
+    }
   }
 
   for (size_t i = 0; i < ck.files_.size(); ++i) {

@@ -26,6 +26,9 @@ class SafetensorsFile {
  public:
   // Maps `path` read-only and validates the header.
   static std::shared_ptr<SafetensorsFile> open(const std::filesystem::path& path);
+  // The same checks on a file image in memory (`bytes` owns `size` bytes); `path` names it in errors.
+  static std::shared_ptr<SafetensorsFile> from_memory(std::shared_ptr<void> bytes, size_t size,
+                                                      const std::filesystem::path& path);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -68,6 +71,10 @@ class Checkpoint {
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> where_;  // name -> index into files_
 };
+
+// model.safetensors.index.json text -> its weight_map (tensor -> shard entry). Every entry is checked to name a
+// file inside the model directory by its spelling (relative, no '..'); Checkpoint::open also resolves links.
+std::map<std::string, std::string> parse_safetensors_index(const std::string& json_text, const std::string& source);
 
 // Writes tensors to a .safetensors file (used by tests to build corrupt / small checkpoints).
 void write_safetensors(const std::filesystem::path& path, const std::vector<std::pair<std::string, Tensor>>& tensors,

@@ -147,6 +147,10 @@ int32_t Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& s
                     sampling.stop_token_ids[i], V);
     }
   }
+  if (static_cast<int64_t>(prompt.size()) > cache_.sizes().max_model_len) {
+    invalid_input("the prompt is {} tokens, longer than the maximum model length {}", prompt.size(),
+                  cache_.sizes().max_model_len);
+  }
   Sequence s;
   s.id = next_id_;
   s.prompt_len = static_cast<int32_t>(prompt.size());

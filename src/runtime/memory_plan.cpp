@@ -13,76 +13,119 @@ int64_t count(const ModelConfig& c, LayerKind k) {
   return static_cast<int64_t>(std::count(c.layers.begin(), c.layers.end(), k));
 }
 
+// Checked int64 arithmetic for sizes: a product or sum beyond int64 is an error naming what was being sized,
+// never a wrapped (smaller) number that a fit check would pass.
+struct Checked {
+  const char* what;
+  int64_t mul(std::initializer_list<int64_t> factors) const {
+    int64_t r = 1;
+    for (int64_t f : factors) {
+      if (__builtin_mul_overflow(r, f, &r)) overflow();
+    }
+    return r;
+  }
+  int64_t add(std::initializer_list<int64_t> terms) const {
+    int64_t r = 0;
+    for (int64_t t : terms) {
+      if (__builtin_add_overflow(r, t, &r)) overflow();
+    }
+    return r;
+  }
+  [[noreturn]] void overflow() const {
+    invalid_input("memory plan: the size of the {} overflows 64-bit arithmetic (the config's sizes or the serving "
+                  "limits are too large)",
+                  what);
+  }
+};
+
 }  // namespace
 
 // Shapes of docs/model.md 2.1 (the loader's name table in models/nemotron_h.cpp); each layer's pre-mixer norm
 // counts with its kind, as in NemotronH::parameter_counts().
 std::map<std::string, int64_t> parameter_counts(const ModelConfig& c) {
+  const Checked k{"parameters"};
   const int64_t D = c.hidden_size, H = c.mamba_num_heads, Di = c.mamba_inner(), Cd = c.conv_dim();
-  const int64_t mamba = c.in_proj_dim() * D + (c.use_bias ? c.in_proj_dim() + D : 0) + Cd * c.conv_kernel +
-                        (c.use_conv_bias ? Cd : 0) + 3 * H + Di + D * Di;
-  const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
-  const int64_t attention = 2 * q * D + 2 * kv * D;
-  const int64_t mlp = 2 * c.intermediate_size * D;
+  const int64_t P = c.in_proj_dim();
+  const int64_t mamba = k.add({k.mul({P, D}), c.use_bias ? k.add({P, D}) : 0, k.mul({Cd, c.conv_kernel}),
+                               c.use_conv_bias ? Cd : 0, k.mul({3, H}), Di, k.mul({D, Di})});
+  const int64_t q = k.mul({c.num_attention_heads, c.head_dim}), kv = k.mul({c.num_key_value_heads, c.head_dim});
+  const int64_t attention = k.add({k.mul({2, q, D}), k.mul({2, kv, D})});
+  const int64_t mlp = k.mul({2, c.intermediate_size, D});
   const int64_t E = c.n_routed_experts;
-  const int64_t moe = E * D + E + E * 2 * c.moe_intermediate_size * c.moe_input_dim() +
-                      2 * c.moe_shared_expert_intermediate_size * D +
-                      (c.moe_latent_size ? 2 * *c.moe_latent_size * D : 0);
+  const int64_t moe = k.add({k.mul({E, D}), E, k.mul({E, 2, c.moe_intermediate_size, c.moe_input_dim()}),
+                             k.mul({2, c.moe_shared_expert_intermediate_size, D}),
+                             c.moe_latent_size ? k.mul({2, *c.moe_latent_size, D}) : 0});
   std::map<std::string, int64_t> n;
-  n["embeddings"] = c.vocab_size * D;
-  n["lm_head"] = c.vocab_size * D;
+  n["embeddings"] = k.mul({c.vocab_size, D});
+  n["lm_head"] = k.mul({c.vocab_size, D});
   n["norm_f"] = D;
   for (const auto& [kind, per_layer] : {std::pair{LayerKind::kMamba, mamba},
                                         {LayerKind::kAttention, attention},
                                         {LayerKind::kMlp, mlp},
                                         {LayerKind::kMoe, moe}}) {
-    if (count(c, kind)) n[layer_kind_name(kind)] = count(c, kind) * (per_layer + D);
+    if (count(c, kind)) n[layer_kind_name(kind)] = k.mul({count(c, kind), k.add({per_layer, D})});
   }
   return n;
 }
 
 int64_t parameter_count(const ModelConfig& c) {
+  const Checked k{"parameters"};
   int64_t total = 0;
-  for (const auto& [kind, n] : parameter_counts(c)) total += n;
+  for (const auto& [kind, n] : parameter_counts(c)) total = k.add({total, n});
   return total;
 }
 
 int64_t fp32_parameter_count(const ModelConfig& c) {
-  return count(c, LayerKind::kMamba) * 3 * c.mamba_num_heads +
-         count(c, LayerKind::kMoe) * (c.n_routed_experts * c.hidden_size + c.n_routed_experts);
+  const Checked k{"parameters"};
+  return k.add({k.mul({count(c, LayerKind::kMamba), 3, c.mamba_num_heads}),
+                k.mul({count(c, LayerKind::kMoe), k.add({k.mul({c.n_routed_experts, c.hidden_size}), c.n_routed_experts})})});
 }
 
 MemoryPlan plan_memory(const ModelConfig& c, DType weight_dtype, DType act_dtype, const MemoryLimits& limits) {
   const auto wsize = static_cast<int64_t>(dtype_size(weight_dtype));
   const auto asize = static_cast<int64_t>(dtype_size(act_dtype));
   const int64_t seqs = std::max(limits.max_num_seqs, 1), bs = std::max(limits.block_size, 1);
-  const int64_t tokens_per_seq = (std::max(limits.max_model_len, 1) + bs - 1) / bs * bs;
+  // Rounded up to whole blocks in int64: max_model_len near INT32_MAX does not wrap.
+  const int64_t tokens_per_seq = (static_cast<int64_t>(std::max(limits.max_model_len, 1)) + bs - 1) / bs * bs;
   MemoryPlan p;
   const int64_t f32 = fp32_parameter_count(c);
-  p.weights = static_cast<size_t>((parameter_count(c) - f32) * wsize + f32 * 4);
-  p.kv_cache = static_cast<size_t>(count(c, LayerKind::kAttention) * 2 * c.num_key_value_heads * c.head_dim * asize *
-                                   tokens_per_seq * seqs);
-  const int64_t mamba_per_seq =
-      c.conv_dim() * (c.conv_kernel - 1) * asize + c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size * 4;
-  p.mamba_state = static_cast<size_t>(count(c, LayerKind::kMamba) * mamba_per_seq * seqs);
+  const Checked kw{"weights"};
+  p.weights = static_cast<size_t>(kw.add({kw.mul({parameter_count(c) - f32, wsize}), kw.mul({f32, 4})}));
+  const Checked kk{"KV cache"};
+  p.kv_cache = static_cast<size_t>(kk.mul({count(c, LayerKind::kAttention), 2, c.num_key_value_heads, c.head_dim,
+                                           asize, tokens_per_seq, seqs}));
+  const Checked km{"Mamba state"};
+  const int64_t mamba_per_seq = km.add({km.mul({c.conv_dim(), c.conv_kernel - 1, asize}),
+                                        km.mul({c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, 4})});
+  p.mamba_state = static_cast<size_t>(km.mul({count(c, LayerKind::kMamba), mamba_per_seq, seqs}));
 
   // Widest intermediates of one token in each mixer kind present (what the forward pass keeps live).
+  const Checked ks{"workspace"};
   const int64_t D = c.hidden_size;
   int64_t widest = 0;
-  if (count(c, LayerKind::kMamba)) widest = std::max(widest, c.in_proj_dim() + c.conv_dim() + 3 * c.mamba_inner());
-  if (count(c, LayerKind::kAttention)) {
-    widest = std::max(widest, 2 * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim);
+  if (count(c, LayerKind::kMamba)) {
+    widest = std::max(widest, ks.add({c.in_proj_dim(), c.conv_dim(), ks.mul({3, c.mamba_inner()})}));
   }
-  if (count(c, LayerKind::kMlp)) widest = std::max(widest, 2 * c.intermediate_size);
+  if (count(c, LayerKind::kAttention)) {
+    widest = std::max(widest,
+                      ks.mul({2, ks.add({c.num_attention_heads, ks.mul({2, c.num_key_value_heads})}), c.head_dim}));
+  }
+  if (count(c, LayerKind::kMlp)) widest = std::max(widest, ks.mul({2, c.intermediate_size}));
   if (count(c, LayerKind::kMoe)) {
-    widest = std::max(widest, c.num_experts_per_tok * (2 * c.moe_intermediate_size + 2 * c.moe_input_dim()) +
-                                  2 * c.moe_shared_expert_intermediate_size + 2 * c.n_routed_experts +
-                                  2 * c.moe_latent_size.value_or(0));
+    widest = std::max(
+        widest, ks.add({ks.mul({c.num_experts_per_tok,
+                                ks.add({ks.mul({2, c.moe_intermediate_size}), ks.mul({2, c.moe_input_dim()})})}),
+                        ks.mul({2, c.moe_shared_expert_intermediate_size}), ks.mul({2, c.n_routed_experts}),
+                        ks.mul({2, c.moe_latent_size.value_or(0)})}));
   }
   const int64_t tokens = std::max(limits.max_tokens_per_step, 1);
   // 5 x D per token: the residual stream's two buffers (NemotronH::forward_device alternates them), the normed
   // input, the mixer output and the MoE layer's routed output.
-  p.workspace = static_cast<size_t>(tokens * (5 * D + widest) * asize + seqs * c.vocab_size * 4 * 2);
+  p.workspace = static_cast<size_t>(ks.add({ks.mul({tokens, ks.add({ks.mul({5, D}), widest}), asize}),
+                                            ks.mul({seqs, c.vocab_size, 4, 2})}));
+  const Checked kt{"total"};
+  kt.add({static_cast<int64_t>(p.weights), static_cast<int64_t>(p.kv_cache), static_cast<int64_t>(p.mamba_state),
+          static_cast<int64_t>(p.workspace)});  // total() cannot wrap
   return p;
 }
 

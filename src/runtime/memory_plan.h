@@ -35,7 +35,8 @@ struct MemoryPlan {
   size_t total() const { return weights + kv_cache + mamba_state + workspace; }
 };
 
-// Parameters by kind ("embeddings", "mamba", ..., "lm_head"), from the config alone: equal to
+// Parameters by kind ("embeddings", "mamba", ..., "lm_head"), from the config alone (checked arithmetic, as
+// plan_memory): equal to
 // NemotronH::parameter_counts() of a model of this config without an MTP head.
 std::map<std::string, int64_t> parameter_counts(const ModelConfig& config);
 // Parameters of the config's layers, embeddings, norm_f and lm_head (no MTP head); equals the sum of
@@ -44,7 +45,9 @@ int64_t parameter_count(const ModelConfig& config);
 // Of those, the ones NemotronH keeps in fp32 on CUDA (A_log, D, dt_bias, router gate, correction bias).
 int64_t fp32_parameter_count(const ModelConfig& config);
 
-// weight_dtype: the dtype weights are stored in; act_dtype: activations, conv state and KV cache.
+// weight_dtype: the dtype weights are stored in; act_dtype: activations, conv state and KV cache. Every size is
+// computed with checked int64 arithmetic: one that overflows (e.g. 2^31 sequences of 2^31 tokens) is
+// kInvalidInput naming the part, so total() is never a wrapped, too small number.
 MemoryPlan plan_memory(const ModelConfig& config, DType weight_dtype, DType act_dtype, const MemoryLimits& limits);
 
 // "12.34 GiB"

@@ -53,6 +53,12 @@ Bpe::Bpe(const json& model, const std::string& source) {
     vocab_.emplace(token, static_cast<int32_t>(id.get<int64_t>()));
     max_id = std::max(max_id, id.get<int64_t>());
   }
+  // The id table is dense (max_id + 1 slots): a single large id would allocate for every id below it, so ids
+  // may leave at most kMaxIdHoles unused slots beyond the entries the file defines.
+  if (max_id >= static_cast<int64_t>(vit->size()) + kMaxIdHoles) {
+    invalid_input("{}: field model.vocab has {} entries but an id of {}: ids may exceed the entry count by at most {}",
+                  source, vit->size(), max_id, kMaxIdHoles);
+  }
   id_to_token_.assign(static_cast<size_t>(max_id + 1), std::string());
   has_id_.assign(static_cast<size_t>(max_id + 1), false);
   for (const auto& [token, id] : vocab_) {

@@ -23,6 +23,9 @@ struct StringHash {
 };
 using TokenMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
 
+// Unused ids allowed in a vocabulary's id space (model.vocab, added_tokens) beyond the tokens it defines.
+inline constexpr int64_t kMaxIdHoles = 1 << 16;
+
 class Bpe {
  public:
   // model: the "model" object of tokenizer.json; source names the file in errors.

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/json_file.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/pipeline.h"
 #include "tokenizer/regex.h"
@@ -166,6 +167,8 @@ void Tokenizer::Impl::parse_added_tokens(const json& root) {
   if (it == root.end() || it->is_null()) return;
   const Where w{impl.source, "added_tokens"};
   if (!it->is_array()) invalid_input("{}: field added_tokens must be an array", impl.source);
+  // Added ids extend the model's id space; bounded like the model's (vocab_size() is max id + 1).
+  const int64_t id_limit = static_cast<int64_t>(impl.max_id) + 1 + static_cast<int64_t>(it->size()) + tok::kMaxIdHoles;
   for (size_t i = 0; i < it->size(); ++i) {
     const json& t = (*it)[i];
     const Where tw = w.index(i);
@@ -182,6 +185,11 @@ void Tokenizer::Impl::parse_added_tokens(const json& root) {
       if (!f->is_boolean()) invalid_input("{}: field {}.{} must be a boolean", impl.source, tw.field, key);
       return f->get<bool>();
     };
+    if (t["id"].get<int64_t>() >= id_limit) {
+      invalid_input("{}: field {}.id is {}, beyond the {} ids of model.vocab and added_tokens (at most {} unused ids)",
+                    impl.source, tw.field, t["id"].get<int64_t>(), impl.max_id + 1 + static_cast<int64_t>(it->size()),
+                    tok::kMaxIdHoles);
+    }
     auto token = std::make_unique<AddedToken>();
     token->id = t["id"].get<int32_t>();
     token->content = t["content"].get<std::string>();
@@ -209,12 +217,8 @@ void Tokenizer::Impl::parse_added_tokens(const json& root) {
 }
 
 Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& source) {
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::exception& e) {
-    invalid_input("{}: malformed JSON: {}", source, e.what());
-  }
+  // HF's own loader keeps the last of duplicated keys; so does this one (real vocabularies are not checked here).
+  const json root = parse_json(json_text, source, DuplicateKeys::kKeepLast);
   if (!root.is_object()) invalid_input("{}: top level must be a JSON object", source);
   auto impl = std::make_unique<Impl>();
   impl->source = source;
@@ -258,11 +262,7 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
 }
 
 Tokenizer Tokenizer::load(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) invalid_input("{}: cannot open tokenizer file", path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return from_json(ss.str(), path.string());
+  return from_json(read_text_file(path, "tokenizer file", kMaxTokenizerFileBytes), path.string());
 }
 
 Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -365,26 +365,57 @@ bool Tokenizer::is_special(int32_t id) const {
 StreamingDecoder::StreamingDecoder(const Tokenizer& tok, bool skip_special_tokens)
     : tok_(tok), skip_special_(skip_special_tokens) {}
 
+std::string StreamingDecoder::decode_range(size_t begin, size_t end) {
+  decoded_ids_ += end - begin;
+  return tok_.decode(std::span<const int32_t>(ids_).subspan(begin, end - begin), skip_special_);
+}
+
+// The window's text so far is final: the unread tokens become the next window's context. A context that
+// decodes to nothing (a lone "\u2581" that Strip removes, skipped special tokens) would let a decoder's
+// sequence-start rule (Strip's leading space) act on the next tokens, so the old context is kept with it,
+// for at most kMaxPendingTokens ids.
+void StreamingDecoder::advance(size_t window_bytes) {
+  const size_t old_prefix = prefix_;
+  prefix_ = read_;
+  read_ = ids_.size();
+  prefix_bytes_ = decode_range(prefix_, read_).size();
+  if (prefix_bytes_ == 0 && read_ - old_prefix <= kMaxPendingTokens) {
+    prefix_ = old_prefix;
+    prefix_bytes_ = window_bytes;
+  }
+  held_returned_ = 0;
+  pending_ = 0;
+  last_window_bytes_ = prefix_bytes_;
+}
+
 std::string StreamingDecoder::feed(int32_t id) {
   ids_.push_back(id);
-  const std::string text = tok_.decode(ids_, skip_special_);
+  const std::string text = decode_range(prefix_, ids_.size());
   // A trailing U+FFFD may be an incomplete character that later tokens complete: hold those back. Everything
   // before them is final for the supported decoders (byte-level lossy decoding is left to right).
-  size_t end = text.size();
   static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+  size_t end = text.size();
   while (end >= kReplacement.size() && std::string_view(text).substr(end - kReplacement.size(), 3) == kReplacement) {
     end -= kReplacement.size();
   }
-  if (end <= emitted_bytes_) return {};
-  std::string out = text.substr(emitted_bytes_, end - emitted_bytes_);
-  emitted_bytes_ = end;
+  const bool complete = end == text.size();
+  // Only ids that changed the window's text count as pending: skipped special tokens between the bytes of one
+  // character must not make its U+FFFD final.
+  if (text.size() != last_window_bytes_) ++pending_;
+  last_window_bytes_ = text.size();
+  if (!complete && pending_ > kMaxPendingTokens) end = text.size();  // held U+FFFD are final
+  const size_t from = prefix_bytes_ + held_returned_;
+  std::string out = end > from ? text.substr(from, end - from) : std::string();
+  if (end > from) held_returned_ = end - prefix_bytes_;
+  if (end == text.size()) advance(text.size());
   return out;
 }
 
 std::string StreamingDecoder::flush() {
-  const std::string text = tok_.decode(ids_, skip_special_);
-  std::string out = emitted_bytes_ < text.size() ? text.substr(emitted_bytes_) : std::string();
-  emitted_bytes_ = text.size();
+  const std::string text = decode_range(prefix_, ids_.size());
+  const size_t from = prefix_bytes_ + held_returned_;
+  std::string out = text.size() > from ? text.substr(from) : std::string();
+  if (text.size() > from) held_returned_ = text.size() - prefix_bytes_;  // later feeds continue the sequence
   return out;
 }
 

@@ -41,18 +41,42 @@ class Tokenizer {
 };
 
 // Streaming detokenization: feed ids as they are generated, get back the text that is complete so far.
-// Never splits a UTF-8 character; bytes of an unfinished character are held until it completes.
+// Never splits a UTF-8 character; bytes of an unfinished character are held until it completes. The
+// concatenation of every feed() and the final flush() equals decode() of all the ids.
+//
+// Incremental (constant work per token): each feed decodes only a window ids[prefix_, end) and takes the text
+// beyond decode(ids[prefix_, read_)), the two-offset scheme of HF text-generation-inference and vLLM. Context
+// tokens before read_ make decoders that treat the first token specially (Strip, a leading space) decode the
+// new tokens as they do inside the sequence. The window moves on whenever its text ends on a complete
+// character; while it does not (a trailing U+FFFD), the text before the U+FFFD run is already returned and
+// the window grows, up to kMaxPendingTokens ids that changed its text (ids that add nothing, such as skipped
+// special tokens, do not count): beyond that the held U+FFFD are returned as final. A character has at most 4
+// bytes, so for byte-level vocabularies this differs from decode() only when an incomplete character starts
+// exactly at the last of kMaxPendingTokens byte-adding ids that all ended in U+FFFD.
 class StreamingDecoder {
  public:
+  static constexpr size_t kMaxPendingTokens = 64;
+
   explicit StreamingDecoder(const Tokenizer& tok, bool skip_special_tokens = false);
   std::string feed(int32_t id);  // newly completed text (possibly empty)
   std::string flush();           // whatever is left (invalid bytes become U+FFFD)
+  // Ids passed to Tokenizer::decode so far: the work done, linear in the number of ids fed.
+  size_t decoded_ids() const { return decoded_ids_; }
 
  private:
+  std::string decode_range(size_t begin, size_t end);
+  void advance(size_t window_bytes);
+
   const Tokenizer& tok_;
   bool skip_special_;
   std::vector<int32_t> ids_;
-  size_t emitted_bytes_ = 0;  // bytes of decode(ids_) already returned
+  size_t prefix_ = 0;           // start of the decode window
+  size_t read_ = 0;             // ids before this are returned text; [prefix_, read_) is context
+  size_t prefix_bytes_ = 0;     // decode(ids_[prefix_, read_)).size()
+  size_t held_returned_ = 0;    // bytes beyond prefix_bytes_ of the current window already returned
+  size_t decoded_ids_ = 0;
+  size_t pending_ = 0;            // ids fed since the window last ended on a complete character that changed its text
+  size_t last_window_bytes_ = 0;  // size of the window's text at the previous feed
 };
 
 }  // namespace chimera

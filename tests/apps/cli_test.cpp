@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -82,7 +83,7 @@ TEST_F(Cli, BadUsageExitsTwo) {
   EXPECT_EQ(r.status, 2) << r.out;
   r = run_cli("generate -p hi --prompt-ids 1,2");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.out.find("exactly one of --prompt and --prompt-ids"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("exactly one of --prompt, --prompt-ids and --prompt-file"), std::string::npos) << r.out;
   r = run_cli("generate --prompt-ids 1,x,3");
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.out.find("'x' is not a token id"), std::string::npos) << r.out;
@@ -294,6 +295,198 @@ TEST_F(Cli, MalformedTokenizerExitsTwoNamingTheFile) {
   EXPECT_NE(r.out.find("tokenizer.json"), std::string::npos) << r.out;
 }
 
+
+// ---- hostile input: the CLI refuses, caps with a notice, or reports lost output ---------------------
+
+// Runs `chimera ARGS` with its stdout sent to `stdout_to` and returns stderr (and the exit status).
+RunOutput run_cli_stdout_to(const std::string& args, const std::string& stdout_to) {
+  const std::string cmd = std::string(CHIMERA_CLI_PATH) + " " + args + " 2>&1 >" + stdout_to;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  EXPECT_NE(pipe, nullptr);
+  RunOutput r{-1, ""};
+  if (!pipe) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
+  const int st = pclose(pipe);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void write_text(const fs::path& p, const std::string& s) { std::ofstream(p, std::ios::binary | std::ios::trunc) << s; }
+
+bool has(const RunOutput& r, const std::string& piece) { return r.out.find(piece) != std::string::npos; }
+
+TEST_F(Cli, FullStdoutExitsNonZeroWithAMessage) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  auto r = run_cli_stdout_to("generate -p hi -n 4 -q", "/dev/full");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_TRUE(has(r, "standard output")) << r.out;
+  r = run_cli_stdout_to("info", "/dev/full");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_TRUE(has(r, "standard output") || has(r, "writing output failed")) << r.out;
+}
+
+TEST_F(Cli, UnwritableLogitsOutFailsBeforeGenerating) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run_cli("generate -p hi -n 100000 --ignore-eos --logits-out " + (tmp_ / "no/such/dir/x.npy").string());
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "--logits-out")) << r.out;
+  EXPECT_FALSE(has(r, "[chimera] prompt")) << "generation ran: " << r.out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+  r = run_cli("generate -p hi -n 2 --logits-out " + tmp_.string());  // a directory
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "is a directory")) << r.out;
+}
+
+TEST_F(Cli, ThreadsOutOfRangeSaysTheRange) {
+  auto r = run_cli("--threads -3 generate -p hi -n 1");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "0 (all cores) to 4096")) << r.out;
+  EXPECT_FALSE(has(r, "1.79769")) << r.out;
+  EXPECT_FALSE(has(r, "e+308")) << r.out;
+}
+
+TEST_F(Cli, PromptIdsWithATrailingCommaAreRejected) {
+  for (const char* ids : {"1,2,", "1,2, ", ",1", "1,,2"}) {
+    auto r = run_cli(std::string("generate -n 1 --prompt-ids '") + ids + "'");
+    EXPECT_EQ(r.status, 2) << ids << ": " << r.out;
+    EXPECT_TRUE(has(r, "empty entry")) << ids << ": " << r.out;
+  }
+}
+
+TEST_F(Cli, MaxModelLenBeyondHostMemoryExitsTwo) {
+  auto r = run_cli("generate -p hi -n 1 --max-model-len 2000000000");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "host")) << r.out;
+  EXPECT_TRUE(has(r, "KV")) << r.out;
+}
+
+TEST_F(Cli, InfoWithOverflowingLimitsSaysSo) {
+  auto r = run_cli("info --max-num-seqs 2147483647 --max-model-len 2147483647");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "KV cache overflows")) << r.out;
+}
+
+TEST_F(Cli, ModelPathNamingAFileSaysItIsAFile) {
+  const std::string cfg = (fs::path(default_model()) / "config.json").string();
+  auto r = run_cli("generate -m " + cfg + " -p hi");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "is a file")) << r.out;
+  EXPECT_FALSE(has(r, "does not exist")) << r.out;
+}
+
+TEST_F(Cli, ConfigOrTokenizerThatIsADirectorySaysSo) {
+  for (const char* name : {"config.json", "tokenizer.json", "generation_config.json"}) {
+    const fs::path d = copy_model();
+    fs::remove(d / name);
+    fs::create_directories(d / name);
+    auto r = run_cli("generate -m " + d.string() + " -p hi -n 1");
+    EXPECT_EQ(r.status, 2) << name << ": " << r.out;
+    EXPECT_TRUE(has(r, (d / name).string())) << r.out;
+    EXPECT_TRUE(has(r, "is a directory")) << name << ": " << r.out;
+    fs::remove_all(d);
+  }
+}
+
+TEST_F(Cli, PromptLongerThanMaxModelLenIsAnError) {
+  auto r = run_cli("generate -p 'one two three four five six seven' -n 1 --max-model-len 4");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "longer than --max-model-len 4")) << r.out;
+  // max_position_embeddings binds when it is the smaller limit.
+  const fs::path d = copy_model();
+  std::string cfg = read_text(d / "config.json");
+  const auto at = cfg.find("\"max_position_embeddings\": 4096");
+  ASSERT_NE(at, std::string::npos);
+  cfg.replace(at, 31, "\"max_position_embeddings\": 4");
+  write_text(d / "config.json", cfg);
+  r = run_cli("generate -m " + d.string() + " -p 'one two three four five six seven' -n 1");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "max_position_embeddings 4")) << r.out;
+}
+
+TEST_F(Cli, MaxTokensBeyondTheCapGetsANotice) {
+  auto r = run_cli("generate --prompt-ids 1,2,3 -n 10000000 --ignore-eos --max-model-len 8");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_TRUE(has(r, "-n 10000000 capped to 5")) << r.out;
+  EXPECT_TRUE(has(r, "generated 5")) << r.out;
+}
+
+TEST_F(Cli, PromptFileAndStandardInput) {
+  const auto ref = run_cli("generate -p 'The quick brown fox' -n 4 -q");
+  ASSERT_EQ(ref.status, 0) << ref.out;
+  write_text(tmp_ / "prompt.txt", "The quick brown fox");
+  auto r = run_cli("generate --prompt-file " + (tmp_ / "prompt.txt").string() + " -n 4 -q");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.out, ref.out);
+  r = run_cli("generate --prompt-file - -n 4 -q < " + (tmp_ / "prompt.txt").string());
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.out, ref.out);
+  r = run_cli("generate --prompt-file " + (tmp_ / "absent.txt").string() + " -n 1");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "absent.txt")) << r.out;
+  r = run_cli("generate --prompt-file " + (tmp_ / "prompt.txt").string() + " -p hi -n 1");
+  EXPECT_EQ(r.status, 2) << r.out;
+}
+
+TEST_F(Cli, TokenizerSmallerThanTheModelVocabularyFailsAtLoad) {
+  const fs::path d = copy_model();
+  std::string cfg = read_text(d / "config.json");
+  const auto at = cfg.find("\"vocab_size\": 4096");
+  ASSERT_NE(at, std::string::npos);
+  cfg.replace(at, 18, "\"vocab_size\": 8192");
+  write_text(d / "config.json", cfg);
+  auto r = run_cli("generate -m " + d.string() + " -p hi -n 4");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "tokenizer.json has 4096 token ids")) << r.out;
+  EXPECT_TRUE(has(r, "config.json says vocab_size 8192")) << r.out;
+  EXPECT_FALSE(has(r, "[chimera] prompt")) << r.out;
+}
+
+TEST_F(Cli, EosOutsideTheVocabularyFailsAtLoad) {
+  const fs::path d = copy_model();
+  write_text(d / "generation_config.json", R"({"bos_token_id": 1, "eos_token_id": [2, 99999]})");
+  auto r = run_cli("generate -m " + d.string() + " -p hi -n 4");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "generation_config.json")) << r.out;
+  EXPECT_TRUE(has(r, "eos_token_id 99999")) << r.out;
+}
+
+TEST_F(Cli, DuplicatedConfigKeyAndHugeNumbersExitTwoNamingTheFile) {
+  const fs::path d = copy_model();
+  const std::string cfg = read_text(d / "config.json");
+  write_text(d / "config.json", "{\"hidden_size\": 64, " + cfg.substr(cfg.find('{') + 1));
+  auto r = run_cli("info -m " + d.string());
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "config.json")) << r.out;
+  EXPECT_TRUE(has(r, "'hidden_size' appears twice")) << r.out;
+  write_text(d / "config.json", "{\"rms_norm_eps\": 1e400, " + cfg.substr(cfg.find('{') + 1));
+  r = run_cli("info -m " + d.string());
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_TRUE(has(r, "config.json")) << r.out;
+  EXPECT_TRUE(has(r, "outside the range of a double")) << r.out;
+  EXPECT_FALSE(has(r, "internal error")) << r.out;
+}
+
+TEST_F(Cli, IndexShardOutsideTheModelDirectoryIsRefused) {
+  const fs::path d = copy_model();
+  fs::rename(d / "model.safetensors", d / "model-00001-of-00001.safetensors");
+  for (const std::string& shard : {std::string("../../../../etc/passwd"), std::string("/etc/passwd"),
+                                   (fs::path(default_model()) / "model.safetensors").string()}) {
+    nlohmann::json idx = {{"weight_map", {{"backbone.embeddings.weight", shard}}}};
+    write_text(d / "model.safetensors.index.json", idx.dump());
+    auto r = run_cli("info -m " + d.string());
+    EXPECT_EQ(r.status, 2) << shard << ": " << r.out;
+    EXPECT_TRUE(has(r, "backbone.embeddings.weight")) << r.out;
+    EXPECT_TRUE(has(r, shard)) << r.out;
+    EXPECT_FALSE(has(r, "header length")) << "read the file: " << r.out;
+  }
+}
 
 // ---- synthetic models ------------------------------------------------------------------------------
 

@@ -401,3 +401,71 @@ TEST(ModelConfigLoad, Errors) {
 
 }  // namespace
 }  // namespace chimera
+
+// ---- hostile configs -------------------------------------------------------------------------------
+
+namespace chimera {
+namespace {
+
+TEST(ModelConfigHostile, NumberOutsideADoubleNamesTheFile) {
+  TempDir dir;
+  json j = minimal();
+  write_file(dir / "config.json", j.dump().substr(0, j.dump().size() - 1) + R"(, "rms_norm_eps": 1e400})");
+  EXPECT_INVALID(load_model_config(dir.path()), (dir / "config.json").string(), "outside the range of a double");
+}
+
+TEST(ModelConfigHostile, DuplicatedKeyIsRejected) {
+  EXPECT_INVALID(parse_model_config(R"({"model_type": "nemotron_h", "hybrid_override_pattern": "M*",
+                                        "hidden_size": 64, "hidden_size": 128})",
+                                    "cfg.json"),
+                 "cfg.json", "key 'hidden_size' appears twice");
+}
+
+TEST(ModelConfigHostile, SizesAreBounded) {
+  for (const char* field : {"hidden_size", "intermediate_size", "n_routed_experts", "mamba_num_heads", "head_dim"}) {
+    json j = minimal();
+    j[field] = int64_t{1} << 40;
+    EXPECT_INVALID(parse(j), "cfg.json", field, "above the supported maximum");
+  }
+  json j = minimal();
+  j["vocab_size"] = int64_t{1} << 40;
+  EXPECT_INVALID(parse(j), "vocab_size", "above the supported maximum");
+}
+
+TEST(ModelConfigHostile, EosAndBosOutsideTheVocabularyAreRejected) {
+  json j = minimal();
+  j["vocab_size"] = 100;
+  j["eos_token_id"] = 100;
+  EXPECT_INVALID(parse(j), "cfg.json", "eos_token_id 100", "[0, 100)");
+  j["eos_token_id"] = json::array({2, -1});
+  EXPECT_INVALID(parse(j), "cfg.json", "eos_token_id");
+  j["eos_token_id"] = 2;
+  j["bos_token_id"] = 1000;
+  EXPECT_INVALID(parse(j), "cfg.json", "bos_token_id 1000");
+  j["bos_token_id"] = 1;
+  ModelConfig c = parse(j);
+  EXPECT_INVALID(apply_generation_config(c, R"({"eos_token_id": [2, 5000]})", "generation_config.json"),
+                 "generation_config.json", "eos_token_id 5000");
+}
+
+TEST(ModelConfigHostile, GenerationConfigJsonErrorsNameTheFile) {
+  TempDir dir;
+  write_file(dir / "config.json", minimal().dump());
+  write_file(dir / "generation_config.json", R"({"eos_token_id": 1e400})");
+  EXPECT_INVALID(load_model_config(dir.path()), "generation_config.json", "outside the range of a double");
+  write_file(dir / "generation_config.json", R"({"eos_token_id": 2, "eos_token_id": 3})");
+  EXPECT_INVALID(load_model_config(dir.path()), "generation_config.json", "appears twice");
+  write_file(dir / "generation_config.json", R"({"eos_token_id": )");
+  EXPECT_INVALID(load_model_config(dir.path()), "generation_config.json", "not valid JSON");
+}
+
+TEST(ModelConfigHostile, ConfigPathThatIsADirectorySaysSo) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "config.json");
+  EXPECT_INVALID(load_model_config(dir.path()), "config.json", "is a directory");
+  std::filesystem::remove(dir / "config.json");
+  EXPECT_INVALID(load_model_config(dir.path()), "config.json", "does not exist");
+}
+
+}  // namespace
+}  // namespace chimera

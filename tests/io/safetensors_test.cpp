@@ -103,7 +103,7 @@ TEST(Safetensors, HeaderLengthBeyondFile) {
   TempDir dir;
   const auto path = dir / "x.safetensors";
   write_file(path, raw_file("{}", "", 1000));
-  EXPECT_INVALID(SafetensorsFile::open(path), path.string(), "header length 1000 exceeds");
+  EXPECT_INVALID(SafetensorsFile::open(path), path.string(), "header length field exceeds the 2 bytes after it");
 }
 
 TEST(Safetensors, FileOfThreeBytes) {
@@ -122,7 +122,7 @@ TEST(Safetensors, MalformedHeaderJson) {
   TempDir dir;
   const auto path = dir / "bad.safetensors";
   write_file(path, raw_file("{\"a\": {\"dtype\": ", ""));
-  EXPECT_INVALID(SafetensorsFile::open(path), path.string(), "header is not valid JSON");
+  EXPECT_INVALID(SafetensorsFile::open(path), path.string(), "header: not valid JSON");
   write_file(path, raw_file("[1, 2]", ""));
   EXPECT_INVALID(SafetensorsFile::open(path), path.string(), "header must be a JSON object", "array");
 }
@@ -151,7 +151,7 @@ TEST(Safetensors, DuplicateNameInHeader) {
   write_file(path, raw_file(R"({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},)"
                             R"( "a": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}})",
                             "xy"));
-  EXPECT_INVALID(SafetensorsFile::open(path), path.string(), "tensor 'a' appears twice");
+  EXPECT_INVALID(SafetensorsFile::open(path), path.string(), "key 'a' appears twice");
 }
 
 TEST(Safetensors, HolesAreAllowed) {
@@ -302,6 +302,126 @@ TEST(Checkpoint, MissingOrEmptyDirectory) {
   write_file(dir / "config.json", "{}");
   EXPECT_INVALID(Checkpoint::open(dir.path()), dir.path().string(), "model.safetensors.index.json",
                  "model.safetensors", "*.safetensors");
+}
+
+}  // namespace
+}  // namespace chimera
+
+// ---- hostile checkpoints ---------------------------------------------------------------------------
+
+namespace chimera {
+namespace {
+
+void write_index_json(const std::filesystem::path& dir, const std::string& text) {
+  write_file(dir / "model.safetensors.index.json", text);
+}
+
+TEST(Checkpoint, IndexShardOutsideTheModelDirectoryIsRefusedNamingTheEntry) {
+  TempDir root;
+  const auto dir = root / "model";
+  std::filesystem::create_directories(dir);
+  auto rng = test::Rng::for_test();
+  write_safetensors(dir / "model-00001-of-00001.safetensors", {{"a", random_tensor(rng, DType::kF32, {2})}});
+  // Another model's valid file: opening it would load foreign weights.
+  write_safetensors(root / "other.safetensors", {{"b", random_tensor(rng, DType::kF32, {2})}});
+  write_file(root / "passwd", "root:x:0:0:root:/root:/bin/bash\n");
+  for (const std::string& shard : {std::string("../other.safetensors"), std::string("../../../../etc/passwd"),
+                                   (root / "other.safetensors").string(), std::string("/etc/passwd"),
+                                   std::string("sub/../../passwd")}) {
+    write_index_json(dir, nlohmann::json{{"weight_map", {{"a", "model-00001-of-00001.safetensors"}, {"b", shard}}}}
+                              .dump());
+    EXPECT_INVALID(Checkpoint::open(dir), "model.safetensors.index.json", "tensor 'b'", shard);
+    try {
+      Checkpoint::open(dir);
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find("header length"), std::string::npos) << "opened the file: " << e.what();
+    }
+  }
+}
+
+TEST(Checkpoint, ShardLinkLeavingTheModelDirectoryIsRefused) {
+  TempDir root;
+  const auto dir = root / "model";
+  std::filesystem::create_directories(dir);
+  auto rng = test::Rng::for_test();
+  write_safetensors(root / "outside.safetensors", {{"a", random_tensor(rng, DType::kF32, {2})}});
+  std::filesystem::create_symlink(root / "outside.safetensors", dir / "model-00001-of-00001.safetensors");
+  write_index_json(dir, R"({"weight_map": {"a": "model-00001-of-00001.safetensors"}})");
+  EXPECT_INVALID(Checkpoint::open(dir), "tensor 'a'", "outside the model directory");
+  // The single-file layout and the *.safetensors fallback are confined the same way.
+  std::filesystem::remove(dir / "model.safetensors.index.json");
+  std::filesystem::rename(dir / "model-00001-of-00001.safetensors", dir / "model.safetensors");
+  EXPECT_INVALID(Checkpoint::open(dir), "model.safetensors", "outside the model directory");
+  std::filesystem::rename(dir / "model.safetensors", dir / "weights.safetensors");
+  EXPECT_INVALID(Checkpoint::open(dir), "weights.safetensors", "outside the model directory");
+}
+
+TEST(Checkpoint, LinksInsideTheDirectoryAndTheHfCacheLayoutLoad) {
+  TempDir root;
+  auto rng = test::Rng::for_test();
+  const Tensor a = random_tensor(rng, DType::kF32, {3});
+  // A link to a file in a subdirectory of the model directory.
+  const auto dir = root / "model";
+  std::filesystem::create_directories(dir / "store");
+  write_safetensors(dir / "store" / "w.safetensors", {{"a", a}});
+  std::filesystem::create_symlink("store/w.safetensors", dir / "model.safetensors");
+  EXPECT_TRUE(test::bit_equal(Checkpoint::open(dir).tensor("a"), a));
+  // HF hub cache: snapshots/REV/FILE -> ../../blobs/SHA.
+  const auto snap = root / "models--x" / "snapshots" / "0123abc";
+  std::filesystem::create_directories(snap);
+  std::filesystem::create_directories(root / "models--x" / "blobs");
+  write_safetensors(root / "models--x" / "blobs" / "deadbeef", {{"a", a}});
+  std::filesystem::create_symlink("../../blobs/deadbeef", snap / "model-00001-of-00001.safetensors");
+  write_index_json(snap, R"({"weight_map": {"a": "model-00001-of-00001.safetensors"}})");
+  EXPECT_TRUE(test::bit_equal(Checkpoint::open(snap).tensor("a"), a));
+}
+
+TEST(Checkpoint, IndexJsonErrorsNameTheIndex) {
+  TempDir dir;
+  write_index_json(dir.path(), R"({"metadata": {"total_size": 1e400}, "weight_map": {}})");
+  EXPECT_INVALID(Checkpoint::open(dir.path()), "model.safetensors.index.json", "outside the range of a double");
+  write_index_json(dir.path(), R"({"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}})");
+  EXPECT_INVALID(Checkpoint::open(dir.path()), "model.safetensors.index.json", "key 'a' appears twice");
+  write_index_json(dir.path(), R"({"weight_map": {"a": ""}})");
+  EXPECT_INVALID(Checkpoint::open(dir.path()), "model.safetensors.index.json", "tensor 'a'", "empty");
+}
+
+TEST(Checkpoint, ModelDirectoryThatIsAFileSaysSo) {
+  TempDir dir;
+  write_file(dir / "f", "x");
+  EXPECT_INVALID(Checkpoint::open(dir / "f"), "is a file");
+}
+
+TEST(Safetensors, HeaderNumberOutsideADoubleNamesTheFile) {
+  TempDir dir;
+  const auto path = dir / "big.safetensors";
+  write_file(path, raw_file(R"({"w": {"dtype": "U8", "shape": [1e400], "data_offsets": [0, 1]}})", "x"));
+  EXPECT_INVALID(SafetensorsFile::open(path), path.string(), "outside the range of a double");
+}
+
+TEST(Safetensors, AnotherFilesBytesAreNeverPrintedAsALength) {
+  TempDir dir;
+  const auto path = dir / "passwd";
+  const std::string text = "root:x:0:0:root:/root:/bin/bash\n";
+  write_file(path, text);
+  uint64_t as_length = 0;
+  for (int i = 7; i >= 0; --i) as_length = (as_length << 8) | static_cast<unsigned char>(text[static_cast<size_t>(i)]);
+  EXPECT_INVALID(SafetensorsFile::open(path), path.string(), "not a safetensors file");
+  try {
+    SafetensorsFile::open(path);
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find(std::to_string(as_length)), std::string::npos) << e.what();
+  }
+}
+
+TEST(Safetensors, FromMemoryChecksLikeOpen) {
+  const std::string bytes = raw_file(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}})", "ab");
+  std::shared_ptr<void> buf(new char[bytes.size()], [](void* p) { delete[] static_cast<char*>(p); });
+  std::memcpy(buf.get(), bytes.data(), bytes.size());
+  const auto f = SafetensorsFile::from_memory(buf, bytes.size(), "mem.safetensors");
+  EXPECT_EQ(f->names(), std::vector<std::string>{"w"});
+  EXPECT_INVALID(SafetensorsFile::from_memory(buf, bytes.size() - 1, "mem.safetensors"), "mem.safetensors",
+                 "tensor 'w'", "beyond the data section");
 }
 
 }  // namespace

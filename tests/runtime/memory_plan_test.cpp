@@ -1,5 +1,7 @@
 // The memory plan's arithmetic on the published configs (parameter counts as published: Nemotron-H 8B ~8.1B,
 // Nemotron 3 Nano 30B-A3B 31.6B, Nemotron 3 Super 120B-A12B ~120.7B without the MTP head) and its error.
+#include <algorithm>
+
 #include <gtest/gtest.h>
 
 #include "core/error.h"
@@ -79,6 +81,47 @@ TEST(MemoryPlan, NotEnoughMemoryIsAnInputErrorWithTheNumbers) {
     EXPECT_EQ(std::string(e.what()), want);
   }
   EXPECT_EQ(gib(size_t{3} << 29), "1.50 GiB");
+}
+
+}  // namespace
+}  // namespace chimera
+
+namespace chimera {
+namespace {
+
+// The case: 2^31-1 sequences of 2^31-1 tokens wrapped the KV size, so the total came out smaller than
+// its KV part. Now every part is checked: the true size (~10^21 bytes) does not fit in 64 bits: an error.
+TEST(MemoryPlan, OverflowingLimitsAreAnErrorNotAWrappedTotal) {
+  const ModelConfig c = model_preset("nemotron-3-nano-30b-a3b");
+  MemoryLimits lim;
+  lim.max_num_seqs = 2147483647;
+  lim.max_model_len = 2147483647;
+  try {
+    plan_memory(c, DType::kBF16, DType::kBF16, lim);
+    ADD_FAILURE() << "no overflow error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput);
+    EXPECT_NE(std::string(e.what()).find("KV cache overflows"), std::string::npos) << e.what();
+  }
+}
+
+// Large limits that still fit: the KV part equals the exact product and the total
+// covers every part.
+TEST(MemoryPlan, LargeLimitsGiveTheExactTotal) {
+  const ModelConfig c = model_preset("nemotron-3-nano-30b-a3b");
+  MemoryLimits lim;
+  lim.max_num_seqs = 1;
+  lim.max_model_len = 2147483647;
+  lim.block_size = 16;
+  const MemoryPlan p = plan_memory(c, DType::kBF16, DType::kBF16, lim);
+  // Exact in uint64 here (~10^13 bytes): checking the arithmetic changes no size that fits.
+  const auto attention = static_cast<uint64_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kAttention));
+  const uint64_t tokens = (uint64_t{2147483647} + 15) / 16 * 16;
+  const uint64_t kv = attention * 2 * static_cast<uint64_t>(c.num_key_value_heads * c.head_dim) * 2 * tokens;
+  EXPECT_EQ(p.kv_cache, kv);
+  EXPECT_EQ(static_cast<long double>(p.total()), static_cast<long double>(p.weights) + p.kv_cache + p.mamba_state +
+                                                     p.workspace);
+  EXPECT_GT(p.total(), p.kv_cache);
 }
 
 }  // namespace

@@ -270,7 +270,7 @@ TEST(TokenizerErrors, MissingFileNamesPath) {
 }
 
 TEST(TokenizerErrors, MalformedJsonNamesFile) {
-  expect_invalid([] { Tokenizer::from_json("{\"model\": {", "broken.json"); }, {"broken.json", "malformed JSON"});
+  expect_invalid([] { Tokenizer::from_json("{\"model\": {", "broken.json"); }, {"broken.json", "not valid JSON"});
 }
 
 TEST(TokenizerErrors, UnsupportedModelType) {
@@ -338,6 +338,79 @@ TEST(TokenizerRegex, OnigurumaClassesKeepTheirMeaning) {
   // Oniguruma's \w includes marks (U+0301), letter numbers (U+2163) and connector punctuation (U+203F).
   const Tokenizer word = with_split("\\W+");
   EXPECT_EQ(word.decode(word.encode("x\xCC\x81\xE2\x85\xA3\xE2\x80\xBF, y")), "x\xCC\x81\xE2\x85\xA3\xE2\x80\xBFy");
+}
+
+}  // namespace
+}  // namespace chimera
+
+// ---- hostile tokenizer.json and the streaming decoder's cost ----------------------------------------
+
+namespace chimera {
+namespace {
+
+TEST(TokenizerHostile, HugeVocabularyIdIsRefusedBeforeAllocating) {
+  for (int64_t id : {int64_t{300000000}, int64_t{2147483647}}) {
+    json t = base_tokenizer();
+    t["model"]["vocab"]["\xC4\xA0zzzz"] = id;
+    expect_invalid([&] { Tokenizer::from_json(t.dump(), "huge.json"); },
+                   {"huge.json", "model.vocab", std::to_string(id), "at most"});
+  }
+  json t = base_tokenizer();
+  t["added_tokens"].push_back({{"id", 300000000}, {"content", "<big>"}, {"special", true}});
+  expect_invalid([&] { Tokenizer::from_json(t.dump(), "added.json"); }, {"added.json", "added_tokens", "300000000"});
+}
+
+TEST(TokenizerHostile, TokenizerPathThatIsADirectorySaysSo) {
+  const auto dir = std::filesystem::temp_directory_path() / ("chimera_tok_dir_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "tokenizer.json");
+  expect_invalid([&] { Tokenizer::load(dir / "tokenizer.json"); }, {"tokenizer.json", "is a directory"});
+  std::filesystem::remove_all(dir);
+}
+
+// Found by the tokenizer_codec fuzzer: the two bytes of U+034B ("\xCD\x8B", tokens 'Í' and 'ĭ' of the bundled
+// tokenizer) with many skipped special tokens between them. Ids that add no text must not make the held
+// U+FFFD final.
+TEST(StreamingDecoderHostile, SkippedSpecialTokensInsideACharacter) {
+  const Tokenizer tok = Tokenizer::load(test::source_path("models/nemotron-h-tiny/tokenizer.json"));
+  const int32_t first = *tok.token_to_id("\xC3\x8D"), second = *tok.token_to_id("\xC4\xAD");
+  ASSERT_TRUE(tok.is_special(0));
+  std::vector<int32_t> ids = {first};
+  ids.insert(ids.end(), 200, 0);
+  ids.push_back(second);
+  for (bool skip : {false, true}) {
+    StreamingDecoder stream(tok, skip);
+    std::string all;
+    for (int32_t id : ids) all += stream.feed(id);
+    all += stream.flush();
+    EXPECT_EQ(all, tok.decode(ids, skip)) << "skip_special_tokens " << skip;
+  }
+  EXPECT_EQ(tok.decode(ids, true), "\xCD\x8B");
+}
+
+// 64K generated tokens: each feed decodes a bounded window, so the work (ids decoded) is linear and the time is
+// far from the quadratic re-decode (which took over a minute for this length).
+TEST(StreamingDecoderCost, SixtyFourThousandTokensAreLinearWork) {
+  const Tokenizer tok = Tokenizer::load(test::source_path("models/nemotron-h-tiny/tokenizer.json"));
+  std::string text;
+  for (const char* s : {"The quick brown fox jumps over the lazy dog. ", "\xE6\x97\xA5\xE6\x9C\xAC\xE8\xAA\x9E ",
+                        "\xF0\x9F\x98\x80 emoji ", "numbers 12345 "}) {
+    text += s;
+  }
+  std::vector<int32_t> ids;
+  while (ids.size() < 65536) {
+    const auto more = tok.encode(text);
+    ids.insert(ids.end(), more.begin(), more.end());
+  }
+  ids.resize(65536);
+  const auto t0 = std::chrono::steady_clock::now();
+  StreamingDecoder stream(tok);
+  std::string all;
+  for (int32_t id : ids) all += stream.feed(id);
+  all += stream.flush();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(all, tok.decode(ids));
+  EXPECT_LE(stream.decoded_ids(), 8 * ids.size()) << "work per token is not bounded";
+  EXPECT_LT(secs, 5.0);
 }
 
 }  // namespace

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer harnesses (fuzz/<name>_fuzz.cpp) with clang, ASan and UBSan in build-fuzz/ (CPU-only
+# library) and runs each for SECONDS (default 60) from its seed corpus fuzz/corpus/<name>/, one after another.
+#   scripts/fuzz.sh [SECONDS] [HARNESS...]      HARNESS: e.g. tokenizer_codec (default: every fuzz/*_fuzz.cpp)
+# New inputs go to build-fuzz/corpus/<name>/ (the tree's seeds are only read); a finding (crash, leak, timeout,
+# out-of-memory, a failed property) is saved as build-fuzz/findings/<name>/<kind>-<sha1> and makes the script
+# exit 1 after the remaining harnesses ran. Each harness prints one summary line:
+#   fuzz: NAME executions N in S s (R/s), findings F
+# FUZZ_NO_BUILD=1 skips configuring and building (binaries already in build-fuzz/); FUZZ_BUILD_DIR moves it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-60}
+if [ "$#" -gt 0 ]; then shift; fi
+build=${FUZZ_BUILD_DIR:-build-fuzz}
+
+names=("$@")
+if [ "${#names[@]}" -eq 0 ]; then
+  for f in fuzz/*_fuzz.cpp; do n=$(basename "$f" .cpp); names+=("${n%_fuzz}"); done
+fi
+if [ "${FUZZ_NO_BUILD:-0}" != "1" ]; then
+  if ! command -v clang++ >/dev/null 2>&1; then
+    echo "fuzz: clang++ not found (scripts/setup.sh installs clang and libclang-rt-dev)" >&2
+    exit 1
+  fi
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCHIMERA_CUDA=OFF -DCHIMERA_FUZZ=ON \
+        -DCHIMERA_BUILD_TESTS=OFF -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang >/dev/null
+  targets=()
+  for n in "${names[@]}"; do targets+=("${n}_fuzz"); done
+  ninja -C "$build" ${NINJA_JOBS:+-j "$NINJA_JOBS"} "${targets[@]}"
+fi
+
+status=0
+for n in "${names[@]}"; do
+  bin="$build/fuzz/${n}_fuzz"
+  seeds="fuzz/corpus/$n"
+  work="$build/corpus/$n"
+  findings="$build/findings/$n"
+  mkdir -p "$work" "$findings"
+  [ -d "$seeds" ] || seeds=""
+  log="$build/fuzz_$n.log"
+  start=$(date +%s)
+  # -timeout: one input running 10 s is a finding (a hang); -rss_limit_mb: so is a 2 GiB allocation.
+  # -fork is not used: one process, so the summary counts every execution.
+  set +e
+  "$bin" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+         -artifact_prefix="$findings/" "$work" ${seeds:+"$seeds"} >"$log" 2>&1
+  rc=$?
+  set -e
+  elapsed=$(( $(date +%s) - start ))
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+  execs=${execs:-0}
+  found=$(find "$findings" -type f | wc -l)
+  rate=$(( execs / (elapsed > 0 ? elapsed : 1) ))
+  echo "fuzz: $n executions $execs in $elapsed s ($rate/s), findings $found"
+  if [ "$rc" -ne 0 ] || [ "$found" -ne 0 ]; then
+    echo "fuzz: $n FAILED (exit $rc); log $log, inputs in $findings" >&2
+    grep -E "ERROR|SUMMARY|fuzz: |terminate|what\(\)" "$log" | head -20 >&2 || true
+    status=1
+  fi
+done
+exit $status
