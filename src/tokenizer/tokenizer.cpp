@@ -373,19 +373,19 @@ std::string StreamingDecoder::decode_range(size_t begin, size_t end) {
 // The window's text so far is final: the unread tokens become the next window's context. A context that
 // decodes to nothing (a lone "\u2581" that Strip removes, skipped special tokens) would let a decoder's
 // sequence-start rule (Strip's leading space) act on the next tokens, so the old context is kept with it,
-// for at most kMaxPendingTokens ids.
+// for at most kMaxEmptyContextIds ids.
+constexpr size_t kMaxEmptyContextIds = 16;
+
 void StreamingDecoder::advance(size_t window_bytes) {
   const size_t old_prefix = prefix_;
   prefix_ = read_;
   read_ = ids_.size();
   prefix_bytes_ = decode_range(prefix_, read_).size();
-  if (prefix_bytes_ == 0 && read_ - old_prefix <= kMaxPendingTokens) {
+  if (prefix_bytes_ == 0 && read_ - old_prefix <= kMaxEmptyContextIds) {
     prefix_ = old_prefix;
     prefix_bytes_ = window_bytes;
   }
   held_returned_ = 0;
-  pending_ = 0;
-  last_window_bytes_ = prefix_bytes_;
 }
 
 std::string StreamingDecoder::feed(int32_t id) {
@@ -398,12 +398,6 @@ std::string StreamingDecoder::feed(int32_t id) {
   while (end >= kReplacement.size() && std::string_view(text).substr(end - kReplacement.size(), 3) == kReplacement) {
     end -= kReplacement.size();
   }
-  const bool complete = end == text.size();
-  // Only ids that changed the window's text count as pending: skipped special tokens between the bytes of one
-  // character must not make its U+FFFD final.
-  if (text.size() != last_window_bytes_) ++pending_;
-  last_window_bytes_ = text.size();
-  if (!complete && pending_ > kMaxPendingTokens) end = text.size();  // held U+FFFD are final
   const size_t from = prefix_bytes_ + held_returned_;
   std::string out = end > from ? text.substr(from, end - from) : std::string();
   if (end > from) held_returned_ = end - prefix_bytes_;

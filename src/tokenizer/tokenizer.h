@@ -48,15 +48,12 @@ class Tokenizer {
 // beyond decode(ids[prefix_, read_)), the two-offset scheme of HF text-generation-inference and vLLM. Context
 // tokens before read_ make decoders that treat the first token specially (Strip, a leading space) decode the
 // new tokens as they do inside the sequence. The window moves on whenever its text ends on a complete
-// character; while it does not (a trailing U+FFFD), the text before the U+FFFD run is already returned and
-// the window grows, up to kMaxPendingTokens ids that changed its text (ids that add nothing, such as skipped
-// special tokens, do not count): beyond that the held U+FFFD are returned as final. A character has at most 4
-// bytes, so for byte-level vocabularies this differs from decode() only when an incomplete character starts
-// exactly at the last of kMaxPendingTokens byte-adding ids that all ended in U+FFFD.
+// character; while it does not (a trailing U+FFFD run, which later tokens may complete: byte-level decoding
+// replaces an incomplete character by one U+FFFD, byte fallback a whole invalid run), the text before the run is
+// returned and the window grows until its text ends on a complete character again. So the work per token is
+// constant while the text is valid UTF-8; a stream of invalid bytes without end grows the window.
 class StreamingDecoder {
  public:
-  static constexpr size_t kMaxPendingTokens = 64;
-
   explicit StreamingDecoder(const Tokenizer& tok, bool skip_special_tokens = false);
   std::string feed(int32_t id);  // newly completed text (possibly empty)
   std::string flush();           // whatever is left (invalid bytes become U+FFFD)
@@ -75,8 +72,6 @@ class StreamingDecoder {
   size_t prefix_bytes_ = 0;     // decode(ids_[prefix_, read_)).size()
   size_t held_returned_ = 0;    // bytes beyond prefix_bytes_ of the current window already returned
   size_t decoded_ids_ = 0;
-  size_t pending_ = 0;            // ids fed since the window last ended on a complete character that changed its text
-  size_t last_window_bytes_ = 0;  // size of the window's text at the previous feed
 };
 
 }  // namespace chimera

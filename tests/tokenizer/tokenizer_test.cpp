@@ -385,6 +385,16 @@ TEST(StreamingDecoderHostile, SkippedSpecialTokensInsideACharacter) {
     EXPECT_EQ(all, tok.decode(ids, skip)) << "skip_special_tokens " << skip;
   }
   EXPECT_EQ(tok.decode(ids, true), "\xCD\x8B");
+  // Also found by the fuzzer: a character completing after a long run of invalid bytes.
+  const int32_t lone = *tok.token_to_id("\xC2\x80");  // byte 0x80: a continuation byte with no start
+  std::vector<int32_t> garbage(100, lone);
+  garbage.push_back(first);
+  garbage.push_back(second);
+  StreamingDecoder stream(tok);
+  std::string all;
+  for (int32_t id : garbage) all += stream.feed(id);
+  all += stream.flush();
+  EXPECT_EQ(all, tok.decode(garbage));
 }
 
 // 64K generated tokens: each feed decodes a bounded window, so the work (ids decoded) is linear and the time is
