@@ -5,6 +5,7 @@
 #include "backends/device_api.h"
 #include "core/error.h"
 #include "io/model_presets.h"
+#include "tokenizer/synthetic_tokenizer.h"
 
 namespace chimera::cli {
 
@@ -74,6 +75,11 @@ LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOpt
     if (fs::exists(tok) && fs::exists(dir / "config.json") &&
         load_model_config(dir).vocab_size == m.config.vocab_size) {
       m.tokenizer.emplace(Tokenizer::load(tok));
+    } else {
+      // No tokenizer with the published vocabulary is at hand: a byte-level one of the same size lets text
+      // prompts and text output work (its ids are not the real model's, nor are the random weights).
+      m.tokenizer.emplace(synthetic_byte_level_tokenizer(m.config.vocab_size, m.config.eos_token_ids));
+      m.synthetic_tokenizer = true;
     }
     return m;
   }

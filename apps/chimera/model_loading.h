@@ -17,7 +17,8 @@
 namespace chimera::cli {
 
 // Where the model comes from: -m DIR, or --synthetic PRESET (then -m only lends its tokenizer.json, used when
-// its vocabulary fits the preset's, e.g. the bundled tiny model's tokenizer for `--synthetic tiny`).
+// its vocabulary fits the preset's, e.g. the bundled tiny model's tokenizer for `--synthetic tiny`; any other
+// preset gets synthetic_byte_level_tokenizer of its vocab_size).
 struct ModelSource {
   std::string model_dir;
   std::string synthetic;        // preset name; "" = read model_dir
@@ -32,7 +33,8 @@ struct LoadedModel {
   ModelConfig config;
   std::unique_ptr<Checkpoint> checkpoint;  // absent for a synthetic model
   std::unique_ptr<NemotronH> model;
-  std::optional<Tokenizer> tokenizer;  // absent when there is no tokenizer.json
+  std::optional<Tokenizer> tokenizer;  // absent when a checkpoint has no tokenizer.json
+  bool synthetic_tokenizer = false;    // tokenizer is synthetic_byte_level_tokenizer's (no -m directory behind it)
 };
 
 // The config of a source (a preset, truncated by --num-layers, or DIR/config.json), without weights.

@@ -126,9 +126,10 @@ int run_serve(const ServeOptions& o) {
   server::EngineLoopConfig lc;
   lc.max_waiting_seqs = o.max_waiting_seqs;
   server::EngineLoop loop(engine, metrics, lc, o.max_num_seqs);
-  // The chat template from the model directory (-m; with --synthetic, the directory lending the tokenizer).
+  // The chat template from the model directory (-m; with --synthetic, the directory lending the tokenizer). A
+  // synthetic byte-level tokenizer has no template: its ids are not the -m model's.
   std::optional<chat::ChatTemplate> chat_template;
-  if (m.tokenizer && std::filesystem::is_directory(o.source.model_dir)) {
+  if (m.tokenizer && !m.synthetic_tokenizer && std::filesystem::is_directory(o.source.model_dir)) {
     chat_template = chat::ChatTemplate::load(o.source.model_dir);
   }
   if ((!o.reasoning_parser.empty() || !o.tool_call_parser.empty()) && !chat_template) {

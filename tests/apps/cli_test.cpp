@@ -506,6 +506,17 @@ TEST(CliSynthetic, TinyGeneratesTextOnTheCpu) {
   EXPECT_NE(other.out, once.out);
 }
 
+TEST(CliSynthetic, OtherVocabSizesGetASyntheticByteLevelTokenizer) {
+  // Nano's 131072 ids fit no bundled tokenizer: a byte-level one of that size encodes the text prompt (one id per
+  // byte) and decodes whatever the random weights pick. One layer keeps it to the embedding and the LM head.
+  auto r = run_cli("generate --synthetic nemotron-3-nano-30b-a3b --num-layers 1 -p 'Hello' -n 4 --ignore-eos");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("Hello", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("prompt 5 tokens, generated 4"), std::string::npos) << r.out;
+  const std::string text = r.out.substr(5, r.out.find('\n') - 5);
+  EXPECT_FALSE(text.empty()) << r.out;
+}
+
 TEST(CliSynthetic, NumLayersTruncates) {
   auto r = run_cli("info --synthetic nemotron-3-super-120b-a12b --num-layers 9");
   EXPECT_EQ(r.status, 0) << r.out;
