@@ -17,6 +17,12 @@ if compgen -G ".deps/*.deb" >/dev/null; then
     chmod +x .deps/bin/pkg-config
     PKGC=$PWD/.deps/bin/pkg-config
   fi
+  # The image's own libcurl, where it has one, so its curl keeps working: the carried one only gives the headers.
+  sys_curl=$(ldconfig -p | awk '$1 == "libcurl.so.4" {print $NF; exit}')
+  if [ -n "$sys_curl" ]; then
+    rm -f "$D"/usr/lib/x86_64-linux-gnu/libcurl.so.4*
+    ln -sf "$sys_curl" "$D"/usr/lib/x86_64-linux-gnu/libcurl.so
+  fi
   # libcurl's dependencies (.deps/rt/*.deb): only the shared libraries the image has no copy of, so the image's
   # own libraries are never shadowed.
   if compgen -G ".deps/rt/*.deb" >/dev/null; then
