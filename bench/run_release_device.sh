@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One script for the GPU machine's release checks, in steps that each fit one device call:
 #   OUT=<dir> bash bench/run_release_device.sh STEP...
-#   build     this tree (build-dev: CLI, tests, kernel benchmarks) and, when .baseline/ holds an older tree
+#   build     this tree (NINJA_TARGETS: only those targets) (build-dev: CLI, tests, kernel benchmarks) and, when .baseline/ holds an older tree
 #             (git archive of the commit to compare with, tests/fixtures left out), that tree's CLI in
 #             .baseline/build, both with the carried .debs (scripts/device_env.sh)
 #   tune      chimera_bench linear_tune -> src/backends/cuda/gemm/sm90_linear_table.inc (copied to $OUT), rebuild
 #   tests     the whole chimera_tests suite ($OUT/tests.log)
 #   engine    chimera bench on the Nano shape, this tree and the baseline alternated (ENGINE_ROUNDS, default 1):
 #             prefill 1K / 8K, decode b1 / b64 / b256 after a 1K prompt; JSON per run in $OUT
-#   serve     chimera serve on the Nano shape (bf16, CUDA) and chimera bench serve against it, random 1K in / 1K out
+#   serve     chimera serve on the Nano shape (bf16, CUDA; SERVE_MAX_NUM_SEQS) and chimera bench serve against it,
+#             random 1K in / 1K out (max(c, 4) prompts per concurrency c)
 #             at SERVE_CONCURRENCY (default 1,64,256,1024); logs and JSON in $OUT
 # Every step prints a line starting with "== " and the elapsed seconds.
 set -uo pipefail
@@ -27,7 +28,7 @@ for step in "$@"; do
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
     cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHIMERA_CUDA=ON "${CMAKE_EXTRA[@]}" \
       >"$OUT/cmake.log" 2>&1 || { tail -40 "$OUT/cmake.log"; exit 1; }
-    ( ninja -C build-dev -j 12 >"$OUT/build.log" 2>&1 || echo FAILED >"$OUT/build.failed" ) &
+    ( ninja -C build-dev -j 12 ${NINJA_TARGETS:-} >"$OUT/build.log" 2>&1 || echo FAILED >"$OUT/build.failed" ) &
     if [ -f .baseline/CMakeLists.txt ]; then
       cmake -S .baseline -B .baseline/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHIMERA_CUDA=ON \
         -DCHIMERA_BUILD_TESTS=OFF -DCHIMERA_CUTLASS_INCLUDE="$PWD/.deps/cutlass/include" "${CMAKE_EXTRA[@]}" >"$OUT/cmake-baseline.log" 2>&1 &&
@@ -60,14 +61,14 @@ for step in "$@"; do
     done ;;
   serve)
     port=8731
-    ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs 1024 \
-      --max-model-len 4096 >"$OUT/serve.log" 2>&1 &
+    ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs "${SERVE_MAX_NUM_SEQS:-1024}" \
+      --max-model-len 2304 >"$OUT/serve.log" 2>&1 &
     spid=$!
     for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
     el "server up"; head -20 "$OUT/serve.log"
     for c in $(echo "${SERVE_CONCURRENCY:-1,64,256,1024}" | tr , ' '); do
-      n=$((c < 8 ? 8 : c)); [ "$c" -ge 256 ] && n=$c
-      ./build-dev/chimera bench serve --base-url "http://127.0.0.1:$port" --model "$NANO" --dataset-name random \
+      n=$((c < 4 ? 4 : c))
+      ./build-dev/chimera bench serve --base-url "http://127.0.0.1:$port" --tokenizer models/nemotron-h-tiny --dataset-name random \
         --random-input-len 1024 --random-output-len 1024 --num-prompts "$n" --max-concurrency "$c" \
         --ignore-eos --seed 0 --save-result --result-filename "$OUT/serve_c$c.json" 2>&1 | tee "$OUT/serve_c$c.log" |
         grep -E "Successful|duration|Output token|Mean TTFT|Median TTFT|Mean TPOT|Mean ITL|P99 ITL"
