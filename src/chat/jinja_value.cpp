@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include "tokenizer/unicode.h"
+
 namespace chimera::chat::jinja {
 
 int64_t Value::as_int() const {
@@ -204,24 +206,6 @@ std::string py_float_repr(double d) {
 
 namespace {
 
-void append_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
 // Invalid bytes map to U+DC80..U+DCFF (Python's surrogateescape) so that decode + encode round-trips.
 constexpr uint32_t kEscapeBase = 0xDC00;
 
@@ -249,7 +233,7 @@ std::string repr_string(const std::string& s) {
       std::snprintf(buf, sizeof buf, "\\u%04x", cp);
       out += buf;
     } else {
-      append_utf8(out, cp);
+      tok::append_utf8(out, cp);
     }
   }
   out += q;
@@ -444,7 +428,7 @@ std::string utf8_encode(const std::vector<uint32_t>& cps, size_t begin, size_t e
   for (size_t i = begin; i < end; ++i) {
     uint32_t cp = cps[i];
     if (cp >= kEscapeBase + 0x80 && cp <= kEscapeBase + 0xFF) out += static_cast<char>(cp - kEscapeBase);
-    else append_utf8(out, cp);
+    else tok::append_utf8(out, cp);
   }
   return out;
 }

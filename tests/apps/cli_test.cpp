@@ -15,6 +15,7 @@
 
 #include "backends/device_api.h"
 #include "common/compare.h"
+#include "common/run_command.h"
 #include "io/npy.h"
 #include "io/safetensors.h"
 
@@ -23,23 +24,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct RunOutput {
-  int status;
-  std::string out;  // stdout + stderr
-};
+using test::RunOutput;
+using test::run_shell;
 
 RunOutput run_cli(const std::string& args) {
-  const std::string cmd = std::string(CHIMERA_CLI_PATH) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  RunOutput r{-1, ""};
-  if (!pipe) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
-  const int st = pclose(pipe);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
+  return run_shell(std::string(CHIMERA_CLI_PATH) + " " + args + " 2>&1");
 }
 
 std::string default_model() { return test::source_path("models/nemotron-h-tiny"); }
@@ -300,17 +289,7 @@ TEST_F(Cli, MalformedTokenizerExitsTwoNamingTheFile) {
 
 // Runs `chimera ARGS` with its stdout sent to `stdout_to` and returns stderr (and the exit status).
 RunOutput run_cli_stdout_to(const std::string& args, const std::string& stdout_to) {
-  const std::string cmd = std::string(CHIMERA_CLI_PATH) + " " + args + " 2>&1 >" + stdout_to;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  RunOutput r{-1, ""};
-  if (!pipe) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
-  const int st = pclose(pipe);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
+  return run_shell(std::string(CHIMERA_CLI_PATH) + " " + args + " 2>&1 >" + stdout_to);
 }
 
 std::string read_text(const fs::path& p) {

@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/compare.h"
+#include "common/run_command.h"
 #include "tokenizer/tokenizer.h"
 
 namespace chimera {
@@ -95,23 +96,11 @@ class MockServer {
   int port_ = 0;
 };
 
-struct RunOutput {
-  int status;
-  std::string out;
-};
+using test::RunOutput;
 
 // The CLI, bounded by coreutils' timeout so that a hang fails the test instead of stalling CI.
 RunOutput run_cli(const std::string& args, const std::string& env = "") {
-  const std::string cmd = env + " timeout 120 " + std::string(CHIMERA_CLI_PATH) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  RunOutput r{-1, ""};
-  if (!pipe) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
-  const int st = pclose(pipe);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
+  return test::run_shell(env + " timeout 120 " + std::string(CHIMERA_CLI_PATH) + " " + args + " 2>&1");
 }
 
 std::string tokenizer_flag() {
