@@ -285,8 +285,8 @@ int auto_warps_per_row(int64_t N, int64_t K, int64_t resident_warps) {
 template <typename T, int MT, bool kRelu2>
 void launch_mt(const GemvParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(T) * static_cast<size_t>(MT) * static_cast<size_t>(p.K);
-  // The plain kernel unbounded (bounding it to 3 blocks per SM measured no faster in the engine: docs/perf.md, eighth
-  // session); the norm variant at T <= 2 bounded to 3 (80 registers; unbounded it took 111 at T = 2).
+  // The plain kernel unbounded (a 3-blocks-per-SM bound gained nothing in the engine); the norm variant at T <= 2
+  // bounded to 3 blocks per SM, which keeps its register count low enough for three resident blocks.
   auto* kernel = gemv_kernel<T, MT, kRelu2, false, 1>;
   if (p.norm.residual != nullptr) kernel = gemv_kernel<T, MT, false, true, MT <= 2 ? 3 : 1>;
   if (smem > 48 * 1024) {  // the opt-in is per device, so set it on every such launch (a host-side call)

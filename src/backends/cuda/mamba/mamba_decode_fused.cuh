@@ -1,4 +1,4 @@
-// The Mamba-2 decode step of one layer in ONE kernel (issue 4): from the in_proj output row of each sequence
+// The Mamba-2 decode step of one layer in ONE kernel: from the in_proj output row of each sequence
 //   [ z : Di | xBC : Cd | dt_raw : H ]                                        (docs/model.md 3.2)
 // to the gated-norm output, exactly the three ops of the unfused path with the same roundings:
 //   1. causal_conv1d_update(xBC) + SiLU   (conv1d_update.cu: same FMA order, fast SiLU, rounded to the act dtype)

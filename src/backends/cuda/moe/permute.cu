@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(kPermuteThreads) moe_permute_kernel(const Perm
 
 // Blocks (token, column chunk of kCombineCols): the token's pairs ranked by (expert, choice index), then each thread
 // sums its columns over the pairs in that order (the CPU reference's expert order), in fp32. Several blocks per
-// token so that a decode step's handful of tokens still spreads over SMs (one block per token measured 7.9 us at
-// T = 1 on the Nano decode step; each thread then walked ~3 column groups one after another).
+// token so that a decode step's handful of tokens still spreads over SMs (with one block per token, each thread
+// would walk several column groups one after another).
 constexpr int kCombineCols = 1024;  // columns per block: 256 threads x 4
 
 // kPermuted (the CUTLASS path): y is in permuted order and unscaled; pair q's row is pair_row[q] and its term

@@ -29,8 +29,8 @@ struct EmbeddingParams {
 };
 
 // Blocks (token, chunk of kEmbedChunk accesses of N elements, 16-byte groups when D and the pointers allow). Long
-// rows get several blocks: ops::convert of one 131072-wide logits row ran on one block before (18 us under ncu in
-// the Nano decode step, where the GPU sampler converts the lm_head row to fp32).
+// rows get several blocks, so that ops::convert of one 131072-wide logits row (the GPU sampler converts the lm_head
+// row to fp32 in every decode step) is not left to one SM.
 constexpr int kEmbedChunk = 1024;  // accesses per block: 256 threads x 4
 
 template <typename TIn, typename TOut, int N>

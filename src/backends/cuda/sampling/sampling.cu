@@ -32,7 +32,7 @@
 // One block of kThreads per row; greedy rows take one pass over the row, sampled rows about 14.
 //
 // Greedy with few rows (a decode step at batch 1..64, every row greedy): one block per row would leave one SM
-// reading the whole 512 KB row (23.7 us at V = 131072 on the H200). greedy_split_kernel instead cuts each row
+// reading the whole 512 KB row (V = 131072). greedy_split_kernel instead cuts each row
 // into up to 128 chunks of >= 1024 logits, one block each; a block folds its chunk into one 64-bit key
 // (order-preserving logit in the high word, ~id in the low word, so the maximum key is "largest logit, then
 // lowest id") and atomicMax-es it into the row's word; the last block of the grid (ticket) turns the words
