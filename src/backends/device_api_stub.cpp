@@ -9,7 +9,7 @@ namespace chimera::device {
 bool cuda_available() { return false; }
 bool pdl_enabled() { return false; }
 LaunchScope::LaunchScope(bool /*pdl*/) : previous_(true) {}
-LaunchScope::~LaunchScope() = default;
+LaunchScope::~LaunchScope() { previous_ = true; }  // restores nothing: no kernel launches without CUDA
 std::string describe_cuda() { return "this build of chimera has no CUDA backend (nvcc was not found)"; }
 
 static void no_cuda(Device d) {

@@ -19,7 +19,7 @@ size_t partial_tag_suffix(std::string_view s, std::string_view tag) {
 }  // namespace
 
 ReasoningParser::ReasoningParser(bool enable_thinking)
-    : phase_(enable_thinking ? Phase::kStart : Phase::kContent), enable_thinking_(enable_thinking) {}
+    : phase_(enable_thinking ? Phase::kStart : Phase::kContent) {}
 
 ReasoningSplit ReasoningParser::feed(std::string_view delta) {
   ReasoningSplit out;

@@ -36,7 +36,6 @@ class ReasoningParser {
  private:
   enum class Phase { kStart, kReasoning, kContent };
   Phase phase_ = Phase::kStart;
-  bool enable_thinking_ = true;
   std::string pending_;  // held-back text that may begin a tag
 };
 
