@@ -110,15 +110,7 @@ void flush_stdout() {
 }  // namespace
 
 int run_generate(const GenerateOptions& o) {
-  ModelOptions model_options;
-  if (o.device == "cuda") {
-    // A build without CUDA or a machine without a GPU: say which, before loading anything.
-    if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
-    model_options.device = Device::kCuda;
-    model_options.dtype = o.dtype == "float32" ? DType::kF32 : DType::kBF16;
-  } else if (!o.dtype.empty() && o.dtype != "float32") {
-    invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);
-  }
+  const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
   if (!o.prompt.empty() + !o.prompt_ids.empty() + !o.prompt_file.empty() != 1) {
     invalid_input("give exactly one of --prompt, --prompt-ids and --prompt-file");
   }

@@ -53,6 +53,19 @@ void check_tokenizer_fits(const Tokenizer& tok, const ModelConfig& config, const
   }
 }
 
+ModelOptions model_options_from_flags(const std::string& device, const std::string& dtype) {
+  ModelOptions mo;
+  if (device == "cuda") {
+    // A build without CUDA or a machine without a GPU: say which, before loading anything.
+    if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
+    mo.device = Device::kCuda;
+    mo.dtype = dtype == "float32" ? DType::kF32 : DType::kBF16;
+  } else if (!dtype.empty() && dtype != "float32") {
+    invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", dtype, dtype);
+  }
+  return mo;
+}
+
 LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOptions& options,
                        const std::optional<MemoryLimits>& limits) {
   namespace fs = std::filesystem;

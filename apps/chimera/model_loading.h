@@ -28,6 +28,9 @@ struct ModelSource {
 };
 // Registers -m, --synthetic, --num-layers, --synthetic-seed.
 void add_model_source(CLI::App& app, ModelSource& src);
+// The model options of --device cpu|cuda and --dtype: cuda needs a CUDA build and a GPU (bf16 unless --dtype
+// float32); the CPU computes in float32 only. Otherwise kInvalidInput naming the flag.
+ModelOptions model_options_from_flags(const std::string& device, const std::string& dtype);
 
 struct LoadedModel {
   ModelConfig config;

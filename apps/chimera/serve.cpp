@@ -73,14 +73,7 @@ void add_serve(CLI::App& app, ServeOptions& o) {
 }
 
 int run_serve(const ServeOptions& o) {
-  ModelOptions model_options;
-  if (o.device == "cuda") {
-    if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
-    model_options.device = Device::kCuda;
-    model_options.dtype = o.dtype == "float32" ? DType::kF32 : DType::kBF16;
-  } else if (!o.dtype.empty() && o.dtype != "float32") {
-    invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);
-  }
+  const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
 
   // Signals go to the waiting main thread only (blocked here, before any thread starts, so every thread
   // inherits the mask).
