@@ -64,7 +64,11 @@ for step in "$@"; do
     ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs "${SERVE_MAX_NUM_SEQS:-1024}" \
       --max-model-len 2304 >"$OUT/serve.log" 2>&1 &
     spid=$!
-    for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+    for _ in $(seq 600); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+      kill -0 "$spid" 2>/dev/null || { echo "chimera serve exited:"; tail -20 "$OUT/serve.log"; exit 1; }
+      sleep 1
+    done
     el "server up"; head -20 "$OUT/serve.log"
     for c in $(echo "${SERVE_CONCURRENCY:-1,64,256,1024}" | tr , ' '); do
       n=$((c < 4 ? 4 : c))
