@@ -103,14 +103,18 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   lim.max_tokens_per_step = r.max_num_batched_tokens;
   lim.block_size = r.block_size;
   p.workspace = plan_memory(c, act_dtype, act_dtype, lim).workspace;
-  // Each captured decode graph keeps its step's activations in the graphs' pool: the workspace of a step of
-  // B tokens for every bucket B.
+  // The decode graphs share one pool, captured largest batch first and replayed one at a time, so a capture
+  // reuses the blocks of the ones before it (device::AllocPool) and every graph writes its logits into one
+  // buffer: the pool holds about the workspace of the largest bucket. A quarter on top covers the blocks that a
+  // smaller capture cannot reuse (its requests fall between two sizes the larger capture freed).
   if (r.cuda_graphs) {
+    size_t largest = 0;
     for (int32_t b : cuda_graph_batch_sizes(r.max_num_seqs)) {
       lim.max_num_seqs = b;
       lim.max_tokens_per_step = b;
-      p.graphs = add(p.graphs, plan_memory(c, act_dtype, act_dtype, lim).workspace, "graph allowance");
+      largest = std::max(largest, plan_memory(c, act_dtype, act_dtype, lim).workspace);
     }
+    p.graphs = add(largest, largest / 4, "graph allowance");
   }
   const size_t overhead = add(p.workspace, p.graphs, "workspace + graphs");
   if (overhead >= p.budget) {

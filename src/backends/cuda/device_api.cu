@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "backends/cuda/cuda_common.cuh"
@@ -20,7 +21,11 @@ namespace {
 class CachingAllocator {
  public:
   // keep_blocks: a graph pool (AllocPool) never gives blocks back to the driver before it dies, not even to
-  // retry an allocation that failed.
+  // retry an allocation that failed. It also reuses a free block up to twice the rounded request (best fit),
+  // not only one of the same size: the engine captures its decode graphs one after another, largest batch
+  // first, into one pool, and replays them one at a time on one stream, so each capture can run in the blocks
+  // the larger captures before it freed. The pool then holds about one large step's activations, not the sum
+  // over all captured sizes.
   explicit CachingAllocator(bool keep_blocks = false) : keep_blocks_(keep_blocks) {}
   ~CachingAllocator() { release_cached(); }
 
@@ -29,11 +34,16 @@ class CachingAllocator {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = free_.find(size);
+      if (keep_blocks_ && (it == free_.end() || it->second.empty())) {
+        for (it = free_.lower_bound(size); it != free_.end() && it->first <= 2 * size && it->second.empty(); ++it) {
+        }
+        if (it != free_.end() && it->first > 2 * size) it = free_.end();
+      }
       if (it != free_.end() && !it->second.empty()) {
         void* p = it->second.back();
         it->second.pop_back();
-        cached_ -= size;
-        in_use_ += size;
+        cached_ -= it->first;
+        in_use_ += it->first;
         return p;
       }
     }
@@ -53,6 +63,7 @@ class CachingAllocator {
     }
     std::lock_guard<std::mutex> lock(mu_);
     in_use_ += size;
+    block_size_[p] = size;
     return p;
   }
 
@@ -60,9 +71,9 @@ class CachingAllocator {
   // blocks an op frees at its return (workspaces its last kernel may still be using when the next op launches) do
   // not come straight back as the next op's buffers: a kernel that writes before pdl_wait() ("two back",
   // launch.cuh) may then write any buffer its op allocated. Large blocks (activations) are reused at once.
-  void release(void* p, size_t bytes) {
-    const size_t size = round(bytes);
+  void release(void* p, size_t /*bytes: the request; the block may be larger (best fit)*/) {
     std::lock_guard<std::mutex> lock(mu_);
+    const size_t size = block_size_.at(p);
     in_use_ -= size;
     cached_ += size;
     if (size > kSmallBytes) {
@@ -81,7 +92,10 @@ class CachingAllocator {
     for (const auto& [size, p] : cooling_) free_[size].push_back(p);
     cooling_.clear();
     for (auto& [size, list] : free_) {
-      for (void* p : list) cudaFree(p);
+      for (void* p : list) {
+        cudaFree(p);
+        block_size_.erase(p);
+      }
       cached_ -= size * list.size();
       list.clear();
     }
@@ -103,6 +117,7 @@ class CachingAllocator {
   const bool keep_blocks_;
   std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;
+  std::unordered_map<void*, size_t> block_size_;  // every block this allocator got from cudaMalloc: its size
   std::deque<std::pair<size_t, void*>> cooling_;  // small blocks released last, oldest first
   size_t in_use_ = 0, cached_ = 0;
 };
