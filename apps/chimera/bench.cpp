@@ -27,6 +27,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "model_loading.h"
+#include "runtime/cache_sizing.h"
 #include "runtime/engine.h"
 #include "runtime/kernel_env.h"
 #include "runtime/memory_plan.h"
@@ -64,7 +65,7 @@ void add_bench(CLI::App& app, BenchOptions& o) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_flag("!--no-cuda-graphs", o.cuda_graphs,
-               "CUDA: run every decode step eagerly instead of replaying a CUDA graph per batch size");
+               "CUDA: run every decode step eagerly instead of replaying the CUDA graphs captured at start-up");
   app.add_flag("!--no-pdl", o.pdl,
                "CUDA: launch kernels without programmatic dependent launch (each kernel starts only after its "
                "predecessor has drained), to measure what PDL buys");
@@ -153,6 +154,7 @@ struct Runner {
   // Caches and workspace of an engine for these limits (the weights are loaded already), or "" when they fit.
   std::string does_not_fit(int32_t seqs, int32_t model_len) const {
     MemoryLimits lim;
+    if (ctx.device == Device::kCuda && o.cuda_graphs) lim.graph_pad_rows = cuda_graph_pad_rows(cuda_graph_batch_sizes(seqs));
     lim.max_num_seqs = seqs;
     lim.max_model_len = model_len;
     lim.max_tokens_per_step = std::min(sched_defaults.max_num_batched_tokens, model_len);
@@ -228,7 +230,7 @@ struct Runner {
     return r;
   }
 
-  // `cuda_graphs`: the engine replays a CUDA graph per batch size (CUDA); `profile`: one more step, armed (it
+  // `cuda_graphs`: the engine replays its start-up CUDA graphs (CUDA); `profile`: one more step, armed (it
   // must be eager: a graph replay dispatches no op).
   nlohmann::json decode(int32_t batch, double roofline_tps, bool cuda_graphs, bool profile) const {
     nlohmann::json r = {{"batch_size", batch}, {"decode_context", o.decode_context}};
@@ -237,7 +239,7 @@ struct Runner {
     const int64_t budget = sched_defaults.max_num_batched_tokens;
     const int64_t prefill_steps = (int64_t{batch} * o.decode_context + budget - 1) / budget + batch;
     const auto new_tokens =
-        static_cast<int32_t>(prefill_steps + std::max(o.warmup, 2) + o.decode_steps + 1 + (profile ? 1 : 0));
+        static_cast<int32_t>(prefill_steps + o.warmup + o.decode_steps + 1 + (profile ? 1 : 0));
     const int32_t model_len = o.decode_context + new_tokens;
     if (std::string why = does_not_fit(batch, model_len); !why.empty()) {
       r["status"] = "skipped";
@@ -267,9 +269,8 @@ struct Runner {
       count(engine.step());
     }
     const double prefill_s = seconds_since(t_prefill);
-    // A batch size's first decode step runs eagerly and its second captures the CUDA graph: warm up past both.
-    const int32_t warmup = ctx.device == Device::kCuda && cuda_graphs ? std::max(o.warmup, 2) : o.warmup;
-    for (int32_t s = 0; s < warmup; ++s) count(engine.step());
+    // The engine captured its CUDA graphs when it was built: the warm-up steps replay them already.
+    for (int32_t s = 0; s < o.warmup; ++s) count(engine.step());
     double context_sum = 0;
     for (int32_t g : generated) context_sum += o.decode_context + g;
     int32_t partial_steps = 0;  // steps in which not every sequence decoded (should be none)
@@ -297,6 +298,11 @@ struct Runner {
     r["prefill_ms"] = prefill_s * 1e3;
     r["partial_steps"] = partial_steps;
     r["cuda_graph"] = !engine.graph_batch_sizes().empty();
+    if (r["cuda_graph"].get<bool>()) {
+      r["graph_capture_s"] = engine.graph_capture_seconds();
+      r["graph_pool_bytes"] = engine.graph_pool_bytes();
+      r["graph_batch_sizes"] = engine.graph_batch_sizes();
+    }
     if (batch == 1) r["roofline_ratio"] = r["tokens_per_s"].get<double>() / roofline_tps;
     return r;
   }
@@ -413,6 +419,12 @@ int run_bench(const BenchOptions& o) {
         fmt::print("  {:>10} {:>12} {:>14} {:>14}\n", b, cell(r, "tpot_ms", "{:.3f}"),
                    cell(r, "tokens_per_s", "{:.1f}"),
                    r.contains("roofline_ratio") ? fmt::format("{:.2f}%", 100 * r["roofline_ratio"].get<double>()) : "");
+        if (r.contains("graph_capture_s")) {  // the engine's start-up capture, as `serve` prints it
+          const auto sizes = r["graph_batch_sizes"].get<std::vector<int32_t>>();
+          fmt::print("  {:>10} CUDA graphs: {} decode batch sizes ({} to {}) captured in {:.2f} s, {}\n", "",
+                     sizes.size(), sizes.front(), sizes.back(), r["graph_capture_s"].get<double>(),
+                     gib(r["graph_pool_bytes"].get<size_t>()));
+        }
       } else {
         fmt::print("  {:>10} {}\n", b, r["reason"].get<std::string>());
       }

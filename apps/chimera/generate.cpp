@@ -180,6 +180,9 @@ int run_generate(const GenerateOptions& o) {
   ec.return_prompt_logits = !o.logits_out.empty();
   // The kernel configuration: the defaults with the environment registry's overrides (runtime/kernel_env.h).
   Engine engine(*m.model, ops::Context{model_options.device, nullptr, nullptr, kernel_config_from_env()}, ec);
+  if (const std::string graphs = format_graph_capture(engine); !graphs.empty() && !o.quiet) {
+    fmt::print(stderr, "[chimera] {}\n", graphs);
+  }
   std::vector<float> logit_rows;
   if (!o.logits_out.empty()) {
     engine.on_logits = [&](int32_t, std::span<const float> row) {

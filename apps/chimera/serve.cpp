@@ -112,6 +112,9 @@ int run_serve(const ServeOptions& o) {
     fmt::print("chimera serve: {}\n", format_cache_sizing(plan, "GPU"));
   }
   Engine engine(*m.model, ops::Context{model_options.device, nullptr}, ec);
+  if (const std::string graphs = format_graph_capture(engine); !graphs.empty()) {
+    fmt::print("chimera serve: {}\n", graphs);
+  }
 
   std::string name = o.served_model_name;
   if (name.empty()) name = o.source.is_synthetic() ? "synthetic-" + o.source.synthetic : o.source.model_dir;

@@ -42,6 +42,16 @@ std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_num_seqs) {
   return sizes;
 }
 
+int32_t cuda_graph_pad_rows(const std::vector<int32_t>& buckets) {
+  int32_t widest = 0, previous = 0;
+  for (int32_t b : buckets) {
+    CHIMERA_CHECK(b > previous, "CUDA graph batch sizes must ascend from 1 (got {} after {})", b, previous);
+    widest = std::max(widest, b - previous);
+    previous = b;
+  }
+  return std::max(widest - 1, 0);
+}
+
 size_t mamba_slot_bytes(const ModelConfig& c, DType act_dtype) {
   const size_t conv = mul(mul(positive(c.conv_dim(), "conv_dim"), positive(c.conv_kernel - 1, "conv_kernel - 1"),
                               "conv state"),
@@ -116,16 +126,20 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
     }
     p.graphs = add(largest, largest / 4, "graph allowance");
   }
-  const size_t overhead = add(p.workspace, p.graphs, "workspace + graphs");
-  if (overhead >= p.budget) {
-    invalid_input("--gpu-memory-utilization {} leaves {} after weights and what is in use, less than the step "
-                  "workspace {} and the CUDA graphs' {}; lower --max-num-batched-tokens or --max-num-seqs",
-                  r.gpu_memory_utilization, gib(p.budget), gib(p.workspace), gib(p.graphs));
-  }
-  const size_t caches = p.budget - overhead;
-
   p.slot_bytes = mamba_slot_bytes(c, act_dtype);
   p.block_bytes = kv_block_bytes(c, act_dtype, r.block_size);
+  // The graphs' pad rows each own a scratch Mamba slot and KV block (StateCache, CacheSizes::num_pad).
+  p.pad_rows = r.cuda_graphs ? cuda_graph_pad_rows(cuda_graph_batch_sizes(r.max_num_seqs)) : 0;
+  const size_t pad_bytes = mul(static_cast<size_t>(p.pad_rows), add(p.slot_bytes, p.block_bytes, "pad row"),
+                               "CUDA-graph pad scratch");
+  const size_t overhead = add(add(p.workspace, p.graphs, "workspace + graphs"), pad_bytes, "graphs' pad scratch");
+  if (overhead >= p.budget) {
+    invalid_input("--gpu-memory-utilization {} leaves {} after weights and what is in use, less than the step "
+                  "workspace {} and the CUDA graphs' {} (pad scratch {}); lower --max-num-batched-tokens or "
+                  "--max-num-seqs",
+                  r.gpu_memory_utilization, gib(p.budget), gib(p.workspace), gib(p.graphs), gib(pad_bytes));
+  }
+  const size_t caches = p.budget - overhead;
   const size_t per_seq_blocks = (static_cast<size_t>(r.max_model_len) + r.block_size - 1) / r.block_size;
   const size_t one_seq_kv = mul(per_seq_blocks, p.block_bytes, "KV of one sequence");
   const size_t for_slots = caches > one_seq_kv ? caches - one_seq_kv : 0;
@@ -133,8 +147,8 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   p.max_slots_that_fit = static_cast<int32_t>(std::min<size_t>(fit, INT32_MAX));
   if (caches <= one_seq_kv || fit < static_cast<size_t>(r.max_num_seqs)) {
     invalid_input("--max-num-seqs {} is above the {} Mamba state slots that fit: {} for the caches ({} x "
-                  "--gpu-memory-utilization {} less {} in use, {} workspace, {} graphs) hold one {}-token sequence's "
-                  "KV ({}) and {} per slot",
+                  "--gpu-memory-utilization {} less {} in use, {} workspace, {} graphs and their pad scratch) hold one "
+                  "{}-token sequence's KV ({}) and {} per slot",
                   r.max_num_seqs, p.max_slots_that_fit, gib(caches), gib(memory.total), r.gpu_memory_utilization,
                   gib(p.in_use), gib(p.workspace), gib(p.graphs), r.max_model_len, gib(one_seq_kv), gib(p.slot_bytes));
   }
@@ -148,13 +162,18 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
 
 std::string format_cache_sizing(const CacheSizingPlan& p, const std::string& device_name) {
   const double per_request = static_cast<double>(p.kv_tokens()) / static_cast<double>(p.max_model_len);
+  std::string pads;
+  if (p.pad_rows > 0) {
+    pads = fmt::format("CUDA-graph pads: {} scratch Mamba slots and KV blocks ({})\n", p.pad_rows,
+                       gib(static_cast<size_t>(p.pad_rows) * (p.slot_bytes + p.block_bytes)));
+  }
   return fmt::format(
       "{} memory: {} total, {} allowed; in use {} (weights {}); workspace {}, CUDA graphs {}\n"
       "KV cache: {} blocks x {} = {} tokens ({}); Mamba state: {} slots ({})\n"
-      "maximum concurrency for {} tokens per request: {:.2f}x ({} sequences fit at once)\n",
+      "{}maximum concurrency for {} tokens per request: {:.2f}x ({} sequences fit at once)\n",
       device_name, gib(p.total), gib(p.budget + p.in_use), gib(p.in_use), gib(p.weights), gib(p.workspace),
       gib(p.graphs), p.kv_blocks, p.block_size, p.kv_tokens(), gib(static_cast<size_t>(p.kv_blocks) * p.block_bytes),
-      p.mamba_slots, gib(p.mamba_slots * p.slot_bytes), p.max_model_len, per_request, p.max_concurrency());
+      p.mamba_slots, gib(p.mamba_slots * p.slot_bytes), pads, p.max_model_len, per_request, p.max_concurrency());
 }
 
 }  // namespace chimera

@@ -1,11 +1,12 @@
 // Sizing the caches from the device's memory (as vLLM's --gpu-memory-utilization): after the weights are
 // loaded, the engine may use `gpu_memory_utilization` of the device's total memory. Whatever is in use already
 // (the weights, the CUDA context, other processes) comes off that budget, then the step workspace and the CUDA
-// graphs' allowance; the rest holds the Mamba state slots (one per sequence in flight, max_num_seqs of them)
-// and the paged KV pool (every remaining whole block, up to what max_num_seqs sequences of max_model_len
+// graphs' allowance and the graphs' pad scratch (pad Mamba slots and as many KV blocks, one each per pad row a
+// graph bucket can carry); the rest holds the Mamba state slots (one per sequence in flight, max_num_seqs of
+// them) and the paged KV pool (every remaining whole block, up to what max_num_seqs sequences of max_model_len
 // tokens can use). The same arithmetic runs on the host against MemAvailable / MemTotal.
 //   budget    = total x utilization - (total - free)
-//   caches    = budget - workspace - graphs
+//   caches    = budget - workspace - graphs - pad x (slot_bytes + block_bytes)
 //   slots     = max_num_seqs                         (kInvalidInput when fewer fit beside one full sequence's KV)
 //   kv_blocks = min((caches - slots x slot_bytes) / block_bytes, max_num_seqs x blocks_per_seq)
 //   max concurrency = min(slots, kv_blocks / blocks_per_seq): sequences of max_model_len that fit at once
@@ -40,6 +41,7 @@ struct CacheSizingPlan {
   size_t budget = 0;         // total x utilization - in_use
   size_t workspace = 0;      // step activations at max_num_batched_tokens (memory_plan's estimate)
   size_t graphs = 0;         // allowance for the captured decode graphs' private pool
+  int32_t pad_rows = 0;      // scratch Mamba slots and KV blocks for the graphs' pad rows (cuda_graph_pad_rows)
   size_t slot_bytes = 0;     // Mamba conv + SSM state of one sequence, all Mamba layers
   size_t block_bytes = 0;    // K + V of one block, all attention layers
   int32_t mamba_slots = 0;
@@ -50,16 +52,24 @@ struct CacheSizingPlan {
   int64_t kv_tokens() const { return static_cast<int64_t>(kv_blocks) * block_size; }
   // Sequences of max_model_len tokens that fit at once (slots and KV both).
   int32_t max_concurrency() const;
-  size_t cache_bytes() const { return mamba_slots * slot_bytes + static_cast<size_t>(kv_blocks) * block_bytes; }
+  // Everything the StateCache allocates: the sequences' slots and blocks and the pad scratch.
+  size_t cache_bytes() const {
+    return (static_cast<size_t>(mamba_slots) + pad_rows) * slot_bytes +
+           (static_cast<size_t>(kv_blocks) + pad_rows) * block_bytes;
+  }
   CacheSizes cache_sizes() const {
     return CacheSizes{.max_seqs = mamba_slots, .max_model_len = max_model_len, .block_size = block_size,
-                      .num_blocks = kv_blocks};
+                      .num_blocks = kv_blocks, .num_pad = pad_rows};
   }
 };
 
 // The decode batch sizes the engine captures CUDA graphs for, ascending, ending at max_num_seqs:
 // 1, 2, 4, 8, then every multiple of 8 up to 256, then of 16 (vLLM's capture sizes), capped.
 std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_num_seqs);
+// The most pad rows a decode step of B rows carries when it replays the smallest bucket >= B: the widest gap
+// between consecutive buckets (and between 0 and the first) less one. Buckets ascending; empty -> 0.
+//   {1, 2, 4, 8, 16, 20} -> 7 (B = 9 replays 16);  vLLM's sizes past 256 -> 15
+int32_t cuda_graph_pad_rows(const std::vector<int32_t>& buckets);
 
 // Bytes of one sequence's Mamba state and of one KV block, exactly as StateCache allocates them.
 size_t mamba_slot_bytes(const ModelConfig& config, DType act_dtype);
@@ -74,6 +84,7 @@ CacheSizingPlan size_caches(const ModelConfig& config, DType act_dtype, size_t w
 //   memory: 139.80 GiB total, 0.90 utilization; weights 58.95 GiB; in use 60.12 GiB; workspace 1.20 GiB;
 //   graphs 0.50 GiB
 //   KV cache: 41210 blocks x 16 = 659360 tokens (30.12 GiB); Mamba state: 256 slots (11.01 GiB)
+//   CUDA-graph pads: 15 scratch Mamba slots and KV blocks (0.65 GiB)            (only with pad rows)
 //   maximum concurrency for 4096 tokens per request: 160.98x (256 sequences fit in both)
 std::string format_cache_sizing(const CacheSizingPlan& plan, const std::string& device_name);
 

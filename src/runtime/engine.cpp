@@ -1,11 +1,14 @@
 #include "runtime/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 
 #include <fmt/core.h>
 
 #include "core/error.h"
+#include "runtime/cache_sizing.h"
+#include "runtime/memory_plan.h"
 
 namespace chimera {
 namespace {
@@ -16,13 +19,28 @@ std::span<const int32_t> prompt_of(const Sequence& s) {
 std::span<const int32_t> generated_of(const Sequence& s) {
   return std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.prompt_len));
 }
+
+bool uses_graphs(const EngineConfig& c, Device device) { return device == Device::kCuda && c.cuda_graphs; }
+
+// The graph buckets: vLLM's sizes up to the largest decode batch the scheduler can form.
+std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device) {
+  if (!uses_graphs(c, device)) return {};
+  return cuda_graph_batch_sizes(std::min(c.scheduler.max_num_seqs, c.cache.max_seqs));
+}
+
+// The caches as configured, plus a scratch slot and block for each pad row a bucket can carry.
+CacheSizes with_pad_scratch(const EngineConfig& c, Device device) {
+  CacheSizes sizes = c.cache;
+  sizes.num_pad = cuda_graph_pad_rows(graph_buckets(c, device));
+  return sizes;
+}
 }  // namespace
 
 Engine::Engine(const Model& model, const ops::Context& ctx, const EngineConfig& config)
     : model_(model),
       ctx_(ctx),
       config_(config),
-      cache_(model.config(), config.cache, ctx.device, model.activation_dtype()),
+      cache_(model.config(), with_pad_scratch(config, ctx.device), ctx.device, model.activation_dtype()),
       scheduler_(config.scheduler, cache_),
       stop_ids_(model.config().eos_token_ids) {
   if (ctx.device != model.device()) {
@@ -34,6 +52,7 @@ Engine::Engine(const Model& model, const ops::Context& ctx, const EngineConfig& 
     own_stream_ = device::Stream::create();
     ctx_.stream = own_stream_.get();
   }
+  if (uses_graphs(config_, ctx_.device)) capture_decode_graphs();
 }
 
 std::vector<int32_t> Engine::graph_batch_sizes() const {
@@ -47,47 +66,103 @@ size_t Engine::graph_pool_bytes() const { return graph_pool_ ? graph_pool_->byte
 Tensor Engine::execute(StepBatch& b) {
   if (ctx_.device == Device::kCpu) return model_.forward(ctx_, b, cache_.state());
   const bool decode_only = b.num_prefill_seqs == 0 && b.logit_rows.size() == b.token_ids.size();
-  if (config_.cuda_graphs && decode_only) {
-    const int32_t B = b.num_seqs();
-    if (graphs_.count(B) != 0 || ++decode_steps_seen_[B] >= 2) return replay_decode(b);
-  }
+  if (!graphs_.empty() && decode_only) return replay_decode(b);
   return model_.forward_device(ctx_, b, cache_.state());
 }
 
-Tensor Engine::replay_decode(StepBatch& b) {
+StepBatch::DeviceMeta Engine::DecodeGraph::device_meta() const {
+  const int64_t n = meta_device.numel() / 4;  // 4n + 1 entries
+  const int32_t* d = meta_device.i32();
+  return StepBatch::DeviceMeta{d, d + n, d + 2 * n + 1, d + 3 * n + 1, tables_device};
+}
+
+void Engine::stage_decode(DecodeGraph& g, int32_t n, const StepBatch& b) const {
   const int32_t B = b.num_seqs();
-  const int64_t max_blocks = b.block_tables.dim(1);
-  auto it = graphs_.find(B);
-  const bool capture = it == graphs_.end();
-  if (capture) {
-    DecodeGraph g;
-    g.meta_host = device::empty_pinned(DType::kI32, {4 * int64_t{B} + 1});
-    g.meta_device = device::empty(Device::kCuda, DType::kI32, {4 * int64_t{B} + 1});
-    g.tables_host = device::empty_pinned(DType::kI32, {B, max_blocks});
-    g.tables_device = device::empty(Device::kCuda, DType::kI32, {B, max_blocks});
-    it = graphs_.emplace(B, std::move(g)).first;
+  CHIMERA_CHECK(B <= n && n - B <= cache_.sizes().num_pad, "a decode step of {} rows on the graph of {} rows ({} pad "
+                "slots)", B, n, cache_.sizes().num_pad);
+  const int64_t max_blocks = g.tables_host.dim(1);
+  CHIMERA_CHECK(b.block_tables.dim(1) == max_blocks, "block tables of {} columns for a graph of {}",
+                b.block_tables.dim(1), max_blocks);
+  int32_t* tokens = g.meta_host.i32();
+  int32_t* cu = tokens + n;
+  int32_t* context = cu + n + 1;
+  int32_t* slots = context + n;
+  int32_t* tables = g.tables_host.i32();
+  std::copy(b.token_ids.begin(), b.token_ids.end(), tokens);
+  std::copy(b.cu_seqlens.begin(), b.cu_seqlens.end(), cu);
+  std::copy(b.context_lens.begin(), b.context_lens.end(), context);
+  std::copy(b.state_slots.begin(), b.state_slots.end(), slots);
+  std::copy(b.block_tables.i32(), b.block_tables.i32() + b.block_tables.numel(), tables);
+  // Pad rows: token 0, one new token on no context (so one block holds it at any block size), each its own
+  // zero-started scratch slot and block, so no two rows of the step share state and every value they make is
+  // finite. Their block-table rows are zero past the first entry, as a real row's unused entries are.
+  std::fill(tables + int64_t{B} * max_blocks, tables + int64_t{n} * max_blocks, 0);
+  for (int32_t r = B; r < n; ++r) {
+    tokens[r] = 0;
+    cu[r + 1] = cu[r] + 1;
+    context[r] = 0;
+    slots[r] = cache_.pad_slot(r - B);
+    tables[int64_t{r} * max_blocks] = cache_.pad_block(r - B);
   }
-  DecodeGraph& g = it->second;
-  // Stage this step's metadata and copy it to the graph's fixed device inputs (ordered before the replay).
-  int32_t* m = g.meta_host.i32();
-  std::copy(b.token_ids.begin(), b.token_ids.end(), m);
-  std::copy(b.cu_seqlens.begin(), b.cu_seqlens.end(), m + B);
-  std::copy(b.context_lens.begin(), b.context_lens.end(), m + 2 * B + 1);
-  std::copy(b.state_slots.begin(), b.state_slots.end(), m + 3 * B + 1);
-  std::copy(b.block_tables.i32(), b.block_tables.i32() + b.block_tables.numel(), g.tables_host.i32());
   device::copy_async(g.meta_device, g.meta_host, ctx_.stream);
   device::copy_async(g.tables_device, g.tables_host, ctx_.stream);
-  if (capture) {
-    const int32_t* d = g.meta_device.i32();
-    const StepBatch::DeviceMeta dm{d, d + B, d + 2 * B + 1, d + 3 * B + 1, g.tables_device};
+}
+
+void Engine::capture_decode_graphs() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<int32_t> buckets = graph_buckets(config_, ctx_.device);
+  const int32_t max_blocks = cache_.blocks_per_seq();
+  const int32_t total_blocks = cache_.sizes().num_blocks + cache_.sizes().num_pad;
+  graph_pool_.emplace();
+  // Largest first: a smaller bucket's activations may reuse blocks the larger captures returned to the pool.
+  for (auto it = buckets.rbegin(); it != buckets.rend(); ++it) {
+    const int32_t n = *it;
+    // The warm-up and capture batch: n rows shaped like pad rows (token 0, one token on no context), row i in
+    // slot i and block i of the caches, which no sequence holds yet (n <= max_seqs; a sequence's slot is zeroed
+    // when it is handed out, and its KV positions are written before they are read). Only a pool smaller than n
+    // blocks makes rows share a block, in this discarded warm-up alone.
+    StepBatch b;
+    b.token_ids.assign(static_cast<size_t>(n), 0);
+    b.block_tables = Tensor::zeros(DType::kI32, {n, max_blocks});
+    for (int32_t r = 0; r < n; ++r) {
+      b.cu_seqlens.push_back(r + 1);
+      b.context_lens.push_back(0);
+      b.state_slots.push_back(r);
+      b.block_tables.i32()[int64_t{r} * max_blocks] = r % total_blocks;
+      b.logit_rows.push_back(r);
+    }
+    DecodeGraph g;
+    g.meta_host = device::empty_pinned(DType::kI32, {4 * int64_t{n} + 1});
+    g.meta_device = device::empty(Device::kCuda, DType::kI32, {4 * int64_t{n} + 1});
+    g.tables_host = device::empty_pinned(DType::kI32, {n, max_blocks});
+    g.tables_device = device::empty(Device::kCuda, DType::kI32, {n, max_blocks});
+    stage_decode(g, n, b);
+    const StepBatch::DeviceMeta dm = g.device_meta();
     b.device_meta = &dm;
-    if (!graph_pool_) graph_pool_.emplace();
-    const device::ScopedAllocPool scope(*graph_pool_);
-    g.graph = device::Graph::capture(ctx_.stream, [&] { g.logits = model_.forward_device(ctx_, b, cache_.state()); });
-    b.device_meta = nullptr;
+    // The warm-up runs the very launches the capture records (same inputs, same addresses), so every per-shape
+    // cache they fill on first use is filled outside the capture.
+    model_.forward_device(ctx_, b, cache_.state());
+    {
+      const device::ScopedAllocPool scope(*graph_pool_);
+      g.graph = device::Graph::capture(ctx_.stream, [&] { g.logits = model_.forward_device(ctx_, b, cache_.state()); });
+    }
+    graphs_.emplace(n, std::move(g));
   }
+  device::synchronize(Device::kCuda);
+  graph_capture_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Tensor Engine::replay_decode(const StepBatch& b) {
+  const int32_t B = b.num_seqs();
+  auto it = graphs_.lower_bound(B);
+  // The scheduler never runs more than max_num_seqs (and max_seqs) sequences, the largest bucket.
+  CHIMERA_CHECK(it != graphs_.end(), "a decode step of {} sequences is above the largest CUDA graph bucket {}", B,
+                graphs_.rbegin()->first);
+  DecodeGraph& g = it->second;
+  stage_decode(g, it->first, b);
   g.graph.launch(ctx_.stream);
-  return g.logits;
+  ++num_graph_steps_;
+  return B == it->first ? g.logits : g.logits.rows(0, B);
 }
 
 std::vector<SampledToken> Engine::sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows,
@@ -303,6 +378,13 @@ std::vector<Sequence> Engine::take_finished() {
   std::vector<Sequence> out;
   out.swap(finished_);
   return out;
+}
+
+std::string format_graph_capture(const Engine& engine) {
+  const std::vector<int32_t> sizes = engine.graph_batch_sizes();
+  if (sizes.empty()) return "";
+  return fmt::format("CUDA graphs: {} decode batch sizes ({} to {}) captured in {:.2f} s, {}", sizes.size(),
+                     sizes.front(), sizes.back(), engine.graph_capture_seconds(), gib(engine.graph_pool_bytes()));
 }
 
 std::vector<std::vector<int32_t>> generate_all(const Model& model, const ops::Context& ctx,

@@ -23,9 +23,14 @@ struct EngineConfig {
   SchedulerConfig scheduler;
   // Return logits for every prompt position (scoring, --logits-out), not just the last one.
   bool return_prompt_logits = false;
-  // CUDA: run decode-only steps as CUDA graphs, one per batch size. A size's first step runs eagerly (it also
-  // warms the kernels' per-shape caches: cuBLASLt plans, MoE pointer tables), its second is captured and every
-  // later one replays the graph after one copy of the step's metadata. Prefill and mixed steps stay eager.
+  // CUDA: decode-only steps replay CUDA graphs captured when the engine is built, one per padded batch-size
+  // bucket: cuda_graph_batch_sizes (runtime/cache_sizing.h) of the largest decode batch, min(scheduler.max_num_seqs,
+  // cache.max_seqs). Each bucket, largest first, runs one eager step (warming the kernels' per-shape caches:
+  // cuBLASLt plans, MoE pointer tables) and is then captured into one shared graph pool. A step of B sequences
+  // replays the smallest bucket >= B after one copy of its metadata, the bucket - B rows past the real ones being
+  // pad rows (token 0, no context, each its own scratch Mamba slot and KV block: the engine sets cache.num_pad
+  // to cuda_graph_pad_rows of the buckets); only the B real rows' logits are returned and sampled. Prefill and
+  // mixed steps stay eager.
   bool cuda_graphs = true;
 };
 
@@ -78,22 +83,33 @@ class Engine {
   std::function<void(int32_t seq_id, std::span<const float> logits)> on_logits;
 
   const StateCache& cache() const { return cache_; }
-  // Decode batch sizes that have a captured CUDA graph, and device bytes the graphs' private pool holds.
+  // Decode batch sizes that have a captured CUDA graph (ascending), device bytes the graphs' private pool holds,
+  // and the seconds the start-up warm-up and capture of all of them took (0 without graphs).
   std::vector<int32_t> graph_batch_sizes() const;
   size_t graph_pool_bytes() const;
+  double graph_capture_seconds() const { return graph_capture_seconds_; }
+  // Steps that ran as a CUDA graph replay so far.
+  int64_t num_graph_steps() const { return num_graph_steps_; }
 
  private:
-  // A captured decode step of one batch size: its inputs live at fixed device addresses (refilled before each
+  // A captured decode step of one bucket of n rows: its inputs live at fixed device addresses (refilled before each
   // replay from pinned staging), its logits stay in the graph's pool.
   struct DecodeGraph {
     device::Graph graph;
-    Tensor meta_host, meta_device;  // I32 [4B + 1]: token_ids [B] | cu_seqlens [B + 1] | context_lens [B] | slots [B]
-    Tensor tables_host, tables_device;  // I32 [B, max_blocks]
-    Tensor logits;                      // [B, vocab] in the activation dtype
+    Tensor meta_host, meta_device;  // I32 [4n + 1]: token_ids [n] | cu_seqlens [n + 1] | context_lens [n] | slots [n]
+    Tensor tables_host, tables_device;  // I32 [n, max_blocks]
+    Tensor logits;                      // [n, vocab] in the activation dtype
+    StepBatch::DeviceMeta device_meta() const;
   };
   // The step's logits on the model's device (host fp32 on the CPU).
   Tensor execute(StepBatch& b);
-  Tensor replay_decode(StepBatch& b);
+  // Start-up: a warm-up step and a capture per bucket, largest first.
+  void capture_decode_graphs();
+  // Copies the B rows of a decode-only batch into bucket g's staging, the rows past them as pad rows, and that to
+  // g's device inputs (ordered before the replay).
+  void stage_decode(DecodeGraph& g, int32_t n, const StepBatch& b) const;
+  // A decode-only step of B rows on the smallest bucket >= B: logits [B, vocab] (the pad rows' left out).
+  Tensor replay_decode(const StepBatch& b);
   // The rows of `logits` (device, activation dtype) sampled on the GPU: ids, non-finite flags and (when a row
   // asks) logprobs come back in a few small copies.
   std::vector<SampledToken> sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows,
@@ -112,9 +128,14 @@ class Engine {
   // CUDA only. The stream every op of this engine runs on (owned unless the caller's context names one).
   device::Stream own_stream_;
   std::optional<device::AllocPool> graph_pool_;  // declared before graphs_: outlives them
-  std::map<int32_t, DecodeGraph> graphs_;
-  std::map<int32_t, int32_t> decode_steps_seen_;  // per batch size
+  std::map<int32_t, DecodeGraph> graphs_;  // by bucket size
+  double graph_capture_seconds_ = 0.0;
+  int64_t num_graph_steps_ = 0;
 };
+
+// The start-up line of an engine's CUDA graphs, as vLLM prints it ("" when it has none):
+//   "CUDA graphs: 35 decode batch sizes (1 to 256) captured in 4.21 s, 0.62 GiB"
+std::string format_graph_capture(const Engine& engine);
 
 // Convenience: runs the engine to completion over several prompts; returns each generated token list.
 std::vector<std::vector<int32_t>> generate_all(const Model& model, const ops::Context& ctx,

@@ -21,6 +21,7 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
   if (sizes_.max_seqs < 1) invalid_input("max sequences must be >= 1, got {}", sizes_.max_seqs);
   if (sizes_.max_model_len < 1) invalid_input("max model length must be >= 1, got {}", sizes_.max_model_len);
   if (sizes_.block_size < 1) invalid_input("KV block size must be >= 1, got {}", sizes_.block_size);
+  if (sizes_.num_pad < 0) runtime_error("StateCache: {} pad slots", sizes_.num_pad);
   if (sizes_.num_blocks <= 0) sizes_.num_blocks = sizes_.max_seqs * blocks_per_seq();
   // A sequence alone must always fit, or preemption could not make room for it.
   if (sizes_.num_blocks < blocks_per_seq()) {
@@ -28,6 +29,8 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
                   sizes_.num_blocks, sizes_.block_size, sizes_.max_model_len);
   }
 
+  const int64_t slots = int64_t{sizes_.max_seqs} + sizes_.num_pad;
+  const int64_t blocks = int64_t{sizes_.num_blocks} + sizes_.num_pad;
   const size_t n = config.layers.size();
   state_.conv.resize(n);
   state_.ssm.resize(n);
@@ -35,12 +38,12 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
   for (size_t i = 0; i < n; ++i) {
     switch (config.layers[i]) {
       case LayerKind::kMamba:
-        state_.conv[i] = zeros(device, act_dtype, {sizes_.max_seqs, config.conv_dim(), config.conv_kernel - 1});
+        state_.conv[i] = zeros(device, act_dtype, {slots, config.conv_dim(), config.conv_kernel - 1});
         state_.ssm[i] = zeros(device, DType::kF32,
-                              {sizes_.max_seqs, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size});
+                              {slots, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size});
         break;
       case LayerKind::kAttention: {
-        const Shape kv_shape{sizes_.num_blocks, sizes_.block_size, config.num_key_value_heads, config.head_dim};
+        const Shape kv_shape{blocks, sizes_.block_size, config.num_key_value_heads, config.head_dim};
         state_.kv[i] = ops::KvCacheView{zeros(device, act_dtype, kv_shape), zeros(device, act_dtype, kv_shape)};
         break;
       }
@@ -62,6 +65,16 @@ int32_t StateCache::allocate_slot() {
     device::zero(state_.ssm[i].select(slot));
   }
   return slot;
+}
+
+int32_t StateCache::pad_slot(int32_t j) const {
+  CHIMERA_CHECK(j >= 0 && j < sizes_.num_pad, "pad slot {} of {}", j, sizes_.num_pad);
+  return sizes_.max_seqs + j;
+}
+
+int32_t StateCache::pad_block(int32_t j) const {
+  CHIMERA_CHECK(j >= 0 && j < sizes_.num_pad, "pad block {} of {}", j, sizes_.num_pad);
+  return sizes_.num_blocks + j;
 }
 
 void StateCache::release_slot(int32_t slot) {

@@ -4,6 +4,8 @@
 //     all Mamba layers. The conv state has the activation dtype (F32 on the CPU, bf16 / fp32 on CUDA).
 //   * Paged KV cache: per attention layer K and V blocks [num_blocks, block_size, num_key_value_heads,
 //     head_dim] in the activation dtype, handed out in blocks and addressed through per-sequence block tables.
+//   * Past both, num_pad scratch slots and blocks for CUDA-graph pad rows: slots = max_seqs + num_pad, blocks =
+//     num_blocks + num_pad; sizes(), the free lists and the load figures count only the sequences' part.
 // Everything lives on the device the model runs on (device::empty, zeroed with device::zero).
 // The runtime allocates and frees; the model only reads and writes through slot ids and block tables.
 #pragma once
@@ -30,6 +32,11 @@ struct CacheSizes {
   // KV blocks in the pool; 0 = enough for max_seqs sequences of max_model_len tokens. At least one sequence of
   // max_model_len tokens (kInvalidInput otherwise); below max_seqs of them the scheduler preempts.
   int32_t num_blocks = 0;
+  // Scratch Mamba slots and KV blocks for the pad rows of CUDA-graph decode steps (Engine sets it: the largest
+  // number of pad rows one graph bucket can carry, cuda_graph_pad_rows in runtime/cache_sizing.h). They come after
+  // the max_seqs slots and the num_blocks blocks, are never in the free lists, and start zeroed, so every pad row
+  // of a step owns its own state and block.
+  int32_t num_pad = 0;
 };
 
 class StateCache {
@@ -51,6 +58,10 @@ class StateCache {
   bool reserve_blocks(std::vector<int32_t>& blocks, int32_t num_tokens);
   void release_blocks(std::vector<int32_t>& blocks);
   int32_t free_blocks() const { return static_cast<int32_t>(free_blocks_.size()); }
+
+  // Pad row j's scratch Mamba slot and KV block (0 <= j < sizes().num_pad).
+  int32_t pad_slot(int32_t j) const;
+  int32_t pad_block(int32_t j) const;
 
   ModelState& state() { return state_; }
   // Bytes held by all caches (for `chimera info` and memory planning).

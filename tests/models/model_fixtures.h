@@ -248,8 +248,8 @@ inline std::vector<int32_t> finish_apart(const Fixture& f) {
 
 // Runs several prompts in ONE engine (4 sequences, a 40-token step budget: prompts are split into chunks and
 // later steps mix prefill chunks with decodes), prompt p generating n_new[p] tokens; returns each prompt's
-// generated tokens and (with keep_logits) its logits rows, prompt rows included, in prompt order, and the batch
-// sizes that ran as CUDA graphs. Without keep_logits nobody asks for the rows, so a GPU engine samples on the
+// generated tokens and (with keep_logits) its logits rows, prompt rows included, in prompt order, the engine's
+// CUDA graph buckets and how many steps replayed them. Without keep_logits nobody asks for the rows, so a GPU engine samples on the
 // device. Runs on the model's device.
 struct BatchOptions {
   bool cuda_graphs = true;
@@ -259,7 +259,8 @@ struct BatchOptions {
 };
 struct BatchRun {
   std::vector<RunResult> results;
-  std::vector<int32_t> graph_sizes;
+  std::vector<int32_t> graph_sizes;  // the engine's CUDA graph buckets (captured at start-up)
+  int64_t graph_steps = 0;           // steps that replayed one of them
 };
 inline BatchRun run_batch_with(const NemotronH& model, const std::vector<std::vector<int32_t>>& prompts,
                                const std::vector<int32_t>& n_new, const BatchOptions& options) {
@@ -290,6 +291,7 @@ inline BatchRun run_batch_with(const NemotronH& model, const std::vector<std::ve
   BatchRun out;
   for (int32_t id : ids) out.results.push_back(by_id[id]);
   out.graph_sizes = engine.graph_batch_sizes();
+  out.graph_steps = engine.num_graph_steps();
   return out;
 }
 inline std::vector<RunResult> run_batch(const NemotronH& model, const std::vector<std::vector<int32_t>>& prompts,

@@ -173,7 +173,8 @@ void expect_same_runs(const BatchRun& a, const BatchRun& b, int64_t V, DType dt)
 
 // CUDA-graph decode gives the same tokens as eager decode, and the same logits within the GPU model bound
 // (graph-captured attention plans its KV splits for the longest context, eager for this step's: the sums
-// differ in order only). fp32 and bf16; the graphs must actually have been used (batch sizes 3, 2, 1).
+// differ in order only). fp32 and bf16; the graphs must actually have been used (batch sizes 3, 2, 1: buckets 4
+// with a pad row, 2, 1).
 TEST_P(GpuParity, CudaGraphDecodeEqualsEager) {
   const Fixture f = load_fixture(GetParam());
   const std::vector<int32_t> n_new = finish_apart(std::vector<int32_t>(f.prompts.size(), 24));
@@ -184,7 +185,9 @@ TEST_P(GpuParity, CudaGraphDecodeEqualsEager) {
     const BatchRun eager = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = false});
     const BatchRun graphed = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = true});
     EXPECT_TRUE(eager.graph_sizes.empty());
-    EXPECT_GE(graphed.graph_sizes.size(), 2u) << "the decode steps did not run as CUDA graphs";
+    EXPECT_EQ(eager.graph_steps, 0);
+    EXPECT_EQ(graphed.graph_sizes, (std::vector<int32_t>{1, 2, 4}));  // captured at start-up for max_num_seqs 4
+    EXPECT_GT(graphed.graph_steps, 0) << "the decode steps did not run as CUDA graphs";
     expect_same_runs(eager, graphed, V, dt);
   }
 }
@@ -208,7 +211,8 @@ TEST_P(GpuParity, PdlOnEqualsPdlOff) {
       const BatchRun on = run_batch_with(*l.model, f.prompts, n_new, BatchOptions{.cuda_graphs = graphs});
       EXPECT_EQ(on.graph_sizes, off.graph_sizes);
       if (graphs) {
-        EXPECT_GE(on.graph_sizes.size(), 2u) << "the decode steps did not run as CUDA graphs";
+        EXPECT_GT(on.graph_steps, 0) << "the decode steps did not run as CUDA graphs";
+        EXPECT_EQ(on.graph_steps, off.graph_steps);
       }
       expect_same_runs(off, on, V, dt);
     }

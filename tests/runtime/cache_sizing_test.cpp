@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "common/backend_param.h"
 #include "common/compare.h"
 #include "runtime/memory_plan.h"
@@ -26,6 +28,31 @@ TEST(CacheSizing, GraphBatchSizesAreVllmsCaptureSizesUpToMaxNumSeqs) {
   EXPECT_EQ(big[35], 272);
   EXPECT_EQ(big.back(), 300);
   EXPECT_TRUE(std::is_sorted(big.begin(), big.end()));
+}
+
+TEST(CacheSizing, GraphPadRowsAreTheWidestGapBetweenBucketsLessOne) {
+  EXPECT_EQ(cuda_graph_pad_rows({}), 0);
+  EXPECT_EQ(cuda_graph_pad_rows({1}), 0);
+  EXPECT_EQ(cuda_graph_pad_rows({1, 2}), 0);
+  EXPECT_EQ(cuda_graph_pad_rows({1, 2, 4}), 1);          // 3 replays 4
+  EXPECT_EQ(cuda_graph_pad_rows({1, 2, 4, 8, 10}), 3);   // 5 replays 8
+  EXPECT_EQ(cuda_graph_pad_rows({1, 2, 4, 8, 16, 20}), 7);  // 9 replays 16
+  EXPECT_EQ(cuda_graph_pad_rows({4}), 3);                // the gap from 0 counts: 1 replays 4
+  EXPECT_EQ(cuda_graph_pad_rows(cuda_graph_batch_sizes(256)), 7);
+  EXPECT_EQ(cuda_graph_pad_rows(cuda_graph_batch_sizes(257)), 7);    // 256 -> 257 adds a gap of 1
+  EXPECT_EQ(cuda_graph_pad_rows(cuda_graph_batch_sizes(1024)), 15);    // multiples of 16 past 256
+  // Every batch size B up to the largest bucket pads to the smallest bucket >= B with at most that many rows.
+  for (int32_t max : {1, 3, 20, 100, 300, 1024}) {
+    const std::vector<int32_t> buckets = cuda_graph_batch_sizes(max);
+    const int32_t pads = cuda_graph_pad_rows(buckets);
+    int32_t widest = 0;
+    for (int32_t b = 1; b <= max; ++b) {
+      const int32_t bucket = *std::lower_bound(buckets.begin(), buckets.end(), b);
+      widest = std::max(widest, bucket - b);
+    }
+    EXPECT_EQ(pads, widest) << "max_num_seqs " << max;
+  }
+  EXPECT_THROW(cuda_graph_pad_rows({2, 1}), Error);  // not ascending
 }
 
 TEST(CacheSizing, PerSlotAndPerBlockBytesMatchWhatStateCacheAllocates) {
@@ -74,7 +101,9 @@ TEST(CacheSizing, BudgetIsUtilizationOfTotalLessWhatIsInUse) {
   const size_t slot = mamba_slot_bytes(c, DType::kBF16), block = kv_block_bytes(c, DType::kBF16, 16);
   const size_t caches = 8 * slot + 100 * block + block / 2;  // room for 100 whole blocks
   r.gpu_memory_utilization = 1.0;
-  const size_t free = p.workspace + p.graphs + caches;
+  // Buckets 1, 2, 4, 8: a batch of 5 replays 8 with 3 pad rows, each with a scratch slot and block of its own.
+  EXPECT_EQ(p.pad_rows, 3);
+  const size_t free = p.workspace + p.graphs + 3 * (slot + block) + caches;
   const CacheSizingPlan q = size_caches(c, DType::kBF16, 0, {free, free + kGiB}, r);
   EXPECT_EQ(q.budget, free);
   EXPECT_EQ(q.kv_blocks, 100);
@@ -83,9 +112,19 @@ TEST(CacheSizing, BudgetIsUtilizationOfTotalLessWhatIsInUse) {
   // The plan allocates: StateCache accepts its sizes (one full sequence fits) and holds exactly its bytes.
   const StateCache cache(c, q.cache_sizes(), Device::kCpu, DType::kBF16);
   EXPECT_EQ(cache.bytes(), q.cache_bytes());
-  // Without graphs the allowance goes to the KV pool.
+  EXPECT_EQ(cache.bytes(), 11 * slot + 103 * block);  // the pads' 3 slots and 3 blocks past the sequences' part
+  EXPECT_EQ(cache.sizes().num_blocks, 100);
+  EXPECT_EQ(cache.free_blocks(), 100);
+  EXPECT_EQ(cache.free_slots(), 8);
+  EXPECT_NE(format_cache_sizing(q, "GPU").find("CUDA-graph pads: 3 scratch Mamba slots and KV blocks"),
+            std::string::npos)
+      << format_cache_sizing(q, "GPU");
+  // Without graphs the allowance and the pad scratch go to the KV pool.
   r.cuda_graphs = false;
-  EXPECT_GT(size_caches(c, DType::kBF16, 0, {free, free + kGiB}, r).kv_blocks, 100);
+  const CacheSizingPlan eager = size_caches(c, DType::kBF16, 0, {free, free + kGiB}, r);
+  EXPECT_EQ(eager.pad_rows, 0);
+  EXPECT_GT(eager.kv_blocks, 103);
+  EXPECT_EQ(format_cache_sizing(eager, "GPU").find("CUDA-graph pads"), std::string::npos);
 }
 
 TEST(CacheSizing, ClearErrorsForWhatDoesNotFit) {

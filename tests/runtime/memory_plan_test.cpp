@@ -53,6 +53,12 @@ TEST(MemoryPlan, KvCacheAndMambaStateOfNano30B) {
   // max_model_len rounds up to whole KV blocks.
   l.max_model_len = 4097;
   EXPECT_EQ(plan_memory(c, DType::kBF16, DType::kBF16, l).kv_cache, size_t{6} * 2 * 2 * 128 * 2 * 4112 * 8);
+
+  // CUDA-graph pad rows: one more Mamba slot and one more KV block (16 tokens) each.
+  l.graph_pad_rows = 3;
+  const MemoryPlan padded = plan_memory(c, DType::kBF16, DType::kBF16, l);
+  EXPECT_EQ(padded.kv_cache, size_t{6} * 2 * 2 * 128 * 2 * (4112 * 8 + 3 * 16));
+  EXPECT_EQ(padded.mamba_state, per_seq * 11);
 }
 
 TEST(MemoryPlan, Super120BNeedsTruncationForOneGpu) {
