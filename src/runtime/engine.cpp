@@ -141,10 +141,19 @@ void Engine::capture_decode_graphs() {
     b.device_meta = &dm;
     // The warm-up runs the very launches the capture records (same inputs, same addresses), so every per-shape
     // cache they fill on first use is filled outside the capture.
-    model_.forward_device(ctx_, b, cache_.state());
+    const Tensor warm = model_.forward_device(ctx_, b, cache_.state());
+    // Every graph leaves its logits in one buffer of the largest bucket's rows (the first captured), outside the
+    // pool: the forward's own logits block then returns to the pool at the end of the capture like any other
+    // activation, and the next (smaller) capture reuses it. Kept per graph, the logits of all buckets would be
+    // the pool's largest part (sum of n x vocab over the buckets).
+    if (!graph_logits_) graph_logits_ = device::empty(Device::kCuda, warm.dtype(), {n, warm.dim(1)});
+    g.logits = graph_logits_.rows(0, n);
     {
       const device::ScopedAllocPool scope(*graph_pool_);
-      g.graph = device::Graph::capture(ctx_.stream, [&] { g.logits = model_.forward_device(ctx_, b, cache_.state()); });
+      g.graph = device::Graph::capture(ctx_.stream, [&] {
+        const Tensor logits = model_.forward_device(ctx_, b, cache_.state());
+        device::copy_async(g.logits, logits, ctx_.stream);
+      });
     }
     graphs_.emplace(n, std::move(g));
   }

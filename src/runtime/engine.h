@@ -93,12 +93,12 @@ class Engine {
 
  private:
   // A captured decode step of one bucket of n rows: its inputs live at fixed device addresses (refilled before each
-  // replay from pinned staging), its logits stay in the graph's pool.
+  // replay from pinned staging), its logits are the first n rows of graph_logits_.
   struct DecodeGraph {
     device::Graph graph;
     Tensor meta_host, meta_device;  // I32 [4n + 1]: token_ids [n] | cu_seqlens [n + 1] | context_lens [n] | slots [n]
     Tensor tables_host, tables_device;  // I32 [n, max_blocks]
-    Tensor logits;                      // [n, vocab] in the activation dtype
+    Tensor logits;                      // [n, vocab] in the activation dtype: a view of graph_logits_
     StepBatch::DeviceMeta device_meta() const;
   };
   // The step's logits on the model's device (host fp32 on the CPU).
@@ -129,6 +129,7 @@ class Engine {
   device::Stream own_stream_;
   std::optional<device::AllocPool> graph_pool_;  // declared before graphs_: outlives them
   std::map<int32_t, DecodeGraph> graphs_;  // by bucket size
+  Tensor graph_logits_;  // [largest bucket, vocab]: every graph's logits (one replay at a time)
   double graph_capture_seconds_ = 0.0;
   int64_t num_graph_steps_ = 0;
 };
