@@ -5,7 +5,8 @@
 // {1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096} x hidden {2688, 4096, 8192}, plus the plain AllReduce through
 // NCCL (no norm: the number peers publish). Prints BENCH lines, a BEST line per size (AUTO / best single strategy)
 // and a TABLE at the end. CHIMERA_ALLREDUCE_STRATEGY (auto, nccl, oneshot, twoshot), when set, forces the strategy
-// of the AUTO column, as it does for the CLI (read once here; the library never reads the environment).
+// of the AUTO column, as it does for the CLI (read once, through runtime/kernel_env.h; the library never reads the
+// environment).
 //
 // chimera_bench allreduce_oneshot: the ONESHOT kernel with and without programmatic dependent launch, for
 // residual + RMSNorm in bf16 at hidden {2688, 4096, 8192} x tokens {1, 8, 32, 64, 128, 256}; a TABLE at the end
@@ -34,6 +35,7 @@
 
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
+#include "runtime/kernel_env.h"
 
 #if defined(CHIMERA_HAVE_NCCL)
 #include "dist/allreduce.h"
@@ -192,10 +194,9 @@ int calls_for(int64_t bytes) {
   return static_cast<int>(std::clamp<int64_t>((int64_t{128} << 20) / std::max<int64_t>(bytes, 1), 4, 50));
 }
 
+// CHIMERA_ALLREDUCE_STRATEGY through the environment registry (runtime/kernel_env.h), validated there.
 bool env_forced(AllReduceStrategy* s) {
-  const char* v = std::getenv("CHIMERA_ALLREDUCE_STRATEGY");
-  if (!v || !*v) return false;
-  *s = dist::parse_strategy(v);
+  *s = allreduce_strategy_from_env();
   return *s != AllReduceStrategy::kAuto;
 }
 
