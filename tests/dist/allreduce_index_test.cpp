@@ -170,7 +170,7 @@ TEST(LookupKeys, SweepGridIsAscendingAndHasTheModelSizes) {
     ASSERT_FALSE(list.empty());
     for (size_t i = 1; i < list.size(); ++i) EXPECT_LT(list[i - 1], list[i]);
   }
-  // Nemotron-H hidden sizes get exact rows once the sweep has run (issue 5: 2688 took the 4096 row before).
+  // Nemotron-H hidden sizes have exact rows (the nearest-row rule would otherwise send 2688 to the 4096 row).
   for (int64_t h : {2688, 4096, 4480, 8192}) {
     EXPECT_NE(std::find(std::begin(kSweepHidden), std::end(kSweepHidden), h), std::end(kSweepHidden)) << h;
   }
@@ -231,7 +231,7 @@ TEST(Sm90Table, EveryEntryIsAConcreteStrategy) {
       }
     }
   }
-  // 4 and 8 ranks are not measured until a 4/8-GPU machine runs the sweep (issue 6).
+  // 4 and 8 ranks are not measured until a 4/8-GPU machine runs the sweep.
   EXPECT_FALSE(sm90_table_measured(4));
   EXPECT_FALSE(sm90_table_measured(8));
   EXPECT_FALSE(sm90_table_measured(3));
