@@ -1,20 +1,16 @@
-// The fused AllReduce on 2 GPUs: two benchmarks (chimera_bench filters are substrings: name one of them).
+// The fused AllReduce on 2 GPUs: three benchmarks (chimera_bench filters are substrings: name one of them).
 //
-// chimera_bench allreduce_latency: the issue's table. Time per call of ONESHOT, TWOSHOT, NCCL (ncclAllReduce +
+// chimera_bench allreduce_latency: Time per call of ONESHOT, TWOSHOT, NCCL (ncclAllReduce +
 // our fused residual + RMSNorm kernel, the "separate norm") and AUTO for residual + RMSNorm in bf16 over tokens
 // {1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096} x hidden {2688, 4096, 8192}, plus the plain AllReduce through
 // NCCL (no norm: the number peers publish). Prints BENCH lines, a BEST line per size (AUTO / best single strategy)
-// and a TABLE at the end; the autotune column is AUTO with AllReduceConfig::autotune (timed per shape at its first
-// call, in the warm-up). CHIMERA_ALLREDUCE_STRATEGY (auto, nccl, oneshot, twoshot), when set, forces the strategy
-// of the AUTO column, as it does for the CLI (read once here; the library never reads the environment).
+// and a TABLE at the end. CHIMERA_ALLREDUCE_STRATEGY (auto, nccl, oneshot, twoshot), when set, forces the strategy
+// of the AUTO column, as it does for the CLI (read once, through runtime/kernel_env.h; the library never reads the
+// environment).
 //
-// chimera_bench allreduce_oneshot: the ONESHOT kernels side by side (issue 5: <= 8 us at 64 x 8192): legacy,
-// per_block with programmatic dependent launch, per_block without it, for residual + RMSNorm in bf16 at hidden
-// {2688, 4096, 8192} x tokens {1, 8, 32, 64, 128, 256}; a TABLE at the end with per_block / legacy.
-//
-// CHIMERA_ONESHOT_KERNEL (legacy, per_block; default: AllReduceConfig's, per_block), when set, picks the ONESHOT kernel of every
-// instance of allreduce_latency and allreduce_sweep (the ONESHOT, AUTO and autotune columns; the table is then
-// swept with that kernel).
+// chimera_bench allreduce_oneshot: the ONESHOT kernel with and without programmatic dependent launch, for
+// residual + RMSNorm in bf16 at hidden {2688, 4096, 8192} x tokens {1, 8, 32, 64, 128, 256}; a TABLE at the end
+// with the ratio (the goal: <= 8 us at 64 x 8192 with PDL).
 //
 // chimera_bench allreduce_sweep: the sweep behind the SM90 lookup table (src/dist/sm90_allreduce_table.inc).
 // Every fusion pattern x hidden kSweepHidden x tokens kSweepTokens (src/dist/strategy.h: the powers of two plus
@@ -39,6 +35,7 @@
 
 #include "backends/device_api.h"
 #include "bench/bench_common.h"
+#include "runtime/kernel_env.h"
 
 #if defined(CHIMERA_HAVE_NCCL)
 #include "dist/allreduce.h"
@@ -67,11 +64,10 @@ struct Buffers {
 struct Rig {
   std::unique_ptr<dist::Communicator> comm;
   std::map<AllReduceStrategy, std::unique_ptr<dist::AllReduceFusion>> fusion;
-  std::unique_ptr<dist::AllReduceFusion> autotuned;  // kAuto with AllReduceConfig::autotune
   Buffers buf[kRanks];
   std::barrier<> sync{kRanks};
 
-  Rig(size_t max_bytes, int64_t max_hidden, AllReduceStrategy auto_as, dist::OneShotKernel oneshot) {
+  Rig(size_t max_bytes, int64_t max_hidden, AllReduceStrategy auto_as) {
     comm = dist::Communicator::create_local({0, 1});
     const dist::Topology topo = dist::detect_topology(comm->devices());
     std::printf("%s", topo.describe().c_str());
@@ -79,13 +75,8 @@ struct Rig {
                                 AllReduceStrategy::kTwoShot}) {
       dist::AllReduceConfig c;  // the default 64 MiB workspace: what the engine runs with
       c.strategy = s == AllReduceStrategy::kAuto ? auto_as : s;
-      c.oneshot_kernel = oneshot;
       fusion[s] = std::make_unique<dist::AllReduceFusion>(*comm, topo, c);
     }
-    dist::AllReduceConfig tuned;
-    tuned.autotune = true;
-    tuned.oneshot_kernel = oneshot;
-    autotuned = std::make_unique<dist::AllReduceFusion>(*comm, topo, tuned);
     for (int r = 0; r < kRanks; ++r) {
       cudaSetDevice(r);
       for (void** p : {&buf[r].input, &buf[r].residual, &buf[r].residual_out, &buf[r].norm_out, &buf[r].output}) {
@@ -109,7 +100,6 @@ struct Rig {
       cudaStreamDestroy(buf[r].stream);
     }
     fusion.clear();
-    autotuned.reset();
   }
 
   dist::AllReduceParams params(int r, FusionPattern pattern, int64_t tokens, int64_t hidden) const {
@@ -133,7 +123,7 @@ struct Rig {
   double time_rank(dist::AllReduceFusion& ar, int rank, const dist::AllReduceParams& p, int calls, int replays,
                    AllReduceStrategy* took) {
     cudaStream_t st = buf[rank].stream;
-    // Warm-up: sizes any NCCL scratch before capture, and an autotuning instance tunes here.
+    // Warm-up: sizes any NCCL scratch before capture.
     for (int i = 0; i < 3; ++i) *took = ar.run(rank, p, st);
     cudaStreamSynchronize(st);
     sync.arrive_and_wait();
@@ -204,27 +194,14 @@ int calls_for(int64_t bytes) {
   return static_cast<int>(std::clamp<int64_t>((int64_t{128} << 20) / std::max<int64_t>(bytes, 1), 4, 50));
 }
 
+// CHIMERA_ALLREDUCE_STRATEGY through the environment registry (runtime/kernel_env.h), validated there.
 bool env_forced(AllReduceStrategy* s) {
-  const char* v = std::getenv("CHIMERA_ALLREDUCE_STRATEGY");
-  if (!v || !*v) return false;
-  *s = dist::parse_strategy(v);
+  *s = allreduce_strategy_from_env();
   return *s != AllReduceStrategy::kAuto;
 }
 
-dist::OneShotKernel env_oneshot_kernel(const char* what) {
-  const char* v = std::getenv("CHIMERA_ONESHOT_KERNEL");
-  dist::OneShotKernel k = dist::AllReduceConfig{}.oneshot_kernel;  // the library default unless the env says
-  if (v && *v) {
-    const auto parsed = dist::oneshot_kernel_from_name(v);
-    if (!parsed) {
-      std::printf("BENCH-ERROR %s: CHIMERA_ONESHOT_KERNEL=%s (supported: legacy, per_block); using the default\n", what, v);
-    } else {
-      k = *parsed;
-    }
-  }
-  std::printf("%s: ONESHOT kernel %s (CHIMERA_ONESHOT_KERNEL), PDL %s\n", what,
-              std::string(dist::oneshot_kernel_name(k)).c_str(), device::pdl_enabled() ? "on" : "off");
-  return k;
+void print_setup(const char* what) {
+  std::printf("%s: PDL %s\n", what, device::pdl_enabled() ? "on" : "off");
 }
 
 bool have_two_gpus(const char* what) {
@@ -249,11 +226,12 @@ void run_latency() {
   const int64_t tokens_list[] = {1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096};
   const int64_t hidden_list[] = {2688, 4096, 8192};
   const int64_t max_hidden = 8192;
-  Rig rig(static_cast<size_t>(4096 * max_hidden * 2), max_hidden, forced, env_oneshot_kernel("allreduce_latency"));
+  print_setup("allreduce_latency");
+  Rig rig(static_cast<size_t>(4096 * max_hidden * 2), max_hidden, forced);
   struct Row {
     int64_t hidden, tokens;
     std::map<std::string, double> us;
-    std::string best, auto_took, tuned_took;
+    std::string best, auto_took;
   };
   std::vector<Row> rows;
   for (int64_t hidden : hidden_list) {
@@ -261,13 +239,12 @@ void run_latency() {
       const std::string shape = size_shape(hidden, tokens);
       const double bytes = static_cast<double>(tokens * hidden * 2);
       const int calls = calls_for(static_cast<int64_t>(bytes));
-      Row row{hidden, tokens, {}, {}, {}, {}};
+      Row row{hidden, tokens, {}, {}, {}};
       auto one = [&](const std::string& name, dist::AllReduceFusion& ar, FusionPattern pattern) {
         AllReduceStrategy took = AllReduceStrategy::kAuto;
         const double us = rig.measure(ar, pattern, tokens, hidden, calls, 20, &took);
         row.us[name] = us;
         if (name == "auto") row.auto_took = dist::strategy_name(took);
-        if (name == "autotune") row.tuned_took = dist::strategy_name(took);
         // bytes: this rank's input read + residual read + two outputs written (the HBM floor of the fusion)
         std::printf("BENCH kernel=allreduce_%s shape=%s us=%.2f gbps=%.1f tflops=0 floor_ratio=0 took=%s\n",
                     name.c_str(), shape.c_str(), us, 4.0 * bytes / (us * 1e-6) / 1e9,
@@ -278,7 +255,6 @@ void run_latency() {
       one("twoshot", *rig.fusion[AllReduceStrategy::kTwoShot], FusionPattern::kResidualRmsNorm);
       one("nccl", *rig.fusion[AllReduceStrategy::kNccl], FusionPattern::kResidualRmsNorm);
       one("auto", *rig.fusion[AllReduceStrategy::kAuto], FusionPattern::kResidualRmsNorm);
-      one("autotune", *rig.autotuned, FusionPattern::kResidualRmsNorm);
       one("nccl_ar", *rig.fusion[AllReduceStrategy::kNccl], FusionPattern::kAllReduce);
       row.best = "oneshot";
       for (const char* s : {"twoshot", "nccl"})
@@ -292,28 +268,26 @@ void run_latency() {
   }
   std::printf("TABLE allreduce + residual + RMSNorm, bf16, 2 ranks: us per call (median of 20 graph replays, slower "
               "rank); nccl = ncclAllReduce + fused norm kernel; nccl_ar = ncclAllReduce alone (no norm)\n");
-  std::printf("TABLE %6s %6s %9s %9s %9s %9s %9s %9s  %-8s %-8s %-8s %9s %s\n", "hidden", "tokens", "oneshot",
-              "twoshot", "nccl", "auto", "autotune", "nccl_ar", "best", "auto_is", "tuned_is", "auto/best",
-              "tuned/best");
-  double worst_ratio = 0, worst_tuned = 0;
+  std::printf("TABLE %6s %6s %9s %9s %9s %9s %9s  %-8s %-8s %9s\n", "hidden", "tokens", "oneshot", "twoshot",
+              "nccl", "auto", "nccl_ar", "best", "auto_is", "auto/best");
+  double worst_ratio = 0;
   for (Row& r : rows) {
-    const double ratio = r.us["auto"] / r.us[r.best], tuned = r.us["autotune"] / r.us[r.best];
+    const double ratio = r.us["auto"] / r.us[r.best];
     worst_ratio = std::max(worst_ratio, ratio);
-    worst_tuned = std::max(worst_tuned, tuned);
-    std::printf("TABLE %6lld %6lld %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f  %-8s %-8s %-8s %9.3f %.3f%s\n",
+    std::printf("TABLE %6lld %6lld %9.2f %9.2f %9.2f %9.2f %9.2f  %-8s %-8s %9.3f%s\n",
                 static_cast<long long>(r.hidden), static_cast<long long>(r.tokens), r.us["oneshot"], r.us["twoshot"],
-                r.us["nccl"], r.us["auto"], r.us["autotune"], r.us["nccl_ar"], r.best.c_str(), r.auto_took.c_str(),
-                r.tuned_took.c_str(), ratio, tuned, ratio > 1.05 ? "  auto > 1.05" : "");
+                r.us["nccl"], r.us["auto"], r.us["nccl_ar"], r.best.c_str(), r.auto_took.c_str(), ratio,
+                ratio > 1.05 ? "  auto > 1.05" : "");
   }
-  std::printf("TABLE worst auto/best %.3f, autotune/best %.3f (goal <= 1.05)\n", worst_ratio, worst_tuned);
+  std::printf("TABLE worst auto/best %.3f (goal <= 1.05)\n", worst_ratio);
 }
 
 void run_sweep() {
   if (!have_two_gpus("allreduce_sweep")) return;
   const int64_t max_message = dist::AllReduceConfig{}.max_message_bytes;
   const int64_t max_hidden = 16384;
-  Rig rig(static_cast<size_t>(max_message), max_hidden, AllReduceStrategy::kAuto,
-          env_oneshot_kernel("allreduce_sweep"));
+  print_setup("allreduce_sweep");
+  Rig rig(static_cast<size_t>(max_message), max_hidden, AllReduceStrategy::kAuto);
   // The grid, for scripts/make_allreduce_table.py: the table lists exactly these sizes.
   auto join = [](std::span<const int64_t> v) {
     std::string out;
@@ -362,25 +336,18 @@ void run_sweep() {
   }
 }
 
-// The ONESHOT kernels side by side, on the same buffers, one instance each (separate workspaces: the two kernels
-// must never share slot counters).
+// The ONESHOT kernel with and without programmatic dependent launch, on the same instance and buffers.
 void run_oneshot() {
   if (!have_two_gpus("allreduce_oneshot")) return;
   const int64_t tokens_list[] = {1, 8, 32, 64, 128, 256};
   const int64_t hidden_list[] = {2688, 4096, 8192};
   const int64_t max_hidden = 8192;
-  Rig rig(static_cast<size_t>(256 * max_hidden * 2), max_hidden, AllReduceStrategy::kOneShot,
-          dist::OneShotKernel::kLegacy);
-  dist::AllReduceConfig c;
-  c.strategy = AllReduceStrategy::kOneShot;
-  c.oneshot_kernel = dist::OneShotKernel::kPerBlock;
-  const dist::Topology topo = dist::detect_topology(rig.comm->devices());
-  dist::AllReduceFusion per_block(*rig.comm, topo, c);
+  Rig rig(static_cast<size_t>(256 * max_hidden * 2), max_hidden, AllReduceStrategy::kOneShot);
   const bool pdl_default = device::pdl_enabled();
   std::printf("allreduce_oneshot: PDL available %s\n", pdl_default ? "yes" : "no");
   struct Row {
     int64_t hidden, tokens;
-    double legacy, pb_pdl, pb_nopdl;
+    double pdl, nopdl;
   };
   std::vector<Row> rows;
   for (int64_t hidden : hidden_list) {
@@ -388,29 +355,27 @@ void run_oneshot() {
       const std::string shape = size_shape(hidden, tokens);
       const double bytes = static_cast<double>(tokens * hidden * 2);
       const int calls = calls_for(static_cast<int64_t>(bytes));
-      Row row{hidden, tokens, 0, 0, 0};
-      auto one = [&](const char* name, dist::AllReduceFusion& ar, bool pdl) {
-        const double us =
-            rig.measure(ar, FusionPattern::kResidualRmsNorm, tokens, hidden, calls, 20, nullptr, pdl && pdl_default);
-        std::printf("BENCH kernel=allreduce_oneshot_%s shape=%s us=%.2f gbps=%.1f tflops=0 floor_ratio=0\n", name,
+      Row row{hidden, tokens, 0, 0};
+      auto one = [&](const char* name, bool pdl) {
+        const double us = rig.measure(*rig.fusion[AllReduceStrategy::kOneShot], FusionPattern::kResidualRmsNorm,
+                                      tokens, hidden, calls, 20, nullptr, pdl && pdl_default);
+        std::printf("BENCH kernel=allreduce_oneshot%s shape=%s us=%.2f gbps=%.1f tflops=0 floor_ratio=0\n", name,
                     shape.c_str(), us, 4.0 * bytes / (us * 1e-6) / 1e9);
         std::fflush(stdout);
         return us;
       };
-      row.legacy = one("legacy", *rig.fusion[AllReduceStrategy::kOneShot], pdl_default);
-      row.pb_pdl = one("per_block", per_block, true);
-      row.pb_nopdl = one("per_block_nopdl", per_block, false);
+      row.pdl = one("", true);
+      row.nopdl = one("_nopdl", false);
       rows.push_back(row);
     }
   }
   std::printf("TABLE ONESHOT + residual + RMSNorm, bf16, 2 ranks: us per call (median of 20 graph replays of "
               "back-to-back calls, slower rank)\n");
-  std::printf("TABLE %6s %6s %9s %9s %9s %9s %s\n", "hidden", "tokens", "legacy", "per_block", "pb_nopdl",
-              "pb/legacy", "goal");
+  std::printf("TABLE %6s %6s %9s %9s %9s %s\n", "hidden", "tokens", "pdl", "no_pdl", "pdl/no", "goal");
   for (const Row& r : rows) {
-    std::printf("TABLE %6lld %6lld %9.2f %9.2f %9.2f %9.3f%s\n", static_cast<long long>(r.hidden),
-                static_cast<long long>(r.tokens), r.legacy, r.pb_pdl, r.pb_nopdl, r.pb_pdl / r.legacy,
-                r.hidden == 8192 && r.tokens == 64 ? (r.pb_pdl <= 8.0 ? "  <= 8 us: met" : "  <= 8 us: MISSED") : "");
+    std::printf("TABLE %6lld %6lld %9.2f %9.2f %9.3f%s\n", static_cast<long long>(r.hidden),
+                static_cast<long long>(r.tokens), r.pdl, r.nopdl, r.pdl / r.nopdl,
+                r.hidden == 8192 && r.tokens == 64 ? (r.pdl <= 8.0 ? "  <= 8 us: met" : "  <= 8 us: MISSED") : "");
   }
 }
 

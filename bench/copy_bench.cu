@@ -1,5 +1,5 @@
-// What a plain memory stream reaches at the sizes of the issue-3 bars (issue 3 asks for fractions of the 4.2 TB/s
-// copy rate, measured on large copies: docs/perf.md): the same bytes moved by the simplest kernels, timed as the
+// What a plain memory stream reaches at the sizes of the kernel targets (docs/perf.md, "Kernel targets": fractions
+// of the 4.2 TB/s copy rate measured on large copies): the same bytes moved by the simplest kernels, timed as the
 // kernels are (graph timing, 20 calls per graph, buffers rotated over >= 256 MB so nothing is served from L2).
 //   copy-memcpy:   cudaMemcpyAsync device to device of bytes / 2 (read + write = bytes)
 //   copy-kernel:   a grid-stride 16-byte copy kernel, launched with PDL like the engine's kernels, grid = 4

@@ -1,5 +1,5 @@
 // Mamba kernels at Nemotron 3 Nano / Super shapes (docs/model.md 9): the selective state update (decode), the
-// causal conv1d (prefill and decode update) and the fused decode step (conv update + SSU + gated norm, issue 4)
+// causal conv1d (prefill and decode update) and the fused decode step (conv update + SSU + gated norm)
 // against the three ops it replaces. Bytes are the ones that must move (state read + write, inputs
 // read, outputs written), so floor_ratio is the achieved fraction of the measured 4.2 TB/s copy bandwidth.
 //
@@ -222,9 +222,9 @@ CHIMERA_BENCH(mamba_ssu_variants) {
 constexpr int kConvDim = 10240;  // Super: Di + 2 * G * N
 constexpr int kConvK = 4;
 
-// kernel: "conv1d-prefill" (the tile kernel as the ops:: adapter launches it), "-waittiles" (the tile list read
-// after the PDL wait).
-void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::string& kernel = "conv1d-prefill") {
+// The tile kernel as the ops:: adapter launches it.
+void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len) {
+  const std::string kernel = "conv1d-prefill";
   const DType act = DType::kBF16;
   const int64_t T = static_cast<int64_t>(n_seqs) * seq_len, C = kConvDim;
   const double bytes = 2.0 * T * C * dtype_size(act) + 2.0 * n_seqs * C * (kConvK - 1) * dtype_size(act) +
@@ -254,14 +254,6 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::
   p.x = x.data(), p.out = out.data(), p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.n_tiles = n_tiles;
-  if (kernel == "conv1d-prefill" || kernel == "conv1d-prefill-waittiles") {
-    // "conv1d-prefill" is what the ops:: adapter launches (tile list read before the PDL wait); "-waittiles" reads
-    // it after the wait.
-    p.tiles_before_wait = kernel == "conv1d-prefill";
-  } else {
-    throw_runtime("bench_conv_prefill: unknown kernel " + kernel +
-                  " (conv1d-prefill, conv1d-prefill-waittiles)");
-  }
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_T" + std::to_string(T) + "_seqs" +
                             std::to_string(n_seqs) + "_act-bf16";
@@ -276,9 +268,7 @@ void bench_conv_prefill(const Context& ctx, int n_seqs, int seq_len, const std::
   });
 }
 
-// slots_before_wait: as the ops:: adapter sets it (true), or the slot look-up after the PDL wait
-// ("conv1d-update-waitslots").
-void bench_conv_update(const Context& ctx, int batch, bool slots_before_wait = true) {
+void bench_conv_update(const Context& ctx, int batch) {
   const DType act = DType::kBF16;
   const int64_t C = kConvDim;
   const double bytes = 2.0 * batch * C * dtype_size(act) + 2.0 * batch * C * (kConvK - 1) * dtype_size(act) +
@@ -296,8 +286,7 @@ void bench_conv_update(const Context& ctx, int batch, bool slots_before_wait = t
   p.weight = w.data(), p.bias = bias.data(), p.conv_state = state.data();
   p.act = act, p.weight_dtype = DType::kBF16, p.bias_dtype = DType::kBF16, p.state_dtype = act;
   p.C = C, p.K = kConvK, p.silu = true, p.batch = batch;
-  p.slots_before_wait = slots_before_wait;
-  const std::string kernel = std::string("conv1d-update") + (slots_before_wait ? "" : "-waitslots");
+  const std::string kernel = "conv1d-update";
   int call = 0;
   const std::string shape = "super_C" + std::to_string(C) + "_K4_b" + std::to_string(batch) + "_act-bf16";
   ctx.run(kernel, shape, bytes, 0.0, [&] {
@@ -321,13 +310,6 @@ CHIMERA_BENCH(mamba_conv1d) {
   for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens);
   bench_conv_prefill(ctx, 8, 1024);
   for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch);
-  for (int batch : {1, 64, 256}) bench_conv_update(ctx, batch, false);
-}
-
-// The tile kernel reading its tile list after the PDL wait, next to the default above (same shapes).
-CHIMERA_BENCH(mamba_conv1d_variants) {
-  for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens, "conv1d-prefill-waittiles");
-  bench_conv_prefill(ctx, 8, 1024, "conv1d-prefill-waittiles");
 }
 
 // ---- fused decode step: conv update + SSU + gated norm vs the three ops -----------------------------------

@@ -298,7 +298,7 @@ void bench_experts(const Context& ctx, const char* model, int64_t E, int64_t k, 
   }
 }
 
-// Decode token counts (issue 4: batch-1 decode at >= 0.6 of the weight-streaming floor). Per T: the public op
+// Decode token counts (target: batch-1 decode at >= 0.6 of the weight-streaming floor, docs/perf.md). Per T: the public op
 // call (automatic path; CUDA events around host validation + 4 launches), then the device time of the whole op
 // (permute + up + down + combine) inside a CUDA graph of kGraphLaunches calls, what a captured decode step pays,
 // on the GEMV path ("moe_experts-gemv-graph") and on the tensor-core path ("moe_experts-mma-graph"), plus a check
@@ -340,7 +340,7 @@ void bench_experts_decode(const Context& ctx, const char* model, int64_t E, int6
   }
 }
 
-// Prefill token counts (issue 3: the grouped expert GEMMs at many tokens per expert): per T, the op on a forced path,
+// Prefill token counts (the grouped expert GEMMs at many tokens per expert): per T, the op on a forced path,
 // "moe_experts-mma" (the mma.sync kernel, what kAuto runs here) and, in a build with -DCHIMERA_CUTLASS=ON,
 // "moe_experts-cutlass" (CUTLASS's sm90 grouped GEMM: prepare + 2 GEMMs + combine), each as an op call (CUDA events
 // around host work + launches: ctx.run) and as device time inside a CUDA graph (run_graph, "<name>-graph"; the
@@ -405,7 +405,7 @@ void bench_experts_prefill(const Context& ctx, const char* model, int64_t E, int
   }
 }
 
-// A decode MoE layer's experts with its shared expert (issue 4): per T = 1, 2, 4, 8, graph device time of
+// A decode MoE layer's experts with its shared expert: per T = 1, 2, 4, 8, graph device time of
 //   "moe_layer-old": ops::moe_experts (4 launches) + ops::relu2_mlp (cuBLASLt up, relu2, cuBLASLt down)
 //   "moe_layer-new": ops::moe_experts_shared (the shared expert inside the 2 GEMV launches: 4 launches in all)
 // plus "moe_experts-gemv" alone (the routed part, the old bench's number). Bytes: the touched routed experts'

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# One GPU-machine call for the fused AllReduce (issue 5) on 2 GPUs: the AllReduce tests, the sweep that writes the
+# One GPU-machine call for the fused AllReduce on 2 GPUs: the AllReduce tests, the sweep that writes the
 # SM90 lookup table, the C++ latency bench and the PyTorch peers, logs (and the table) in $OUT. Builds nothing:
 # build first, in the same call, e.g.
 #   NINJA_TARGETS="chimera_tests chimera_bench" scripts/device_check.sh none && OUT=$OUT bash bench/run_allreduce_device.sh
-# Budget < 10 minutes: tests <= 200 s, ONESHOT kernels <= 60 s, sweep <= 240 s (about 1,000 entries since the
+# Budget < 10 minutes: tests <= 200 s, ONESHOT with / without PDL <= 60 s, sweep <= 240 s (about 1,000 entries since the
 # table is keyed by the measured sizes), bench <= 60 s, peers <= 75 s (each bounded by `timeout`; a step that
-# runs out of time is logged and the next one still runs). CHIMERA_ONESHOT_KERNEL (legacy, per_block), when set,
-# is the ONESHOT kernel the sweep and the latency bench time: set it to the kernel AllReduceConfig defaults to.
+# runs out of time is logged and the next one still runs).
 # Results: $OUT/allreduce_tests.log, allreduce_sweep.log, sm90_allreduce_table.inc (copy it over
 # src/dist/sm90_allreduce_table.inc to commit the measured table), allreduce_bench.log, allreduce_peers.log,
 # allreduce_summary.txt (the lines worth reading, also printed at the end).
@@ -29,15 +28,15 @@ git rev-parse --short=12 HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 
 # 1. Tests: the 2-GPU AllReduce suite and the CPU tests of the index arithmetic and the table.
 el "tests"
-FILTER='AllReduceTwoGpu.*:RanksTest*:LamportRotation.*:Barrier.*:Grid.*:LookupKeys.*:Sm90Table.*:Strategy.*:Autotune.*'
+FILTER='AllReduceTwoGpu.*:RanksTest*:LamportRotation.*:Barrier.*:Grid.*:LookupKeys.*:Sm90Table.*:Strategy.*'
 timeout 200 "./$BUILD/chimera_tests" --gtest_filter="$FILTER" >"$OUT/allreduce_tests.log" 2>&1
 echo "tests rc=$? (124: timed out)"
 el "tests done"
 
-# 2. The ONESHOT kernels side by side (legacy, per_block with and without PDL).
-el "oneshot kernels"
+# 2. The ONESHOT kernel with and without PDL.
+el "oneshot pdl"
 timeout 60 "./$BUILD/chimera_bench" allreduce_oneshot >"$OUT/allreduce_oneshot.log" 2>&1
-echo "oneshot kernels rc=$?"
+echo "oneshot pdl rc=$?"
 
 # 3. Sweep -> table (the tool runs chimera_bench allreduce_sweep and writes the .inc).
 el "sweep"
@@ -63,8 +62,8 @@ el "peers done"
   grep -E "^\[  (FAILED|PASSED|SKIPPED) +\]|^\[==========\]|allreduce grid:|10000 calls:|OK \] AllReduceTwoGpu" \
     "$OUT/allreduce_tests.log" | head -40
   grep -E -A8 "Failure" "$OUT/allreduce_tests.log" | cut -c1-300 | head -60
-  echo "== oneshot kernels"
-  grep -E "^TABLE|ERROR|SKIP|ONESHOT kernel|PDL" "$OUT/allreduce_oneshot.log"
+  echo "== oneshot pdl"
+  grep -E "^TABLE|ERROR|SKIP|PDL" "$OUT/allreduce_oneshot.log"
   echo "== sweep"
   grep -c '^SWEEP' "$OUT/allreduce_sweep.log" 2>/dev/null | sed 's/^/sweep lines: /'
   grep -E "ERROR|error" "$OUT/allreduce_sweep.log" 2>/dev/null | head -5

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for the issue-4 side items (profiler, transformers engine peer, bf16 fixtures).
+# One GPU-machine call for the engine's side measurements (profiler, transformers engine peer, bf16 fixtures).
 # Run from the repository root on the GPU machine:
 #   OUT=<dir> bash bench/run_engine_device.sh [steps...]     steps: build tests fixtures profile peer (default all)
 #   build     cmake + ninja chimera_cli chimera_tests (build dir ${BUILD:-build-dev}, as scripts/device_check.sh)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where does a bf16 run leave transformers' bf16 run? (issue 4, the super_like gap). CPU only.
+"""Where does a bf16 run leave transformers' bf16 run? (the super_like gap). CPU only.
 
 Runs one fixture (tests/fixtures/models/<name>) with transformers on the CPU, teacher-forced exactly as
 make_fixtures.py --bf16-logits-only does on the GPU, in several precisions, and scores each against the committed

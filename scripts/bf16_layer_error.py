@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Layer by layer: is Chimera's bf16 engine as accurate as transformers' bf16? (issue 4; the GPU machine)
+"""Layer by layer: is Chimera's bf16 engine as accurate as transformers' bf16? (the GPU machine)
 
 For each prompt of a fixture (tests/fixtures/models/<name>) this runs `chimera generate --dump-activations` (the
 prompt as one prefill, bf16 on CUDA) and transformers on the same GPU in bf16 and in fp32 math on the same bf16

@@ -29,8 +29,7 @@ rule, and the header counts how many entries were measured.
 Sweep lines parsed (bench/allreduce_bench.cu), times in microseconds, '-' where a strategy is not eligible:
   SWEEP-GRID hidden=<h,h,...> tokens=<t,t,...>
   SWEEP ranks=2 pattern=<name> hidden=<h> tokens=<t> oneshot=<us|-> twoshot=<us|-> nccl=<us|->
-The sweep times ONESHOT with the kernel CHIMERA_ONESHOT_KERNEL names (legacy, per_block; it logs which): run it
-with the kernel AllReduceConfig::oneshot_kernel defaults to.
+The sweep logs whether programmatic dependent launch was on ('allreduce_sweep: PDL on'); the line goes into the header.
 """
 import argparse
 import datetime
@@ -66,7 +65,7 @@ def parse_sweep(lines):
         line = line.rstrip("\n")
         if line.startswith("device:"):
             device.append(line[len("device:"):].strip())
-        if line.startswith("allreduce_sweep: ONESHOT kernel"):
+        if line.startswith("allreduce_sweep: PDL"):
             notes.append(line)
         g = GRID_RE.match(line)
         if g:
@@ -183,7 +182,7 @@ def main():
                    f"status: 2 ranks MEASURED ({len(measured)} of {total} entries; the rest default rule), bf16,",
                    "the fastest of ONESHOT / TWOSHOT / NCCL (+ the fused norm kernel) per entry, timed at exactly",
                    "the listed hidden sizes and token counts. 4 and 8 ranks NOT MEASURED (default rule)."]
-        header += notes or ["oneshot kernel: not in the log (a sweep before CHIMERA_ONESHOT_KERNEL: legacy)"]
+        header += notes or ["PDL: not in the log"]
     text = render(measured, hidden_list, tokens_list, header)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

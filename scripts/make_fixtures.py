@@ -18,7 +18,7 @@ Needs torch and transformers>=5.10 (dense '-' layers); fixtures were made with t
 
 Usage: python3 scripts/make_fixtures.py --out tests/fixtures/models [--tar fixtures.tar.gz] [--only NAME ...]
 
-bf16 mode (issue 4; the GPU machine): python3 scripts/make_fixtures.py --bf16-logits-only OUTDIR
+bf16 mode (the GPU machine): python3 scripts/make_fixtures.py --bf16-logits-only OUTDIR
     [--fixtures tests/fixtures/models] [--device cuda] [--only NAME ...]
   For every existing fixture directory: loads its saved checkpoint with from_pretrained in bfloat16 on the GPU
   (eager attention, eager experts, torch Mamba path, as the fp32 fixtures) and runs it teacher-forced over the

@@ -29,7 +29,8 @@ int main(int argc, char** argv) {
                        : "--threads must be an integer from 0 (all cores) to 4096, got " + v;
           },
           "INT in [0, 4096]"));
-  // The only place CHIMERA_ALLREDUCE_STRATEGY is read (docs/style.md 8: flags and env -> one validated config).
+  // CHIMERA_ALLREDUCE_STRATEGY as the flag's environment name (docs/style.md 8: flags and env -> one validated
+  // config); chimera_bench reads it through runtime/kernel_env.h with the same parser.
   std::string allreduce_strategy = "auto";
   app.add_option("--allreduce-strategy", allreduce_strategy,
                  "Tensor-parallel AllReduce strategy: auto, nccl, oneshot, twoshot")

@@ -35,18 +35,12 @@ void require(const void* p, bool needed, const char* name, FusionPattern pattern
 //   lamport  [3][n_ranks][M]   pre-filled with the empty pattern
 //   staging  [n_ranks - 1][M]  TWOSHOT: the peers' parts of this rank's shares
 //   reduced  [M]               TWOSHOT: the sums
-//   flags    [kMaxBlocks][kMaxRanks] u32, epochs [kMaxBlocks] u32, LamportState, LamportBlockState [kOneShotGrid]
+//   flags    [kMaxBlocks][kMaxRanks] u32, epochs [kMaxBlocks] u32, LamportBlockState [kOneShotGrid]
 struct AllReduceFusion::RankState {
   void* workspace = nullptr;
   cuda::dist::PeerArgs peers{};
   void* scratch = nullptr;  // NCCL path, when no output can hold the sum
   int64_t scratch_bytes = 0;
-  // Autotuner (AllReduceConfig::autotune): the winners by autotune_key, a residual_out stand-in for in-place
-  // calls while timing, and a device buffer for agreeing on the times.
-  std::map<uint32_t, AllReduceStrategy> tuned;
-  void* tune_residual = nullptr;
-  int64_t tune_residual_bytes = 0;
-  float* tune_times = nullptr;  // [4] on this rank's device
 };
 
 AllReduceFusion::AllReduceFusion(const Communicator& comm, const Topology& topology, AllReduceConfig config)
@@ -67,8 +61,7 @@ AllReduceFusion::AllReduceFusion(const Communicator& comm, const Topology& topol
   const int64_t lamport_bytes = int64_t{kLamportSlots} * n * m;
   const int64_t staging_off = lamport_bytes, reduced_off = staging_off + int64_t{n - 1} * m, flags_off = reduced_off + m;
   const int64_t epochs_off = align_up(flags_off + int64_t{kMaxBlocks} * kMaxRanks * 4, 256);
-  const int64_t state_off = align_up(epochs_off + int64_t{kMaxBlocks} * 4, 256);
-  const int64_t blocks_off = align_up(state_off + static_cast<int64_t>(sizeof(cuda::dist::LamportState)), 256);
+  const int64_t blocks_off = align_up(epochs_off + int64_t{kMaxBlocks} * 4, 256);
   const int64_t total =
       align_up(blocks_off + int64_t{kOneShotGrid} * static_cast<int64_t>(sizeof(cuda::dist::LamportBlockState)), 256);
 
@@ -104,7 +97,6 @@ AllReduceFusion::AllReduceFusion(const Communicator& comm, const Topology& topol
     }
     char* mine = static_cast<char*>(ranks_[static_cast<size_t>(r)]->workspace);
     p.epochs = reinterpret_cast<uint32_t*>(mine + epochs_off);
-    p.lamport_state = reinterpret_cast<cuda::dist::LamportState*>(mine + state_off);
     p.lamport_blocks = reinterpret_cast<cuda::dist::LamportBlockState*>(mine + blocks_off);
   }
 }
@@ -115,8 +107,6 @@ AllReduceFusion::~AllReduceFusion() {
     cudaDeviceSynchronize();
     if (ranks_[r]->workspace) cudaFree(ranks_[r]->workspace);
     if (ranks_[r]->scratch) cudaFree(ranks_[r]->scratch);
-    if (ranks_[r]->tune_residual) cudaFree(ranks_[r]->tune_residual);
-    if (ranks_[r]->tune_times) cudaFree(ranks_[r]->tune_times);
   }
 }
 
@@ -150,11 +140,7 @@ AllReduceStrategy AllReduceFusion::run(int rank, const AllReduceParams& p, void*
   (void)nccl_type(p.dtype);  // the dtype check, before any strategy runs
   if (has_fp8_out(pat) && !(p.fp8_scale > 0.0f)) invalid_input("dist::AllReduceFusion: fp8_scale must be > 0");
 
-  AllReduceStrategy s = choose(p);
-  if (config_.autotune && config_.strategy == AllReduceStrategy::kAuto && s != AllReduceStrategy::kNccl) {
-    s = autotuned(rank, p, s, stream);
-  }
-  return launch(rank, p, s, stream);
+  return launch(rank, p, choose(p), stream);
 }
 
 AllReduceStrategy AllReduceFusion::launch(int rank, const AllReduceParams& p, AllReduceStrategy s, void* stream) {
@@ -176,11 +162,7 @@ AllReduceStrategy AllReduceFusion::launch(int rank, const AllReduceParams& p, Al
   RankState& rs = *ranks_[static_cast<size_t>(rank)];
   switch (s) {
     case AllReduceStrategy::kOneShot:
-      if (config_.oneshot_kernel == OneShotKernel::kPerBlock) {
-        cuda::dist::launch_oneshot_per_block(p.dtype, pat, a, rs.peers, stream);
-      } else {
-        cuda::dist::launch_oneshot(p.dtype, pat, a, rs.peers, stream);
-      }
+      cuda::dist::launch_oneshot(p.dtype, pat, a, rs.peers, stream);
       return s;
     case AllReduceStrategy::kTwoShot: cuda::dist::launch_twoshot(p.dtype, pat, a, rs.peers, stream); return s;
     default: break;
@@ -216,63 +198,6 @@ AllReduceStrategy AllReduceFusion::launch(int rank, const AllReduceParams& p, Al
   a.input = sum;
   cuda::dist::launch_fused_norm(p.dtype, pat, a, stream);
   return AllReduceStrategy::kNccl;
-}
-
-// Times every candidate on this rank (events around kTuneCalls calls after a warm-up), takes the maximum over
-// the ranks (ncclAllReduce, max), picks the fastest: every rank runs the same calls in the same order (run()'s
-// contract), so every rank's cache gets the same entry at the same call.
-AllReduceStrategy AllReduceFusion::autotuned(int rank, const AllReduceParams& p, AllReduceStrategy table_choice,
-                                             void* stream) {
-  constexpr int kTuneCalls = 8;
-  RankState& rs = *ranks_[static_cast<size_t>(rank)];
-  const uint32_t key = autotune_key(p.pattern, static_cast<int>(dtype_size(p.dtype)), p.hidden, p.tokens);
-  if (auto it = rs.tuned.find(key); it != rs.tuned.end()) return it->second;
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  cuda_check(cudaStreamIsCapturing(st, &capturing), "cudaStreamIsCapturing");
-  if (capturing != cudaStreamCaptureStatusNone) return table_choice;  // cannot time inside a capture
-
-  const StrategyQuery q = query(p);
-  const std::vector<AllReduceStrategy> candidates = autotune_candidates(q);
-
-  // Repeating an in-place call would add the sum to the residual once per call: time into a stand-in.
-  AllReduceParams tp = p;
-  const int64_t bytes = p.tokens * p.hidden * static_cast<int64_t>(dtype_size(p.dtype));
-  if (has_residual(p.pattern) && p.residual_out == p.residual_in) {
-    if (rs.tune_residual_bytes < bytes) {
-      if (rs.tune_residual) cuda_check(cudaFree(rs.tune_residual), "cudaFree(tune residual)");
-      cuda_check(cudaMalloc(&rs.tune_residual, static_cast<size_t>(bytes)), "cudaMalloc(tune residual)");
-      rs.tune_residual_bytes = bytes;
-    }
-    tp.residual_out = rs.tune_residual;
-  }
-  if (!rs.tune_times) cuda_check(cudaMalloc(&rs.tune_times, 4 * sizeof(float)), "cudaMalloc(tune times)");
-
-  float us[4] = {0, 0, 0, 0};
-  cudaEvent_t a = nullptr, b = nullptr;
-  cuda_check(cudaEventCreate(&a), "cudaEventCreate");
-  cuda_check(cudaEventCreate(&b), "cudaEventCreate");
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    launch(rank, tp, candidates[i], stream);  // warm-up (sizes any NCCL scratch)
-    cuda_check(cudaEventRecord(a, st), "cudaEventRecord");
-    for (int k = 0; k < kTuneCalls; ++k) launch(rank, tp, candidates[i], stream);
-    cuda_check(cudaEventRecord(b, st), "cudaEventRecord");
-    cuda_check(cudaEventSynchronize(b), "cudaEventSynchronize");
-    float ms = 0.0f;
-    cuda_check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
-    us[i] = 1000.0f * ms / kTuneCalls;
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  cuda_check(cudaMemcpyAsync(rs.tune_times, us, sizeof(us), cudaMemcpyHostToDevice, st), "cudaMemcpyAsync(times)");
-  nccl_check(ncclAllReduce(rs.tune_times, rs.tune_times, 4, ncclFloat32, ncclMax, comm_.nccl(rank), st),
-             "ncclAllReduce(tune times)");
-  cuda_check(cudaMemcpyAsync(us, rs.tune_times, sizeof(us), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync(times)");
-  cuda_check(cudaStreamSynchronize(st), "cudaStreamSynchronize(tune)");
-  const AllReduceStrategy winner =
-      pick_fastest(candidates, std::span<const float>(us, candidates.size()));
-  rs.tuned[key] = winner;
-  return winner;
 }
 
 }  // namespace chimera::dist

@@ -14,7 +14,6 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <vector>
 
@@ -27,22 +26,12 @@
 namespace chimera::dist {
 
 struct AllReduceConfig {
-  // Forced strategy; kAuto asks the lookup table. Set from the CLI (--allreduce-strategy, or the
+  // Forced strategy; kAuto asks the offline-tuned lookup table (strategy.h), a fixed function of the call's shape. Set from the CLI (--allreduce-strategy, or the
   // CHIMERA_ALLREDUCE_STRATEGY environment variable, read once there); never read from the environment here.
   AllReduceStrategy strategy = AllReduceStrategy::kAuto;
   // Workspace capacity per message: max tokens x hidden x element size (64 MiB default). Each rank allocates
   // 3 x n_ranks x this (Lamport) + n_ranks x this (TWOSHOT staging, sums). Larger messages go to NCCL.
   int64_t max_message_bytes = int64_t{64} << 20;
-  // With strategy kAuto: instead of the lookup table, time every eligible strategy end to end (NCCL with its
-  // separate norm kernel) the first time a (pattern, dtype, hidden bucket, tokens bucket) is seen, on the caller's
-  // buffers, take the winner by the slowest rank's time (every rank decides the same) and cache it.
-  // The timing calls happen inside that first run() (a few ms; outputs are rewritten by the real call, an
-  // in-place residual is protected). A first call of a key inside a CUDA graph capture cannot be timed: it uses
-  // the table and is tuned on the next call outside a capture.
-  bool autotune = false;
-  // The ONESHOT kernel (allreduce_types.h). kPerBlock is the faster one at small messages (docs/perf.md,
-  // AllReduce); kLegacy stays for comparison (CHIMERA_ONESHOT_KERNEL=legacy).
-  OneShotKernel oneshot_kernel = OneShotKernel::kPerBlock;
 };
 
 // One call. Tensors are [tokens, hidden] row-major, contiguous, 16-byte aligned, in `dtype` (bf16, fp16, fp32),
@@ -83,7 +72,6 @@ class AllReduceFusion {
   struct RankState;
   StrategyQuery query(const AllReduceParams& params) const;  // what the strategy choice depends on
   AllReduceStrategy launch(int rank, const AllReduceParams& p, AllReduceStrategy s, void* stream);
-  AllReduceStrategy autotuned(int rank, const AllReduceParams& p, AllReduceStrategy table_choice, void* stream);
   const Communicator& comm_;
   AllReduceConfig config_;
   bool custom_ = false;

@@ -86,21 +86,13 @@ CHIMERA_HD int twoshot_owner(int64_t v, int n_ranks, int64_t n_vecs) {
 // is a function of the shape only (never of the device), so block b handles the same rows on every rank.
 inline constexpr int kMaxBlocks = 128;  // <= the SMs of an H100/H200: all blocks co-resident (barriers, spins)
 CHIMERA_HD int grid_blocks(int64_t tokens) { return tokens < kMaxBlocks ? static_cast<int>(tokens) : kMaxBlocks; }
-// ONESHOT: at least a block per row (the fused epilogue is per row), and enough blocks that each pushes at most
-// kOneShotPushVecs 16-byte vectors (spreading a small message's NVLink stores over more SMs), within kMaxBlocks.
-inline constexpr int64_t kOneShotPushVecs = 256;
-CHIMERA_HD int oneshot_blocks(int64_t tokens, int64_t row_vecs) {
-  const int64_t by_push = (tokens * row_vecs + kOneShotPushVecs - 1) / kOneShotPushVecs;
-  const int64_t want = tokens > by_push ? tokens : by_push;
-  return want < kMaxBlocks ? static_cast<int>(want) : kMaxBlocks;
-}
 
-// ONESHOT per-block kernel (OneShotKernel::kPerBlock): the grid is kOneShotGrid blocks whatever the shape, so
+// ONESHOT kernel: the grid is kOneShotGrid blocks whatever the shape, so
 // block b runs in every call and can keep its own Lamport slot counter (no cross-block atomics). Block b pushes
 // the contiguous chunk oneshot_chunk(b, ...) of the message (in vectors) into region [slot][rank] of every rank,
 // and in the next call clears the same chunk, recomputed from the total it recorded for that slot, of every
 // source region of its own buffer: every rank's block b pushed exactly that chunk (same shape, same grid), so
-// the union over blocks is the clear extent of the legacy kernel (lamport_clear_elems), whatever the sizes of
+// the union over blocks is the message's whole clear extent (lamport_clear_elems), whatever the sizes of
 // consecutive calls.
 inline constexpr int kOneShotGrid = kMaxBlocks;
 CHIMERA_HD Range oneshot_chunk(int block, int grid, int64_t total_vecs) {

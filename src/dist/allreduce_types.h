@@ -10,15 +10,6 @@ namespace chimera::dist {
 // TWOSHOT (reduce-scatter + all-gather with flag barriers, one kernel). AUTO asks the lookup table.
 enum class AllReduceStrategy : uint8_t { kAuto, kNccl, kOneShot, kTwoShot };
 
-// Which ONESHOT kernel an AllReduceFusion runs (fixed per instance: the two keep their Lamport slot counters in
-// different places, so one workspace must never see both).
-//   kLegacy:   grid sized by the message (oneshot_blocks), one device-wide slot counter advanced by the last
-//              block out (atomicAdd + __threadfence), plain <<<>>> launch (src/backends/cuda/dist/oneshot.cu).
-//   kPerBlock: fixed grid of kOneShotGrid blocks, each with its own slot counter and clear extent (no atomics,
-//              no cross-block fence), residual + gamma loaded before the poll, all ranks' vectors polled at once,
-//              programmatic dependent launch (src/backends/cuda/dist/oneshot_per_block.cu).
-enum class OneShotKernel : uint8_t { kLegacy, kPerBlock };
-
 // What follows the sum, chosen at compile time. With s = sum over ranks of input:
 //   kAllReduce:             output = s
 //   kResidualRmsNorm:       residual_out = s + residual_in; norm_out = rms_norm(residual_out) * w

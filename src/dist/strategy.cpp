@@ -1,7 +1,6 @@
 #include "dist/strategy.h"
 
 #include <cctype>
-#include <cmath>
 #include <iterator>
 #include <string>
 
@@ -37,23 +36,6 @@ std::optional<AllReduceStrategy> strategy_from_name(std::string_view name) {
   for (AllReduceStrategy s : {AllReduceStrategy::kAuto, AllReduceStrategy::kNccl, AllReduceStrategy::kOneShot,
                               AllReduceStrategy::kTwoShot}) {
     if (lower == strategy_name(s)) return s;
-  }
-  return std::nullopt;
-}
-
-std::string_view oneshot_kernel_name(OneShotKernel k) {
-  switch (k) {
-    case OneShotKernel::kLegacy: return "legacy";
-    case OneShotKernel::kPerBlock: return "per_block";
-  }
-  return "?";
-}
-
-std::optional<OneShotKernel> oneshot_kernel_from_name(std::string_view name) {
-  std::string lower(name);
-  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  for (OneShotKernel k : {OneShotKernel::kLegacy, OneShotKernel::kPerBlock}) {
-    if (lower == oneshot_kernel_name(k)) return k;
   }
   return std::nullopt;
 }
@@ -129,29 +111,6 @@ AllReduceStrategy select_strategy(const StrategyQuery& q, AllReduceStrategy forc
   if (!custom_eligible(q)) return AllReduceStrategy::kNccl;
   if (forced != AllReduceStrategy::kAuto) return forced;
   return lookup_sm90(q.n_ranks, q.pattern, q.hidden, q.tokens);
-}
-
-uint32_t autotune_key(FusionPattern pattern, int elem_bytes, int64_t hidden, int64_t tokens) {
-  return (static_cast<uint32_t>(pattern) << 24) | (static_cast<uint32_t>(elem_bytes & 0xff) << 16) |
-         (static_cast<uint32_t>(hidden_index(hidden)) << 8) | static_cast<uint32_t>(tokens_index(tokens));
-}
-
-std::vector<AllReduceStrategy> autotune_candidates(const StrategyQuery& q) {
-  if (!custom_eligible(q)) return {AllReduceStrategy::kNccl};
-  return {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot, AllReduceStrategy::kNccl};
-}
-
-AllReduceStrategy pick_fastest(std::span<const AllReduceStrategy> candidates, std::span<const float> us) {
-  AllReduceStrategy best = AllReduceStrategy::kNccl;
-  float best_us = 0.0f;
-  for (size_t i = 0; i < candidates.size() && i < us.size(); ++i) {
-    if (!std::isfinite(us[i]) || us[i] <= 0.0f) continue;  // a timing that failed
-    if (best_us == 0.0f || us[i] < best_us) {
-      best = candidates[i];
-      best_us = us[i];
-    }
-  }
-  return best;
 }
 
 }  // namespace chimera::dist

@@ -7,7 +7,6 @@
 #include <optional>
 #include <span>
 #include <string_view>
-#include <vector>
 
 #include "dist/allreduce_types.h"
 
@@ -17,9 +16,6 @@ std::string_view strategy_name(AllReduceStrategy s);  // "auto", "nccl", "onesho
 std::string_view pattern_name(FusionPattern p);       // "allreduce", "residual_rmsnorm", ...
 // Case-insensitive; nullopt for anything else.
 std::optional<AllReduceStrategy> strategy_from_name(std::string_view name);
-std::string_view oneshot_kernel_name(OneShotKernel k);  // "legacy", "per_block"
-// Case-insensitive; nullopt for anything else (for CHIMERA_ONESHOT_KERNEL, read by the bench).
-std::optional<OneShotKernel> oneshot_kernel_from_name(std::string_view name);
 // As strategy_from_name but throws kInvalidInput listing the accepted names (what a CLI flag wants).
 AllReduceStrategy parse_strategy(std::string_view name);
 
@@ -64,17 +60,5 @@ bool sm90_table_measured(int n_ranks);
 // The strategy a call takes: `forced` unless it is kAuto (a forced custom strategy that is not eligible falls
 // back to NCCL), else the lookup table; never kAuto.
 AllReduceStrategy select_strategy(const StrategyQuery& q, AllReduceStrategy forced);
-
-// ---- the runtime autotuner's decisions (AllReduceConfig::autotune) -----------------------------------------
-// Calls are tuned once per key: (pattern, element size, table row of hidden, table column of tokens), the
-// table's granularity plus the dtype.
-uint32_t autotune_key(FusionPattern pattern, int elem_bytes, int64_t hidden, int64_t tokens);
-// The strategies worth timing for a call: NCCL always (it includes our separate norm kernel); ONESHOT and TWOSHOT
-// when the custom kernels can take the call. In this order (the tie-break of pick_fastest).
-std::vector<AllReduceStrategy> autotune_candidates(const StrategyQuery& q);
-// The winner given each candidate's time per call (microseconds, already the maximum over the ranks, so every
-// rank decides the same): the smallest finite positive time, ties to the earlier candidate; NCCL when no time
-// is usable.
-AllReduceStrategy pick_fastest(std::span<const AllReduceStrategy> candidates, std::span<const float> us);
 
 }  // namespace chimera::dist

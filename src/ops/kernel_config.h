@@ -8,6 +8,9 @@
 // (runtime/kernel_env.h), which validates every value once.
 // Which kernel a shape gets where both are defaults somewhere (GEMV or cuBLASLt, SSU tiling, ...) is not a field:
 // that is the backend's plan, a fixed rule or the offline-tuned table of docs/kernel_plan.md.
+// A field stays only if its other value runs a path that is the plan's default for some shape, model or build, or
+// only takes an optimisation out of the same kernel (an A/B switch); docs/kernel_plan.md has the table, field by
+// field.
 #pragma once
 
 #include <cstdint>

@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include "core/error.h"
+#include "dist/strategy.h"
 
 namespace chimera {
 namespace {
@@ -67,6 +68,18 @@ ops::KernelConfig kernel_config_from(const std::function<const char*(const char*
 
 ops::KernelConfig kernel_config_from_env(ops::KernelConfig base) {
   return kernel_config_from([](const char* name) { return std::getenv(name); }, base);
+}
+
+dist::AllReduceStrategy allreduce_strategy_from(const std::function<const char*(const char*)>& lookup) {
+  const char* value = lookup(kAllReduceStrategyVar);
+  if (value == nullptr) return dist::AllReduceStrategy::kAuto;
+  if (const auto s = dist::strategy_from_name(value)) return *s;
+  invalid_input("environment variable {}='{}': expected auto, nccl, oneshot or twoshot (the forced AllReduce strategy)",
+                kAllReduceStrategyVar, value);
+}
+
+dist::AllReduceStrategy allreduce_strategy_from_env() {
+  return allreduce_strategy_from([](const char* name) { return std::getenv(name); });
 }
 
 }  // namespace chimera

@@ -121,12 +121,6 @@ TEST(Grid, SameRowsForEveryBlockOnEveryRank) {
   EXPECT_EQ(grid_blocks(1), 1);
   EXPECT_EQ(grid_blocks(64), 64);
   EXPECT_EQ(grid_blocks(4096), kMaxBlocks);
-  // ONESHOT: a block per row at least, more for wide messages (<= kOneShotPushVecs vectors each), capped.
-  EXPECT_EQ(oneshot_blocks(1, 336), 2);     // 2688 bf16: 336 vectors
-  EXPECT_EQ(oneshot_blocks(1, 1024), 4);    // 8192 bf16
-  EXPECT_EQ(oneshot_blocks(64, 1024), kMaxBlocks);
-  EXPECT_EQ(oneshot_blocks(100, 8), 100);
-  EXPECT_EQ(oneshot_blocks(4096, 1024), kMaxBlocks);
 }
 
 TEST(LookupKeys, Buckets) {
@@ -176,7 +170,7 @@ TEST(LookupKeys, SweepGridIsAscendingAndHasTheModelSizes) {
     ASSERT_FALSE(list.empty());
     for (size_t i = 1; i < list.size(); ++i) EXPECT_LT(list[i - 1], list[i]);
   }
-  // Nemotron-H hidden sizes get exact rows once the sweep has run (issue 5: 2688 took the 4096 row before).
+  // Nemotron-H hidden sizes have exact rows (the nearest-row rule would otherwise send 2688 to the 4096 row).
   for (int64_t h : {2688, 4096, 4480, 8192}) {
     EXPECT_NE(std::find(std::begin(kSweepHidden), std::end(kSweepHidden), h), std::end(kSweepHidden)) << h;
   }
@@ -237,7 +231,7 @@ TEST(Sm90Table, EveryEntryIsAConcreteStrategy) {
       }
     }
   }
-  // 4 and 8 ranks are not measured until a 4/8-GPU machine runs the sweep (issue 6).
+  // 4 and 8 ranks are not measured until a 4/8-GPU machine runs the sweep.
   EXPECT_FALSE(sm90_table_measured(4));
   EXPECT_FALSE(sm90_table_measured(8));
   EXPECT_FALSE(sm90_table_measured(3));
@@ -303,50 +297,6 @@ TEST(Strategy, AutoReadsTheTableForEligibleCallsOnly) {
   q.hidden = 8192;
   q.n_ranks = 16;
   EXPECT_EQ(select_strategy(q, AllReduceStrategy::kAuto), AllReduceStrategy::kNccl);
-}
-
-TEST(Autotune, KeysSeparatePatternDtypeAndBuckets) {
-  const uint32_t k = autotune_key(FusionPattern::kResidualRmsNorm, 2, 4096, 64);
-  EXPECT_EQ(autotune_key(FusionPattern::kResidualRmsNorm, 2, 4000, 33), k);  // same row and column
-  EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNorm, 2, 4096, 65), k);
-  EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNorm, 2, 8192, 64), k);
-  EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNorm, 4, 4096, 64), k);
-  EXPECT_NE(autotune_key(FusionPattern::kResidualRmsNormFp8, 2, 4096, 64), k);
-  std::set<uint32_t> keys;
-  for (FusionPattern p : kAllPatterns)
-    for (int eb : {2, 4})
-      for (int64_t hidden : sm90_table_hidden())
-        for (int64_t tokens : sm90_table_tokens()) keys.insert(autotune_key(p, eb, hidden, tokens));
-  EXPECT_EQ(keys.size(), static_cast<size_t>(kNumFusionPatterns) * 2 * sm90_table_hidden().size() *
-                             sm90_table_tokens().size());
-}
-
-TEST(Autotune, CandidatesAreTheEligibleStrategies) {
-  StrategyQuery q{.n_ranks = 2, .pattern = FusionPattern::kResidualRmsNorm, .hidden = 8192, .tokens = 64,
-                  .elem_bytes = 2, .peer_access = true, .max_message_bytes = 64 << 20};
-  EXPECT_EQ(autotune_candidates(q), (std::vector<AllReduceStrategy>{AllReduceStrategy::kOneShot,
-                                                                     AllReduceStrategy::kTwoShot,
-                                                                     AllReduceStrategy::kNccl}));
-  q.tokens = 8192;  // over the workspace
-  EXPECT_EQ(autotune_candidates(q), std::vector<AllReduceStrategy>{AllReduceStrategy::kNccl});
-  q.tokens = 64;
-  q.peer_access = false;
-  EXPECT_EQ(autotune_candidates(q), std::vector<AllReduceStrategy>{AllReduceStrategy::kNccl});
-}
-
-TEST(Autotune, PicksTheFastestUsableTime) {
-  const std::vector<AllReduceStrategy> c = {AllReduceStrategy::kOneShot, AllReduceStrategy::kTwoShot,
-                                            AllReduceStrategy::kNccl};
-  auto pick = [&](std::vector<float> us) { return pick_fastest(c, us); };
-  EXPECT_EQ(pick({5.0f, 7.0f, 30.0f}), AllReduceStrategy::kOneShot);
-  EXPECT_EQ(pick({50.0f, 20.0f, 30.0f}), AllReduceStrategy::kTwoShot);
-  EXPECT_EQ(pick({50.0f, 40.0f, 30.0f}), AllReduceStrategy::kNccl);  // NCCL + its separate norm can win
-  EXPECT_EQ(pick({7.0f, 7.0f, 7.0f}), AllReduceStrategy::kOneShot);  // ties: the earlier candidate
-  EXPECT_EQ(pick({std::nanf(""), 9.0f, 30.0f}), AllReduceStrategy::kTwoShot);  // a failed timing is skipped
-  EXPECT_EQ(pick({0.0f, -1.0f, 30.0f}), AllReduceStrategy::kNccl);
-  EXPECT_EQ(pick({std::nanf(""), std::nanf(""), std::nanf("")}), AllReduceStrategy::kNccl);  // nothing usable
-  EXPECT_EQ(pick_fastest(std::vector<AllReduceStrategy>{AllReduceStrategy::kNccl}, std::vector<float>{3.0f}),
-            AllReduceStrategy::kNccl);
 }
 
 }  // namespace

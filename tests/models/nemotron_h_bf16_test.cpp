@@ -1,4 +1,4 @@
-// The CPU backend on bf16 weights against transformers run in bf16 (issue 4's bar, logits_bf16_<p>.npy made by
+// The CPU backend on bf16 weights against transformers run in bf16 (the bf16 bar of tolerances.h, logits_bf16_<p>.npy made by
 // `scripts/make_fixtures.py --bf16-logits-only` on the GPU). Each fixture's fp32 checkpoint is rewritten in bf16
 // the way transformers' from_pretrained(dtype=bfloat16) rounds it (every tensor but the routers'
 // e_score_correction_bias, which transformers keeps in fp32), then the CPU backend (fp32 math on those weights)

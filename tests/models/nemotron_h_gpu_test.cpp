@@ -8,7 +8,7 @@
 //     >= 90 % and every logit finite; the measured agreement is printed.
 //   * bf16 on CUDA against transformers run in bf16 on the GPU (logits_bf16_<p>.npy, made by
 //     `scripts/make_fixtures.py --bf16-logits-only`): the same teacher-forced positions, top-1 agreement >=
-//     kGpuBf16Top1Agreement (99 %, the bar) over the robust positions of every fixture and over the
+//     kGpuBf16Top1Agreement (99 %) over the robust positions of every fixture and over the
 //     decidable ones (super_like: its own measured bound, tolerances.h), and the p90 over positions of
 //     max|logit - ref| / max|ref| <= kGpuBf16LogitsRelToMax. Skips (does not fail) when a fixture has no bf16 files.
 //   * decode with programmatic dependent launch off and on (eager and CUDA graphs): the same tokens and logits.
@@ -238,7 +238,7 @@ TEST_P(GpuParity, DeviceSamplingEqualsHostSampling) {
   }
 }
 
-// Against transformers' own bf16 run: the 99 % top-1 bar and a stated logit error bound.
+// Against transformers' own bf16 run: the 99 % top-1 bar and a stated logit error bound.
 TEST_P(GpuParity, Bf16TeacherForcedMatchesTransformersBf16) {
   const Fixture f = load_fixture(GetParam());
   if (const std::string missing = missing_bf16_reference(f); !missing.empty()) {

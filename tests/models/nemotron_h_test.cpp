@@ -1,4 +1,4 @@
-// The bar of issue 2: the CPU backend reproduces transformers on fixtures made by transformers itself
+// The CPU backend reproduces transformers on fixtures made by transformers itself
 // (scripts/make_fixtures.py; the fixture format and the shared helpers are in models/model_fixtures.h).
 #include "models/nemotron_h.h"
 

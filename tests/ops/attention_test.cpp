@@ -1,6 +1,6 @@
 // Paged causal GQA attention: prefill, chunked prefill and decode steps against a naive full-history oracle,
 // on every backend (CPU: F32; CUDA: F32, BF16, F16 with the KV cache in the activation dtype).
-// The CUDA-only cases use the awkward sizes (tokens 1..4099, decode batches of 1..64 with contexts
+// The CUDA-only cases use awkward sizes (tokens 1..4099, decode batches of 1..64 with contexts
 // up to 8K, odd head counts, head_dim 16 / 64 / 128, block sizes 16 / 64) and check a sample of rows each.
 #include <algorithm>
 #include <cmath>
@@ -458,7 +458,7 @@ TEST_P(OpsAttention, BadShapesThrowNamingTheOp) {
   }
 }
 
-// ---- CUDA: the sizes (the CPU reference would take minutes on them) -----------------------------
+// ---- CUDA: the awkward sizes (the CPU reference would take minutes on them) -----------------------------
 
 // One varlen prefill batch with the awkward token counts 1, 3, 17, 111, 989, 4099 (5220 rows).
 TEST_P(OpsAttention, CudaPrefillAwkwardTokensNanoHeadsBf16) {

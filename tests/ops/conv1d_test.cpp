@@ -69,10 +69,8 @@ RandomBatch random_batch(test::Rng& rng, int n_seqs, int max_len) {
 
 class OpsConv1d : public BackendTest {
  protected:
-  // Through the CUDA launchers with these Conv1dParams settings instead of through ops:: (launcher_).
+  // Through the CUDA launchers instead of through ops:: (launcher_).
   bool launcher_ = false;
-  bool tiles_before_wait_ = false;  // prefill: the ops:: adapter's setting is true
-  bool slots_before_wait_ = false;  // update: the ops:: adapter's setting is true
   bool variant() const { return launcher_; }
 
   // The ops:: adapters' job, through the launchers with the variant fields set (CUDA only).
@@ -85,8 +83,6 @@ class OpsConv1d : public BackendTest {
     p.act = x.dtype(), p.weight_dtype = w.dtype(), p.bias_dtype = bias ? bias.dtype() : DType::kF32;
     p.state_dtype = state.dtype();
     p.C = x.dim(1), p.K = int(w.dim(-1)), p.silu = silu;
-    p.tiles_before_wait = tiles_before_wait_;
-    p.slots_before_wait = slots_before_wait_;
     Tensor meta;
     if (update) {
       meta = on_backend(Tensor::from_i32({int64_t(slots.size())}, slots));
@@ -357,54 +353,21 @@ TEST_P(OpsConv1d, UpdateBf16EveryStateDtype) {
   check_update(rng, {2, -1, 0}, 4, 66, 2, DType::kF32, DType::kF16, DType::kF32);
 }
 
-// The tile kernel reading its tile list before the PDL wait gives the same bits as reading it after (the list is
-// uploaded synchronously here, so no launch overlap is exercised).
-TEST_P(OpsConv1d, TileListBeforeTheWaitGivesTheSameBits) {
-  if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
-  auto rng = test::Rng::for_test();
-  const std::vector<int32_t> cu = cu_from({300, 7, 0, 1024, 45}), slots = {2, 4, 0, -1, 1};
-  const int64_t C = 10240, K = 4, T = cu.back();
-  const Tensor x = on_backend(rng.normal_tensor({T, C}), DType::kBF16);
-  const Tensor w = on_backend(test::cast_to(rng.normal_tensor({C, 1, K}, 0.5f), DType::kBF16));
-  const Tensor bias = on_backend(test::cast_to(rng.normal_tensor({C}), DType::kBF16));
-  const Tensor state0 = rng.normal_tensor({5, C, K - 1});
-  Tensor ref_out, ref_state;
-  launcher_ = true;
-  for (bool before : {false, true}) {
-    SCOPED_TRACE(::testing::Message() << "tiles_before_wait=" << before);
-    tiles_before_wait_ = before;
-    const Tensor out = output(DType::kBF16, {T, C}), state = on_backend(state0, DType::kBF16);
-    launch_variant(out, x, w, bias, state, cu, slots, true, false);
-    const Tensor ho = device::to_host(out), hs = device::to_host(state);
-    if (!before) {
-      ref_out = ho, ref_state = hs;
-    } else {
-      EXPECT_TRUE(test::bit_equal(ho, ref_out));
-      EXPECT_TRUE(test::bit_equal(hs, ref_state));
-    }
-  }
-}
-
 // The update kernel through the launcher against the oracle, with pads and permuted slots, bf16 activations and
-// every state dtype, C not a multiple of the block's channels; the slot ids read before or after the PDL wait
-// (Conv1dParams::slots_before_wait).
-TEST_P(OpsConv1d, UpdateSlotsBeforeOrAfterTheWaitMatchNaive) {
+// every state dtype, C not a multiple of the block's channels.
+TEST_P(OpsConv1d, UpdateThroughTheLauncherMatchesNaive) {
   if (!on_cuda()) GTEST_SKIP() << "launcher-level CUDA test";
   auto rng = test::Rng::for_test();
   launcher_ = true;
-  for (bool before : {false, true}) {
-    slots_before_wait_ = before;
-    for (int n : {1, 7, 64}) {
-      const RandomBatch rb = random_batch(rng, n, 1);
-      for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
-        SCOPED_TRACE(::testing::Message() << "batch=" << n << " state=" << dtype_name(sd)
-                                          << " slots_before_wait=" << before);
-        check_update(rng, rb.slots, rb.num_slots, 2688, 4, DType::kBF16, sd, DType::kBF16);
-      }
+  for (int n : {1, 7, 64}) {
+    const RandomBatch rb = random_batch(rng, n, 1);
+    for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
+      SCOPED_TRACE(::testing::Message() << "batch=" << n << " state=" << dtype_name(sd));
+      check_update(rng, rb.slots, rb.num_slots, 2688, 4, DType::kBF16, sd, DType::kBF16);
     }
-    SCOPED_TRACE("f32 activations and state, K = 3, C = 264");
-    check_update(rng, {2, -1, 0, 5, 3}, 6, 264, 3, DType::kF32, DType::kF32, DType::kF32);
   }
+  SCOPED_TRACE("f32 activations and state, K = 3, C = 264");
+  check_update(rng, {2, -1, 0, 5, 3}, 6, 264, 3, DType::kF32, DType::kF32, DType::kF32);
 }
 
 TEST_P(OpsConv1d, CudaRejectsWhatItDoesNotSupport) {

@@ -72,5 +72,20 @@ TEST(KernelEnv, BadValuesAreRefusedByName) {
                                  ErrorKind::kInvalidInput, "CHIMERA_MAMBA_DECODE_FUSED_MAX_ROWS"));
 }
 
+TEST(KernelEnv, AllReduceStrategyIsParsedOnce) {
+  auto strategy = [](const char* value) {
+    return allreduce_strategy_from([&](const char* name) -> const char* {
+      return std::strcmp(name, "CHIMERA_ALLREDUCE_STRATEGY") == 0 ? value : nullptr;
+    });
+  };
+  EXPECT_EQ(strategy(nullptr), dist::AllReduceStrategy::kAuto);
+  EXPECT_EQ(strategy("oneshot"), dist::AllReduceStrategy::kOneShot);
+  EXPECT_EQ(strategy("TwoShot"), dist::AllReduceStrategy::kTwoShot);
+  EXPECT_EQ(strategy("nccl"), dist::AllReduceStrategy::kNccl);
+  EXPECT_TRUE(test::throws_error([&] { strategy("legacy"); }, ErrorKind::kInvalidInput,
+                                 "environment variable CHIMERA_ALLREDUCE_STRATEGY='legacy': expected auto, nccl"));
+  EXPECT_TRUE(test::throws_error([&] { strategy(""); }, ErrorKind::kInvalidInput, "CHIMERA_ALLREDUCE_STRATEGY=''"));
+}
+
 }  // namespace
 }  // namespace chimera

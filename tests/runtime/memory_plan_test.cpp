@@ -95,7 +95,7 @@ TEST(MemoryPlan, NotEnoughMemoryIsAnInputErrorWithTheNumbers) {
 namespace chimera {
 namespace {
 
-// The case: 2^31-1 sequences of 2^31-1 tokens wrapped the KV size, so the total came out smaller than
+// The overflow case: 2^31-1 sequences of 2^31-1 tokens wrapped the KV size, so the total came out smaller than
 // its KV part. Now every part is checked: the true size (~10^21 bytes) does not fit in 64 bits: an error.
 TEST(MemoryPlan, OverflowingLimitsAreAnErrorNotAWrappedTotal) {
   const ModelConfig c = model_preset("nemotron-3-nano-30b-a3b");

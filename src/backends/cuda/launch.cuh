@@ -10,9 +10,9 @@
 //   * it calls pdl_wait() before its first read of anything an earlier kernel wrote AND before its first global
 //     write (the predecessor may still be reading what we are about to overwrite);
 //   * only data nobody writes during the step (weights, norm gammas, biases; the step's ops::Indices metadata,
-//     which the host writes before the step: the conv update's slot ids, Conv1dParams::slots_before_wait; host
+//     which the host writes before the step: the conv update's slot ids, Conv1dParams::slots; host
 //     arrays an op copies to the device before its launch: the conv prefill's tile list,
-//     Conv1dParams::tiles_before_wait) may be read before pdl_wait(), with
+//     Conv1dParams::tiles) may be read before pdl_wait(), with
 //     one exception ("two back"): when this kernel starts, the kernel two launches back has completed and its
 //     memory is visible (the kernel in between triggers only after its own wait, or is a plain launch that
 //     started after that kernel completed). So a kernel may, before its wait, read what kernels two or more

@@ -33,14 +33,8 @@ struct FusionArgs {
   int hidden;
 };
 
-// Device state of the Lamport protocol, in each rank's workspace (local; never touched by peers).
-struct LamportState {
-  uint32_t slot;            // the slot the next call reads (0..2)
-  uint32_t blocks_done;     // blocks of the running call that finished; the last one advances `slot`
-  uint64_t used_vecs[3];    // message vectors (per source rank) of the call that read each slot: the clear's extent
-};
-
-// Per-block Lamport state of the per-block ONESHOT kernel, [kOneShotGrid] in each rank's workspace (local).
+// Per-block Lamport state of the ONESHOT kernel, [kOneShotGrid] in each rank's workspace (local; never touched by
+// peers).
 // Block b alone reads and writes entry b; every block advances its slot once per call, so all stay equal.
 struct LamportBlockState {
   uint32_t slot;          // the slot this block's next call reads (0..2)
@@ -56,8 +50,7 @@ struct PeerArgs {
   void* lamport[kMaxRanks];       // [3][n_ranks][slot_stride_bytes] each, pre-filled with the empty pattern
   int64_t lamport_stride_bytes;   // bytes of one rank's region in one slot (= max message bytes); also the
                                   // bytes of one TWOSHOT staging region
-  LamportState* lamport_state;    // this rank's (legacy ONESHOT)
-  LamportBlockState* lamport_blocks;  // this rank's, [kOneShotGrid] (per-block ONESHOT)
+  LamportBlockState* lamport_blocks;  // this rank's, [kOneShotGrid] (ONESHOT)
   void* staging[kMaxRanks];       // TWOSHOT: every rank's [n_ranks - 1][max message bytes] regions, where the
                                   // peers push their parts of its shares (twoshot_staging_region)
   void* reduced[kMaxRanks];       // TWOSHOT: every rank's buffer of sums, [max message bytes]
@@ -65,15 +58,12 @@ struct PeerArgs {
   uint32_t* epochs;               // TWOSHOT: this rank's barrier count per block, [kMaxBlocks]
 };
 
-// ONESHOT (Lamport protocol): push the input to every rank's Lamport slot, spin on the local slot until every rank's
-// data is there, sum in rank order, fuse. One kernel; graph-capturable (the slot lives in device memory).
+// ONESHOT (Lamport protocol): push the input to every peer's Lamport slot, spin on the local slot until every
+// rank's data is there, sum in rank order, fuse. One kernel on a fixed grid of kOneShotGrid blocks, each with its
+// own slot counter; launched with programmatic dependent launch when device::pdl_enabled(); graph-capturable
+// (the slots live in device memory).
 void launch_oneshot(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,
                     void* stream);
-// The per-block ONESHOT (OneShotKernel::kPerBlock): same protocol and results, fixed grid of kOneShotGrid
-// blocks with per-block slot counters, launched with programmatic dependent launch when device::pdl_enabled().
-// Never mix it with launch_oneshot on one workspace (different slot counters).
-void launch_oneshot_per_block(DType dtype, FusionPattern pattern, const FusionArgs& args, const PeerArgs& peers,
-                              void* stream);
 // TWOSHOT (explicit barriers): push each peer's share of the input into its staging buffer, barrier, reduce this rank's
 // share of every row and write it to all ranks, barrier, fuse from the local buffer. One kernel, launched with
 // programmatic dependent launch when device::pdl_enabled(); graph-capturable.

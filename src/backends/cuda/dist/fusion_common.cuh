@@ -30,7 +30,7 @@ struct VecOf {
 };
 
 // u by value: a caller passing a vector in global memory gets one 16-byte load (a reference let the memcpy below
-// read it as 16 single-byte loads: measured in the PTX of the legacy ONESHOT, TWOSHOT and NCCL + norm kernels).
+// read it as 16 single-byte loads: as the PTX of the kernels shows).
 template <typename T>
 __device__ __forceinline__ void add_unpacked(const uint4 u, float (&acc)[VecOf<T>::kN]) {
   constexpr int kN = VecOf<T>::kN;
@@ -100,7 +100,7 @@ __device__ __forceinline__ uint4 lamport_empty_vec() {
   return make_uint4(kLamportEmpty32, kLamportEmpty32, kLamportEmpty32, kLamportEmpty32);
 }
 
-// The ONESHOT push (oneshot.cu, oneshot_per_block.cu): message vectors [begin, end) of the input, canonicalised,
+// The ONESHOT push (oneshot.cu): message vectors [begin, end) of the input, canonicalised,
 // into region [slot][this rank] of the Lamport buffers of ranks rank + first, ..., rank + n - 1 (mod n): first = 0
 // includes this rank's own buffer, 1 the peers only. Each rank starts at a different peer.
 template <typename T>

@@ -14,8 +14,8 @@
 // groups of 8 / warps_per_row rows: the grid is what fits on the GPU at once (occupancy query), with the groups
 // spread evenly over it so that no last partial round leaves SMs idle; x is staged once per block.
 // x stays in its 16-bit dtype in shared memory: lane l reads the 16 bytes at vector v + l, so a warp's read is 512
-// contiguous bytes (4 wavefronts, no bank conflicts); staging it as fp32 instead made the T >= 2 cases shared-memory
-// bound (measured: 0.54 / 0.32 / 0.19 of the floor at T = 2 / 4 / 8 on the Nano in_proj).
+// contiguous bytes (4 wavefronts, no bank conflicts); staged as fp32 it would take twice the shared-memory reads
+// per weight vector and make the T >= 2 cases shared-memory bound instead of bandwidth bound.
 //
 // PDL (launch.cuh): the first kUnroll weight vectors of the block's first row group are loaded before pdl_wait()
 // (weights are constant during a step), so the weight stream starts while the previous kernel drains.

@@ -80,13 +80,11 @@ __global__ void __launch_bounds__(kThreads, 4) causal_conv1d_kernel(const Conv1d
   // Taps and bias (L1 / L2 hits): constant weights, so loaded before pdl_wait, while the predecessor drains.
   float w[E][K], bias[E];
   mamba::load_taps<T, E, K>(p.weight, p.weight_dtype, p.bias, p.bias_dtype, p.taps_vec, chan_ok ? c0 : 0, w, bias);
-  // The tile: before pdl_wait when the list is step metadata no kernel writes (Conv1dParams::tiles_before_wait),
-  // which takes its round trip off the path tile -> x address -> x loads.
-  Conv1dTile tile;
-  if (p.tiles_before_wait) tile = p.tiles[blockIdx.y];
-  pdl_wait();  // PDL: x, slots and states are step data (the tile list too, unless tiles_before_wait)
+  // The tile: before pdl_wait, as the list is step metadata no kernel writes (Conv1dParams::tiles), which takes its
+  // round trip off the path tile -> x address -> x loads.
+  const Conv1dTile tile = p.tiles[blockIdx.y];
+  pdl_wait();  // PDL: x, slots and states are step data
   pdl_trigger();
-  if (!p.tiles_before_wait) tile = p.tiles[blockIdx.y];
   const int t_first = tile.t0 + tc * kRows;
   const T* x = static_cast<const T*>(p.x) + static_cast<int64_t>(tile.row_begin) * C + c0;
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(tile.row_begin) * C + c0;
@@ -261,7 +259,6 @@ void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, 
   p.tiles = static_cast<const Conv1dTile*>(
       upload_scratch(tiles.data(), tiles.size() * sizeof(Conv1dTile), stream, 0));
   p.n_tiles = static_cast<int>(tiles.size());
-  p.tiles_before_wait = true;  // uploaded by a copy on the stream: no kernel writes the list
   launch_causal_conv1d(p, stream);
 }
 
@@ -272,7 +269,6 @@ void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tens
   const cudaStream_t stream = as_stream(ctx.stream);
   p.slots = device_indices(slots, stream, 0);
   p.batch = static_cast<int>(slots.size());
-  p.slots_before_wait = true;  // ops::Indices: step metadata, never a kernel's output
   launch_causal_conv1d_update(p, stream);
 }
 

@@ -37,17 +37,15 @@ struct Conv1dParams {
   bool taps_vec = false;
   // prefill
   const Conv1dTile* tiles = nullptr;  // [n_tiles] device
+  // The kernel reads its tile before pdl_wait() (launch.cuh): the list is host-built metadata copied to the device
+  // before the launch, which no kernel writes.
   int n_tiles = 0;
-  // The tile list may be read before pdl_wait() (launch.cuh): host-built metadata copied to the device before the
-  // launch, which no kernel writes (the ops:: adapter sets it).
-  bool tiles_before_wait = false;
   // update
   const int32_t* slots = nullptr;  // [batch] device; slot < 0: row skipped
+  // The kernel reads the slot ids before pdl_wait() (launch.cuh): they are step metadata that no kernel of the step
+  // writes (ops::Indices: host values, or a device copy of them made before the step). That takes the slot
+  // look-up's round trip off the path slot -> state address -> state loads.
   int batch = 0;
-  // The slot ids may be read before pdl_wait() (launch.cuh): they are step metadata that no kernel of the step
-  // writes (ops::Indices: host values, or a device copy of them made before the step), so the ops:: adapter sets
-  // it. Saves the slot look-up's round trip on the path slot -> state address -> state loads.
-  bool slots_before_wait = false;
 };
 
 // Tiles of a packed batch: every non-pad, non-empty sequence cut into kConv1dTileRows-token tiles.

@@ -34,18 +34,15 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Co
   float w[E][K], bias[E];
   mamba::load_taps<T, E, K>(p.weight, p.weight_dtype, p.bias, p.bias_dtype, p.taps_vec, c0, w, bias);
   const int b0 = blockIdx.y * R;
-  int slot[R];
-  if (p.slots_before_wait) {  // step metadata, written by no kernel of the step (Conv1dParams::slots_before_wait)
+  int slot[R];  // step metadata, written by no kernel of the step (Conv1dParams::slots): read before the wait
 #pragma unroll
-    for (int r = 0; r < R; ++r) slot[r] = b0 + r < p.batch ? p.slots[b0 + r] : -1;
-  }
-  pdl_wait();  // PDL: x and conv_state are step data (earlier kernels' outputs), and the slots unless read above
+  for (int r = 0; r < R; ++r) slot[r] = b0 + r < p.batch ? p.slots[b0 + r] : -1;
+  pdl_wait();  // PDL: x and conv_state are step data (earlier kernels' outputs)
   pdl_trigger();
   Pack<T, E> xv[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const bool row = b0 + r < p.batch;
-    if (!p.slots_before_wait) slot[r] = row ? p.slots[b0 + r] : -1;
     if (row) {
       xv[r].load(static_cast<const T*>(p.x) + (b0 + r) * C + c0);
     } else {

@@ -449,8 +449,8 @@ __device__ __forceinline__ void gate_partial(const GateLaunch& L, int split, int
 }
 
 // Phase 2's selection, shared by both router_gate_topk kernels, over rp.logits [T][E] f32 already in shared memory.
-// The block select for one token of a wide router only: at Nano's 128 experts the warp select measured faster at
-// T = 1 too (moe_router_gate_nano, graph); 512 experts keep the block select at T = 1. Otherwise
+// The block select for one token of a wide router only: at Nano's 128 experts one warp's select is short enough to
+// beat the block's barriers at T = 1 too (moe_router_gate_nano); 512 experts keep the block select at T = 1. Otherwise
 // warp t routes token t with scratch + t * (E + 2 n_group) floats (the group-limited warps' scratch). Whole block.
 template <int NPER, bool kGroups>
 __device__ __forceinline__ void select_tokens(const RouterParams& rp, int select, int warp, int lane, float* scratch) {
