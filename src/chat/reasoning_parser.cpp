@@ -70,8 +70,10 @@ ReasoningSplit ReasoningParser::parse(std::string_view output, bool enable_think
   size_t close = rest.find(kClose);
   if (close == std::string_view::npos) {
     // No closing tag: all reasoning, or all content when the request turned thinking off.
-    if (enable_thinking) out.reasoning.assign(rest);
-    else out.content.assign(rest);
+    if (enable_thinking)
+      out.reasoning.assign(rest);
+    else
+      out.content.assign(rest);
     return out;
   }
   out.reasoning.assign(rest.substr(0, close));
