@@ -3,8 +3,11 @@
 // and must fail where transformers raises.
 #include "chat/chat_template.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <gtest/gtest.h>
