@@ -38,7 +38,8 @@ void check_parsers(const std::string& text) {
     ReasoningSplit b = rp.feed(std::string_view(text).substr(cut));
     ReasoningSplit c = rp.finish();
     ReasoningSplit whole = ReasoningParser::parse(text);
-    if (a.reasoning + b.reasoning + c.reasoning != whole.reasoning || a.content + b.content + c.content != whole.content) {
+    if (a.reasoning + b.reasoning + c.reasoning != whole.reasoning ||
+        a.content + b.content + c.content != whole.content) {
       finding("reasoning parser", "streamed split differs from the whole output");
     }
   }
@@ -87,8 +88,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     budget.max_output_bytes = 1 << 20;
     budget.max_depth = 64;
     chat::jinja::Template t = chat::jinja::Template::parse(source, "fuzz");
-    ordered_json vars = {{"messages", messages}, {"tools", tools}, {"add_generation_prompt", (flags & 1) != 0},
-                         {"bos_token", "<s>"}, {"eos_token", "</s>"}};
+    ordered_json vars = {{"messages", messages},
+                         {"tools", tools},
+                         {"add_generation_prompt", (flags & 1) != 0},
+                         {"bos_token", "<s>"},
+                         {"eos_token", "</s>"}};
     for (const auto& [k, v] : kwargs.items()) vars[k] = v;
     std::string out = t.render(vars, budget);
     check_parsers(out);

@@ -101,7 +101,8 @@ std::optional<ChatTemplate> ChatTemplate::load(const std::filesystem::path& mode
     return t;
   }
   if (!it->is_array() || it->empty()) {
-    invalid_input("{}: \"chat_template\" must be a string or a non-empty list of {{name, template}}", cfg_path.string());
+    invalid_input("{}: \"chat_template\" must be a string or a non-empty list of {{name, template}}",
+                  cfg_path.string());
   }
   std::shared_ptr<const jinja::Template> first;
   for (const auto& e : *it) {

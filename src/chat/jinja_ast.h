@@ -12,36 +12,36 @@ namespace chimera::chat::jinja {
 
 enum class NodeKind {
   // statements
-  kBody,        // kids: statements
-  kText,        // text
-  kOutput,      // a: expression
-  kIf,          // kids: cond0, body0, cond1, body1, ...; b: else body (may be null)
-  kFor,         // names: targets; a: iterable; b: body; c: else body; d: filter condition
-  kSet,         // names: targets (or names[0] = namespace, text = attribute when attr_target); a: value
-  kSetBlock,    // names[0]: target; a: body; kids: filters (kFilter nodes with a null operand)
-  kMacro,       // text: name; names: parameters; kids: defaults (null where none); a: body
-  kCallBlock,   // a: the call expression; b: body; names: caller parameters; kids: their defaults
-  kFilterBlock, // a: body; kids: filters (kFilter nodes with a null operand)
+  kBody,         // kids: statements
+  kText,         // text
+  kOutput,       // a: expression
+  kIf,           // kids: cond0, body0, cond1, body1, ...; b: else body (may be null)
+  kFor,          // names: targets; a: iterable; b: body; c: else body; d: filter condition
+  kSet,          // names: targets (or names[0] = namespace, text = attribute when attr_target); a: value
+  kSetBlock,     // names[0]: target; a: body; kids: filters (kFilter nodes with a null operand)
+  kMacro,        // text: name; names: parameters; kids: defaults (null where none); a: body
+  kCallBlock,    // a: the call expression; b: body; names: caller parameters; kids: their defaults
+  kFilterBlock,  // a: body; kids: filters (kFilter nodes with a null operand)
   kBreak,
   kContinue,
   // expressions
-  kLiteral,     // value
-  kName,        // text
-  kAttr,        // a: object; text: attribute
-  kItem,        // a: object; b: key
-  kSlice,       // a: object; b, c, d: start, stop, step (each may be null)
-  kCall,        // a: callee; kids: positional; kwnames + kwargs
-  kFilter,      // text: name; a: operand; kids / kwnames + kwargs: arguments
-  kTest,        // text: name; a: operand; kids: arguments; negated
-  kNot,         // a
-  kNeg,         // a
-  kPos,         // a
-  kBinary,      // text: + - * / // % ** ~ and or; a, b
-  kCompare,     // a: first operand; kids: further operands; names: operators (== != < > <= >= in notin)
-  kCond,        // a: condition; b: then; c: else (may be null)
-  kList,        // kids
-  kTuple,       // kids
-  kDictLit,     // kids: key0, value0, key1, value1, ...
+  kLiteral,  // value
+  kName,     // text
+  kAttr,     // a: object; text: attribute
+  kItem,     // a: object; b: key
+  kSlice,    // a: object; b, c, d: start, stop, step (each may be null)
+  kCall,     // a: callee; kids: positional; kwnames + kwargs
+  kFilter,   // text: name; a: operand; kids / kwnames + kwargs: arguments
+  kTest,     // text: name; a: operand; kids: arguments; negated
+  kNot,      // a
+  kNeg,      // a
+  kPos,      // a
+  kBinary,   // text: + - * / // % ** ~ and or; a, b
+  kCompare,  // a: first operand; kids: further operands; names: operators (== != < > <= >= in notin)
+  kCond,     // a: condition; b: then; c: else (may be null)
+  kList,     // kids
+  kTuple,    // kids
+  kDictLit,  // kids: key0, value0, key1, value1, ...
 };
 
 struct Node;

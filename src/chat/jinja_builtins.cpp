@@ -199,7 +199,8 @@ Value attribute_of(Interpreter& in, const Value& item, const std::string& path, 
     size_t dot = path.find('.', pos);
     std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
     if (cur.is_undefined()) return cur;
-    bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+    bool digits = !part.empty() && std::all_of(part.begin(), part.end(),
+                                               [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
     if (cur.is_dict()) {
       const Value* v = cur.dict()->find(part);
       cur = v ? *v : Value::undefined("'" + part + "'");
@@ -286,8 +287,8 @@ int compare_values(Interpreter& in, const Value& a, const Value& b, int line) {
   if (a.is_undefined() || b.is_undefined()) {
     in.fail(line, std::get<Undefined>((a.is_undefined() ? a : b).v).hint + " is undefined (compared with '<')");
   }
-  in.fail(line, std::string("'<' not supported between instances of '") + type_name(a) + "' and '" + type_name(b) +
-                    "'");
+  in.fail(line,
+          std::string("'<' not supported between instances of '") + type_name(a) + "' and '" + type_name(b) + "'");
 }
 
 Value apply_filter(Interpreter& in, const std::string& name, const Value& v, CallArgs& ca, int line) {
@@ -426,8 +427,9 @@ Value apply_filter(Interpreter& in, const std::string& name, const Value& v, Cal
   }
   if (name == "sort" || name == "dictsort") {
     bool dictsort = name == "dictsort";
-    Args a(in, ca, name, line, dictsort ? std::vector<std::string>{"case_sensitive", "by", "reverse"}
-                                        : std::vector<std::string>{"reverse", "case_sensitive", "attribute"});
+    Args a(in, ca, name, line,
+           dictsort ? std::vector<std::string>{"case_sensitive", "by", "reverse"}
+                    : std::vector<std::string>{"reverse", "case_sensitive", "attribute"});
     std::vector<Value> items;
     if (dictsort) {
       if (!v.is_dict()) in.fail(line, "dictsort needs a mapping");
@@ -513,8 +515,10 @@ Value apply_filter(Interpreter& in, const std::string& name, const Value& v, Cal
     const Value* attr = nullptr;
     const Value* def = nullptr;
     for (const auto& [k, val] : ca.keyword) {
-      if (k == "attribute") attr = &val;
-      else if (k == "default") def = &val;
+      if (k == "attribute")
+        attr = &val;
+      else if (k == "default")
+        def = &val;
     }
     if (attr) {
       if (!attr->is_string()) in.fail(line, "map(attribute=...) needs a string");
@@ -525,7 +529,8 @@ Value apply_filter(Interpreter& in, const std::string& name, const Value& v, Cal
       }
       return make_list(std::move(out));
     }
-    if (ca.positional.empty() || !ca.positional[0].is_string()) in.fail(line, "map() needs a filter name or attribute=");
+    if (ca.positional.empty() || !ca.positional[0].is_string())
+      in.fail(line, "map() needs a filter name or attribute=");
     std::string filter = ca.positional[0].str();
     CallArgs rest;
     rest.positional.assign(ca.positional.begin() + 1, ca.positional.end());
@@ -575,8 +580,9 @@ Value apply_filter(Interpreter& in, const std::string& name, const Value& v, Cal
   }
   if (name == "indent") {
     Args a(in, ca, name, line, {"width", "first", "blank"});
-    std::string pad = a.get(0) && a.get(0)->is_string() ? a.get(0)->str()
-                                                        : std::string(static_cast<size_t>(std::clamp<int64_t>(a.integer(0, 4), 0, 1024)), ' ');
+    std::string pad = a.get(0) && a.get(0)->is_string()
+                          ? a.get(0)->str()
+                          : std::string(static_cast<size_t>(std::clamp<int64_t>(a.integer(0, 4), 0, 1024)), ' ');
     bool first = a.boolean(1, false), blank = a.boolean(2, false);
     std::string s = py_str(v);
     std::string out;
@@ -677,14 +683,14 @@ bool apply_test(Interpreter& in, const std::string& name, const Value& v, CallAr
 }
 
 bool has_method(const Value& obj, const std::string& name) {
-  static const char* kStr[] = {"strip", "lstrip", "rstrip", "split", "rsplit", "replace", "startswith",
-                               "endswith", "upper", "lower", "title", "capitalize", "find", "rfind", "count",
-                               "join", "splitlines", "isdigit", "isalpha", "isalnum", "isspace", "islower",
-                               "isupper", "format", "index", "rindex", "partition", "rpartition"};
-  static const char* kDict[] = {"get", "items", "keys", "values", "copy", "pop", "update", "setdefault",
-                                "clear", "popitem"};
-  static const char* kList[] = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
-                                "index", "count", "copy"};
+  static const char* kStr[] = {"strip",    "lstrip",  "rstrip",     "split",   "rsplit",     "replace",   "startswith",
+                               "endswith", "upper",   "lower",      "title",   "capitalize", "find",      "rfind",
+                               "count",    "join",    "splitlines", "isdigit", "isalpha",    "isalnum",   "isspace",
+                               "islower",  "isupper", "format",     "index",   "rindex",     "partition", "rpartition"};
+  static const char* kDict[] = {"get", "items",  "keys",       "values", "copy",
+                                "pop", "update", "setdefault", "clear",  "popitem"};
+  static const char* kList[] = {"append", "extend",  "insert", "pop",   "remove", "clear",
+                                "sort",   "reverse", "index",  "count", "copy"};
   auto in_set = [&](auto& set) {
     for (const char* m : set) {
       if (name == m) return true;
@@ -825,9 +831,12 @@ Value call_method(Interpreter& in, const Value& obj, const std::string& name, Ca
       Args a(in, ca, fn, line, {});
       List out;
       for (const auto& [k, val] : d.entries) {
-        if (name == "items") out.push_back(make_tuple({Value(k), val}));
-        else if (name == "keys") out.emplace_back(k);
-        else out.push_back(val);
+        if (name == "items")
+          out.push_back(make_tuple({Value(k), val}));
+        else if (name == "keys")
+          out.emplace_back(k);
+        else
+          out.push_back(val);
       }
       return make_list(std::move(out));
     }
@@ -876,7 +885,8 @@ Value global_function(const std::string& name) {
       int64_t stop = xs.size() == 1 ? xs[0] : xs[1];
       int64_t st = xs.size() == 3 ? xs[2] : 1;
       if (st == 0) in.fail(line, "range() arg 3 must not be zero");
-      double count = std::max(0.0, std::ceil((static_cast<double>(stop) - static_cast<double>(start)) / static_cast<double>(st)));
+      double count =
+          std::max(0.0, std::ceil((static_cast<double>(stop) - static_cast<double>(start)) / static_cast<double>(st)));
       if (count > static_cast<double>(in.budget().max_steps)) {
         in.fail(line, "range() of " + std::to_string(static_cast<uint64_t>(count)) + " items exceeds the work budget");
       }
@@ -892,7 +902,8 @@ Value global_function(const std::string& name) {
     c->fn = [ns](Interpreter& in, CallArgs& a, int line) -> Value {
       Dict d;
       for (const auto& p : a.positional) {
-        if (!p.is_dict()) in.fail(line, std::string(ns ? "namespace" : "dict") + "() positional argument must be a mapping");
+        if (!p.is_dict())
+          in.fail(line, std::string(ns ? "namespace" : "dict") + "() positional argument must be a mapping");
         for (const auto& [k, v] : p.dict()->entries) d.set(k, v);
       }
       for (const auto& [k, v] : a.keyword) d.set(k, v);
@@ -915,7 +926,8 @@ Value global_function(const std::string& name) {
     };
   } else {
     c->fn = [](Interpreter& in, CallArgs& a, int line) -> Value {
-      if (a.positional.size() != 1 || !a.positional[0].is_string()) in.fail(line, "strftime_now() needs a format string");
+      if (a.positional.size() != 1 || !a.positional[0].is_string())
+        in.fail(line, "strftime_now() needs a format string");
       std::time_t now = std::time(nullptr);
       std::tm tm{};
       localtime_r(&now, &tm);

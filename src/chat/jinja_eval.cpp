@@ -111,9 +111,7 @@ Interpreter::Flow Interpreter::exec(const Node& n, std::string& out) {
         if (f != Flow::kNormal) return f;
       }
       return Flow::kNormal;
-    case NodeKind::kText:
-      emit(out, n.text, n.line);
-      return Flow::kNormal;
+    case NodeKind::kText: emit(out, n.text, n.line); return Flow::kNormal;
     case NodeKind::kOutput: {
       Value v = eval(*n.a);
       if (v.is_callable()) fail(n.line, "cannot print a function (missing '()'?)");
@@ -162,9 +160,7 @@ Interpreter::Flow Interpreter::exec(const Node& n, std::string& out) {
       emit(out, py_str(v), n.line);
       return Flow::kNormal;
     }
-    case NodeKind::kMacro:
-      assign(n.text, make_macro(n));
-      return Flow::kNormal;
+    case NodeKind::kMacro: assign(n.text, make_macro(n)); return Flow::kNormal;
     case NodeKind::kCallBlock: {
       // caller(): renders the block body with the caller parameters bound.
       auto caller = std::make_shared<Callable>();
@@ -178,9 +174,12 @@ Interpreter::Flow Interpreter::exec(const Node& n, std::string& out) {
         } pop{in};
         for (size_t i = 0; i < block->names.size(); ++i) {
           Value v;
-          if (i < args.positional.size()) v = args.positional[i];
-          else if (block->kids[i]) v = in.eval(*block->kids[i]);
-          else v = Value::undefined("'" + block->names[i] + "'");
+          if (i < args.positional.size())
+            v = args.positional[i];
+          else if (block->kids[i])
+            v = in.eval(*block->kids[i]);
+          else
+            v = Value::undefined("'" + block->names[i] + "'");
           in.assign(block->names[i], v);
         }
         (void)line;
@@ -195,8 +194,7 @@ Interpreter::Flow Interpreter::exec(const Node& n, std::string& out) {
     }
     case NodeKind::kBreak: return Flow::kBreak;
     case NodeKind::kContinue: return Flow::kContinue;
-    default:
-      fail(n.line, "internal: expression node used as a statement");
+    default: fail(n.line, "internal: expression node used as a statement");
   }
 }
 
@@ -207,8 +205,8 @@ void Interpreter::bind_targets(const std::vector<std::string>& names, const Valu
   }
   std::vector<Value> items = iterate(v, line);
   if (items.size() != names.size()) {
-    fail(line, "cannot unpack " + std::to_string(items.size()) + " values into " + std::to_string(names.size()) +
-                   " names");
+    fail(line,
+         "cannot unpack " + std::to_string(items.size()) + " values into " + std::to_string(names.size()) + " names");
   }
   for (size_t i = 0; i < names.size(); ++i) assign(names[i], items[i]);
 }
@@ -277,8 +275,7 @@ struct MacroCall {
   static Value invoke(Interpreter& in, const Node& m, CallArgs& args, int line) {
     if (++in.call_depth_ > in.budget_.max_depth) {
       --in.call_depth_;
-      in.fail(line, "macro '" + m.text + "' recursed deeper than " + std::to_string(in.budget_.max_depth) +
-                        " calls");
+      in.fail(line, "macro '" + m.text + "' recursed deeper than " + std::to_string(in.budget_.max_depth) + " calls");
     }
     struct DepthPop {
       Interpreter& i;
@@ -310,14 +307,18 @@ struct MacroCall {
         }
       }
       if (!found) {
-        if (k == "caller") in.assign("caller", v);
-        else kwargs->set(k, v);
+        if (k == "caller")
+          in.assign("caller", v);
+        else
+          kwargs->set(k, v);
       }
     }
     for (size_t i = 0; i < np; ++i) {
       if (bound[i]) continue;
-      if (m.kids[i]) in.assign(m.names[i], in.eval(*m.kids[i]));
-      else in.assign(m.names[i], Value::undefined("'" + m.names[i] + "'"));
+      if (m.kids[i])
+        in.assign(m.names[i], in.eval(*m.kids[i]));
+      else
+        in.assign(m.names[i], Value::undefined("'" + m.names[i] + "'"));
     }
     Value va(varargs);
     va.tuple = true;
@@ -589,8 +590,10 @@ Value Interpreter::eval_compare(const Node& n) {
     Value right = eval(*n.kids[i]);
     const std::string& op = n.names[i];
     bool ok;
-    if (op == "==") ok = equal(left, right);
-    else if (op == "!=") ok = !equal(left, right);
+    if (op == "==")
+      ok = equal(left, right);
+    else if (op == "!=")
+      ok = !equal(left, right);
     else if (op == "in" || op == "notin") {
       bool found = false;
       if (right.is_string()) {
@@ -680,8 +683,7 @@ Value Interpreter::eval(const Node& n) {
       }
       return Value(d);
     }
-    default:
-      fail(n.line, "internal: statement node used as an expression");
+    default: fail(n.line, "internal: statement node used as an expression");
   }
 }
 

@@ -19,12 +19,12 @@ class Interpreter {
   std::string run(const Node& root, const nlohmann::ordered_json& vars);
 
   [[noreturn]] void fail(int line, const std::string& msg) const;
-  void step(int line);                             // one unit of work against the budget
-  void check_size(size_t bytes, int line) const;   // a string / list about to be built
+  void step(int line);                            // one unit of work against the budget
+  void check_size(size_t bytes, int line) const;  // a string / list about to be built
   Value eval(const Node& n);
   Value call(const Value& callee, CallArgs& args, int line);
   std::vector<Value> iterate(const Value& v, int line);
-  std::string render_body(const Node& body);        // a macro / caller / filter block's output
+  std::string render_body(const Node& body);  // a macro / caller / filter block's output
   const Budget& budget() const { return budget_; }
 
   // Scopes: frames[0] holds the template's variables; a macro call starts a frame that sees only itself,

@@ -22,10 +22,14 @@ struct Token {
   int line = 0;
 };
 
-bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+bool is_ws(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 
 // Python str.rstrip() / the regex \s, on UTF-8.
-std::string rstrip_py(std::string_view s) { return py_strip(s, false, true, nullptr); }
+std::string rstrip_py(std::string_view s) {
+  return py_strip(s, false, true, nullptr);
+}
 bool all_py_space(std::string_view s) {
   if (s.empty()) return false;
   for (uint32_t cp : utf8_decode(s)) {
@@ -198,7 +202,8 @@ class Lexer {
     while (true) {
       while (i < src_.size() && is_ws(src_[i])) ++i;
       if (i >= src_.size()) {
-        fail(open_line, kind == '{' ? "unexpected end of template: {{ without }}" : "unexpected end of template: {% without %}");
+        fail(open_line,
+             kind == '{' ? "unexpected end of template: {{ without }}" : "unexpected end of template: {% without %}");
       }
       int line = line_at(i);
       char c = src_[i];
@@ -686,9 +691,8 @@ class Parser {
     NodePtr n;
     while (true) {
       std::string op;
-      if (peek().type == Tok::kOp &&
-          (peek().text == "==" || peek().text == "!=" || peek().text == "<" || peek().text == ">" ||
-           peek().text == "<=" || peek().text == ">=")) {
+      if (peek().type == Tok::kOp && (peek().text == "==" || peek().text == "!=" || peek().text == "<" ||
+                                      peek().text == ">" || peek().text == "<=" || peek().text == ">=")) {
         op = next().text;
       } else if (is_name("in")) {
         next();
@@ -762,9 +766,12 @@ class Parser {
     if (t.type == Tok::kName) {
       next();
       NodePtr n = node(NodeKind::kLiteral, line);
-      if (t.text == "true" || t.text == "True") n->value = Value(true);
-      else if (t.text == "false" || t.text == "False") n->value = Value(false);
-      else if (t.text == "none" || t.text == "None") n->value = Value(None{});
+      if (t.text == "true" || t.text == "True")
+        n->value = Value(true);
+      else if (t.text == "false" || t.text == "False")
+        n->value = Value(false);
+      else if (t.text == "none" || t.text == "None")
+        n->value = Value(None{});
       else {
         n->kind = NodeKind::kName;
         n->text = t.text;

@@ -61,13 +61,17 @@ void Dict::set(const std::string& key, Value value) {
   if (entries.size() >= kIndexFrom) reindex();
 }
 
-Value make_list(List items) { return Value(std::make_shared<List>(std::move(items))); }
+Value make_list(List items) {
+  return Value(std::make_shared<List>(std::move(items)));
+}
 Value make_tuple(List items) {
   Value v = make_list(std::move(items));
   v.tuple = true;
   return v;
 }
-Value make_dict() { return Value(std::make_shared<Dict>()); }
+Value make_dict() {
+  return Value(std::make_shared<Dict>());
+}
 
 Value from_json(const nlohmann::ordered_json& j) {
   switch (j.type()) {
@@ -100,14 +104,22 @@ bool truthy(const Value& v) {
   return std::visit(
       [](const auto& x) -> bool {
         using T = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<T, Undefined> || std::is_same_v<T, None>) return false;
-        else if constexpr (std::is_same_v<T, bool>) return x;
-        else if constexpr (std::is_same_v<T, int64_t>) return x != 0;
-        else if constexpr (std::is_same_v<T, double>) return x != 0.0;
-        else if constexpr (std::is_same_v<T, std::string>) return !x.empty();
-        else if constexpr (std::is_same_v<T, ListPtr>) return !x->empty();
-        else if constexpr (std::is_same_v<T, DictPtr>) return !x->entries.empty();
-        else return true;
+        if constexpr (std::is_same_v<T, Undefined> || std::is_same_v<T, None>)
+          return false;
+        else if constexpr (std::is_same_v<T, bool>)
+          return x;
+        else if constexpr (std::is_same_v<T, int64_t>)
+          return x != 0;
+        else if constexpr (std::is_same_v<T, double>)
+          return x != 0.0;
+        else if constexpr (std::is_same_v<T, std::string>)
+          return !x.empty();
+        else if constexpr (std::is_same_v<T, ListPtr>)
+          return !x->empty();
+        else if constexpr (std::is_same_v<T, DictPtr>)
+          return !x->entries.empty();
+        else
+          return true;
       },
       v.v);
 }
@@ -283,9 +295,12 @@ void json_dump(std::string& out, const Value& v, int indent, bool sort_keys, con
     out += std::to_string(std::get<int64_t>(v.v));
   } else if (v.is_float()) {
     double d = std::get<double>(v.v);
-    if (std::isnan(d)) out += "NaN";
-    else if (std::isinf(d)) out += d < 0 ? "-Infinity" : "Infinity";
-    else out += py_float_repr(d);
+    if (std::isnan(d))
+      out += "NaN";
+    else if (std::isinf(d))
+      out += d < 0 ? "-Infinity" : "Infinity";
+    else
+      out += py_float_repr(d);
   } else if (v.is_string()) {
     json_string(out, v.str());
   } else if (v.is_list()) {
@@ -368,26 +383,35 @@ std::string py_str(const Value& v) {
   return std::visit(
       [&](const auto& x) -> std::string {
         using T = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<T, Undefined>) return "";
-        else if constexpr (std::is_same_v<T, None>) return "None";
-        else if constexpr (std::is_same_v<T, bool>) return x ? "True" : "False";
-        else if constexpr (std::is_same_v<T, int64_t>) return std::to_string(x);
-        else if constexpr (std::is_same_v<T, double>) return py_float_repr(x);
-        else if constexpr (std::is_same_v<T, std::string>) return x;
-        else if constexpr (std::is_same_v<T, NamespacePtr>) return "<Namespace " + py_repr(Value([&] {
-            auto d = std::make_shared<Dict>(x->attrs);
-            return d;
-          }())) + ">";
-        else if constexpr (std::is_same_v<T, CallablePtr>) return "<function " + x->name + ">";
-        else return py_repr(v);
+        if constexpr (std::is_same_v<T, Undefined>)
+          return "";
+        else if constexpr (std::is_same_v<T, None>)
+          return "None";
+        else if constexpr (std::is_same_v<T, bool>)
+          return x ? "True" : "False";
+        else if constexpr (std::is_same_v<T, int64_t>)
+          return std::to_string(x);
+        else if constexpr (std::is_same_v<T, double>)
+          return py_float_repr(x);
+        else if constexpr (std::is_same_v<T, std::string>)
+          return x;
+        else if constexpr (std::is_same_v<T, NamespacePtr>)
+          return "<Namespace " + py_repr(Value([&] {
+                   auto d = std::make_shared<Dict>(x->attrs);
+                   return d;
+                 }())) +
+                 ">";
+        else if constexpr (std::is_same_v<T, CallablePtr>)
+          return "<function " + x->name + ">";
+        else
+          return py_repr(v);
       },
       v.v);
 }
 
 bool is_py_space(uint32_t cp) {
   return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
-         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
-         cp == 0x3000;
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
 }
 
 std::vector<uint32_t> utf8_decode(std::string_view s) {
@@ -427,8 +451,10 @@ std::string utf8_encode(const std::vector<uint32_t>& cps, size_t begin, size_t e
   std::string out;
   for (size_t i = begin; i < end; ++i) {
     uint32_t cp = cps[i];
-    if (cp >= kEscapeBase + 0x80 && cp <= kEscapeBase + 0xFF) out += static_cast<char>(cp - kEscapeBase);
-    else tok::append_utf8(out, cp);
+    if (cp >= kEscapeBase + 0x80 && cp <= kEscapeBase + 0xFF)
+      out += static_cast<char>(cp - kEscapeBase);
+    else
+      tok::append_utf8(out, cp);
   }
   return out;
 }

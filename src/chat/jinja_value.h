@@ -48,7 +48,11 @@ struct Value {
   Value(DictPtr d) : v(std::move(d)) {}
   Value(NamespacePtr n) : v(std::move(n)) {}
   Value(CallablePtr c) : v(std::move(c)) {}
-  static Value undefined(std::string hint) { Value x; x.v = Undefined{std::move(hint)}; return x; }
+  static Value undefined(std::string hint) {
+    Value x;
+    x.v = Undefined{std::move(hint)};
+    return x;
+  }
 
   bool is_undefined() const { return std::holds_alternative<Undefined>(v); }
   bool is_none() const { return std::holds_alternative<None>(v); }
@@ -67,8 +71,8 @@ struct Value {
   const DictPtr& dict() const { return std::get<DictPtr>(v); }
   const NamespacePtr& ns() const { return std::get<NamespacePtr>(v); }
   const CallablePtr& callable() const { return std::get<CallablePtr>(v); }
-  int64_t as_int() const;     // bool / int (caller checks)
-  double as_double() const;   // bool / int / float (caller checks)
+  int64_t as_int() const;    // bool / int (caller checks)
+  double as_double() const;  // bool / int / float (caller checks)
 };
 
 // An insertion-ordered string-keyed mapping (Python dict as JSON and templates build it).

@@ -18,8 +18,7 @@ size_t partial_tag_suffix(std::string_view s, std::string_view tag) {
 
 }  // namespace
 
-ReasoningParser::ReasoningParser(bool enable_thinking)
-    : phase_(enable_thinking ? Phase::kStart : Phase::kContent) {}
+ReasoningParser::ReasoningParser(bool enable_thinking) : phase_(enable_thinking ? Phase::kStart : Phase::kContent) {}
 
 ReasoningSplit ReasoningParser::feed(std::string_view delta) {
   ReasoningSplit out;
@@ -70,8 +69,10 @@ ReasoningSplit ReasoningParser::parse(std::string_view output, bool enable_think
   size_t close = rest.find(kClose);
   if (close == std::string_view::npos) {
     // No closing tag: all reasoning, or all content when the request turned thinking off.
-    if (enable_thinking) out.reasoning.assign(rest);
-    else out.content.assign(rest);
+    if (enable_thinking)
+      out.reasoning.assign(rest);
+    else
+      out.content.assign(rest);
     return out;
   }
   out.reasoning.assign(rest.substr(0, close));

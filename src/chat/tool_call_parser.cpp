@@ -54,14 +54,17 @@ nlohmann::ordered_json convert_value(const std::string& value, const nlohmann::j
   if (!schema || !schema->is_object()) return value;
   std::string type = "string";
   bool allows_null = false;
-  auto type_of = [](const nlohmann::json& t) { return t.is_string() ? lower_trim(t.get<std::string>()) : std::string(); };
+  auto type_of = [](const nlohmann::json& t) {
+    return t.is_string() ? lower_trim(t.get<std::string>()) : std::string();
+  };
   if (schema->contains("type")) {
     const auto& t = (*schema)["type"];
     if (t.is_array()) {  // ["integer", "null"]: the first non-null type
       bool picked = false;
       for (const auto& e : t) {
         std::string s = type_of(e);
-        if (s == "null") allows_null = true;
+        if (s == "null")
+          allows_null = true;
         else if (!picked && !s.empty()) {
           type = s;
           picked = true;
@@ -76,7 +79,8 @@ nlohmann::ordered_json convert_value(const std::string& value, const nlohmann::j
     for (const auto& opt : (*schema)["anyOf"]) {
       if (!opt.is_object() || !opt.contains("type")) continue;
       std::string s = type_of(opt["type"]);
-      if (s == "null") allows_null = true;
+      if (s == "null")
+        allows_null = true;
       else if (!picked) {
         type = s;
         picked = true;
@@ -155,8 +159,8 @@ bool ToolCallParser::parse_block(std::string_view raw_block, ToolCall& out) {
   if (f == std::string_view::npos) return false;
   size_t name_end = block.find('>', f + kFunctionOpen.size());
   if (name_end == std::string_view::npos) return false;
-  std::string name = jinja::py_strip(block.substr(f + kFunctionOpen.size(), name_end - f - kFunctionOpen.size()),
-                                     true, true, nullptr);
+  std::string name =
+      jinja::py_strip(block.substr(f + kFunctionOpen.size(), name_end - f - kFunctionOpen.size()), true, true, nullptr);
   if (name.empty()) return false;
   std::string_view body = block.substr(name_end + 1);
   size_t fend = body.rfind(kFunctionClose);
@@ -168,8 +172,8 @@ bool ToolCallParser::parse_block(std::string_view raw_block, ToolCall& out) {
     if (p == std::string_view::npos) break;
     size_t pname_end = body.find('>', p + kParamOpen.size());
     if (pname_end == std::string_view::npos) break;
-    std::string pname = jinja::py_strip(body.substr(p + kParamOpen.size(), pname_end - p - kParamOpen.size()),
-                                        true, true, nullptr);
+    std::string pname =
+        jinja::py_strip(body.substr(p + kParamOpen.size(), pname_end - p - kParamOpen.size()), true, true, nullptr);
     size_t vstart = pname_end + 1;
     // A value ends at </parameter>, else at the next <parameter= (a missing close tag), else at the end.
     size_t close = body.find(kParamClose, vstart);

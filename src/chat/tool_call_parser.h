@@ -22,13 +22,13 @@
 namespace chimera::chat {
 
 struct ToolCall {
-  std::string id;         // "call_" + 24 hex digits, unique per parser
+  std::string id;  // "call_" + 24 hex digits, unique per parser
   std::string name;
   std::string arguments;  // a JSON object, serialized (ensure_ascii off, as vLLM's json.dumps)
 };
 
 struct ToolCallResult {
-  std::string content;             // text outside the tool calls
+  std::string content;  // text outside the tool calls
   std::vector<ToolCall> tool_calls;
 };
 

@@ -270,10 +270,13 @@ std::vector<TokenEvent> Engine::step() {
   }
   const int32_t max_blocks = cache_.blocks_per_seq();
   b.block_tables = Tensor::zeros(DType::kI32, {static_cast<int64_t>(order.size()), max_blocks});
-  // For each logits row: its sequence, and whether this step samples from it.
+  // For each logits row: its sequence, whether this step samples from it, whether on_logits sees it, and the
+  // prompt position whose token it scores for the sequence's prompt_logprobs (-1: none).
   struct RowOwner {
     int32_t seq_id;
     bool samples;
+    bool reported;
+    int32_t scores = -1;
   };
   std::vector<RowOwner> row_owner;
   for (size_t i = 0; i < order.size(); ++i) {
@@ -287,12 +290,18 @@ std::vector<TokenEvent> Engine::step() {
     std::copy(s.blocks.begin(), s.blocks.end(), b.block_tables.i32() + static_cast<int64_t>(i) * max_blocks);
     // Row r holds the logits after token s.num_computed + r. A row is reported once: a preempted sequence
     // recomputing its tokens reports only rows past num_computed_max; the last row samples the next token.
+    // A sequence asking for prompt_logprobs gets the rows of its prompt positions 0 .. prompt_len - 2, chunk by
+    // chunk: row r scores prompt token s.num_computed + r + 1.
     const bool reaches_end = s.num_computed + n == static_cast<int32_t>(s.tokens.size());
     for (int32_t r = 0; r < n; ++r) {
+      const int32_t pos = s.num_computed + r;
       const bool last = reaches_end && r == n - 1;
-      if (last || (config_.return_prompt_logits && s.num_computed + r >= s.num_computed_max)) {
+      const bool fresh = pos >= s.num_computed_max;
+      const bool scores = s.sampling.prompt_logprobs >= 0 && fresh && pos + 1 < s.prompt_len;
+      const bool reported = last || (config_.return_prompt_logits && fresh);
+      if (reported || scores) {
         b.logit_rows.push_back(start + r);
-        row_owner.push_back({s.id, last});
+        row_owner.push_back({s.id, last, reported, scores ? pos + 1 : -1});
       }
     }
   }
@@ -336,11 +345,20 @@ std::vector<TokenEvent> Engine::step() {
     const bool on_host = device_tokens.empty();
     const std::span<const float> row(on_host ? logits.f32() + static_cast<int64_t>(r) * V : nullptr,
                                      on_host ? static_cast<size_t>(V) : 0);
-    if (on_logits) on_logits(s.id, row);
+    if (on_logits && row_owner[r].reported) on_logits(s.id, row);
+    if (row_owner[r].scores >= 0) {
+      const int32_t at = row_owner[r].scores;
+      s.prompt_logprobs.push_back(prompt_logprob(row, s.tokens[static_cast<size_t>(at)], s.sampling.prompt_logprobs));
+    }
     if (!row_owner[r].samples) continue;
+    // The first sampling event of a sequence hands out its prompt logprobs (all chunks' rows are in by now).
+    auto with_prompt_logprobs = [&s](TokenEvent ev) {
+      if (s.sampling.prompt_logprobs >= 0 && s.num_generated() == 0) ev.prompt_logprobs = std::move(s.prompt_logprobs);
+      return ev;
+    };
     if (s.sampling.max_new_tokens == 0) {
       s.finish = FinishReason::kLength;
-      events.push_back({s.id, -1, s.finish});
+      events.push_back(with_prompt_logprobs({s.id, -1, s.finish}));
       continue;
     }
     const uint64_t step = static_cast<uint64_t>(s.num_generated());
@@ -352,10 +370,11 @@ std::vector<TokenEvent> Engine::step() {
       s.error = fmt::format("non-finite logits at step {} of sequence {} (a NaN or an infinity among them)", step, s.id);
       TokenEvent ev{s.id, -1, s.finish};
       ev.error = s.error;
-      events.push_back(std::move(ev));
+      events.push_back(with_prompt_logprobs(std::move(ev)));
       continue;
     }
     const int32_t tok = t.id;
+    TokenEvent ev = with_prompt_logprobs({s.id, tok, FinishReason::kNone});
     s.tokens.push_back(tok);
     const bool eos = !s.sampling.ignore_eos && std::find(stop_ids_.begin(), stop_ids_.end(), tok) != stop_ids_.end();
     const auto& stop_tokens = s.sampling.stop_token_ids;
@@ -365,7 +384,7 @@ std::vector<TokenEvent> Engine::step() {
                static_cast<int32_t>(s.tokens.size()) >= cache_.sizes().max_model_len) {
       s.finish = FinishReason::kLength;
     }
-    TokenEvent ev{s.id, tok, s.finish};
+    ev.finish = s.finish;
     if (s.sampling.logprobs >= 0) {
       ev.logprob = t.logprob;
       ev.top_logprobs = std::move(t.top_logprobs);

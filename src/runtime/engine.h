@@ -43,6 +43,9 @@ struct TokenEvent {
   // with theirs, most likely first (ties: lower id first).
   float logprob = 0.0f;
   std::vector<std::pair<int32_t, float>> top_logprobs;
+  // The sequence's first event (its first token, or the finish without one) when it asked for prompt_logprobs:
+  // one entry per prompt position 1 .. prompt_len - 1 (the first prompt token has none).
+  std::vector<PromptLogprob> prompt_logprobs;
   std::string error;  // kError: what went wrong ("non-finite logits at step N of sequence S")
 };
 
@@ -79,7 +82,8 @@ class Engine {
   }
 
   // Called with each logits row the engine produces, in order per sequence: prompt rows (when
-  // return_prompt_logits) then one row per generated token.
+  // return_prompt_logits) then one row per generated token. (Rows computed only for a sequence's
+  // prompt_logprobs are not passed here.) On CUDA a step with such rows, or with this set, samples on the host.
   std::function<void(int32_t seq_id, std::span<const float> logits)> on_logits;
 
   const StateCache& cache() const { return cache_; }

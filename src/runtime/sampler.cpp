@@ -31,6 +31,9 @@ void SamplingParams::validate() const {
   if (logprobs < -1 || logprobs > kMaxLogprobs) {
     invalid_input("logprobs (--logprobs) must be in [0, {}] (or -1 for none), got {}", kMaxLogprobs, logprobs);
   }
+  if (prompt_logprobs < -1 || prompt_logprobs > kMaxLogprobs) {
+    invalid_input("prompt_logprobs must be in [0, {}] (or -1 for none), got {}", kMaxLogprobs, prompt_logprobs);
+  }
   for (size_t i = 0; i < stop_token_ids.size(); ++i) {
     if (stop_token_ids[i] < 0) {
       invalid_input("stop_token_ids (--stop-token-ids): entry {} is {}, not a token id", i, stop_token_ids[i]);
@@ -76,6 +79,11 @@ SampledToken sample_token(std::span<const float> logits, const SamplingParams& p
   const ops::SamplingRow row = sampling_row(params, step);
   cpu::SampledRow s = cpu::sample_row(logits, row, pen, params.logprobs >= 0);
   return SampledToken{s.id, s.logprob, std::move(s.top), s.nonfinite};
+}
+
+PromptLogprob prompt_logprob(std::span<const float> logits, int32_t token, int32_t num_top) {
+  cpu::TokenLogprobs t = cpu::token_logprobs(logits, token, num_top);
+  return PromptLogprob{token, t.logprob, t.rank, std::move(t.top)};
 }
 
 int32_t sample_token(std::span<const float> logits, const SamplingParams& params, uint64_t step) {

@@ -32,6 +32,10 @@ struct SamplingParams {
   // -1: none; 0: the sampled token's log-probability; k (<= 20): that and the k most likely tokens'. Always of
   // the raw logits (log-softmax before penalties and temperature: vLLM's default "raw_logprobs" mode).
   int32_t logprobs = -1;
+  // -1: none; k (<= 20): for every prompt position after the first, the prompt token's raw log-probability
+  // given the tokens before it, its rank, and the k most likely tokens' (vLLM's prompt_logprobs). Only this
+  // sequence's prompt rows are computed for it.
+  int32_t prompt_logprobs = -1;
 
   static constexpr int32_t kMaxLogprobs = ops::kMaxTopLogprobs;
 
@@ -51,6 +55,18 @@ struct SampledToken {
   std::vector<std::pair<int32_t, float>> top_logprobs;
   bool nonfinite = false;
 };
+
+// One prompt token's log-probability given the tokens before it (the raw log-softmax of the previous
+// position's logits, as a generated token's), its rank among the vocabulary (1 = most likely) and the
+// SamplingParams::prompt_logprobs most likely tokens with theirs, most likely first (ties: lower id first).
+struct PromptLogprob {
+  int32_t token = -1;
+  float logprob = 0.0f;
+  int32_t rank = 1;
+  std::vector<std::pair<int32_t, float>> top;
+};
+// The PromptLogprob of `token` following the position whose fp32 logits are `logits`.
+PromptLogprob prompt_logprob(std::span<const float> logits, int32_t token, int32_t num_top);
 
 // The op-level parameters of a sequence's row at `step` (index of the token being generated).
 ops::SamplingRow sampling_row(const SamplingParams& params, uint64_t step);

@@ -39,6 +39,9 @@ struct Sequence {
   int32_t num_computed_max = 0;
   int32_t num_preemptions = 0;
   std::string error;  // kError: the message
+  // sampling.prompt_logprobs >= 0: those of prompt positions 1.. computed so far (every prefill chunk adds
+  // its rows); handed out with the sequence's first sampling event.
+  std::vector<PromptLogprob> prompt_logprobs;
 
   int32_t num_generated() const { return static_cast<int32_t>(tokens.size()) - prompt_len; }
   // Tokens not yet in the caches (the next step's candidates).

@@ -230,6 +230,13 @@ GenerationRequest parse_completion_request(const json& body) {
   }
   r.echo = get_bool(body, "echo", false);
   if (field(body, "logprobs")) r.logprobs = get_int_in(body, "logprobs", 0, 0, kMaxLogprobs);
+  if (field(body, "prompt_logprobs")) {
+    r.prompt_logprobs = get_int_in(body, "prompt_logprobs", 0, 0, kMaxLogprobs);
+    // vLLM's rule: the prompt's logprobs come in the final response only.
+    if (r.stream && *r.prompt_logprobs > 0) {
+      bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
+    }
+  }
   if (r.n > 1 && r.prompts.size() * size_t(r.n) > kMaxPrompts) {
     bad("n", "{} prompts x n = {} choices, at most {}", r.prompts.size(), r.n, kMaxPrompts);
   }

@@ -67,6 +67,9 @@ struct GenerationRequest {
   // completions: logprobs = N (top N alternatives, 0 = only the chosen token's); chat: logprobs = true and
   // top_logprobs = N. Absent = no logprobs.
   std::optional<int32_t> logprobs;
+  // completions, vLLM's extension: the prompt tokens' logprobs with N alternatives each (choice field
+  // "prompt_logprobs"); echo with logprobs asks for them too (logprobs then covers the prompt).
+  std::optional<int32_t> prompt_logprobs;
   bool echo = false;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage

@@ -180,7 +180,7 @@ void EngineLoop::run() {
     std::unordered_map<RequestSink*, std::pair<std::shared_ptr<RequestSink>, std::vector<SeqEvent>>> out;
     int64_t new_tokens = 0;
     std::vector<std::pair<int32_t, FinishReason>> done;
-    for (const TokenEvent& ev : events) {
+    for (TokenEvent& ev : events) {
       auto it = live_.find(ev.seq_id);
       if (it == live_.end()) continue;
       Live& l = it->second;
@@ -200,7 +200,8 @@ void EngineLoop::run() {
       }
       auto& slot = out[l.sink.get()];
       slot.first = l.sink;
-      slot.second.push_back(SeqEvent{l.choice, ev.token, ev.finish, false, ev.logprob, ev.top_logprobs, ev.error});
+      slot.second.push_back(SeqEvent{l.choice, ev.token, ev.finish, false, ev.logprob, std::move(ev.top_logprobs),
+                                     ev.error, std::move(ev.prompt_logprobs)});
       if (ev.finish != FinishReason::kNone) done.emplace_back(ev.seq_id, ev.finish);
     }
     metrics_.add_generation_tokens(new_tokens);

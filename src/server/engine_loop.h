@@ -30,6 +30,8 @@ struct SeqEvent {
   float logprob = 0.0f;
   std::vector<std::pair<int32_t, float>> top_logprobs;
   std::string error;  // finish kError: why
+  // The sequence's first event when it asked for prompt logprobs (TokenEvent's).
+  std::vector<PromptLogprob> prompt_logprobs;
 };
 
 // Where a request's events go. Called on the engine thread; implementations only queue and return.

@@ -1,5 +1,6 @@
 #include "server/openai_server.h"
 
+#include <algorithm>
 #include <ctime>
 #include <optional>
 #include <random>
@@ -44,12 +45,17 @@ json utf8_bytes(const std::string& s) {
   return b;
 }
 
-// One generated token's log-probabilities, as the engine gave them.
+// One token's log-probabilities, as the engine gave them; no logprob for the first prompt token (nothing
+// precedes it), which the legacy format writes as nulls.
 struct TokenLogprobs {
   int32_t token;
-  float logprob;
+  std::optional<float> logprob;
   std::vector<std::pair<int32_t, float>> top;
 };
+
+// vLLM clamps -inf log-probabilities (a token the model rules out) to this, so that the JSON holds a number.
+constexpr float kMinLogprob = -9999.0f;
+float clamp_logprob(float v) { return std::max(v, kMinLogprob); }
 
 // One output sequence of a request, on the connection's strand.
 struct Choice {
@@ -61,6 +67,9 @@ struct Choice {
   std::optional<chat::ToolCallParser> tools;       // streaming chat with --tool-call-parser and tools
   std::string text;                                // non-streaming: the whole answer (before the chat parsers)
   std::vector<TokenLogprobs> logprobs;             // non-streaming, when asked
+  std::vector<PromptLogprob> prompt_logprobs;      // when the request computes them (from the first event)
+  bool seen_event = false;
+  size_t text_offset = 0;  // streaming completions: where the next chunk's logprobs tokens start
   size_t num_tool_calls = 0;
   int32_t num_tokens = 0;
   std::string finish;  // "" while it runs
@@ -75,6 +84,11 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
 
   bool chat = false, stream = false, include_usage = false, echo = false;
   bool want_logprobs = false;
+  // Completions: the prompt logprobs the engine computes (-1: none): echo with logprobs puts them at the head
+  // of `logprobs` (as vLLM); non-streaming responses also carry them as the choice's "prompt_logprobs".
+  int32_t prompt_logprobs = -1;
+  int32_t num_logprobs = 0;  // completions: the `logprobs` value (alternatives per token)
+  bool echo_logprobs() const { return echo && want_logprobs && !chat; }
   bool reasoning_parser = false, tool_parser = false, enable_thinking = true;
   json tools_spec;  // the request's tools (for the tool-call parser's parameter types)
   uint64_t tool_id_seed = 0;
@@ -82,6 +96,7 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
   int64_t created = 0;
   std::vector<std::string> prompt_text;  // per prompt, for echo
   std::vector<int32_t> prompt_len;       // per prompt
+  std::vector<int32_t> prompt_first;     // per prompt: its first token (no logprob of its own)
   std::vector<Choice> choices;
   const Tokenizer* tokenizer = nullptr;
 
@@ -97,7 +112,8 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
     for (size_t i = 0; i < choices.size(); ++i) {
       if (chat) {
         out += sse_event(chunk(i, json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
-      } else if (echo) {
+      } else if (echo && !echo_logprobs()) {
+        // With logprobs the prompt goes out with the first token's chunk, which carries the prompt's logprobs.
         out += sse_event(chunk(i, prompt_text[choices[i].prompt], nullptr, nullptr));
       }
     }
@@ -115,12 +131,18 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
       }
       std::string delta;
       std::vector<TokenLogprobs> lps;
+      const bool first_event = !c.seen_event && !ev.aborted;
+      if (first_event) {
+        c.seen_event = true;
+        if (prompt_logprobs >= 0) c.prompt_logprobs = ev.prompt_logprobs;
+        if (echo_logprobs() && stream) lps = prompt_entries(c);  // non-streaming: full_response() adds them
+      }
       if (ev.aborted) {
         c.finish = "abort";
       } else {
         if (ev.token >= 0) {
           ++c.num_tokens;
-          if (want_logprobs) lps.push_back(TokenLogprobs{ev.token, ev.logprob, ev.top_logprobs});
+          if (want_logprobs) lps.push_back(TokenLogprobs{ev.token, clamp_logprob(ev.logprob), ev.top_logprobs});
           // A token that ends the sequence as a stop token (EOS, stop_token_ids) adds no text, as in vLLM.
           if (ev.finish != FinishReason::kStop) delta = c.matcher.feed(c.decoder.feed(ev.token));
         }
@@ -134,6 +156,7 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
         }
       }
       if (stream) {
+        if (first_event && echo_logprobs()) delta = prompt_text[c.prompt] + delta;
         out += stream_delta(static_cast<size_t>(ev.choice), c, delta, lps);
       } else {
         c.text += delta;
@@ -209,22 +232,62 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
 
   std::string token_text(int32_t id) const { return tokenizer->decode(std::span<const int32_t>(&id, 1)); }
 
-  // Completions: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; offset_base: where the text starts.
-  json completion_logprobs(const std::vector<TokenLogprobs>& lps, size_t offset_base) const {
+  // Completions: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}. text_offset[i] is offset_base plus
+  // the bytes of tokens[0 .. i) (vLLM's rule, with the token strings as listed); *offset_end: where the next
+  // token would start. A token without a logprob (the first of an echoed prompt) has null entries.
+  json completion_logprobs(const std::vector<TokenLogprobs>& lps, size_t offset_base, size_t* offset_end = nullptr) const {
     json tokens = json::array(), lp = json::array(), top = json::array(), off = json::array();
     size_t at = offset_base;
     for (const TokenLogprobs& t : lps) {
       const std::string s = token_text(t.token);
       tokens.push_back(s);
-      lp.push_back(t.logprob);
-      json d = json::object();
-      d[s] = t.logprob;
-      for (const auto& [id, v] : t.top) d[token_text(id)] = v;
-      top.push_back(std::move(d));
+      if (t.logprob) {
+        lp.push_back(*t.logprob);
+        json d = json::object();
+        d[s] = *t.logprob;
+        for (const auto& [id, v] : t.top) d[token_text(id)] = v;
+        top.push_back(std::move(d));
+      } else {
+        lp.push_back(nullptr);
+        top.push_back(nullptr);
+      }
       off.push_back(at);
       at += s.size();
     }
+    if (offset_end) *offset_end = at;
     return json{{"tokens", tokens}, {"token_logprobs", lp}, {"top_logprobs", top}, {"text_offset", off}};
+  }
+  // The echoed prompt's head of a completion's `logprobs`: its first token without a logprob, then each later
+  // one with the engine's prompt logprob and at most `logprobs` alternatives.
+  std::vector<TokenLogprobs> prompt_entries(const Choice& c) const {
+    std::vector<TokenLogprobs> out;
+    out.push_back(TokenLogprobs{prompt_first[static_cast<size_t>(c.prompt)], std::nullopt, {}});
+    for (const PromptLogprob& p : c.prompt_logprobs) {
+      TokenLogprobs t{p.token, clamp_logprob(p.logprob), {}};
+      for (size_t j = 0; j < p.top.size() && j < static_cast<size_t>(num_logprobs); ++j) {
+        t.top.emplace_back(p.top[j].first, clamp_logprob(p.top[j].second));
+      }
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+  // vLLM's choice field "prompt_logprobs": null for the first token, then {"<id>": {"logprob", "rank",
+  // "decoded_token"}} holding the prompt token and its alternatives.
+  json prompt_logprobs_json(const Choice& c) const {
+    json out = json::array({nullptr});
+    for (const PromptLogprob& p : c.prompt_logprobs) {
+      json d = json::object();
+      d[std::to_string(p.token)] = {{"logprob", clamp_logprob(p.logprob)}, {"rank", p.rank},
+                                    {"decoded_token", token_text(p.token)}};
+      for (size_t j = 0; j < p.top.size(); ++j) {
+        const std::string key = std::to_string(p.top[j].first);
+        if (d.contains(key)) continue;
+        d[key] = {{"logprob", clamp_logprob(p.top[j].second)}, {"rank", j + 1},
+                  {"decoded_token", token_text(p.top[j].first)}};
+      }
+      out.push_back(std::move(d));
+    }
+    return out;
   }
   // Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
   json chat_logprobs(const std::vector<TokenLogprobs>& lps) const {
@@ -236,7 +299,8 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
         const std::string ts = token_text(id);
         top.push_back(json{{"token", ts}, {"logprob", v}, {"bytes", utf8_bytes(ts)}});
       }
-      content.push_back(json{{"token", s}, {"logprob", t.logprob}, {"bytes", utf8_bytes(s)}, {"top_logprobs", top}});
+      content.push_back(
+          json{{"token", s}, {"logprob", t.logprob.value_or(0.0f)}, {"bytes", utf8_bytes(s)}, {"top_logprobs", top}});
     }
     return json{{"content", content}};
   }
@@ -244,7 +308,9 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
   // The SSE events of one choice's new text (after the chat parsers) and finish.
   std::string stream_delta(size_t i, Choice& c, const std::string& text, const std::vector<TokenLogprobs>& lps) {
     json lp = nullptr;
-    if (want_logprobs && !lps.empty()) lp = chat ? chat_logprobs(lps) : completion_logprobs(lps, 0);
+    if (want_logprobs && !lps.empty()) {
+      lp = chat ? chat_logprobs(lps) : completion_logprobs(lps, c.text_offset, &c.text_offset);
+    }
     if (!chat) {
       if (text.empty() && c.finish.empty() && lp.is_null()) return {};
       return sse_event(chunk(i, text, finish_json(c, 0), lp));
@@ -324,7 +390,12 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
         if (want_logprobs) choice["logprobs"] = chat_logprobs(c.logprobs);
       } else {
         choice["text"] = echo ? prompt_text[c.prompt] + c.text : c.text;
-        if (want_logprobs) choice["logprobs"] = completion_logprobs(c.logprobs, 0);
+        if (want_logprobs) {
+          std::vector<TokenLogprobs> all = echo_logprobs() ? prompt_entries(c) : std::vector<TokenLogprobs>{};
+          all.insert(all.end(), c.logprobs.begin(), c.logprobs.end());
+          choice["logprobs"] = completion_logprobs(all, 0);
+        }
+        if (prompt_logprobs >= 0) choice["prompt_logprobs"] = prompt_logprobs_json(c);
       }
       arr.push_back(std::move(choice));
     }
@@ -431,7 +502,6 @@ void OpenAiServer::generate(const HttpRequest& req, const std::shared_ptr<Respon
     throw ApiError(404, fmt::format("The model `{}` does not exist.", g.model), "model", "NotFoundError");
   }
   if (!tokenizer_) throw ApiError(400, "this server has no tokenizer; text generation needs one");
-  if (g.echo && g.logprobs) throw ApiError(400, "'echo' with 'logprobs' (prompt logprobs) is not supported", "echo");
   std::vector<PromptInput> inputs = g.prompts;
   if (chat) {
     if (!chat_template_) throw ApiError(400, "the model has no chat template; use /v1/completions");
@@ -460,6 +530,9 @@ void OpenAiServer::generate(const HttpRequest& req, const std::shared_ptr<Respon
   st->created = std::time(nullptr);
   st->tokenizer = tokenizer_;
   st->want_logprobs = g.logprobs.has_value();
+  st->num_logprobs = g.logprobs.value_or(0);
+  // vLLM: an explicit prompt_logprobs wins; echo with logprobs asks for the prompt's with as many alternatives.
+  if (!chat) st->prompt_logprobs = g.prompt_logprobs ? *g.prompt_logprobs : g.echo && g.logprobs ? *g.logprobs : -1;
   st->reasoning_parser = chat && !config_.reasoning_parser.empty();
   st->tool_parser = chat && !config_.tool_call_parser.empty() && g.tools.is_array() && !g.tools.empty();
   st->enable_thinking = !(g.chat_template_kwargs.contains("enable_thinking") &&
@@ -489,6 +562,7 @@ void OpenAiServer::generate(const HttpRequest& req, const std::shared_ptr<Respon
     }
     st->prompt_text.push_back(!p.text.empty() ? p.text : tokenizer_->decode(ids, /*skip_special_tokens=*/false));
     st->prompt_len.push_back(static_cast<int32_t>(len));
+    st->prompt_first.push_back(ids.front());
     prompts.push_back(std::move(ids));
   }
 
@@ -515,6 +589,7 @@ void OpenAiServer::generate(const HttpRequest& req, const std::shared_ptr<Respon
       s.sampling.repetition_penalty = g.repetition_penalty;
       s.sampling.stop_token_ids = g.stop_token_ids;
       s.sampling.logprobs = g.logprobs ? *g.logprobs : -1;
+      s.sampling.prompt_logprobs = st->prompt_logprobs;
       s.sampling.validate();  // kInvalidInput -> 400 here, before anything is queued
       s.sampling.max_new_tokens =
           g.max_tokens ? *g.max_tokens : config_.max_model_len - static_cast<int32_t>(prompts[p].size());

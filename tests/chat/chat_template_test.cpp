@@ -3,8 +3,11 @@
 // and must fail where transformers raises.
 #include "chat/chat_template.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -17,7 +20,9 @@ namespace {
 
 using nlohmann::ordered_json;
 
-std::string fixture_dir() { return test::source_path("tests/fixtures/chat_templates"); }
+std::string fixture_dir() {
+  return test::source_path("tests/fixtures/chat_templates");
+}
 
 std::string read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -42,9 +47,9 @@ TEST(ChatTemplateGoldens, EveryCaseMatchesTransformers) {
   const ordered_json goldens = ordered_json::parse(read_text(fixture_dir() + "/goldens.json"));
   std::map<std::string, ChatTemplate> templates;
   for (const auto& [file, tokens] : goldens["special_tokens"].items()) {
-    templates.emplace(file, ChatTemplate::from_string(read_text(fixture_dir() + "/" + file),
-                                                      tokens["bos_token"].get<std::string>(),
-                                                      tokens["eos_token"].get<std::string>(), file));
+    templates.emplace(
+        file, ChatTemplate::from_string(read_text(fixture_dir() + "/" + file), tokens["bos_token"].get<std::string>(),
+                                        tokens["eos_token"].get<std::string>(), file));
   }
   size_t matched = 0, raised = 0;
   for (const auto& c : goldens["cases"]) {
@@ -60,7 +65,8 @@ TEST(ChatTemplateGoldens, EveryCaseMatchesTransformers) {
       try {
         std::string out = t.render(messages, tools, gen, kwargs);
         ADD_FAILURE() << name << ": transformers raised (" << c["error"].get<std::string>()
-                      << ") but the render succeeded:\n" << out;
+                      << ") but the render succeeded:\n"
+                      << out;
       } catch (const Error& e) {
         EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput) << name << ": " << e.what();
         ++raised;
@@ -70,8 +76,10 @@ TEST(ChatTemplateGoldens, EveryCaseMatchesTransformers) {
     const std::string want = c["expected"].get<std::string>();
     try {
       std::string got = t.render(messages, tools, gen, kwargs);
-      if (got == want) ++matched;
-      else ADD_FAILURE() << name << ": " << show_difference(got, want);
+      if (got == want)
+        ++matched;
+      else
+        ADD_FAILURE() << name << ": " << show_difference(got, want);
     } catch (const Error& e) {
       ADD_FAILURE() << name << ": render failed: " << e.what();
     }
@@ -92,16 +100,18 @@ TEST(ChatTemplateLoad, ReadsTokenizerConfigAndJinjaFile) {
   EXPECT_FALSE(ChatTemplate::load(dir).has_value());
 
   // The string form; bos / eos from strings or AddedToken objects.
-  write("tokenizer_config.json",
-        R"({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"})");
+  write(
+      "tokenizer_config.json",
+      R"({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"})");
   auto t = ChatTemplate::load(dir);
   ASSERT_TRUE(t.has_value());
   ordered_json msgs = ordered_json::parse(R"([{"role": "user", "content": "hi"}])");
   EXPECT_EQ(t->render(msgs, nullptr, false, nullptr), "<s>hi</s>");
 
   // The list form: "default" for chats, "tool_use" when tools are given (even an empty list), as transformers.
-  write("tokenizer_config.json",
-        R"({"chat_template": [{"name": "tool_use", "template": "T{{ tools | length }}"}, {"name": "default", "template": "D"}]})");
+  write(
+      "tokenizer_config.json",
+      R"({"chat_template": [{"name": "tool_use", "template": "T{{ tools | length }}"}, {"name": "default", "template": "D"}]})");
   t = ChatTemplate::load(dir);
   ASSERT_TRUE(t.has_value());
   EXPECT_TRUE(t->has_tool_use_variant());
@@ -152,8 +162,8 @@ TEST(ChatTemplateRender, NormalizesMessagesAsTransformers) {
   // None-valued keys are dropped; reasoning under any of its names is aliased to reasoning_content / thinking.
   ChatTemplate t = ChatTemplate::from_string(
       "{% for m in messages %}{{ m.keys() | list }}|{{ m.reasoning_content }}|{{ m.thinking }};{% endfor %}", "", "");
-  ordered_json msgs = ordered_json::parse(
-      R"([{"role":"user","content":null},{"role":"assistant","content":"a","reasoning":"r"}])");
+  ordered_json msgs =
+      ordered_json::parse(R"([{"role":"user","content":null},{"role":"assistant","content":"a","reasoning":"r"}])");
   EXPECT_EQ(t.render(msgs, nullptr, false, nullptr),
             "['role']||;['thinking', 'role', 'content', 'reasoning', 'reasoning_content']|r|r;");
 }

@@ -63,9 +63,9 @@ TEST(JinjaErrors, NameTheLine) {
   EXPECT_NE(error_of("x\n\n{{ raise_exception('Conversation roles must alternate') }}")
                 .find("t line 3: raise_exception: Conversation roles must alternate"),
             std::string::npos);
-  EXPECT_NE(error_of("{% if x %}\n{{ x.y.z }}\n{% endif %}", ordered_json::parse(R"({"x": {"a": 1}})"))
-                .find("t line 2:"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of("{% if x %}\n{{ x.y.z }}\n{% endif %}", ordered_json::parse(R"({"x": {"a": 1}})")).find("t line 2:"),
+      std::string::npos);
   EXPECT_NE(error_of("{{ 'abc' | nosuch }}").find("unknown filter 'nosuch'"), std::string::npos);
   EXPECT_NE(error_of("{# never closed").find("unclosed comment"), std::string::npos);
   EXPECT_NE(error_of("{% raw %}never closed").find("endraw"), std::string::npos);

@@ -34,9 +34,10 @@ TEST(ToolCallParser, ParsesTheFormat) {
   EXPECT_EQ(r.content, "I will check.\n");
   ASSERT_EQ(r.tool_calls.size(), 2u);
   EXPECT_EQ(r.tool_calls[0].name, "get_weather");
-  EXPECT_EQ(r.tool_calls[0].arguments,
-            "{\"city\": \"San Francisco, CA\", \"days\": 3, \"scale\": 1.5, \"metric\": true, \"opts\": {\"a\": [1, 2]}, "
-            "\"tags\": [\"x\"], \"note\": null, \"maybe\": null, \"unknown\": \"7\"}");
+  EXPECT_EQ(
+      r.tool_calls[0].arguments,
+      "{\"city\": \"San Francisco, CA\", \"days\": 3, \"scale\": 1.5, \"metric\": true, \"opts\": {\"a\": [1, 2]}, "
+      "\"tags\": [\"x\"], \"note\": null, \"maybe\": null, \"unknown\": \"7\"}");
   EXPECT_EQ(r.tool_calls[1].name, "now");
   EXPECT_EQ(r.tool_calls[1].arguments, "{}");
   EXPECT_EQ(r.tool_calls[0].id.size(), 5u + 24u);
@@ -56,10 +57,14 @@ TEST(ToolCallParser, ValuesThatDoNotParseStayStrings) {
 }
 
 TEST(ToolCallParser, InvalidUtf8BecomesReplacementCharacters) {
-  ToolCallResult r = ToolCallParser().parse("<tool_call><function=f\xfa><parameter=x>a\xff\xfe" "b</parameter></function></tool_call>");
+  ToolCallResult r = ToolCallParser().parse(
+      "<tool_call><function=f\xfa><parameter=x>a\xff\xfe"
+      "b</parameter></function></tool_call>");
   ASSERT_EQ(r.tool_calls.size(), 1u);
   EXPECT_EQ(r.tool_calls[0].name, "f\xEF\xBF\xBD");
-  EXPECT_EQ(r.tool_calls[0].arguments, "{\"x\": \"a\xEF\xBF\xBD\xEF\xBF\xBD" "b\"}");
+  EXPECT_EQ(r.tool_calls[0].arguments,
+            "{\"x\": \"a\xEF\xBF\xBD\xEF\xBF\xBD"
+            "b\"}");
   EXPECT_TRUE(ordered_json::accept(r.tool_calls[0].arguments));
 }
 
@@ -125,11 +130,12 @@ TEST(ToolCallParser, RoundTripsWhatTheNemotron3TemplateRenders) {
           "note": "line one\nline two"})");
   ordered_json msgs = ordered_json::array();
   msgs.push_back({{"role", "user"}, {"content", "weather?"}});
-  msgs.push_back({{"role", "assistant"},
-                  {"content", "Checking."},
-                  {"tool_calls", ordered_json::array({{{"id", "c1"},
-                                                       {"type", "function"},
-                                                       {"function", {{"name", "get_weather"}, {"arguments", args}}}}})}});
+  msgs.push_back(
+      {{"role", "assistant"},
+       {"content", "Checking."},
+       {"tool_calls",
+        ordered_json::array(
+            {{{"id", "c1"}, {"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", args}}}}})}});
   const std::string prompt = t.render(msgs, ordered_json::parse(kTools), false,
                                       ordered_json::parse(R"({"truncate_history_thinking": false})"));
   // The assistant turn as the model would have generated it (after the "<think>" the generation prompt opens).
@@ -138,8 +144,7 @@ TEST(ToolCallParser, RoundTripsWhatTheNemotron3TemplateRenders) {
   ASSERT_NE(a, std::string::npos);
   std::string turn = prompt.substr(a + open.size());
   turn = turn.substr(0, turn.rfind("<|im_end|>"));
-  ASSERT_NE(turn.find("<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>"),
-            std::string::npos)
+  ASSERT_NE(turn.find("<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>"), std::string::npos)
       << turn;
   ToolCallResult r = ToolCallParser(json::parse(kTools)).parse(turn);
   EXPECT_EQ(r.content, "<think></think>Checking.\n");

@@ -272,6 +272,124 @@ TEST_P(EngineTest, RunsAnyModelThroughTheModelInterface) {
   EXPECT_EQ(counting.steps, 6);  // one prefill step with both prompts, then 5 decode steps
 }
 
+// Reference prompt logprobs: the raw log-softmax (in double) of the logits rows that on_logits reports with
+// return_prompt_logits, row i scoring prompt token i + 1; top ids by descending logit, ties to the lower id.
+struct RefPromptLogprob {
+  double logprob;
+  int32_t rank;
+  std::vector<int32_t> top;
+};
+std::vector<RefPromptLogprob> reference_prompt_logprobs(const std::vector<float>& rows, const std::vector<int32_t>& p,
+                                                        int64_t V, int32_t k) {
+  std::vector<RefPromptLogprob> out;
+  for (size_t i = 0; i + 1 < p.size(); ++i) {
+    const float* row = rows.data() + static_cast<int64_t>(i) * V;
+    double mx = row[0], sum = 0;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, static_cast<double>(row[v]));
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - mx);
+    const float l = row[p[i + 1]];
+    RefPromptLogprob r{l - mx - std::log(sum), 1, {}};
+    for (int64_t v = 0; v < V; ++v) r.rank += row[v] > l ? 1 : 0;
+    std::vector<int32_t> ids(static_cast<size_t>(V));
+    for (int64_t v = 0; v < V; ++v) ids[static_cast<size_t>(v)] = static_cast<int32_t>(v);
+    std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+    r.top.assign(ids.begin(), ids.begin() + k);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+TEST_P(EngineTest, PromptLogprobsAreTheLogSoftmaxOfThePromptRowsOverEveryPrefillChunk) {
+  const int64_t V = config_.vocab_size;
+  const std::vector<int32_t> p = prompt(41, 7);  // three 16-token prefill chunks (16 + 16 + 9)
+  const int32_t k = 3;
+  // The reference: every prompt row of one request alone, as `chimera generate --logits-out` writes them.
+  EngineConfig ref_cfg = small_config(1);
+  ref_cfg.return_prompt_logits = true;
+  Engine ref(*model_, ctx(), ref_cfg);
+  std::vector<float> rows;
+  ref.on_logits = [&](int32_t, std::span<const float> row) { rows.insert(rows.end(), row.begin(), row.end()); };
+  ref.add_request(p, sampling(2));
+  while (ref.has_unfinished()) ref.step();
+  ASSERT_EQ(rows.size(), (p.size() + 1) * static_cast<size_t>(V));  // 41 prompt rows, then the second token's
+  const std::vector<RefPromptLogprob> want = reference_prompt_logprobs(rows, p, V, k);
+
+  // The engine under test: prompt logprobs for one request only, chunked prefill, another request beside it.
+  EngineConfig cfg = small_config(2);
+  cfg.scheduler.max_num_batched_tokens = 16;
+  Engine engine(*model_, ctx(), cfg);
+  int32_t logits_rows = 0;
+  engine.on_logits = [&](int32_t, std::span<const float>) { ++logits_rows; };
+  SamplingParams sp = sampling(3);
+  sp.prompt_logprobs = k;
+  const int32_t other = engine.add_request(prompt(20, 8), sampling(3));
+  const int32_t id = engine.add_request(p, sp);
+  std::vector<TokenEvent> first;
+  std::map<int32_t, int32_t> events_of;
+  while (engine.has_unfinished()) {
+    for (TokenEvent& ev : engine.step()) {
+      if (events_of[ev.seq_id]++ == 0) {
+        first.push_back(std::move(ev));
+      } else {
+        EXPECT_TRUE(ev.prompt_logprobs.empty()) << "prompt logprobs come with the first event only";
+      }
+    }
+  }
+  // Rows computed only for prompt logprobs do not reach on_logits: one row per generated token of each.
+  EXPECT_EQ(logits_rows, 6);
+  ASSERT_EQ(first.size(), 2u);
+  for (const TokenEvent& ev : first) {
+    if (ev.seq_id == other) {
+      EXPECT_TRUE(ev.prompt_logprobs.empty());
+    }
+  }
+  const TokenEvent& ev = first[0].seq_id == id ? first[0] : first[1];
+  ASSERT_EQ(ev.prompt_logprobs.size(), p.size() - 1);
+  // Chunked and batched beside another sequence, the logits differ from the reference's by rounding only
+  // (kModelLogitsRelToMax of the largest logit); a log-softmax value moves by at most twice the largest logit
+  // change (|d lse| <= max |d l|).
+  double scale = 0;
+  for (float v : rows) scale = std::max(scale, static_cast<double>(std::abs(v)));
+  const double tol = 2 * (on_cuda() ? test::kGpuModelLogitsRelToMax : test::kModelLogitsRelToMax) * scale;
+  for (size_t i = 0; i + 1 < p.size(); ++i) {
+    const PromptLogprob& got = ev.prompt_logprobs[i];
+    EXPECT_EQ(got.token, p[i + 1]) << "position " << i + 1;
+    EXPECT_NEAR(got.logprob, want[i].logprob, tol) << "position " << i + 1;
+    EXPECT_LT(got.logprob, 0.0f);
+    EXPECT_EQ(got.rank, want[i].rank) << "position " << i + 1;
+    ASSERT_EQ(got.top.size(), static_cast<size_t>(k));
+    for (int32_t j = 0; j < k; ++j) {
+      EXPECT_EQ(got.top[j].first, want[i].top[j]) << "position " << i + 1 << " top " << j;
+      if (got.top[j].first == p[i + 1]) {
+        EXPECT_FLOAT_EQ(got.top[j].second, got.logprob);
+      }
+    }
+    for (int32_t j = 1; j < k; ++j) EXPECT_GE(got.top[j - 1].second, got.top[j].second);
+  }
+}
+
+TEST_P(EngineTest, PromptLogprobsWithNoNewTokensAndOfAOneTokenPrompt) {
+  Engine engine(*model_, ctx(), small_config(2));
+  SamplingParams sp = sampling(0);
+  sp.prompt_logprobs = 0;
+  const int32_t a = engine.add_request(prompt(5, 3), sp);
+  const int32_t b = engine.add_request(prompt(1, 4), sp);
+  std::map<int32_t, std::vector<TokenEvent>> evs;
+  while (engine.has_unfinished()) {
+    for (TokenEvent& ev : engine.step()) evs[ev.seq_id].push_back(std::move(ev));
+  }
+  ASSERT_EQ(evs[a].size(), 1u);
+  EXPECT_EQ(evs[a][0].token, -1);
+  EXPECT_EQ(evs[a][0].finish, FinishReason::kLength);
+  ASSERT_EQ(evs[a][0].prompt_logprobs.size(), 4u);
+  for (const PromptLogprob& lp : evs[a][0].prompt_logprobs) EXPECT_TRUE(lp.top.empty());
+  ASSERT_EQ(evs[b].size(), 1u);
+  EXPECT_TRUE(evs[b][0].prompt_logprobs.empty());
+  SamplingParams bad = sampling(1);
+  bad.prompt_logprobs = 21;
+  EXPECT_THROW(engine.add_request(prompt(3, 1), bad), Error);
+}
+
 CHIMERA_INSTANTIATE_BACKENDS(EngineTest);
 
 }  // namespace

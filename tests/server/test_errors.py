@@ -53,7 +53,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "seed": "abc"}, "seed"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's "whole vocabulary": over the 20 cap
+    ({"prompt": "x", "prompt_logprobs": "2"}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
 ]
 
 

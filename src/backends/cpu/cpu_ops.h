@@ -66,6 +66,14 @@ SampledRow sample_row(std::span<const float> logits, const ops::SamplingRow& p,
                       std::span<const ops::PenaltyToken> penalties, bool with_logprob);
 void sample_tokens(const ops::SamplingOutputs& out, const Tensor& logits, std::span<const ops::SamplingRow> rows,
                    std::span<const ops::PenaltyToken> penalty_tokens);
+// The raw log-softmax of one given token of a row (sample_row's logprob for that token), its rank (1 + the number
+// of tokens with a larger logit) and the row's k most likely tokens with theirs (ties: lower id first).
+struct TokenLogprobs {
+  float logprob = 0.0f;
+  int32_t rank = 1;
+  std::vector<std::pair<int32_t, float>> top;
+};
+TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int32_t k);
 
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void copy_columns(const Tensor& out, const Tensor& in, int64_t col_begin);

@@ -87,6 +87,30 @@ int32_t sample_penalised(std::span<const float> logits, const ops::SamplingRow& 
   return order[keep - 1];
 }
 
+// Raw log-softmax normaliser in double: max + log(sum exp(l - max)).
+double log_sum_exp(std::span<const float> logits) {
+  const double mx = *std::max_element(logits.begin(), logits.end());
+  double sum = 0.0;
+  for (float v : logits) sum += std::exp(static_cast<double>(v) - mx);
+  return mx + std::log(sum);
+}
+
+// The k most likely tokens (ties: lower id first) with their raw log-probabilities.
+std::vector<std::pair<int32_t, float>> top_logprobs(std::span<const float> logits, int32_t k_wanted, double lse) {
+  std::vector<std::pair<int32_t, float>> top;
+  if (k_wanted <= 0) return top;
+  const size_t k = std::min(logits.size(), static_cast<size_t>(k_wanted));
+  std::vector<int32_t> ids(logits.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<long>(k), ids.end(), [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  for (size_t i = 0; i < k; ++i) {
+    top.emplace_back(ids[i], static_cast<float>(static_cast<double>(logits[ids[i]]) - lse));
+  }
+  return top;
+}
+
 }  // namespace
 
 SampledRow sample_row(std::span<const float> logits, const ops::SamplingRow& p,
@@ -104,23 +128,9 @@ SampledRow sample_row(std::span<const float> logits, const ops::SamplingRow& p,
   }
 
   if (with_logprob || p.num_top_logprobs > 0) {
-    // Raw log-softmax in double: l - (max + log(sum exp(l - max))).
-    const double mx = *std::max_element(logits.begin(), logits.end());
-    double sum = 0.0;
-    for (float v : logits) sum += std::exp(static_cast<double>(v) - mx);
-    const double lse = mx + std::log(sum);
+    const double lse = log_sum_exp(logits);
     out.logprob = static_cast<float>(static_cast<double>(logits[out.id]) - lse);
-    if (p.num_top_logprobs > 0) {
-      const size_t k = std::min(logits.size(), static_cast<size_t>(p.num_top_logprobs));
-      std::vector<int32_t> ids(logits.size());
-      std::iota(ids.begin(), ids.end(), 0);
-      std::partial_sort(ids.begin(), ids.begin() + static_cast<long>(k), ids.end(), [&](int32_t a, int32_t b) {
-        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-      });
-      for (size_t i = 0; i < k; ++i) {
-        out.top.emplace_back(ids[i], static_cast<float>(static_cast<double>(logits[ids[i]]) - lse));
-      }
-    }
+    out.top = top_logprobs(logits, p.num_top_logprobs, lse);
   }
   return out;
 }
@@ -145,6 +155,18 @@ void sample_tokens(const ops::SamplingOutputs& out, const Tensor& logits, std::s
       out.top_logprobs.f32()[static_cast<int64_t>(r) * K + j] = have ? s.top[static_cast<size_t>(j)].second : 0.0f;
     }
   }
+}
+
+TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int32_t k) {
+  CHIMERA_CHECK(!logits.empty() && token >= 0 && static_cast<size_t>(token) < logits.size(),
+                "token_logprobs: token {} outside a row of {} logits", token, logits.size());
+  TokenLogprobs out;
+  const double lse = log_sum_exp(logits);
+  const float l = logits[static_cast<size_t>(token)];
+  out.logprob = static_cast<float>(static_cast<double>(l) - lse);
+  for (float v : logits) out.rank += v > l ? 1 : 0;
+  out.top = top_logprobs(logits, k, lse);
+  return out;
 }
 
 }  // namespace chimera::cpu
