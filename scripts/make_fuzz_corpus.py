@@ -70,6 +70,10 @@ def main():
     write("generation_config", "list_eos.json", json.dumps({"eos_token_id": [2, 11], "bos_token_id": 1}))
     write("generation_config", "empty.json", "{}")
 
+    for qdir in sorted((ROOT / "tests" / "fixtures" / "quant" / "configs").iterdir()):
+        for f in sorted(qdir.glob("*.json")):
+            write("quant_config", f"{qdir.name}-{f.name}", f.read_text())
+
     shards = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
     wm = {n: shards[i % 3] for i, n in enumerate(sorted(set(names))[:64])}
     write("safetensors_index", "index.json",

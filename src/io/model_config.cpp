@@ -99,6 +99,8 @@ std::string kinds_str(const std::vector<LayerKind>& ks) {
   return s;
 }
 
+}  // namespace
+
 // Python's json.dump writes Infinity / -Infinity / NaN, which nlohmann rejects. Outside string literals they
 // are rewritten as the strings "Infinity" / "-Infinity" / "NaN", which the float reader accepts.
 std::string quote_nonfinite_literals(const std::string& text) {
@@ -137,6 +139,8 @@ std::string quote_nonfinite_literals(const std::string& text) {
   }
   return out;
 }
+
+namespace {
 
 json parse_json_text(const std::string& text, const std::string& source) {
   const json j = parse_json(quote_nonfinite_literals(text), source.empty() ? std::string("config") : source);

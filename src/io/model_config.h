@@ -98,6 +98,10 @@ std::vector<LayerKind> parse_layer_pattern(const std::string& pattern, const std
 inline constexpr int64_t kMaxConfigDim = int64_t{1} << 20;
 inline constexpr int64_t kMaxConfigTokens = int64_t{1} << 31;
 
+// config.json text with Python's Infinity / -Infinity / NaN literals (outside strings) quoted, so that the JSON
+// parser accepts it (HF configs write `"time_step_limit": [0.0, Infinity]`).
+std::string quote_nonfinite_literals(const std::string& text);
+
 // Reads and validates DIR/config.json (and DIR/generation_config.json for EOS ids when present).
 // Every error is kInvalidInput and names the file and the field.
 ModelConfig load_model_config(const std::filesystem::path& model_dir);
