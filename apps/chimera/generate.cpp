@@ -180,9 +180,8 @@ int run_generate(const GenerateOptions& o) {
   ec.return_prompt_logits = !o.logits_out.empty();
   // The kernel configuration: the defaults with the environment registry's overrides (runtime/kernel_env.h).
   Engine engine(*m.model, ops::Context{model_options.device, nullptr, nullptr, kernel_config_from_env()}, ec);
-  if (const std::string graphs = format_graph_capture(engine); !graphs.empty() && !o.quiet) {
-    fmt::print(stderr, "[chimera] {}\n", graphs);
-  }
+  // Reported after the text with the other figures, so the output starts with the prompt.
+  const std::string graphs = format_graph_capture(engine);
   std::vector<float> logit_rows;
   if (!o.logits_out.empty()) {
     engine.on_logits = [&](int32_t, std::span<const float> row) {
@@ -231,6 +230,7 @@ int run_generate(const GenerateOptions& o) {
     const double load_ms = ms(t_loaded - t0).count();
     const double ttft = generated ? ms(t_first - t_loaded).count() : 0.0;
     const double decode_ms = generated > 1 ? ms(t_end - t_first).count() : 0.0;
+    if (!graphs.empty()) fmt::print(stderr, "[chimera] {}\n", graphs);
     fmt::print(stderr, "[chimera] prompt {} tokens, generated {} | load {:.0f} ms, first token {:.1f} ms{} | {} {}\n",
                prompt.size(), generated, load_ms, ttft,
                generated > 1 ? fmt::format(", decode {:.1f} tok/s", (generated - 1) / (decode_ms / 1000.0)) : "",
