@@ -18,12 +18,18 @@ size_t partial_tag_suffix(std::string_view s, std::string_view tag) {
 
 }  // namespace
 
-ReasoningParser::ReasoningParser(bool enable_thinking) : phase_(enable_thinking ? Phase::kStart : Phase::kContent) {}
+ReasoningParser::ReasoningParser(bool enable_thinking, bool tags_in_text)
+    : phase_(enable_thinking ? Phase::kStart : Phase::kContent), tags_in_text_(tags_in_text) {}
 
 ReasoningSplit ReasoningParser::feed(std::string_view delta) {
   ReasoningSplit out;
   if (phase_ == Phase::kContent) {
+    // pending_ is empty here: the phase only turns to content after releasing it.
     out.content.assign(delta);
+    return out;
+  }
+  if (!tags_in_text_) {
+    out.reasoning.assign(delta);
     return out;
   }
   pending_.append(delta);
@@ -48,6 +54,18 @@ ReasoningSplit ReasoningParser::feed(std::string_view delta) {
   if (phase_ == Phase::kStart) hold = std::max(hold, partial_tag_suffix(pending_, kOpen));
   out.reasoning = pending_.substr(0, pending_.size() - hold);
   pending_.erase(0, pending_.size() - hold);
+  return out;
+}
+
+ReasoningSplit ReasoningParser::tag(ThinkTag t) {
+  // Text held back as a possible tag start is plain text now: a tag token follows it.
+  ReasoningSplit out = finish();
+  if (t == ThinkTag::kOpen && phase_ == Phase::kStart) {
+    phase_ = Phase::kReasoning;
+  } else if (t == ThinkTag::kClose && phase_ != Phase::kContent) {
+    phase_ = Phase::kContent;
+    out.reasoning_ended = true;
+  }
   return out;
 }
 

@@ -57,15 +57,30 @@ struct TokenLogprobs {
 constexpr float kMinLogprob = -9999.0f;
 float clamp_logprob(float v) { return std::max(v, kMinLogprob); }
 
+void append(chat::ReasoningSplit& to, const chat::ReasoningSplit& more) {
+  to.reasoning += more.reasoning;
+  to.content += more.content;
+}
+
+// The id of `tag` where the tokenizer writes it as that one token (an added token such as Nemotron 3's
+// <think>), else -1.
+int32_t single_token_id(const Tokenizer& tok, std::string_view tag) {
+  const std::optional<int32_t> id = tok.token_to_id(tag);
+  if (!id) return -1;
+  const std::vector<int32_t> ids = tok.encode(tag, /*add_special_tokens=*/false);
+  return ids.size() == 1 && ids[0] == *id ? *id : -1;
+}
+
 // One output sequence of a request, on the connection's strand.
 struct Choice {
   int32_t prompt = 0;  // which prompt it continues
   uint64_t handle = 0;
   StreamingDecoder decoder;
   StopMatcher matcher;
-  std::optional<chat::ReasoningParser> reasoning;  // streaming chat with --reasoning-parser
+  std::optional<chat::ReasoningParser> reasoning;  // chat with --reasoning-parser (streaming or not)
   std::optional<chat::ToolCallParser> tools;       // streaming chat with --tool-call-parser and tools
-  std::string text;                                // non-streaming: the whole answer (before the chat parsers)
+  std::string text;                                // non-streaming: the answer's content (after the reasoning parser)
+  std::string reasoning_text;                      // non-streaming with --reasoning-parser: its reasoning_content
   std::vector<TokenLogprobs> logprobs;             // non-streaming, when asked
   std::vector<PromptLogprob> prompt_logprobs;      // when the request computes them (from the first event)
   bool seen_event = false;
@@ -90,6 +105,10 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
   int32_t num_logprobs = 0;  // completions: the `logprobs` value (alternatives per token)
   bool echo_logprobs() const { return echo && want_logprobs && !chat; }
   bool reasoning_parser = false, tool_parser = false, enable_thinking = true;
+  // The think tags' token ids (-1: the reasoning parser finds the tags in the text). A tag token bypasses the
+  // detokenizer and stop strings and goes to the parser as a tag, so skip_special_tokens cannot hide it.
+  int32_t think_open = -1, think_close = -1;
+  bool tags_by_token() const { return think_open >= 0 && think_close >= 0; }
   json tools_spec;  // the request's tools (for the tool-call parser's parameter types)
   uint64_t tool_id_seed = 0;
   std::string request_id, model;
@@ -102,11 +121,13 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
 
   void begin() {
     remaining_ = static_cast<int32_t>(choices.size());
-    if (!stream) return;
+    // Streaming and not share the reasoning parser (one split for both); the tool-call parser of a whole
+    // answer runs in full_response().
     for (size_t i = 0; i < choices.size(); ++i) {
-      if (reasoning_parser) choices[i].reasoning.emplace(enable_thinking);
-      if (tool_parser) choices[i].tools.emplace(tools_spec, tool_id_seed + i);
+      if (reasoning_parser) choices[i].reasoning.emplace(enable_thinking, /*tags_in_text=*/!tags_by_token());
+      if (tool_parser && stream) choices[i].tools.emplace(tools_spec, tool_id_seed + i);
     }
+    if (!stream) return;
     responder_->start_stream(200, "text/event-stream");
     std::string out;
     for (size_t i = 0; i < choices.size(); ++i) {
@@ -129,7 +150,16 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
       if (ev.finish == FinishReason::kError) {
         return fail(500, ev.error.empty() ? "the sequence failed" : ev.error);
       }
+      // The new text, split into reasoning / content by the reasoning parser where there is one.
       std::string delta;
+      chat::ReasoningSplit split;
+      auto route = [&](std::string text) {
+        if (c.reasoning) {
+          append(split, c.reasoning->feed(text));
+        } else {
+          delta += text;
+        }
+      };
       std::vector<TokenLogprobs> lps;
       const bool first_event = !c.seen_event && !ev.aborted;
       if (first_event) {
@@ -144,22 +174,37 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
           ++c.num_tokens;
           if (want_logprobs) lps.push_back(TokenLogprobs{ev.token, clamp_logprob(ev.logprob), ev.top_logprobs});
           // A token that ends the sequence as a stop token (EOS, stop_token_ids) adds no text, as in vLLM.
-          if (ev.finish != FinishReason::kStop) delta = c.matcher.feed(c.decoder.feed(ev.token));
+          if (ev.finish != FinishReason::kStop) {
+            if (c.reasoning && tags_by_token() && (ev.token == think_open || ev.token == think_close)) {
+              // The text before the tag goes first, whole (a stop string does not span a tag); then the tag.
+              std::string before = c.matcher.feed(c.decoder.flush());
+              before += c.matcher.flush();
+              route(std::move(before));
+              const chat::ThinkTag tag = ev.token == think_open ? chat::ThinkTag::kOpen : chat::ThinkTag::kClose;
+              if (!c.matcher.stopped()) append(split, c.reasoning->tag(tag));
+            } else {
+              route(c.matcher.feed(c.decoder.feed(ev.token)));
+            }
+          }
         }
         if (c.matcher.stopped()) {
           c.finish = "stop";
           loop_.abort(c.handle, /*as_stop=*/true);  // the engine's sequence goes on until told
         } else if (ev.finish != FinishReason::kNone) {
-          delta += c.matcher.feed(c.decoder.flush());
-          delta += c.matcher.flush();
+          std::string rest = c.matcher.feed(c.decoder.flush());
+          rest += c.matcher.flush();
+          route(std::move(rest));
           c.finish = c.matcher.stopped() ? "stop" : finish_name(ev.finish);
         }
       }
+      if (c.reasoning && !c.finish.empty()) append(split, c.reasoning->finish());
+      if (!c.reasoning) split.content = std::move(delta);
       if (stream) {
-        if (first_event && echo_logprobs()) delta = prompt_text[c.prompt] + delta;
-        out += stream_delta(static_cast<size_t>(ev.choice), c, delta, lps);
+        if (first_event && echo_logprobs()) split.content = prompt_text[c.prompt] + split.content;
+        out += stream_delta(static_cast<size_t>(ev.choice), c, split, lps);
       } else {
-        c.text += delta;
+        c.text += split.content;
+        c.reasoning_text += split.reasoning;
         c.logprobs.insert(c.logprobs.end(), lps.begin(), lps.end());
       }
       if (!c.finish.empty()) --remaining_;
@@ -305,28 +350,20 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
     return json{{"content", content}};
   }
 
-  // The SSE events of one choice's new text (after the chat parsers) and finish.
-  std::string stream_delta(size_t i, Choice& c, const std::string& text, const std::vector<TokenLogprobs>& lps) {
+  // The SSE events of one choice's new text (split by the reasoning parser; all content without one; the
+  // tool-call parser runs here) and finish.
+  std::string stream_delta(size_t i, Choice& c, const chat::ReasoningSplit& split,
+                           const std::vector<TokenLogprobs>& lps) {
     json lp = nullptr;
     if (want_logprobs && !lps.empty()) {
       lp = chat ? chat_logprobs(lps) : completion_logprobs(lps, c.text_offset, &c.text_offset);
     }
     if (!chat) {
-      if (text.empty() && c.finish.empty() && lp.is_null()) return {};
-      return sse_event(chunk(i, text, finish_json(c, 0), lp));
+      if (split.content.empty() && c.finish.empty() && lp.is_null()) return {};
+      return sse_event(chunk(i, split.content, finish_json(c, 0), lp));
     }
-    std::string reasoning, content = text;
+    std::string reasoning = split.reasoning, content = split.content;
     std::vector<json> calls;
-    if (c.reasoning) {
-      chat::ReasoningSplit r = c.reasoning->feed(text);
-      if (!c.finish.empty()) {
-        chat::ReasoningSplit f = c.reasoning->finish();
-        r.reasoning += f.reasoning;
-        r.content += f.content;
-      }
-      reasoning = std::move(r.reasoning);
-      content = std::move(r.content);
-    }
     if (c.tools) {
       chat::ToolCallDelta d = c.tools->feed(content);
       content = std::move(d.content);
@@ -366,12 +403,10 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
       const Choice& c = choices[i];
       json choice = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", c.finish}};
       if (chat) {
-        std::string content = c.text;
+        std::string content = c.text;  // after the reasoning parser, which apply() fed
         json message = {{"role", "assistant"}};
         if (reasoning_parser) {
-          chat::ReasoningSplit split = chat::ReasoningParser::parse(content, enable_thinking);
-          message["reasoning_content"] = split.reasoning.empty() ? json(nullptr) : json(split.reasoning);
-          content = std::move(split.content);
+          message["reasoning_content"] = c.reasoning_text.empty() ? json(nullptr) : json(c.reasoning_text);
         }
         json calls = json::array();
         if (tool_parser) {
@@ -440,6 +475,10 @@ OpenAiServer::OpenAiServer(ServerConfig config, const Tokenizer* tokenizer, cons
       metrics_(metrics) {
   std::random_device rd;
   id_salt_ = (uint64_t{rd()} << 32) ^ rd();
+  if (tokenizer_ && !config_.reasoning_parser.empty()) {
+    think_open_id_ = single_token_id(*tokenizer_, "<think>");
+    think_close_id_ = single_token_id(*tokenizer_, "</think>");
+  }
 }
 
 std::string OpenAiServer::new_id(const char* prefix) {
@@ -537,6 +576,8 @@ void OpenAiServer::generate(const HttpRequest& req, const std::shared_ptr<Respon
   st->tool_parser = chat && !config_.tool_call_parser.empty() && g.tools.is_array() && !g.tools.empty();
   st->enable_thinking = !(g.chat_template_kwargs.contains("enable_thinking") &&
                           g.chat_template_kwargs["enable_thinking"] == false);
+  st->think_open = think_open_id_;
+  st->think_close = think_close_id_;
   st->tools_spec = g.tools;
   st->tool_id_seed = id_salt_ ^ next_id_.load();
 

@@ -48,6 +48,9 @@ class OpenAiServer {
   const chat::ChatTemplate* chat_template_;
   EngineLoop& loop_;
   Metrics& metrics_;
+  // The reasoning parser's <think> / </think> token ids where the tokenizer writes each tag as one token (-1:
+  // not, and the parser finds the tags in the text).
+  int32_t think_open_id_ = -1, think_close_id_ = -1;
   std::atomic<uint64_t> next_id_{0};
   uint64_t id_salt_;
 };

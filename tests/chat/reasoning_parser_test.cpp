@@ -2,6 +2,8 @@
 // split of the output.
 #include "chat/reasoning_parser.h"
 
+#include <optional>
+
 #include <gtest/gtest.h>
 
 namespace chimera::chat {
@@ -123,6 +125,76 @@ TEST(ReasoningParser, EverySplitEqualsTheWhole) {
       }
     }
   }
+}
+
+}  // namespace
+}  // namespace chimera::chat
+
+namespace chimera::chat {
+namespace {
+
+// One piece of a stream by token id: text, or a tag token in its place.
+struct Piece {
+  std::string text;
+  std::optional<ThinkTag> tag;
+};
+
+Split stream_by_token(const std::vector<Piece>& pieces, bool enable_thinking) {
+  ReasoningParser p(enable_thinking, /*tags_in_text=*/false);
+  Split out;
+  auto add = [&](const ReasoningSplit& s) {
+    out.reasoning += s.reasoning;
+    out.content += s.content;
+  };
+  for (const Piece& piece : pieces) add(piece.tag ? p.tag(*piece.tag) : p.feed(piece.text));
+  add(p.finish());
+  return out;
+}
+
+TEST(ReasoningParser, TagsByTokenSplitWithoutTagText) {
+  // The tag tokens come as tag(), never as text: the split needs no tag text (skip_special_tokens dropped it).
+  Split s = stream_by_token({{"Let me think.\n", {}}, {"", ThinkTag::kClose}, {"\nThe answer is 4.", {}}}, true);
+  EXPECT_EQ(s.reasoning, "Let me think.\n");
+  EXPECT_EQ(s.content, "\nThe answer is 4.");
+  // An opening tag token is dropped; the text after it is reasoning.
+  s = stream_by_token({{"", ThinkTag::kOpen}, {"abc", {}}, {"", ThinkTag::kClose}, {"def", {}}}, true);
+  EXPECT_EQ(s.reasoning, "abc");
+  EXPECT_EQ(s.content, "def");
+  // No closing tag: all reasoning.
+  s = stream_by_token({{"still ", {}}, {"thinking", {}}}, true);
+  EXPECT_EQ(s.reasoning, "still thinking");
+  EXPECT_EQ(s.content, "");
+}
+
+TEST(ReasoningParser, TagsByTokenLeaveTagTextAlone) {
+  // Tag text spelled by other tokens is not a tag (the tag is the token), in either phase.
+  Split s = stream_by_token({{"a </think> b", {}}, {"", ThinkTag::kClose}, {"c <think> d</think>", {}}}, true);
+  EXPECT_EQ(s.reasoning, "a </think> b");
+  EXPECT_EQ(s.content, "c <think> d</think>");
+}
+
+TEST(ReasoningParser, TagsByTokenThatChangeNothingAreDropped) {
+  // A second opening tag, tags after the reasoning ended: dropped, never in either field.
+  Split s = stream_by_token({{"", ThinkTag::kOpen}, {"r", {}}, {"", ThinkTag::kOpen}, {"s", {}},
+                             {"", ThinkTag::kClose}, {"c", {}}, {"", ThinkTag::kClose}, {"", ThinkTag::kOpen},
+                             {"d", {}}},
+                            true);
+  EXPECT_EQ(s.reasoning, "rs");
+  EXPECT_EQ(s.content, "cd");
+  // enable_thinking false: all content, tag tokens dropped (the stream cannot take back content it sent).
+  s = stream_by_token({{"x", {}}, {"", ThinkTag::kClose}, {"y", {}}}, false);
+  EXPECT_EQ(s.reasoning, "");
+  EXPECT_EQ(s.content, "xy");
+}
+
+TEST(ReasoningParser, TagTokenAfterTextTagsReleasesHeldText) {
+  // In text mode a tag() still works: text held back as a possible tag start is released before it.
+  ReasoningParser p;
+  EXPECT_EQ(p.feed("a </th").reasoning, "a ");
+  ReasoningSplit s = p.tag(ThinkTag::kClose);
+  EXPECT_EQ(s.reasoning, "</th");
+  EXPECT_TRUE(s.reasoning_ended);
+  EXPECT_EQ(p.feed("b").content, "b");
 }
 
 }  // namespace

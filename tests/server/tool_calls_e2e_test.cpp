@@ -10,8 +10,11 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -126,9 +129,9 @@ class ToolCallsEndToEnd : public ::testing::Test {
     const std::string prompt = template_->render(kMessages, kTools, true, json::object());
     ASSERT_NE(prompt.find("<function=example_function_name>"), std::string::npos) << "the template's tool format";
     prompt_len_ = static_cast<int32_t>(tokenizer_->encode(prompt, false).size());
-    script_ = tokenizer_->encode(std::string(kReasoning) + kReply, false);
+    script_ = tokenizer_->encode(reply(), false);
     // The script decodes back to itself (the test is about the parsers, not the tokenizer).
-    ASSERT_EQ(tokenizer_->decode(script_, false), std::string(kReasoning) + kReply);
+    ASSERT_EQ(tokenizer_->decode(script_, false), reply());
     model_ = std::make_unique<ScriptedModel>(config_, script_, prompt_len_);
 
     EngineConfig ec;
@@ -156,19 +159,28 @@ class ToolCallsEndToEnd : public ::testing::Test {
     url_ = "http://127.0.0.1:" + std::to_string(http_->listen()) + "/v1/chat/completions";
     http_->start();
   }
+  // The model's scripted reply.
+  virtual std::string reply() const { return std::string(kReasoning) + kReply; }
+
   void TearDown() override {
     if (http_) http_->stop_accepting();
     if (loop_) loop_->stop();
     if (http_) http_->stop();
   }
 
-  json request(bool stream) const {
-    // </think> is a special token of the bundled tokenizer (not of Nano's): keep it in the text the parsers see.
+  // skip_special_tokens: absent (the OpenAI default, true) or as given. </think> is a special token of the
+  // bundled tokenizer and of Nano's, which the detokenizer drops when skipping them: the reasoning parser
+  // finds it by token id either way.
+  json request(bool stream, std::optional<bool> skip_special_tokens) const {
     json body = {{"model", "nano-script"}, {"messages", kMessages}, {"tools", kTools}, {"max_tokens", 200},
-                 {"temperature", 0}, {"skip_special_tokens", false}};
+                 {"temperature", 0}};
+    if (skip_special_tokens) body["skip_special_tokens"] = *skip_special_tokens;
     if (stream) body["stream"] = true;
     return body;
   }
+
+  void expect_one_response(std::optional<bool> skip_special_tokens) const;
+  void expect_streamed_deltas(std::optional<bool> skip_special_tokens) const;
 
   static void expect_call(const json& call) {
     EXPECT_EQ(call["type"], "function");
@@ -193,8 +205,8 @@ class ToolCallsEndToEnd : public ::testing::Test {
   std::string url_;
 };
 
-TEST_F(ToolCallsEndToEnd, OneResponseCarriesToolCallsAndReasoning) {
-  const auto [status, body] = post(url_, request(false));
+void ToolCallsEndToEnd::expect_one_response(std::optional<bool> skip_special_tokens) const {
+  const auto [status, body] = post(url_, request(false, skip_special_tokens));
   ASSERT_EQ(status, 200) << body;
   const json r = json::parse(body);
   EXPECT_EQ(r["object"], "chat.completion");
@@ -212,8 +224,8 @@ TEST_F(ToolCallsEndToEnd, OneResponseCarriesToolCallsAndReasoning) {
   expect_call(m["tool_calls"][0]);
 }
 
-TEST_F(ToolCallsEndToEnd, StreamedDeltasCarryToolCallsAndReasoning) {
-  const auto [status, body] = post(url_, request(true));
+void ToolCallsEndToEnd::expect_streamed_deltas(std::optional<bool> skip_special_tokens) const {
+  const auto [status, body] = post(url_, request(true, skip_special_tokens));
   ASSERT_EQ(status, 200) << body;
   std::istringstream lines(body);
   std::string line, reasoning, content;
@@ -251,6 +263,53 @@ TEST_F(ToolCallsEndToEnd, StreamedDeltasCarryToolCallsAndReasoning) {
   expect_call(calls[0]);
   EXPECT_EQ(finishes, std::vector<json>{"tool_calls"});
 }
+
+// A reply with another special token (<|im_start|>, id 3) in its content: skip_special_tokens still decides
+// that one, while the think tags split the same way whatever it says.
+class ReasoningEndToEnd : public ToolCallsEndToEnd {
+ protected:
+  std::string reply() const override { return "Think <b>.\n</think>\nHi<|im_start|> there."; }
+
+  // (reasoning_content, content) of one response, then of the streamed deltas joined.
+  std::pair<std::pair<json, json>, std::pair<std::string, std::string>> split(std::optional<bool> skip) const {
+    std::pair<std::pair<json, json>, std::pair<std::string, std::string>> out;
+    auto [status, body] = post(url_, request(false, skip));
+    EXPECT_EQ(status, 200) << body;
+    const json m = json::parse(body)["choices"][0]["message"];
+    out.first = {m["reasoning_content"], m["content"]};
+    std::tie(status, body) = post(url_, request(true, skip));
+    EXPECT_EQ(status, 200) << body;
+    std::istringstream lines(body);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind("data: {", 0) != 0) continue;
+      const json delta = json::parse(line.substr(6))["choices"][0]["delta"];
+      if (delta.contains("reasoning_content")) out.second.first += delta["reasoning_content"].get<std::string>();
+      if (delta.contains("content") && delta["content"].is_string()) {
+        out.second.second += delta["content"].get<std::string>();
+      }
+    }
+    return out;
+  }
+};
+
+TEST_F(ReasoningEndToEnd, TagsSplitWhateverSkipSpecialTokensSays) {
+  for (std::optional<bool> skip : {std::optional<bool>(), std::optional<bool>(true), std::optional<bool>(false)}) {
+    SCOPED_TRACE(skip ? (*skip ? "skip_special_tokens true" : "skip_special_tokens false") : "default");
+    const std::string content = skip == false ? "\nHi<|im_start|> there." : "\nHi there.";
+    const auto [whole, streamed] = split(skip);
+    EXPECT_EQ(whole.first, "Think <b>.\n");
+    EXPECT_EQ(whole.second, content);
+    EXPECT_EQ(streamed.first, "Think <b>.\n");
+    EXPECT_EQ(streamed.second, content);
+  }
+}
+
+TEST_F(ToolCallsEndToEnd, OneResponseCarriesToolCallsAndReasoning) { expect_one_response(std::nullopt); }
+TEST_F(ToolCallsEndToEnd, OneResponseSkippingSpecialTokens) { expect_one_response(true); }
+TEST_F(ToolCallsEndToEnd, OneResponseKeepingSpecialTokens) { expect_one_response(false); }
+TEST_F(ToolCallsEndToEnd, StreamedDeltasCarryToolCallsAndReasoning) { expect_streamed_deltas(std::nullopt); }
+TEST_F(ToolCallsEndToEnd, StreamedDeltasSkippingSpecialTokens) { expect_streamed_deltas(true); }
+TEST_F(ToolCallsEndToEnd, StreamedDeltasKeepingSpecialTokens) { expect_streamed_deltas(false); }
 
 }  // namespace
 }  // namespace chimera
