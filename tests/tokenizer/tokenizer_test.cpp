@@ -392,7 +392,7 @@ TEST(StreamingDecoderHostile, SkippedSpecialTokensInsideACharacter) {
   // Byte 0x80 (a continuation byte with no start), spelt U+0122 by byte-level BPE.
   const std::optional<int32_t> lone = tok.token_to_id("\xC4\xA2");
   ASSERT_TRUE(lone);
-  ASSERT_EQ(tok.decode({*lone}), "\xEF\xBF\xBD");  // alone it is invalid UTF-8: U+FFFD
+  ASSERT_EQ(tok.decode(std::vector<int32_t>{*lone}), "\xEF\xBF\xBD");  // alone it is invalid UTF-8: U+FFFD
   std::vector<int32_t> garbage(100, *lone);
   garbage.push_back(first);
   garbage.push_back(second);
