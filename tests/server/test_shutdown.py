@@ -23,9 +23,11 @@ def read_stream(s, body, out):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_shutdown_finishes_or_aborts_in_flight(sig):
-    s = Server("--shutdown-timeout", "2")
+    # The short request must finish inside the shutdown timeout even on a loaded machine (60 tokens at a tenth of
+    # the tiny model's CPU speed), the long one must outlast it even on a fast one (4000 tokens).
+    s = Server("--shutdown-timeout", "3")
     short, long_ = [], []
-    threads = [threading.Thread(target=read_stream, args=(s, {"prompt": "a", "max_tokens": 100, "ignore_eos": True,
+    threads = [threading.Thread(target=read_stream, args=(s, {"prompt": "a", "max_tokens": 60, "ignore_eos": True,
                                                                 "stream": True}, short)),
                threading.Thread(target=read_stream, args=(s, {"prompt": "b", "max_tokens": 4000, "ignore_eos": True,
                                                                 "stream": True}, long_))]
