@@ -64,10 +64,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string input(reinterpret_cast<const char*>(data), size);
   const size_t nul = input.find('\0');
   const std::string source = input.substr(0, nul);
-  ordered_json messages = ordered_json::parse(R"([{"role": "system", "content": "sys"},
+  // The default conversation and tool list are parsed once: per input only the copy is paid.
+  static const ordered_json kDefaultMessages = ordered_json::parse(R"([{"role": "system", "content": "sys"},
       {"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>r</think>a",
        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
       {"role": "tool", "content": "42"}])");
+  static const ordered_json kTools = ordered_json::parse(R"([{"type": "function", "function": {"name": "f",
+      "description": "d", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}])");
+  ordered_json messages = kDefaultMessages;
   uint8_t flags = 0;
   if (nul != std::string::npos) {
     std::string rest = input.substr(nul + 1);
@@ -76,9 +80,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     ordered_json parsed = ordered_json::parse(rest.substr(0, nul2), nullptr, false);
     if (!parsed.is_discarded() && parsed.is_array()) messages = std::move(parsed);
   }
-  const ordered_json tools = (flags & 2) ? ordered_json::parse(R"([{"type": "function", "function": {"name": "f",
-      "description": "d", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}])")
-                                         : ordered_json(nullptr);
+  const ordered_json tools = (flags & 2) ? kTools : ordered_json(nullptr);
   ordered_json kwargs = ordered_json::object();
   if (flags & 4) kwargs["enable_thinking"] = (flags & 8) != 0;
   try {

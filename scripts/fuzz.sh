@@ -6,6 +6,11 @@
 # out-of-memory, a failed property) is saved as build-fuzz/findings/<name>/<kind>-<sha1> and makes the script
 # exit 1 after the remaining harnesses ran. Each harness prints one summary line:
 #   fuzz: NAME executions N in S s (R/s), findings F
+# Per-harness libFuzzer flags (e.g. -max_len) are read from fuzz/<name>.options when it exists: one flag a line,
+# '#' starts a comment. FUZZ_RUNS=N also stops each harness after N executions (whichever of SECONDS and N
+# comes first).
+# FUZZ_TIMEOUT=S makes S seconds of one input a hang (default 10; a long campaign at nice 19 on a busy machine
+# needs more, as the limit is wall-clock time and a starved process can sit for seconds between two steps).
 # FUZZ_NO_BUILD=1 skips configuring and building (binaries already in build-fuzz/); FUZZ_BUILD_DIR moves it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,12 +43,19 @@ for n in "${names[@]}"; do
   mkdir -p "$work" "$findings"
   [ -d "$seeds" ] || seeds=""
   log="$build/fuzz_$n.log"
+  opts=()
+  if [ -f "fuzz/$n.options" ]; then
+    while read -r flag _; do
+      case "$flag" in ''|'#'*) ;; *) opts+=("$flag") ;; esac
+    done < <(sed 's/#.*//' "fuzz/$n.options")
+  fi
+  if [ -n "${FUZZ_RUNS:-}" ]; then opts+=("-runs=$FUZZ_RUNS"); fi
   start=$(date +%s)
-  # -timeout: one input running 10 s is a finding (a hang); -rss_limit_mb: so is a 2 GiB allocation.
+  # -timeout: one input running FUZZ_TIMEOUT s is a finding (a hang); -rss_limit_mb: so is a 2 GiB allocation.
   # -fork is not used: one process, so the summary counts every execution.
   set +e
-  "$bin" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
-         -artifact_prefix="$findings/" "$work" ${seeds:+"$seeds"} >"$log" 2>&1
+  "$bin" -max_total_time="$secs" -timeout="${FUZZ_TIMEOUT:-10}" -rss_limit_mb=2048 -print_final_stats=1 \
+         -artifact_prefix="$findings/" ${opts[@]+"${opts[@]}"} "$work" ${seeds:+"$seeds"} >"$log" 2>&1
   rc=$?
   set -e
   elapsed=$(( $(date +%s) - start ))

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -123,16 +124,19 @@ std::string quote_nonfinite_literals(const std::string& text) {
       out += c;
       continue;
     }
+    // Only a byte that can start a literal is compared against the three of them (one test per byte elsewhere).
     bool replaced = false;
-    for (const char* lit : {"-Infinity", "Infinity", "NaN"}) {
-      const size_t n = std::strlen(lit);
-      if (text.compare(i, n, lit) == 0) {
-        out += '"';
-        out += lit;
-        out += '"';
-        i += n - 1;
-        replaced = true;
-        break;
+    if (c == '-' || c == 'I' || c == 'N') {
+      static constexpr std::string_view kLiterals[] = {"-Infinity", "Infinity", "NaN"};
+      for (std::string_view lit : kLiterals) {
+        if (std::string_view(text).substr(i, lit.size()) == lit) {
+          out += '"';
+          out += lit;
+          out += '"';
+          i += lit.size() - 1;
+          replaced = true;
+          break;
+        }
       }
     }
     if (!replaced) out += c;

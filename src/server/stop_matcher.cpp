@@ -13,12 +13,18 @@ std::string StopMatcher::feed(std::string_view text) {
   if (stopped_) return {};
   pending_.append(text);
   if (stops_.empty()) return std::exchange(pending_, {});
-  // The earliest complete stop string (the longest one where two start at the same byte).
+  // The stop string that completes first (the earliest end; of two ending at the same byte, the longer), so
+  // the result does not depend on how the text is cut into pieces: the earliest start would pick a long stop
+  // string that, fed in pieces, is preceded by a shorter one completing inside it.
   size_t best = std::string::npos;
+  size_t best_end = std::string::npos;
   for (const std::string& s : stops_) {
     const size_t at = pending_.find(s);
-    if (at != std::string::npos && (at < best || (at == best && s.size() > matched_.size()))) {
+    if (at == std::string::npos) continue;
+    const size_t end = at + s.size();
+    if (end < best_end || (end == best_end && at < best)) {
       best = at;
+      best_end = end;
       matched_ = s;
     }
   }

@@ -13,7 +13,9 @@ class StopMatcher {
  public:
   explicit StopMatcher(std::vector<std::string> stops);
   // Appends newly decoded text; returns the text that is now safe to emit. After a match, returns the text
-  // before the stop string and stopped() turns true; later calls return "".
+  // before the stop string and stopped() turns true; later calls return "". The match is the stop string that
+  // completes first, as if the text arrived one byte at a time (of two completing at the same byte, the longer),
+  // so any cut of the text into pieces gives the same output.
   std::string feed(std::string_view text);
   // At the end of the sequence (no stop matched): the held-back text.
   std::string flush();

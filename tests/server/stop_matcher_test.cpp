@@ -77,6 +77,22 @@ TEST(StopMatcher, EveryPieceSplitAgreesWithWholeText) {
   }
 }
 
+TEST(StopMatcher, FirstToCompleteWinsOverAnEarlierStart) {
+  // "cd" completes inside "abcdef": fed in pieces the text stops at "cd" before "abcdef" can complete, so fed
+  // whole it must stop there too (it used to pick "abcdef", the earliest start, and give "xx").
+  const std::string text = "xxabcdefyy";
+  const std::vector<std::string> stops = {"abcdef", "cd"};
+  for (size_t i = 0; i <= text.size(); ++i) {
+    StopMatcher m(stops);
+    EXPECT_EQ(run(m, {text.substr(0, i), text.substr(i)}), "xxab") << i;
+    EXPECT_EQ(m.matched(), "cd") << i;
+  }
+  // Two ending at the same byte: the longer one (it starts first).
+  StopMatcher m({"ef", "cdef"});
+  EXPECT_EQ(run(m, {text}), "xxab");
+  EXPECT_EQ(m.matched(), "cdef");
+}
+
 TEST(StopMatcher, Utf8StopString) {
   StopMatcher m({"\xc3\xa9t\xc3\xa9"});  // "été"
   EXPECT_EQ(m.feed("un \xc3\xa9"), "un ");
