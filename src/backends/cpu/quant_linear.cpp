@@ -12,21 +12,7 @@
 namespace chimera::cpu {
 namespace {
 
-constexpr int kLanes = 8;
 constexpr int64_t kRowBlock = 4;
-
-// One dot product with kLanes partial sums, added in a fixed order.
-inline float dot(const float* x, const float* w, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * w[i + l];
-  }
-  for (int l = 0; i < n; ++i, ++l) acc[l] += x[i] * w[i];
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  return s;
-}
 
 // y [T, N] = x [T, K] @ W^T (+ bias), with W's rows r0 .. r0 + n produced by dequant(r0, n, dst [n, K]).
 template <typename Dequant>
@@ -42,7 +28,7 @@ void linear_dequant(const float* x, int64_t T, int64_t K, int64_t N, const float
       dequant(o0, nr, w.data());
       for (int64_t t = 0; t < T; ++t) {
         for (int64_t j = 0; j < nr; ++j) {
-          const float r = dot(x + t * K, w.data() + j * K, K);
+          const float r = dot_f32(x + t * K, w.data() + j * K, K);
           y[t * N + o0 + j] = bias ? r + bias[o0 + j] : r;
         }
       }
