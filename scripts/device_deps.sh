@@ -56,6 +56,10 @@ for p in libbrotli1 libcom-err2 libgssapi-krb5-2 libidn2-0 libk5crypto3 libkeyut
 done
 cd ..
 cd ..
-if [ "${CHIMERA_DEVICE_CUTLASS:-1}" != "0" ]; then scripts/fetch_cutlass.sh; fi
+if [ "${CHIMERA_DEVICE_CUTLASS:-1}" != "0" ]; then
+  scripts/fetch_cutlass.sh
+  # The compressed copy is what travels to the GPU machine (scripts/device_env.sh unpacks it there).
+  tar czf .deps/cutlass.tar.gz -C .deps cutlass
+fi
 if [ "${CHIMERA_DEVICE_MODELOPT:-1}" != "0" ]; then fetch_modelopt_wheels; fi
 ls .deps

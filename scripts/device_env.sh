@@ -38,6 +38,11 @@ if compgen -G ".deps/*.deb" >/dev/null; then
   export LD_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   CMAKE_EXTRA=(-DCMAKE_PREFIX_PATH="$D/usr" -DPKG_CONFIG_EXECUTABLE="$PKGC")
 fi
+# CUTLASS travels compressed (.deps/cutlass.tar.gz, ~2 MB against 27 MB of headers; scripts/device_deps.sh makes it):
+# unpacked here once.
+if [ -f .deps/cutlass.tar.gz ] && [ ! -f .deps/cutlass/include/cutlass/cutlass.h ]; then
+  tar xzf .deps/cutlass.tar.gz -C .deps
+fi
 if [ -f .deps/cutlass/include/cutlass/cutlass.h ] && [ "${CHIMERA_DEVICE_CUTLASS:-1}" != "0" ]; then
   CMAKE_EXTRA+=(-DCHIMERA_CUTLASS=ON)
 fi
