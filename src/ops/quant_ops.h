@@ -17,10 +17,9 @@
 
 #include "core/tensor.h"
 #include "ops/ops.h"
+#include "ops/quant_weights.h"
 
 namespace chimera::ops {
-
-enum class ActQuant : uint8_t { kNone, kStatic };
 
 struct Fp8Linear {
   std::string name;  // the module's checkpoint prefix, for errors ("backbone.layers.0.mixer.in_proj")
