@@ -8,7 +8,8 @@
 #   tests     the whole chimera_tests suite ($OUT/tests.log)
 #   engine    chimera bench on the Nano shape, this tree and the baseline alternated (ENGINE_ROUNDS, default 1):
 #             prefill 1K / 8K, decode b1 / b64 / b256 after a 1K prompt; JSON per run in $OUT
-#   serve     chimera serve on the Nano shape (bf16, CUDA; SERVE_MAX_NUM_SEQS) and chimera bench serve against it,
+#   serve     chimera serve on the Nano shape (bf16, CUDA; SERVE_MAX_NUM_SEQS, SERVE_MAX_NUM_BATCHED_TOKENS: default
+#             chimera serve's own) and chimera bench serve against it,
 #             random 1K in / 1K out (max(c, 4) prompts per concurrency c)
 #             at SERVE_CONCURRENCY (default 1,64,256,1024); logs and JSON in $OUT
 # Every step prints a line starting with "== " and the elapsed seconds.
@@ -62,7 +63,8 @@ for step in "$@"; do
   serve)
     port=8731
     ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs "${SERVE_MAX_NUM_SEQS:-1024}" \
-      --max-model-len 2304 >"$OUT/serve.log" 2>&1 &
+      --max-model-len 2304 ${SERVE_MAX_NUM_BATCHED_TOKENS:+--max-num-batched-tokens "$SERVE_MAX_NUM_BATCHED_TOKENS"} \
+      >"$OUT/serve.log" 2>&1 &
     spid=$!
     for _ in $(seq 600); do
       curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
@@ -78,6 +80,7 @@ for step in "$@"; do
         grep -E "Successful|duration|Output token|Mean TTFT|Median TTFT|Mean TPOT|Mean ITL|P99 ITL"
       el "concurrency $c"
     done
+    echo "stats lines of the server (every 10 s with steps):"; grep "Avg prompt" "$OUT/serve.log" | sed 's/^chimera serve: //'
     curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics.txt"
     kill -INT "$spid"; wait "$spid"; echo "serve exit $?" ;;
   *) echo "unknown step $step"; exit 2 ;;

@@ -65,16 +65,20 @@ struct BenchOptions {
 };
 
 // chimera serve (serve.cpp): the OpenAI-compatible server; flags named as vLLM's.
+// chimera serve on the CPU without --max-num-seqs.
+inline constexpr int32_t kCpuDefaultMaxNumSeqs = 64;
+
 struct ServeOptions {
   ModelSource source;
   std::string host = "127.0.0.1";
   int32_t port = 8000;
   std::string served_model_name;
   std::string api_key;
-  int32_t max_num_seqs = 64;
-  int32_t max_num_batched_tokens = 2048;
+  int32_t max_num_seqs = 0;            // 0: automatic (run_serve)
+  int32_t max_num_batched_tokens = 0;  // 0: automatic (run_serve)
   int32_t max_model_len = 4096;
   double gpu_memory_utilization = 0.9;
+  bool disable_log_stats = false;
   int32_t max_waiting_seqs = 1024;
   std::string device = "cpu";
   std::string dtype;

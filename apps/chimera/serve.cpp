@@ -33,12 +33,13 @@ void add_serve(CLI::App& app, ServeOptions& o) {
   app.add_option("--served-model-name", o.served_model_name,
                  "Model name of the API (default: the -m path as given, or synthetic-PRESET)");
   app.add_option("--api-key", o.api_key, "Require 'Authorization: Bearer KEY' on /v1 routes");
-  app.add_option("--max-num-seqs", o.max_num_seqs, "Sequences the engine runs at once")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--max-num-batched-tokens", o.max_num_batched_tokens, "Tokens per engine step (prefill chunks + decodes)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  app.add_option("--max-num-seqs", o.max_num_seqs,
+                 "Sequences the engine runs at once (default: CUDA as many as fit up to 1024, CPU 64)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-num-batched-tokens", o.max_num_batched_tokens,
+                 "Tokens per engine step, prefill chunks + decodes (default: 8192 on a GPU of >= 70 GiB, else 2048)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--disable-log-stats", o.disable_log_stats, "No periodic throughput / load line on standard output");
   app.add_option("--max-model-len", o.max_model_len, "Maximum tokens per sequence (prompt + output)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -83,34 +84,47 @@ int run_serve(const ServeOptions& o) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // vLLM's defaults where the flags are not given: on a GPU of >= 70 GiB 8192 tokens a step and as many sequences
+  // as the memory holds up to 1024; on a smaller GPU 2048 tokens; on the CPU 2048 tokens and 64 sequences.
+  const bool cuda = model_options.device == Device::kCuda;
+  device::MemoryInfo gpu_memory;
+  if (cuda) gpu_memory = device::memory_info(Device::kCuda);
+  int32_t max_num_batched_tokens = o.max_num_batched_tokens;
+  if (max_num_batched_tokens == 0) {
+    max_num_batched_tokens = cuda && gpu_memory.total >= kLargeGpuBytes ? kLargeGpuMaxNumBatchedTokens
+                                                                        : kSmallGpuMaxNumBatchedTokens;
+  }
+  int32_t max_num_seqs = o.max_num_seqs != 0 ? o.max_num_seqs : cuda ? 0 : kCpuDefaultMaxNumSeqs;
+
   EngineConfig ec;
-  ec.scheduler.max_num_seqs = o.max_num_seqs;
-  ec.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
-  ec.cache.max_seqs = o.max_num_seqs;
+  ec.scheduler.max_num_batched_tokens = max_num_batched_tokens;
   ec.cache.max_model_len = o.max_model_len;
   MemoryLimits limits;
-  limits.max_num_seqs = o.max_num_seqs;
+  limits.max_num_seqs = max_num_seqs;
   limits.max_model_len = o.max_model_len;
-  limits.max_tokens_per_step = o.max_num_batched_tokens;
+  limits.max_tokens_per_step = max_num_batched_tokens;
   limits.block_size = ec.cache.block_size;
   // On CUDA the caches are sized from the device's memory after the weights (--gpu-memory-utilization), so the
   // load-time check covers the weights and one sequence only.
-  if (model_options.device == Device::kCuda) limits.max_num_seqs = 1;
+  if (cuda) limits.max_num_seqs = 1;
   LoadedModel m = load_model(o.source, /*with_weights=*/true, model_options, limits);
-  if (model_options.device == Device::kCuda) {
+  if (cuda) {
     CacheSizingRequest req;
     req.gpu_memory_utilization = o.gpu_memory_utilization;
-    req.max_num_seqs = o.max_num_seqs;
+    req.max_num_seqs = max_num_seqs;
     req.max_model_len = o.max_model_len;
-    req.max_num_batched_tokens = o.max_num_batched_tokens;
+    req.max_num_batched_tokens = max_num_batched_tokens;
     req.block_size = ec.cache.block_size;
     req.cuda_graphs = ec.cuda_graphs;
     const DType act = m.model->activation_dtype();
     const size_t weights = plan_memory(m.config, model_options.dtype, act, limits).weights;
     const CacheSizingPlan plan = size_caches(m.config, act, weights, device::memory_info(Device::kCuda), req);
     ec.cache = plan.cache_sizes();
+    max_num_seqs = plan.mamba_slots;
     fmt::print("chimera serve: {}\n", format_cache_sizing(plan, "GPU"));
   }
+  ec.scheduler.max_num_seqs = max_num_seqs;
+  ec.cache.max_seqs = max_num_seqs;
   Engine engine(*m.model, ops::Context{model_options.device, nullptr}, ec);
   if (const std::string graphs = format_graph_capture(engine); !graphs.empty()) {
     fmt::print("chimera serve: {}\n", graphs);
@@ -121,7 +135,8 @@ int run_serve(const ServeOptions& o) {
   server::Metrics metrics(name, o.max_model_len);
   server::EngineLoopConfig lc;
   lc.max_waiting_seqs = o.max_waiting_seqs;
-  server::EngineLoop loop(engine, metrics, lc, o.max_num_seqs);
+  if (o.disable_log_stats) lc.log_stats_interval_s = 0;
+  server::EngineLoop loop(engine, metrics, lc, max_num_seqs);
   // The chat template from the model directory (-m; with --synthetic, the directory lending the tokenizer). A
   // synthetic byte-level tokenizer has no template: its ids are not the -m model's.
   std::optional<chat::ChatTemplate> chat_template;
@@ -151,8 +166,8 @@ int run_serve(const ServeOptions& o) {
   });
   const uint16_t port = http.listen();
   http.start();
-  fmt::print("chimera serve: model {} ({} {}), max_num_seqs {}, max_model_len {}\n", name, o.device,
-             dtype_name(m.model->activation_dtype()), o.max_num_seqs, o.max_model_len);
+  fmt::print("chimera serve: model {} ({} {}), max_num_seqs {}, max_num_batched_tokens {}, max_model_len {}\n", name,
+             o.device, dtype_name(m.model->activation_dtype()), max_num_seqs, max_num_batched_tokens, o.max_model_len);
   fmt::print("chimera serve: chat template {}{}{}\n", chat_template ? "from the model" : "none",
              o.reasoning_parser.empty() ? "" : ", reasoning parser " + o.reasoning_parser,
              o.tool_call_parser.empty() ? "" : ", tool-call parser " + o.tool_call_parser);

@@ -83,7 +83,9 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   if (!(r.gpu_memory_utilization > 0.0 && r.gpu_memory_utilization <= 1.0)) {
     invalid_input("--gpu-memory-utilization must be in (0, 1], got {}", r.gpu_memory_utilization);
   }
-  if (r.max_num_seqs < 1) invalid_input("--max-num-seqs must be >= 1, got {}", r.max_num_seqs);
+  if (r.max_num_seqs < 0) invalid_input("--max-num-seqs must be >= 1, got {}", r.max_num_seqs);
+  const bool auto_seqs = r.max_num_seqs == 0;
+  const int32_t want = auto_seqs ? kAutoMaxNumSeqs : r.max_num_seqs;
   if (r.max_model_len < 1) invalid_input("--max-model-len must be >= 1, got {}", r.max_model_len);
   if (r.max_num_batched_tokens < 1) {
     invalid_input("--max-num-batched-tokens must be >= 1, got {}", r.max_num_batched_tokens);
@@ -108,7 +110,7 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   p.budget = allowed - p.in_use;
 
   MemoryLimits lim;
-  lim.max_num_seqs = r.max_num_seqs;
+  lim.max_num_seqs = want;
   lim.max_model_len = r.max_model_len;
   lim.max_tokens_per_step = r.max_num_batched_tokens;
   lim.block_size = r.block_size;
@@ -119,7 +121,7 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   // smaller capture cannot reuse (its requests fall between two sizes the larger capture freed).
   if (r.cuda_graphs) {
     size_t largest = 0;
-    for (int32_t b : cuda_graph_batch_sizes(r.max_num_seqs)) {
+    for (int32_t b : cuda_graph_batch_sizes(want)) {
       lim.max_num_seqs = b;
       lim.max_tokens_per_step = b;
       largest = std::max(largest, plan_memory(c, act_dtype, act_dtype, lim).workspace);
@@ -129,7 +131,7 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   p.slot_bytes = mamba_slot_bytes(c, act_dtype);
   p.block_bytes = kv_block_bytes(c, act_dtype, r.block_size);
   // The graphs' pad rows each own a scratch Mamba slot and KV block (StateCache, CacheSizes::num_pad).
-  p.pad_rows = r.cuda_graphs ? cuda_graph_pad_rows(cuda_graph_batch_sizes(r.max_num_seqs)) : 0;
+  p.pad_rows = r.cuda_graphs ? cuda_graph_pad_rows(cuda_graph_batch_sizes(want)) : 0;
   const size_t pad_bytes = mul(static_cast<size_t>(p.pad_rows), add(p.slot_bytes, p.block_bytes, "pad row"),
                                "CUDA-graph pad scratch");
   const size_t overhead = add(add(p.workspace, p.graphs, "workspace + graphs"), pad_bytes, "graphs' pad scratch");
@@ -143,18 +145,20 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   const size_t per_seq_blocks = (static_cast<size_t>(r.max_model_len) + r.block_size - 1) / r.block_size;
   const size_t one_seq_kv = mul(per_seq_blocks, p.block_bytes, "KV of one sequence");
   const size_t for_slots = caches > one_seq_kv ? caches - one_seq_kv : 0;
-  const size_t fit = p.slot_bytes == 0 ? static_cast<size_t>(r.max_num_seqs) : for_slots / p.slot_bytes;
+  const size_t fit = p.slot_bytes == 0 ? static_cast<size_t>(want) : for_slots / p.slot_bytes;
   p.max_slots_that_fit = static_cast<int32_t>(std::min<size_t>(fit, INT32_MAX));
-  if (caches <= one_seq_kv || fit < static_cast<size_t>(r.max_num_seqs)) {
+  // Automatic: as many as fit (the workspace, graphs and pads above were planned for `want`, which covers fewer).
+  const int32_t seqs = auto_seqs ? static_cast<int32_t>(std::min<size_t>(fit, static_cast<size_t>(want))) : want;
+  if (caches <= one_seq_kv || seqs < 1 || fit < static_cast<size_t>(seqs)) {
     invalid_input("--max-num-seqs {} is above the {} Mamba state slots that fit: {} for the caches ({} x "
                   "--gpu-memory-utilization {} less {} in use, {} workspace, {} graphs and their pad scratch) hold one "
                   "{}-token sequence's KV ({}) and {} per slot",
-                  r.max_num_seqs, p.max_slots_that_fit, gib(caches), gib(memory.total), r.gpu_memory_utilization,
+                  auto_seqs ? std::string("(automatic)") : std::to_string(want), p.max_slots_that_fit, gib(caches), gib(memory.total), r.gpu_memory_utilization,
                   gib(p.in_use), gib(p.workspace), gib(p.graphs), r.max_model_len, gib(one_seq_kv), gib(p.slot_bytes));
   }
-  p.mamba_slots = r.max_num_seqs;
+  p.mamba_slots = seqs;
   const size_t slots_bytes = mul(static_cast<size_t>(p.mamba_slots), p.slot_bytes, "Mamba state");
-  const size_t usable_blocks = mul(per_seq_blocks, static_cast<size_t>(r.max_num_seqs), "KV blocks");
+  const size_t usable_blocks = mul(per_seq_blocks, static_cast<size_t>(seqs), "KV blocks");
   const size_t blocks = p.block_bytes == 0 ? per_seq_blocks : (caches - slots_bytes) / p.block_bytes;
   p.kv_blocks = static_cast<int32_t>(std::min({blocks, usable_blocks, static_cast<size_t>(INT32_MAX)}));
   return p;

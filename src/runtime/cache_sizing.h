@@ -25,8 +25,16 @@
 
 namespace chimera {
 
+// vLLM's defaults for a server on a GPU of >= 70 GiB: up to 1024 sequences at once, 8192 tokens per step.
+inline constexpr int32_t kAutoMaxNumSeqs = 1024;
+inline constexpr int32_t kLargeGpuMaxNumBatchedTokens = 8192;
+inline constexpr int32_t kSmallGpuMaxNumBatchedTokens = 2048;
+inline constexpr size_t kLargeGpuBytes = size_t{70} << 30;
+
 struct CacheSizingRequest {
   double gpu_memory_utilization = 0.9;  // in (0, 1]
+  // 0: as many as fit, up to kAutoMaxNumSeqs (the caches and graphs are planned for kAutoMaxNumSeqs first, then
+  // the slots are cut to what fits); otherwise exactly this many, or kInvalidInput when fewer fit.
   int32_t max_num_seqs = 256;
   int32_t max_model_len = 4096;
   int32_t max_num_batched_tokens = 2048;

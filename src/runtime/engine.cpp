@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <unordered_map>
 
 #include <fmt/core.h>
 
@@ -246,6 +247,7 @@ int32_t Engine::add_request(std::vector<int32_t> prompt, const SamplingParams& s
 
 std::vector<TokenEvent> Engine::step() {
   std::vector<TokenEvent> events;
+  last_step_ = StepStats{};
   const SchedulerOutput plan = scheduler_.schedule();
   if (plan.empty()) {
     if (scheduler_.has_unfinished() && scheduler_.num_running() == 0) {
@@ -259,14 +261,24 @@ std::vector<TokenEvent> Engine::step() {
   // Sequences with several new tokens, or none in context, run the multi-token kernels (varlen conv, chunked
   // scan, attention over context + new rows) and come first; sequences with one new token after a context run
   // the single-token kernels (conv update, selective state update, decode attention).
+  // The step's sequences by id, looked up once (a step of a thousand decodes must not search the running list per
+  // lookup); the pointers stay valid until the scheduler next changes its lists, after this step's update.
+  std::unordered_map<int32_t, Sequence*> by_id;
+  by_id.reserve(plan.seqs.size());
+  for (Sequence& s : scheduler_.running()) by_id.emplace(s.id, &s);
+  auto seq = [&by_id](int32_t id) -> Sequence& {
+    auto it = by_id.find(id);
+    CHIMERA_CHECK(it != by_id.end(), "scheduled sequence {} is not running", id);
+    return *it->second;
+  };
   StepBatch b;
   std::vector<ScheduledSeq> order;
   for (const ScheduledSeq& p : plan.seqs) {
-    if (p.num_tokens > 1 || scheduler_.get(p.seq_id).num_computed == 0) order.push_back(p);
+    if (p.num_tokens > 1 || seq(p.seq_id).num_computed == 0) order.push_back(p);
   }
   b.num_prefill_seqs = static_cast<int32_t>(order.size());
   for (const ScheduledSeq& p : plan.seqs) {
-    if (p.num_tokens == 1 && scheduler_.get(p.seq_id).num_computed > 0) order.push_back(p);
+    if (p.num_tokens == 1 && seq(p.seq_id).num_computed > 0) order.push_back(p);
   }
   const int32_t max_blocks = cache_.blocks_per_seq();
   b.block_tables = Tensor::zeros(DType::kI32, {static_cast<int64_t>(order.size()), max_blocks});
@@ -280,7 +292,7 @@ std::vector<TokenEvent> Engine::step() {
   };
   std::vector<RowOwner> row_owner;
   for (size_t i = 0; i < order.size(); ++i) {
-    Sequence& s = scheduler_.get(order[i].seq_id);
+    Sequence& s = seq(order[i].seq_id);
     const int32_t n = order[i].num_tokens;
     const int32_t start = b.num_tokens();
     b.token_ids.insert(b.token_ids.end(), s.tokens.begin() + s.num_computed, s.tokens.begin() + s.num_computed + n);
@@ -307,11 +319,15 @@ std::vector<TokenEvent> Engine::step() {
   }
 
   // ---- execute ----
+  const int64_t graph_steps_before = num_graph_steps_;
   Tensor logits = execute(b);
+  last_step_.prefill_tokens = b.num_prefill_tokens();
+  last_step_.decode_tokens = b.num_tokens() - b.num_prefill_tokens();
+  last_step_.graph = num_graph_steps_ != graph_steps_before;
 
   // ---- update ----
   for (const ScheduledSeq& p : order) {
-    Sequence& s = scheduler_.get(p.seq_id);
+    Sequence& s = seq(p.seq_id);
     s.num_computed += p.num_tokens;
     s.num_computed_max = std::max(s.num_computed_max, s.num_computed);
   }
@@ -324,7 +340,7 @@ std::vector<TokenEvent> Engine::step() {
     std::vector<ops::SamplingRow> rows;
     std::vector<ops::PenaltyToken> penalty_tokens;
     for (size_t r = 0; all_sample && r < row_owner.size(); ++r) {
-      const Sequence& s = scheduler_.get(row_owner[r].seq_id);
+      const Sequence& s = seq(row_owner[r].seq_id);
       all_sample = row_owner[r].samples && s.sampling.max_new_tokens > 0;
       ops::SamplingRow row = sampling_row(s.sampling, static_cast<uint64_t>(s.num_generated()));
       row.penalty_begin = static_cast<int32_t>(penalty_tokens.size());
@@ -341,7 +357,7 @@ std::vector<TokenEvent> Engine::step() {
   }
   const int64_t V = model_.config().vocab_size;
   for (size_t r = 0; r < row_owner.size(); ++r) {
-    Sequence& s = scheduler_.get(row_owner[r].seq_id);
+    Sequence& s = seq(row_owner[r].seq_id);
     const bool on_host = device_tokens.empty();
     const std::span<const float> row(on_host ? logits.f32() + static_cast<int64_t>(r) * V : nullptr,
                                      on_host ? static_cast<size_t>(V) : 0);

@@ -94,6 +94,13 @@ class Engine {
   double graph_capture_seconds() const { return graph_capture_seconds_; }
   // Steps that ran as a CUDA graph replay so far.
   int64_t num_graph_steps() const { return num_graph_steps_; }
+  // What the last step() computed (zeros before the first, and for a step that found nothing to run).
+  struct StepStats {
+    int32_t prefill_tokens = 0;  // tokens of sequences in their prompt (or recomputing after a preemption)
+    int32_t decode_tokens = 0;   // one-token steps of sequences past their prompt
+    bool graph = false;          // ran as a CUDA graph replay
+  };
+  const StepStats& last_step() const { return last_step_; }
 
  private:
   // A captured decode step of one bucket of n rows: its inputs live at fixed device addresses (refilled before each
@@ -129,6 +136,7 @@ class Engine {
   std::vector<int64_t> stop_ids_;
   std::vector<Sequence> finished_;
   int32_t next_id_ = 0;
+  StepStats last_step_;
   // CUDA only. The stream every op of this engine runs on (owned unless the caller's context names one).
   device::Stream own_stream_;
   std::optional<device::AllocPool> graph_pool_;  // declared before graphs_: outlives them

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <span>
 #include <optional>
 #include <string>
 #include <vector>
@@ -83,7 +84,9 @@ class Scheduler {
   // finish = kAbort. nullopt (and nothing changes) for an unknown or already finished id.
   std::optional<Sequence> abort(int32_t id);
 
-  Sequence& get(int32_t id);
+  Sequence& get(int32_t id);  // linear in the number of sequences: for one lookup, not a loop over a step
+  // The admitted sequences (valid until the next schedule, abort or collect_finished).
+  std::span<Sequence> running() { return running_; }
   bool has_unfinished() const { return !waiting_.empty() || !running_.empty(); }
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }

@@ -1,5 +1,9 @@
 #include "server/engine_loop.h"
 
+#include <cstdio>
+
+#include <fmt/core.h>
+
 #include "core/error.h"
 #include "server/api.h"
 
@@ -114,6 +118,41 @@ void EngineLoop::update_gauges() {
   metrics_.set_gauges(EngineGauges{engine_.num_running(), engine_.num_waiting(), engine_.kv_cache_usage()});
 }
 
+void EngineLoop::account_step(Clock::time_point step_start, Clock::time_point now, int64_t generated) {
+  const Engine::StepStats& st = engine_.last_step();
+  // The interval starts with its first step, so idle time before it does not dilute the averages.
+  if (totals_.eager_steps + totals_.graph_steps == 0) stats_since_ = step_start;
+  const double step_seconds = seconds(now - step_start);
+  totals_.prompt_tokens += st.prefill_tokens;
+  totals_.generated += generated;
+  if (st.graph) {
+    ++totals_.graph_steps;
+    totals_.graph_seconds += step_seconds;
+  } else {
+    ++totals_.eager_steps;
+    totals_.eager_seconds += step_seconds;
+  }
+  if (config_.log_stats_interval_s <= 0) return;
+  const double span = seconds(now - stats_since_);
+  if (span < config_.log_stats_interval_s) return;
+  const StepTotals& t = totals_;
+  auto ms = [](double secs, int64_t n) { return n > 0 ? 1e3 * secs / static_cast<double>(n) : 0.0; };
+  const std::string line = fmt::format(
+      "Avg prompt throughput: {:.1f} tokens/s, Avg generation throughput: {:.1f} tokens/s, Running: {} reqs, "
+      "Waiting: {} reqs, KV cache usage: {:.1f}%, Steps: {} (eager {} x {:.1f} ms, graph {} x {:.1f} ms)",
+      static_cast<double>(t.prompt_tokens) / span, static_cast<double>(t.generated) / span, engine_.num_running(),
+      engine_.num_waiting(), 100.0 * engine_.kv_cache_usage(), t.eager_steps + t.graph_steps, t.eager_steps,
+      ms(t.eager_seconds, t.eager_steps), t.graph_steps, ms(t.graph_seconds, t.graph_steps));
+  if (config_.log) {
+    config_.log(line);
+  } else {
+    fmt::print("chimera serve: {}\n", line);
+    std::fflush(stdout);
+  }
+  totals_ = StepTotals{};
+  stats_since_ = now;
+}
+
 void EngineLoop::run() {
   std::deque<Pending> adds;
   std::vector<std::pair<uint64_t, bool>> aborts;
@@ -205,6 +244,7 @@ void EngineLoop::run() {
       if (ev.finish != FinishReason::kNone) done.emplace_back(ev.seq_id, ev.finish);
     }
     metrics_.add_generation_tokens(new_tokens);
+    account_step(step_start, now, new_tokens);
     for (const auto& [sid, reason] : done) finish(sid, live_.at(sid), reason, /*aborted=*/false, out);
     engine_.take_finished();
     for (auto& [ptr, ev] : out) ev.first->on_events(std::move(ev.second));

@@ -164,9 +164,35 @@ TEST(CacheSizing, ClearErrorsForWhatDoesNotFit) {
   EXPECT_EQ(p.mamba_slots, 10);
   EXPECT_EQ(p.kv_blocks, (free - p.workspace - 10 * slot) / block);  // 16 and what half a slot holds
   EXPECT_GE(p.max_slots_that_fit, 10);
-  r.max_num_seqs = 0;
+  r.max_num_seqs = -1;
   EXPECT_TRUE(test::throws_error([&] { size_caches(c, DType::kBF16, 0, m, r); }, ErrorKind::kInvalidInput,
                                  "--max-num-seqs must be >= 1"));
+}
+
+// max_num_seqs 0: as many slots as fit beside the workspace planned for kAutoMaxNumSeqs, at most that many.
+TEST(CacheSizing, AutomaticMaxNumSeqsTakesWhatFits) {
+  const ModelConfig c = tiny();
+  CacheSizingRequest r;
+  r.max_model_len = 256;
+  r.max_num_batched_tokens = 64;
+  r.gpu_memory_utilization = 1.0;
+  r.cuda_graphs = false;
+  const size_t slot = mamba_slot_bytes(c, DType::kBF16), block = kv_block_bytes(c, DType::kBF16, 16);
+  r.max_num_seqs = kAutoMaxNumSeqs;
+  const size_t workspace = size_caches(c, DType::kBF16, 0, {8 * kGiB, 8 * kGiB}, r).workspace;
+  r.max_num_seqs = 0;
+  // Room for 37 slots beside one full sequence's KV.
+  const size_t free = workspace + 37 * slot + 16 * block + slot / 2;
+  const CacheSizingPlan p = size_caches(c, DType::kBF16, 0, {free, 8 * kGiB}, r);
+  EXPECT_EQ(p.mamba_slots, 37);
+  EXPECT_EQ(p.max_slots_that_fit, 37);
+  EXPECT_EQ(p.cache_sizes().max_seqs, 37);
+  // A device with room to spare stops at kAutoMaxNumSeqs.
+  const CacheSizingPlan big = size_caches(c, DType::kBF16, 0, {8 * kGiB, 8 * kGiB}, r);
+  EXPECT_EQ(big.mamba_slots, kAutoMaxNumSeqs);
+  // Not even one slot beside one sequence's KV: the error says the sizing was automatic.
+  EXPECT_TRUE(test::throws_error([&] { size_caches(c, DType::kBF16, 0, {workspace + 16 * block, 8 * kGiB}, r); },
+                                 ErrorKind::kInvalidInput, "--max-num-seqs (automatic) is above the 0 Mamba"));
 }
 
 TEST(CacheSizing, SizesAgainstThisHostsAvailableMemory) {

@@ -81,6 +81,26 @@ class EngineTest : public test::BackendTest {
   std::unique_ptr<NemotronH> model_;
 };
 
+// last_step() says what each step computed: a 150-token prompt in chunks of 64 (the budget), then one-token
+// decodes, a second request's chunk riding with the first one's decode.
+TEST_P(EngineTest, LastStepCountsPrefillAndDecodeTokens) {
+  EngineConfig ec = small_config(2);
+  ec.cache.max_model_len = 256;
+  ec.cuda_graphs = false;
+  Engine engine(*model_, ctx(), ec);
+  EXPECT_EQ(engine.last_step().prefill_tokens, 0);
+  engine.add_request(prompt(150, 1), sampling(3));
+  std::vector<std::pair<int32_t, int32_t>> steps;
+  for (int i = 0; i < 4; ++i) {
+    if (i == 3) engine.add_request(prompt(10, 2), sampling(1));
+    engine.step();
+    steps.emplace_back(engine.last_step().prefill_tokens, engine.last_step().decode_tokens);
+    EXPECT_FALSE(engine.last_step().graph);
+  }
+  const std::vector<std::pair<int32_t, int32_t>> want{{64, 0}, {64, 0}, {22, 0}, {10, 1}};
+  EXPECT_EQ(steps, want);
+}
+
 TEST_P(EngineTest, AbortFreesSlotAndBlocksAtOnceAndLeavesOthersUnchanged) {
   Engine engine(*model_, ctx(), small_config(2));
   EXPECT_EQ(engine.num_total_slots(), 2);
