@@ -129,7 +129,8 @@ void parse_common(const json& body, GenerationRequest& r) {
   // max_completion_tokens (the newer name) wins over max_tokens when both are sent, as in vLLM.
   for (const char* name : {"max_tokens", "max_completion_tokens"}) {
     if (const auto v = get_int(body, name)) {
-      if (*v < 1) bad(name, "'{}' must be at least 1, got {}", name, *v);
+      // 0 is legal only for a completion that echoes its prompt (checked there): vLLM's scoring request.
+      if (*v < 0) bad(name, "'{}' must be at least 1, got {}", name, *v);
       r.max_tokens = static_cast<int32_t>(std::min<int64_t>(*v, std::numeric_limits<int32_t>::max()));
     }
   }
@@ -229,6 +230,12 @@ GenerationRequest parse_completion_request(const json& body) {
     bad("prompt", "'prompt' must be a string, a list of token ids or a list of either, got {}", type_name(*p));
   }
   r.echo = get_bool(body, "echo", false);
+  // echo with max_tokens 0 returns the prompt alone (with its logprobs when asked): how evaluation harnesses score
+  // a text, as vLLM allows.
+  if (r.max_tokens && *r.max_tokens == 0 && !r.echo) {
+    const char* name = field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+    bad(name, "'{}' must be at least 1, got 0 (0 only with 'echo': the prompt alone)", name);
+  }
   if (field(body, "logprobs")) r.logprobs = get_int_in(body, "logprobs", 0, 0, kMaxLogprobs);
   if (field(body, "prompt_logprobs")) {
     r.prompt_logprobs = get_int_in(body, "prompt_logprobs", 0, 0, kMaxLogprobs);
@@ -247,6 +254,10 @@ GenerationRequest parse_chat_request(const json& body) {
   GenerationRequest r;
   r.chat = true;
   parse_common(body, r);
+  if (r.max_tokens && *r.max_tokens == 0) {
+    const char* name = field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+    bad(name, "'{}' must be at least 1, got 0", name);
+  }
   const json* m = field(body, "messages");
   if (!m) bad("messages", "'messages' is required");
   if (!m->is_array() || m->empty()) bad("messages", "'messages' must be a non-empty list of messages");

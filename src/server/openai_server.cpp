@@ -278,8 +278,9 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
   std::string token_text(int32_t id) const { return tokenizer->decode(std::span<const int32_t>(&id, 1)); }
 
   // Completions: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}. text_offset[i] is offset_base plus
-  // the bytes of tokens[0 .. i) (vLLM's rule, with the token strings as listed); *offset_end: where the next
-  // token would start. A token without a logprob (the first of an echoed prompt) has null entries.
+  // the characters (Unicode code points, as Python's len) of tokens[0 .. i) (vLLM's rule, with the token strings
+  // as listed); *offset_end: where the next token would start. A token without a logprob (the first of an echoed
+  // prompt) has null entries.
   json completion_logprobs(const std::vector<TokenLogprobs>& lps, size_t offset_base, size_t* offset_end = nullptr) const {
     json tokens = json::array(), lp = json::array(), top = json::array(), off = json::array();
     size_t at = offset_base;
@@ -297,7 +298,8 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
         top.push_back(nullptr);
       }
       off.push_back(at);
-      at += s.size();
+      // Code points: every byte that does not continue a UTF-8 sequence starts one.
+      at += static_cast<size_t>(std::count_if(s.begin(), s.end(), [](char ch) { return (ch & 0xC0) != 0x80; }));
     }
     if (offset_end) *offset_end = at;
     return json{{"tokens", tokens}, {"token_logprobs", lp}, {"top_logprobs", top}, {"text_offset", off}};

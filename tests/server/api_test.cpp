@@ -85,6 +85,8 @@ TEST(ServerApi, SamplingFields) {
   EXPECT_EQ(m.top_k, 0);
   EXPECT_FALSE(m.seed.has_value());
   EXPECT_EQ(completion(R"({"prompt": "x", "max_tokens": 5.0})").max_tokens, 5);
+  // A scoring request: the echoed prompt alone.
+  EXPECT_EQ(completion(R"({"prompt": "x", "max_tokens": 0, "echo": true, "logprobs": 1})").max_tokens, 0);
 }
 
 TEST(ServerApi, BadBodies) {
@@ -167,6 +169,8 @@ TEST(ServerApi, ChatRequests) {
       {R"({"messages": [{"role": "user", "content": "x"}], "tools": {}})", "tools"},
       {R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", "top_logprobs"},
       {R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []})", "chat_template_kwargs"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})", "max_tokens"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0})", "max_completion_tokens"},
   };
   for (const auto& [body, param] : bad) {
     const auto [status, got] = error_of(body, /*chat=*/true);

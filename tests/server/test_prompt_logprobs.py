@@ -80,10 +80,30 @@ def check_prompt_part(client, lp, ids, ref):
 
 
 def check_offsets(lp):
+    # Characters (code points), as vLLM counts them with Python's len.
     at = 0
     for tok, off in zip(lp.tokens, lp.text_offset):
         assert off == at
-        at += len(tok.encode())
+        at += len(tok)
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(client, reference):
+    """vLLM's scoring request (evaluation harnesses): echo, max_tokens 0 and logprobs give the prompt, its
+    logprobs, no generated token and finish_reason "length"."""
+    ids, ref = reference
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, temperature=0, echo=True,
+                                  logprobs=K)
+    c = r.choices[0]
+    assert c.text == PROMPT and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids)
+    check_prompt_part(client, lp, ids, ref)
+    check_offsets(lp)
+    # Without echo, 0 is a client error naming the field.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
 
 
 def test_echo_logprobs_cover_the_prompt_then_the_output(client, reference):
