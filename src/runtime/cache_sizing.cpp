@@ -119,13 +119,12 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   // reuses the blocks of the ones before it (device::AllocPool) and every graph writes its logits into one
   // buffer: the pool holds about the workspace of the largest bucket. A quarter on top covers the blocks that a
   // smaller capture cannot reuse (its requests fall between two sizes the larger capture freed).
+  // The step workspace grows with the batch, so the largest bucket's is the largest.
   if (r.cuda_graphs) {
-    size_t largest = 0;
-    for (int32_t b : cuda_graph_batch_sizes(want)) {
-      lim.max_num_seqs = b;
-      lim.max_tokens_per_step = b;
-      largest = std::max(largest, plan_memory(c, act_dtype, act_dtype, lim).workspace);
-    }
+    const std::vector<int32_t> buckets = cuda_graph_batch_sizes(want);
+    lim.max_num_seqs = buckets.back();
+    lim.max_tokens_per_step = buckets.back();
+    const size_t largest = plan_memory(c, act_dtype, act_dtype, lim).workspace;
     p.graphs = add(largest, largest / 4, "graph allowance");
   }
   p.slot_bytes = mamba_slot_bytes(c, act_dtype);
