@@ -1,6 +1,6 @@
 // NVFP4 weight-only kernels (docs/nvfp4_cuda.md) at the Nemotron 3 shapes, each beside the bf16 kernel of the same
 // shape in the same run:
-//   nvfp4_linear_decode_*   T = 1, 2, 4, 8: the GEMV. bytes = the stored weight (0.5625 B per element: codes + e4m3
+//   nvfp4_linear_decode_*   T = 1, 2, 4, 8: the GEMV (and "nvfp4_linear-tc", the tensor-core GEMV). bytes = the stored weight (0.5625 B per element: codes + e4m3
 //                           block scales) + x + out, so floor_ratio is the fraction of the copy bandwidth achieved on
 //                           what must move; beside it "linear_bf16" (cuda::linear on a bf16 weight: the engine's GEMV
 //                           or cuBLASLt) on 2 B per element.
@@ -145,6 +145,18 @@ void bench_linear(const Context& ctx, const LinearCase& lc, std::initializer_lis
     const double g_nv = ctx.run_graph("nvfp4_linear", shape, nv_bytes, flops, [&](cudaStream_t st, int) {
       cuda::nvfp4_linear(ops::Context{Device::kCuda, st}, out, x, w, Tensor());
     });
+    if (!prefill) {
+      // The tensor-core GEMV beside the SIMT one (the automatic choice): which is faster at decode sizes.
+      Tensor out_tc = device::empty(Device::kCuda, DType::kBF16, {T, lc.N});
+      cuda::nvfp4_linear_on_path(c, out_tc, x, w, Tensor(), cuda::Nvfp4Path::kGemvTc);
+      CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench nvfp4_linear tc");
+      const double dt = rel_diff(out_tc, ref);
+      std::printf("CHECK nvfp4_linear-tc %s max_rel_diff_vs_bf16=%.3g %s\n", shape.c_str(), dt,
+                  dt < 2e-2 ? "ok" : "DIFFERENT");
+      ctx.run_graph("nvfp4_linear-tc", shape, nv_bytes, flops, [&](cudaStream_t st, int) {
+        cuda::nvfp4_linear_on_path(ops::Context{Device::kCuda, st}, out_tc, x, w, Tensor(), cuda::Nvfp4Path::kGemvTc);
+      });
+    }
     const double t_bf = ctx.run("linear_bf16", shape, bf_bytes, flops, [&] { cuda::linear(c, ref, x, wb, Tensor()); });
     const double g_bf = ctx.run_graph("linear_bf16", shape, bf_bytes, flops, [&](cudaStream_t st, int) {
       cuda::linear(ops::Context{Device::kCuda, st}, ref, x, wb, Tensor());
@@ -233,6 +245,19 @@ void bench_experts(const Context& ctx, const char* model, int64_t E, int64_t k, 
     const double g_nv = ctx.run_graph("nvfp4_experts", shape, nv_bytes, flops, [&](cudaStream_t st, int) {
       cuda::moe_experts_nvfp4(ops::Context{Device::kCuda, st}, out, x, idd, wd, up, down);
     });
+    if (T <= 8) {
+      Tensor out_tc = device::empty(Device::kCuda, DType::kBF16, {T, D});
+      const auto tc = [&](cudaStream_t st) {
+        cuda::moe_experts_nvfp4_on_path(ops::Context{Device::kCuda, st}, out_tc, x, idd, wd, up, down,
+                                        cuda::Nvfp4ExpertsPath::kGemvTc);
+      };
+      tc(nullptr);
+      CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench nvfp4_experts tc");
+      const double dt = rel_diff(out_tc, ref);
+      std::printf("CHECK nvfp4_experts-tc %s max_rel_diff_vs_bf16=%.3g %s\n", shape.c_str(), dt,
+                  dt < 3e-2 ? "ok" : "DIFFERENT");
+      ctx.run_graph("nvfp4_experts-tc", shape, nv_bytes, flops, [&](cudaStream_t st, int) { tc(st); });
+    }
     const double t_bf = ctx.run("moe_experts_bf16", shape, bf_bytes, flops,
                                 [&] { ops::moe_experts(c, ref, x, idd, wd, ups, downs); });
     const double g_bf = ctx.run_graph("moe_experts_bf16", shape, bf_bytes, flops, [&](cudaStream_t st, int) {

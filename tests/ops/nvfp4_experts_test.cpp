@@ -1,5 +1,5 @@
 // NVFP4 routed experts: the CPU reference (cpu::moe_experts_nvfp4) and the CUDA op (cuda::moe_experts_nvfp4, the
-// grouped GEMV and the grouped dequantizing GEMM, forced and automatic) against the same math in double precision:
+// grouped GEMV, its tensor-core form and the grouped dequantizing GEMM, forced, and the automatic choice) against the same math in double precision:
 // E = 5 experts, top-2, expert 3 never routed, T = 1 .. 300, F32 and BF16 activations, D / I on and off the GEMM's
 // multiples of 64. Every expert has its own weight_scale_2 (one quantizer per expert, as ModelOpt exports them).
 //
@@ -131,7 +131,7 @@ TEST_P(Nvfp4Experts, AgainstDoubleReference) {
     int64_t D, I;
   };
   test::Rng rng = test::Rng::for_test();
-  for (const Dims dims : {Dims{128, 192}, Dims{48, 80}}) {
+  for (const Dims dims : {Dims{128, 192}, Dims{96, 160}, Dims{48, 80}}) {
     const auto [D, I] = dims;
     std::vector<std::vector<float>> wu, wd;
     const ops::ExpertWeights up = quantize_experts("test.experts.{e}.up_proj", rng, I, D, wu);
@@ -174,16 +174,17 @@ TEST_P(Nvfp4Experts, AgainstDoubleReference) {
           w->scale = on_backend(w->scale);
         }
         const Tensor xd = on_backend(x, dt), idd = on_backend(ids_t), wdv = on_backend(w_t);
-        for (cuda::Nvfp4ExpertsPath path :
-             {cuda::Nvfp4ExpertsPath::kAuto, cuda::Nvfp4ExpertsPath::kGemv, cuda::Nvfp4ExpertsPath::kGemm}) {
-          const bool gemm_ok = dt != DType::kF32 && D % 64 == 0 && I % 64 == 0;
-          if (path == cuda::Nvfp4ExpertsPath::kGemm && !gemm_ok) continue;
+        using P = cuda::Nvfp4ExpertsPath;
+        for (P path : {P::kAuto, P::kGemv, P::kGemvTc, P::kGemm}) {
+          if (path == P::kGemm && !(dt != DType::kF32 && D % 64 == 0 && I % 64 == 0)) continue;
+          if (path == P::kGemvTc && !(dt != DType::kF32 && D % 32 == 0 && I % 32 == 0)) continue;
           Tensor out = output(dt, {T, D});
           cuda::moe_experts_nvfp4_on_path(ctx(), out, xd, idd, wdv, upd, downd, path);
           check_close(out, ex.want, dt == DType::kF32 ? ex.bound : ex.bound16,
-                      path == cuda::Nvfp4ExpertsPath::kAuto   ? "auto"
-                      : path == cuda::Nvfp4ExpertsPath::kGemv ? "gemv"
-                                                              : "gemm");
+                      path == P::kAuto     ? "auto"
+                      : path == P::kGemv   ? "gemv"
+                      : path == P::kGemvTc ? "gemv-tc"
+                                           : "gemm");
         }
 #endif
       }

@@ -1,5 +1,5 @@
 // NVFP4 dense layers: the CPU reference (cpu::nvfp4_linear) and the CUDA kernels (cuda::nvfp4_linear: GEMV and the
-// dequantizing mma.sync GEMM, each forced and automatic) against a dequantize-then-matmul in double precision, on
+// tensor-core GEMV and the dequantizing mma.sync GEMM, each forced, and the automatic choice) against a dequantize-then-matmul in double precision, on
 // awkward sizes (odd N, K = 16 / 48 / 192 / 2688, T = 1 .. 300) with F32 and BF16 activations.
 //
 // Tolerance per output element, A = sum_k |x[k] W[n, k]| (+ |bias|), exact products in double:
@@ -113,12 +113,17 @@ TEST_P(Nvfp4Linear, AwkwardSizesAgainstDoubleReference) {
       lw.scale = q.weight_scale_2;
       const Tensor xd = on_backend(x, dt);
       const Tensor bd = with_bias ? on_backend(b, dt) : Tensor();
-      for (cuda::Nvfp4Path path : {cuda::Nvfp4Path::kAuto, cuda::Nvfp4Path::kGemv, cuda::Nvfp4Path::kGemm}) {
-        if (path == cuda::Nvfp4Path::kGemm && !cuda::nvfp4_gemm_supported(dt, K)) continue;
+      using P = cuda::Nvfp4Path;
+      for (P path : {P::kAuto, P::kGemv, P::kGemvTc, P::kGemm}) {
+        if (path == P::kGemm && !cuda::nvfp4_gemm_supported(dt, K)) continue;
+        if (path == P::kGemvTc && !cuda::nvfp4_gemv_tc_supported(dt, K)) continue;
         Tensor out = output(dt, {T, N});
         cuda::nvfp4_linear_on_path(ctx(), out, xd, lw, bd, path);
         check_close(out, want, dt == DType::kF32 ? bound : bound16,
-                    path == cuda::Nvfp4Path::kAuto ? "auto" : path == cuda::Nvfp4Path::kGemv ? "gemv" : "gemm");
+                    path == P::kAuto     ? "auto"
+                    : path == P::kGemv   ? "gemv"
+                    : path == P::kGemvTc ? "gemv-tc"
+                                         : "gemm");
       }
 #endif
     }

@@ -398,6 +398,147 @@ __global__ void __launch_bounds__(kMmaThreads) gemm_kernel(const Params p) {
   }
 }
 
+// ---- tensor-core GEMV (decode): codes decoded straight into mma.sync A fragments ---------------------------------
+// The scalar GEMV above spends ~6 SIMT instructions per weight element at T = 1 (decode, x conversion, FMA), about
+// what an SM can issue per byte of HBM bandwidth; here the multiply-adds go to the tensor cores and the decode is a
+// shift / AND / LOP3 per pair of codes plus one packed multiply by the block scale. Block: 8 warps on one tile of 16
+// weight rows, the k-steps of 128 elements dealt round robin to the warps, then a fixed-order sum of the 8 warps'
+// accumulators in shared memory. Tokens are the MMA's 8 columns (MT = 8, zero columns past the group's tokens).
+//
+// Lane (g = lane / 4, q = lane % 4) loads, per k-step k0, the 16 bytes of codes [k0 + 32 q, k0 + 32 q + 32) of rows
+// g and g + 8, their two block scales each, and x[token g] at the same 32 elements. Within a 32-bit word of 8 codes
+// the pairs (j, j + 4) become one 16-bit pair register (the top nibble of each half, moved into place: e2m1 x 2^-126
+// as bf16, e2m1 x 2^-14 as fp16, subnormals for e = 0), times the block scale pre-multiplied by 2^118 (bf16) or 2^7
+// (fp16) so that the product e2m1 x e4m3 x 2^-8 (2^-7) is exact and normal (fp16: a multiple of 2^-17, above its
+// subnormal quantum); the result is multiplied back by 2^8 (2^7) with weight_scale_2. The k order inside an MMA is a
+// permutation of the natural order (word w, pairs (0, 4) and (1, 5) feed MMA 2w, pairs (2, 6) and (3, 7) MMA
+// 2w + 1), and x's registers are permuted the same way (one PRMT per register), so A and B agree element by element.
+// Domain: T = bf16 / f16, K % 32 == 0.
+inline constexpr int kTcWarps = 8, kTcRows = 16, kTcStepK = 128, kTcTokens = 8;
+
+template <typename T>
+struct TcDecode;
+template <>
+struct TcDecode<__nv_bfloat16> {
+  static constexpr float kScaleUp = 0x1p118f;   // block scale x 2^118: at most 448 x 2^118 < 2^127
+  static constexpr float kResult = 256.0f;      // the decoded weights are e2m1 x e4m3 x 2^-8
+  __device__ static uint32_t pair(uint32_t q) { return (q & 0x80008000u) | ((q >> 6) & 0x01C001C0u); }
+  __device__ static uint32_t scale_pair(float s) { return pack2<__nv_bfloat16>(s, s); }
+  __device__ static uint32_t mul(uint32_t a, uint32_t b) {
+    __nv_bfloat162 x, y;
+    __builtin_memcpy(&x, &a, 4);
+    __builtin_memcpy(&y, &b, 4);
+    const __nv_bfloat162 r = __hmul2(x, y);
+    uint32_t u;
+    __builtin_memcpy(&u, &r, 4);
+    return u;
+  }
+};
+template <>
+struct TcDecode<__half> {
+  static constexpr float kScaleUp = 128.0f;  // block scale x 2^7: at most 57344
+  static constexpr float kResult = 128.0f;   // the decoded weights are e2m1 x e4m3 x 2^-7
+  __device__ static uint32_t pair(uint32_t q) { return (q & 0x80008000u) | ((q >> 3) & 0x0E000E00u); }
+  __device__ static uint32_t scale_pair(float s) { return pack2<__half>(s, s); }
+  __device__ static uint32_t mul(uint32_t a, uint32_t b) {
+    __half2 x, y;
+    __builtin_memcpy(&x, &a, 4);
+    __builtin_memcpy(&y, &b, 4);
+    const __half2 r = __hmul2(x, y);
+    uint32_t u;
+    __builtin_memcpy(&u, &r, 4);
+    return u;
+  }
+};
+
+template <typename T, Mode M>
+__global__ void __launch_bounds__(kTcWarps * 32) tc_gemv_kernel(const Params p) {
+  using D = TcDecode<T>;
+  __shared__ float red[kTcWarps][kTcRows][kTcTokens];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int gq = lane / 4, tq = lane % 4;
+  const int n0 = static_cast<int>(blockIdx.x) * kTcRows;
+  Rows g;
+  if (!group_rows<M>(p, static_cast<int>(blockIdx.y), kTcTokens, g)) return;  // uniform over the block
+  const int K = p.K;
+  const bool ok_a = n0 + gq < p.N, ok_b = n0 + gq + 8 < p.N, ok_x = gq < g.count;
+  const uint8_t* wa = p.w + g.expert * p.w_stride + static_cast<int64_t>(ok_a ? n0 + gq : 0) * (K / 2);
+  const uint8_t* wb = p.w + g.expert * p.w_stride + static_cast<int64_t>(ok_b ? n0 + gq + 8 : 0) * (K / 2);
+  const uint8_t* sa = p.ws + g.expert * p.s_stride + static_cast<int64_t>(ok_a ? n0 + gq : 0) * (K / 16);
+  const uint8_t* sb = p.ws + g.expert * p.s_stride + static_cast<int64_t>(ok_b ? n0 + gq + 8 : 0) * (K / 16);
+  const T* xr = static_cast<const T*>(p.x) + (ok_x ? x_row<M>(p, g, gq) : 0) * static_cast<int64_t>(K);
+  const int n_steps = (K + kTcStepK - 1) / kTcStepK;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  // Codes and scales of step s for this lane (zeros past K or N).
+  auto load = [&](int s, uint4& qa, uint4& qb, uint32_t& ca, uint32_t& cb) {
+    const int k = s * kTcStepK + 32 * tq;
+    const bool kv = s < n_steps && k < K;
+    qa = kv && ok_a ? ld_stream(reinterpret_cast<const uint4*>(wa + k / 2)) : zero;
+    qb = kv && ok_b ? ld_stream(reinterpret_cast<const uint4*>(wb + k / 2)) : zero;
+    ca = kv && ok_a ? __ldg(reinterpret_cast<const uint16_t*>(sa + k / 16)) : 0u;
+    cb = kv && ok_b ? __ldg(reinterpret_cast<const uint16_t*>(sb + k / 16)) : 0u;
+  };
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  uint4 qa, qb;
+  uint32_t ca, cb;
+  load(warp, qa, qb, ca, cb);
+  for (int s = warp; s < n_steps; s += kTcWarps) {
+    uint4 na, nb;
+    uint32_t nca, ncb;
+    load(s + kTcWarps, na, nb, nca, ncb);  // the next step's loads in flight during this step's MMAs
+    const int k = s * kTcStepK + 32 * tq;
+    uint4 xv[4] = {zero, zero, zero, zero};
+    if (ok_x && k < K) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) xv[w] = __ldg(reinterpret_cast<const uint4*>(xr + k + 8 * w));
+    }
+    const uint32_t scale_a[2] = {D::scale_pair(e4m3_value(static_cast<uint8_t>(ca)) * D::kScaleUp),
+                                 D::scale_pair(e4m3_value(static_cast<uint8_t>(ca >> 8)) * D::kScaleUp)};
+    const uint32_t scale_b[2] = {D::scale_pair(e4m3_value(static_cast<uint8_t>(cb)) * D::kScaleUp),
+                                 D::scale_pair(e4m3_value(static_cast<uint8_t>(cb >> 8)) * D::kScaleUp)};
+    const uint32_t wa4[4] = {qa.x, qa.y, qa.z, qa.w}, wb4[4] = {qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      // pa[j]: codes (j, j + 4) of word w of row g; pb[j] the same of row g + 8.
+      uint32_t pa[4], pb[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        pa[j] = D::mul(D::pair(wa4[w] << (4 * (3 - j))), scale_a[w / 2]);
+        pb[j] = D::mul(D::pair(wb4[w] << (4 * (3 - j))), scale_b[w / 2]);
+      }
+      const uint32_t x01 = xv[w].x, x23 = xv[w].y, x45 = xv[w].z, x67 = xv[w].w;
+      {
+        const uint32_t a[4] = {pa[0], pb[0], pa[1], pb[1]};
+        mma_16816<T>(acc, a, __byte_perm(x01, x45, 0x5410), __byte_perm(x01, x45, 0x7632));
+      }
+      {
+        const uint32_t a[4] = {pa[2], pb[2], pa[3], pb[3]};
+        mma_16816<T>(acc, a, __byte_perm(x23, x67, 0x5410), __byte_perm(x23, x67, 0x7632));
+      }
+    }
+    qa = na;
+    qb = nb;
+    ca = nca;
+    cb = ncb;
+  }
+  // c0, c1: (row g, tokens 2q, 2q + 1); c2, c3: (row g + 8, tokens 2q, 2q + 1).
+  red[warp][gq][2 * tq] = acc[0];
+  red[warp][gq][2 * tq + 1] = acc[1];
+  red[warp][gq + 8][2 * tq] = acc[2];
+  red[warp][gq + 8][2 * tq + 1] = acc[3];
+  __syncthreads();
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < kTcRows * kTcTokens) {
+    const int r = tid / kTcTokens, t = tid % kTcTokens;
+    if (n0 + r < p.N && t < g.count) {
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kTcWarps; ++w) v += red[w][r][t];
+      store_out<T, M>(p, g, t, n0 + r, v * D::kResult);
+    }
+  }
+}
+
 // ---- launchers (host) ---------------------------------------------------------------------------------------
 inline int gemv_tile_tokens(int64_t T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
 
@@ -414,6 +555,15 @@ void launch_gemv(const Params& p, int mt, int groups, cudaStream_t stream, const
     case 4: wide ? go(gemv_kernel<T, 4, 16, M>) : go(gemv_kernel<T, 4, 8, M>); break;
     default: wide ? go(gemv_kernel<T, 8, 16, M>) : go(gemv_kernel<T, 8, 8, M>); break;
   }
+  CHIMERA_LAUNCH_CHECK(op);
+}
+
+// groups: dense ceil(T / 8); grouped max_items (items of <= 8 rows).
+template <typename T, Mode M>
+void launch_tc_gemv(const Params& p, int groups, cudaStream_t stream, const char* op) {
+  if (groups <= 0 || p.N <= 0) return;
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.N, kTcRows)), static_cast<unsigned>(groups));
+  tc_gemv_kernel<T, M><<<grid, kTcWarps * 32, 0, stream>>>(p);
   CHIMERA_LAUNCH_CHECK(op);
 }
 

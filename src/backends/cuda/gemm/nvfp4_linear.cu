@@ -59,9 +59,14 @@ void check(const Tensor& out, const Tensor& x, const ops::LinearWeight& w, const
 }
 
 template <typename T>
-void run(const nvfp4::Params& p, bool gemm, cudaStream_t stream) {
+void run(const nvfp4::Params& p, Nvfp4Path path, cudaStream_t stream) {
   if constexpr (!std::is_same_v<T, float>) {
-    if (gemm) return nvfp4::launch_gemm<T, nvfp4::Mode::kDense>(p, ceil_div(p.T, nvfp4::kMmaBT), stream, kOp);
+    if (path == Nvfp4Path::kGemm) {
+      return nvfp4::launch_gemm<T, nvfp4::Mode::kDense>(p, ceil_div(p.T, nvfp4::kMmaBT), stream, kOp);
+    }
+    if (path == Nvfp4Path::kGemvTc) {
+      return nvfp4::launch_tc_gemv<T, nvfp4::Mode::kDense>(p, ceil_div(p.T, nvfp4::kTcTokens), stream, kOp);
+    }
   }
   {
     const int mt = nvfp4::gemv_tile_tokens(p.T);
@@ -70,6 +75,10 @@ void run(const nvfp4::Params& p, bool gemm, cudaStream_t stream) {
 }
 
 }  // namespace
+
+bool nvfp4_gemv_tc_supported(DType x_dtype, int64_t K) {
+  return (x_dtype == DType::kBF16 || x_dtype == DType::kF16) && K > 0 && K % 32 == 0;
+}
 
 bool nvfp4_gemm_supported(DType x_dtype, int64_t K) {
   return (x_dtype == DType::kBF16 || x_dtype == DType::kF16) && K > 0 && K % nvfp4::kMmaBK == 0;
@@ -89,8 +98,11 @@ void nvfp4_linear_on_path(const ops::Context& ctx, const Tensor& out, const Tens
   if (path == Nvfp4Path::kGemm && !gemm_ok) {
     throw_runtime(str_cat(kOp, ": the GEMM path does not take x ", x.describe(), " (BF16 / F16, K % 64 == 0)"));
   }
+  if (path == Nvfp4Path::kGemvTc && !nvfp4_gemv_tc_supported(x.dtype(), K)) {
+    throw_runtime(str_cat(kOp, ": the tensor-core GEMV does not take x ", x.describe(), " (BF16 / F16, K % 32 == 0)"));
+  }
   if (path == Nvfp4Path::kAuto) path = gemm_ok && T > kNvfp4GemvMaxTokens ? Nvfp4Path::kGemm : Nvfp4Path::kGemv;
-  if (path == Nvfp4Path::kGemv && ceil_div(T, nvfp4::gemv_tile_tokens(T)) > 65535) {
+  if (path != Nvfp4Path::kGemm && ceil_div(T, nvfp4::gemv_tile_tokens(T)) > 65535) {
     throw_runtime(str_cat(kOp, ": ", T, " tokens exceed the GEMV's token groups"));
   }
   nvfp4::Params p;
@@ -103,8 +115,7 @@ void nvfp4_linear_on_path(const ops::Context& ctx, const Tensor& out, const Tens
   p.T = static_cast<int>(T);
   p.N = static_cast<int>(N);
   p.K = static_cast<int>(K);
-  const bool gemm = path == Nvfp4Path::kGemm;
-  CHIMERA_DISPATCH_FLOAT(x.dtype(), kOp, U, run<U>(p, gemm, as_stream(ctx.stream)));
+  CHIMERA_DISPATCH_FLOAT(x.dtype(), kOp, U, run<U>(p, path, as_stream(ctx.stream)));
 }
 
 }  // namespace chimera::cuda

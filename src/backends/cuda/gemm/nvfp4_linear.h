@@ -19,12 +19,14 @@ inline constexpr int64_t kNvfp4GemvMaxTokens = 8;
 void nvfp4_linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops::LinearWeight& w,
                   const Tensor& bias);
 
-// Tests and benchmarks: the same op on a forced kernel. kGemm outside its domain (F32 activations, K % 64 != 0)
-// throws.
-enum class Nvfp4Path { kAuto, kGemv, kGemm };
+// Tests and benchmarks: the same op on a forced kernel. kGemv: the SIMT GEMV (any T, token groups of <= 8);
+// kGemvTc: the tensor-core GEMV (the same, BF16 / F16 and K % 32 == 0; nvfp4_kernels.cuh says why it exists);
+// kGemm: the prefill GEMM. A kernel outside its domain throws.
+enum class Nvfp4Path { kAuto, kGemv, kGemvTc, kGemm };
 void nvfp4_linear_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops::LinearWeight& w,
                           const Tensor& bias, Nvfp4Path path);
-// Whether the GEMM takes x (dtype, K).
+// Whether the GEMM / the tensor-core GEMV take x (dtype, K).
 bool nvfp4_gemm_supported(DType x_dtype, int64_t K);
+bool nvfp4_gemv_tc_supported(DType x_dtype, int64_t K);
 
 }  // namespace chimera::cuda

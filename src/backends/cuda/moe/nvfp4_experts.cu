@@ -65,12 +65,17 @@ nvfp4::Params projection_params(const ops::ExpertWeights& w, const void* x, void
 }
 
 template <typename T>
-void run(const nvfp4::Params& up, const nvfp4::Params& down, bool gemm, int tile_rows, int groups,
+void run(const nvfp4::Params& up, const nvfp4::Params& down, Nvfp4ExpertsPath path, int tile_rows, int groups,
          cudaStream_t stream) {
   if constexpr (!std::is_same_v<T, float>) {
-    if (gemm) {
+    if (path == Nvfp4ExpertsPath::kGemm) {
       nvfp4::launch_gemm<T, nvfp4::Mode::kUp>(up, groups, stream, kOp);
       nvfp4::launch_gemm<T, nvfp4::Mode::kDown>(down, groups, stream, kOp);
+      return;
+    }
+    if (path == Nvfp4ExpertsPath::kGemvTc) {
+      nvfp4::launch_tc_gemv<T, nvfp4::Mode::kUp>(up, groups, stream, kOp);
+      nvfp4::launch_tc_gemv<T, nvfp4::Mode::kDown>(down, groups, stream, kOp);
       return;
     }
   }
@@ -137,12 +142,18 @@ void moe_experts_nvfp4_on_path(const ops::Context& ctx, const Tensor& out, const
     throw_runtime(str_cat(kOp, ": the GEMM path does not take x ", x.describe(), " with I = ", I,
                           " (BF16 / F16, D and I multiples of 64)"));
   }
+  if (path == Nvfp4ExpertsPath::kGemvTc &&
+      !(nvfp4_gemv_tc_supported(x.dtype(), D) && nvfp4_gemv_tc_supported(x.dtype(), I))) {
+    throw_runtime(str_cat(kOp, ": the tensor-core GEMV does not take x ", x.describe(), " with I = ", I,
+                          " (BF16 / F16, D and I multiples of 32)"));
+  }
   if (path == Nvfp4ExpertsPath::kAuto) {
     path = gemm_ok && T > kNvfp4GemvMaxTokens ? Nvfp4ExpertsPath::kGemm : Nvfp4ExpertsPath::kGemv;
   }
-  const bool gemm = path == Nvfp4ExpertsPath::kGemm;
   // Work items of <= tile_rows pairs of one expert: at most P / tile_rows + active experts of them, and <= P.
-  const int tile_rows = gemm ? nvfp4::kMmaBT : nvfp4::gemv_tile_tokens(std::min<int64_t>(T, 8));
+  const int tile_rows = path == Nvfp4ExpertsPath::kGemm     ? nvfp4::kMmaBT
+                        : path == Nvfp4ExpertsPath::kGemvTc ? nvfp4::kTcTokens
+                                                            : nvfp4::gemv_tile_tokens(std::min<int64_t>(T, 8));
   const int64_t max_items = std::min<int64_t>(P, (P + tile_rows - 1) / tile_rows + std::min<int64_t>(E, P));
   if (max_items > 65535) throw_runtime(str_cat(kOp, ": ", max_items, " work items exceed one grid dimension"));
   cudaStream_t stream = as_stream(ctx.stream);
@@ -166,7 +177,7 @@ void moe_experts_nvfp4_on_path(const ops::Context& ctx, const Tensor& out, const
   nvfp4::Params pd = projection_params(down, h.data(), y.data(), static_cast<int>(D), static_cast<int>(I), pp, tw,
                                        static_cast<int>(k));
   pu.T = pd.T = static_cast<int>(T);
-  CHIMERA_DISPATCH_FLOAT(x.dtype(), kOp, U, run<U>(pu, pd, gemm, tile_rows, static_cast<int>(max_items), stream));
+  CHIMERA_DISPATCH_FLOAT(x.dtype(), kOp, U, run<U>(pu, pd, path, tile_rows, static_cast<int>(max_items), stream));
 
   moe::CombineParams cp{};
   cp.y = y.data_as<float>();

@@ -22,8 +22,8 @@ namespace chimera::cuda {
 void moe_experts_nvfp4(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                        const Tensor& topk_weights, const ops::ExpertWeights& up, const ops::ExpertWeights& down);
 
-// Tests and benchmarks: a forced kernel (kGemm outside its domain throws).
-enum class Nvfp4ExpertsPath { kAuto, kGemv, kGemm };
+// Tests and benchmarks: a forced kernel (as gemm/nvfp4_linear.h's Nvfp4Path; outside its domain it throws).
+enum class Nvfp4ExpertsPath { kAuto, kGemv, kGemvTc, kGemm };
 void moe_experts_nvfp4_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                                const Tensor& topk_weights, const ops::ExpertWeights& up,
                                const ops::ExpertWeights& down, Nvfp4ExpertsPath path);
