@@ -1,9 +1,10 @@
 // NVFP4 weight-only kernels (docs/nvfp4_cuda.md) at the Nemotron 3 shapes, each beside the bf16 kernel of the same
 // shape in the same run:
-//   nvfp4_linear_decode_*   T = 1, 2, 4, 8: the GEMV (and "nvfp4_linear-tc", the tensor-core GEMV). bytes = the stored weight (0.5625 B per element: codes + e4m3
-//                           block scales) + x + out, so floor_ratio is the fraction of the copy bandwidth achieved on
-//                           what must move; beside it "linear_bf16" (cuda::linear on a bf16 weight: the engine's GEMV
-//                           or cuBLASLt) on 2 B per element.
+//   nvfp4_linear_decode_*   T = 1, 2, 4, 8: the automatic GEMV, then both GEMVs forced ("-simt", "-tc"). bytes =
+//                           the stored weight (0.5625 B per element: codes + e4m3 block scales) + x + out, so
+//                           floor_ratio is the fraction of the copy bandwidth achieved on what must move; beside it
+//                           "linear_bf16" (cuda::linear on a bf16 weight: the engine's GEMV or cuBLASLt) on 2 B per
+//                           element.
 //   nvfp4_linear_prefill_*  T = 512 .. 8192: the dequantizing mma.sync GEMM against cuBLASLt's bf16 GEMM
 //                           (cuda::linear), a RATIO line each (nvfp4 time / cuBLASLt time).
 //   nvfp4_experts_*         the routed experts (permute + up + down + combine) at decode and prefill token counts,
@@ -138,24 +139,29 @@ void bench_linear(const Context& ctx, const LinearCase& lc, std::initializer_lis
     cuda::linear(c, ref, x, wb, Tensor());
     CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench nvfp4_linear");
     const double d = rel_diff(out, ref);
-    std::printf("CHECK nvfp4_linear %s max_rel_diff_vs_bf16=%.3g %s\n", shape.c_str(), d, d < 2e-2 ? "ok" : "DIFFERENT");
+    std::printf("CHECK nvfp4_linear %s max_rel_diff_vs_bf16=%.3g %s\n", shape.c_str(), d,
+                d < 2e-2 ? "ok" : "DIFFERENT");
     std::printf("INFO nvfp4_linear %s floor_us=%.2f (stored bytes / copy bandwidth)\n", shape.c_str(),
                 nv_bytes / (kCopyBandwidthGBs * 1e3));
-    const double t_nv = ctx.run("nvfp4_linear", shape, nv_bytes, flops, [&] { cuda::nvfp4_linear(c, out, x, w, Tensor()); });
+    const double t_nv =
+        ctx.run("nvfp4_linear", shape, nv_bytes, flops, [&] { cuda::nvfp4_linear(c, out, x, w, Tensor()); });
     const double g_nv = ctx.run_graph("nvfp4_linear", shape, nv_bytes, flops, [&](cudaStream_t st, int) {
       cuda::nvfp4_linear(ops::Context{Device::kCuda, st}, out, x, w, Tensor());
     });
     if (!prefill) {
-      // The tensor-core GEMV beside the SIMT one (the automatic choice): which is faster at decode sizes.
-      Tensor out_tc = device::empty(Device::kCuda, DType::kBF16, {T, lc.N});
-      cuda::nvfp4_linear_on_path(c, out_tc, x, w, Tensor(), cuda::Nvfp4Path::kGemvTc);
-      CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench nvfp4_linear tc");
-      const double dt = rel_diff(out_tc, ref);
-      std::printf("CHECK nvfp4_linear-tc %s max_rel_diff_vs_bf16=%.3g %s\n", shape.c_str(), dt,
-                  dt < 2e-2 ? "ok" : "DIFFERENT");
-      ctx.run_graph("nvfp4_linear-tc", shape, nv_bytes, flops, [&](cudaStream_t st, int) {
-        cuda::nvfp4_linear_on_path(ops::Context{Device::kCuda, st}, out_tc, x, w, Tensor(), cuda::Nvfp4Path::kGemvTc);
-      });
+      // Both decode GEMVs forced (the automatic choice above is one of them: kNvfp4GemvTensorCores).
+      for (const cuda::Nvfp4Path path : {cuda::Nvfp4Path::kGemv, cuda::Nvfp4Path::kGemvTc}) {
+        const char* name = path == cuda::Nvfp4Path::kGemv ? "nvfp4_linear-simt" : "nvfp4_linear-tc";
+        Tensor o = device::empty(Device::kCuda, DType::kBF16, {T, lc.N});
+        cuda::nvfp4_linear_on_path(c, o, x, w, Tensor(), path);
+        CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench nvfp4_linear");
+        const double dp = rel_diff(o, ref);
+        std::printf("CHECK %s %s max_rel_diff_vs_bf16=%.3g %s\n", name, shape.c_str(), dp,
+                    dp < 2e-2 ? "ok" : "DIFFERENT");
+        ctx.run_graph(name, shape, nv_bytes, flops, [&](cudaStream_t st, int) {
+          cuda::nvfp4_linear_on_path(ops::Context{Device::kCuda, st}, o, x, w, Tensor(), path);
+        });
+      }
     }
     const double t_bf = ctx.run("linear_bf16", shape, bf_bytes, flops, [&] { cuda::linear(c, ref, x, wb, Tensor()); });
     const double g_bf = ctx.run_graph("linear_bf16", shape, bf_bytes, flops, [&](cudaStream_t st, int) {
@@ -237,7 +243,8 @@ void bench_experts(const Context& ctx, const char* model, int64_t E, int64_t k, 
     ops::moe_experts(c, ref, x, idd, wd, ups, downs);
     CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench nvfp4_experts");
     const double d = rel_diff(out, ref);
-    std::printf("CHECK nvfp4_experts %s max_rel_diff_vs_bf16=%.3g %s\n", shape.c_str(), d, d < 3e-2 ? "ok" : "DIFFERENT");
+    std::printf("CHECK nvfp4_experts %s max_rel_diff_vs_bf16=%.3g %s\n", shape.c_str(), d,
+                d < 3e-2 ? "ok" : "DIFFERENT");
     std::printf("INFO nvfp4_experts %s floor_us=%.2f (stored bytes / copy bandwidth)\n", shape.c_str(),
                 nv_bytes / (kCopyBandwidthGBs * 1e3));
     const double t_nv = ctx.run("nvfp4_experts", shape, nv_bytes, flops,
@@ -246,20 +253,22 @@ void bench_experts(const Context& ctx, const char* model, int64_t E, int64_t k, 
       cuda::moe_experts_nvfp4(ops::Context{Device::kCuda, st}, out, x, idd, wd, up, down);
     });
     if (T <= 8) {
-      Tensor out_tc = device::empty(Device::kCuda, DType::kBF16, {T, D});
-      const auto tc = [&](cudaStream_t st) {
-        cuda::moe_experts_nvfp4_on_path(ops::Context{Device::kCuda, st}, out_tc, x, idd, wd, up, down,
-                                        cuda::Nvfp4ExpertsPath::kGemvTc);
-      };
-      tc(nullptr);
-      CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench nvfp4_experts tc");
-      const double dt = rel_diff(out_tc, ref);
-      std::printf("CHECK nvfp4_experts-tc %s max_rel_diff_vs_bf16=%.3g %s\n", shape.c_str(), dt,
-                  dt < 3e-2 ? "ok" : "DIFFERENT");
-      ctx.run_graph("nvfp4_experts-tc", shape, nv_bytes, flops, [&](cudaStream_t st, int) { tc(st); });
+      for (const cuda::Nvfp4ExpertsPath path : {cuda::Nvfp4ExpertsPath::kGemv, cuda::Nvfp4ExpertsPath::kGemvTc}) {
+        const char* name = path == cuda::Nvfp4ExpertsPath::kGemv ? "nvfp4_experts-simt" : "nvfp4_experts-tc";
+        Tensor o = device::empty(Device::kCuda, DType::kBF16, {T, D});
+        const auto call = [&](cudaStream_t st) {
+          cuda::moe_experts_nvfp4_on_path(ops::Context{Device::kCuda, st}, o, x, idd, wd, up, down, path);
+        };
+        call(nullptr);
+        CHIMERA_CUDA_CHECK(cudaDeviceSynchronize(), "bench nvfp4_experts");
+        const double dp = rel_diff(o, ref);
+        std::printf("CHECK %s %s max_rel_diff_vs_bf16=%.3g %s\n", name, shape.c_str(), dp,
+                    dp < 3e-2 ? "ok" : "DIFFERENT");
+        ctx.run_graph(name, shape, nv_bytes, flops, [&](cudaStream_t st, int) { call(st); });
+      }
     }
-    const double t_bf = ctx.run("moe_experts_bf16", shape, bf_bytes, flops,
-                                [&] { ops::moe_experts(c, ref, x, idd, wd, ups, downs); });
+    const double t_bf =
+        ctx.run("moe_experts_bf16", shape, bf_bytes, flops, [&] { ops::moe_experts(c, ref, x, idd, wd, ups, downs); });
     const double g_bf = ctx.run_graph("moe_experts_bf16", shape, bf_bytes, flops, [&](cudaStream_t st, int) {
       ops::moe_experts(ops::Context{Device::kCuda, st}, ref, x, idd, wd, ups, downs);
     });
@@ -268,8 +277,12 @@ void bench_experts(const Context& ctx, const char* model, int64_t E, int64_t k, 
   }
 }
 
-CHIMERA_BENCH(nvfp4_experts_super) { bench_experts(ctx, "super", 512, 22, 1024, 2688, {1, 2, 8, 64, 512, 4096}); }
-CHIMERA_BENCH(nvfp4_experts_nano) { bench_experts(ctx, "nano", 128, 6, 2688, 1856, {1, 2, 8, 64, 512, 4096}); }
+CHIMERA_BENCH(nvfp4_experts_super) {
+  bench_experts(ctx, "super", 512, 22, 1024, 2688, {1, 2, 8, 64, 512, 4096});
+}
+CHIMERA_BENCH(nvfp4_experts_nano) {
+  bench_experts(ctx, "nano", 128, 6, 2688, 1856, {1, 2, 8, 64, 512, 4096});
+}
 
 }  // namespace
 }  // namespace chimera::bench

@@ -1,7 +1,8 @@
-// NVFP4 routed experts: the CPU reference (cpu::moe_experts_nvfp4) and the CUDA op (cuda::moe_experts_nvfp4, the
-// grouped GEMV, its tensor-core form and the grouped dequantizing GEMM, forced, and the automatic choice) against the same math in double precision:
-// E = 5 experts, top-2, expert 3 never routed, T = 1 .. 300, F32 and BF16 activations, D / I on and off the GEMM's
-// multiples of 64. Every expert has its own weight_scale_2 (one quantizer per expert, as ModelOpt exports them).
+// NVFP4 routed experts: the CPU reference (cpu::moe_experts_nvfp4) and the CUDA op (cuda::moe_experts_nvfp4: the
+// grouped SIMT GEMV, the grouped tensor-core GEMV and the grouped dequantizing GEMM, each forced, and the automatic
+// choice) against the same math in double precision: E = 5 experts, top-2, expert 3 never routed, T = 1 .. 300, F32
+// and BF16 activations, D / I on and off the multiples of 64 (GEMM) and 32 (tensor-core GEMV). Every expert has its own
+// weight_scale_2 (one quantizer per expert, as ModelOpt exports them).
 //
 // Tolerance per output element, derived along the computation (g_K = (2 (K + 1) + 4) 2^-24, the dense layer's fp32
 // bound of nvfp4_linear_test.cpp, A_u[n] = sum_k |x W_up[n, k]|, u the exact up product):

@@ -1,6 +1,7 @@
-// NVFP4 dense layers: the CPU reference (cpu::nvfp4_linear) and the CUDA kernels (cuda::nvfp4_linear: GEMV and the
-// tensor-core GEMV and the dequantizing mma.sync GEMM, each forced, and the automatic choice) against a dequantize-then-matmul in double precision, on
-// awkward sizes (odd N, K = 16 / 48 / 192 / 2688, T = 1 .. 300) with F32 and BF16 activations.
+// NVFP4 dense layers: the CPU reference (cpu::nvfp4_linear) and the CUDA kernels (cuda::nvfp4_linear: the SIMT GEMV,
+// the tensor-core GEMV and the dequantizing mma.sync GEMM, each forced, and the automatic choice) against a
+// dequantize-then-matmul in double precision, on awkward sizes (odd N, K = 16 / 48 / 192 / 2688, T = 1 .. 300) with F32
+// and BF16 activations.
 //
 // Tolerance per output element, A = sum_k |x[k] W[n, k]| (+ |bias|), exact products in double:
 //   fp32 accumulation: (2 (K + 1) + 4) 2^-24 A. The 2 (K + 1) 2^-24 A term is the fp32 summation bound (gamma_K of
@@ -36,7 +37,9 @@ Tensor bytes_tensor(DType t, Shape shape, const std::vector<uint8_t>& bytes) {
 }
 
 // The host F32 tensor rounded to `dtype` and back.
-Tensor rounded(const Tensor& f32, DType dtype) { return test::cast_to(f32, dtype).to_f32(); }
+Tensor rounded(const Tensor& f32, DType dtype) {
+  return test::cast_to(f32, dtype).to_f32();
+}
 
 struct Case {
   int64_t T, K, N;
@@ -64,9 +67,9 @@ void check_close(const Tensor& got_any, const std::vector<double>& want, const s
 class Nvfp4Linear : public test::BackendTest {};
 
 TEST_P(Nvfp4Linear, AwkwardSizesAgainstDoubleReference) {
-  const Case cases[] = {{1, 16, 37, false},  {2, 48, 37, true},    {7, 16, 129, false}, {8, 48, 129, true},
-                        {9, 192, 37, true},  {64, 192, 129, false}, {300, 48, 37, true}, {1, 2688, 129, true},
-                        {2, 2688, 37, false}, {7, 2688, 129, false}, {8, 2688, 37, true}, {9, 2688, 129, true},
+  const Case cases[] = {{1, 16, 37, false},    {2, 48, 37, true},     {7, 16, 129, false}, {8, 48, 129, true},
+                        {9, 192, 37, true},    {64, 192, 129, false}, {300, 48, 37, true}, {1, 2688, 129, true},
+                        {2, 2688, 37, false},  {7, 2688, 129, false}, {8, 2688, 37, true}, {9, 2688, 129, true},
                         {64, 2688, 37, false}, {300, 2688, 129, true}};
   test::Rng rng = test::Rng::for_test();
   for (const Case& c : cases) {
@@ -144,12 +147,12 @@ TEST_P(Nvfp4Linear, BadArgumentsNameTheTensor) {
   EXPECT_TRUE(test::throws_error([&] { cuda::nvfp4_linear(ctx(), out, x, lw, Tensor()); }, ErrorKind::kRuntime,
                                  "backbone.layers.0.mixer.in_proj.weight_scale"));
   lw.weight_scale = device::empty(Device::kCuda, DType::kF8E4M3, {8, 2});
-  EXPECT_TRUE(test::throws_error(
-      [&] { cuda::nvfp4_linear_on_path(ctx(), out, x, lw, Tensor(), cuda::Nvfp4Path::kGemm); }, ErrorKind::kRuntime,
-      "GEMM path"));
+  EXPECT_TRUE(
+      test::throws_error([&] { cuda::nvfp4_linear_on_path(ctx(), out, x, lw, Tensor(), cuda::Nvfp4Path::kGemm); },
+                         ErrorKind::kRuntime, "GEMM path"));
   lw.format = ops::WeightFormat::kFp8;
-  EXPECT_TRUE(test::throws_error([&] { cuda::nvfp4_linear(ctx(), out, x, lw, Tensor()); }, ErrorKind::kRuntime,
-                                 "not nvfp4"));
+  EXPECT_TRUE(
+      test::throws_error([&] { cuda::nvfp4_linear(ctx(), out, x, lw, Tensor()); }, ErrorKind::kRuntime, "not nvfp4"));
 #endif
 }
 

@@ -31,15 +31,15 @@ namespace chimera::cuda::nvfp4 {
 enum class Mode : int { kDense = 0, kUp = 1, kDown = 2 };
 
 struct Params {
-  const uint8_t* w = nullptr;   // packed E2M1 [(E,) N, K / 2]
-  const uint8_t* ws = nullptr;  // block scales e4m3 [(E,) N, K / 16]
-  int64_t w_stride = 0;         // bytes between two experts' packed weights (grouped modes)
-  int64_t s_stride = 0;         // bytes between two experts' block scales
-  float scale2 = 1.0f;          // kDense: weight_scale_2
+  const uint8_t* w = nullptr;            // packed E2M1 [(E,) N, K / 2]
+  const uint8_t* ws = nullptr;           // block scales e4m3 [(E,) N, K / 16]
+  int64_t w_stride = 0;                  // bytes between two experts' packed weights (grouped modes)
+  int64_t s_stride = 0;                  // bytes between two experts' block scales
+  float scale2 = 1.0f;                   // kDense: weight_scale_2
   const float* expert_scale2 = nullptr;  // grouped: [E] weight_scale_2 on the device
-  const void* x = nullptr;      // kDense / kUp: x [T, K]; kDown: h [P, K] in permuted order
-  void* out = nullptr;          // kDense: [T, N]; kUp: h [P, N]; kDown: y [P, N] f32 (row = pair id)
-  const void* bias = nullptr;   // kDense only: [N] in the activation dtype, or null
+  const void* x = nullptr;               // kDense / kUp: x [T, K]; kDown: h [P, K] in permuted order
+  void* out = nullptr;                   // kDense: [T, N]; kUp: h [P, N]; kDown: y [P, N] f32 (row = pair id)
+  const void* bias = nullptr;            // kDense only: [N] in the activation dtype, or null
   int T = 0, N = 0, K = 0;
   // grouped modes (moe_kernels.h's permutation)
   const int32_t* sorted_pair = nullptr;
@@ -79,8 +79,8 @@ inline constexpr float kDecodeScale = 16384.0f;  // 2^14: undoes decode_pair's o
 // Where the grouped modes' token row j of a work item comes from and goes to.
 struct Rows {
   int expert = 0;
-  int count = 0;     // valid rows of this group / item
-  int first = 0;     // dense: first token; grouped: first permuted row
+  int count = 0;  // valid rows of this group / item
+  int first = 0;  // dense: first token; grouped: first permuted row
 };
 
 template <Mode M>
@@ -250,7 +250,9 @@ constexpr size_t mma_smem_bytes() {
   return pipe > epi ? pipe : epi;
 }
 
-__device__ __forceinline__ int mma_swz(int row, int chunk) { return row * kMmaBK + ((chunk ^ (row & 7)) << 3); }
+__device__ __forceinline__ int mma_swz(int row, int chunk) {
+  return row * kMmaBK + ((chunk ^ (row & 7)) << 3);
+}
 
 // 4-byte global -> shared copy through L1 (cp.async.cg takes 16 bytes only); !valid zero-fills.
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
@@ -420,8 +422,8 @@ template <typename T>
 struct TcDecode;
 template <>
 struct TcDecode<__nv_bfloat16> {
-  static constexpr float kScaleUp = 0x1p118f;   // block scale x 2^118: at most 448 x 2^118 < 2^127
-  static constexpr float kResult = 256.0f;      // the decoded weights are e2m1 x e4m3 x 2^-8
+  static constexpr float kScaleUp = 0x1p118f;  // block scale x 2^118: at most 448 x 2^118 < 2^127
+  static constexpr float kResult = 256.0f;     // the decoded weights are e2m1 x e4m3 x 2^-8
   __device__ static uint32_t pair(uint32_t q) { return (q & 0x80008000u) | ((q >> 6) & 0x01C001C0u); }
   __device__ static uint32_t scale_pair(float s) { return pack2<__nv_bfloat16>(s, s); }
   __device__ static uint32_t mul(uint32_t a, uint32_t b) {
@@ -540,7 +542,9 @@ __global__ void __launch_bounds__(kTcWarps * 32) tc_gemv_kernel(const Params p) 
 }
 
 // ---- launchers (host) ---------------------------------------------------------------------------------------
-inline int gemv_tile_tokens(int64_t T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
+inline int gemv_tile_tokens(int64_t T) {
+  return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8;
+}
 
 // groups: dense ceil(T / MT) (MT = gemv_tile_tokens(T)); grouped max_items (items of <= MT rows).
 template <typename T, Mode M>

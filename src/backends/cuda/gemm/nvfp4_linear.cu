@@ -12,7 +12,9 @@ namespace {
 
 constexpr const char* kOp = "ops::nvfp4_linear";
 
-bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+bool aligned(const void* p, uintptr_t a) {
+  return reinterpret_cast<uintptr_t>(p) % a == 0;
+}
 
 void check(const Tensor& out, const Tensor& x, const ops::LinearWeight& w, const Tensor& bias) {
   const std::string& name = w.name.empty() ? std::string("(unnamed)") : w.name;
@@ -44,8 +46,8 @@ void check(const Tensor& out, const Tensor& x, const ops::LinearWeight& w, const
   }
   require_same_dtype(kOp, {{"x", &x}, {"out", &out}});
   if (out.shape() != Shape{x.dim(0), N} || out.device() != Device::kCuda) {
-    throw_runtime(str_cat(kOp, ": out ", out.describe(), " must be a CUDA [", x.dim(0), ", ", N,
-                          "] for x ", x.describe()));
+    throw_runtime(
+        str_cat(kOp, ": out ", out.describe(), " must be a CUDA [", x.dim(0), ", ", N, "] for x ", x.describe()));
   }
   if (bias && (bias.shape() != Shape{N} || bias.dtype() != x.dtype() || bias.device() != Device::kCuda)) {
     throw_runtime(str_cat(kOp, ": bias ", bias.describe(), " must be a CUDA [", N, "] in the dtype of x"));
@@ -101,7 +103,11 @@ void nvfp4_linear_on_path(const ops::Context& ctx, const Tensor& out, const Tens
   if (path == Nvfp4Path::kGemvTc && !nvfp4_gemv_tc_supported(x.dtype(), K)) {
     throw_runtime(str_cat(kOp, ": the tensor-core GEMV does not take x ", x.describe(), " (BF16 / F16, K % 32 == 0)"));
   }
-  if (path == Nvfp4Path::kAuto) path = gemm_ok && T > kNvfp4GemvMaxTokens ? Nvfp4Path::kGemm : Nvfp4Path::kGemv;
+  if (path == Nvfp4Path::kAuto) {
+    path = gemm_ok && T > kNvfp4GemvMaxTokens                               ? Nvfp4Path::kGemm
+           : kNvfp4GemvTensorCores && nvfp4_gemv_tc_supported(x.dtype(), K) ? Nvfp4Path::kGemvTc
+                                                                            : Nvfp4Path::kGemv;
+  }
   if (path != Nvfp4Path::kGemm && ceil_div(T, nvfp4::gemv_tile_tokens(T)) > 65535) {
     throw_runtime(str_cat(kOp, ": ", T, " tokens exceed the GEMV's token groups"));
   }

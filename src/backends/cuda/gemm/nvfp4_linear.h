@@ -12,9 +12,12 @@
 
 namespace chimera::cuda {
 
-// At or below this many tokens the GEMV runs (a weight-streaming kernel); above it the mma.sync GEMM where its domain
+// At or below this many tokens a GEMV runs (a weight-streaming kernel); above it the mma.sync GEMM where its domain
 // holds (BF16 / F16 activations, K % 64 == 0), else the GEMV over token groups of 8.
 inline constexpr int64_t kNvfp4GemvMaxTokens = 8;
+// Which GEMV the automatic choice takes where both apply (BF16 / F16, K % 32 == 0): the tensor-core one (true) or the
+// SIMT one (false). F32 activations and K % 32 != 0 always take the SIMT GEMV.
+inline constexpr bool kNvfp4GemvTensorCores = true;
 
 void nvfp4_linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops::LinearWeight& w,
                   const Tensor& bias);

@@ -16,7 +16,9 @@ namespace {
 
 constexpr const char* kOp = "ops::moe_experts (nvfp4)";
 
-bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+bool aligned(const void* p, uintptr_t a) {
+  return reinterpret_cast<uintptr_t>(p) % a == 0;
+}
 
 // One projection's buffers: codes U8 [E, N, K / 2], scales F8_E4M3 [E, N, K / 16], scale F32 [E], on the device.
 void check_projection(const char* which, const ops::ExpertWeights& w, int64_t E, int64_t N, int64_t K) {
@@ -91,8 +93,8 @@ void moe_experts_nvfp4(const ops::Context& ctx, const Tensor& out, const Tensor&
 }
 
 void moe_experts_nvfp4_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
-                               const Tensor& topk_weights, const ops::ExpertWeights& up,
-                               const ops::ExpertWeights& down, Nvfp4ExpertsPath path) {
+                               const Tensor& topk_weights, const ops::ExpertWeights& up, const ops::ExpertWeights& down,
+                               Nvfp4ExpertsPath path) {
   if (!x || x.ndim() != 2 || x.device() != Device::kCuda) {
     throw_runtime(str_cat(kOp, ": x ", x ? x.describe() : std::string("(undefined)"), " must be a 2-D CUDA tensor"));
   }
@@ -126,8 +128,8 @@ void moe_experts_nvfp4_on_path(const ops::Context& ctx, const Tensor& out, const
                           " must be a CUDA F32 [", T, ", ", k, "]"));
   }
   if (E < 1 || E > moe::kPermuteMaxExperts || k < 1 || k > 32) {
-    throw_runtime(str_cat(kOp, ": ", E, " experts / top-", k, " is not supported on CUDA (E <= ",
-                          moe::kPermuteMaxExperts, ", k <= 32)"));
+    throw_runtime(str_cat(kOp, ": ", E, " experts / top-", k,
+                          " is not supported on CUDA (E <= ", moe::kPermuteMaxExperts, ", k <= 32)"));
   }
   if (!aligned(x.data(), 16) || !aligned(out.data(), 16)) {
     throw_runtime(str_cat(kOp, ": x and out must be 16-byte aligned"));
@@ -148,7 +150,10 @@ void moe_experts_nvfp4_on_path(const ops::Context& ctx, const Tensor& out, const
                           " (BF16 / F16, D and I multiples of 32)"));
   }
   if (path == Nvfp4ExpertsPath::kAuto) {
-    path = gemm_ok && T > kNvfp4GemvMaxTokens ? Nvfp4ExpertsPath::kGemm : Nvfp4ExpertsPath::kGemv;
+    const bool tc_ok = nvfp4_gemv_tc_supported(x.dtype(), D) && nvfp4_gemv_tc_supported(x.dtype(), I);
+    path = gemm_ok && T > kNvfp4GemvMaxTokens ? Nvfp4ExpertsPath::kGemm
+           : kNvfp4GemvTensorCores && tc_ok   ? Nvfp4ExpertsPath::kGemvTc
+                                              : Nvfp4ExpertsPath::kGemv;
   }
   // Work items of <= tile_rows pairs of one expert: at most P / tile_rows + active experts of them, and <= P.
   const int tile_rows = path == Nvfp4ExpertsPath::kGemm     ? nvfp4::kMmaBT
@@ -172,8 +177,8 @@ void moe_experts_nvfp4_on_path(const ops::Context& ctx, const Tensor& out, const
   moe::launch_moe_permute(pp, stream);
 
   const float* tw = topk_weights.data_as<float>();
-  nvfp4::Params pu = projection_params(up, x.data(), h.data(), static_cast<int>(I), static_cast<int>(D), pp, tw,
-                                       static_cast<int>(k));
+  nvfp4::Params pu =
+      projection_params(up, x.data(), h.data(), static_cast<int>(I), static_cast<int>(D), pp, tw, static_cast<int>(k));
   nvfp4::Params pd = projection_params(down, h.data(), y.data(), static_cast<int>(D), static_cast<int>(I), pp, tw,
                                        static_cast<int>(k));
   pu.T = pd.T = static_cast<int>(T);

@@ -8,9 +8,10 @@
 // grouped up projection with relu^2 (the intermediate h [T * k, I] rounded to the activation dtype once, after
 // relu(acc)^2 in fp32, as grouped_gemm_mma.cu; fp32 for F32 activations), the grouped down projection times the
 // routing weight into fp32 rows, and the deterministic combine (increasing expert order per token).
-// Kernels: the grouped GEMV (one warp per weight row, items of <= 8 tokens) at T <= kNvfp4GemvMaxTokens and for F32
-// activations; the dequantizing mma.sync GEMM (items of <= 64 rows) above, for BF16 / F16 with D and I multiples of
-// 64.
+// Kernels (gemm/nvfp4_linear.h's choice): at T <= kNvfp4GemvMaxTokens the grouped tensor-core GEMV (BF16 / F16, D
+// and I multiples of 32; kNvfp4GemvTensorCores) or the grouped SIMT GEMV (one warp per weight row; also F32
+// activations at any T), items of <= 8 tokens; above, the dequantizing mma.sync GEMM (items of <= 64 rows) for BF16 /
+// F16 with D and I multiples of 64.
 #pragma once
 
 #include "core/tensor.h"
@@ -25,7 +26,7 @@ void moe_experts_nvfp4(const ops::Context& ctx, const Tensor& out, const Tensor&
 // Tests and benchmarks: a forced kernel (as gemm/nvfp4_linear.h's Nvfp4Path; outside its domain it throws).
 enum class Nvfp4ExpertsPath { kAuto, kGemv, kGemvTc, kGemm };
 void moe_experts_nvfp4_on_path(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
-                               const Tensor& topk_weights, const ops::ExpertWeights& up,
-                               const ops::ExpertWeights& down, Nvfp4ExpertsPath path);
+                               const Tensor& topk_weights, const ops::ExpertWeights& up, const ops::ExpertWeights& down,
+                               Nvfp4ExpertsPath path);
 
 }  // namespace chimera::cuda
