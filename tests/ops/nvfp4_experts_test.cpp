@@ -1,15 +1,16 @@
 // NVFP4 routed experts: the CPU reference (cpu::moe_experts_nvfp4) and the CUDA op (cuda::moe_experts_nvfp4: the
 // grouped SIMT GEMV, the grouped tensor-core GEMV and the grouped dequantizing GEMM, each forced, and the automatic
-// choice) against the same math in double precision: E = 5 experts, top-2, expert 3 never routed, T = 1 .. 300, F32
-// and BF16 activations, D / I on and off the multiples of 64 (GEMM) and 32 (tensor-core GEMV). Every expert has its own
-// weight_scale_2 (one quantizer per expert, as ModelOpt exports them).
+// choice) against the same math in double precision: E = 5 experts, top-2, expert 3 never routed, T = 1 .. 300, F32,
+// BF16 and F16 activations, D / I on and off the multiples of 64 (GEMM) and 32 (tensor-core GEMV). Every expert has
+// its own weight_scale_2 (one quantizer per expert, as ModelOpt exports them).
 //
 // Tolerance per output element, derived along the computation (g_K = (2 (K + 1) + 4) 2^-24, the dense layer's fp32
 // bound of nvfp4_linear_test.cpp, A_u[n] = sum_k |x W_up[n, k]|, u the exact up product):
-//   du[n] = g_D A_u[n];  h = relu(u)^2, dh[n] = (2 relu(u[n]) + du[n]) du[n]  (+ 2^-8 (h + dh) with BF16
-//   activations: h is rounded to bf16 before the down projection, as the bf16 grouped GEMM does)
+//   du[n] = g_D A_u[n];  h = relu(u)^2, dh[n] = (2 relu(u[n]) + du[n]) du[n]  (+ 2^-8 (h + dh) with 16-bit
+//   activations: h is rounded to bf16 / f16 before the down projection, as the bf16 grouped GEMM does)
 //   dy[c] = sum_n |W_down[c, n]| dh[n] + g_I sum_n (h + dh)[n] |W_down[c, n]|
-//   dout[c] = sum_j w_j (dy_j[c] + (k + 1) 2^-24 |y_j[c]|)  (+ 2^-8 |out| with BF16: the rounding of the output).
+//   dout[c] = sum_j w_j (dy_j[c] + (k + 1) 2^-24 |y_j[c]|)  (+ 2^-8 |out| with 16-bit activations: the rounding of
+//   the output; F16 rounds at 2^-11, within these bounds at the magnitudes here).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -156,7 +157,7 @@ TEST_P(Nvfp4Experts, AgainstDoubleReference) {
       const Tensor ids_t = Tensor::from_i32({T, kTopK}, ids);
       const Tensor w_t = Tensor::from_f32({T, kTopK}, weights);
       const Tensor x32 = rng.normal_tensor({T, D}, 1.0f);
-      for (DType dt : {DType::kF32, DType::kBF16}) {
+      for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
         SCOPED_TRACE(fmt::format("D {} I {} T {} {}", D, I, T, dtype_name(dt)));
         const Tensor x = test::cast_to(x32, dt).to_f32();
         const Expected ex = reference(x, ids, weights, wu, wd, D, I);

@@ -1,14 +1,15 @@
 // NVFP4 dense layers: the CPU reference (cpu::nvfp4_linear) and the CUDA kernels (cuda::nvfp4_linear: the SIMT GEMV,
 // the tensor-core GEMV and the dequantizing mma.sync GEMM, each forced, and the automatic choice) against a
-// dequantize-then-matmul in double precision, on awkward sizes (odd N, K = 16 / 48 / 192 / 2688, T = 1 .. 300) with F32
-// and BF16 activations.
+// dequantize-then-matmul in double precision, on awkward sizes (odd N, K = 16 / 48 / 192 / 2688, T = 1 .. 300) with
+// F32, BF16 and F16 activations.
 //
 // Tolerance per output element, A = sum_k |x[k] W[n, k]| (+ |bias|), exact products in double:
 //   fp32 accumulation: (2 (K + 1) + 4) 2^-24 A. The 2 (K + 1) 2^-24 A term is the fp32 summation bound (gamma_K of
 //   any summation order: lanes, blocks, warps, MMA k-steps); the 4 more units cover the weights: the CPU multiplies
 //   e2m1 by the fp32-rounded e4m3 x weight_scale_2 (two roundings, 2^-23 relative), CUDA sums x * (e2m1 x e4m3)
 //   (exact products) and multiplies by weight_scale_2 once (2^-24).
-//   BF16 output: + 2^-8 |want| (one rounding to bf16, 2^-9 relative, with a factor two for the fp32 error around it).
+//   16-bit output: + 2^-8 |want| (one rounding to bf16, 2^-9 relative, with a factor two for the fp32 error around
+//   it; F16's rounding, 2^-11, is within it: the values here are far from its range limits).
 // x (and the bias) are rounded to the activation dtype on the host first, so the reference sees the same inputs.
 #include <cmath>
 #include <cstring>
@@ -81,7 +82,7 @@ TEST_P(Nvfp4Linear, AwkwardSizesAgainstDoubleReference) {
     const std::vector<float> w = dequantize_nvfp4(q);
     const Tensor packed = bytes_tensor(DType::kU8, {N, K / 2}, q.packed);
     const Tensor scales = bytes_tensor(DType::kF8E4M3, {N, K / 16}, q.block_scale);
-    for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
       SCOPED_TRACE(fmt::format("T {} K {} N {} bias {} {}", T, K, N, with_bias, dtype_name(dt)));
       const Tensor x = rounded(x32, dt);
       const Tensor b = rounded(b32, dt);
