@@ -4,8 +4,9 @@
 // latent 4096 -> 1024), each against its floor, beside the bf16 layer it replaces; bench/peers/fp8_peers.py times
 // torch._scaled_mm on the same shapes and bench/peers/fp8_compare.py joins the two logs.
 //
-//   fp8_linear_decode   T = 1, 2, 4, 8: the GEMV (W8A8 with x quantized in its prologue, prequantized x, weight-only)
-//                       and the bf16 plan (ops::linear), device time per call in a CUDA graph.
+//   fp8_linear_decode   T = 1, 2, 4, 8: the CUDA-core GEMV (W8A8 with x quantized in its prologue, prequantized x,
+//                       weight-only), the tensor-core GEMV (W8A8, prequantized), fp8_linear's own choice, and the
+//                       bf16 plan (ops::linear), device time per call in a CUDA graph.
 //                       Floor: bytes / 4.2 TB/s, bytes = N K (e4m3 weight) + 2 T K (bf16 x) + 2 T N (bf16 y).
 //   fp8_linear_prefill  T = 512, 1024, 4096, 8192: cuBLASLt's FP8 GEMM on a prequantized x (fast accumulation off,
 //                       the engine's setting, and on), quantize_fp8 + GEMM (fp8_linear), and the bf16 cuBLASLt GEMM.
@@ -148,9 +149,20 @@ CHIMERA_BENCH(fp8_linear_decode) {
         cuda::fp8_linear_with_path(ops::Context{Device::kCuda, st}, at(i).y, at(i).x, at(i).w, Tensor(),
                                    cuda::Fp8LinearPath::kGemv);
       });
+      ctx.run_graph("fp8_gemv_mma_w8a8", shape, bytes, flops, [&](cudaStream_t st, int i) {
+        cuda::fp8_linear_with_path(ops::Context{Device::kCuda, st}, at(i).y, at(i).x, at(i).w, Tensor(),
+                                   cuda::Fp8LinearPath::kGemvMma);
+      });
       ctx.run_graph("fp8_gemv_prequant", shape, bytes - 1.0 * T * p.in, flops, [&](cudaStream_t st, int i) {
         cuda::fp8_linear_prequant_with_path(ops::Context{Device::kCuda, st}, at(i).y, at(i).xq, at(i).w, Tensor(),
                                             cuda::Fp8LinearPath::kGemv);
+      });
+      ctx.run_graph("fp8_gemv_mma_prequant", shape, bytes - 1.0 * T * p.in, flops, [&](cudaStream_t st, int i) {
+        cuda::fp8_linear_prequant_with_path(ops::Context{Device::kCuda, st}, at(i).y, at(i).xq, at(i).w, Tensor(),
+                                            cuda::Fp8LinearPath::kGemvMma);
+      });
+      ctx.run_graph("fp8_linear_plan", shape, bytes, flops, [&](cudaStream_t st, int i) {
+        cuda::fp8_linear(ops::Context{Device::kCuda, st}, at(i).y, at(i).x, at(i).w, Tensor());
       });
       ctx.run_graph("fp8_gemv_weight_only", shape, bytes, flops, [&](cudaStream_t st, int i) {
         ops::LinearWeight w = at(i).w;

@@ -13,6 +13,9 @@ LINE = re.compile(r"^(BENCH|FP8) kernel=(\S+) shape=(.+?) us=([\d.]+) .*?(floor_
 PEER = {
     "fp8_gemv_prequant-graph": "fp8_scaled_mm",
     "fp8_gemv_w8a8-graph": "fp8_quant_scaled_mm",
+    "fp8_gemv_mma_prequant-graph": "fp8_scaled_mm",
+    "fp8_gemv_mma_w8a8-graph": "fp8_quant_scaled_mm",
+    "fp8_linear_plan-graph": "fp8_quant_scaled_mm",
     "fp8_gemm_prequant": "fp8_scaled_mm",
     "fp8_gemm_prequant-fastacc": "fp8_scaled_mm-fastacc",
     "fp8_linear": "fp8_quant_scaled_mm",
@@ -20,6 +23,8 @@ PEER = {
     "gated_rms_norm_fp8-graph": "gated_rms_norm_fp8",
 }
 BF16 = {"fp8_gemv_prequant-graph": "linear_bf16_plan-graph", "fp8_gemv_w8a8-graph": "linear_bf16_plan-graph",
+        "fp8_gemv_mma_prequant-graph": "linear_bf16_plan-graph", "fp8_gemv_mma_w8a8-graph": "linear_bf16_plan-graph",
+        "fp8_linear_plan-graph": "linear_bf16_plan-graph",
         "fp8_gemm_prequant": "linear_bf16", "fp8_linear": "linear_bf16",
         "add_rms_norm_fp8-graph": "add_rms_norm+quantize_fp8-graph",
         "gated_rms_norm_fp8-graph": "gated_rms_norm+quantize_fp8-graph"}

@@ -296,6 +296,194 @@ void launch_fp8_gemv(const Fp8GemvParams& p, DType act, XSource src, cudaStream_
 
 size_t staged_bytes(XSource src, DType act) { return src == XSource::kRaw ? dtype_size(act) : sizeof(__half); }
 
+// ---- the tensor-core GEMV (W8A8 only) -------------------------------------------------------------------------------
+//
+// For an e4m3 x (ActQuant::kStatic, quantized while staged, or prequantized) the product of e4m3 weights and e4m3
+// activations is what the FP8 tensor cores compute: mma.sync m16n8k32 (e4m3 x e4m3, fp32 accumulators; sm_89+),
+// 16 weight rows x 8 token columns (tokens past T are zero rows of the staged x) x 32 k per instruction. No weight or
+// activation conversion at all, which is what keeps T = 3..8 at the weight stream's rate (the CUDA-core kernel above
+// spends 16 conversions and 16 FMAs per token per 16 weights: compute bound from T ~ 4).
+//
+// A warp owns a tile of 16 rows and a range of the K dimension in steps of 64 (warps_per_row warps split K, as
+// above); per step, lane (g = lane / 4, c = lane % 4) loads the 16 bytes at k = step * 64 + 16 c of rows g and g + 8
+// (16-byte loads; a warp's load covers 8 rows x 64 contiguous bytes) and the same 16 bytes of token g's staged x.
+// Those bytes feed two mmas through a fixed permutation of k (the dot product does not care about the order, and A
+// and B use the same one): mma 0 takes words x (k slots 4c..4c+3) and y (slots 16 + 4c..), mma 1 words z and w, of
+// both the weight rows (A: a0 = row g, a1 = row g + 8, a2 / a3 the same rows' second word) and x (B: b0, b1).
+// K % 16 == 0 makes each lane's 16-byte chunk either wholly inside the row or wholly past it (zeros).
+// Accumulation: each step's two mmas start from zero and the step's result is added to fp32 registers, so the
+// tensor cores' internal accumulator spans 64 products only (Hopper keeps fewer than fp32's bits there). Then as the
+// kernel above: the row's warps summed in order, * out_scale (+ bias), one rounding.
+// Staged x: [8][stride] bytes, stride = K rounded up to 128, + 64, so the 8 token rows of one B load fall in distinct
+// banks.
+constexpr int kMmaUnroll = 4;  // steps (2 x 16-byte weight loads each) in flight per lane
+
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__host__ __device__ inline int64_t mma_x_stride(int64_t K) { return (K + 127) / 128 * 128 + 64; }
+
+template <typename T, XSource kSrc>
+__global__ void __launch_bounds__(kThreads) fp8_gemv_mma_kernel(const Fp8GemvParams p) {
+  static_assert(kSrc != XSource::kRaw, "the tensor-core GEMV needs an e4m3 x");
+  extern __shared__ uint4 fp8_gemv_smem[];
+  auto* xs = reinterpret_cast<uint8_t*>(fp8_gemv_smem);
+  __shared__ float partial[kWarps][4][32];
+
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, c = lane % 4;
+  const int wpr = p.warps_per_row, tiles_per_group = kWarps / wpr;
+  const int part = warp % wpr;
+  const int kv = p.K / 16;                // 16-byte chunks per row
+  const int n_steps = (p.K + 63) / 64;    // 64-k steps per row
+  const int per_part = (n_steps + wpr - 1) / wpr;
+  const int s0 = part * per_part, s1 = min(n_steps, s0 + per_part);
+  const int n_tiles = (p.N + 15) / 16;
+  const int n_groups = (n_tiles + tiles_per_group - 1) / tiles_per_group;
+  const int stride = static_cast<int>(mma_x_stride(p.K));
+
+  // Weight chunks of one step for rows g (wa) and g + 8 (wb) of the tile; zeros past the row or the matrix.
+  uint4 wa[kMmaUnroll], wb[kMmaUnroll];
+  const auto load_steps = [&](int tile, int s) {
+    const int ra = tile * 16 + g, rb = ra + 8;
+    const uint4* pa = p.w + static_cast<int64_t>(min(ra, p.N - 1)) * kv;
+    const uint4* pb = p.w + static_cast<int64_t>(min(rb, p.N - 1)) * kv;
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int chunk = (s + u) * 4 + c;
+      const bool in = s + u < s1 && chunk < kv;
+      wa[u] = in && ra < p.N ? ld_stream(pa + chunk) : make_uint4(0, 0, 0, 0);
+      wb[u] = in && rb < p.N ? ld_stream(pb + chunk) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  int tile = static_cast<int>(blockIdx.x) * tiles_per_group + warp / wpr;
+  if (tile < n_tiles) load_steps(tile, s0);  // before the grid dependency: constant data
+  pdl_wait();
+  pdl_trigger();
+
+  // x -> shared memory as e4m3 codes, 8 token rows (zeros past T), 16 bytes per thread and step.
+  for (int i = static_cast<int>(threadIdx.x); i < 8 * kv; i += kThreads) {
+    const int t = i / kv, v = i % kv;
+    uint4 q = make_uint4(0, 0, 0, 0);
+    if (t < p.T) {
+      if constexpr (kSrc == XSource::kQuant) {
+        float f[16];
+        load_f32<T, 16, false>(static_cast<const T*>(p.x) + static_cast<size_t>(t) * p.K + static_cast<size_t>(v) * 16,
+                               f);
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          w[k] = fp8::quantize2(f[4 * k], f[4 * k + 1], p.x_scale) |
+                 (static_cast<uint32_t>(fp8::quantize2(f[4 * k + 2], f[4 * k + 3], p.x_scale)) << 16);
+        }
+        q = make_uint4(w[0], w[1], w[2], w[3]);
+      } else {
+        q = static_cast<const uint4*>(p.x)[static_cast<size_t>(t) * kv + v];
+      }
+    }
+    *reinterpret_cast<uint4*>(xs + static_cast<size_t>(t) * stride + static_cast<size_t>(v) * 16) = q;
+  }
+  __syncthreads();
+
+  bool preloaded = true;
+  for (int grp = static_cast<int>(blockIdx.x); grp < n_groups; grp += static_cast<int>(gridDim.x)) {
+    tile = grp * tiles_per_group + warp / wpr;
+    const bool active = tile < n_tiles;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) {
+      for (int s = s0; s < s1; s += kMmaUnroll) {
+        if (!preloaded) load_steps(tile, s);
+        preloaded = false;
+#pragma unroll
+        for (int u = 0; u < kMmaUnroll; ++u) {
+          const int chunk = (s + u) * 4 + c;
+          if (s + u < s1) {  // uniform across the warp (mma.sync needs every lane)
+            const uint4 b = chunk < kv ? *reinterpret_cast<const uint4*>(xs + static_cast<size_t>(g) * stride +
+                                                                         static_cast<size_t>(chunk) * 16)
+                                       : make_uint4(0, 0, 0, 0);
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_e4m3_16832(d, wa[u].x, wb[u].x, wa[u].y, wb[u].y, b.x, b.y);
+            mma_e4m3_16832(d, wa[u].z, wb[u].z, wa[u].w, wb[u].w, b.z, b.w);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[j] += d[j];
+          }
+        }
+      }
+    }
+    preloaded = false;
+    if (wpr > 1) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) partial[warp][j][lane] = acc[j];
+      __syncthreads();
+      if (part == 0) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float s = 0.0f;
+          for (int q = 0; q < wpr; ++q) s += partial[warp + q][j][lane];
+          acc[j] = s;
+        }
+      }
+      __syncthreads();  // partial is reused by the next group
+    }
+    if (part == 0 && active) {
+      // acc[0], acc[1]: row g, tokens 2c, 2c + 1; acc[2], acc[3]: row g + 8, the same tokens.
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int row = tile * 16 + g + (j >= 2 ? 8 : 0), token = 2 * c + (j & 1);
+        if (row < p.N && token < p.T) {
+          float s = acc[j] * p.out_scale;
+          if (p.bias != nullptr) s += to_float(static_cast<const T*>(p.bias)[row]);
+          static_cast<T*>(p.y)[static_cast<int64_t>(token) * p.N + row] = from_float<T>(s);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, XSource kSrc>
+void launch_gemv_mma_src(const Fp8GemvParams& p, cudaStream_t stream) {
+  const char* op = "cuda::fp8_linear (tensor-core gemv)";
+  const size_t smem = static_cast<size_t>(8 * mma_x_stride(p.K));
+  auto* kernel = fp8_gemv_mma_kernel<T, kSrc>;
+  if (smem > 48 * 1024) set_max_dynamic_smem(kernel, smem, op);
+  int per_sm = 0;
+  CHIMERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem), op);
+  Fp8GemvParams q = p;
+  const int resident = std::max(1, per_sm) * sm_count();
+  const int64_t n_tiles = (p.N + 15) / 16;
+  if (q.warps_per_row == 0) {
+    // The rule of auto_warps_per_row with tiles for rows and a warp's step of kMmaUnroll 64-k steps.
+    const int64_t steps = (p.K + 63) / 64;
+    int wpr = 1;
+    while (wpr < kWarps && n_tiles * wpr < static_cast<int64_t>(sm_count()) * 16) wpr *= 2;
+    while (wpr < kWarps && (steps + wpr - 1) / wpr > kMmaUnroll && n_tiles * wpr * 2 <= int64_t{resident} * kWarps) {
+      wpr *= 2;
+    }
+    q.warps_per_row = wpr;
+  }
+  const int tiles_per_group = kWarps / q.warps_per_row;
+  const int n_groups = static_cast<int>((n_tiles + tiles_per_group - 1) / tiles_per_group);
+  const int rounds = (n_groups + resident - 1) / resident;
+  const int blocks = (n_groups + rounds - 1) / rounds;
+  CHIMERA_CUDA_CHECK(launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, q), op);
+}
+
+void launch_fp8_gemv_mma(const Fp8GemvParams& p, DType act, XSource src, cudaStream_t stream) {
+  CHIMERA_DISPATCH_FLOAT(act, "cuda::fp8_linear (tensor-core gemv) activations", T, {
+    if (src == XSource::kQuant) {
+      launch_gemv_mma_src<T, XSource::kQuant>(p, stream);
+    } else {
+      launch_gemv_mma_src<T, XSource::kPrequant>(p, stream);
+    }
+  });
+}
+
 // ---- elementwise: quantize, decode, fake-quantize to f32 ----------------------------------------------------------
 
 constexpr int kEwThreads = 256;
@@ -439,7 +627,7 @@ LtState& lt_state() {
 
 cudaDataType_t out_type(DType d) { return d == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F; }
 
-const Plan& get_plan(LtState& st, const PlanKey& k) {
+const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias) {
   auto it = st.plans.find(k);
   if (it != st.plans.end()) return it->second;
   const char* op = kGemmOp;
@@ -460,6 +648,8 @@ const Plan& get_plan(LtState& st, const PlanKey& k) {
     const cudaDataType_t bt = out_type(k.dtype);
     CHIMERA_FP8_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)), op);
+    CHIMERA_FP8_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), op);
   }
   const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
   CHIMERA_FP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.w, CUDA_R_8F_E4M3, u(k.in), u(k.out), k.in), op);
@@ -512,7 +702,7 @@ bool run_gemm(const ops::Context& ctx, const Tensor& out, const Tensor& xq, cons
                     alignment(xq.data()),
                     alignment(out.data()),
                     bias ? alignment(bias.data()) : 256u};
-  const Plan& plan = get_plan(st, key);
+  const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
   if (!plan.ok) return false;
   if (bias) {
     const void* b = bias.data();
@@ -541,8 +731,15 @@ bool gemv_ok(const Tensor& out, const Tensor& x, const ops::LinearWeight& w, XSo
   return smem <= kGemvMaxSmemBytes && N < (int64_t{1} << 31) / K;
 }
 
+bool gemv_mma_ok(const Tensor& x, const ops::LinearWeight& w) {
+  const int64_t T = x.dim(0), K = w.in_features(), N = w.out_features();
+  if (T < 1 || T > kFp8GemvMaxTokens || K < 16 || K % 16 != 0 || N < 1) return false;
+  if (!vec_aligned({x.data(), w.weight.data()})) return false;
+  return 8 * mma_x_stride(K) <= kGemvMaxSmemBytes && N < (int64_t{1} << 31) / K;
+}
+
 void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops::LinearWeight& w,
-              const Tensor& bias, XSource src) {
+              const Tensor& bias, XSource src, bool mma) {
   Fp8GemvParams p;
   p.x = x.data();
   p.w = static_cast<const uint4*>(w.weight.data());
@@ -553,7 +750,11 @@ void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const
   p.N = static_cast<int>(w.out_features());
   p.x_scale = w.input_scale;
   p.out_scale = out_scale(w);
-  launch_fp8_gemv(p, out.dtype(), src, as_stream(ctx.stream));
+  if (mma) {
+    launch_fp8_gemv_mma(p, out.dtype(), src, as_stream(ctx.stream));
+  } else {
+    launch_fp8_gemv(p, out.dtype(), src, as_stream(ctx.stream));
+  }
 }
 
 // The dequantized fallback: W and x' in F32, the fp32 cuBLASLt GEMM, then the output dtype. xq: x is F8_E4M3 codes.
@@ -637,6 +838,7 @@ Fp8LinearPath choose(const Tensor& out, const Tensor& x, const ops::LinearWeight
   const XSource src = prequant ? XSource::kPrequant
                                : w.act == ops::ActQuant::kStatic ? XSource::kQuant
                                                                  : XSource::kRaw;
+  if (src != XSource::kRaw && x.dim(0) >= kFp8GemvMmaMinTokens && gemv_mma_ok(x, w)) return Fp8LinearPath::kGemvMma;
   if (gemv_ok(out, x, w, src)) return Fp8LinearPath::kGemv;
   if ((prequant || w.act == ops::ActQuant::kStatic) && gemm_shape_ok(out, x, w, bias)) return Fp8LinearPath::kGemm;
   return Fp8LinearPath::kDequant;
@@ -662,7 +864,16 @@ void run(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops:
                               ", K % 16 == 0, 16-byte aligned x and weight, x staged in <= ", kGemvMaxSmemBytes,
                               " bytes)"));
       }
-      run_gemv(ctx, out, x, w, bias, src);
+      run_gemv(ctx, out, x, w, bias, src, false);
+      return;
+    case Fp8LinearPath::kGemvMma:
+      if (src == XSource::kRaw || !gemv_mma_ok(x, w)) {
+        throw_runtime(str_cat(op, ": ", w.name, ": the tensor-core FP8 GEMV does not take x ", x.describe(),
+                              " @ weight ", w.weight.describe(), " (ActQuant::kStatic or a prequantized x, 1 <= T <= ",
+                              kFp8GemvMaxTokens, ", K % 16 == 0, 16-byte aligned x and weight, x staged in <= ",
+                              kGemvMaxSmemBytes, " bytes)"));
+      }
+      run_gemv(ctx, out, x, w, bias, src, true);
       return;
     case Fp8LinearPath::kGemm: {
       if (!(prequant || w.act == ops::ActQuant::kStatic) || !gemm_shape_ok(out, x, w, bias)) {
@@ -697,6 +908,7 @@ const char* fp8_linear_path_name(Fp8LinearPath p) {
   switch (p) {
     case Fp8LinearPath::kAuto: return "auto";
     case Fp8LinearPath::kGemv: return "gemv";
+    case Fp8LinearPath::kGemvMma: return "gemv_mma";
     case Fp8LinearPath::kGemm: return "gemm";
     case Fp8LinearPath::kDequant: return "dequant";
   }

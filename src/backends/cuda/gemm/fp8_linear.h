@@ -10,6 +10,9 @@
 //   kGemv     decode sizes (1 <= T <= kFp8GemvMaxTokens, K % 16 == 0): a weight-streaming GEMV (16-byte loads of 16
 //             weights), x staged in shared memory (kStatic: its e4m3 values, exact in f16), the scales applied once
 //             to the fp32 sum.
+//   kGemvMma  decode sizes with an e4m3 x (kStatic or prequantized), T >= kFp8GemvMmaMinTokens: the same weight
+//             stream into FP8 tensor cores (mma.sync m16n8k32 e4m3, 16 rows x 8 tokens), no conversions; each 64-k
+//             step's mma result is added to fp32 registers.
 //   kGemm     prefill sizes, kStatic, 16-bit out: quantize_fp8 of x, then cuBLASLt's FP8 GEMM (E4M3 x E4M3, fp32
 //             accumulation with fast accumulation off, alpha = input_scale * scale, bf16 / f16 out). Needs
 //             K % 16 == 0, N % 8 == 0 and 16-byte aligned pointers (cuBLASLt's FP8 rules).
@@ -29,8 +32,11 @@
 namespace chimera::cuda {
 
 constexpr int64_t kFp8GemvMaxTokens = 8;
+// From this many tokens a W8A8 decode layer takes the tensor-core GEMV (below it the CUDA-core GEMV, whose
+// conversions cost little at one or two tokens and whose sums are plain fp32 FMAs).
+constexpr int64_t kFp8GemvMmaMinTokens = 3;
 
-enum class Fp8LinearPath : int8_t { kAuto, kGemv, kGemm, kDequant };
+enum class Fp8LinearPath : int8_t { kAuto, kGemv, kGemvMma, kGemm, kDequant };
 const char* fp8_linear_path_name(Fp8LinearPath p);
 
 // The path fp8_linear takes for these arguments (never kAuto).

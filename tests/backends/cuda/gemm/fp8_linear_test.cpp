@@ -8,7 +8,7 @@
 //
 // Bounds per output (derived, not tuned): with S = sum_k |x'_k w_k| (+ |b|),
 //   GEMV / dequantized:  2 (K + 4) 2^-24 S          fp32 accumulation (gamma_K) and the scale products
-//   FP8 GEMM:            kFp8GemmAccumRel S         the tensor cores' promoted accumulation (tolerances.h)
+//   FP8 GEMM, tensor-core GEMV:  kFp8GemmAccumRel S the tensor cores' accumulator, promoted to fp32 (tolerances.h)
 // plus the output's rounding: 2^-8 |want| for BF16, 2^-11 for F16, 0 for F32.
 // Also: CUDA-graph capture of the decode GEMV and of the GEMM gives the eager bits, and bad arguments are errors.
 #include <cmath>
@@ -103,7 +103,8 @@ Want reference(const std::vector<float>& xq, const Layer& l, const Tensor& bias,
 
 void expect_within(const Tensor& got_dev, const Want& want, DType act, Fp8LinearPath path, int64_t K) {
   const Tensor got = device::to_host_f32(got_dev);
-  const double accum = path == Fp8LinearPath::kGemm ? test::kFp8GemmAccumRel : 2.0 * double(K + 4) * std::ldexp(1.0, -24);
+  const bool tensor_cores = path == Fp8LinearPath::kGemm || path == Fp8LinearPath::kGemvMma;
+  const double accum = tensor_cores ? test::kFp8GemmAccumRel : 2.0 * double(K + 4) * std::ldexp(1.0, -24);
   const double out_rel = act == DType::kBF16 ? std::ldexp(1.0, -8) : act == DType::kF16 ? std::ldexp(1.0, -11) : 0.0;
   int64_t worst = -1;
   double worst_ratio = 0.0;
@@ -130,7 +131,10 @@ class CudaFp8Linear : public ::testing::TestWithParam<Size> {
 
 std::vector<Fp8LinearPath> paths_for(const Size& s, ops::ActQuant act, DType dtype) {
   std::vector<Fp8LinearPath> p{Fp8LinearPath::kAuto, Fp8LinearPath::kDequant};
-  if (s.T <= cuda::kFp8GemvMaxTokens && s.K % 16 == 0) p.push_back(Fp8LinearPath::kGemv);
+  if (s.T <= cuda::kFp8GemvMaxTokens && s.K % 16 == 0) {
+    p.push_back(Fp8LinearPath::kGemv);
+    if (act == ops::ActQuant::kStatic) p.push_back(Fp8LinearPath::kGemvMma);
+  }
   if (act == ops::ActQuant::kStatic && dtype != DType::kF32 && s.K % 16 == 0 && s.N % 8 == 0) {
     p.push_back(Fp8LinearPath::kGemm);
   }
@@ -191,10 +195,16 @@ TEST_P(CudaFp8Linear, AutoPathIsTheExpectedOne) {
   const Layer l = make_layer(rng, N, K, ops::ActQuant::kStatic, 0.01f);
   const Tensor x = device::empty(Device::kCuda, DType::kBF16, {T, K});
   const Tensor out = device::empty(Device::kCuda, DType::kBF16, {T, N});
-  const Fp8LinearPath want = T <= cuda::kFp8GemvMaxTokens && K % 16 == 0 ? Fp8LinearPath::kGemv
+  const bool gemv = T <= cuda::kFp8GemvMaxTokens && K % 16 == 0;
+  const Fp8LinearPath want = gemv && T >= cuda::kFp8GemvMmaMinTokens ? Fp8LinearPath::kGemvMma
+                             : gemv                                  ? Fp8LinearPath::kGemv
                              : K % 16 == 0 && N % 8 == 0             ? Fp8LinearPath::kGemm
                                                                      : Fp8LinearPath::kDequant;
   EXPECT_EQ(cuda::fp8_linear_path(out, x, l.w, Tensor()), want);
+  // weight-only never takes the tensor-core GEMV (x is not e4m3)
+  ops::LinearWeight wo = l.w;
+  wo.act = ops::ActQuant::kNone;
+  EXPECT_NE(cuda::fp8_linear_path(out, x, wo, Tensor()), Fp8LinearPath::kGemvMma);
 }
 
 INSTANTIATE_TEST_SUITE_P(, CudaFp8Linear,
@@ -212,7 +222,7 @@ std::vector<uint8_t> host_bytes(const Tensor& t) {
   return {p, p + h.nbytes()};
 }
 
-// The decode GEMV (T = 1, 8) and the FP8 GEMM (T = 64) captured in a CUDA graph: the eager bits (no allocation
+// The decode GEMVs (T = 1: CUDA cores; T = 8: tensor cores) and the FP8 GEMM (T = 64) captured in a CUDA graph: the eager bits (no allocation
 // or upload is captured that a replay would miss; the GEMM's quantized x comes from the graph's pool).
 TEST(CudaFp8LinearGraph, CapturedGivesTheEagerBits) {
   if (!device::cuda_available()) GTEST_SKIP() << device::describe_cuda();
@@ -263,6 +273,11 @@ TEST(CudaFp8LinearErrors, BadArgumentsNameTheRule) {
                                  ErrorKind::kRuntime, "GEMV"));
   EXPECT_TRUE(test::throws_error([&] { cuda::fp8_linear_with_path(ctx, out, x, l.w, Tensor(), Fp8LinearPath::kGemm); },
                                  ErrorKind::kRuntime, "kStatic"));
+  const Tensor x1 = device::empty(Device::kCuda, DType::kBF16, {1, 32});
+  const Tensor out1 = device::empty(Device::kCuda, DType::kBF16, {1, 16});
+  EXPECT_TRUE(test::throws_error(
+      [&] { cuda::fp8_linear_with_path(ctx, out1, x1, l.w, Tensor(), Fp8LinearPath::kGemvMma); }, ErrorKind::kRuntime,
+      "tensor-core"));
   const Tensor xq = device::empty(Device::kCuda, DType::kF8E4M3, {9, 32});
   EXPECT_TRUE(test::throws_error([&] { cuda::fp8_linear_prequant(ctx, out, xq, l.w, Tensor()); }, ErrorKind::kRuntime,
                                  "ActQuant::kStatic"));
