@@ -18,6 +18,15 @@ SMALL='CudaFp8Linear.EveryPathMatchesTheReference/T1_K64_N24:CudaFp8Linear.Every
 SMALL+=':CudaFp8Linear.EveryPathMatchesTheReference/T33_K2688_N72:QuantNorm.QuantizeMatchesCoreBitForBit/Cuda'
 SMALL+=':QuantNorm.GatedRmsNormFp8MatchesReference/Cuda:CudaFp8LinearGraph.*'
 sanitize memcheck "$SMALL" 340 'ERROR SUMMARY'
-bench_then_peers fp8 360 410
+# bench_then_peers with two filters (the FP8 dense layers and norms only, not other FP8 benchmarks)
+while [ ! -e "$READY" ] && kill -0 "$PEERS" 2>/dev/null && [ "$(left 360)" -gt 0 ]; do sleep 0.5; done
+el "peers warm: $([ -e "$READY" ] && echo yes || echo no)"
+timeout "$(left 395)" ./b/chimera_bench fp8_linear fp8_norm >"$OUT/bench.log" 2>&1
+echo "bench rc=$?"
+el benched
+touch "$GO"
+wait "$PEERS"
+echo "peers rc=$?"
+el peers
 grep -h -E "peers:|ERROR|Error" "$OUT/peers.log" "$OUT/bench.log" | cut -c1-200 | head -12
 python3 bench/peers/fp8_compare.py "$OUT/bench.log" "$OUT/peers.log" | tee "$OUT/fp8_compare.txt"
