@@ -680,11 +680,12 @@ const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias) {
 }
 
 // The shape rules of cuBLASLt's FP8 GEMM as this file uses it: 16-bit output, K a multiple of 16 (the FP8
-// operands' leading dimension in bytes), N a multiple of 8 (D's leading dimension, 16 bytes), 16-byte aligned
-// operands (and bias).
+// operands' leading dimension in bytes), N a multiple of 16 (D's leading dimension in 16-byte units, and the
+// weight's other dimension: torch._scaled_mm asks the same of both FP8 operands), 16-byte aligned operands and bias.
+// Every projection of Nano and Super has N % 16 == 0.
 bool gemm_shape_ok(const Tensor& out, const Tensor& xq_or_x, const ops::LinearWeight& w, const Tensor& bias) {
   const int64_t K = w.in_features(), N = w.out_features();
-  return (out.dtype() == DType::kBF16 || out.dtype() == DType::kF16) && K % 16 == 0 && N % 8 == 0 &&
+  return (out.dtype() == DType::kBF16 || out.dtype() == DType::kF16) && K % 16 == 0 && N % 16 == 0 &&
          vec_aligned({out.data(), xq_or_x.data(), w.weight.data(), bias ? bias.data() : nullptr});
 }
 
@@ -879,7 +880,7 @@ void run(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops:
       if (!(prequant || w.act == ops::ActQuant::kStatic) || !gemm_shape_ok(out, x, w, bias)) {
         throw_runtime(str_cat(op, ": ", w.name, ": the FP8 GEMM does not take x ", x.describe(), " @ weight ",
                               w.weight.describe(), " -> ", out.describe(),
-                              " (ActQuant::kStatic, BF16 / F16 out, K % 16 == 0, N % 8 == 0, 16-byte aligned)"));
+                              " (ActQuant::kStatic, BF16 / F16 out, K % 16 == 0, N % 16 == 0, 16-byte aligned)"));
       }
       Tensor xq = x;
       if (!prequant) {

@@ -15,7 +15,7 @@
 //             step's mma result is added to fp32 registers.
 //   kGemm     prefill sizes, kStatic, 16-bit out: quantize_fp8 of x, then cuBLASLt's FP8 GEMM (E4M3 x E4M3, fp32
 //             accumulation with fast accumulation off, alpha = input_scale * scale, bf16 / f16 out). Needs
-//             K % 16 == 0, N % 8 == 0 and 16-byte aligned pointers (cuBLASLt's FP8 rules).
+//             K % 16 == 0, N % 16 == 0 and 16-byte aligned pointers (cuBLASLt's FP8 rules).
 //   kDequant  everything else (fp32 activations at prefill sizes, kNone at prefill sizes, K % 16 != 0, odd N):
 //             the weight dequantized to F32 (e4m3 * scale, as the CPU reference does) and x' in F32, then the fp32
 //             cuBLASLt GEMM (ops::linear's F32 path, never TF32), then the conversion to the output dtype. Correct,
