@@ -6,8 +6,9 @@
 // row is one load step); lanes stride the row's 16-byte vectors (16 e4m3 weights each) by 32, kUnroll loads in
 // flight per lane; the first step's loads are issued before the PDL wait (weights are constant). Weights are decoded
 // two at a time (cvt e4m3x2 -> f16x2, exact) and multiplied in fp32. x is staged once per block in shared memory in
-// a staging type S: the activation dtype for ActQuant::kNone; for kStatic the e4m3 values of x / input_scale, exact
-// in f16 (quantized in the staging loop, or decoded from a prequantized F8_E4M3 x). The 16 elements that meet one
+// a staging type S: f32 at one token (no conversion in the loop); else the activation dtype for ActQuant::kNone and,
+// for kStatic, the e4m3 values of x / input_scale, exact in f16 (quantized in the staging loop, or decoded from a
+// prequantized F8_E4M3 x). The 16 elements that meet one
 // weight vector are stored as sizeof(S) "planes" of 16 bytes ([token][plane][vector]), so that lane l's read of
 // plane q at vector v + l is 512 contiguous bytes per warp (no bank conflicts). The sum is fp32 (per-lane partials,
 // a warp butterfly, the row's warps in order), then y = sum * out_scale (+ bias), rounded once to the output dtype;
@@ -145,26 +146,39 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_kernel(const Fp8GemvParams 
     if (t >= p.T) {
 #pragma unroll
       for (int q = 0; q < P; ++q) planes[q] = make_uint4(0, 0, 0, 0);
-    } else if constexpr (kSrc == XSource::kRaw) {
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const S*>(p.x) + static_cast<size_t>(t) * p.K +
+    } else if constexpr (kSrc == XSource::kRaw && std::is_same_v<S, T>) {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + static_cast<size_t>(t) * p.K +
                                                         static_cast<size_t>(v) * 16);
 #pragma unroll
       for (int q = 0; q < P; ++q) planes[q] = src[q];
-    } else if constexpr (kSrc == XSource::kQuant) {
-      float f[16];
-      load_f32<T, 16, false>(static_cast<const T*>(p.x) + static_cast<size_t>(t) * p.K + static_cast<size_t>(v) * 16,
-                             f);
-      uint32_t w[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        w[k] = fp8::quantize2(f[4 * k], f[4 * k + 1], p.x_scale) |
-               (static_cast<uint32_t>(fp8::quantize2(f[4 * k + 2], f[4 * k + 3], p.x_scale)) << 16);
-      }
-      codes_to_half_planes(w, planes);
-    } else {
+    } else if constexpr (kSrc == XSource::kPrequant && std::is_same_v<S, __half>) {
       const uint4 c = static_cast<const uint4*>(p.x)[static_cast<size_t>(t) * kv + v];
       const uint32_t w[4] = {c.x, c.y, c.z, c.w};
       codes_to_half_planes(w, planes);
+    } else {
+      // The group's 16 values in fp32 (x; the e4m3 values of x / x_scale; the prequantized codes' values), then
+      // stored as S (exact: S is T itself, f32, or f16 holding e4m3 values).
+      float f[16];
+      if constexpr (kSrc == XSource::kPrequant) {
+        const uint4 c = static_cast<const uint4*>(p.x)[static_cast<size_t>(t) * kv + v];
+        decode16(c, f);
+      } else {
+        load_f32<T, 16, false>(static_cast<const T*>(p.x) + static_cast<size_t>(t) * p.K + static_cast<size_t>(v) * 16,
+                               f);
+        if constexpr (kSrc == XSource::kQuant) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            const float2 d = fp8::decode2(fp8::quantize2(f[2 * k], f[2 * k + 1], p.x_scale));
+            f[2 * k] = d.x;
+            f[2 * k + 1] = d.y;
+          }
+        }
+      }
+      alignas(16) S tmp[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) tmp[j] = from_float<S>(f[j]);
+      static_assert(sizeof(tmp) == sizeof(planes));
+      memcpy(planes, tmp, sizeof(tmp));
     }
 #pragma unroll
     for (int q = 0; q < P; ++q) xs[(t * P + q) * kv + v] = planes[q];
@@ -274,10 +288,12 @@ void launch_gemv_mt(const Fp8GemvParams& p, cudaStream_t stream) {
   CHIMERA_CUDA_CHECK(launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, q), op);
 }
 
+// One token stages x in fp32 whatever its source: no conversion per weight vector in the loop (shared-memory reads
+// of 64 bytes per 16 weights are within the budget at one token, not at more).
 template <typename T, typename S, XSource kSrc>
 void launch_gemv_src(const Fp8GemvParams& p, cudaStream_t stream) {
   switch (gemv_mt(p.T)) {
-    case 1: return launch_gemv_mt<T, S, kSrc, 1>(p, stream);
+    case 1: return launch_gemv_mt<T, float, kSrc, 1>(p, stream);
     case 2: return launch_gemv_mt<T, S, kSrc, 2>(p, stream);
     case 4: return launch_gemv_mt<T, S, kSrc, 4>(p, stream);
     default: return launch_gemv_mt<T, S, kSrc, 8>(p, stream);
@@ -294,7 +310,10 @@ void launch_fp8_gemv(const Fp8GemvParams& p, DType act, XSource src, cudaStream_
   });
 }
 
-size_t staged_bytes(XSource src, DType act) { return src == XSource::kRaw ? dtype_size(act) : sizeof(__half); }
+size_t staged_bytes(XSource src, DType act, int64_t T) {
+  if (T <= 1) return sizeof(float);
+  return src == XSource::kRaw ? dtype_size(act) : sizeof(__half);
+}
 
 // ---- the tensor-core GEMV (W8A8 only) -------------------------------------------------------------------------------
 //
@@ -728,7 +747,7 @@ bool gemv_ok(const Tensor& out, const Tensor& x, const ops::LinearWeight& w, XSo
   const int64_t T = x.dim(0), K = w.in_features(), N = w.out_features();
   if (T < 1 || T > kFp8GemvMaxTokens || K < 16 || K % 16 != 0 || N < 1) return false;
   if (!vec_aligned({x.data(), w.weight.data()})) return false;
-  const int64_t smem = static_cast<int64_t>(staged_bytes(src, out.dtype())) * gemv_mt(T) * K;
+  const int64_t smem = static_cast<int64_t>(staged_bytes(src, out.dtype(), T)) * gemv_mt(T) * K;
   return smem <= kGemvMaxSmemBytes && N < (int64_t{1} << 31) / K;
 }
 
