@@ -62,7 +62,7 @@ void fp8_linear_prequant_with_path(const ops::Context& ctx, const Tensor& out, c
 
 // out_q F8_E4M3 (same shape as x, both contiguous) = e4m3(x / input_scale), saturated at +-448, rounded to nearest
 // even; x BF16 / F16 / F32. The division is IEEE (correctly rounded), so the codes equal core/fp8.h's
-// f32_to_e4m3(x / input_scale) bit for bit (NaN inputs excepted: they become 0x7f whatever their sign).
+// f32_to_e4m3(x / input_scale) bit for bit on finite values and infinities (a NaN gives a NaN code).
 void quantize_fp8(const ops::Context& ctx, const Tensor& out_q, const Tensor& x, float input_scale);
 
 // residual += x (stored in the activation dtype, as ops::add_rms_norm), then

@@ -1,9 +1,9 @@
 // E4M3 conversions in kernels (the FP8 linear, the quantizers and the fused norm + quant kernels).
 //
 // Encoding: cvt.rn.satfinite.e4m3x2.f32 (sm_89+, one instruction for two values): round to nearest even,
-// magnitudes beyond 448 (infinities included) saturate to +-448, NaN becomes 0x7f. That is core/fp8.h's
-// f32_to_e4m3 with E4m3Overflow::kSaturate bit for bit on every finite input and on infinities (NaN: the CPU keeps
-// the sign bit, 0xff for a negative NaN). The division x / input_scale is __fdiv_rn (IEEE, correctly rounded), as
+// magnitudes beyond 448 (infinities included) saturate to +-448, NaN becomes a NaN code (0x7f / 0xff). That is
+// core/fp8.h's f32_to_e4m3 with E4m3Overflow::kSaturate bit for bit on every finite input and on infinities (the
+// tests do not pin the sign of a NaN code). The division x / input_scale is __fdiv_rn (IEEE, correctly rounded), as
 // the CPU's `/`, so a quantized activation is the same byte on both.
 // Decoding: cvt.rn.f16x2.e4m3x2: every e4m3 value is exact in f16 (3 mantissa bits; 2^-9 .. 448).
 #pragma once
