@@ -76,11 +76,14 @@ Tensor random(DType dtype, Shape shape, float lo = -1.0f, float hi = 1.0f) {
     fill_e4m3_kernel<<<blocks, 256>>>(static_cast<uint8_t*>(t.data()), n, next_seed());
     return t;
   }
-  CHIMERA_DISPATCH_FLOAT(dtype, "bench fill", T, { fill_kernel<T><<<blocks, 256>>>(t.data_as<T>(), n, next_seed(), lo, hi); });
+  CHIMERA_DISPATCH_FLOAT(dtype, "bench fill", T,
+                         { fill_kernel<T><<<blocks, 256>>>(t.data_as<T>(), n, next_seed(), lo, hi); });
   return t;
 }
 
-int rotations(double bytes) { return static_cast<int>(std::clamp(kRotateBytes / std::max(bytes, 1.0), 1.0, 8.0)); }
+int rotations(double bytes) {
+  return static_cast<int>(std::clamp(kRotateBytes / std::max(bytes, 1.0), 1.0, 8.0));
+}
 
 struct Proj {
   const char* name;
@@ -248,8 +251,8 @@ CHIMERA_BENCH(fp8_norm) {
       };
       std::vector<Sets> sets;
       for (int i = 0; i < rotations(bytes); ++i) {
-        sets.push_back({random(DType::kBF16, {T, Di}), random(DType::kBF16, {T, Di}),
-                        random(DType::kF8E4M3, {T, Di}), random(DType::kBF16, {T, Di})});
+        sets.push_back({random(DType::kBF16, {T, Di}), random(DType::kBF16, {T, Di}), random(DType::kF8E4M3, {T, Di}),
+                        random(DType::kBF16, {T, Di})});
       }
       const auto at = [&](int i) -> const Sets& { return sets[static_cast<size_t>(i) % sets.size()]; };
       const std::string shape = "T=" + std::to_string(T) + " Di=" + std::to_string(Di) + " G=8 bf16 (" + name + ")";

@@ -22,7 +22,7 @@ namespace chimera::ops {
 void quantize_fp8(const Context& ctx, const Tensor& out_q, const Tensor& x, float input_scale);
 void add_rms_norm_fp8(const Context& ctx, const Tensor& residual, const Tensor& out_q, const Tensor& x,
                       const Tensor& weight, float eps, float input_scale);
-void gated_rms_norm_fp8(const Context& ctx, const Tensor& out_q, const Tensor& y, const Tensor& z,
-                        const Tensor& weight, int64_t n_groups, float eps, float input_scale);
+void gated_rms_norm_fp8(const Context& ctx, const Tensor& out_q, const Tensor& y, const Tensor& z, const Tensor& weight,
+                        int64_t n_groups, float eps, float input_scale);
 
 }  // namespace chimera::ops

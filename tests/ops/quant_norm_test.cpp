@@ -27,7 +27,9 @@ float round_to(float v, DType act) {
 }
 
 // The op's code for a normalised value v: e4m3(round_act(v) / s).
-uint8_t code_of(double v, DType act, float s) { return f32_to_e4m3(round_to(static_cast<float>(v), act) / s); }
+uint8_t code_of(double v, DType act, float s) {
+  return f32_to_e4m3(round_to(static_cast<float>(v), act) / s);
+}
 
 std::vector<uint8_t> bytes(const Tensor& t) {
   const Tensor h = device::to_host(t);
@@ -51,9 +53,9 @@ void expect_codes(const std::vector<uint8_t>& got, const std::vector<double>& v,
       first_bad = static_cast<int64_t>(i);
     }
   }
-  EXPECT_EQ(bad, 0) << "first at " << first_bad << ": got 0x" << std::hex << int(got[size_t(first_bad)])
-                    << " want 0x" << int(code_of(v[size_t(first_bad)], act, s)) << std::dec << " (value "
-                    << v[size_t(first_bad)] << ", scale " << s << ")";
+  EXPECT_EQ(bad, 0) << "first at " << first_bad << ": got 0x" << std::hex << int(got[size_t(first_bad)]) << " want 0x"
+                    << int(code_of(v[size_t(first_bad)], act, s)) << std::dec << " (value " << v[size_t(first_bad)]
+                    << ", scale " << s << ")";
   // Ambiguous values are rare (a band of 2^-16 relative around each boundary, boundaries 2^-3 apart).
   EXPECT_LE(flips, 2 + static_cast<int64_t>(v.size() / 1000)) << flips << " flips among " << v.size();
 }
@@ -72,11 +74,10 @@ TEST_P(QuantNorm, QuantizeMatchesCoreBitForBit) {
   const float s = 2.5f / kE4m3Max;
   // Special magnitudes in units of s: zero, subnormal steps and their ties, normal ties, the top of the range,
   // the saturation band (448 .. 464 rounds to 448, above saturates), huge values and infinities.
-  const float units[] = {0.0f,      1.0f / 1024, 1.0f / 512, 3.0f / 1024, 5.0f / 1024, 0.015625f, 1.0625f, 1.1875f,
-                         240.0f,    248.0f,      447.0f,     448.0f,      455.0f,      464.0f,    465.0f,  1e6f,
-                         INFINITY};
-  for (DType act : on_cuda() ? std::vector<DType>{DType::kF32, DType::kBF16, DType::kF16}
-                             : std::vector<DType>{DType::kF32}) {
+  const float units[] = {0.0f,   1.0f / 1024, 1.0f / 512, 3.0f / 1024, 5.0f / 1024, 0.015625f, 1.0625f, 1.1875f, 240.0f,
+                         248.0f, 447.0f,      448.0f,     455.0f,      464.0f,      465.0f,    1e6f,    INFINITY};
+  for (DType act :
+       on_cuda() ? std::vector<DType>{DType::kF32, DType::kBF16, DType::kF16} : std::vector<DType>{DType::kF32}) {
     for (const auto& [T, K] : {std::pair<int64_t, int64_t>{1, 7}, {3, 11}, {1, 4099}, {37, 64}, {9, 2688}}) {
       SCOPED_TRACE(::testing::Message() << "T=" << T << " K=" << K << " act=" << dtype_name(act));
       Tensor x = rng.normal_tensor({T + 1, K}, 1.5f);
@@ -123,8 +124,8 @@ std::vector<double> add_norm_ref(const Tensor& res, const Tensor& w, float eps) 
 TEST_P(QuantNorm, AddRmsNormFp8MatchesReference) {
   auto rng = test::Rng::for_test();
   const float eps = 1e-5f, s = 3.0f / kE4m3Max;  // |normed| > 3 saturates: a few per row
-  const std::pair<int64_t, int64_t> shapes[] = {{1, 2688}, {3, 4096}, {7, 33}, {8, 500}, {9, 40}, {33, 2688},
-                                                {300, 64}, {2, 40000}};
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 2688}, {3, 4096},  {7, 33},   {8, 500},
+                                                {9, 40},   {33, 2688}, {300, 64}, {2, 40000}};
   for (DType act : act_dtypes()) {
     for (const auto& [T, D] : shapes) {
       if (!on_cuda() && D > 4096) continue;  // the long-row kernel path exists on CUDA only
@@ -162,8 +163,8 @@ TEST_P(QuantNorm, GatedRmsNormFp8MatchesReference) {
     int64_t T, D, G;
   };
   // Nano (Di 4096, 8 groups), Super (8192, 8), odd group sizes, one group longer than the register cache.
-  const Case cases[] = {{1, 4096, 8}, {3, 8192, 8}, {7, 96, 3}, {9, 33, 1}, {33, 4096, 8}, {300, 120, 4},
-                        {2, 40000, 1}};
+  const Case cases[] = {{1, 4096, 8},  {3, 8192, 8},  {7, 96, 3},   {9, 33, 1},
+                        {33, 4096, 8}, {300, 120, 4}, {2, 40000, 1}};
   for (DType act : act_dtypes()) {
     for (const Case& c : cases) {
       if (!on_cuda() && c.D > 8192) continue;
@@ -256,8 +257,8 @@ TEST_P(QuantNorm, BadArgumentsAreClearErrors) {
   EXPECT_TRUE(test::throws_error([&] { ops::quantize_fp8(ctx(), q, x, 0.0f); }, ErrorKind::kRuntime, "input_scale"));
   Tensor res = on_backend(Tensor::zeros(DType::kF32, {2, 8}));
   const Tensor w7 = on_backend(Tensor::zeros(DType::kF32, {7}));
-  EXPECT_TRUE(test::throws_error([&] { ops::add_rms_norm_fp8(ctx(), res, q, x, w7, 1e-5f, 1.0f); },
-                                 ErrorKind::kRuntime, "weight"));
+  EXPECT_TRUE(test::throws_error([&] { ops::add_rms_norm_fp8(ctx(), res, q, x, w7, 1e-5f, 1.0f); }, ErrorKind::kRuntime,
+                                 "weight"));
   EXPECT_TRUE(test::throws_error([&] { ops::gated_rms_norm_fp8(ctx(), q, x, x, w, 3, 1e-5f, 1.0f); },
                                  ErrorKind::kRuntime, "n_groups"));
 }

@@ -48,8 +48,8 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kUnroll = 8;                             // 16-byte weight loads in flight per lane per step
-constexpr int64_t kGemvMaxSmemBytes = 160 * 1024;      // x staged: tokens (rounded up to 1/2/4/8) x K x sizeof(S)
+constexpr int kUnroll = 8;                         // 16-byte weight loads in flight per lane per step
+constexpr int64_t kGemvMaxSmemBytes = 160 * 1024;  // x staged: tokens (rounded up to 1/2/4/8) x K x sizeof(S)
 
 // Where the GEMV's x comes from.
 enum class XSource : int {
@@ -260,7 +260,9 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_kernel(const Fp8GemvParams 
   }
 }
 
-int gemv_mt(int64_t T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
+int gemv_mt(int64_t T) {
+  return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8;
+}
 
 int auto_warps_per_row(int64_t N, int64_t K, int64_t resident_warps) {
   const int64_t vectors = K / 16;
@@ -346,7 +348,9 @@ __device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__host__ __device__ inline int64_t mma_x_stride(int64_t K) { return (K + 127) / 128 * 128 + 64; }
+__host__ __device__ inline int64_t mma_x_stride(int64_t K) {
+  return (K + 127) / 128 * 128 + 64;
+}
 
 template <typename T, XSource kSrc>
 __global__ void __launch_bounds__(kThreads) fp8_gemv_mma_kernel(const Fp8GemvParams p) {
@@ -359,8 +363,8 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_mma_kernel(const Fp8GemvPar
   const int g = lane / 4, c = lane % 4;
   const int wpr = p.warps_per_row, tiles_per_group = kWarps / wpr;
   const int part = warp % wpr;
-  const int kv = p.K / 16;                // 16-byte chunks per row
-  const int n_steps = (p.K + 63) / 64;    // 64-k steps per row
+  const int kv = p.K / 16;              // 16-byte chunks per row
+  const int n_steps = (p.K + 63) / 64;  // 64-k steps per row
   const int per_part = (n_steps + wpr - 1) / wpr;
   const int s0 = part * per_part, s1 = min(n_steps, s0 + per_part);
   const int n_tiles = (p.N + 15) / 16;
@@ -644,7 +648,9 @@ LtState& lt_state() {
   return *s;
 }
 
-cudaDataType_t out_type(DType d) { return d == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F; }
+cudaDataType_t out_type(DType d) {
+  return d == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+}
 
 const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias) {
   auto it = st.plans.find(k);
@@ -730,10 +736,10 @@ bool run_gemm(const ops::Context& ctx, const Tensor& out, const Tensor& xq, cons
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)), kGemmOp);
   }
   const float beta = 0.0f;
-  CHIMERA_FP8_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, w.weight.data(), plan.w, xq.data(), plan.x,
-                                          &beta, out.data(), plan.y, out.data(), plan.y, &plan.algo, st.workspace,
-                                          kWorkspaceBytes, as_stream(ctx.stream)),
-                           kGemmOp);
+  CHIMERA_FP8_CUBLAS_CHECK(
+      cublasLtMatmul(st.handle, plan.desc, &alpha, w.weight.data(), plan.w, xq.data(), plan.x, &beta, out.data(),
+                     plan.y, out.data(), plan.y, &plan.algo, st.workspace, kWorkspaceBytes, as_stream(ctx.stream)),
+      kGemmOp);
   return true;
 }
 
@@ -818,18 +824,18 @@ void run_dequant(const ops::Context& ctx, const Tensor& out, const Tensor& x, co
 // Caller errors: the weight's format, the tensors' dtypes, devices and shapes.
 void check_args(const char* op, const Tensor& out, const Tensor& x, const ops::LinearWeight& w, const Tensor& bias,
                 bool prequant) {
-  if (w.format != ops::WeightFormat::kFp8 || !w.weight || w.weight.dtype() != DType::kF8E4M3 ||
-      w.weight.ndim() != 2 || w.weight.device() != Device::kCuda) {
+  if (w.format != ops::WeightFormat::kFp8 || !w.weight || w.weight.dtype() != DType::kF8E4M3 || w.weight.ndim() != 2 ||
+      w.weight.device() != Device::kCuda) {
     throw_runtime(str_cat(op, ": ", w.name, ": weight ", w.weight ? w.weight.describe() : std::string("(undefined)"),
                           " (", ops::weight_format_name(w.format), ") must be an FP8 F8_E4M3 [N, K] CUDA tensor"));
   }
   const int64_t K = w.in_features(), N = w.out_features();
   const auto bad = [&](const char* what, const Tensor& t, const std::string& want) {
-    throw_runtime(str_cat(op, ": ", w.name, ": ", what, " ", t ? t.describe() : std::string("(undefined)"),
-                          " must be ", want, " (weight ", w.weight.describe(), ")"));
+    throw_runtime(str_cat(op, ": ", w.name, ": ", what, " ", t ? t.describe() : std::string("(undefined)"), " must be ",
+                          want, " (weight ", w.weight.describe(), ")"));
   };
-  const bool float_act = out && (out.dtype() == DType::kBF16 || out.dtype() == DType::kF16 ||
-                                 out.dtype() == DType::kF32);
+  const bool float_act =
+      out && (out.dtype() == DType::kBF16 || out.dtype() == DType::kF16 || out.dtype() == DType::kF32);
   if (!float_act || out.ndim() != 2 || out.dim(1) != N || out.device() != Device::kCuda) {
     bad("out", out, "a BF16 / F16 / F32 CUDA [T, N]");
   }
@@ -855,9 +861,7 @@ void check_args(const char* op, const Tensor& out, const Tensor& x, const ops::L
 
 Fp8LinearPath choose(const Tensor& out, const Tensor& x, const ops::LinearWeight& w, const Tensor& bias,
                      bool prequant) {
-  const XSource src = prequant ? XSource::kPrequant
-                               : w.act == ops::ActQuant::kStatic ? XSource::kQuant
-                                                                 : XSource::kRaw;
+  const XSource src = prequant ? XSource::kPrequant : w.act == ops::ActQuant::kStatic ? XSource::kQuant : XSource::kRaw;
   if (src != XSource::kRaw && x.dim(0) >= kFp8GemvMmaMinTokens && gemv_mma_ok(x, w)) return Fp8LinearPath::kGemvMma;
   if (gemv_ok(out, x, w, src)) return Fp8LinearPath::kGemv;
   if ((prequant || w.act == ops::ActQuant::kStatic) && gemm_shape_ok(out, x, w, bias)) return Fp8LinearPath::kGemm;
@@ -873,9 +877,7 @@ void run(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops:
   if (w.in_features() == 0) throw_runtime(str_cat(op, ": ", w.name, ": in_features 0 is not supported on CUDA"));
   const bool auto_path = path == Fp8LinearPath::kAuto;
   if (auto_path) path = choose(out, x, w, bias, prequant);
-  const XSource src = prequant ? XSource::kPrequant
-                               : w.act == ops::ActQuant::kStatic ? XSource::kQuant
-                                                                 : XSource::kRaw;
+  const XSource src = prequant ? XSource::kPrequant : w.act == ops::ActQuant::kStatic ? XSource::kQuant : XSource::kRaw;
   switch (path) {
     case Fp8LinearPath::kGemv:
       if (!gemv_ok(out, x, w, src)) {
@@ -888,10 +890,10 @@ void run(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops:
       return;
     case Fp8LinearPath::kGemvMma:
       if (src == XSource::kRaw || !gemv_mma_ok(x, w)) {
-        throw_runtime(str_cat(op, ": ", w.name, ": the tensor-core FP8 GEMV does not take x ", x.describe(),
-                              " @ weight ", w.weight.describe(), " (ActQuant::kStatic or a prequantized x, 1 <= T <= ",
-                              kFp8GemvMaxTokens, ", K % 16 == 0, 16-byte aligned x and weight, x staged in <= ",
-                              kGemvMaxSmemBytes, " bytes)"));
+        throw_runtime(
+            str_cat(op, ": ", w.name, ": the tensor-core FP8 GEMV does not take x ", x.describe(), " @ weight ",
+                    w.weight.describe(), " (ActQuant::kStatic or a prequantized x, 1 <= T <= ", kFp8GemvMaxTokens,
+                    ", K % 16 == 0, 16-byte aligned x and weight, x staged in <= ", kGemvMaxSmemBytes, " bytes)"));
       }
       run_gemv(ctx, out, x, w, bias, src, true);
       return;
@@ -916,9 +918,7 @@ void run(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops:
       return;
     }
     case Fp8LinearPath::kDequant:
-    case Fp8LinearPath::kAuto:
-      run_dequant(ctx, out, x, w, bias, prequant);
-      return;
+    case Fp8LinearPath::kAuto: run_dequant(ctx, out, x, w, bias, prequant); return;
   }
 }
 
@@ -962,8 +962,8 @@ void fp8_linear_prequant_with_path(const ops::Context& ctx, const Tensor& out, c
 
 void quantize_fp8(const ops::Context& ctx, const Tensor& out_q, const Tensor& x, float input_scale) {
   const char* op = "cuda::quantize_fp8";
-  if (!x || !out_q || out_q.dtype() != DType::kF8E4M3 || out_q.shape() != x.shape() ||
-      x.device() != Device::kCuda || out_q.device() != Device::kCuda) {
+  if (!x || !out_q || out_q.dtype() != DType::kF8E4M3 || out_q.shape() != x.shape() || x.device() != Device::kCuda ||
+      out_q.device() != Device::kCuda) {
     throw_runtime(str_cat(op, ": out_q ", out_q ? out_q.describe() : std::string("(undefined)"),
                           " must be an F8_E4M3 CUDA tensor of x's shape (x ",
                           x ? x.describe() : std::string("(undefined)"), ")"));

@@ -33,7 +33,9 @@ __device__ __forceinline__ __half2 decode2_h(uint16_t pair) {
 }
 
 // Two e4m3 bytes -> their exact values in fp32.
-__device__ __forceinline__ float2 decode2(uint16_t pair) { return __half22float2(decode2_h(pair)); }
+__device__ __forceinline__ float2 decode2(uint16_t pair) {
+  return __half22float2(decode2_h(pair));
+}
 
 // N values quantized to N bytes at dst (N = 1, 2, 4, 8 or 16; dst aligned to N bytes).
 template <int N>

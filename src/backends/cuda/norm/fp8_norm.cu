@@ -167,8 +167,15 @@ void add_rms_norm_fp8(const ops::Context& ctx, const Tensor& residual, const Ten
   require_same_dtype(op, {{"x", &x}, {"residual", &residual}});
   norm::check_q(op, out_q, x, input_scale);
   const device::LaunchScope launch_scope(ctx.kernels.pdl);
-  const norm::RowNormParams p{out_q.data(), x.data(),  nullptr, residual.data(), weight.data(),
-                              x.dim(0),     norm::checked_int(op, "hidden size", x.dim(1)), 1, eps};
+  const norm::RowNormParams p{out_q.data(),
+                              x.data(),
+                              nullptr,
+                              residual.data(),
+                              weight.data(),
+                              x.dim(0),
+                              norm::checked_int(op, "hidden size", x.dim(1)),
+                              1,
+                              eps};
   norm::launch_fp8<norm::NormMode::kAdd>(p, x.dtype(), weight.dtype(), input_scale, as_stream(ctx.stream), op);
 }
 

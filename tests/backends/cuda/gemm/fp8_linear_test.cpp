@@ -31,7 +31,9 @@ namespace chimera {
 namespace {
 
 #ifndef CHIMERA_HAVE_CUDA
-TEST(CudaFp8Linear, NeedsTheCudaBackend) { GTEST_SKIP() << "this build of chimera has no CUDA backend"; }
+TEST(CudaFp8Linear, NeedsTheCudaBackend) {
+  GTEST_SKIP() << "this build of chimera has no CUDA backend";
+}
 #else
 
 using cuda::Fp8LinearPath;
@@ -110,13 +112,14 @@ void expect_within(const Tensor& got_dev, const Want& want, DType act, Fp8Linear
   int64_t worst = -1;
   double worst_ratio = 0.0;
   for (int64_t i = 0; i < got.numel(); ++i) {
-    const double bound = accum * want.abs_sum[size_t(i)] * (1.0 + out_rel) + out_rel * std::fabs(want.y[size_t(i)]) + 1e-30;
+    const double bound =
+        accum * want.abs_sum[size_t(i)] * (1.0 + out_rel) + out_rel * std::fabs(want.y[size_t(i)]) + 1e-30;
     const double err = std::fabs(double(got.f32()[i]) - want.y[size_t(i)]);
     const double ratio = std::isnan(got.f32()[i]) ? INFINITY : err / bound;
     if (worst < 0 || ratio > worst_ratio) worst_ratio = ratio, worst = i;
   }
-  EXPECT_LE(worst_ratio, 1.0) << "path " << cuda::fp8_linear_path_name(path) << ", worst element " << worst
-                              << ": got " << got.f32()[worst] << ", want " << want.y[size_t(worst)];
+  EXPECT_LE(worst_ratio, 1.0) << "path " << cuda::fp8_linear_path_name(path) << ", worst element " << worst << ": got "
+                              << got.f32()[worst] << ", want " << want.y[size_t(worst)];
 }
 
 struct Size {
@@ -210,9 +213,8 @@ TEST_P(CudaFp8Linear, AutoPathIsTheExpectedOne) {
 
 INSTANTIATE_TEST_SUITE_P(, CudaFp8Linear,
                          ::testing::Values(Size{1, 64, 32}, Size{3, 48, 17}, Size{7, 2688, 80}, Size{8, 4096, 48},
-                                           Size{9, 64, 32}, Size{33, 2688, 80}, Size{300, 48, 17},
-                                           Size{300, 4096, 48}, Size{1, 40, 8}, Size{9, 40, 9}, Size{1, 8192, 16},
-                                           Size{33, 64, 24}),
+                                           Size{9, 64, 32}, Size{33, 2688, 80}, Size{300, 48, 17}, Size{300, 4096, 48},
+                                           Size{1, 40, 8}, Size{9, 40, 9}, Size{1, 8192, 16}, Size{33, 64, 24}),
                          [](const ::testing::TestParamInfo<Size>& p) {
                            return "T" + std::to_string(p.param.T) + "_K" + std::to_string(p.param.K) + "_N" +
                                   std::to_string(p.param.N);
@@ -224,8 +226,9 @@ std::vector<uint8_t> host_bytes(const Tensor& t) {
   return {p, p + h.nbytes()};
 }
 
-// The decode GEMVs (T = 1: CUDA cores; T = 8: tensor cores) and the FP8 GEMM (T = 64) captured in a CUDA graph: the eager bits (no allocation
-// or upload is captured that a replay would miss; the GEMM's quantized x comes from the graph's pool).
+// The decode GEMVs (T = 1: CUDA cores; T = 8: tensor cores) and the FP8 GEMM (T = 64) captured in a CUDA graph: the
+// eager bits (no allocation or upload is captured that a replay would miss; the GEMM's quantized x comes from the
+// graph's pool).
 TEST(CudaFp8LinearGraph, CapturedGivesTheEagerBits) {
   if (!device::cuda_available()) GTEST_SKIP() << device::describe_cuda();
   test::Rng rng = test::Rng::for_test();
@@ -277,9 +280,9 @@ TEST(CudaFp8LinearErrors, BadArgumentsNameTheRule) {
                                  ErrorKind::kRuntime, "kStatic"));
   const Tensor x1 = device::empty(Device::kCuda, DType::kBF16, {1, 32});
   const Tensor out1 = device::empty(Device::kCuda, DType::kBF16, {1, 16});
-  EXPECT_TRUE(test::throws_error(
-      [&] { cuda::fp8_linear_with_path(ctx, out1, x1, l.w, Tensor(), Fp8LinearPath::kGemvMma); }, ErrorKind::kRuntime,
-      "tensor-core"));
+  EXPECT_TRUE(
+      test::throws_error([&] { cuda::fp8_linear_with_path(ctx, out1, x1, l.w, Tensor(), Fp8LinearPath::kGemvMma); },
+                         ErrorKind::kRuntime, "tensor-core"));
   const Tensor xq = device::empty(Device::kCuda, DType::kF8E4M3, {9, 32});
   EXPECT_TRUE(test::throws_error([&] { cuda::fp8_linear_prequant(ctx, out, xq, l.w, Tensor()); }, ErrorKind::kRuntime,
                                  "ActQuant::kStatic"));
