@@ -69,4 +69,17 @@ inline constexpr double kGpuBf16LogitsRelToMaxSuperLike = 0.08;
 inline constexpr double kCpuBf16WeightsTop1Agreement = 0.99;
 inline constexpr double kCpuBf16WeightsLogitsRelToMax = 0.05;
 
+// FP8 activation codes (quantize_fp8, add_rms_norm_fp8, gated_rms_norm_fp8) against a double-precision reference:
+// the codes must be equal except where the reference value is ambiguous, i.e. moving it by a relative
+// kFp8BoundaryRel changes its code (then the code must be one of the two). 2^-16 is above the fp32 kernels'
+// relative error of the normalised value (a sum of squares over <= 65536 terms in fp32, a tree of per-thread runs:
+// < 2^-18; the inverse square root, the weight product and expf in silu add a few 2^-24) and far below the e4m3
+// step (2^-3), so a flip is only accepted within 1/8192 of a step from a rounding boundary.
+inline constexpr double kFp8BoundaryRel = 1.0 / 65536;
+// cuBLASLt's FP8 GEMM (fast accumulation off) against the exact sum: |error| <= kFp8GemmAccumRel * sum_k |x' w|.
+// Hopper's FP8 tensor cores keep ~14 mantissa bits within an mma chain and cuBLASLt promotes the partial sums to
+// fp32 every few k-blocks, so each promoted chunk carries <= 2^-13 of its absolute sum; 2^-11 leaves a factor 4.
+// A wrong layout, transpose or scale misses this by orders of magnitude.
+inline constexpr double kFp8GemmAccumRel = 1.0 / 2048;
+
 }  // namespace chimera::test
