@@ -23,6 +23,9 @@
 #include "common/compare.h"
 #include "core/fp8.h"
 #include "backends/device_api.h"
+#ifdef CHIMERA_HAVE_CUDA
+#include "backends/cuda/moe/fp8_experts.h"
+#endif
 
 namespace chimera {
 namespace {
@@ -163,6 +166,7 @@ Reference naive(const Tensor& x, const Tensor& ids, const Tensor& w, const Fp8Ex
 }
 
 double fp32_acc_rel(int64_t K) { return kAccRandom * std::sqrt(static_cast<double>(K)) * 0x1p-24; }
+[[maybe_unused]] double tensor_core_acc_rel(int64_t K) { return 0x1p-13 + fp32_acc_rel(K); }
 
 ::testing::AssertionResult within(const std::vector<float>& got, const Reference& ref) {
   size_t worst = 0;
@@ -290,6 +294,115 @@ TEST(Fp8Experts, CpuRejectsBadWeights) {
   }
 }
 
+#ifdef CHIMERA_HAVE_CUDA
+ops::ExpertWeights on_device(const ops::ExpertWeights& w) {
+  ops::ExpertWeights d = w;
+  d.weight = device::to_device(w.weight, Device::kCuda);
+  d.scale = device::to_device(w.scale, Device::kCuda);
+  if (w.input_scale) d.input_scale = device::to_device(w.input_scale, Device::kCuda);
+  return d;
+}
+
+std::vector<float> run_cuda(const Inputs& in, DType act, cuda::moe::Fp8ExpertsPath path) {
+  const ops::ExpertWeights up = on_device(in.s.up), down = on_device(in.s.down);
+  Tensor o = device::empty(Device::kCuda, act, in.x.shape());
+  Tensor poison = Tensor::empty(act, in.x.shape());
+  std::memset(poison.data(), 0xff, poison.nbytes());
+  device::copy(o, poison);
+  const Tensor dx = device::to_device(in.x, Device::kCuda, act), dids = device::to_device(in.ids, Device::kCuda);
+  const Tensor dw = device::to_device(in.w, Device::kCuda);
+  cuda::moe::moe_experts_fp8_on_path(ops::Context{Device::kCuda, nullptr}, o, dx, dids, dw, up, down, path);
+  return to_vector(device::to_host_f32(o));
+}
+
+void cuda_case(test::Rng& rng, const Case& c, DType act, cuda::moe::Fp8ExpertsPath path) {
+  SCOPED_TRACE(testing::Message() << "T " << c.T << " E " << c.E << " k " << c.k << " D " << c.D << " I " << c.I
+                                  << " static " << c.up_static << c.down_static << " " << dtype_name(act) << " path "
+                                  << static_cast<int>(path));
+  const Inputs in = make_inputs(rng, c, act);
+  const bool tc = path == cuda::moe::Fp8ExpertsPath::kCutlass;
+  const Reference ref = naive(in.x, in.ids, in.w, in.s, act, tc ? tensor_core_acc_rel : fp32_acc_rel);
+  const std::vector<float> got = run_cuda(in, act, path);
+  EXPECT_TRUE(within(got, ref));
+  // And against the CPU reference with the same rounding point: within the sum of both bounds.
+  Tensor cpu_out = Tensor::empty(DType::kF32, {c.T, c.D});
+  cpu::moe_experts_fp8(cpu_out, in.x, in.ids, in.w, in.s.up, in.s.down, act);
+  Reference both = ref;
+  const std::vector<float> cpu_v = to_vector(cpu_out);
+  for (size_t i = 0; i < both.out.size(); ++i) {
+    both.out[i] = cpu_v[i];
+    both.tol[i] *= 2.0f;
+  }
+  EXPECT_TRUE(within(got, both)) << "CUDA vs CPU reference";
+}
+
+bool has_gpu() { return device::cuda_available(); }
+
+TEST(Fp8Experts, CudaGemvMatchesReference) {
+  if (!has_gpu()) GTEST_SKIP() << device::describe_cuda();
+  auto rng = test::Rng::for_test();
+  const auto gemv = cuda::moe::Fp8ExpertsPath::kGemv;
+  for (DType act : {DType::kF32, DType::kBF16}) {
+    for (int64_t T : {1, 3, 8, 9, 64, 257, 1000}) {
+      cuda_case(rng, Case{T, 5, 2, 80, 48, true, true, 2}, act, gemv);
+      cuda_case(rng, Case{T, 128, 6, 96, 64, true, true}, act, gemv);
+    }
+    // Not multiples of 16 (the scalar-load variant), top-1, weight-only and mixed.
+    for (int64_t T : {1, 9, 257}) {
+      cuda_case(rng, Case{T, 5, 1, 70, 42, true, true}, act, gemv);
+      cuda_case(rng, Case{T, 5, 2, 80, 48, false, false}, act, gemv);
+      cuda_case(rng, Case{T, 128, 6, 72, 40, false, false}, act, gemv);
+      cuda_case(rng, Case{T, 5, 2, 80, 48, true, false}, act, gemv);
+    }
+  }
+}
+
+TEST(Fp8Experts, CudaGemvNanoShapes) {
+  if (!has_gpu()) GTEST_SKIP() << device::describe_cuda();
+  auto rng = test::Rng::for_test();
+  for (int64_t T : {1, 3, 8}) {
+    cuda_case(rng, Case{T, 128, 6, 2688, 1856, true, true}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
+  }
+  cuda_case(rng, Case{2, 128, 6, 2688, 1856, false, false}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
+  // Super's latent experts (512 x [2688, 1024]), top-22.
+  cuda_case(rng, Case{2, 512, 22, 1024, 2688, true, true}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
+}
+
+TEST(Fp8Experts, CudaCutlassMatchesReference) {
+  if (!has_gpu()) GTEST_SKIP() << device::describe_cuda();
+#ifndef CHIMERA_HAVE_CUTLASS
+  GTEST_SKIP() << "built without CUTLASS (cmake -DCHIMERA_CUTLASS=ON)";
+#endif
+  auto rng = test::Rng::for_test();
+  const auto path = cuda::moe::Fp8ExpertsPath::kCutlass;
+  for (int64_t T : {1, 3, 8, 9, 64, 257, 1000}) {
+    cuda_case(rng, Case{T, 5, 2, 80, 48, true, true, 2}, DType::kBF16, path);
+    cuda_case(rng, Case{T, 128, 6, 96, 64, true, true}, DType::kBF16, path);
+  }
+  cuda_case(rng, Case{257, 5, 1, 144, 272, true, true}, DType::kBF16, path);
+  cuda_case(rng, Case{300, 128, 6, 2688, 1856, true, true}, DType::kBF16, path);
+  // Outside its domain (weight-only, fp32 activations, K % 16 != 0): a clear error, not a wrong answer.
+  {
+    const Inputs in = make_inputs(rng, Case{9, 5, 2, 80, 48, false, false}, DType::kBF16);
+    EXPECT_TRUE(test::throws_error([&] { run_cuda(in, DType::kBF16, path); }, ErrorKind::kRuntime, "cutlass"));
+  }
+  {
+    const Inputs in = make_inputs(rng, Case{9, 5, 2, 70, 42, true, true}, DType::kBF16);
+    EXPECT_TRUE(test::throws_error([&] { run_cuda(in, DType::kBF16, path); }, ErrorKind::kRuntime, "cutlass"));
+  }
+}
+
+TEST(Fp8Experts, CudaAutoPicksAWorkingPath) {
+  if (!has_gpu()) GTEST_SKIP() << device::describe_cuda();
+  auto rng = test::Rng::for_test();
+  const auto path = cuda::moe::Fp8ExpertsPath::kAuto;
+  cuda_case(rng, Case{1, 128, 6, 96, 64, true, true}, DType::kBF16, path);
+  cuda_case(rng, Case{257, 128, 6, 96, 64, true, true}, DType::kBF16, path);
+  cuda_case(rng, Case{257, 5, 2, 70, 42, true, true}, DType::kBF16, path);
+  cuda_case(rng, Case{257, 5, 2, 80, 48, false, false}, DType::kBF16, path);
+  cuda_case(rng, Case{64, 5, 2, 80, 48, true, true}, DType::kF32, path);
+}
+#endif
 
 }  // namespace
 }  // namespace chimera
