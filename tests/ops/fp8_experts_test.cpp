@@ -7,8 +7,8 @@
 // quantization with down's input scale): both are monotone, so rounding the interval's ends bounds them. The
 // interval's width before rounding is the accumulation error of h: kAccRandom * sqrt(K) * 2^-24 * sum_k |a_k w_k|
 // for fp32 accumulation in any order (a random-walk bound of K roundings, with a factor 4 of margin), and
-// 2^-13 * sum_k |a_k w_k| for the FP8 tensor cores (wgmma accumulates FP8 products with about 14 mantissa bits
-// between CUTLASS's promotions into fp32 registers). Where the interval straddles an e4m3 (or bf16) rounding
+// 2^-11 * sum_k |a_k w_k| for the FP8 tensor cores (wgmma accumulates FP8 products with about 14 mantissa bits,
+// truncating, over the up to four wgmmas between CUTLASS's promotions into fp32 registers: 4 x 2^-13). Where the interval straddles an e4m3 (or bf16) rounding
 // boundary, the codes a kernel picks may differ from the naive ones by one step: the out tolerance adds
 // |W_down| x (hi - lo) of every such element, plus the down accumulation's own error, plus half an ulp of the output
 // dtype. No element is excused: every element of out must lie within its own derived bound.
@@ -166,7 +166,7 @@ Reference naive(const Tensor& x, const Tensor& ids, const Tensor& w, const Fp8Ex
 }
 
 double fp32_acc_rel(int64_t K) { return kAccRandom * std::sqrt(static_cast<double>(K)) * 0x1p-24; }
-[[maybe_unused]] double tensor_core_acc_rel(int64_t K) { return 0x1p-13 + fp32_acc_rel(K); }
+[[maybe_unused]] double tensor_core_acc_rel(int64_t K) { return 0x1p-11 + fp32_acc_rel(K); }
 
 ::testing::AssertionResult within(const std::vector<float>& got, const Reference& ref) {
   size_t worst = 0;
@@ -320,10 +320,23 @@ void cuda_case(test::Rng& rng, const Case& c, DType act, cuda::moe::Fp8ExpertsPa
                                   << " static " << c.up_static << c.down_static << " " << dtype_name(act) << " path "
                                   << static_cast<int>(path));
   const Inputs in = make_inputs(rng, c, act);
-  const bool tc = path == cuda::moe::Fp8ExpertsPath::kCutlass;
+  // The automatic choice may take the tensor cores (bf16): their bound, which contains the fp32 one.
+  const bool tc = act == DType::kBF16 && path != cuda::moe::Fp8ExpertsPath::kGemv;
   const Reference ref = naive(in.x, in.ids, in.w, in.s, act, tc ? tensor_core_acc_rel : fp32_acc_rel);
   const std::vector<float> got = run_cuda(in, act, path);
   EXPECT_TRUE(within(got, ref));
+  if (tc) {
+    // The tensor cores' bound above is the worst case of truncating accumulation and excuses many e4m3 flips of hq;
+    // their typical effect is a relative RMS of about sqrt(flip fraction) x one e4m3 step (~2^-4): a few percent at
+    // most. A wrong scale, expert or row moves the whole output, far beyond 5 %.
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double d = static_cast<double>(got[i]) - ref.out[i];
+      num += d * d;
+      den += static_cast<double>(ref.out[i]) * ref.out[i];
+    }
+    EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 0.05) << "relative RMS error of the tensor-core path";
+  }
   // And against the CPU reference with the same rounding point: within the sum of both bounds.
   Tensor cpu_out = Tensor::empty(DType::kF32, {c.T, c.D});
   cpu::moe_experts_fp8(cpu_out, in.x, in.ids, in.w, in.s.up, in.s.down, act);
@@ -380,7 +393,7 @@ TEST(Fp8Experts, CudaCutlassMatchesReference) {
     cuda_case(rng, Case{T, 128, 6, 96, 64, true, true}, DType::kBF16, path);
   }
   cuda_case(rng, Case{257, 5, 1, 144, 272, true, true}, DType::kBF16, path);
-  cuda_case(rng, Case{300, 128, 6, 2688, 1856, true, true}, DType::kBF16, path);
+  cuda_case(rng, Case{96, 128, 6, 2688, 1856, true, true}, DType::kBF16, path);
   // Outside its domain (weight-only, fp32 activations, K % 16 != 0): a clear error, not a wrong answer.
   {
     const Inputs in = make_inputs(rng, Case{9, 5, 2, 80, 48, false, false}, DType::kBF16);

@@ -56,6 +56,11 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
       throw Error(ErrorKind::kInvalidInput, str_cat(kOp, ": ", t->describe(), " is not on the CUDA device"));
     }
   }
+  for (const ops::ExpertWeights* w : {&up, &down}) {
+    if (w->act == ops::ActQuant::kStatic && w->input_scale.device() != Device::kCuda) {
+      throw Error(ErrorKind::kInvalidInput, str_cat(kOp, ": ", w->name, ".input_scale is not on the CUDA device"));
+    }
+  }
   const int64_t T = x.dim(0), D = x.dim(1), k = topk_ids.dim(1);
   const int64_t E = up.num_experts(), I = up.out_features();
   if (E > kPermuteMaxExperts || k > 32) {
