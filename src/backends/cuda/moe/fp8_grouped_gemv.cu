@@ -80,8 +80,9 @@ __device__ __forceinline__ void load16(const TA* p, float (&v)[16]) {
 }
 
 // kVec: K % 16 == 0 and 16-byte aligned weight rows and staged rows.
+// At most 128 registers a thread, so two blocks share an SM (16 warps keeping 8 loads each in flight).
 template <typename TA, bool kVec>
-__global__ void __launch_bounds__(kThreads) moe_fp8_gemv_kernel(const Fp8GemvParams p) {
+__global__ void __launch_bounds__(kThreads, 2) moe_fp8_gemv_kernel(const Fp8GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   TA* xs = reinterpret_cast<TA*>(smem_raw);  // [tile_rows][K]
   pdl_wait();  // the permutation, x / h and the scales' producers
