@@ -207,7 +207,8 @@ template <typename TA, bool kVec>
 void launch_typed(const Fp8GemvParams& p, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(p.tile_rows) * p.K * sizeof(TA);
   auto* kernel = moe_fp8_gemv_kernel<TA, kVec>;
-  set_max_dynamic_smem(kernel, smem, "cuda::moe_experts_fp8");
+  // The cap, not this launch's size: one value for every launch (occupancy follows each launch's own smem).
+  set_max_dynamic_smem(kernel, kFp8GemvMaxSmemBytes, "cuda::moe_experts_fp8");
   const dim3 grid(static_cast<unsigned>(p.max_items), static_cast<unsigned>(ceil_div(p.N, kFp8GemvRowsPerBlock)));
   CHIMERA_CUDA_CHECK(launch(kernel, grid, dim3(kThreads), smem, stream, p), "cuda::moe_experts_fp8");
 }
