@@ -76,7 +76,9 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
   const bool cutlass_ok = cutlass_built() && up_q && down_q && act == DType::kBF16 && D % 16 == 0 && I % 16 == 0 &&
                           aligned16(up.weight.data()) && aligned16(down.weight.data()) && aligned16(x.data());
   if (path == Fp8ExpertsPath::kAuto) {
-    path = cutlass_ok && T >= kFp8CutlassMinTokens ? Fp8ExpertsPath::kCutlass : Fp8ExpertsPath::kGemv;
+    // KernelConfig::moe_cutlass switches the CUTLASS experts off for both weight formats.
+    path = cutlass_ok && ctx.kernels.moe_cutlass && T >= kFp8CutlassMinTokens ? Fp8ExpertsPath::kCutlass
+                                                                                : Fp8ExpertsPath::kGemv;
   } else if (path == Fp8ExpertsPath::kCutlass && !cutlass_ok) {
     throw_runtime(str_cat(kOp, ": the cutlass path ",
                           cutlass_built() ? "takes W8A8 static experts, BF16 x, D and I multiples of 16 (x "
