@@ -135,8 +135,7 @@ void bench_fp8(const Context& ctx, const Fp8Case& c, std::initializer_list<int64
     const double flops = 2.0 * 2.0 * static_cast<double>(T * c.k) * static_cast<double>(c.I * c.D);
     const std::string shape = std::string(c.model) + " E=" + std::to_string(c.E) + " k=" + std::to_string(c.k) +
                               " D=" + std::to_string(c.D) + " I=" + std::to_string(c.I) + " T=" + std::to_string(T);
-    const double floor_us =
-        std::max((wbytes8 + act_bytes) / (kCopyBandwidthGBs * 1e3), flops / (kFp8PeakTflops * 1e6));
+    const double floor_us = std::max((wbytes8 + act_bytes) / (kCopyBandwidthGBs * 1e3), flops / (kFp8PeakTflops * 1e6));
 
     std::vector<std::pair<std::string, cuda::moe::Fp8ExpertsPath>> paths = {{"auto", cuda::moe::Fp8ExpertsPath::kAuto}};
     if (T <= 256) paths.push_back({"gemv", cuda::moe::Fp8ExpertsPath::kGemv});
@@ -147,8 +146,8 @@ void bench_fp8(const Context& ctx, const Fp8Case& c, std::initializer_list<int64
         cuda::moe::moe_experts_fp8_on_path(ops::Context{Device::kCuda, st}, out8, x, ids, w, c.up8, c.down8, path);
       };
       call(nullptr);
-      const double us = ctx.run_graph("moe_experts_fp8-" + name, shape, wbytes8 + act_bytes, flops,
-                                      [&](cudaStream_t st, int) { call(st); }, 5);
+      const double us = ctx.run_graph(
+          "moe_experts_fp8-" + name, shape, wbytes8 + act_bytes, flops, [&](cudaStream_t st, int) { call(st); }, 5);
       CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
       if (name == "auto") best8 = us;
     }
@@ -160,9 +159,10 @@ void bench_fp8(const Context& ctx, const Fp8Case& c, std::initializer_list<int64
         },
         5);
     CHIMERA_CUDA_CHECK(cudaGetLastError(), what);
-    std::printf("INFO fp8_moe %s touched_experts=%zu floor_us=%.2f fp8_us=%.2f of_floor=%.3f bf16_us=%.2f "
-                "speedup=%.2f\n",
-                shape.c_str(), touched, floor_us, best8, floor_us / best8, us16, us16 / best8);
+    std::printf(
+        "INFO fp8_moe %s touched_experts=%zu floor_us=%.2f fp8_us=%.2f of_floor=%.3f bf16_us=%.2f "
+        "speedup=%.2f\n",
+        shape.c_str(), touched, floor_us, best8, floor_us / best8, us16, us16 / best8);
     cuda::moe_experts_fp8(cx, out8, x, ids, w, c.up8, c.down8);
     cuda::moe::moe_experts_on_path(cx, out16, x, ids, w, c.up, c.down, cuda::moe::ExpertsPath::kAuto);
     const Tensor a = device::to_host_f32(out8), b = device::to_host_f32(out16);

@@ -8,10 +8,11 @@
 // interval's width before rounding is the accumulation error of h: kAccRandom * sqrt(K) * 2^-24 * sum_k |a_k w_k|
 // for fp32 accumulation in any order (a random-walk bound of K roundings, with a factor 4 of margin), and
 // 2^-11 * sum_k |a_k w_k| for the FP8 tensor cores (wgmma accumulates FP8 products with about 14 mantissa bits,
-// truncating, over the up to four wgmmas between CUTLASS's promotions into fp32 registers: 4 x 2^-13). Where the interval straddles an e4m3 (or bf16) rounding
-// boundary, the codes a kernel picks may differ from the naive ones by one step: the out tolerance adds
-// |W_down| x (hi - lo) of every such element, plus the down accumulation's own error, plus half an ulp of the output
-// dtype. No element is excused: every element of out must lie within its own derived bound.
+// truncating, over the up to four wgmmas between CUTLASS's promotions into fp32 registers: 4 x 2^-13). Where the
+// interval straddles an e4m3 (or bf16) rounding boundary, the codes a kernel picks may differ from the naive ones by
+// one step: the out tolerance adds |W_down| x (hi - lo) of every such element, plus the down accumulation's own error,
+// plus half an ulp of the output dtype. No element is excused: every element of out must lie within its own derived
+// bound.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -19,10 +20,10 @@
 #include <vector>
 
 #include "backends/cpu/fp8_experts.h"
+#include "backends/device_api.h"
 #include "common/backend_param.h"
 #include "common/compare.h"
 #include "core/fp8.h"
-#include "backends/device_api.h"
 #ifdef CHIMERA_HAVE_CUDA
 #include "backends/cuda/moe/fp8_experts.h"
 #endif
@@ -95,7 +96,9 @@ float round_act(float v, DType act) {
   convert_to_f32(&h, act, &r, 1);
   return r;
 }
-float fake_q(float v, float in) { return e4m3_to_f32(f32_to_e4m3(v / in)) * in; }
+float fake_q(float v, float in) {
+  return e4m3_to_f32(f32_to_e4m3(v / in)) * in;
+}
 
 struct Reference {
   std::vector<float> out, tol;
@@ -165,8 +168,12 @@ Reference naive(const Tensor& x, const Tensor& ids, const Tensor& w, const Fp8Ex
   return r;
 }
 
-double fp32_acc_rel(int64_t K) { return kAccRandom * std::sqrt(static_cast<double>(K)) * 0x1p-24; }
-[[maybe_unused]] double tensor_core_acc_rel(int64_t K) { return 0x1p-11 + fp32_acc_rel(K); }
+double fp32_acc_rel(int64_t K) {
+  return kAccRandom * std::sqrt(static_cast<double>(K)) * 0x1p-24;
+}
+[[maybe_unused]] double tensor_core_acc_rel(int64_t K) {
+  return 0x1p-11 + fp32_acc_rel(K);
+}
 
 ::testing::AssertionResult within(const std::vector<float>& got, const Reference& ref) {
   size_t worst = 0;
@@ -237,10 +244,10 @@ TEST(Fp8Experts, CpuWeightOnlyIsTheDenseExpertsOnDequantizedWeights) {
   cpu::moe_experts_fp8(got, in.x, in.ids, in.w, in.s.up, in.s.down);
   std::vector<Tensor> up, down;
   for (int64_t e = 0; e < c.E; ++e) {
-    up.push_back(Tensor::from_f32({c.I, c.D}, std::span<const float>(in.s.up_w.data() + e * c.I * c.D,
-                                                                     static_cast<size_t>(c.I * c.D))));
-    down.push_back(Tensor::from_f32({c.D, c.I}, std::span<const float>(in.s.down_w.data() + e * c.D * c.I,
-                                                                       static_cast<size_t>(c.D * c.I))));
+    up.push_back(Tensor::from_f32(
+        {c.I, c.D}, std::span<const float>(in.s.up_w.data() + e * c.I * c.D, static_cast<size_t>(c.I * c.D))));
+    down.push_back(Tensor::from_f32(
+        {c.D, c.I}, std::span<const float>(in.s.down_w.data() + e * c.D * c.I, static_cast<size_t>(c.D * c.I))));
   }
   Tensor want = Tensor::empty(DType::kF32, {c.T, c.D});
   ops::moe_experts(ops::Context{}, want, in.x, in.ids, in.w, up, down);
@@ -249,9 +256,9 @@ TEST(Fp8Experts, CpuWeightOnlyIsTheDenseExpertsOnDequantizedWeights) {
 
 TEST(Fp8Experts, CpuMatchesNaiveLoop) {
   auto rng = test::Rng::for_test();
-  for (const Case& c : {Case{1, 5, 1, 48, 32, true, true}, Case{9, 5, 2, 40, 24, true, true, 2},
-                        Case{64, 5, 2, 70, 42, true, false}, Case{33, 128, 6, 32, 48, true, true},
-                        Case{8, 5, 2, 40, 24, false, true}}) {
+  for (const Case& c :
+       {Case{1, 5, 1, 48, 32, true, true}, Case{9, 5, 2, 40, 24, true, true, 2}, Case{64, 5, 2, 70, 42, true, false},
+        Case{33, 128, 6, 32, 48, true, true}, Case{8, 5, 2, 40, 24, false, true}}) {
     SCOPED_TRACE(testing::Message() << "T " << c.T << " E " << c.E << " k " << c.k << " D " << c.D << " I " << c.I
                                     << " static " << c.up_static << c.down_static);
     for (DType act : {DType::kF32, DType::kBF16}) {
@@ -349,7 +356,9 @@ void cuda_case(test::Rng& rng, const Case& c, DType act, cuda::moe::Fp8ExpertsPa
   EXPECT_TRUE(within(got, both)) << "CUDA vs CPU reference";
 }
 
-bool has_gpu() { return device::cuda_available(); }
+bool has_gpu() {
+  return device::cuda_available();
+}
 
 TEST(Fp8Experts, CudaGemvMatchesReference) {
   if (!has_gpu()) GTEST_SKIP() << device::describe_cuda();

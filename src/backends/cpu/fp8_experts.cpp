@@ -17,10 +17,11 @@
 namespace chimera::cpu {
 namespace {
 
-[[noreturn]] void throw_invalid(const std::string& message) { throw Error(ErrorKind::kInvalidInput, message); }
+[[noreturn]] void throw_invalid(const std::string& message) {
+  throw Error(ErrorKind::kInvalidInput, message);
+}
 
-void check_experts(const char* where, const char* role, const ops::ExpertWeights& w, int64_t E, int64_t N,
-                   int64_t K) {
+void check_experts(const char* where, const char* role, const ops::ExpertWeights& w, int64_t E, int64_t N, int64_t K) {
   const std::string name = w.name.empty() ? std::string(role) : w.name;
   if (w.format != ops::WeightFormat::kFp8) {
     throw_invalid(str_cat(where, ": ", name, " is ", ops::weight_format_name(w.format), ", expected fp8"));
@@ -39,7 +40,8 @@ void check_experts(const char* where, const char* role, const ops::ExpertWeights
   if (w.act == ops::ActQuant::kStatic) {
     if (static_cast<int64_t>(w.host_input_scale.size()) != E || !w.input_scale ||
         w.input_scale.dtype() != DType::kF32 || w.input_scale.numel() != E) {
-      throw_invalid(str_cat(where, ": ", name, ".input_scale needs ", E, " F32 per-expert values (static activation "
+      throw_invalid(str_cat(where, ": ", name, ".input_scale needs ", E,
+                            " F32 per-expert values (static activation "
                             "quantization)"));
     }
     for (int64_t e = 0; e < E; ++e) {
@@ -75,15 +77,16 @@ void moe_experts_fp8(const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                      const ops::ExpertWeights& up, const ops::ExpertWeights& down, DType act_dtype) {
   check_fp8_experts("cpu::moe_experts_fp8", x, topk_ids, topk_weights, up, down);
   if (x.dtype() != DType::kF32 || out.dtype() != DType::kF32 || out.shape() != x.shape()) {
-    throw_invalid(str_cat("cpu::moe_experts_fp8: x ", x.describe(), " and out ", out.describe(),
-                          " must be F32 of one shape"));
+    throw_invalid(
+        str_cat("cpu::moe_experts_fp8: x ", x.describe(), " and out ", out.describe(), " must be F32 of one shape"));
   }
   const int64_t T = x.dim(0), Din = x.dim(1), k = topk_ids.dim(1);
   const int64_t E = up.num_experts(), I = up.out_features();
   std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(E));
   for (int64_t i = 0; i < T * k; ++i) {
     const int32_t e = topk_ids.i32()[i];
-    if (e < 0 || e >= E) throw_invalid(str_cat("cpu::moe_experts_fp8: topk_ids[", i, "] = ", e, " outside [0, ", E, ")"));
+    if (e < 0 || e >= E)
+      throw_invalid(str_cat("cpu::moe_experts_fp8: topk_ids[", i, "] = ", e, " outside [0, ", E, ")"));
     pairs[static_cast<size_t>(e)].push_back(i);
   }
   out.fill_f32(0.0f);

@@ -16,7 +16,9 @@
 namespace chimera::cuda {
 namespace {
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
 
 // Tokens per GEMV work item: 1, 2, 4 or 8 (at most T, since a token picks an expert once), halved until the staged
 // rows fit.
@@ -28,7 +30,9 @@ int fp8_gemv_tile_rows(int64_t T, int64_t max_k, DType act) {
   return nt;
 }
 
-const float* f32_ptr(const Tensor& t) { return t ? t.data_as<float>() : nullptr; }
+const float* f32_ptr(const Tensor& t) {
+  return t ? t.data_as<float>() : nullptr;
+}
 
 }  // namespace
 
@@ -64,8 +68,8 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
   const int64_t T = x.dim(0), D = x.dim(1), k = topk_ids.dim(1);
   const int64_t E = up.num_experts(), I = up.out_features();
   if (E > kPermuteMaxExperts || k > 32) {
-    throw_runtime(str_cat(kOp, ": ", E, " experts / top-", k, " is not supported (E <= ", kPermuteMaxExperts,
-                          ", k <= 32)"));
+    throw_runtime(
+        str_cat(kOp, ": ", E, " experts / top-", k, " is not supported (E <= ", kPermuteMaxExperts, ", k <= 32)"));
   }
   const int64_t P = T * k;
   if (P > (int64_t{1} << 30) || P * std::max(D, I) > (int64_t{1} << 40)) {
@@ -78,7 +82,7 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
   if (path == Fp8ExpertsPath::kAuto) {
     // KernelConfig::moe_cutlass switches the CUTLASS experts off for both weight formats.
     path = cutlass_ok && ctx.kernels.moe_cutlass && T >= kFp8CutlassMinTokens ? Fp8ExpertsPath::kCutlass
-                                                                                : Fp8ExpertsPath::kGemv;
+                                                                              : Fp8ExpertsPath::kGemv;
   } else if (path == Fp8ExpertsPath::kCutlass && !cutlass_ok) {
     throw_runtime(str_cat(kOp, ": the cutlass path ",
                           cutlass_built() ? "takes W8A8 static experts, BF16 x, D and I multiples of 16 (x "

@@ -3,10 +3,12 @@
 // when i >= *n_items) and weight rows [32 j, 32 j + 32) of its expert: the item's input rows are staged in shared
 // memory in the activation dtype (quantized to e4m3 values on the way in for the W8A8 up-projection), then warp w
 // streams rows 4w .. 4w + 3, lane l the 16-byte chunks l, l + 32, ... of each, two chunks per row per step (eight
-// 16-byte loads in flight per lane before the FMAs that use them), the e4m3 bytes converted through half2 (exact),
-// fp32 FMAs against every staged row, warp-shuffle reduction (a fixed order: the same bits on every run). At decode
-// (one token per active expert) a block moves 32 x K weight bytes and touches each once: the expert bytes stream
-// from HBM once per item, the floor being the selected experts' bytes over the copy bandwidth.
+// 16-byte loads in flight per lane before the FMAs that use them; the first step's are issued before the staging,
+// which depends on the item only through the expert, so the staging's round trips overlap them), the e4m3 bytes
+// converted through half2 (exact), fp32 FMAs against every staged row, warp-shuffle reduction (a fixed order: the
+// same bits on every run). At decode (one token per active expert) a block moves 32 x K weight bytes and touches
+// each once: the expert bytes stream from HBM once per item, the floor being the selected experts' bytes over the
+// copy bandwidth.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -85,7 +87,7 @@ template <typename TA, bool kVec>
 __global__ void __launch_bounds__(kThreads, 2) moe_fp8_gemv_kernel(const Fp8GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   TA* xs = reinterpret_cast<TA*>(smem_raw);  // [tile_rows][K]
-  pdl_wait();  // the permutation, x / h and the scales' producers
+  pdl_wait();                                // the permutation, x / h and the scales' producers
   pdl_trigger();
   const int item_idx = static_cast<int>(blockIdx.x);
   if (item_idx >= *p.n_items) return;
@@ -96,8 +98,30 @@ __global__ void __launch_bounds__(kThreads, 2) moe_fp8_gemv_kernel(const Fp8Gemv
   const bool up_quant = p.up && p.in_scale != nullptr;
   const bool in_codes = !p.up && p.in_scale != nullptr;
 
-  // Stage the item's input rows.
   const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32, lane = tid % 32;
+  const int n0 = static_cast<int>(blockIdx.y) * kFp8GemvRowsPerBlock + warp * kRows;
+  const int nrows = max(0, min(kRows, N - n0));
+  const uint8_t* wbase = p.weight + (static_cast<int64_t>(e) * N + min(n0, N - 1)) * K;
+  [[maybe_unused]] const int chunks = K / 16;
+  // The first step's weight chunks are requested before the staging (they depend on the item only), so the
+  // staging's round trips overlap them.
+  [[maybe_unused]] uint4 wc[kRows][kUnroll];
+  [[maybe_unused]] auto load_step = [&](int c0) {
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * 32 + lane;
+        wc[j][u] = (j < nrows && c < chunks)
+                       ? __ldg(reinterpret_cast<const uint4*>(wbase + static_cast<int64_t>(j) * K) + c)
+                       : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  if constexpr (kVec) load_step(0);
+
+  // Stage the item's input rows.
   for (int r = 0; r < rows; ++r) {
     const int64_t src_row = p.up ? p.sorted_pair[r0 + r] / p.top_k : r0 + r;
     TA* dst = xs + static_cast<int64_t>(r) * K;
@@ -107,7 +131,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_fp8_gemv_kernel(const Fp8Gemv
     } else {
       const TA* src = static_cast<const TA*>(p.x) + src_row * K;
       if (up_quant) {
-        for (int k = tid; k < K; k += kThreads) dst[k] = from_float<TA>(e4m3_value(e4m3_code(__fdiv_rn(to_float(src[k]), in_s))));
+        for (int k = tid; k < K; k += kThreads)
+          dst[k] = from_float<TA>(e4m3_value(e4m3_code(__fdiv_rn(to_float(src[k]), in_s))));
       } else {
         for (int k = tid; k < K; k += kThreads) dst[k] = src[k];
       }
@@ -115,31 +140,16 @@ __global__ void __launch_bounds__(kThreads, 2) moe_fp8_gemv_kernel(const Fp8Gemv
   }
   __syncthreads();
 
-  const int warp = tid / 32, lane = tid % 32;
-  const int n0 = static_cast<int>(blockIdx.y) * kFp8GemvRowsPerBlock + warp * kRows;
   if (n0 >= N) return;
-  const uint8_t* wbase = p.weight + (static_cast<int64_t>(e) * N + n0) * K;
   float acc[kRows][kMaxNt];
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
 #pragma unroll
     for (int r = 0; r < kMaxNt; ++r) acc[j][r] = 0.0f;
   }
-  const int nrows = min(kRows, N - n0);
   if constexpr (kVec) {
-    const int chunks = K / 16;
     for (int c0 = 0; c0 < chunks; c0 += 32 * kUnroll) {
-      uint4 wc[kRows][kUnroll];
-#pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int c = c0 + u * 32 + lane;
-          wc[j][u] = (j < nrows && c < chunks)
-                         ? __ldg(reinterpret_cast<const uint4*>(wbase + static_cast<int64_t>(j) * K) + c)
-                         : make_uint4(0, 0, 0, 0);
-        }
-      }
+      if (c0 > 0) load_step(c0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int c = c0 + u * 32 + lane;
@@ -164,7 +174,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_fp8_gemv_kernel(const Fp8Gemv
     for (int k = lane; k < K; k += 32) {
       float wf[kRows];
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) wf[j] = j < nrows ? e4m3_value(__ldg(wbase + static_cast<int64_t>(j) * K + k)) : 0.0f;
+      for (int j = 0; j < kRows; ++j)
+        wf[j] = j < nrows ? e4m3_value(__ldg(wbase + static_cast<int64_t>(j) * K + k)) : 0.0f;
 #pragma unroll
       for (int r = 0; r < kMaxNt; ++r) {
         if (r >= rows) break;
@@ -225,15 +236,11 @@ void launch_moe_fp8_gemv(const Fp8GemvParams& p, DType act, cudaStream_t stream)
   }
   const bool vec = p.K % 16 == 0 && (reinterpret_cast<uintptr_t>(p.weight) & 15u) == 0;
   switch (act) {
-    case DType::kF32:
-      vec ? launch_typed<float, true>(p, stream) : launch_typed<float, false>(p, stream);
-      break;
+    case DType::kF32: vec ? launch_typed<float, true>(p, stream) : launch_typed<float, false>(p, stream); break;
     case DType::kBF16:
       vec ? launch_typed<__nv_bfloat16, true>(p, stream) : launch_typed<__nv_bfloat16, false>(p, stream);
       break;
-    case DType::kF16:
-      vec ? launch_typed<__half, true>(p, stream) : launch_typed<__half, false>(p, stream);
-      break;
+    case DType::kF16: vec ? launch_typed<__half, true>(p, stream) : launch_typed<__half, false>(p, stream); break;
     default:
       throw_runtime(str_cat("cuda::moe_experts_fp8: activations ", dtype_name(act), " (supported: F32, BF16, F16)"));
   }

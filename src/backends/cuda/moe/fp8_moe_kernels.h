@@ -26,16 +26,16 @@ namespace chimera::cuda::moe {
 // f16 and f32), [tile_rows][K]. Block: 8 warps x kFp8GemvRowsPerWarp weight rows; lane l reads 16-byte weight
 // chunks l, l + 32, ... of each of its rows (K % 16 == 0 and a 16-byte aligned weight; otherwise single bytes).
 struct Fp8GemvParams {
-  const uint8_t* weight;       // [E, N, K] e4m3
-  const float* w_scale;        // [E]
-  const float* in_scale;       // [E] or nullptr (see above)
-  const float* out_scale;      // [E] or nullptr (up only)
-  const void* x;               // up: x [T, K]; down: h [P, K]
-  void* out;                   // up: h [P, N]; down: y [P, N] f32
-  const int32_t* sorted_pair;  // [P]
-  const int4* items;           // [max_items]
-  const int32_t* n_items;      // [1]
-  const float* topk_weights;   // [P] (down)
+  const uint8_t* weight;                  // [E, N, K] e4m3
+  const float* w_scale;                   // [E]
+  const float* in_scale;                  // [E] or nullptr (see above)
+  const float* out_scale;                 // [E] or nullptr (up only)
+  const void* x;                          // up: x [T, K]; down: h [P, K]
+  void* out;                              // up: h [P, N]; down: y [P, N] f32
+  const int32_t* sorted_pair;             // [P]
+  const int4* items;                      // [max_items]
+  const int32_t* n_items;                 // [1]
+  const float* topk_weights;              // [P] (down)
   int N, K, top_k, max_items, tile_rows;  // tile_rows <= kFp8GemvMaxTileRows
   bool up;
 };
@@ -68,11 +68,11 @@ struct Fp8CutlassParams {
   const int4* items;           // [groups]
   const int32_t* n_items;      // [1]
   int P, top_k, D, I, E;
-  int groups;                  // min(P, E)
-  uint8_t* xq;                 // [P, D] scratch
-  uint8_t* hq;                 // [P, I] scratch
-  float* yp;                   // [P, D] out, permuted order
-  int32_t* pair_row;           // [P] out
+  int groups;         // min(P, E)
+  uint8_t* xq;        // [P, D] scratch
+  uint8_t* hq;        // [P, I] scratch
+  float* yp;          // [P, D] out, permuted order
+  int32_t* pair_row;  // [P] out
 };
 size_t fp8_cutlass_workspace_bytes(int groups);
 void launch_moe_fp8_cutlass(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);

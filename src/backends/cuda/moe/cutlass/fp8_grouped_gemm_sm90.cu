@@ -83,10 +83,10 @@ using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperativ
 constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 
 using GroupScalar = fusion::Sm90ScalarBroadcastPtrArray<float>;
-using Scaled = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, GroupScalar,
-                               fusion::Sm90AccFetch>;
-using UpFusion = fusion::Sm90EVT<fusion::Sm90Compute<Relu2Quant, cutlass::float_e4m3_t, float, kRound>, Scaled,
-                                 GroupScalar>;
+using Scaled =
+    fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, GroupScalar, fusion::Sm90AccFetch>;
+using UpFusion =
+    fusion::Sm90EVT<fusion::Sm90Compute<Relu2Quant, cutlass::float_e4m3_t, float, kRound>, Scaled, GroupScalar>;
 using DownFusion = Scaled;
 
 template <bool kUp, int kTileN>
@@ -123,8 +123,12 @@ constexpr bool strides_as_expected() {
          cute::is_same_v<typename Cfg::StrideD, ColMajorStride>;
 }
 static_assert(strides_as_expected<UpGemm>() && strides_as_expected<DownGemm>(), "A and B K-major, D column-major");
-__device__ __forceinline__ KMajorStride k_major_stride(int ld) { return make_stride(int64_t{ld}, _1{}, _0{}); }
-__device__ __forceinline__ ColMajorStride col_major_stride(int ld) { return make_stride(_1{}, int64_t{ld}, _0{}); }
+__device__ __forceinline__ KMajorStride k_major_stride(int ld) {
+  return make_stride(int64_t{ld}, _1{}, _0{});
+}
+__device__ __forceinline__ ColMajorStride col_major_stride(int ld) {
+  return make_stride(_1{}, int64_t{ld}, _0{});
+}
 
 // The device-side group arrays of one GEMM (G entries each), carved from the workspace.
 template <class ElementD>
@@ -137,15 +141,17 @@ struct GroupArrays {
   KMajorStride* stride_a;
   KMajorStride* stride_b;
   ColMajorStride* stride_d;
-  float* alpha;              // [G] w_scale[e] * in_scale[e]
-  const float** alpha_ptr;   // [G] &alpha[g]
+  float* alpha;               // [G] w_scale[e] * in_scale[e]
+  const float** alpha_ptr;    // [G] &alpha[g]
   const float** divisor_ptr;  // [G] up: &in_down[e] (the down projection's input scale); down: unused
 };
 using UpArrays = GroupArrays<cutlass::float_e4m3_t>;
 using DownArrays = GroupArrays<float>;
 
 constexpr size_t kAlign = 256;
-constexpr size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+constexpr size_t align_up(size_t v) {
+  return (v + kAlign - 1) / kAlign * kAlign;
+}
 
 size_t group_array_bytes(int groups) {
   const size_t g = static_cast<size_t>(groups);
@@ -273,7 +279,8 @@ typename Cfg::Gemm::Arguments make_args(const Arrays& a, int groups, int sms) {
                                      {a.a, a.stride_a, a.b, a.stride_b},
                                      {{}, nullptr, a.stride_d, a.d, a.stride_d},
                                      hw};
-  // The EVT's arguments mirror its tree: {children..., op}. A group scalar: {scalars, scalar_ptrs, ptr_arrays, dScalar}.
+  // The EVT's arguments mirror its tree: {children..., op}. A group scalar: {scalars, scalar_ptrs, ptr_arrays,
+  // dScalar}.
   typename GroupScalar::Arguments alpha{};
   alpha.scalar_ptr_arrays[0] = a.alpha_ptr;
   if constexpr (cute::is_same_v<typename Cfg::Fusion, UpFusion>) {
@@ -296,7 +303,8 @@ void run_gemm(const Arrays& a, int groups, int sms, unsigned char* gemm_ws, size
   }
   cutlass::Status st = gemm.can_implement(args);
   if (st != cutlass::Status::kSuccess) {
-    throw_runtime(str_cat("cuda::moe_experts_fp8: CUTLASS grouped GEMM cannot implement: ", cutlassGetStatusString(st)));
+    throw_runtime(
+        str_cat("cuda::moe_experts_fp8: CUTLASS grouped GEMM cannot implement: ", cutlassGetStatusString(st)));
   }
   st = gemm.initialize(args, gemm_ws, stream);
   if (st != cutlass::Status::kSuccess) {
@@ -325,8 +333,8 @@ size_t fp8_cutlass_workspace_bytes(int groups) {
 void launch_moe_fp8_cutlass(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (p.P <= 0 || p.groups <= 0) return;
   if (p.D % 16 != 0 || p.I % 16 != 0) {
-    throw_runtime(str_cat("cuda::moe_experts_fp8: the CUTLASS path needs D, I multiples of 16 (D ", p.D, ", I ", p.I,
-                          ")"));
+    throw_runtime(
+        str_cat("cuda::moe_experts_fp8: the CUTLASS path needs D, I multiples of 16 (D ", p.D, ", I ", p.I, ")"));
   }
   if (workspace_bytes < fp8_cutlass_workspace_bytes(p.groups)) {
     throw_runtime("cuda::moe_experts_fp8: CUTLASS workspace too small");
