@@ -52,14 +52,14 @@ int32_t cuda_graph_pad_rows(const std::vector<int32_t>& buckets) {
   return std::max(widest - 1, 0);
 }
 
-size_t mamba_slot_bytes(const ModelConfig& c, DType act_dtype) {
+size_t mamba_slot_bytes(const ModelConfig& c, DType act_dtype, DType ssm_dtype) {
   const size_t conv = mul(mul(positive(c.conv_dim(), "conv_dim"), positive(c.conv_kernel - 1, "conv_kernel - 1"),
                               "conv state"),
                           dtype_size(act_dtype), "conv state bytes");
   const size_t ssm = mul(mul(mul(positive(c.mamba_num_heads, "mamba_num_heads"),
                                  positive(c.mamba_head_dim, "mamba_head_dim"), "SSM state"),
                              positive(c.ssm_state_size, "ssm_state_size"), "SSM state"),
-                         4, "SSM state bytes");
+                         dtype_size(ssm_dtype), "SSM state bytes");
   const size_t n = count(c, LayerKind::kMamba);
   return n == 0 ? 0 : mul(add(conv, ssm, "Mamba state"), n, "Mamba state of all layers");
 }
@@ -126,7 +126,8 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
     }
     p.graphs = add(largest, largest / 4, "graph allowance");
   }
-  p.slot_bytes = mamba_slot_bytes(c, act_dtype);
+  p.ssm_dtype = r.ssm_dtype;
+  p.slot_bytes = mamba_slot_bytes(c, act_dtype, r.ssm_dtype);
   p.block_bytes = kv_block_bytes(c, act_dtype, r.block_size);
   // The graphs' pad rows each own a scratch Mamba slot and KV block (StateCache, CacheSizes::num_pad).
   p.pad_rows = r.cuda_graphs ? cuda_graph_pad_rows(cuda_graph_batch_sizes(r.max_num_seqs)) : 0;
@@ -169,11 +170,11 @@ std::string format_cache_sizing(const CacheSizingPlan& p, const std::string& dev
   }
   return fmt::format(
       "{} memory: {} total, {} allowed; in use {} (weights {}); workspace {}, CUDA graphs {}\n"
-      "KV cache: {} blocks x {} = {} tokens ({}); Mamba state: {} slots ({})\n"
+      "KV cache: {} blocks x {} = {} tokens ({}); Mamba state: {} slots ({}, SSM state {}; at most {} slots fit)\n"
       "{}maximum concurrency for {} tokens per request: {:.2f}x ({} sequences fit at once)\n",
       device_name, gib(p.total), gib(p.budget + p.in_use), gib(p.in_use), gib(p.weights), gib(p.workspace),
       gib(p.graphs), p.kv_blocks, p.block_size, p.kv_tokens(), gib(static_cast<size_t>(p.kv_blocks) * p.block_bytes),
-      p.mamba_slots, gib(p.mamba_slots * p.slot_bytes), pads, p.max_model_len, per_request, p.max_concurrency());
+      p.mamba_slots, gib(p.mamba_slots * p.slot_bytes), ssm_cache_dtype_name(p.ssm_dtype), p.max_slots_that_fit, pads, p.max_model_len, per_request, p.max_concurrency());
 }
 
 }  // namespace chimera

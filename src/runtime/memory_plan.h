@@ -5,7 +5,8 @@
 //   KV cache    attention layers x 2 (K, V) x kv heads x head_dim x activation dtype, for max_num_seqs
 //               sequences of max_model_len tokens rounded up to whole blocks, plus one block per CUDA-graph pad row
 //   Mamba state per Mamba layer and sequence (and CUDA-graph pad row): conv state [conv_dim, conv_kernel - 1] in the
-//               activation dtype and SSM state [mamba_num_heads, mamba_head_dim, ssm_state_size] in fp32
+//               activation dtype and SSM state [mamba_num_heads, mamba_head_dim, ssm_state_size] in
+//               MemoryLimits::ssm_dtype (fp32 unless --mamba-ssm-cache-dtype says otherwise)
 //   workspace   an estimate: per token of a step, a few hidden-size activations plus the widest mixer's
 //               intermediates; plus fp32 logits rows for every sequence
 #pragma once
@@ -26,6 +27,7 @@ struct MemoryLimits {
   int32_t max_tokens_per_step = 2048;  // SchedulerConfig::max_num_batched_tokens
   int32_t block_size = 16;             // KV tokens per block (CacheSizes::block_size)
   int32_t graph_pad_rows = 0;          // scratch Mamba slots and KV blocks of CUDA-graph pad rows (CacheSizes::num_pad)
+  DType ssm_dtype = DType::kF32;       // the SSM state's dtype (CacheSizes::ssm_dtype)
 };
 
 struct MemoryPlan {
