@@ -48,6 +48,7 @@ void add_bench(CLI::App& app, BenchOptions& o) {
                  "Weights and activations on CUDA: bfloat16 (default) or float32; the CPU computes in float32")
       ->check(CLI::IsMember({"bfloat16", "float32"}));
   add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
+  add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
   app.add_option("--input-lens", o.input_lens, "Prefill: prompt lengths, comma-separated (one sequence each)")
       ->delimiter(',')
       ->check(kPositiveInt)
@@ -162,6 +163,7 @@ struct Runner {
     lim.max_tokens_per_step = std::min(sched_defaults.max_num_batched_tokens, model_len);
     lim.block_size = CacheSizes{}.block_size;
     lim.ssm_dtype = ssm_dtype;
+    lim.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
     const MemoryPlan p = plan_memory(model.config(), weight_dtype, model.activation_dtype(), lim);
     const size_t need = p.total() - p.weights;
     const size_t free_b = device::memory_info(ctx.device).free;
@@ -177,6 +179,7 @@ struct Runner {
     ec.cache.max_seqs = seqs;
     ec.cache.max_model_len = model_len;
     ec.cache.ssm_dtype = ssm_dtype;
+    ec.cache.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
     ec.cuda_graphs = o.cuda_graphs;
     return ec;
   }
@@ -364,8 +367,8 @@ int run_bench(const BenchOptions& o) {
 
   // PDL as the kernels will see it: on by default on sm_90+, off with --no-pdl or CHIMERA_PDL=0.
   const bool pdl = mo.device == Device::kCuda && kernels.pdl && device::pdl_enabled();
-  fmt::print("chimera bench | {} | {} {} (weights {}, SSM state {}) | {} | PDL {} | commit {}\n", model_name, o.device,
-             act, wdt, ssm_cache_dtype_name(run.ssm_dtype),
+  fmt::print("chimera bench | {} | {} {} (weights {}, SSM state {}, KV cache {}) | {} | PDL {} | commit {}\n",
+             model_name, o.device, act, wdt, ssm_cache_dtype_name(run.ssm_dtype), o.kv_cache_dtype,
              device_desc, pdl ? "on" : "off", CHIMERA_GIT_COMMIT);
   fmt::print(
       "roofline   batch-1 decode {:.1f} tok/s = {:.3f} GB/token at {:.0f} GB/s ({:.3f} B active params, "
@@ -459,6 +462,7 @@ int run_bench(const BenchOptions& o) {
     j["dtype"] = act;
     j["weight_dtype"] = wdt;
     j["mamba_ssm_cache_dtype"] = ssm_cache_dtype_name(run.ssm_dtype);
+    j["kv_cache_dtype"] = o.kv_cache_dtype;
     j["settings"] = {{"decode_context", o.decode_context},
                      {"decode_steps", o.decode_steps},
                      {"warmup", o.warmup},

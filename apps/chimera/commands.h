@@ -27,6 +27,7 @@ struct GenerateOptions {
   SamplingParams sampling;
   int32_t max_model_len = 4096;
   std::string mamba_ssm_cache_dtype;  // --mamba-ssm-cache-dtype; "" / "auto": the config's (resolve_ssm_cache_dtype)
+  std::string kv_cache_dtype = "auto";  // --kv-cache-dtype auto | fp8
   bool no_special_tokens = false;
   bool quiet = false;  // no stats on stderr
   // Tensor-parallel AllReduce strategy (--allreduce-strategy / CHIMERA_ALLREDUCE_STRATEGY, read once by CLI11
@@ -41,6 +42,7 @@ struct InfoOptions {
   int32_t max_model_len = 4096;
   std::string dtype = "bfloat16";
   std::string mamba_ssm_cache_dtype;  // the SSM state's dtype in the memory plan ("" / "auto": the config's)
+  std::string kv_cache_dtype = "auto";  // the KV cache's in the memory plan: auto | fp8
   // Write the model's config as a transformers config.json (what `--synthetic PRESET [--num-layers N]`
   // builds), so a peer (bench/peers/engine_peers.py) runs the same shapes.
   std::string dump_config;
@@ -56,6 +58,7 @@ struct BenchOptions {
   int32_t decode_context = 1024;
   int32_t decode_steps = 32;
   std::string mamba_ssm_cache_dtype;  // "" / "auto": the config's (resolve_ssm_cache_dtype)
+  std::string kv_cache_dtype = "auto";  // auto | fp8
   int32_t warmup = 2;
   bool cuda_graphs = true;        // --no-cuda-graphs: every decode step eager
   bool pdl = true;                // --no-pdl: kernels launched without programmatic dependent launch (device_api.h)
@@ -79,6 +82,7 @@ struct ServeOptions {
   int32_t max_model_len = 4096;
   double gpu_memory_utilization = 0.9;
   std::string mamba_ssm_cache_dtype;  // "" / "auto": the config's (resolve_ssm_cache_dtype)
+  std::string kv_cache_dtype = "auto";  // auto | fp8
   int32_t max_waiting_seqs = 1024;
   std::string device = "cpu";
   std::string dtype;

@@ -29,6 +29,7 @@ void add_info(CLI::App& app, InfoOptions& o) {
       ->check(CLI::IsMember({"bfloat16", "float16", "float32"}))
       ->capture_default_str();
   add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
+  add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
   app.add_option("--dump-config", o.dump_config,
                  "Write the model's config as a transformers config.json to FILE (e.g. a --synthetic preset, "
                  "for bench/peers/engine_peers.py)");
@@ -207,16 +208,20 @@ int run_info(const InfoOptions& o) {
   fmt::print("  KV cache (fp32) per token                    {}\n",
              human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c))));
   fmt::print("  KV cache (bf16) per token                    {}\n",
-             human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c)) / 2));
+             human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c, 2))));
+  fmt::print("  KV cache (fp8) per token                     {}\n",
+             human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c, 1))));
 
   const DType dtype = o.dtype == "float32" ? DType::kF32 : o.dtype == "float16" ? DType::kF16 : DType::kBF16;
   MemoryLimits limits;
   limits.max_num_seqs = o.max_num_seqs;
   limits.max_model_len = o.max_model_len;
   limits.ssm_dtype = resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, c);
+  limits.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
   const MemoryPlan plan = plan_memory(c, dtype, dtype, limits);
-  fmt::print("\nmemory plan ({}, {} sequences x {} tokens, {} tokens per step, SSM state {})\n", dtype_name(dtype),
-             o.max_num_seqs, o.max_model_len, limits.max_tokens_per_step, ssm_cache_dtype_name(limits.ssm_dtype));
+  fmt::print("\nmemory plan ({}, {} sequences x {} tokens, {} tokens per step, SSM state {}, KV cache {})\n",
+             dtype_name(dtype), o.max_num_seqs, o.max_model_len, limits.max_tokens_per_step,
+             ssm_cache_dtype_name(limits.ssm_dtype), limits.kv_cache_fp8 ? "fp8" : dtype_name(dtype));
   fmt::print("  weights     {:>14}\n", gib(plan.weights));
   fmt::print("  KV cache    {:>14}\n", gib(plan.kv_cache));
   fmt::print("  Mamba state {:>14}\n", gib(plan.mamba_state));

@@ -41,6 +41,13 @@ DType resolve_ssm_cache_dtype(const std::string& flag, const ModelConfig& config
   return parse_ssm_cache_dtype(config.mamba_ssm_cache_dtype, "config.json field 'mamba_ssm_cache_dtype'");
 }
 
+void add_kv_cache_dtype_flag(CLI::App& app, std::string& value) {
+  app.add_option("--kv-cache-dtype", value,
+                 "KV cache: auto (the activation dtype) or fp8 (E4M3 with per-tensor k / v scales, 1 byte an element)")
+      ->check(CLI::IsMember({"auto", "fp8"}))
+      ->capture_default_str();
+}
+
 ModelConfig load_source_config(const ModelSource& src) {
   if (!src.is_synthetic()) {
     if (src.num_layers != 0) invalid_input("--num-layers needs --synthetic (a checkpoint has all its layers)");

@@ -48,6 +48,8 @@ void add_ssm_cache_dtype_flag(CLI::App& app, std::string& value);
 // The SSM state dtype: the flag's, or for "" / "auto" the config's mamba_ssm_cache_dtype (float32 when config.json
 // has none). kInvalidInput naming the flag or the config field for anything else.
 DType resolve_ssm_cache_dtype(const std::string& flag, const ModelConfig& config);
+// Registers --kv-cache-dtype (vLLM's flag): auto (the activation dtype, the default) or fp8 (E4M3, per-tensor scales).
+void add_kv_cache_dtype_flag(CLI::App& app, std::string& value);
 
 // `options` say where the weights go (ModelOptions: CPU zero-copy, or uploaded to the GPU in a dtype). When
 // `limits` is given the memory plan is checked first against the device's free memory (the host's for a

@@ -561,8 +561,19 @@ void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Ten
   c.shape("v", v, k.shape(), "k", k);
   if (KVh <= 0 || Qh % KVh != 0)
     c.fail("k {} has {} heads, which do not divide the {} heads of q {}", k.describe(), KVh, Qh, q.describe());
-  c.f32("cache.k", cache.k, 4);
-  c.f32("cache.v", cache.v, 4);
+  if (cache.k && cache.k.dtype() == DType::kF8E4M3) {  // an FP8 cache: both tensors, finite positive scales
+    c.present("cache.k", cache.k);
+    c.present("cache.v", cache.v);
+    if (cache.v.dtype() != DType::kF8E4M3 || cache.k.ndim() != 4 || cache.v.ndim() != 4) {
+      c.fail("cache.k {} and cache.v {} must both be 4-D F8_E4M3", cache.k.describe(), cache.v.describe());
+    }
+    for (const float s : {cache.k_scale, cache.v_scale}) {
+      if (!(s > 0.0f) || !std::isfinite(s)) c.fail("FP8 KV cache scales {} / {} must be finite and > 0", cache.k_scale, cache.v_scale);
+    }
+  } else {
+    c.f32("cache.k", cache.k, 4);
+    c.f32("cache.v", cache.v, 4);
+  }
   const int64_t num_blocks = cache.k.dim(0), block_size = cache.k.dim(1);
   c.shape("cache.k", cache.k, {num_blocks, block_size, KVh, hd}, "k", k);
   c.shape("cache.v", cache.v, cache.k.shape(), "cache.k", cache.k);

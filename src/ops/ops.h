@@ -207,10 +207,15 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
                          bool prefetch_states = false);
 
 // ---- attention -------------------------------------------------------------------------------------
-// A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim].
+// A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim], in the
+// activation dtype, or F8_E4M3 (--kv-cache-dtype fp8) with per-tensor scales: attention stores
+// e4m3(k / k_scale) (round to nearest even, saturated at +-448) and reads e4m3 x k_scale, likewise v (vLLM's FP8 KV
+// cache; the scales are the checkpoint's k_scale / v_scale, 1 when it has none). The scales are unused otherwise.
 struct KvCacheView {
   Tensor k;
   Tensor v;
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
 };
 
 // Causal GQA attention over a packed batch with a paged KV cache, no positional encoding.

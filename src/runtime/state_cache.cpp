@@ -48,7 +48,8 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
         break;
       case LayerKind::kAttention: {
         const Shape kv_shape{blocks, sizes_.block_size, config.num_key_value_heads, config.head_dim};
-        state_.kv[i] = ops::KvCacheView{zeros(device, act_dtype, kv_shape), zeros(device, act_dtype, kv_shape)};
+        const DType kv_dtype = sizes_.kv_cache_fp8 ? DType::kF8E4M3 : act_dtype;
+        state_.kv[i] = ops::KvCacheView{zeros(device, kv_dtype, kv_shape), zeros(device, kv_dtype, kv_shape)};
         break;
       }
       case LayerKind::kMlp:
@@ -121,8 +122,8 @@ size_t StateCache::mamba_state_bytes_per_seq(const ModelConfig& c, DType ssm_dty
   return per_layer * static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kMamba));
 }
 
-size_t StateCache::kv_bytes_per_token(const ModelConfig& c) {
-  const size_t per_layer = static_cast<size_t>(2 * c.num_key_value_heads * c.head_dim) * 4;
+size_t StateCache::kv_bytes_per_token(const ModelConfig& c, size_t bytes_per_element) {
+  const size_t per_layer = static_cast<size_t>(2 * c.num_key_value_heads * c.head_dim) * bytes_per_element;
   return per_layer * static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kAttention));
 }
 

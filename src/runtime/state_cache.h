@@ -4,7 +4,9 @@
 //     with --mamba-ssm-cache-dtype: half the bytes, so twice the slots fit). A sequence owns one slot id across all
 //     Mamba layers. The conv state has the activation dtype (F32 on the CPU, bf16 / fp32 on CUDA).
 //   * Paged KV cache: per attention layer K and V blocks [num_blocks, block_size, num_key_value_heads,
-//     head_dim] in the activation dtype, handed out in blocks and addressed through per-sequence block tables.
+//     head_dim] in the activation dtype, or FP8 E4M3 with per-tensor scales (CacheSizes::kv_cache_fp8,
+//     --kv-cache-dtype fp8: one byte an element), handed out in blocks and addressed through per-sequence block
+//     tables.
 //   * Past both, num_pad scratch slots and blocks for CUDA-graph pad rows: slots = max_seqs + num_pad, blocks =
 //     num_blocks + num_pad; sizes(), the free lists and the load figures count only the sequences' part.
 // Everything lives on the device the model runs on (device::empty, zeroed with device::zero).
@@ -41,6 +43,9 @@ struct CacheSizes {
   int32_t num_pad = 0;
   // The SSM state's dtype: F32, BF16 (rounded to nearest even) or F16 (stochastic rounding), ops.h SsmParams.
   DType ssm_dtype = DType::kF32;
+  // --kv-cache-dtype fp8: K and V stored as F8_E4M3 (ops.h KvCacheView; the views' scales start at 1); false
+  // ("auto"): the activation dtype.
+  bool kv_cache_fp8 = false;
 };
 
 // --mamba-ssm-cache-dtype: "float32", "bfloat16" or "float16" (vLLM's names); kInvalidInput naming `what` otherwise.
@@ -77,7 +82,7 @@ class StateCache {
   size_t bytes() const;
   // Bytes of Mamba state per sequence and of KV per token, from the config alone.
   static size_t mamba_state_bytes_per_seq(const ModelConfig& config, DType ssm_dtype = DType::kF32);
-  static size_t kv_bytes_per_token(const ModelConfig& config);
+  static size_t kv_bytes_per_token(const ModelConfig& config, size_t bytes_per_element = 4);
 
  private:
   CacheSizes sizes_;
