@@ -129,6 +129,41 @@ TEST_P(EngineSsmCacheDtype, GreedyTokensMatchTheFp32StateOnRobustPositions) {
   }
 }
 
+// The stochastic rounding's bits depend on a sequence's own positions, not on its slot or batch, and the FP8 KV
+// cache's rounding is per element: with an fp16 state and an FP8 KV cache, every request's greedy tokens in a busy
+// engine (three at once, chunked prefill beside decode) equal its tokens alone, as with the default caches.
+TEST_P(EngineSsmCacheDtype, SixteenBitStateAndFp8KvGiveEveryRequestItsTokensAlone) {
+  std::vector<std::vector<int32_t>> prompts;
+  for (int32_t len : {23, 5, 41}) {
+    std::vector<int32_t> p(static_cast<size_t>(len));
+    for (int32_t i = 0; i < len; ++i) p[static_cast<size_t>(i)] = (len * 131 + i * 17 + 3) % 4000 + 5;
+    prompts.push_back(p);
+  }
+  SamplingParams sp;
+  sp.max_new_tokens = 12;
+  sp.ignore_eos = true;
+  for (const DType sd : {DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(dtype_name(sd));
+    EngineConfig ec;
+    ec.cache.max_seqs = 3;
+    ec.cache.max_model_len = 96;
+    ec.cache.block_size = 8;
+    ec.cache.ssm_dtype = sd;
+    ec.cache.kv_cache_fp8 = true;
+    ec.scheduler.max_num_seqs = 3;
+    ec.scheduler.max_num_batched_tokens = 16;
+    const std::vector<std::vector<int32_t>> busy = generate_all(*model_, ctx(), ec, prompts, sp);
+    ASSERT_EQ(busy.size(), prompts.size());
+    ec.cache.max_seqs = 1;
+    ec.scheduler.max_num_seqs = 1;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const std::vector<std::vector<int32_t>> alone = generate_all(*model_, ctx(), ec, {prompts[i]}, sp);
+      EXPECT_EQ(busy[i], alone[0]) << "request " << i;
+      EXPECT_EQ(busy[i].size(), 12u);
+    }
+  }
+}
+
 CHIMERA_INSTANTIATE_BACKENDS(EngineSsmCacheDtype);
 
 }  // namespace
