@@ -156,9 +156,10 @@ void bench_ssu(const Context& ctx, const SsuModel& m, int batch, DType state_dty
   }
 }
 
+// F16: the stochastic-rounding store (the same bytes as BF16; the difference is the rounding's hash work).
 CHIMERA_BENCH(mamba_ssu) {
   for (const SsuModel* m : {&kSuper, &kNano}) {
-    for (DType sd : {DType::kF32, DType::kBF16}) {
+    for (DType sd : {DType::kF32, DType::kBF16, DType::kF16}) {
       for (int batch : {1, 8, 64, 256}) bench_ssu(ctx, *m, batch, sd, 0, "ssu", batch >= 64);
     }
   }

@@ -47,6 +47,8 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   app.add_option("--dtype", o.dtype,
                  "Weights and activations on CUDA: bfloat16 (default) or float32; the CPU computes in float32")
       ->check(CLI::IsMember({"bfloat16", "float32"}));
+  add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
+  add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
   app.add_option("--input-lens", o.input_lens, "Prefill: prompt lengths, comma-separated (one sequence each)")
       ->delimiter(',')
       ->check(kPositiveInt)
@@ -150,6 +152,7 @@ struct Runner {
   DType weight_dtype;
   SchedulerConfig sched_defaults;
   std::vector<StepProfile>* profiles = nullptr;  // --profile: the profiled steps, in order
+  DType ssm_dtype = DType::kF32;                  // --mamba-ssm-cache-dtype
 
   // Caches and workspace of an engine for these limits (the weights are loaded already), or "" when they fit.
   std::string does_not_fit(int32_t seqs, int32_t model_len) const {
@@ -159,6 +162,8 @@ struct Runner {
     lim.max_model_len = model_len;
     lim.max_tokens_per_step = std::min(sched_defaults.max_num_batched_tokens, model_len);
     lim.block_size = CacheSizes{}.block_size;
+    lim.ssm_dtype = ssm_dtype;
+    lim.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
     const MemoryPlan p = plan_memory(model.config(), weight_dtype, model.activation_dtype(), lim);
     const size_t need = p.total() - p.weights;
     const size_t free_b = device::memory_info(ctx.device).free;
@@ -173,6 +178,8 @@ struct Runner {
     ec.scheduler.max_num_seqs = seqs;
     ec.cache.max_seqs = seqs;
     ec.cache.max_model_len = model_len;
+    ec.cache.ssm_dtype = ssm_dtype;
+    ec.cache.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
     ec.cuda_graphs = o.cuda_graphs;
     return ec;
   }
@@ -348,7 +355,8 @@ int run_bench(const BenchOptions& o) {
              ops::Context{mo.device, nullptr, profiler.get(), kernels},
              weight_dtype_of(o, c, mo),
              SchedulerConfig{},
-             &profiles};
+             &profiles,
+             resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, c)};
   const DecodeRoofline roof = batch1_decode_roofline(c, run.weight_dtype, o.bandwidth_gbs * 1e9);
   const std::string device_desc = mo.device == Device::kCuda ? device::describe_cuda() : cpu_description();
   const std::string model_name =
@@ -359,7 +367,8 @@ int run_bench(const BenchOptions& o) {
 
   // PDL as the kernels will see it: on by default on sm_90+, off with --no-pdl or CHIMERA_PDL=0.
   const bool pdl = mo.device == Device::kCuda && kernels.pdl && device::pdl_enabled();
-  fmt::print("chimera bench | {} | {} {} (weights {}) | {} | PDL {} | commit {}\n", model_name, o.device, act, wdt,
+  fmt::print("chimera bench | {} | {} {} (weights {}, SSM state {}, KV cache {}) | {} | PDL {} | commit {}\n",
+             model_name, o.device, act, wdt, ssm_cache_dtype_name(run.ssm_dtype), o.kv_cache_dtype,
              device_desc, pdl ? "on" : "off", CHIMERA_GIT_COMMIT);
   fmt::print(
       "roofline   batch-1 decode {:.1f} tok/s = {:.3f} GB/token at {:.0f} GB/s ({:.3f} B active params, "
@@ -452,6 +461,8 @@ int run_bench(const BenchOptions& o) {
                   {"parameters", parameter_count(c)}};
     j["dtype"] = act;
     j["weight_dtype"] = wdt;
+    j["mamba_ssm_cache_dtype"] = ssm_cache_dtype_name(run.ssm_dtype);
+    j["kv_cache_dtype"] = o.kv_cache_dtype;
     j["settings"] = {{"decode_context", o.decode_context},
                      {"decode_steps", o.decode_steps},
                      {"warmup", o.warmup},

@@ -26,6 +26,8 @@ struct GenerateOptions {
   std::string dump_activations;  // --dump-activations DIR (NemotronH::set_activation_dump)
   SamplingParams sampling;
   int32_t max_model_len = 4096;
+  std::string mamba_ssm_cache_dtype;  // --mamba-ssm-cache-dtype; "" / "auto": the config's (resolve_ssm_cache_dtype)
+  std::string kv_cache_dtype = "auto";  // --kv-cache-dtype auto | fp8
   bool no_special_tokens = false;
   bool quiet = false;  // no stats on stderr
   // Tensor-parallel AllReduce strategy (--allreduce-strategy / CHIMERA_ALLREDUCE_STRATEGY, read once by CLI11
@@ -39,6 +41,8 @@ struct InfoOptions {
   int32_t max_num_seqs = 8;
   int32_t max_model_len = 4096;
   std::string dtype = "bfloat16";
+  std::string mamba_ssm_cache_dtype;  // the SSM state's dtype in the memory plan ("" / "auto": the config's)
+  std::string kv_cache_dtype = "auto";  // the KV cache's in the memory plan: auto | fp8
   // Write the model's config as a transformers config.json (what `--synthetic PRESET [--num-layers N]`
   // builds), so a peer (bench/peers/engine_peers.py) runs the same shapes.
   std::string dump_config;
@@ -53,6 +57,8 @@ struct BenchOptions {
   std::vector<int32_t> batch_sizes = {1, 8, 64, 256};
   int32_t decode_context = 1024;
   int32_t decode_steps = 32;
+  std::string mamba_ssm_cache_dtype;  // "" / "auto": the config's (resolve_ssm_cache_dtype)
+  std::string kv_cache_dtype = "auto";  // auto | fp8
   int32_t warmup = 2;
   bool cuda_graphs = true;        // --no-cuda-graphs: every decode step eager
   bool pdl = true;                // --no-pdl: kernels launched without programmatic dependent launch (device_api.h)
@@ -79,6 +85,8 @@ struct ServeOptions {
   int32_t max_model_len = 4096;
   double gpu_memory_utilization = 0.9;
   bool disable_log_stats = false;
+  std::string mamba_ssm_cache_dtype;  // "" / "auto": the config's (resolve_ssm_cache_dtype)
+  std::string kv_cache_dtype = "auto";  // auto | fp8
   int32_t max_waiting_seqs = 1024;
   std::string device = "cpu";
   std::string dtype;

@@ -50,6 +50,8 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
   app.add_option("--dtype", o.dtype,
                  "Weights and activations on CUDA: bfloat16 (default) or float32; the CPU computes in float32")
       ->check(CLI::IsMember({"bfloat16", "float32"}));
+  add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
+  add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
   app.add_option("--max-model-len", o.max_model_len, "Maximum tokens per sequence (prompt + output)")
       ->capture_default_str();
   app.add_option("--logits-out", o.logits_out,
@@ -128,7 +130,10 @@ int run_generate(const GenerateOptions& o) {
 
   const auto t0 = std::chrono::steady_clock::now();
   EngineConfig ec;
+  ec.cache.ssm_dtype = resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, load_source_config(o.source));
   MemoryLimits limits;
+  limits.ssm_dtype = ec.cache.ssm_dtype;
+  ec.cache.kv_cache_fp8 = limits.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
   limits.max_num_seqs = 1;
   limits.max_model_len = o.max_model_len;
   limits.max_tokens_per_step = std::min(ec.scheduler.max_num_batched_tokens, o.max_model_len);

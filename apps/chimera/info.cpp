@@ -28,6 +28,8 @@ void add_info(CLI::App& app, InfoOptions& o) {
   app.add_option("--dtype", o.dtype, "Memory plan: weight and activation dtype on the GPU")
       ->check(CLI::IsMember({"bfloat16", "float16", "float32"}))
       ->capture_default_str();
+  add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
+  add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
   app.add_option("--dump-config", o.dump_config,
                  "Write the model's config as a transformers config.json to FILE (e.g. a --synthetic preset, "
                  "for bench/peers/engine_peers.py)");
@@ -197,20 +199,29 @@ int run_info(const InfoOptions& o) {
     fmt::print("  {:<11} {:>14}\n", name, human_bytes(static_cast<double>(total) * bytes));
   }
   fmt::print("\nmemory for state\n");
-  fmt::print("  Mamba state (conv + SSM, fp32) per sequence  {}\n",
-             human_bytes(static_cast<double>(StateCache::mamba_state_bytes_per_seq(c))));
+  // Per SSM state dtype (--mamba-ssm-cache-dtype): a 16-bit state halves the SSM part, so more slots fit.
+  for (auto [name, dt] : {std::pair{"fp32", DType::kF32}, {"bf16", DType::kBF16}, {"fp16", DType::kF16}}) {
+    const size_t per_seq = StateCache::mamba_state_bytes_per_seq(c, dt);
+    fmt::print("  Mamba state (conv fp32 + SSM {}) per sequence  {}  ({} slots per GiB)\n", name,
+               human_bytes(static_cast<double>(per_seq)), per_seq == 0 ? 0 : (size_t{1} << 30) / per_seq);
+  }
   fmt::print("  KV cache (fp32) per token                    {}\n",
              human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c))));
   fmt::print("  KV cache (bf16) per token                    {}\n",
-             human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c)) / 2));
+             human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c, 2))));
+  fmt::print("  KV cache (fp8) per token                     {}\n",
+             human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c, 1))));
 
   const DType dtype = o.dtype == "float32" ? DType::kF32 : o.dtype == "float16" ? DType::kF16 : DType::kBF16;
   MemoryLimits limits;
   limits.max_num_seqs = o.max_num_seqs;
   limits.max_model_len = o.max_model_len;
+  limits.ssm_dtype = resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, c);
+  limits.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
   const MemoryPlan plan = plan_memory(c, dtype, dtype, limits);
-  fmt::print("\nmemory plan ({}, {} sequences x {} tokens, {} tokens per step)\n", dtype_name(dtype), o.max_num_seqs,
-             o.max_model_len, limits.max_tokens_per_step);
+  fmt::print("\nmemory plan ({}, {} sequences x {} tokens, {} tokens per step, SSM state {}, KV cache {})\n",
+             dtype_name(dtype), o.max_num_seqs, o.max_model_len, limits.max_tokens_per_step,
+             ssm_cache_dtype_name(limits.ssm_dtype), limits.kv_cache_fp8 ? "fp8" : dtype_name(dtype));
   fmt::print("  weights     {:>14}\n", gib(plan.weights));
   fmt::print("  KV cache    {:>14}\n", gib(plan.kv_cache));
   fmt::print("  Mamba state {:>14}\n", gib(plan.mamba_state));

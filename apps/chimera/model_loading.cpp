@@ -5,6 +5,7 @@
 #include "backends/device_api.h"
 #include "core/error.h"
 #include "io/model_presets.h"
+#include "runtime/state_cache.h"
 #include "tokenizer/synthetic_tokenizer.h"
 
 namespace chimera::cli {
@@ -24,6 +25,26 @@ void add_model_source(CLI::App& app, ModelSource& s) {
   app.add_option("--num-layers", s.num_layers, "With --synthetic: keep the first N layers of the pattern")
       ->check(CLI::PositiveNumber);
   app.add_option("--synthetic-seed", s.synthetic_seed, "With --synthetic: seed of the random weights")
+      ->capture_default_str();
+}
+
+void add_ssm_cache_dtype_flag(CLI::App& app, std::string& value) {
+  app.add_option("--mamba-ssm-cache-dtype", value,
+                 "Mamba SSM state cache: float32, bfloat16 (round to nearest even), float16 (stochastic rounding) "
+                 "or auto (the checkpoint config's mamba_ssm_cache_dtype, float32 when it has none)")
+      ->check(CLI::IsMember({"auto", "float32", "bfloat16", "float16"}))
+      ->default_str("auto");
+}
+
+DType resolve_ssm_cache_dtype(const std::string& flag, const ModelConfig& config) {
+  if (!flag.empty() && flag != "auto") return parse_ssm_cache_dtype(flag, "--mamba-ssm-cache-dtype");
+  return parse_ssm_cache_dtype(config.mamba_ssm_cache_dtype, "config.json field 'mamba_ssm_cache_dtype'");
+}
+
+void add_kv_cache_dtype_flag(CLI::App& app, std::string& value) {
+  app.add_option("--kv-cache-dtype", value,
+                 "KV cache: auto (the activation dtype) or fp8 (E4M3 with per-tensor k / v scales, 1 byte an element)")
+      ->check(CLI::IsMember({"auto", "fp8"}))
       ->capture_default_str();
 }
 

@@ -43,6 +43,14 @@ struct LoadedModel {
 // The config of a source (a preset, truncated by --num-layers, or DIR/config.json), without weights.
 ModelConfig load_source_config(const ModelSource& src);
 
+// Registers --mamba-ssm-cache-dtype (vLLM's flag): float32, bfloat16, float16 or auto (the default).
+void add_ssm_cache_dtype_flag(CLI::App& app, std::string& value);
+// The SSM state dtype: the flag's, or for "" / "auto" the config's mamba_ssm_cache_dtype (float32 when config.json
+// has none). kInvalidInput naming the flag or the config field for anything else.
+DType resolve_ssm_cache_dtype(const std::string& flag, const ModelConfig& config);
+// Registers --kv-cache-dtype (vLLM's flag): auto (the activation dtype, the default) or fp8 (E4M3, per-tensor scales).
+void add_kv_cache_dtype_flag(CLI::App& app, std::string& value);
+
 // `options` say where the weights go (ModelOptions: CPU zero-copy, or uploaded to the GPU in a dtype). When
 // `limits` is given the memory plan is checked first against the device's free memory (the host's for a
 // synthetic model on the CPU; a checkpoint on the CPU is memory-mapped and not checked): kInvalidInput

@@ -55,6 +55,8 @@ void add_serve(CLI::App& app, ServeOptions& o) {
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--dtype", o.dtype, "Weights and activations on CUDA: bfloat16 (default) or float32")
       ->check(CLI::IsMember({"bfloat16", "float32"}));
+  add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
+  add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
   app.add_option("--reasoning-parser", o.reasoning_parser, "Split reasoning into reasoning_content: nemotron_v3")
       ->check(CLI::IsMember({"nemotron_v3"}));
   app.add_option("--tool-call-parser", o.tool_call_parser, "Turn the model's tool calls into tool_calls")
@@ -99,7 +101,10 @@ int run_serve(const ServeOptions& o) {
   EngineConfig ec;
   ec.scheduler.max_num_batched_tokens = max_num_batched_tokens;
   ec.cache.max_model_len = o.max_model_len;
+  ec.cache.ssm_dtype = resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, load_source_config(o.source));
   MemoryLimits limits;
+  limits.ssm_dtype = ec.cache.ssm_dtype;
+  ec.cache.kv_cache_fp8 = limits.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
   limits.max_num_seqs = max_num_seqs;
   limits.max_model_len = o.max_model_len;
   limits.max_tokens_per_step = max_num_batched_tokens;
@@ -116,6 +121,8 @@ int run_serve(const ServeOptions& o) {
     req.max_num_batched_tokens = max_num_batched_tokens;
     req.block_size = ec.cache.block_size;
     req.cuda_graphs = ec.cuda_graphs;
+    req.ssm_dtype = ec.cache.ssm_dtype;
+    req.kv_cache_fp8 = ec.cache.kv_cache_fp8;
     const DType act = m.model->activation_dtype();
     const size_t weights = plan_memory(m.config, model_options.dtype, act, limits).weights;
     const CacheSizingPlan plan = size_caches(m.config, act, weights, device::memory_info(Device::kCuda), req);

@@ -358,6 +358,8 @@ NemotronH NemotronH::bind(const ModelConfig& config, WeightTable& w, const Model
         mw.ssm.dt_bias = w.take_f32(mx + "dt_bias", {H});
         mw.ssm.dt_min = c.time_step_limit_min;
         mw.ssm.dt_max = c.time_step_limit_max;
+        // The F16 state's stochastic rounding draws differ per layer (ops.h SsmParams::state_seed).
+        mw.ssm.state_seed = splitmix64(0x4d616d6261535352ull ^ static_cast<uint64_t>(i));
         mw.norm = w.take(mx + "norm.weight", {Di});
         mw.out_proj = w.take(mx + "out_proj.weight", {D, Di});
         if (c.use_bias) mw.out_proj_bias = w.take(mx + "out_proj.bias", {D});
@@ -478,6 +480,9 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   const size_t np = static_cast<size_t>(b.num_prefill_seqs);
   const std::span<const int32_t> cu(b.cu_seqlens);
   const ops::Indices slots(b.state_slots, b.device_meta ? b.device_meta->state_slots : nullptr);
+  // The positions that key an F16 state's stochastic rounding (ops.h SsmParams::context_lens).
+  ops::SsmParams sp = w.ssm;
+  sp.context_lens = ops::Indices(b.context_lens, b.device_meta ? b.device_meta->context_lens : nullptr);
 
   // in_proj rows: [ z : Di | xBC : Cd | dt : H ]  (docs/model.md 3.2)
   Tensor zxbcdt = act(ctx, {T, c.in_proj_dim()});
@@ -487,7 +492,9 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   // Decode rows: conv update + selective state update + gated norm as ONE op straight from the in_proj rows (which
   // kernels run is the backend's choice: one fused kernel for small batches on CUDA, the three ops otherwise).
   if (Tp < T) {
-    ops::mamba_decode_update(ctx, normed.rows(Tp, T), zxbcdt.rows(Tp, T), w.conv1d_weight, w.conv1d_bias, w.ssm,
+    ops::SsmParams decode = sp;
+    decode.context_lens = sp.context_lens.subspan(np);
+    ops::mamba_decode_update(ctx, normed.rows(Tp, T), zxbcdt.rows(Tp, T), w.conv1d_weight, w.conv1d_bias, decode,
                              w.norm, G, c.layer_norm_epsilon, conv_state, ssm_state, slots.subspan(np),
                              /*prefetch_states=*/true);  // the previous kernel is in_proj
   }
@@ -502,7 +509,9 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
     Tensor xs, B, C;
     split_columns(ctx, xbc_act, {Di, G * N, G * N}, {&xs, &B, &C});
     Tensor y = act(ctx, {Tp, H, P});
-    ops::ssd_chunk_scan(ctx, y, xs.reshape({Tp, H, P}), dt, B.reshape({Tp, G, N}), C.reshape({Tp, G, N}), w.ssm,
+    ops::SsmParams prefill = sp;
+    prefill.context_lens = sp.context_lens.first(np);
+    ops::ssd_chunk_scan(ctx, y, xs.reshape({Tp, H, P}), dt, B.reshape({Tp, G, N}), C.reshape({Tp, G, N}), prefill,
                         ssm_state, cu.first(np + 1), slots.host.first(np), c.chunk_size);
     // Gate first, then per-group RMSNorm (norm_before_gate = false).
     ops::gated_rms_norm(ctx, Tp == T ? normed : normed.rows(0, Tp), y.reshape({Tp, Di}), z, w.norm, G,

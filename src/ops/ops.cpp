@@ -54,6 +54,14 @@ class Check {
     }
     if (rank >= 0 && t.ndim() != rank) fail("{} {} must have {} dimensions", name, t.describe(), rank);
   }
+  // A Mamba SSM state: F32, BF16 or F16 on every backend (the math is fp32; SsmParams says how it is rounded).
+  void state(const char* name, const Tensor& t, int rank) const {
+    present(name, t);
+    if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16 && t.dtype() != DType::kF16) {
+      fail("{} {} must be F32, BF16 or F16", name, t.describe());
+    }
+    if (t.ndim() != rank) fail("{} {} must have {} dimensions", name, t.describe(), rank);
+  }
   void i32(const char* name, const Tensor& t, int rank) const {
     present(name, t);
     if (t.dtype() != DType::kI32 || t.ndim() != rank) fail("{} {} must be a {}-D I32 tensor", name, t.describe(), rank);
@@ -127,6 +135,15 @@ class Check {
   const char* op_;
 };
 
+// SsmParams::context_lens: empty, or one non-negative count per sequence of the call.
+void check_context_lens(const Check& c, const SsmParams& p, size_t num_seqs) {
+  if (p.context_lens.empty()) return;
+  if (p.context_lens.size() != num_seqs) c.fail("{} context_lens for {} sequences", p.context_lens.size(), num_seqs);
+  for (size_t s = 0; s < num_seqs; ++s) {
+    if (p.context_lens[s] < 0) c.fail("context_lens[{}] = {} is negative", s, p.context_lens[s]);
+  }
+}
+
 void check_ssm_params(const Check& c, const SsmParams& p, int64_t H, const Tensor& x) {
   c.weight("A_log", p.A_log, 1);
   c.weight("D", p.D, 1);
@@ -146,7 +163,7 @@ void check_ssm(const Check& c, const Tensor& y, const Tensor& x, const Tensor& d
   c.f32("dt_raw", dt_raw, 2);
   c.f32("B", B, 3);
   c.f32("C", C, 3);
-  c.f32("ssm_state", ssm_state, 4);
+  c.state("ssm_state", ssm_state, 4);
   const int64_t T = x.dim(0), H = x.dim(1), P = x.dim(2), G = B.dim(1), N = B.dim(2);
   c.shape("y", y, x.shape(), "x", x);
   c.shape("dt_raw", dt_raw, {T, H}, "x", x);
@@ -381,6 +398,7 @@ void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const 
   if (chunk_size <= 0) c.fail("chunk_size {} must be positive", chunk_size);
   c.seqlens(cu_seqlens, slots.size(), x.dim(0));
   c.slots(slots, ssm_state.dim(0));
+  check_context_lens(c, p, slots.size());
   c.dispatch([&] { cpu::ssd_chunk_scan(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots, chunk_size); }, [&] { CHIMERA_CUDA_CALL(cuda::ssd_chunk_scan(ctx, y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots, chunk_size)); });
 }
 
@@ -391,6 +409,7 @@ void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const 
   check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
   c.seqlens(cu_seqlens, slots.size(), x.dim(0));
   c.slots(slots, ssm_state.dim(0));
+  check_context_lens(c, p, slots.size());
   c.dispatch([&] { cpu::ssm_recurrence(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots); }, [&] { CHIMERA_CUDA_CALL(cuda::ssm_recurrence(ctx, y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots)); });
 }
 
@@ -406,6 +425,7 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
   check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
   c.slots(slots.host, ssm_state.dim(0));
+  check_context_lens(c, p, slots.size());
   if (!dst_slots.empty()) {
     // Out of place: a live row's destination is in range and no other live row's source or destination (a kernel may
     // still be reading one sequence's source while it writes another's destination).
@@ -476,7 +496,7 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
   const Check c(ctx, "mamba_decode_update");
   c.f32("zxbcdt", zxbcdt, 2);
   c.f32("out", out, 2);
-  c.f32("ssm_state", ssm_state, 4);
+  c.state("ssm_state", ssm_state, 4);
   c.f32("conv_state", conv_state, 3);
   const int64_t Bn = zxbcdt.dim(0), H = ssm_state.dim(1), P = ssm_state.dim(2), N = ssm_state.dim(3);
   if (n_groups <= 0 || H % n_groups != 0)
@@ -503,6 +523,7 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
   c.no_alias("out", out, "ssm_state", ssm_state);
   if (static_cast<int64_t>(slots.size()) != Bn) c.fail("{} slots for zxbcdt {}", slots.size(), zxbcdt.describe());
   c.slots(slots.host, std::min(conv_state.dim(0), ssm_state.dim(0)));
+  check_context_lens(c, p, slots.size());
 #ifdef CHIMERA_HAVE_CUDA
   // The backend's plan: the fused kernel up to mamba_decode_fused_max_rows rows (beyond that the separate kernels
   // fill the GPU better), where it takes the sizes.
@@ -540,8 +561,19 @@ void attention(const Context& ctx, const Tensor& out, const Tensor& q, const Ten
   c.shape("v", v, k.shape(), "k", k);
   if (KVh <= 0 || Qh % KVh != 0)
     c.fail("k {} has {} heads, which do not divide the {} heads of q {}", k.describe(), KVh, Qh, q.describe());
-  c.f32("cache.k", cache.k, 4);
-  c.f32("cache.v", cache.v, 4);
+  if (cache.k && cache.k.dtype() == DType::kF8E4M3) {  // an FP8 cache: both tensors, finite positive scales
+    c.present("cache.k", cache.k);
+    c.present("cache.v", cache.v);
+    if (cache.v.dtype() != DType::kF8E4M3 || cache.k.ndim() != 4 || cache.v.ndim() != 4) {
+      c.fail("cache.k {} and cache.v {} must both be 4-D F8_E4M3", cache.k.describe(), cache.v.describe());
+    }
+    for (const float s : {cache.k_scale, cache.v_scale}) {
+      if (!(s > 0.0f) || !std::isfinite(s)) c.fail("FP8 KV cache scales {} / {} must be finite and > 0", cache.k_scale, cache.v_scale);
+    }
+  } else {
+    c.f32("cache.k", cache.k, 4);
+    c.f32("cache.v", cache.v, 4);
+  }
   const int64_t num_blocks = cache.k.dim(0), block_size = cache.k.dim(1);
   c.shape("cache.k", cache.k, {num_blocks, block_size, KVh, hd}, "k", k);
   c.shape("cache.v", cache.v, cache.k.shape(), "cache.k", cache.k);

@@ -144,11 +144,20 @@ struct SsmParams {
   Tensor dt_bias;  // [H]   dt = softplus(dt_raw + dt_bias), clamped to [dt_min, dt_max]
   float dt_min = 0.0f;
   float dt_max = 1.0f / 0.0f;  // +inf: the (0, inf) default of time_step_limit is a no-op
+  // The SSM state may be F32, BF16 or F16 (--mamba-ssm-cache-dtype); the math is fp32 in every case, the state is
+  // read once and written once per call, rounded to nearest even for BF16 and stochastically for F16
+  // (core/stochastic_rounding.h): element e of a sequence's state written after the token at position t uses the bits
+  // ssm_rounding_bits(ssm_rounding_key(state_seed, t), e), so the CPU reference and CUDA round identically.
+  uint64_t state_seed = 0;  // per layer (the model derives it from the layer index)
+  // Per sequence of the call, the tokens it had before this call's rows (StepBatch::context_lens): a decode row's
+  // token is at position context_lens[b], a prefill's last at context_lens[s] + n_s - 1. Empty: 0 for every
+  // sequence. Read only for an F16 state.
+  Indices context_lens;
 };
 
 // Chunked SSD prefill (docs/model.md 3.4) over a packed batch, with initial states read from and final states
 // written to ssm_state slots. x: [T, H, P]; dt_raw: [T, H]; B, C: [T, G, N]; y: [T, H, P];
-// ssm_state: [num_slots, H, P, N] f32. Head h uses group h / (H / G). The chunk grid restarts at each
+// ssm_state: [num_slots, H, P, N] F32, BF16 or F16 (SsmParams). Head h uses group h / (H / G). The chunk grid restarts at each
 // sequence start. A pad sequence (slot < 0) is skipped: its y rows are left untouched.
 void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                     const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
@@ -198,10 +207,15 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
                          bool prefetch_states = false);
 
 // ---- attention -------------------------------------------------------------------------------------
-// A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim].
+// A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim], in the
+// activation dtype, or F8_E4M3 (--kv-cache-dtype fp8) with per-tensor scales: attention stores
+// e4m3(k / k_scale) (round to nearest even, saturated at +-448) and reads e4m3 x k_scale, likewise v (vLLM's FP8 KV
+// cache; the scales are the checkpoint's k_scale / v_scale, 1 when it has none). The scales are unused otherwise.
 struct KvCacheView {
   Tensor k;
   Tensor v;
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
 };
 
 // Causal GQA attention over a packed batch with a paged KV cache, no positional encoding.

@@ -52,23 +52,24 @@ int32_t cuda_graph_pad_rows(const std::vector<int32_t>& buckets) {
   return std::max(widest - 1, 0);
 }
 
-size_t mamba_slot_bytes(const ModelConfig& c, DType act_dtype) {
+size_t mamba_slot_bytes(const ModelConfig& c, DType act_dtype, DType ssm_dtype) {
   const size_t conv = mul(mul(positive(c.conv_dim(), "conv_dim"), positive(c.conv_kernel - 1, "conv_kernel - 1"),
                               "conv state"),
                           dtype_size(act_dtype), "conv state bytes");
   const size_t ssm = mul(mul(mul(positive(c.mamba_num_heads, "mamba_num_heads"),
                                  positive(c.mamba_head_dim, "mamba_head_dim"), "SSM state"),
                              positive(c.ssm_state_size, "ssm_state_size"), "SSM state"),
-                         4, "SSM state bytes");
+                         dtype_size(ssm_dtype), "SSM state bytes");
   const size_t n = count(c, LayerKind::kMamba);
   return n == 0 ? 0 : mul(add(conv, ssm, "Mamba state"), n, "Mamba state of all layers");
 }
 
-size_t kv_block_bytes(const ModelConfig& c, DType act_dtype, int32_t block_size) {
+size_t kv_block_bytes(const ModelConfig& c, DType act_dtype, int32_t block_size, bool kv_fp8) {
   const size_t n = count(c, LayerKind::kAttention);
   if (n == 0) return 0;
   const size_t per_token = mul(mul(2, positive(c.num_key_value_heads, "num_key_value_heads"), "KV"),
-                               mul(positive(c.head_dim, "head_dim"), dtype_size(act_dtype), "KV"), "KV per token");
+                               mul(positive(c.head_dim, "head_dim"), kv_fp8 ? 1 : dtype_size(act_dtype), "KV"),
+                               "KV per token");
   return mul(mul(per_token, positive(block_size, "block size"), "KV block"), n, "KV block of all layers");
 }
 
@@ -127,8 +128,10 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
     const size_t largest = plan_memory(c, act_dtype, act_dtype, lim).workspace;
     p.graphs = add(largest, largest / 4, "graph allowance");
   }
-  p.slot_bytes = mamba_slot_bytes(c, act_dtype);
-  p.block_bytes = kv_block_bytes(c, act_dtype, r.block_size);
+  p.ssm_dtype = r.ssm_dtype;
+  p.slot_bytes = mamba_slot_bytes(c, act_dtype, r.ssm_dtype);
+  p.kv_cache_fp8 = r.kv_cache_fp8;
+  p.block_bytes = kv_block_bytes(c, act_dtype, r.block_size, r.kv_cache_fp8);
   // The graphs' pad rows each own a scratch Mamba slot and KV block (StateCache, CacheSizes::num_pad).
   p.pad_rows = r.cuda_graphs ? cuda_graph_pad_rows(cuda_graph_batch_sizes(want)) : 0;
   const size_t pad_bytes = mul(static_cast<size_t>(p.pad_rows), add(p.slot_bytes, p.block_bytes, "pad row"),
@@ -172,11 +175,11 @@ std::string format_cache_sizing(const CacheSizingPlan& p, const std::string& dev
   }
   return fmt::format(
       "{} memory: {} total, {} allowed; in use {} (weights {}); workspace {}, CUDA graphs {}\n"
-      "KV cache: {} blocks x {} = {} tokens ({}); Mamba state: {} slots ({})\n"
+      "KV cache: {} blocks x {} = {} tokens ({}{}); Mamba state: {} slots ({}, SSM state {}; at most {} slots fit)\n"
       "{}maximum concurrency for {} tokens per request: {:.2f}x ({} sequences fit at once)\n",
       device_name, gib(p.total), gib(p.budget + p.in_use), gib(p.in_use), gib(p.weights), gib(p.workspace),
-      gib(p.graphs), p.kv_blocks, p.block_size, p.kv_tokens(), gib(static_cast<size_t>(p.kv_blocks) * p.block_bytes),
-      p.mamba_slots, gib(p.mamba_slots * p.slot_bytes), pads, p.max_model_len, per_request, p.max_concurrency());
+      gib(p.graphs), p.kv_blocks, p.block_size, p.kv_tokens(), gib(static_cast<size_t>(p.kv_blocks) * p.block_bytes), p.kv_cache_fp8 ? ", fp8" : "",
+      p.mamba_slots, gib(p.mamba_slots * p.slot_bytes), ssm_cache_dtype_name(p.ssm_dtype), p.max_slots_that_fit, pads, p.max_model_len, per_request, p.max_concurrency());
 }
 
 }  // namespace chimera

@@ -40,6 +40,8 @@ struct CacheSizingRequest {
   int32_t max_num_batched_tokens = 2048;
   int32_t block_size = 16;
   bool cuda_graphs = true;  // reserve the graphs' allowance (decode buckets up to max_num_seqs)
+  DType ssm_dtype = DType::kF32;  // the SSM state's dtype (--mamba-ssm-cache-dtype): its bytes per slot
+  bool kv_cache_fp8 = false;      // --kv-cache-dtype fp8: one byte per K / V element
 };
 
 struct CacheSizingPlan {
@@ -57,6 +59,8 @@ struct CacheSizingPlan {
   int32_t block_size = 0;
   int32_t max_model_len = 0;
   int32_t max_slots_that_fit = 0;  // Mamba slots the budget could hold beside one full sequence's KV
+  DType ssm_dtype = DType::kF32;
+  bool kv_cache_fp8 = false;
   int64_t kv_tokens() const { return static_cast<int64_t>(kv_blocks) * block_size; }
   // Sequences of max_model_len tokens that fit at once (slots and KV both).
   int32_t max_concurrency() const;
@@ -67,7 +71,8 @@ struct CacheSizingPlan {
   }
   CacheSizes cache_sizes() const {
     return CacheSizes{.max_seqs = mamba_slots, .max_model_len = max_model_len, .block_size = block_size,
-                      .num_blocks = kv_blocks, .num_pad = pad_rows};
+                      .num_blocks = kv_blocks, .num_pad = pad_rows, .ssm_dtype = ssm_dtype,
+                      .kv_cache_fp8 = kv_cache_fp8};
   }
 };
 
@@ -79,9 +84,11 @@ std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_num_seqs);
 //   {1, 2, 4, 8, 16, 20} -> 7 (B = 9 replays 16);  vLLM's sizes past 256 -> 15
 int32_t cuda_graph_pad_rows(const std::vector<int32_t>& buckets);
 
-// Bytes of one sequence's Mamba state and of one KV block, exactly as StateCache allocates them.
-size_t mamba_slot_bytes(const ModelConfig& config, DType act_dtype);
-size_t kv_block_bytes(const ModelConfig& config, DType act_dtype, int32_t block_size);
+// Bytes of one sequence's Mamba state (conv state in act_dtype, SSM state in ssm_dtype) and of one KV block, exactly
+// as StateCache allocates them.
+size_t mamba_slot_bytes(const ModelConfig& config, DType act_dtype, DType ssm_dtype = DType::kF32);
+// kv_fp8: an FP8 E4M3 cache (1 byte an element) instead of act_dtype.
+size_t kv_block_bytes(const ModelConfig& config, DType act_dtype, int32_t block_size, bool kv_fp8 = false);
 
 // kInvalidInput, naming the flag, for a utilization outside (0, 1], limits < 1, a budget that holds nothing, or
 // --max-num-seqs above the Mamba slots that fit.
@@ -91,7 +98,8 @@ CacheSizingPlan size_caches(const ModelConfig& config, DType act_dtype, size_t w
 // The start-up lines, e.g.
 //   memory: 139.80 GiB total, 0.90 utilization; weights 58.95 GiB; in use 60.12 GiB; workspace 1.20 GiB;
 //   graphs 0.50 GiB
-//   KV cache: 41210 blocks x 16 = 659360 tokens (30.12 GiB); Mamba state: 256 slots (11.01 GiB)
+//   KV cache: 41210 blocks x 16 = 659360 tokens (30.12 GiB); Mamba state: 256 slots (11.01 GiB, SSM state float32;
+//   at most 1391 slots fit)
 //   CUDA-graph pads: 15 scratch Mamba slots and KV blocks (0.65 GiB)            (only with pad rows)
 //   maximum concurrency for 4096 tokens per request: 160.98x (256 sequences fit in both)
 std::string format_cache_sizing(const CacheSizingPlan& plan, const std::string& device_name);

@@ -95,10 +95,12 @@ MemoryPlan plan_memory(const ModelConfig& c, DType weight_dtype, DType act_dtype
   const int64_t pads = std::max(limits.graph_pad_rows, 0);
   const int64_t kv_tokens = kk.add({kk.mul({tokens_per_seq, seqs}), kk.mul({pads, bs})});
   p.kv_cache = static_cast<size_t>(
-      kk.mul({count(c, LayerKind::kAttention), 2, c.num_key_value_heads, c.head_dim, asize, kv_tokens}));
+      kk.mul({count(c, LayerKind::kAttention), 2, c.num_key_value_heads, c.head_dim,
+              limits.kv_cache_fp8 ? int64_t{1} : asize, kv_tokens}));
   const Checked km{"Mamba state"};
   const int64_t mamba_per_seq = km.add({km.mul({c.conv_dim(), c.conv_kernel - 1, asize}),
-                                        km.mul({c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, 4})});
+                                        km.mul({c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size,
+                                                static_cast<int64_t>(dtype_size(limits.ssm_dtype))})});
   p.mamba_state = static_cast<size_t>(km.mul({count(c, LayerKind::kMamba), mamba_per_seq, km.add({seqs, pads})}));
 
   // Widest intermediates of one token in each mixer kind present (what the forward pass keeps live).

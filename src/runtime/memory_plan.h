@@ -2,10 +2,12 @@
 // before anything is allocated so that a model that cannot fit fails at once with the numbers.
 //   weights     every parameter in the weight dtype; A_log, D, dt_bias, the router gate and its correction
 //               bias in fp32 (how NemotronH keeps them on CUDA)
-//   KV cache    attention layers x 2 (K, V) x kv heads x head_dim x activation dtype, for max_num_seqs
+//   KV cache    attention layers x 2 (K, V) x kv heads x head_dim x activation dtype (1 byte with an FP8 cache),
+//               for max_num_seqs
 //               sequences of max_model_len tokens rounded up to whole blocks, plus one block per CUDA-graph pad row
 //   Mamba state per Mamba layer and sequence (and CUDA-graph pad row): conv state [conv_dim, conv_kernel - 1] in the
-//               activation dtype and SSM state [mamba_num_heads, mamba_head_dim, ssm_state_size] in fp32
+//               activation dtype and SSM state [mamba_num_heads, mamba_head_dim, ssm_state_size] in
+//               MemoryLimits::ssm_dtype (fp32 unless --mamba-ssm-cache-dtype says otherwise)
 //   workspace   an estimate: per token of a step, a few hidden-size activations plus the widest mixer's
 //               intermediates; plus fp32 logits rows for every sequence
 #pragma once
@@ -26,6 +28,8 @@ struct MemoryLimits {
   int32_t max_tokens_per_step = 2048;  // SchedulerConfig::max_num_batched_tokens
   int32_t block_size = 16;             // KV tokens per block (CacheSizes::block_size)
   int32_t graph_pad_rows = 0;          // scratch Mamba slots and KV blocks of CUDA-graph pad rows (CacheSizes::num_pad)
+  DType ssm_dtype = DType::kF32;       // the SSM state's dtype (CacheSizes::ssm_dtype)
+  bool kv_cache_fp8 = false;           // K / V in FP8 E4M3, one byte an element (CacheSizes::kv_cache_fp8)
 };
 
 struct MemoryPlan {

@@ -22,6 +22,10 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
   if (sizes_.max_model_len < 1) invalid_input("max model length must be >= 1, got {}", sizes_.max_model_len);
   if (sizes_.block_size < 1) invalid_input("KV block size must be >= 1, got {}", sizes_.block_size);
   if (sizes_.num_pad < 0) runtime_error("StateCache: {} pad slots", sizes_.num_pad);
+  if (sizes_.ssm_dtype != DType::kF32 && sizes_.ssm_dtype != DType::kBF16 && sizes_.ssm_dtype != DType::kF16) {
+    invalid_input("the Mamba SSM state dtype must be float32, bfloat16 or float16, got {}",
+                  dtype_name(sizes_.ssm_dtype));
+  }
   if (sizes_.num_blocks <= 0) sizes_.num_blocks = sizes_.max_seqs * blocks_per_seq();
   // A sequence alone must always fit, or preemption could not make room for it.
   if (sizes_.num_blocks < blocks_per_seq()) {
@@ -39,12 +43,13 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
     switch (config.layers[i]) {
       case LayerKind::kMamba:
         state_.conv[i] = zeros(device, act_dtype, {slots, config.conv_dim(), config.conv_kernel - 1});
-        state_.ssm[i] = zeros(device, DType::kF32,
+        state_.ssm[i] = zeros(device, sizes_.ssm_dtype,
                               {slots, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size});
         break;
       case LayerKind::kAttention: {
         const Shape kv_shape{blocks, sizes_.block_size, config.num_key_value_heads, config.head_dim};
-        state_.kv[i] = ops::KvCacheView{zeros(device, act_dtype, kv_shape), zeros(device, act_dtype, kv_shape)};
+        const DType kv_dtype = sizes_.kv_cache_fp8 ? DType::kF8E4M3 : act_dtype;
+        state_.kv[i] = ops::KvCacheView{zeros(device, kv_dtype, kv_shape), zeros(device, kv_dtype, kv_shape)};
         break;
       }
       case LayerKind::kMlp:
@@ -110,16 +115,32 @@ size_t StateCache::bytes() const {
   return b;
 }
 
-size_t StateCache::mamba_state_bytes_per_seq(const ModelConfig& c) {
-  size_t per_layer = static_cast<size_t>(c.conv_dim() * (c.conv_kernel - 1) +
-                                         c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size) *
-                     4;
+size_t StateCache::mamba_state_bytes_per_seq(const ModelConfig& c, DType ssm_dtype) {
+  const size_t per_layer = static_cast<size_t>(c.conv_dim() * (c.conv_kernel - 1)) * 4 +
+                           static_cast<size_t>(c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size) *
+                               dtype_size(ssm_dtype);
   return per_layer * static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kMamba));
 }
 
-size_t StateCache::kv_bytes_per_token(const ModelConfig& c) {
-  const size_t per_layer = static_cast<size_t>(2 * c.num_key_value_heads * c.head_dim) * 4;
+size_t StateCache::kv_bytes_per_token(const ModelConfig& c, size_t bytes_per_element) {
+  const size_t per_layer = static_cast<size_t>(2 * c.num_key_value_heads * c.head_dim) * bytes_per_element;
   return per_layer * static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kAttention));
+}
+
+DType parse_ssm_cache_dtype(const std::string& name, const std::string& what) {
+  if (name == "float32") return DType::kF32;
+  if (name == "bfloat16") return DType::kBF16;
+  if (name == "float16") return DType::kF16;
+  invalid_input("{} '{}' is not a Mamba SSM cache dtype (float32, bfloat16 or float16)", what, name);
+}
+
+const char* ssm_cache_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "float32";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+    default: return "unsupported";
+  }
 }
 
 }  // namespace chimera

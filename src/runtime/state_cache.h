@@ -1,9 +1,12 @@
 // Per-sequence state that lives outside the model (docs/architecture.md "State caches"):
 //   * Mamba state slots: per Mamba layer a conv state [slots, conv_dim, conv_kernel - 1] and an SSM state
-//     [slots, mamba_num_heads, mamba_head_dim, ssm_state_size], fp32. A sequence owns one slot id across
-//     all Mamba layers. The conv state has the activation dtype (F32 on the CPU, bf16 / fp32 on CUDA).
+//     [slots, mamba_num_heads, mamba_head_dim, ssm_state_size] in CacheSizes::ssm_dtype (F32 by default; BF16 or F16
+//     with --mamba-ssm-cache-dtype: half the bytes, so twice the slots fit). A sequence owns one slot id across all
+//     Mamba layers. The conv state has the activation dtype (F32 on the CPU, bf16 / fp32 on CUDA).
 //   * Paged KV cache: per attention layer K and V blocks [num_blocks, block_size, num_key_value_heads,
-//     head_dim] in the activation dtype, handed out in blocks and addressed through per-sequence block tables.
+//     head_dim] in the activation dtype, or FP8 E4M3 with per-tensor scales (CacheSizes::kv_cache_fp8,
+//     --kv-cache-dtype fp8: one byte an element), handed out in blocks and addressed through per-sequence block
+//     tables.
 //   * Past both, num_pad scratch slots and blocks for CUDA-graph pad rows: slots = max_seqs + num_pad, blocks =
 //     num_blocks + num_pad; sizes(), the free lists and the load figures count only the sequences' part.
 // Everything lives on the device the model runs on (device::empty, zeroed with device::zero).
@@ -11,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "io/model_config.h"
@@ -21,7 +25,7 @@ namespace chimera {
 // What one forward step sees of the caches; indexed by layer (entries of other layer kinds are empty).
 struct ModelState {
   std::vector<Tensor> conv;             // Mamba layers: [slots, Cd, K-1], activation dtype
-  std::vector<Tensor> ssm;              // Mamba layers: [slots, H, P, N] f32
+  std::vector<Tensor> ssm;              // Mamba layers: [slots, H, P, N] in CacheSizes::ssm_dtype
   std::vector<ops::KvCacheView> kv;     // attention layers, activation dtype
 };
 
@@ -37,7 +41,17 @@ struct CacheSizes {
   // the max_seqs slots and the num_blocks blocks, are never in the free lists, and start zeroed, so every pad row
   // of a step owns its own state and block.
   int32_t num_pad = 0;
+  // The SSM state's dtype: F32, BF16 (rounded to nearest even) or F16 (stochastic rounding), ops.h SsmParams.
+  DType ssm_dtype = DType::kF32;
+  // --kv-cache-dtype fp8: K and V stored as F8_E4M3 (ops.h KvCacheView; the views' scales start at 1); false
+  // ("auto"): the activation dtype.
+  bool kv_cache_fp8 = false;
 };
+
+// --mamba-ssm-cache-dtype: "float32", "bfloat16" or "float16" (vLLM's names); kInvalidInput naming `what` otherwise.
+DType parse_ssm_cache_dtype(const std::string& name, const std::string& what);
+// The flag's spelling of a dtype ("float32", ...).
+const char* ssm_cache_dtype_name(DType dtype);
 
 class StateCache {
  public:
@@ -67,8 +81,8 @@ class StateCache {
   // Bytes held by all caches (for `chimera info` and memory planning).
   size_t bytes() const;
   // Bytes of Mamba state per sequence and of KV per token, from the config alone.
-  static size_t mamba_state_bytes_per_seq(const ModelConfig& config);
-  static size_t kv_bytes_per_token(const ModelConfig& config);
+  static size_t mamba_state_bytes_per_seq(const ModelConfig& config, DType ssm_dtype = DType::kF32);
+  static size_t kv_bytes_per_token(const ModelConfig& config, size_t bytes_per_element = 4);
 
  private:
   CacheSizes sizes_;

@@ -66,6 +66,87 @@ TEST(CacheSizing, PerSlotAndPerBlockBytesMatchWhatStateCacheAllocates) {
   EXPECT_GT(mamba_slot_bytes(c, DType::kBF16) * 2, mamba_slot_bytes(c, DType::kF32));
 }
 
+// --mamba-ssm-cache-dtype: a 16-bit SSM state takes half the SSM bytes of a slot, the StateCache allocates exactly
+// that, and the same budget then holds more slots (max_slots_that_fit, printed in the start-up line).
+TEST(CacheSizing, SixteenBitSsmStateHalvesTheSsmBytesSoMoreSlotsFit) {
+  const ModelConfig c = tiny();
+  const size_t ssm_f32 = static_cast<size_t>(c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size) * 4 *
+                         static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kMamba));
+  for (const DType sd : {DType::kBF16, DType::kF16}) {
+    EXPECT_EQ(mamba_slot_bytes(c, DType::kBF16, DType::kF32) - mamba_slot_bytes(c, DType::kBF16, sd), ssm_f32 / 2);
+    EXPECT_EQ(StateCache::mamba_state_bytes_per_seq(c, DType::kF32) - StateCache::mamba_state_bytes_per_seq(c, sd),
+              ssm_f32 / 2);
+    const CacheSizes sizes{.max_seqs = 3, .max_model_len = 64, .block_size = 16, .num_blocks = 5, .ssm_dtype = sd};
+    StateCache cache(c, sizes, Device::kCpu, DType::kBF16);
+    EXPECT_EQ(cache.bytes(), 3 * mamba_slot_bytes(c, DType::kBF16, sd) + 5 * kv_block_bytes(c, DType::kBF16, 16));
+    for (size_t i = 0; i < c.layers.size(); ++i) {
+      if (c.layers[i] == LayerKind::kMamba) {
+        EXPECT_EQ(cache.state().ssm[i].dtype(), sd);
+      }
+    }
+    MemoryLimits lim;
+    lim.max_num_seqs = 4;
+    lim.ssm_dtype = DType::kF32;
+    const MemoryPlan p32 = plan_memory(c, DType::kBF16, DType::kBF16, lim);
+    lim.ssm_dtype = sd;
+    EXPECT_EQ(p32.mamba_state - plan_memory(c, DType::kBF16, DType::kBF16, lim).mamba_state, 4 * ssm_f32 / 2);
+  }
+  CacheSizingRequest r;
+  r.max_num_seqs = 4;
+  r.max_model_len = 256;
+  r.max_num_batched_tokens = 256;
+  r.cuda_graphs = false;
+  const device::MemoryInfo mem{kGiB / 8, kGiB / 8};
+  const CacheSizingPlan f32 = size_caches(c, DType::kBF16, 0, mem, r);
+  r.ssm_dtype = DType::kF16;
+  const CacheSizingPlan f16 = size_caches(c, DType::kBF16, 0, mem, r);
+  EXPECT_EQ(f16.cache_sizes().ssm_dtype, DType::kF16);
+  EXPECT_GT(f16.max_slots_that_fit, f32.max_slots_that_fit * 3 / 2);
+  EXPECT_NE(format_cache_sizing(f16, "GPU").find("SSM state float16; at most " +
+                                                 std::to_string(f16.max_slots_that_fit) + " slots fit"),
+            std::string::npos)
+      << format_cache_sizing(f16, "GPU");
+}
+
+// --kv-cache-dtype fp8: one byte a K / V element in the block size, the plan, the memory plan and the allocation.
+TEST(CacheSizing, Fp8KvCacheCountsOneByteAnElement) {
+  const ModelConfig c = tiny();
+  const size_t per_token_elems = static_cast<size_t>(2 * c.num_key_value_heads * c.head_dim) *
+                                 static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kAttention));
+  EXPECT_EQ(kv_block_bytes(c, DType::kBF16, 16, true), per_token_elems * 16);
+  EXPECT_EQ(kv_block_bytes(c, DType::kF32, 16, true), per_token_elems * 16);
+  EXPECT_EQ(StateCache::kv_bytes_per_token(c, 1), per_token_elems);
+  StateCache cache(c, CacheSizes{.max_seqs = 2, .max_model_len = 64, .block_size = 16, .num_blocks = 6,
+                                 .kv_cache_fp8 = true},
+                   Device::kCpu, DType::kF32);
+  EXPECT_EQ(cache.bytes(), 2 * mamba_slot_bytes(c, DType::kF32) + 6 * kv_block_bytes(c, DType::kF32, 16, true));
+  for (size_t i = 0; i < c.layers.size(); ++i) {
+    if (c.layers[i] == LayerKind::kAttention) {
+      EXPECT_EQ(cache.state().kv[i].k.dtype(), DType::kF8E4M3);
+      EXPECT_EQ(cache.state().kv[i].v.dtype(), DType::kF8E4M3);
+      EXPECT_EQ(cache.state().kv[i].k_scale, 1.0f);
+    }
+  }
+  MemoryLimits lim;
+  lim.max_num_seqs = 3;
+  const MemoryPlan bf16 = plan_memory(c, DType::kBF16, DType::kBF16, lim);
+  lim.kv_cache_fp8 = true;
+  EXPECT_EQ(plan_memory(c, DType::kBF16, DType::kBF16, lim).kv_cache * 2, bf16.kv_cache);
+  CacheSizingRequest r;
+  r.max_num_seqs = 2;
+  r.max_model_len = 256;
+  r.max_num_batched_tokens = 256;
+  r.cuda_graphs = false;
+  r.gpu_memory_utilization = 1.0;
+  const device::MemoryInfo mem{kGiB / 64, kGiB / 64};
+  const CacheSizingPlan p16 = size_caches(c, DType::kBF16, 0, mem, r);
+  r.kv_cache_fp8 = true;
+  const CacheSizingPlan p8 = size_caches(c, DType::kBF16, 0, mem, r);
+  EXPECT_EQ(p8.block_bytes * 2, p16.block_bytes);
+  EXPECT_TRUE(p8.cache_sizes().kv_cache_fp8);
+  EXPECT_NE(format_cache_sizing(p8, "GPU").find(", fp8); Mamba state"), std::string::npos) << format_cache_sizing(p8, "GPU");
+}
+
 TEST(CacheSizing, BudgetIsUtilizationOfTotalLessWhatIsInUse) {
   const ModelConfig c = tiny();
   CacheSizingRequest r;

@@ -10,7 +10,9 @@
 
 #include "backends/cpu/cpu_common.h"
 #include "backends/cpu/cpu_ops.h"
+#include "core/error.h"
 #include "core/parallel.h"
+#include "core/stochastic_rounding.h"
 
 namespace chimera::cpu {
 namespace {
@@ -37,6 +39,42 @@ std::vector<float> ssm_a(const ops::SsmParams& p) {
 struct Chunk {
   int64_t seq, begin, end;
 };
+
+// The state of one (slot, head) is [P, N] elements at element offset (slot * H + h) * P * N of ssm_state, of the
+// state dtype (F32, BF16 or F16): read into fp32 once, written back once per call (ops.h SsmParams).
+void load_state(const Tensor& state, int64_t offset, int64_t n, float* dst) {
+  const auto* base = static_cast<const char*>(state.data()) + offset * static_cast<int64_t>(dtype_size(state.dtype()));
+  convert_to_f32(base, state.dtype(), dst, static_cast<size_t>(n));
+}
+
+// Position of the token after which sequence s's state is written by this call: its last row's.
+int64_t context_of(const ops::SsmParams& p, size_t s) {
+  return p.context_lens.empty() ? 0 : static_cast<int64_t>(p.context_lens[s]);
+}
+
+// BF16: round to nearest even; F16: stochastic, element e0 + i of the slot with the bits of `position`.
+void store_state(const Tensor& state, int64_t offset, int64_t n, const float* src, const ops::SsmParams& p,
+                 int64_t position, int64_t e0) {
+  switch (state.dtype()) {
+    case DType::kF32:
+      std::copy_n(src, n, state.f32() + offset);
+      return;
+    case DType::kBF16: {
+      auto* dst = static_cast<uint16_t*>(state.data()) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+      return;
+    }
+    case DType::kF16: {
+      auto* dst = static_cast<uint16_t*>(state.data()) + offset;
+      const uint64_t key = ssm_rounding_key(p.state_seed, position);
+      for (int64_t i = 0; i < n; ++i) {
+        dst[i] = f32_to_f16_stochastic(src[i], ssm_rounding_bits(key, static_cast<uint32_t>(e0 + i)));
+      }
+      return;
+    }
+    default: runtime_error("ssm_state {} must be F32, BF16 or F16", state.describe());
+  }
+}
 
 // Per-token recurrence step on one head's state S [P, N] (docs/model.md 3.3 / 3.5); writes y_row [P].
 void recurrence_step(float* S, const float* x_row, const float* b, const float* c, float dt, float a, float d,
@@ -124,8 +162,8 @@ void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, cons
       const int64_t s = i / H, h = i % H;
       const int32_t slot = slots[static_cast<size_t>(s)];
       if (slot < 0) continue;
-      float* slot_state = ssm_state.f32() + (slot * H + h) * state_size;
-      std::copy(slot_state, slot_state + state_size, running.begin());
+      const int64_t offset = (slot * H + h) * state_size;
+      load_state(ssm_state, offset, state_size, running.data());
       for (int64_t ci = seq_chunks[s].first; ci < seq_chunks[s].second; ++ci) {
         const float decay = std::exp(dA_cumsum[(chunks[ci].end - 1) * H + h]);
         float* st = states.data() + (ci * H + h) * state_size;
@@ -135,7 +173,8 @@ void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, cons
           st[e] = in;
         }
       }
-      std::copy(running.begin(), running.end(), slot_state);
+      const int64_t last = context_of(p, static_cast<size_t>(s)) + cu_seqlens[s + 1] - cu_seqlens[s] - 1;
+      store_state(ssm_state, offset, state_size, running.data(), p, last, h * state_size);
     }
   });
 
@@ -191,16 +230,21 @@ void ssm_recurrence(const Tensor& y, const Tensor& x, const Tensor& dt_raw, cons
   const std::vector<float> A = ssm_a(p), Dskip = to_f32_vector(p.D), dt_bias = to_f32_vector(p.dt_bias);
   const int64_t S_count = static_cast<int64_t>(slots.size());
   parallel_for(S_count * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> state(static_cast<size_t>(P * N));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / H, h = i % H, g = h / hpg;
       const int32_t slot = slots[static_cast<size_t>(s)];
       if (slot < 0) continue;
-      float* S = ssm_state.f32() + (slot * H + h) * P * N;
-      for (int64_t t = cu_seqlens[static_cast<size_t>(s)]; t < cu_seqlens[static_cast<size_t>(s) + 1]; ++t) {
+      float* S = state.data();
+      const int64_t offset = (slot * H + h) * P * N;
+      load_state(ssm_state, offset, P * N, S);
+      const int64_t t0 = cu_seqlens[static_cast<size_t>(s)], t1 = cu_seqlens[static_cast<size_t>(s) + 1];
+      for (int64_t t = t0; t < t1; ++t) {
         const float dt = discretize_dt(dt_raw.f32()[t * H + h], dt_bias[h], p);
         recurrence_step(S, x.f32() + (t * H + h) * P, B.f32() + (t * G + g) * N, C.f32() + (t * G + g) * N, dt, A[h],
                         Dskip[h], P, N, y.f32() + (t * H + h) * P);
       }
+      store_state(ssm_state, offset, P * N, S, p, context_of(p, static_cast<size_t>(s)) + t1 - t0 - 1, h * P * N);
     }
   });
 }
@@ -213,17 +257,19 @@ void selective_state_update(const Tensor& y, const Tensor& x, const Tensor& dt_r
   const std::vector<float> A = ssm_a(p), Dskip = to_f32_vector(p.D), dt_bias = to_f32_vector(p.dt_bias);
   const int64_t Bn = static_cast<int64_t>(slots.size());
   parallel_for(Bn * H, 4, [&](int64_t i0, int64_t i1) {
+    std::vector<float> state(static_cast<size_t>(P * N));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H, g = h / hpg;
       const int32_t slot = slots[static_cast<size_t>(b)];
       if (slot < 0) continue;
       const float dt = discretize_dt(dt_raw.f32()[b * H + h], dt_bias[h], p);
-      // Out of place: the head's state copied to its destination, then the same in-place step there (same bits).
+      // Out of place: the source slot's state read, the same step, the result written to the destination (same bits).
       const int64_t dst = dst_slots.empty() ? slot : dst_slots[static_cast<size_t>(b)];
-      float* S = ssm_state.f32() + (dst * H + h) * P * N;
-      if (dst != slot) std::copy_n(ssm_state.f32() + (slot * H + h) * P * N, P * N, S);
-      recurrence_step(S, x.f32() + (b * H + h) * P, B.f32() + (b * G + g) * N, C.f32() + (b * G + g) * N, dt, A[h],
-                      Dskip[h], P, N, y.f32() + (b * H + h) * P);
+      load_state(ssm_state, (slot * H + h) * P * N, P * N, state.data());
+      recurrence_step(state.data(), x.f32() + (b * H + h) * P, B.f32() + (b * G + g) * N, C.f32() + (b * G + g) * N,
+                      dt, A[h], Dskip[h], P, N, y.f32() + (b * H + h) * P);
+      store_state(ssm_state, (dst * H + h) * P * N, P * N, state.data(), p, context_of(p, static_cast<size_t>(b)),
+                  h * P * N);
     }
   });
 }

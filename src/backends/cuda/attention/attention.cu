@@ -122,12 +122,13 @@ void run(const ops::Context& ctx, const attn::AttentionParams& base, const std::
 void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                const ops::KvCacheView& cache, const ops::Indices& cu_seqlens, const ops::Indices& context_lens,
                const Tensor& block_tables, float scale) {
-  // One dtype per call: activations and the cache (KV cache dtype = activation dtype).
+  // One dtype per call: activations and the cache (KV cache dtype = activation dtype), or an FP8 E4M3 cache.
   const DType dt = q.dtype();
+  const bool fp8 = cache.k.dtype() == DType::kF8E4M3 && cache.v.dtype() == DType::kF8E4M3;
   for (const Tensor* t : {&out, &k, &v, &cache.k, &cache.v}) {
-    if (t->dtype() != dt) {
+    if (t->dtype() != dt && !(fp8 && (t == &cache.k || t == &cache.v))) {
       throw_runtime(str_cat(kOp, ": ", t->describe(), " does not match q ", q.describe(),
-                            " (q, k, v, out and the KV cache share one dtype on CUDA)"));
+                            " (q, k, v, out and the KV cache share one dtype on CUDA, or the cache is F8_E4M3)"));
     }
   }
   const int64_t T = q.dim(0);
@@ -171,6 +172,15 @@ void attention(const ops::Context& ctx, const Tensor& out, const Tensor& q, cons
   p.block_size = static_cast<int>(cache.k.dim(1));
   p.max_blocks = static_cast<int>(block_tables.dim(1));
   p.scale_log2 = scale * 1.4426950408889634f;
+  p.k_scale = cache.k_scale;
+  p.v_scale = cache.v_scale;
+  if (fp8) {  // the FP8 cache: a quantizing append, then the generic kernel dequantizing as it reads
+    CHIMERA_DISPATCH_FLOAT(dt, "ops::attention q", Tc, {
+      attn::launch_append_kv_fp8<Tc>(p, stream);
+      attn::launch_attention_generic_fp8<Tc>(p, stream);
+    });
+    return;
+  }
   const bool aligned = aligned16(p.q) && aligned16(p.out) && aligned16(p.k_cache) && aligned16(p.v_cache);
   const bool new_aligned = aligned16(p.k_new) && aligned16(p.v_new);
 

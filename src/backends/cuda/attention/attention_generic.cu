@@ -2,8 +2,10 @@
 // and dtype (the F32 path; the BF16 / F16 fallback for head dims the tensor-core kernels do not cover).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "backends/cuda/attention/attention_kernels.cuh"
 #include "backends/cuda/cuda_common.cuh"
@@ -57,11 +59,54 @@ __global__ void append_kv_kernel(AttentionParams p, int elem_bytes) {
   }
 }
 
+// ---- FP8 E4M3 cache -------------------------------------------------------------------------------
+__device__ __forceinline__ uint8_t e4m3_of(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One warp per token row, element by element: e4m3(k / k_scale), e4m3(v / v_scale).
+template <typename T>
+__global__ void append_kv_fp8_kernel(AttentionParams p) {
+  const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  pdl_wait();  // PDL: as append_kv_kernel
+  pdl_trigger();
+  if (t >= p.num_tokens) return;
+  const int s = find_seq(p, t);
+  const AttnSeq sq = load_seq(p, s);
+  const int pos = sq.ctx_len + (t - sq.q_start);
+  const int blk = p.block_tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
+  const int64_t row = static_cast<int64_t>(blk) * p.block_size + pos % p.block_size;
+  const int n = p.num_kv_heads * p.head_dim;
+  const T* ks = static_cast<const T*>(p.k_new) + static_cast<int64_t>(t) * n;
+  const T* vs = static_cast<const T*>(p.v_new) + static_cast<int64_t>(t) * n;
+  uint8_t* kd = static_cast<uint8_t*>(p.k_cache) + row * n;
+  uint8_t* vd = static_cast<uint8_t*>(p.v_cache) + row * n;
+  for (int i = lane; i < n; i += 32) {
+    kd[i] = e4m3_of(to_float(ks[i]) / p.k_scale);
+    vd[i] = e4m3_of(to_float(vs[i]) / p.v_scale);
+  }
+}
+
+// A cache element as fp32: C is the activation type (the value itself) or uint8_t (an E4M3 byte times scale).
+template <typename C>
+__device__ __forceinline__ float cache_value(const C* c, int64_t i, float scale) {
+  if constexpr (std::is_same_v<C, uint8_t>) {
+    __nv_fp8_e4m3 v;
+    v.__x = c[i];
+    return static_cast<float>(v) * scale;
+  } else {
+    (void)scale;
+    return to_float(c[i]);
+  }
+}
+
 // ---- generic attention ----------------------------------------------------------------------------
 // One warp per (query row, q head); lane l holds elements d = l + 32 j (j < VPL) of q and of the output
 // accumulator. Keys stream four at a time: four partial dot products, one interleaved warp reduction,
 // then one online-softmax update (fp32, exp2 with the scale folded into q).
-template <typename T, int VPL>
+// C: the cache element (T, or uint8_t for an FP8 cache, cache_value above).
+template <typename T, typename C, int VPL>
 __global__ void __launch_bounds__(128) attention_generic_kernel(AttentionParams p) {
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -76,8 +121,8 @@ __global__ void __launch_bounds__(128) attention_generic_kernel(AttentionParams 
   const int last = sq.ctx_len + (t - sq.q_start);  // attends to positions [0, last]
 
   const T* qr = static_cast<const T*>(p.q) + wid * hd;
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
+  const C* kc = static_cast<const C*>(p.k_cache);
+  const C* vc = static_cast<const C*>(p.v_cache);
   float qv[VPL], acc[VPL];
 #pragma unroll
   for (int j = 0; j < VPL; ++j) {
@@ -98,7 +143,7 @@ __global__ void __launch_bounds__(128) attention_generic_kernel(AttentionParams 
 #pragma unroll
         for (int j = 0; j < VPL; ++j) {
           const int d = lane + 32 * j;
-          if (d < hd) dot += qv[j] * to_float(kc[off[i] + d]);
+          if (d < hd) dot += qv[j] * cache_value(kc, off[i] + d, p.k_scale);
         }
       }
       sc[i] = dot;
@@ -130,7 +175,7 @@ __global__ void __launch_bounds__(128) attention_generic_kernel(AttentionParams 
       if (d < hd) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          if (off[i] >= 0) a += pr[i] * to_float(vc[off[i] + d]);
+          if (off[i] >= 0) a += pr[i] * cache_value(vc, off[i] + d, p.v_scale);
         }
       }
       acc[j] = a;
@@ -168,23 +213,40 @@ void launch_append_kv(const AttentionParams& p, cudaStream_t stream) {
   CHIMERA_LAUNCH_CHECK("ops::attention (append_kv)");
 }
 
-template <typename T>
-void launch_attention_generic(const AttentionParams& p, cudaStream_t stream) {
+template <typename T, typename C>
+void launch_generic(const AttentionParams& p, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(p.num_tokens) * p.num_q_heads;
   if (warps == 0) return;
   const dim3 block(128), grid(ceil_div(warps, 4));
   if (p.head_dim <= 32) {
-    launch(attention_generic_kernel<T, 1>, grid, block, 0, stream, p);
+    launch(attention_generic_kernel<T, C, 1>, grid, block, 0, stream, p);
   } else if (p.head_dim <= 64) {
-    launch(attention_generic_kernel<T, 2>, grid, block, 0, stream, p);
+    launch(attention_generic_kernel<T, C, 2>, grid, block, 0, stream, p);
   } else if (p.head_dim <= 128) {
-    launch(attention_generic_kernel<T, 4>, grid, block, 0, stream, p);
+    launch(attention_generic_kernel<T, C, 4>, grid, block, 0, stream, p);
   } else if (p.head_dim <= 256) {
-    launch(attention_generic_kernel<T, 8>, grid, block, 0, stream, p);
+    launch(attention_generic_kernel<T, C, 8>, grid, block, 0, stream, p);
   } else {
     throw_runtime(str_cat("ops::attention: head_dim ", p.head_dim, " is not supported on CUDA (at most 256)"));
   }
   CHIMERA_LAUNCH_CHECK("ops::attention (generic)");
+}
+
+template <typename T>
+void launch_attention_generic(const AttentionParams& p, cudaStream_t stream) {
+  launch_generic<T, T>(p, stream);
+}
+
+template <typename T>
+void launch_attention_generic_fp8(const AttentionParams& p, cudaStream_t stream) {
+  launch_generic<T, uint8_t>(p, stream);
+}
+
+template <typename T>
+void launch_append_kv_fp8(const AttentionParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return;
+  launch(append_kv_fp8_kernel<T>, dim3(ceil_div(p.num_tokens, 8)), dim3(256), 0, stream, p);
+  CHIMERA_LAUNCH_CHECK("ops::attention (append_kv fp8)");
 }
 
 template void launch_append_kv<float>(const AttentionParams&, cudaStream_t);
@@ -193,5 +255,11 @@ template void launch_append_kv<__half>(const AttentionParams&, cudaStream_t);
 template void launch_attention_generic<float>(const AttentionParams&, cudaStream_t);
 template void launch_attention_generic<__nv_bfloat16>(const AttentionParams&, cudaStream_t);
 template void launch_attention_generic<__half>(const AttentionParams&, cudaStream_t);
+template void launch_append_kv_fp8<float>(const AttentionParams&, cudaStream_t);
+template void launch_append_kv_fp8<__nv_bfloat16>(const AttentionParams&, cudaStream_t);
+template void launch_append_kv_fp8<__half>(const AttentionParams&, cudaStream_t);
+template void launch_attention_generic_fp8<float>(const AttentionParams&, cudaStream_t);
+template void launch_attention_generic_fp8<__nv_bfloat16>(const AttentionParams&, cudaStream_t);
+template void launch_attention_generic_fp8<__half>(const AttentionParams&, cudaStream_t);
 
 }  // namespace chimera::cuda::attn

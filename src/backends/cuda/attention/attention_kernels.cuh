@@ -3,7 +3,8 @@
 //
 //   q, out:        [T, Qh, hd]                       activation dtype (F32, BF16 or F16)
 //   k_new, v_new:  [T, KVh, hd]                      this step's keys / values
-//   k/v cache:     [num_blocks, block_size, KVh, hd] same dtype as the activations
+//   k/v cache:     [num_blocks, block_size, KVh, hd] same dtype as the activations, or FP8 E4M3 bytes holding
+//                  e4m3(x / k_scale) (ops.h KvCacheView; the *_fp8 launchers)
 //   block_tables:  [S, max_blocks] I32 on the device (row s lists sequence s's blocks in order)
 //   seqs:          [S] AttnSeq on the device (uploaded from cu_seqlens / context_lens), or null and then
 //   cu_seqlens:    [S + 1] I32 on the device  } the step's metadata, written by the host before the step (a
@@ -44,6 +45,8 @@ struct AttentionParams {
   int block_size = 0;
   int max_blocks = 0;    // columns of block_tables
   float scale_log2 = 0;  // softmax scale * log2(e): the kernels use exp2
+  float k_scale = 1.0f;  // FP8 cache only: stored = e4m3(x / scale), read = e4m3 * scale
+  float v_scale = 1.0f;
 };
 
 // Sequence s's AttnSeq, from the uploaded table or, on the captured path, from the device cu_seqlens /
@@ -91,6 +94,13 @@ struct DecodeWorkspace {
 // Appends k_new / v_new into the paged cache at positions ctx_len .. ctx_len + n_new - 1 (bit-exact copy).
 template <typename T>
 void launch_append_kv(const AttentionParams& p, cudaStream_t stream);
+
+// An FP8 E4M3 cache (ops.h KvCacheView): the append stores e4m3(x / scale) (round to nearest even, saturated, as
+// the CPU's f32_to_e4m3), the attention is the generic kernel reading e4m3 x scale. T: the activation dtype.
+template <typename T>
+void launch_append_kv_fp8(const AttentionParams& p, cudaStream_t stream);
+template <typename T>
+void launch_attention_generic_fp8(const AttentionParams& p, cudaStream_t stream);
 
 // Any head_dim, any dtype: one warp per (query row, head), keys streamed with an online softmax in fp32.
 // The F32 path, and the fallback for head dims / GQA groups the tensor-core kernels do not cover.

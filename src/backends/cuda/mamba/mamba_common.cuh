@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "core/stochastic_rounding.h"
 
 namespace chimera::cuda::mamba {
 
@@ -42,6 +43,13 @@ struct Pack {
         return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
       }
     }
+  }
+
+  // Element i's raw 16 bits (16-bit T only): an already rounded value.
+  __device__ __forceinline__ void set_bits(int i, uint32_t bits) {
+    static_assert(sizeof(T) == 2, "raw 16-bit element");
+    const int sh = 16 * (i % 2);
+    w[i / 2] = (w[i / 2] & ~(0xffffu << sh)) | (bits << sh);
   }
 
   // Rounds v to T (round to nearest even) and stores it as element i.
@@ -161,6 +169,24 @@ __device__ __forceinline__ void store_elem(void* p, DType t, int64_t i, float v)
 // SiLU with the SFU exponential and an approximate divide (__fdividef is MUFU.RCP + FMUL, whereas
 // __frcp_rn is the correctly rounded reciprocal with its refinement sequence): a few ulp, far inside the fp32
 // elementwise bound. For v < -88, 1 + e^-v is +inf and the result is -0 (the true value is below 1e-37).
+// ---- SSM state rounding (ops.h SsmParams, core/stochastic_rounding.h) -----------------------------------
+// The rounding key of sequence i of a call: the layer's seed and the position of the token after which the state is
+// written (positions: device [batch], nullptr: 0).
+__device__ __forceinline__ uint64_t state_key(uint64_t seed, const int32_t* positions, int i) {
+  return ssm_rounding_key(seed, positions != nullptr ? positions[i] : 0);
+}
+
+// v rounded to the state type S for state element e of its slot: stochastically for __half (the key's bits for e),
+// to nearest even otherwise.
+template <typename S>
+__device__ __forceinline__ S round_state(float v, uint64_t key, uint32_t e) {
+  if constexpr (std::is_same_v<S, __half>) {
+    return __ushort_as_half(f32_to_f16_stochastic(v, ssm_rounding_bits(key, e)));
+  } else {
+    return from_float<S>(v);
+  }
+}
+
 __device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 
 // dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max) with softplus(v) = v for v > 20 (the CPU reference,

@@ -102,6 +102,10 @@ void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tenso
   if (p.batch == 0) return;
   const cudaStream_t stream = as_stream(ctx.stream);
   p.slots = device_indices(slots, stream, 0);
+  p.state_seed = sp.state_seed;
+  if (ssm_state.dtype() == DType::kF16 && !sp.context_lens.empty()) {
+    p.positions = device_indices(sp.context_lens, stream, 2);
+  }
   // A host slot list goes up by a copy right before the kernel: a full dependency, so the states are settled anyway.
   // ctx.kernels.mamba_prefetch_states off keeps the loads after the wait (same results).
   p.states_before_wait = prefetch_states && ctx.kernels.mamba_prefetch_states;

@@ -34,6 +34,10 @@ struct MambaDecodeParams {
   void* conv_state;         // [num_slots, Cd, K-1] conv_state_dtype, shifted by one in place
   void* ssm_state;          // [num_slots, H, P, N] ssm_state_dtype, updated in place (16-byte aligned)
   const int32_t* slots;     // [batch] device; slot < 0: pad, skipped (out row and both states untouched)
+  // F16 SSM state: stochastic rounding keyed by state_seed and positions[b] (device [batch]; nullptr: 0), exactly as
+  // SsuParams (selective_state_update.cuh), so the states stay bit-identical to the three kernels.
+  uint64_t state_seed = 0;
+  const int32_t* positions = nullptr;
   const void* A_log;        // [H]
   const void* D;            // [H]
   const void* dt_bias;      // [H]

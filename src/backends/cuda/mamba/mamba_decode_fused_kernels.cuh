@@ -219,6 +219,8 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
       Cv[v * L::kVecElems + e] = conv_out[nx + N + col];
     }
   }
+  uint64_t sr_key = 0;  // F16 state: the sequence's stochastic-rounding key (ssu::update_state_vec)
+  if constexpr (std::is_same_v<S, __half>) sr_key = mamba::state_key(p.state_seed, p.positions, b);
   for (int k = 0; k < hpc * n_chunks; ++k) {
     const int hl = k / n_chunks, rb = (k % n_chunks) * kChunkRows, h = head0 + hl;
     if (k > 0) load_chunk(k);
@@ -233,10 +235,11 @@ __global__ void __launch_bounds__(kThreads) mamba_decode_fused_kernel(const Mamb
       const int row = rb + warp * kRows + sub + i * L::kRowsPerPass;
       const float xv = row < P ? conv_out[hl * P + row] : 0.0f;
       const float dtx = dt * xv;
+      const uint32_t sr_e0 = static_cast<uint32_t>((h * P + row) * N + seg * L::kVecElems);
       float acc = 0.0f;
 #pragma unroll
       for (int v = 0; v < L::kVecsPerLane; ++v) {
-        ssu::update_state_vec<L>(st[i][v], v, dA, dtx, Bv, Cv, acc);
+        ssu::update_state_vec<L>(st[i][v], v, dA, dtx, Bv, Cv, acc, sr_key, sr_e0);
         if (row < P) {
           st[i][v].template store<true>(state + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
         }

@@ -49,6 +49,10 @@ void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tens
   if (p.batch == 0) return;
   p.slots = device_indices(slots, stream, 0);
   p.dst_slots = dst_slots.empty() ? nullptr : device_indices(dst_slots, stream, 1);  // nullptr: in place
+  p.state_seed = sp.state_seed;
+  if (ssm_state.dtype() == DType::kF16 && !sp.context_lens.empty()) {
+    p.positions = device_indices(sp.context_lens, stream, 2);
+  }
   launch_selective_state_update(p, stream);
 }
 

@@ -47,6 +47,10 @@ struct SsuParams {
   // slot that no other sequence reads or writes (dst_slots[b] == slots[b] is that row in place). Same bits for y and
   // the new state as the in-place update, in every kernel.
   const int32_t* dst_slots = nullptr;
+  // F16 state: stochastic rounding (core/stochastic_rounding.h) keyed by state_seed and each sequence's position
+  // positions[b] (device, [batch]; nullptr: 0 for every row). Unused for F32 / BF16 states (round to nearest even).
+  uint64_t state_seed = 0;
+  const int32_t* positions = nullptr;
   const void* A_log;     // [H] a_log_dtype
   const void* D;         // [H] d_dtype
   const void* dt_bias;   // [H] dt_bias_dtype

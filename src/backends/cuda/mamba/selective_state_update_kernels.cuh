@@ -100,14 +100,44 @@ __device__ __forceinline__ int dst_slot(const SsuParams& p, int b, int slot) {
 // One 16-byte vector of a state row updated in place (s = s * dA + dt * x * B at the lane's columns, vector v of the
 // row) and its part of y (s * C) added to acc: the inner step of the grid kernel, both persistent kernels and the
 // fused decode kernel. The callers write st back themselves (a shared store changed the PTX's compares).
+// An F16 state is rounded stochastically (mamba::round_state's bits): sr_key is the sequence's key, sr_e0 the slot
+// element index of the lane's first column in the row ((h * P + row) * N + seg * kVecElems); both unused otherwise.
+// One 32-bit hash covers the two elements of a pair (ssm_rounding_bits), so the loop takes them two at a time.
 template <typename L, typename S, int kE>
 __device__ __forceinline__ void update_state_vec(Pack<S, L::kVecElems>& st, int v, float dA, float dtx,
-                                                 const float (&Bv)[kE], const float (&Cv)[kE], float& acc) {
+                                                 const float (&Bv)[kE], const float (&Cv)[kE], float& acc,
+                                                 uint64_t sr_key = 0, uint32_t sr_e0 = 0) {
+  if constexpr (std::is_same_v<S, __half>) {
+    static_assert(L::kVecElems % 2 == 0, "pairs of f16 elements");
+    const uint32_t e_base = sr_e0 + static_cast<uint32_t>(v * L::kLanesPerRow * L::kVecElems);  // even
 #pragma unroll
-  for (int e = 0; e < L::kVecElems; ++e) {
-    const float s = fmaf(st.get(e), dA, dtx * Bv[v * L::kVecElems + e]);
-    st.set(e, s);
-    acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
+    for (int e = 0; e < L::kVecElems; e += 2) {
+      const float s0 = fmaf(st.get(e), dA, dtx * Bv[v * L::kVecElems + e]);
+      const float s1 = fmaf(st.get(e + 1), dA, dtx * Bv[v * L::kVecElems + e + 1]);
+      const uint32_t r = counter_bits32(sr_key, (e_base + static_cast<uint32_t>(e)) >> 1);
+      st.set_bits(e, f32_to_f16_stochastic(s0, r & 0xffffu));
+      st.set_bits(e + 1, f32_to_f16_stochastic(s1, r >> 16));
+      acc = fmaf(s0, Cv[v * L::kVecElems + e], acc);
+      acc = fmaf(s1, Cv[v * L::kVecElems + e + 1], acc);
+    }
+  } else {
+    (void)sr_key, (void)sr_e0;
+#pragma unroll
+    for (int e = 0; e < L::kVecElems; ++e) {
+      const float s = fmaf(st.get(e), dA, dtx * Bv[v * L::kVecElems + e]);
+      st.set(e, s);
+      acc = fmaf(s, Cv[v * L::kVecElems + e], acc);
+    }
+  }
+}
+
+// The rounding key of sequence b (F16 states only; 0 otherwise, never read).
+template <typename S>
+__device__ __forceinline__ uint64_t ssu_key(const SsuParams& p, int b) {
+  if constexpr (std::is_same_v<S, __half>) {
+    return mamba::state_key(p.state_seed, p.positions, b);
+  } else {
+    return 0;
   }
 }
 
@@ -178,14 +208,16 @@ __device__ __forceinline__ void selective_state_update_body(const SsuParams& p) 
     }
   }
   // 3. Update, write back, reduce y over the row's lanes.
+  const uint64_t sr_key = ssu_key<S>(p, b);
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int row = row0 + i * L::kRowsPerPass;
     const float dtx = hs.dt * xv[i];
+    const uint32_t sr_e0 = static_cast<uint32_t>((h * p.P + row) * N + seg * L::kVecElems);
     float acc = 0.0f;
 #pragma unroll
     for (int v = 0; v < L::kVecsPerLane; ++v) {
-      update_state_vec<L>(st[i][v], v, hs.dA, dtx, Bv, Cv, acc);
+      update_state_vec<L>(st[i][v], v, hs.dA, dtx, Bv, Cv, acc, sr_key, sr_e0);
       if (row < p.P) {
         st[i][v].template store<true>(dst + static_cast<int64_t>(row) * N + (v * L::kLanesPerRow + seg) * L::kVecElems);
       }
@@ -339,17 +371,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) selective_state_update_p
     refresh_unit_inputs<L, N>(p, un.b, un.h, un.dt_raw, heads_per_group, seg, hs_key, hs, bc_key, Bv, Cv);
     const int dst_id = dst_slot<kOop>(p, un.b, un.slot);
     S* state = static_cast<S*>(p.state) + (static_cast<int64_t>(dst_id) * p.H + un.h) * p.P * N;
+    const uint64_t sr_key = ssu_key<S>(p, un.b);
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = un.row0 + i * L::kRowsPerPass + sub;
       const float xv = __shfl_sync(0xffffffffu, un.x, i * L::kRowsPerPass + sub);
       const float dtx = hs.dt * xv;
+      const uint32_t sr_e0 = static_cast<uint32_t>((un.h * p.P + row) * N + seg * L::kVecElems);
       float acc = 0.0f;
       Pack<S, L::kVecElems> st[L::kVecsPerLane];
 #pragma unroll
       for (int v = 0; v < L::kVecsPerLane; ++v) {
         st[v] = un.st[i][v];
-        update_state_vec<L>(st[v], v, hs.dA, dtx, Bv, Cv, acc);
+        update_state_vec<L>(st[v], v, hs.dA, dtx, Bv, Cv, acc, sr_key, sr_e0);
         if (row < p.P) {
           st[v].template store<true>(state + static_cast<int64_t>(row) * N +
                                      (v * L::kLanesPerRow + seg) * L::kVecElems);
@@ -486,10 +520,12 @@ __global__ void __launch_bounds__(kThreads) selective_state_update_portable_kern
   const int dst_id = p.dst_slots != nullptr ? p.dst_slots[b] : slot;  // not a hot kernel: a runtime choice
   S* dst = static_cast<S*>(p.state) + ((static_cast<int64_t>(dst_id) * p.H + h) * p.P + row) * p.N;
   const int64_t bc = (static_cast<int64_t>(b) * p.G + g) * p.N;
+  const uint64_t sr_key = ssu_key<S>(p, b);
+  const uint32_t e0 = static_cast<uint32_t>((h * p.P + row) * p.N);
   float acc = 0.0f;
   for (int n = lane; n < p.N; n += 32) {
     const float s = fmaf(to_float(st[n]), hs.dA, dtx * load_elem(p.B, p.act, bc + n));
-    dst[n] = from_float<S>(s);
+    dst[n] = mamba::round_state<S>(s, sr_key, e0 + static_cast<uint32_t>(n));
     acc = fmaf(s, load_elem(p.C, p.act, bc + n), acc);
   }
 #pragma unroll

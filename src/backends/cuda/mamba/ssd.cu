@@ -70,13 +70,19 @@ class Workspace {
 struct Plan {
   std::vector<int32_t> chunks;  // pairs {begin, end}
   std::vector<int32_t> supers;  // pairs {first chunk, count}
-  std::vector<int32_t> seqs;    // quads {first super, end super, slot, 0}
+  std::vector<int32_t> seqs;    // quads {first super, end super, slot, position of the last token}
   int n_chunks() const { return static_cast<int>(chunks.size() / 2); }
   int n_supers() const { return static_cast<int>(supers.size() / 2); }
   int n_seqs() const { return static_cast<int>(seqs.size() / 4); }
 };
 
-Plan make_plan(std::span<const int32_t> cu, std::span<const int32_t> slots, int64_t chunk, int superchunk) {
+// Position of sequence s's last row in its sequence (SsmParams::context_lens; empty: the row count alone).
+int32_t last_position(const ops::SsmParams& sp, std::span<const int32_t> cu, size_t s) {
+  return (sp.context_lens.empty() ? 0 : sp.context_lens[s]) + cu[s + 1] - cu[s] - 1;
+}
+
+Plan make_plan(std::span<const int32_t> cu, std::span<const int32_t> slots, int64_t chunk, int superchunk,
+               const ops::SsmParams& sp) {
   Plan plan;
   for (size_t s = 0; s < slots.size(); ++s) {
     if (slots[s] < 0 || cu[s + 1] == cu[s]) continue;
@@ -93,7 +99,7 @@ Plan make_plan(std::span<const int32_t> cu, std::span<const int32_t> slots, int6
       ++plan.supers.back();
       ++in_super;
     }
-    plan.seqs.insert(plan.seqs.end(), {first_super, plan.n_supers(), slots[s], 0});
+    plan.seqs.insert(plan.seqs.end(), {first_super, plan.n_supers(), slots[s], last_position(sp, cu, s)});
   }
   return plan;
 }
@@ -136,7 +142,7 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   superchunk_ = !use_mma_                ? 1
                 : options.superchunk > 0 ? options.superchunk
                                          : pick_superchunk(cu_seqlens, slots, chunk_size, H);
-  const Plan plan = make_plan(cu_seqlens, slots, chunk_size, superchunk_);
+  const Plan plan = make_plan(cu_seqlens, slots, chunk_size, superchunk_, sp);
   p_.n_chunks = plan.n_chunks();
   if (empty()) return;
 
@@ -169,6 +175,7 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   p_.dt_bias = ws.at(w_params) + 2 * H;
   p_.dt_min = sp.dt_min;
   p_.dt_max = sp.dt_max;
+  p_.state_seed = sp.state_seed;
   p_.T = static_cast<int>(T);
   p_.H = static_cast<int>(H);
   p_.P = static_cast<int>(P);
@@ -248,7 +255,7 @@ void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, c
   std::vector<int32_t> seqs;
   for (size_t s = 0; s < slots.size(); ++s) {
     if (slots[s] >= 0 && cu_seqlens[s + 1] > cu_seqlens[s]) {
-      seqs.insert(seqs.end(), {cu_seqlens[s], cu_seqlens[s + 1], slots[s], 0});
+      seqs.insert(seqs.end(), {cu_seqlens[s], cu_seqlens[s + 1], slots[s], last_position(sp, cu_seqlens, s)});
     }
   }
   if (seqs.empty()) return;
@@ -270,6 +277,7 @@ void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, c
   p.dt_bias = pr + 2 * H;
   p.dt_min = sp.dt_min;
   p.dt_max = sp.dt_max;
+  p.state_seed = sp.state_seed;
   p.H = static_cast<int>(H);
   p.P = static_cast<int>(P);
   p.G = static_cast<int>(G);

@@ -48,7 +48,10 @@ struct SsdParams {
   // The plan (device copies of host-built tables):
   const int2* chunks = nullptr;  // [n_chunks] {begin row, end row}; never crosses a sequence
   const int2* supers = nullptr;  // [n_supers] {first chunk, chunk count}; consecutive chunks of one sequence
-  const int4* seqs = nullptr;    // [n_seqs] {first super, end super, slot, 0}; only non-pad, non-empty ones
+  // [n_seqs] {first super, end super, slot, position of the last token}; only non-pad, non-empty ones. The position
+  // and state_seed key the stochastic rounding of an F16 final state (ops.h SsmParams).
+  const int4* seqs = nullptr;
+  uint64_t state_seed = 0;
   int n_chunks = 0, n_supers = 0, n_seqs = 0;
   // fp32 workspace:
   float* dt = nullptr;         // [H, T] discretised dt (head-major so a chunk of one head is contiguous)
@@ -104,8 +107,10 @@ struct SsmRecurrenceParams {
   const float* dt_bias = nullptr;
   float dt_min = 0.0f, dt_max = 0.0f;
   int H = 0, P = 0, G = 0, N = 0, heads_per_group = 1;
-  const int4* seqs = nullptr;  // [n_seqs] {begin row, end row, slot, 0}; only non-pad, non-empty ones
+  // [n_seqs] {begin row, end row, slot, position of the last token}; only non-pad, non-empty ones (SsdParams::seqs).
+  const int4* seqs = nullptr;
   int n_seqs = 0;
+  uint64_t state_seed = 0;
 };
 template <typename T, typename S>
 void launch_ssm_recurrence(const SsmRecurrenceParams& p, cudaStream_t stream);

@@ -4,6 +4,7 @@
 // reference (src/backends/cpu/ssd.cpp) stage by stage, including its order of fp32 operations where cheap.
 #include <type_traits>
 
+#include "backends/cuda/mamba/mamba_common.cuh"
 #include "backends/cuda/mamba/ssd_kernels.cuh"
 
 namespace chimera::cuda {
@@ -124,8 +125,10 @@ __global__ void __launch_bounds__(kThreads) ssd_state_passing_kernel(SsdParams p
       }
     }
   }
+  // F16: stochastic rounding keyed by the sequence's last position (element h * PN + e + k of the slot).
+  const uint64_t key = ssm_rounding_key(p.state_seed, sq.w);
 #pragma unroll
-  for (int k = 0; k < kVec; ++k) slot_state[k] = from_float<S>(run[k]);
+  for (int k = 0; k < kVec; ++k) slot_state[k] = mamba::round_state<S>(run[k], key, static_cast<uint32_t>(h * PN + e + k));
 }
 
 // Stage 3, portable: one block per (chunk, head) (superchunk == chunk). Thread per state element (p, n):
@@ -266,7 +269,10 @@ __global__ void __launch_bounds__(kThreads) ssm_recurrence_kernel(SsmRecurrenceP
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < PN; e += kThreads) slot_state[e] = from_float<S>(state[e]);
+  const uint64_t key = ssm_rounding_key(p.state_seed, sq.w);  // F16: stochastic rounding (as the scan's final state)
+  for (int e = threadIdx.x; e < PN; e += kThreads) {
+    slot_state[e] = mamba::round_state<S>(state[e], key, static_cast<uint32_t>(h * PN + e));
+  }
 }
 
 // Shared arrays are carved at multiples of 4 floats: the compiler may read a loop's tail as one 16-byte
