@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -102,12 +103,15 @@ struct Loaded {
   std::unique_ptr<Checkpoint> ckpt;
   std::unique_ptr<NemotronH> model;
 };
-Loaded load(const std::string& name, bool weight_only) {
+Loaded load(const std::string& name, bool weight_only, ops::WeightFormat quantize = ops::WeightFormat::kDense,
+            const fs::path& dir_override = {}) {
   Loaded l;
-  l.config = load_model_config(quant_fixture(name));
-  l.ckpt = std::make_unique<Checkpoint>(Checkpoint::open(quant_fixture(name)));
+  const fs::path dir = dir_override.empty() ? quant_fixture(name) : dir_override;
+  l.config = load_model_config(dir);
+  l.ckpt = std::make_unique<Checkpoint>(Checkpoint::open(dir));
   ModelOptions o;
   o.weight_only = weight_only;
+  o.quantize = quantize;
   l.model = std::make_unique<NemotronH>(NemotronH::load(l.config, *l.ckpt, o));
   return l;
 }
@@ -192,12 +196,13 @@ TEST_P(ModelOptFixtures, MixedRunsFp8StaticBesideNvfp4WeightOnly) {
   EXPECT_EQ(t.rows, 106);
 }
 
-// The NVFP4 recipe weight-only against ModelOpt's wo logits, reported and NOT held to kBound: ModelOpt 0.47's
-// export re-quantizes q_proj / k_proj / v_proj (one input) with one shared weight_scale_2 (the three are equal in
-// the file; FP8's per-tensor weight_scale stays per module) after the references were computed with each module's
-// own scale, so the checkpoint's attention weights are not the ones the reference ran. What this test holds: the
-// shared scales are in the file as described (the reason), and every other NVFP4 module kind matches exactly in
-// MixedWeightOnlyMatchesModelOptWeightsOnly.
+// The NVFP4 recipe's checkpoint weight-only against ModelOpt's wo logits, reported and NOT held to kBound: ModelOpt
+// 0.47's export re-quantizes q_proj / k_proj / v_proj (one input) with one shared weight_scale_2 (the three are equal
+// in the file; FP8's per-tensor weight_scale stays per module) after the references were computed with each module's
+// own scale, so the checkpoint's attention weights are not the ones the reference ran. Held here: the shared scales
+// are in the file. That the reference is the per-module model: ModelOptQuantizeAtLoad quantizes the dense model with
+// per-module scales and matches the all_kinds-nvfp4 wo logits to fp32 order; every NVFP4 module kind outside
+// attention matches as loaded from a checkpoint in MixedWeightOnlyMatchesModelOptWeightsOnly.
 TEST_P(ModelOptFixtures, Nvfp4ExportSharesTheQkvScaleSoTheReferenceDiffers) {
   const std::string name = GetParam() + "-nvfp4";
   Loaded l = load(name, false);
@@ -217,6 +222,32 @@ TEST_P(ModelOptFixtures, Nvfp4ExportSharesTheQkvScaleSoTheReferenceDiffers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ModelOptFixtures, ::testing::Values("all_kinds", "super_like"));
+
+// --quantization at load on the dense model ModelOpt started from (tests/fixtures/models/<model>: the same random
+// weights, scripts/make_modelopt_fixtures.py builds it with make_fixtures.py's definitions) against ModelOpt's
+// weights-only logits: core's quantizers are ModelOpt's (per-tensor FP8 amax / 448; NVFP4 amax / (6 * 448) and
+// per-16 e4m3 block scales), so the weights are bit-identical to ModelOpt's fake-quantized ones and the logits agree
+// to fp32 summation order. For NVFP4 this is also the model the wo reference ran (each module with its own
+// weight_scale_2), unlike the exported checkpoint. (all_kinds only: tests/fixtures/models/super_like holds other
+// random weights than the ones ModelOpt's super_like started from; its embeddings differ.)
+TEST(ModelOptQuantizeAtLoad, MatchesModelOptWeightsOnly) {
+  const fs::path dense = fs::path(test::source_path("tests/fixtures/models")) / "all_kinds";
+  {
+    const Checkpoint a = Checkpoint::open(dense), b = Checkpoint::open(quant_fixture("all_kinds-fp8"));
+    const Tensor ea = a.tensor("backbone.embeddings.weight"), eb = b.tensor("backbone.embeddings.weight");
+    ASSERT_EQ(ea.nbytes(), eb.nbytes());
+    ASSERT_EQ(std::memcmp(ea.data(), eb.data(), ea.nbytes()), 0) << "not the model ModelOpt quantized";
+  }
+  for (const auto& [recipe, f] :
+       {std::pair{"fp8", ops::WeightFormat::kFp8}, std::pair{"nvfp4", ops::WeightFormat::kNvfp4}}) {
+    const std::string name = std::string("all_kinds-") + recipe;
+    Loaded l = load(name, false, f, dense);
+    const QuantTally t = compare(*l.model, name, "wo", kBound);
+    EXPECT_EQ(t.rows, 106);
+    EXPECT_EQ(t.within, t.rows) << name;
+    EXPECT_EQ(t.agree_robust, t.robust) << name;
+  }
+}
 
 }  // namespace
 }  // namespace chimera
