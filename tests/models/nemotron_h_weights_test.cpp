@@ -242,5 +242,23 @@ TEST(WeightsModule, SyntheticQuantizedModelRuns) {
   for (float v : r.logits) ASSERT_TRUE(std::isfinite(v));
 }
 
+// memory_plan's weight_bytes (from the config alone) equals what the name table counts for a model quantized at load,
+// kind by kind (fp32 synthetic weights: the plan's fp32 parameters then need no special case).
+TEST(WeightsModule, MemoryPlanCountsQuantizedBytesAsTheModelStoresThem) {
+  const ModelConfig c = model_preset("tiny");
+  for (const ops::WeightFormat f : {ops::WeightFormat::kDense, ops::WeightFormat::kFp8, ops::WeightFormat::kNvfp4}) {
+    SCOPED_TRACE(ops::weight_format_name(f));
+    ModelOptions o;
+    o.dtype = DType::kF32;
+    o.quantize = f;
+    const NemotronH m = NemotronH::synthetic(c, o, 3);
+    const auto plan = weight_bytes(c, DType::kF32, f);
+    for (const auto& [kind, k] : weight_summary(c, m.weights())) EXPECT_EQ(plan.at(kind), k.bytes) << kind;
+    int64_t total = 0;
+    for (const auto& [kind, b] : plan) total += b;
+    EXPECT_EQ(plan_memory(c, DType::kF32, DType::kF32, MemoryLimits{}, f).weights, static_cast<size_t>(total));
+  }
+}
+
 }  // namespace
 }  // namespace chimera
