@@ -1,4 +1,4 @@
-// Nemotron-H / Nemotron 3 (model_type "nemotron_h"): weights by checkpoint name, and the forward step.
+// Nemotron-H / Nemotron 3 (model_type "nemotron_h"): the forward step over the weights of models/nemotron_h_weights.h.
 // Reads like transformers' modeling_nemotron_h.py: embeddings -> [norm -> mixer -> residual add] per layer
 // -> norm_f -> lm_head, with the mixer chosen by the layer pattern (M Mamba-2, * attention, - MLP, E MoE).
 #pragma once

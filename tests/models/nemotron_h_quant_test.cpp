@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/compare.h"
+#include "backends/device_api.h"
 #include "io/npy.h"
 #include "models/model_fixtures.h"
 #include "models/nemotron_h.h"
@@ -104,7 +105,7 @@ struct Loaded {
   std::unique_ptr<NemotronH> model;
 };
 Loaded load(const std::string& name, bool weight_only, ops::WeightFormat quantize = ops::WeightFormat::kDense,
-            const fs::path& dir_override = {}) {
+            const fs::path& dir_override = {}, Device device = Device::kCpu) {
   Loaded l;
   const fs::path dir = dir_override.empty() ? quant_fixture(name) : dir_override;
   l.config = load_model_config(dir);
@@ -112,6 +113,8 @@ Loaded load(const std::string& name, bool weight_only, ops::WeightFormat quantiz
   ModelOptions o;
   o.weight_only = weight_only;
   o.quantize = quantize;
+  o.device = device;
+  o.dtype = DType::kF32;
   l.model = std::make_unique<NemotronH>(NemotronH::load(l.config, *l.ckpt, o));
   return l;
 }
@@ -219,6 +222,31 @@ TEST_P(ModelOptFixtures, Nvfp4ExportSharesTheQkvScaleSoTheReferenceDiffers) {
   EXPECT_GT(attention, 0);
   const QuantTally t = compare(*l.model, name, "wo", kBound);
   EXPECT_EQ(t.rows, 106);
+}
+
+// The quantized CUDA kernels in the forward (fp32 activations) against ModelOpt's references, with the same bounds
+// as the CPU: weight-only FP8, mixed and NVFP4-free paths within kBound of `wo`; FP8 W8A8 as the CPU test allows.
+// Skips without a GPU.
+TEST_P(ModelOptFixtures, CudaFp32MatchesTheReferencesLikeTheCpu) {
+  if (!device::cuda_available()) GTEST_SKIP() << device::describe_cuda();
+  for (const char* recipe : {"fp8", "mixed"}) {
+    const std::string name = GetParam() + "-" + recipe;
+    Loaded l = load(name, true, ops::WeightFormat::kDense, {}, Device::kCuda);
+    const QuantTally t = compare(*l.model, name, "wo", kBound);
+    EXPECT_EQ(t.within, t.rows) << name;
+  }
+  const std::string name = GetParam() + "-fp8";
+  Loaded l = load(name, false, ops::WeightFormat::kDense, {}, Device::kCuda);
+  const QuantTally t = compare(*l.model, name, "aq", kBound);
+  EXPECT_LE(t.prompts_out(), 1) << name;
+  EXPECT_GE(static_cast<double>(t.agree_robust), 0.99 * static_cast<double>(t.robust));
+  // NVFP4 at load on the dense model ModelOpt started from (all_kinds), as ModelOptQuantizeAtLoad on the CPU.
+  if (GetParam() == "all_kinds") {
+    const fs::path dense = fs::path(test::source_path("tests/fixtures/models")) / "all_kinds";
+    Loaded q = load("all_kinds-nvfp4", false, ops::WeightFormat::kNvfp4, dense, Device::kCuda);
+    const QuantTally tq = compare(*q.model, "all_kinds-nvfp4", "wo", kBound);
+    EXPECT_EQ(tq.within, tq.rows);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ModelOptFixtures, ::testing::Values("all_kinds", "super_like"));
