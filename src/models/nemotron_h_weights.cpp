@@ -702,4 +702,24 @@ std::map<std::string, KindWeights> weight_summary(const ModelConfig& config, con
   return r;
 }
 
+double decode_bytes_per_token(const ModelConfig& config, const ModelWeights& weights) {
+  ModelWeights& w = const_cast<ModelWeights&>(weights);  // read through the table's pointers only
+  const double topk = config.n_routed_experts > 0 ? static_cast<double>(config.num_experts_per_tok) /
+                                                        static_cast<double>(config.n_routed_experts)
+                                                  : 0.0;
+  auto nbytes = [](const Tensor& t) { return t ? static_cast<double>(t.nbytes()) : 0.0; };
+  double bytes = 0.0;
+  for (const WeightSlot& s : weight_slots(config, w)) {
+    if (s.tensor) {
+      bytes += s.kind == "embeddings" ? nbytes(*s.tensor) / static_cast<double>(config.vocab_size) : nbytes(*s.tensor);
+    } else if (s.linear) {
+      bytes += nbytes(s.linear->weight) + nbytes(s.linear->weight_scale);
+    } else if (s.experts) {
+      const ops::ExpertWeights& x = *s.experts;
+      bytes += topk * (nbytes(x.weight) + nbytes(x.weight_scale)) + nbytes(x.scale) + nbytes(x.input_scale);
+    }
+  }
+  return bytes;
+}
+
 }  // namespace chimera

@@ -172,4 +172,8 @@ struct KindWeights {
 };
 std::map<std::string, KindWeights> weight_summary(const ModelConfig& config, const ModelWeights& w);
 
+// The weight bytes one batch-1 decode token reads, as stored: every weight once, but one embedding row and top-k of
+// E of each MoE layer's routed experts (the batch-1 roofline of runtime/roofline.h in stored bytes; MTP excluded).
+double decode_bytes_per_token(const ModelConfig& config, const ModelWeights& w);
+
 }  // namespace chimera

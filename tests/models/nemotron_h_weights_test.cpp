@@ -16,6 +16,7 @@
 #include "io/safetensors.h"
 #include "models/model_fixtures.h"
 #include "runtime/memory_plan.h"
+#include "runtime/roofline.h"
 #include "models/nemotron_h.h"
 
 namespace chimera {
@@ -258,6 +259,23 @@ TEST(WeightsModule, MemoryPlanCountsQuantizedBytesAsTheModelStoresThem) {
     for (const auto& [kind, b] : plan) total += b;
     EXPECT_EQ(plan_memory(c, DType::kF32, DType::kF32, MemoryLimits{}, f).weights, static_cast<size_t>(total));
   }
+}
+
+// The stored-bytes roofline equals runtime/roofline.h's for dense fp32 weights (every parameter 4 bytes), and FP8 /
+// NVFP4 at load shrink it by the linear layers' share.
+TEST(WeightsModule, DecodeBytesPerTokenIsTheRooflineInStoredBytes) {
+  const ModelConfig c = model_preset("tiny");
+  ModelOptions o;
+  o.dtype = DType::kF32;
+  const NemotronH dense = NemotronH::synthetic(c, o, 3);
+  const DecodeRoofline r = batch1_decode_roofline(c, DType::kF32, 4.2e12);
+  EXPECT_DOUBLE_EQ(decode_bytes_per_token(c, dense.weights()), r.bytes_per_token);
+  o.quantize = ops::WeightFormat::kFp8;
+  const double fp8 = decode_bytes_per_token(c, NemotronH::synthetic(c, o, 3).weights());
+  o.quantize = ops::WeightFormat::kNvfp4;
+  const double nvfp4 = decode_bytes_per_token(c, NemotronH::synthetic(c, o, 3).weights());
+  EXPECT_LT(fp8, r.bytes_per_token);
+  EXPECT_LT(nvfp4, fp8);
 }
 
 }  // namespace
