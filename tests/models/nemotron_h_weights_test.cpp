@@ -158,6 +158,21 @@ TEST_F(BadQuantCheckpoint, Nvfp4WithAnOddInputSizeIsNamed) {
   EXPECT_NE(e.find("in = 41"), std::string::npos) << e;
 }
 
+TEST_F(BadQuantCheckpoint, KvCacheScalesAreKeptAndCheckedAsScalars) {
+  tensors_.emplace_back("backbone.layers.1.mixer.k_proj.k_scale", scalar(0.5f));
+  tensors_.emplace_back("backbone.layers.1.mixer.v_proj.v_scale", scalar(0.25f));
+  write_safetensors(dir_ / "model.safetensors", tensors_);
+  const ModelConfig c = load_model_config(dir_);
+  const Checkpoint ck = Checkpoint::open(dir_);
+  const NemotronH m = NemotronH::load(c, ck);
+  EXPECT_EQ(m.weights().layers[1].attention.k_scale, 0.5f);
+  EXPECT_EQ(m.weights().layers[1].attention.v_scale, 0.25f);
+  EXPECT_EQ(m.weights().layers[7].attention.k_scale, 0.0f);  // none in the file: 0
+  tensor("backbone.layers.1.mixer.v_proj.v_scale") = Tensor::from_f32({2}, std::vector<float>{1.0f, 1.0f});
+  const std::string e = load_error();
+  EXPECT_NE(e.find("backbone.layers.1.mixer.v_proj.v_scale"), std::string::npos) << e;
+}
+
 TEST(WeightsModule, SummaryCountsLogicalParametersAndStoredBytes) {
   const fs::path dir = test::source_path("tests/fixtures/quant/models/all_kinds-mixed");
   const ModelConfig c = load_model_config(dir);
