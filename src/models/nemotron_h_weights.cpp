@@ -278,11 +278,27 @@ ops::LinearWeight load_linear(CheckpointTensors& ck, const std::string& c, int64
   return w;
 }
 
-// E tensors of one shape and dtype as one [E, ...] tensor: a view when they lie back to back in one mapping (a
-// checkpoint that stores the experts in order), else a host copy.
-Tensor stack(const std::vector<Tensor>& ts) {
+// Where and in which dtype the experts' [E, ...] buffers are built (ExpertsTarget{} = as stored, on the host).
+struct ExpertsTarget {
+  Device device = Device::kCpu;
+  DType dense_dtype = DType::kF32;  // on CUDA: the dtype dense experts are converted to
+};
+
+// E tensors of one shape and dtype as one [E, ...] tensor. On the host: a view when they lie back to back in one
+// mapping (a checkpoint that stores the experts in order), else a host copy. On CUDA: one device buffer filled
+// expert by expert (in `dtype`), so the host never holds a copy of the layer's experts.
+Tensor stack(const std::vector<Tensor>& ts, const ExpertsTarget& target, DType dtype) {
   Shape shape = ts[0].shape();
   shape.insert(shape.begin(), static_cast<int64_t>(ts.size()));
+  if (target.device == Device::kCuda) {
+    const Tensor r = device::empty(Device::kCuda, dtype, shape);
+    for (size_t e = 0; e < ts.size(); ++e) {
+      const Tensor& src = ts[e];
+      device::copy(r.select(static_cast<int64_t>(e)),
+                   src.dtype() == dtype ? src : device::to_device(src, Device::kCpu, dtype));
+    }
+    return r;
+  }
   bool adjacent = true;
   for (size_t e = 1; adjacent && e < ts.size(); ++e) {
     adjacent = static_cast<const char*>(ts[e].data()) == static_cast<const char*>(ts[0].data()) + e * ts[0].nbytes();
@@ -299,7 +315,8 @@ Tensor stack(const std::vector<Tensor>& ts) {
 }
 
 // E per-expert linear layers as one ExpertWeights (one format for all: kInvalidInput otherwise).
-ops::ExpertWeights stack_experts(std::vector<ops::LinearWeight>& ex, const std::string& name) {
+ops::ExpertWeights stack_experts(std::vector<ops::LinearWeight>& ex, const std::string& name,
+                                 const ExpertsTarget& target = {}) {
   ops::ExpertWeights w;
   w.name = name;
   w.format = ex[0].format;
@@ -315,8 +332,10 @@ ops::ExpertWeights stack_experts(std::vector<ops::LinearWeight>& ex, const std::
     if (e.weight_scale) scales.push_back(e.weight_scale);
     if (e.act != w.act) w.act = ops::ActQuant::kNone;  // not every expert has an input scale: weight-only
   }
-  w.weight = stack(weights);
-  if (!scales.empty()) w.weight_scale = stack(scales);
+  const bool cuda = target.device == Device::kCuda;
+  w.weight = stack(weights, target,
+                   w.format == ops::WeightFormat::kDense && cuda ? target.dense_dtype : weights[0].dtype());
+  if (!scales.empty()) w.weight_scale = stack(scales, target, scales[0].dtype());
   if (w.format != ops::WeightFormat::kDense) {
     for (const ops::LinearWeight& e : ex) {
       w.host_scale.push_back(e.scale);
@@ -325,6 +344,10 @@ ops::ExpertWeights stack_experts(std::vector<ops::LinearWeight>& ex, const std::
     const auto E = static_cast<int64_t>(ex.size());
     w.scale = Tensor::from_f32({E}, w.host_scale);
     if (!w.host_input_scale.empty()) w.input_scale = Tensor::from_f32({E}, w.host_input_scale);
+    if (cuda) {
+      w.scale = device::to_device(w.scale, Device::kCuda);
+      if (w.input_scale) w.input_scale = device::to_device(w.input_scale, Device::kCuda);
+    }
   }
   return w;
 }
@@ -499,7 +522,12 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, co
           for (int64_t e = 0; e < E; ++e) ex.push_back(load_linear(ck, expert_name(s.name, e), N, K, options));
           std::string name = ck.module_of(expert_name(s.name, 0));
           name.replace(name.find("experts.0."), 10, "experts.{e}.");
-          *s.experts = stack_experts(ex, name);
+          // On CUDA the experts go straight into their device buffer (quantization at load needs them on the host).
+          ExpertsTarget target;
+          if (options.device == Device::kCuda && options.quantize == ops::WeightFormat::kDense) {
+            target = {Device::kCuda, options.dtype};
+          }
+          *s.experts = stack_experts(ex, name, target);
         }
         if (quantizable(s)) quantize_experts(*s.experts, options.quantize);
         break;
@@ -592,7 +620,7 @@ void WeightUploader::upload(ModelWeights& w, int layer) {
   // A dense weight in the activation dtype (linear needs it; norms and conv accept it); stored bytes as they are.
   auto put = [&](Tensor& t, DType dtype) {
     if (!t) return;
-    t = device::to_device(t, Device::kCuda, dtype);
+    if (t.device() != Device::kCuda || t.dtype() != dtype) t = device::to_device(t, Device::kCuda, dtype);
     bytes_ += t.nbytes();
   };
   for (const WeightSlot& s : weight_slots(config_, w)) {
@@ -623,7 +651,9 @@ void WeightUploader::upload(ModelWeights& w, int layer) {
       case Role::kExperts: {
         ops::ExpertWeights& x = *s.experts;
         if (!x) break;
-        if (x.format == ops::WeightFormat::kDense) {
+        if (x.format == ops::WeightFormat::kDense && x.weight.device() == Device::kCuda) {
+          bytes_ += x.weight.nbytes();  // stacked on the device at load
+        } else if (x.format == ops::WeightFormat::kDense) {
           // One device buffer [E, N, K], filled expert by expert so the host never holds a converted copy of
           // the whole layer.
           const Tensor fused = device::empty(Device::kCuda, dtype_, x.weight.shape());
