@@ -17,6 +17,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <fmt/core.h>
@@ -357,13 +358,30 @@ int run_bench(const BenchOptions& o) {
              SchedulerConfig{},
              &profiles,
              resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, c)};
-  const DecodeRoofline roof = batch1_decode_roofline(c, run.weight_dtype, o.bandwidth_gbs * 1e9);
+  DecodeRoofline roof = batch1_decode_roofline(c, run.weight_dtype, o.bandwidth_gbs * 1e9);
+  // Quantized layers (a ModelOpt checkpoint or --quantization): the bytes the loaded weights take as stored.
+  bool quantized = false;
+  for (const auto& [kind, k] : weight_summary(c, m.model->weights())) {
+    quantized = quantized || k.formats.find("fp8") != std::string::npos || k.formats.find("nvfp4") != std::string::npos;
+  }
+  if (quantized) {
+    roof.bytes_per_token = decode_bytes_per_token(c, m.model->weights());
+    roof.tokens_per_s = roof.bandwidth / roof.bytes_per_token;
+  }
   const std::string device_desc = mo.device == Device::kCuda ? device::describe_cuda() : cpu_description();
   const std::string model_name =
       o.source.is_synthetic() ? fmt::format("synthetic {} ({} layers)", o.source.synthetic, c.num_hidden_layers())
                               : o.source.model_dir;
   const std::string act = std::string(dtype_name(m.model->activation_dtype()));
-  const std::string wdt = std::string(dtype_name(run.weight_dtype));
+  std::string wdt = std::string(dtype_name(run.weight_dtype));
+  if (quantized) {
+    wdt += ", linear layers";
+    std::set<std::string> formats;
+    for (const auto& [kind, k] : weight_summary(c, m.model->weights())) {
+      if (k.formats != "dense") formats.insert(k.formats);
+    }
+    for (const std::string& f : formats) wdt += " " + f;
+  }
 
   // PDL as the kernels will see it: on by default on sm_90+, off with --no-pdl or CHIMERA_PDL=0.
   const bool pdl = mo.device == Device::kCuda && kernels.pdl && device::pdl_enabled();

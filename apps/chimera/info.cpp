@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "io/quant_config.h"
 #include "commands.h"
 #include "model_loading.h"
 #include "backends/device_api.h"
@@ -194,10 +195,28 @@ int run_info(const InfoOptions& o) {
                c.n_routed_experts);
   }
 
-  fmt::print("\nmemory for weights\n");
-  for (auto [name, bytes] : {std::pair{"fp32", 4.0}, {"bf16/fp16", 2.0}, {"fp8", 1.0}}) {
-    fmt::print("  {:<11} {:>14}\n", name, human_bytes(static_cast<double>(total) * bytes));
+  // Each kind's format and the bytes its weights take as stored: a loaded checkpoint's own tensors (CPU: zero-copy in
+  // the file's dtypes, quantized modules as the file stores them); a config alone: --dtype, with the linear layers as
+  // --quantization says.
+  const ops::WeightFormat quantize = o.source.quantize();
+  const DType dtype = o.dtype == "float32" ? DType::kF32 : o.dtype == "float16" ? DType::kF16 : DType::kBF16;
+  fmt::print("\nweights by kind (format, bytes as stored{})\n",
+             m.model ? "" : fmt::format(", {}", dtype_name(dtype)));
+  int64_t stored = 0;
+  if (m.model) {
+    for (const auto& [kind, k] : weight_summary(c, m.model->weights())) {
+      fmt::print("  {:<11} {:<11} {:>14}\n", kind, k.formats, human_bytes(static_cast<double>(k.bytes)));
+      stored += k.bytes;
+    }
+  } else {
+    for (const auto& [kind, b] : weight_bytes(c, dtype, quantize)) {
+      const bool linear = kind != "embeddings" && kind != "norm_f" && kind != "lm_head";
+      fmt::print("  {:<11} {:<11} {:>14}\n", kind, linear ? ops::weight_format_name(quantize) : "dense",
+                 human_bytes(static_cast<double>(b)));
+      stored += b;
+    }
   }
+  fmt::print("  {:<11} {:<11} {:>14}\n", "total", "", human_bytes(static_cast<double>(stored)));
   fmt::print("\nmemory for state\n");
   // Per SSM state dtype (--mamba-ssm-cache-dtype): a 16-bit state halves the SSM part, so more slots fit.
   for (auto [name, dt] : {std::pair{"fp32", DType::kF32}, {"bf16", DType::kBF16}, {"fp16", DType::kF16}}) {
@@ -212,16 +231,20 @@ int run_info(const InfoOptions& o) {
   fmt::print("  KV cache (fp8) per token                     {}\n",
              human_bytes(static_cast<double>(StateCache::kv_bytes_per_token(c, 1))));
 
-  const DType dtype = o.dtype == "float32" ? DType::kF32 : o.dtype == "float16" ? DType::kF16 : DType::kBF16;
   MemoryLimits limits;
   limits.max_num_seqs = o.max_num_seqs;
   limits.max_model_len = o.max_model_len;
   limits.ssm_dtype = resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, c);
   limits.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
-  const MemoryPlan plan = plan_memory(c, dtype, dtype, limits);
-  fmt::print("\nmemory plan ({}, {} sequences x {} tokens, {} tokens per step, SSM state {}, KV cache {})\n",
-             dtype_name(dtype), o.max_num_seqs, o.max_model_len, limits.max_tokens_per_step,
-             ssm_cache_dtype_name(limits.ssm_dtype), limits.kv_cache_fp8 ? "fp8" : dtype_name(dtype));
+  MemoryPlan plan = plan_memory(c, dtype, dtype, limits, quantize);
+  if (!o.source.is_synthetic() && load_quant_config(o.source.model_dir)) {
+    plan.weights = quantized_checkpoint_weight_bytes(o.source.model_dir, dtype);
+  }
+  fmt::print("\nmemory plan ({}{}, {} sequences x {} tokens, {} tokens per step, SSM state {}, KV cache {})\n",
+             dtype_name(dtype),
+             quantize == ops::WeightFormat::kDense ? "" : fmt::format(", linear layers {}", ops::weight_format_name(quantize)),
+             o.max_num_seqs, o.max_model_len, limits.max_tokens_per_step, ssm_cache_dtype_name(limits.ssm_dtype),
+             limits.kv_cache_fp8 ? "fp8" : dtype_name(dtype));
   fmt::print("  weights     {:>14}\n", gib(plan.weights));
   fmt::print("  KV cache    {:>14}\n", gib(plan.kv_cache));
   fmt::print("  Mamba state {:>14}\n", gib(plan.mamba_state));

@@ -5,6 +5,7 @@
 #include "backends/device_api.h"
 #include "core/error.h"
 #include "io/model_presets.h"
+#include "io/quant_config.h"
 #include "runtime/state_cache.h"
 #include "tokenizer/synthetic_tokenizer.h"
 
@@ -26,6 +27,18 @@ void add_model_source(CLI::App& app, ModelSource& s) {
       ->check(CLI::PositiveNumber);
   app.add_option("--synthetic-seed", s.synthetic_seed, "With --synthetic: seed of the random weights")
       ->capture_default_str();
+  app.add_option("--quantization", s.quantization,
+                 "Quantize a dense checkpoint's or a --synthetic model's linear layers at load, as ModelOpt's weight "
+                 "quantizers do (fp8: per-tensor scale; nvfp4: 16-element blocks); weight-only (no calibration); "
+                 "lm_head, the router, conv1d and the embeddings stay dense")
+      ->check(CLI::IsMember({"fp8", "nvfp4"}));
+}
+
+ops::WeightFormat ModelSource::quantize() const {
+  if (quantization == "fp8") return ops::WeightFormat::kFp8;
+  if (quantization == "nvfp4") return ops::WeightFormat::kNvfp4;
+  if (!quantization.empty()) invalid_input("--quantization {}: expected fp8 or nvfp4", quantization);
+  return ops::WeightFormat::kDense;
 }
 
 void add_ssm_cache_dtype_flag(CLI::App& app, std::string& value) {
@@ -87,17 +100,46 @@ ModelOptions model_options_from_flags(const std::string& device, const std::stri
   return mo;
 }
 
-LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOptions& options,
+size_t quantized_checkpoint_weight_bytes(const std::string& dir, DType dtype) {
+  // Quantized tensors (F8_E4M3 / U8 weights and block scales, F32 scales) go to the GPU as stored, float tensors in
+  // `dtype`, the small parameters NemotronH keeps in fp32 at 4 bytes; mtp.* tensors stay on the host.
+  const Checkpoint ck = Checkpoint::open(dir);
+  const auto wsize = static_cast<int64_t>(dtype_size(dtype));
+  int64_t bytes = 0;
+  for (const std::string& name : ck.names()) {
+    if (name.rfind("mtp.", 0) == 0) continue;
+    const TensorInfo& info = ck.info(name);
+    int64_t n = 1;
+    for (const int64_t d : info.shape) n *= d;
+    const bool scale = name.find("_scale") != std::string::npos;
+    const bool f32 = name.ends_with("A_log") || name.ends_with(".D") || name.ends_with("dt_bias") ||
+                     name.ends_with("e_score_correction_bias") || name.ends_with("mixer.gate.weight");
+    if (info.dtype == DType::kF8E4M3 || info.dtype == DType::kU8 || scale) {
+      bytes += n * static_cast<int64_t>(dtype_size(info.dtype));
+    } else {
+      bytes += n * (f32 ? 4 : wsize);
+    }
+  }
+  return static_cast<size_t>(bytes);
+}
+
+LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOptions& flag_options,
                        const std::optional<MemoryLimits>& limits) {
   namespace fs = std::filesystem;
+  ModelOptions options = flag_options;
+  options.quantize = src.quantize();
   LoadedModel m;
   m.config = load_source_config(src);
   if (with_weights && limits) {
     // Synthetic weights are generated in options.dtype; a checkpoint goes to the GPU in options.dtype, and on the
     // CPU is memory-mapped (its weights take no allocation: only the caches and workspace are checked).
     const DType act = options.device == Device::kCpu ? DType::kF32 : options.dtype;
-    MemoryPlan plan = plan_memory(m.config, options.dtype, act, *limits);
-    if (options.device == Device::kCpu && !src.is_synthetic()) plan.weights = 0;
+    MemoryPlan plan = plan_memory(m.config, options.dtype, act, *limits, options.quantize);
+    if (options.device == Device::kCpu && !src.is_synthetic()) {
+      plan.weights = 0;
+    } else if (!src.is_synthetic() && load_quant_config(src.model_dir)) {
+      plan.weights = quantized_checkpoint_weight_bytes(src.model_dir, options.dtype);
+    }
     check_memory_plan(plan, device::memory_info(options.device).free, options.device == Device::kCuda ? "GPU" : "host");
   }
   if (src.is_synthetic()) {

@@ -24,9 +24,12 @@ struct ModelSource {
   std::string synthetic;        // preset name; "" = read model_dir
   int64_t num_layers = 0;       // 0 = all layers of the pattern
   uint64_t synthetic_seed = 0;  // weights of a synthetic model
+  // --quantization fp8 | nvfp4: the linear layers quantized at load (ModelOptions::quantize); "" = as stored.
+  std::string quantization;
   bool is_synthetic() const { return !synthetic.empty(); }
+  ops::WeightFormat quantize() const;
 };
-// Registers -m, --synthetic, --num-layers, --synthetic-seed.
+// Registers -m, --synthetic, --num-layers, --synthetic-seed, --quantization.
 void add_model_source(CLI::App& app, ModelSource& src);
 // The model options of --device cpu|cuda and --dtype: cuda needs a CUDA build and a GPU (bf16 unless --dtype
 // float32); the CPU computes in float32 only. Otherwise kInvalidInput naming the flag.
@@ -57,6 +60,8 @@ void add_kv_cache_dtype_flag(CLI::App& app, std::string& value);
 // "needs X GiB (...) but the GPU has Y GiB free" before anything is allocated.
 LoadedModel load_model(const ModelSource& src, bool with_weights = true, const ModelOptions& options = {},
                        const std::optional<MemoryLimits>& limits = std::nullopt);
+// The GPU bytes of a quantized (ModelOpt) checkpoint's weights: quantized tensors as stored, float ones in `dtype`.
+size_t quantized_checkpoint_weight_bytes(const std::string& dir, DType dtype);
 // kInvalidInput naming both files unless the tokenizer's ids are exactly the model's embedding rows.
 void check_tokenizer_fits(const Tokenizer& tok, const ModelConfig& config, const std::string& tokenizer_path,
                           const std::string& config_path);

@@ -124,8 +124,11 @@ int run_serve(const ServeOptions& o) {
     req.ssm_dtype = ec.cache.ssm_dtype;
     req.kv_cache_fp8 = ec.cache.kv_cache_fp8;
     const DType act = m.model->activation_dtype();
-    const size_t weights = plan_memory(m.config, model_options.dtype, act, limits).weights;
-    const CacheSizingPlan plan = size_caches(m.config, act, weights, device::memory_info(Device::kCuda), req);
+    // The weights as the GPU holds them (quantized layers as stored).
+    int64_t weights = 0;
+    for (const auto& [kind, k] : weight_summary(m.config, m.model->weights())) weights += kind == "mtp" ? 0 : k.bytes;
+    const CacheSizingPlan plan =
+        size_caches(m.config, act, static_cast<size_t>(weights), device::memory_info(Device::kCuda), req);
     ec.cache = plan.cache_sizes();
     max_num_seqs = plan.mamba_slots;
     fmt::print("chimera serve: {}\n", format_cache_sizing(plan, "GPU"));

@@ -1,4 +1,4 @@
-// Nemotron-H / Nemotron 3 (model_type "nemotron_h"): weights by checkpoint name, and the forward step.
+// Nemotron-H / Nemotron 3 (model_type "nemotron_h"): the forward step over the weights of models/nemotron_h_weights.h.
 // Reads like transformers' modeling_nemotron_h.py: embeddings -> [norm -> mixer -> residual add] per layer
 // -> norm_f -> lm_head, with the mixer chosen by the layer pattern (M Mamba-2, * attention, - MLP, E MoE).
 #pragma once
@@ -11,6 +11,7 @@
 
 #include "io/model_config.h"
 #include "io/safetensors.h"
+#include "models/nemotron_h_weights.h"
 #include "ops/ops.h"
 #include "runtime/batch.h"
 #include "runtime/model.h"
@@ -18,69 +19,14 @@
 
 namespace chimera {
 
-class WeightTable;  // nemotron_h.cpp: checkpoint names -> tensors, or the synthetic weight source
-
-// Member names equal the checkpoint keys under `backbone.layers.{i}.mixer.` (docs/style.md 1: loading is a name table).
-struct MambaWeights {
-  Tensor in_proj;          // [2*Di + 2*G*N + H, D]
-  Tensor in_proj_bias;     // [2*Di + 2*G*N + H] when use_bias
-  Tensor conv1d_weight;    // [Cd, K] (checkpoint [Cd, 1, K])
-  Tensor conv1d_bias;      // [Cd] when use_conv_bias
-  ops::SsmParams ssm;      // A_log, D, dt_bias as F32 [H]; time_step_limit
-  Tensor norm;             // [Di] gated grouped RMSNorm weight
-  Tensor out_proj;         // [D, Di]
-  Tensor out_proj_bias;    // [D] when use_bias
-};
-
-struct AttentionWeights {
-  Tensor q_proj;  // [Qh*hd, D]
-  Tensor k_proj;  // [KVh*hd, D]
-  Tensor v_proj;  // [KVh*hd, D]
-  Tensor o_proj;  // [D, Qh*hd]
-};
-
-struct MlpWeights {
-  Tensor up_proj;    // [I, D]
-  Tensor down_proj;  // [D, I]
-};
-
-struct MoeWeights {
-  Tensor gate;                     // [E, D] router
-  Tensor e_score_correction_bias;  // [E] F32
-  std::vector<Tensor> experts_up;    // E x [I_moe, Lat|D]  (views into a fused [E, I, Lat|D] when HF-named)
-  std::vector<Tensor> experts_down;  // E x [Lat|D, I_moe]
-  MlpWeights shared_experts;       // [I_sh, D], [D, I_sh]
-  Tensor fc1_latent_proj;          // [Lat, D] when moe_latent_size
-  Tensor fc2_latent_proj;          // [D, Lat]
-};
-
-// Where the model runs and in which dtype.
-//   CPU: weights stay zero-copy views of the checkpoint mmap (any float dtype), activations are F32; `dtype`
-//        is not used (the CPU backend is the fp32 reference).
-//   CUDA: every weight is uploaded once at load, converted to `dtype` (the activation dtype: bf16 for the
-//        product, fp32 for exact comparisons with the CPU and transformers); the small SSM parameters (A_log,
-//        D, dt_bias), the router's correction bias and the router gate stay F32 (the router runs in fp32 as in
-//        transformers); each MoE layer's experts live in one device buffer with per-expert views.
-struct ModelOptions {
-  Device device = Device::kCpu;
-  DType dtype = DType::kBF16;
-};
-
-struct LayerWeights {
-  LayerKind kind;
-  Tensor norm;  // [D] pre-mixer RMSNorm
-  MambaWeights mamba;
-  AttentionWeights attention;
-  MlpWeights mlp;
-  MoeWeights moe;
-};
-
 class NemotronH : public Model {
  public:
-  // Binds every tensor of the checkpoint by name, checking it against the config's shape. Accepts NVIDIA's
-  // published naming (backbone.*, backbone.embeddings or backbone.embedding, one tensor per expert) and
-  // transformers' in-memory naming (model.*, fused experts). Missing, unexpected and mis-shaped tensors
-  // are kInvalidInput errors naming the tensor (and the file). mtp.* tensors are kept in mtp_tensors().
+  // Binds every tensor of the checkpoint by name (models/nemotron_h_weights.h: load_weights), checking it against the
+  // config's shape and the checkpoint's quantization config (hf_quant_config.json / quantization_config: FP8 and
+  // NVFP4 modules as ModelOpt exports them). Accepts NVIDIA's published naming (backbone.*, backbone.embeddings or
+  // backbone.embedding, one tensor per expert) and transformers' in-memory naming (model.*, fused experts).
+  // Missing, unexpected, mis-shaped and mis-typed tensors are kInvalidInput errors naming the tensor (and the file).
+  // mtp.* tensors are kept in mtp_tensors().
   // With options.device kCuda the weights are uploaded (a progress line on stderr when it is a terminal).
   static NemotronH load(const ModelConfig& config, const Checkpoint& checkpoint, const ModelOptions& options = {});
   // A random-weight model of `config` (a preset, io/model_presets.h), built in memory through the same name
@@ -93,8 +39,9 @@ class NemotronH : public Model {
   Device device() const override { return device_; }
   // The dtype of every activation, the conv state and the KV cache: F32 on the CPU, options.dtype on CUDA.
   DType activation_dtype() const override { return act_dtype_; }
-  const std::map<std::string, Tensor>& mtp_tensors() const { return mtp_; }
-  // Parameter count per layer kind name ("embeddings", "mamba", ..., "lm_head").
+  const std::map<std::string, Tensor>& mtp_tensors() const { return w_.mtp; }
+  const ModelWeights& weights() const { return w_; }
+  // Parameter count per layer kind name ("embeddings", "mamba", ..., "lm_head"); a quantized weight counts N x K.
   std::map<std::string, int64_t> parameter_counts() const;
 
   // One forward step on ctx.device (which must be the model's device): returns host fp32 logits
@@ -114,7 +61,7 @@ class NemotronH : public Model {
 
  private:
   NemotronH() = default;
-  static NemotronH bind(const ModelConfig& config, WeightTable& weights, const ModelOptions& options);
+  static NemotronH with_options(const ModelConfig& config, const ModelOptions& options);
   // An uninitialised activation on `device` in the activation dtype.
   Tensor act(const ops::Context& ctx, Shape shape) const;
   // set_activation_dump's write of `t` as DIR/step<s>_layer<layer>_<what>.npy, when this step is dumped.
@@ -135,11 +82,7 @@ class NemotronH : public Model {
   ModelConfig config_;
   Device device_ = Device::kCpu;
   DType act_dtype_ = DType::kF32;
-  Tensor embeddings_;  // [V, D]
-  std::vector<LayerWeights> layers_;
-  Tensor norm_f_;   // [D]
-  Tensor lm_head_;  // [V, D]
-  std::map<std::string, Tensor> mtp_;  // host views (the MTP head does not run yet)
+  ModelWeights w_;
   std::filesystem::path dump_dir_;     // set_activation_dump; empty: off
   // The dumped step's number, -1 while the current step is not dumped; both written only while a dump is on.
   mutable int dump_step_ = -1;

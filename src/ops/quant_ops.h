@@ -12,6 +12,7 @@
 // at +-448), which is ModelOpt's W8A8 in exact arithmetic. A scalar is a tensor of one element (shape [] or [1]).
 #pragma once
 
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -47,5 +48,37 @@ void fp8_linear(const Context& ctx, const Tensor& out, const Tensor& x, const Fp
                 const Tensor& bias = Tensor());
 void nvfp4_linear(const Context& ctx, const Tensor& out, const Tensor& x, const Nvfp4Linear& w,
                   const Tensor& bias = Tensor());
+
+// ---- the model's linear layers and experts in their stored form (ops/quant_weights.h) ---------------------
+// Each op dispatches on the format: kDense goes to the dense op of ops/ops.h (bit-identical to calling it);
+// kFp8 / kNvfp4 run the exact fp32 reference on the CPU (weights dequantized as core/fp8.h and core/nvfp4.h define
+// them; ActQuant::kStatic fake-quantizes the activation with input_scale first) and the quantized kernels on CUDA.
+
+// Checks a weight's tensors against its format: dtypes, shapes, K a multiple of 16 for NVFP4, scales finite and
+// > 0, kStatic only with FP8 and an input_scale. A bad one -> kInvalidInput naming w.name's tensor.
+void validate(const LinearWeight& w);
+void validate(const ExpertWeights& w);
+
+// out [T, N] = x' @ W^T (+ bias [N]); x [T, K].
+void linear(const Context& ctx, const Tensor& out, const Tensor& x, const LinearWeight& w,
+            const Tensor& bias = Tensor());
+// The same x through 1..3 weights: linear_multi of ops/ops.h when every weight is dense, else one linear each.
+void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor& x,
+                  std::span<const LinearWeight* const> weights);
+// residual_norm_linear of ops/ops.h (the fused residual step) when every weight is dense; otherwise unfused:
+// residual_out = residual, then add_rms_norm / add2_rms_norm into (residual_out, x), then one linear each.
+void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<const Tensor> outs,
+                          std::span<const LinearWeight* const> weights, const Tensor& bias = Tensor());
+// out = down(relu(up(x))^2): relu2_mlp of ops/ops.h when both are dense; otherwise linear, relu2, linear with the
+// intermediate [T, I] in x's dtype.
+void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const LinearWeight& up_proj,
+               const LinearWeight& down_proj);
+
+// Routed experts as moe_experts of ops/ops.h (same shapes, same per-token accumulation order: experts in increasing
+// index, each one's weighted output added as it finishes) with each expert's projections in the stored format.
+// FP8 kStatic: expert e's up_proj input quantized with up.host_input_scale[e], its relu^2 output with
+// down.host_input_scale[e]. Dense experts go to the dense op through per-expert views.
+void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
+                 const Tensor& topk_weights, const ExpertWeights& up_proj, const ExpertWeights& down_proj);
 
 }  // namespace chimera::ops

@@ -81,16 +81,58 @@ int64_t fp32_parameter_count(const ModelConfig& c) {
                 k.mul({count(c, LayerKind::kMoe), k.add({k.mul({c.n_routed_experts, c.hidden_size}), c.n_routed_experts})})});
 }
 
-MemoryPlan plan_memory(const ModelConfig& c, DType weight_dtype, DType act_dtype, const MemoryLimits& limits) {
+std::map<std::string, int64_t> weight_bytes(const ModelConfig& c, DType weight_dtype, ops::WeightFormat f) {
+  const Checked k{"weights"};
   const auto wsize = static_cast<int64_t>(dtype_size(weight_dtype));
+  const int64_t D = c.hidden_size, E = c.n_routed_experts;
+  // Per layer of each kind: the linear layers' parameters, their number, and the fp32 parameters.
+  struct Linear {
+    int64_t params = 0, modules = 0, f32 = 0;
+  };
+  const int64_t q = k.mul({c.num_attention_heads, c.head_dim}), kv = k.mul({c.num_key_value_heads, c.head_dim});
+  const std::map<LayerKind, Linear> linear = {
+      {LayerKind::kMamba, {k.add({k.mul({c.in_proj_dim(), D}), k.mul({D, c.mamba_inner()})}), 2, 3 * c.mamba_num_heads}},
+      {LayerKind::kAttention, {k.add({k.mul({2, q, D}), k.mul({2, kv, D})}), 4, 0}},
+      {LayerKind::kMlp, {k.mul({2, c.intermediate_size, D}), 2, 0}},
+      {LayerKind::kMoe,
+       {k.add({k.mul({E, 2, c.moe_intermediate_size, c.moe_input_dim()}),
+               k.mul({2, c.moe_shared_expert_intermediate_size, D}),
+               c.moe_latent_size ? k.mul({2, *c.moe_latent_size, D}) : 0}),
+        2 * E + 2 + (c.moe_latent_size ? 2 : 0), k.add({k.mul({E, D}), E})}},
+  };
+  auto stored = [&](int64_t params, int64_t modules) {
+    switch (f) {
+      case ops::WeightFormat::kDense: return k.mul({params, wsize});
+      case ops::WeightFormat::kFp8: return k.add({params, k.mul({modules, 4})});
+      case ops::WeightFormat::kNvfp4: return k.add({params / 2, params / 16, k.mul({modules, 4})});
+    }
+    return k.mul({params, wsize});
+  };
+  std::map<std::string, int64_t> r;
+  for (const auto& [kind, n] : parameter_counts(c)) {
+    int64_t bytes = k.mul({n, wsize});
+    for (const auto& [lk, l] : linear) {
+      if (kind != layer_kind_name(lk)) continue;
+      const int64_t layers = count(c, lk);
+      const int64_t rest = n - k.mul({layers, k.add({l.params, l.f32})});
+      bytes = k.add({k.mul({rest, wsize}), k.mul({layers, l.f32, 4}), k.mul({layers, stored(l.params, l.modules)})});
+    }
+    r[kind] = bytes;
+  }
+  return r;
+}
+
+MemoryPlan plan_memory(const ModelConfig& c, DType weight_dtype, DType act_dtype, const MemoryLimits& limits,
+                       ops::WeightFormat linear_format) {
   const auto asize = static_cast<int64_t>(dtype_size(act_dtype));
   const int64_t seqs = std::max(limits.max_num_seqs, 1), bs = std::max(limits.block_size, 1);
   // Rounded up to whole blocks in int64: max_model_len near INT32_MAX does not wrap.
   const int64_t tokens_per_seq = (static_cast<int64_t>(std::max(limits.max_model_len, 1)) + bs - 1) / bs * bs;
   MemoryPlan p;
-  const int64_t f32 = fp32_parameter_count(c);
   const Checked kw{"weights"};
-  p.weights = static_cast<size_t>(kw.add({kw.mul({parameter_count(c) - f32, wsize}), kw.mul({f32, 4})}));
+  int64_t weights = 0;
+  for (const auto& [kind, b] : weight_bytes(c, weight_dtype, linear_format)) weights = kw.add({weights, b});
+  p.weights = static_cast<size_t>(weights);
   const Checked kk{"KV cache"};
   const int64_t pads = std::max(limits.graph_pad_rows, 0);
   const int64_t kv_tokens = kk.add({kk.mul({tokens_per_seq, seqs}), kk.mul({pads, bs})});

@@ -19,6 +19,7 @@
 
 #include "core/dtype.h"
 #include "io/model_config.h"
+#include "ops/quant_weights.h"
 
 namespace chimera {
 
@@ -50,10 +51,19 @@ int64_t parameter_count(const ModelConfig& config);
 // Of those, the ones NemotronH keeps in fp32 on CUDA (A_log, D, dt_bias, router gate, correction bias).
 int64_t fp32_parameter_count(const ModelConfig& config);
 
-// weight_dtype: the dtype weights are stored in; act_dtype: activations, conv state and KV cache. Every size is
+// Weight bytes by kind ("embeddings", "mamba", ..., "lm_head") when every linear layer but lm_head is stored as
+// `linear_format` (what --quantization does at load: FP8 1 byte a weight + its F32 weight_scale; NVFP4 half a byte
+// a weight + one e4m3 block scale per 16 + its F32 weight_scale_2), everything else in weight_dtype, and the fp32
+// parameters (fp32_parameter_count) in fp32. kDense: every linear layer in weight_dtype too.
+std::map<std::string, int64_t> weight_bytes(const ModelConfig& config, DType weight_dtype,
+                                            ops::WeightFormat linear_format);
+
+// weight_dtype: the dtype weights are stored in; act_dtype: activations, conv state and KV cache; linear_format: how
+// the linear layers are stored (weight_bytes). Every size is
 // computed with checked int64 arithmetic: one that overflows (e.g. 2^31 sequences of 2^31 tokens) is
 // kInvalidInput naming the part, so total() is never a wrapped, too small number.
-MemoryPlan plan_memory(const ModelConfig& config, DType weight_dtype, DType act_dtype, const MemoryLimits& limits);
+MemoryPlan plan_memory(const ModelConfig& config, DType weight_dtype, DType act_dtype, const MemoryLimits& limits,
+                       ops::WeightFormat linear_format = ops::WeightFormat::kDense);
 
 // "12.34 GiB"
 std::string gib(size_t bytes);
