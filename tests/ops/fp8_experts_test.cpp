@@ -382,12 +382,14 @@ TEST(Fp8Experts, CudaGemvMatchesReference) {
 TEST(Fp8Experts, CudaGemvNanoShapes) {
   if (!has_gpu()) GTEST_SKIP() << device::describe_cuda();
   auto rng = test::Rng::for_test();
+  // The experts' shapes are the models' ([1856, 2688] for Nano, Super's latent [2688, 1024] at top-22); fewer experts
+  // than the models' 128 / 512 keep the random weights and the double-precision reference to seconds (the kernels
+  // index experts by id, so their count changes nothing the test could catch).
   for (int64_t T : {1, 3, 8}) {
-    cuda_case(rng, Case{T, 128, 6, 2688, 1856, true, true}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
+    cuda_case(rng, Case{T, 8, 6, 2688, 1856, true, true}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
   }
-  cuda_case(rng, Case{2, 128, 6, 2688, 1856, false, false}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
-  // Super's latent experts (512 x [2688, 1024]), top-22.
-  cuda_case(rng, Case{2, 512, 22, 1024, 2688, true, true}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
+  cuda_case(rng, Case{2, 8, 6, 2688, 1856, false, false}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
+  cuda_case(rng, Case{2, 24, 22, 1024, 2688, true, true}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
 }
 
 TEST(Fp8Experts, CudaCutlassMatchesReference) {
@@ -402,7 +404,7 @@ TEST(Fp8Experts, CudaCutlassMatchesReference) {
     cuda_case(rng, Case{T, 128, 6, 96, 64, true, true}, DType::kBF16, path);
   }
   cuda_case(rng, Case{257, 5, 1, 144, 272, true, true}, DType::kBF16, path);
-  cuda_case(rng, Case{96, 128, 6, 2688, 1856, true, true}, DType::kBF16, path);
+  cuda_case(rng, Case{96, 8, 6, 2688, 1856, true, true}, DType::kBF16, path);  // Nano's expert shapes
   // Outside its domain (weight-only, fp32 activations, K % 16 != 0): a clear error, not a wrong answer.
   {
     const Inputs in = make_inputs(rng, Case{9, 5, 2, 80, 48, false, false}, DType::kBF16);
