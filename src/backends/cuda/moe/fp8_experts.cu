@@ -124,7 +124,7 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
     const size_t ws_bytes = 16;  // not reached: cutlass_ok is false without CUTLASS
 #endif
     Tensor ws = device::empty(Device::kCuda, DType::kU8, {static_cast<int64_t>(ws_bytes)});
-    Fp8CutlassParams c{};
+    [[maybe_unused]] Fp8CutlassParams c{};  // unused in a build without CUTLASS (cutlass_ok is false there)
     c.up_weight = static_cast<const uint8_t*>(up.weight.data());
     c.down_weight = static_cast<const uint8_t*>(down.weight.data());
     c.up_scale = f32_ptr(up.scale);
