@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include "backends/device_api.h"
+
 namespace chimera::test {
 
 ::testing::AssertionResult all_close(std::span<const float> got, std::span<const float> want, Tolerance tol) {
@@ -74,6 +76,30 @@ static std::span<const float> as_f32(const Tensor& t, Tensor& holder) {
                                          << r.message();
   }
   return all_close(g, w, tol);
+}
+
+::testing::AssertionResult within_bounds(const Tensor& got_any, std::span<const double> want,
+                                         std::span<const double> bound) {
+  const Tensor got = device::to_host_f32(got_any);
+  if (got.numel() != static_cast<int64_t>(want.size()) || want.size() != bound.size()) {
+    return ::testing::AssertionFailure() << "got " << got.describe() << " against " << want.size() << " values and "
+                                         << bound.size() << " bounds";
+  }
+  int64_t worst = 0;
+  double worst_ratio = 0.0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = got.f32()[i];
+    const size_t u = static_cast<size_t>(i);
+    const double ratio = std::isfinite(g) ? std::fabs(g - want[u]) / bound[u] : INFINITY;
+    if (!(ratio <= worst_ratio)) {
+      worst_ratio = ratio;
+      worst = i;
+    }
+  }
+  if (worst_ratio <= 1.0) return ::testing::AssertionSuccess();
+  const size_t w = static_cast<size_t>(worst);
+  return ::testing::AssertionFailure() << "worst element " << worst << ": got " << got.f32()[worst] << ", want "
+                                       << want[w] << ", bound " << bound[w] << " (" << worst_ratio << " x)";
 }
 
 ::testing::AssertionResult bit_equal(const Tensor& got, const Tensor& want) {

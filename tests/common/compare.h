@@ -19,6 +19,10 @@ namespace chimera::test {
 ::testing::AssertionResult all_close(const Tensor& got, const Tensor& want, Tolerance tol);
 // Normalised MSE: sum((got-want)^2) / max(sum(want^2), tiny) <= nmse, plus the elementwise bound.
 ::testing::AssertionResult nmse_close(const Tensor& got, const Tensor& want, double nmse, Tolerance tol);
+// Elementwise against a derived per-element bound: |got[i] - want[i]| <= bound[i], a non-finite got[i] never
+// passes. `got` may live on any device in any float dtype; on failure names the worst element.
+::testing::AssertionResult within_bounds(const Tensor& got, std::span<const double> want,
+                                         std::span<const double> bound);
 // Bit-exact equality of the raw bytes (indices, routing choices, cache copies).
 ::testing::AssertionResult bit_equal(const Tensor& got, const Tensor& want);
 

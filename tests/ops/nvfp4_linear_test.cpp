@@ -47,22 +47,9 @@ struct Case {
   bool bias;
 };
 
-void check_close(const Tensor& got_any, const std::vector<double>& want, const std::vector<double>& bound,
+void check_close(const Tensor& got, const std::vector<double>& want, const std::vector<double>& bound,
                  const char* what) {
-  const Tensor got = device::to_host_f32(got_any);
-  ASSERT_EQ(got.numel(), static_cast<int64_t>(want.size()));
-  int64_t worst = 0;
-  double worst_ratio = 0.0;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    const double g = got.f32()[i];
-    const double ratio = std::isfinite(g) ? std::fabs(g - want[i]) / bound[i] : INFINITY;
-    if (!(ratio <= worst_ratio)) {
-      worst_ratio = ratio;
-      worst = i;
-    }
-  }
-  EXPECT_LE(worst_ratio, 1.0) << what << ": worst element " << worst << ": got " << got.f32()[worst] << ", want "
-                              << want[worst] << ", bound " << bound[worst];
+  EXPECT_TRUE(test::within_bounds(got, want, bound)) << what;
 }
 
 class Nvfp4Linear : public test::BackendTest {};
