@@ -5,9 +5,18 @@
 #             (git archive of the commit to compare with, tests/fixtures left out), that tree's CLI in
 #             .baseline/build, both with the carried .debs (scripts/device_env.sh)
 #   tune      chimera_bench linear_tune -> src/backends/cuda/gemm/sm90_linear_table.inc (copied to $OUT), rebuild
-#   tests     the whole chimera_tests suite ($OUT/tests.log)
+#   tests     the chimera_tests suite ($OUT/tests.log): all of it, or the gtest filter TESTS_FILTER, within
+#             TESTS_TIMEOUT seconds (default 590)
 #   engine    chimera bench on the Nano shape, this tree and the baseline alternated (ENGINE_ROUNDS, default 1):
-#             prefill 1K / 8K, decode b1 / b64 / b256 after a 1K prompt; JSON per run in $OUT
+#             prefill 1K / 8K, decode b1 / b64 / b256 after a 1K prompt; JSON per run in $OUT. ENGINE_QUANT (a
+#             comma list of none, fp8, nvfp4; default none) runs this tree once per weight format (--quantization),
+#             one after the other in each round (engine_new_<format>_<round>.json)
+#   fuzz-start  scripts/fuzz.sh in the background at nice 19 over the carried harness binaries (.fuzzbin/fuzz/,
+#             built on the CPU machine: this one has no clang) for FUZZ_SECONDS (default 400), FUZZ_JOBS processes
+#             per harness (default 6) of FUZZ_HARNESSES (default chat_template,tokenizer_codec); the corpus grows in
+#             .fuzzbin/corpus
+#   fuzz-wait   waits for it (at most FUZZ_WAIT seconds, default 60, then stops it) and leaves its summary, logs,
+#             findings and grown corpus in $OUT/fuzz.tgz
 #   serve     chimera serve on the Nano shape (bf16, CUDA; SERVE_MAX_NUM_SEQS, SERVE_MAX_NUM_BATCHED_TOKENS: default
 #             chimera serve's own) and chimera bench serve against it,
 #             random 1K in / 1K out (max(c, 4) prompts per concurrency c)
@@ -47,7 +56,8 @@ for step in "$@"; do
     ninja -C build-dev -j 16 >"$OUT/rebuild.log" 2>&1 || { tail -30 "$OUT/rebuild.log"; exit 1; }
     el tuned ;;
   tests)
-    ./build-dev/chimera_tests --gtest_brief=1 >"$OUT/tests.log" 2>&1 || rc=1
+    timeout "${TESTS_TIMEOUT:-590}" ./build-dev/chimera_tests --gtest_brief=1 ${TESTS_FILTER:+--gtest_filter="$TESTS_FILTER"} \
+      >"$OUT/tests.log" 2>&1 || rc=1
     grep -E "^\[  FAILED  \]|^\[==========\]|^\[  PASSED  \]|tests? (ran|skipped)" "$OUT/tests.log" | head -40
     el tests ;;
   engine)
@@ -57,9 +67,29 @@ for step in "$@"; do
         .baseline/build/chimera bench "${args[@]}" --json-out "$OUT/engine_base_$r.json" 2>&1 | tail -14
         el "baseline round $r"
       fi
-      ./build-dev/chimera bench "${args[@]}" --json-out "$OUT/engine_new_$r.json" 2>&1 | tail -14
-      el "this tree round $r"
+      for q in $(echo "${ENGINE_QUANT:-none}" | tr , ' '); do
+        qargs=()
+        [ "$q" = none ] || qargs=(--quantization "$q")
+        timeout "${ENGINE_TIMEOUT:-300}" ./build-dev/chimera bench "${args[@]}" "${qargs[@]}" --json-out "$OUT/engine_new_${q}_$r.json" 2>&1 | tail -16
+        el "this tree, weights $q, round $r"
+      done
     done ;;
+  fuzz-start)
+    ( FUZZ_NO_BUILD=1 FUZZ_BUILD_DIR=.fuzzbin FUZZ_JOBS=${FUZZ_JOBS:-6} FUZZ_TIMEOUT=60 \
+        nice -n 19 bash scripts/fuzz.sh "${FUZZ_SECONDS:-400}" $(echo "${FUZZ_HARNESSES:-chat_template,tokenizer_codec}" | tr , ' ') \
+        >"$OUT/fuzz_summary.txt" 2>&1 ) &
+    FUZZ_PID=$!
+    el "fuzzing in the background (pid $FUZZ_PID)" ;;
+  fuzz-wait)
+    if [ -n "${FUZZ_PID:-}" ]; then
+      for _ in $(seq "${FUZZ_WAIT:-60}"); do kill -0 "$FUZZ_PID" 2>/dev/null || break; sleep 1; done
+      pkill -INT -f '.fuzzbin/fuzz/' 2>/dev/null
+      wait "$FUZZ_PID"
+    fi
+    cat "$OUT/fuzz_summary.txt"
+    cp "$OUT/fuzz_summary.txt" .fuzzbin/
+    (cd .fuzzbin && tar czf "$OUT/fuzz.tgz" fuzz_summary.txt corpus findings fuzz_*.log)
+    el "fuzz done" ;;
   serve)
     port=8731
     ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs "${SERVE_MAX_NUM_SEQS:-1024}" \
