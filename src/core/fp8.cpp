@@ -5,12 +5,35 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace chimera {
 
-float fp8_weight_scale(std::span<const float> w) {
+// Large tensors (a --quantization load quantizes every weight of the model on the host) split over the CPU
+// backend's threads; each element's result is independent of the split and max is exact, so the bytes are the
+// same for every thread count.
+constexpr int64_t kGrain = int64_t{1} << 18;
+
+float max_abs(std::span<const float> w) {
+  const int64_t n = static_cast<int64_t>(w.size());
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  std::vector<float> partial(static_cast<size_t>(chunks), 0.0f);
+  parallel_for(chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      float m = 0.0f;
+      for (int64_t i = c * kGrain; i < std::min(n, (c + 1) * kGrain); ++i) {
+        m = std::max(m, std::fabs(w[static_cast<size_t>(i)]));
+      }
+      partial[static_cast<size_t>(c)] = m;
+    }
+  });
   float amax = 0.0f;
-  for (float v : w) amax = std::max(amax, std::fabs(v));
+  for (float m : partial) amax = std::max(amax, m);
+  return amax;
+}
+
+float fp8_weight_scale(std::span<const float> w) {
+  const float amax = max_abs(w);
   return amax > 0.0f ? amax / kE4m3Max : 1.0f;
 }
 
@@ -18,7 +41,11 @@ Fp8Weight quantize_fp8_per_tensor(std::span<const float> w) {
   Fp8Weight q;
   q.weight_scale = fp8_weight_scale(w);
   q.data.resize(w.size());
-  for (size_t i = 0; i < w.size(); ++i) q.data[i] = f32_to_e4m3(w[i] / q.weight_scale);
+  parallel_for(static_cast<int64_t>(w.size()), kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      q.data[static_cast<size_t>(i)] = f32_to_e4m3(w[static_cast<size_t>(i)] / q.weight_scale);
+    }
+  });
   return q;
 }
 

@@ -74,6 +74,8 @@ struct Fp8Weight {
   float weight_scale = 1.0f;
 };
 float fp8_weight_scale(std::span<const float> w);
+// max |w[i]| (0 for an empty span); NaN elements are ignored as std::max ignores them.
+float max_abs(std::span<const float> w);
 Fp8Weight quantize_fp8_per_tensor(std::span<const float> w);
 // out[i] = e4m3_to_f32(q[i]) * scale
 void dequantize_fp8(std::span<const uint8_t> q, float scale, std::span<float> out);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace chimera {
 
@@ -129,7 +130,12 @@ Tensor Tensor::clone() const {
 Tensor Tensor::to_f32() const {
   CHIMERA_CHECK(device_ == Device::kCpu, "to_f32 of a device tensor on the host path");
   Tensor t = empty(DType::kF32, shape_);
-  convert_to_f32(data_, dtype_, t.f32(), static_cast<size_t>(numel()));
+  // Split over the CPU backend's threads for large tensors (a --quantization load converts every weight).
+  const size_t esize = dtype_size(dtype_);
+  parallel_for(numel(), int64_t{1} << 18, [&](int64_t b, int64_t e) {
+    convert_to_f32(static_cast<const char*>(data_) + static_cast<size_t>(b) * esize, dtype_, t.f32() + b,
+                   static_cast<size_t>(e - b));
+  });
   return t;
 }
 
