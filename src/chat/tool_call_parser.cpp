@@ -4,6 +4,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "chat/jinja_value.h"
 
@@ -167,6 +171,13 @@ bool ToolCallParser::parse_block(std::string_view raw_block, ToolCall& out) {
   if (fend != std::string_view::npos) body = body.substr(0, fend);
   nlohmann::ordered_json args = nlohmann::ordered_json::object();
   size_t pos = 0;
+  // The first </parameter> at or after the search point, kept across parameters: values without a close tag (each
+  // ends at the next <parameter=) would otherwise rescan the rest of the block once per parameter, quadratic in a
+  // hostile or runaway output. npos once none is left.
+  size_t close = 0;
+  bool close_known = false;
+  std::vector<std::pair<std::string, nlohmann::ordered_json>> args_in_order;
+  std::unordered_map<std::string, size_t> arg_index;
   while (true) {
     size_t p = body.find(kParamOpen, pos);
     if (p == std::string_view::npos) break;
@@ -176,7 +187,10 @@ bool ToolCallParser::parse_block(std::string_view raw_block, ToolCall& out) {
         jinja::py_strip(body.substr(p + kParamOpen.size(), pname_end - p - kParamOpen.size()), true, true, nullptr);
     size_t vstart = pname_end + 1;
     // A value ends at </parameter>, else at the next <parameter= (a missing close tag), else at the end.
-    size_t close = body.find(kParamClose, vstart);
+    if (!close_known || (close != std::string_view::npos && close < vstart)) {
+      close = body.find(kParamClose, vstart);
+      close_known = true;
+    }
     size_t next_open = body.find(kParamOpen, vstart);
     size_t vend = close;
     if (vend == std::string_view::npos || (next_open != std::string_view::npos && next_open < vend)) {
@@ -188,8 +202,18 @@ bool ToolCallParser::parse_block(std::string_view raw_block, ToolCall& out) {
     std::string value = strip_one_newline(body.substr(vstart, vend - vstart));
     bool has_props = false;
     const nlohmann::json* schema = param_schema(tools_, name, pname, &has_props);
-    args[pname] = convert_value(value, schema);
+    // args[pname] = value (a repeated name keeps its first place, as a Python dict does), through a hash index:
+    // ordered_json's own lookup is a linear scan, quadratic in a call with many parameters.
+    auto [it, added] = arg_index.try_emplace(pname, args_in_order.size());
+    if (added) {
+      args_in_order.emplace_back(std::move(pname), convert_value(value, schema));
+    } else {
+      args_in_order[it->second].second = convert_value(value, schema);
+    }
   }
+  // ordered_map is a vector of pairs: appending the unique names in order builds the object without lookups.
+  auto& object = args.get_ref<nlohmann::ordered_json::object_t&>();
+  for (auto& [k, v] : args_in_order) object.emplace_back(k, std::move(v));
   out.id = next_id();
   out.name = std::move(name);
   // json.dumps(arguments, ensure_ascii=False): Python's separators and float repr.
@@ -214,9 +238,16 @@ ToolCallDelta ToolCallParser::feed(std::string_view delta) {
       if (num_calls_ == 0 && out.tool_calls.empty()) out.content += pending_.substr(0, open);
       pending_.erase(0, open + kCallOpen.size());
       in_call_ = true;
+      scanned_ = 0;
     }
-    size_t close = pending_.find(kCallClose);
-    if (close == std::string::npos) return out;
+    // Only the bytes that arrived since the last search can complete "</tool_call>" (plus its length - 1 before
+    // them): streaming a long call token by token stays linear.
+    size_t close = pending_.find(kCallClose, scanned_ > kCallClose.size() ? scanned_ - kCallClose.size() + 1 : 0);
+    if (close == std::string::npos) {
+      scanned_ = pending_.size();
+      return out;
+    }
+    scanned_ = 0;
     ToolCall call;
     if (parse_block(std::string_view(pending_).substr(0, close), call)) {
       out.tool_calls.push_back(std::move(call));
@@ -243,6 +274,7 @@ ToolCallDelta ToolCallParser::finish() {
   }
   pending_.clear();
   in_call_ = false;
+  scanned_ = 0;
   return out;
 }
 

@@ -64,6 +64,7 @@ class ToolCallParser {
   uint64_t id_state_;
   bool in_call_ = false;
   std::string pending_;  // content that may begin "<tool_call>", or the open call's text
+  size_t scanned_ = 0;   // in a call: bytes of pending_ already searched for "</tool_call>"
   size_t num_calls_ = 0;
 };
 

@@ -86,6 +86,28 @@ TEST(ToolCallParser, UnterminatedCall) {
   EXPECT_EQ(r.content, "text <tool_call> no function");
 }
 
+// A runaway or hostile output: one call of 40,000 parameters none of which is closed (each value ends at the next
+// <parameter=), 1 MB, streamed a byte at a time, then a </parameter> at the very end. Every value is parsed; the
+// parser's work is linear in the text (a value search per parameter used to rescan the rest of the call, and each
+// streamed byte the whole open call: about 10^10 byte comparisons here, minutes, now well under a second).
+TEST(ToolCallParser, ManyUnclosedParametersStreamedByteByByte) {
+  std::string text = "<tool_call>\n<function=f>\n";
+  const int n = 40000;
+  for (int i = 0; i < n; ++i) text += "<parameter=p" + std::to_string(i) + ">v" + std::to_string(i) + "\n";
+  text += "</parameter>\n</function>\n</tool_call>";
+  ToolCallParser p;
+  size_t calls = 0;
+  for (size_t i = 0; i < text.size(); ++i) calls += p.feed(std::string_view(text).substr(i, 1)).tool_calls.size();
+  calls += p.finish().tool_calls.size();
+  ASSERT_EQ(calls, 1u);
+  const ToolCallResult whole = ToolCallParser().parse(text);
+  ASSERT_EQ(whole.tool_calls.size(), 1u);
+  const json args = json::parse(whole.tool_calls[0].arguments);
+  ASSERT_EQ(args.size(), static_cast<size_t>(n));
+  EXPECT_EQ(args["p0"], "v0");
+  EXPECT_EQ(args["p39999"], "v39999");
+}
+
 TEST(ToolCallParser, StreamingOverEverySplit) {
   const std::string text =
       "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n"
