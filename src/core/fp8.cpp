@@ -58,4 +58,10 @@ void fake_quantize_fp8(std::span<float> x, float input_scale) {
   for (float& v : x) v = e4m3_to_f32(f32_to_e4m3(v / input_scale)) * input_scale;
 }
 
+float fake_quantize_fp8_dynamic(std::span<float> x) {
+  const float s = fp8_weight_scale(x);
+  fake_quantize_fp8(x, s);
+  return s;
+}
+
 }  // namespace chimera

@@ -83,5 +83,8 @@ void dequantize_fp8(std::span<const uint8_t> q, float scale, std::span<float> ou
 // Static activation fake quantization (ModelOpt's input quantizer with a calibrated amax, exported as
 // input_scale = amax / 448): x' = e4m3_to_f32(e4m3(x / input_scale)) * input_scale, in place.
 void fake_quantize_fp8(std::span<float> x, float input_scale);
+// Dynamic per-tensor activation quantization (ops::ActQuant::kDynamic): s = fp8_weight_scale(x) (the same
+// amax / 448 rule, 1 for all zeros), then fake_quantize_fp8(x, s) in place; returns s.
+float fake_quantize_fp8_dynamic(std::span<float> x);
 
 }  // namespace chimera

@@ -359,8 +359,10 @@ Tensor bytes_tensor(DType dtype, const Shape& shape, const std::vector<uint8_t>&
   return t;
 }
 
-// A dense [N, K] weight quantized as ModelOpt's weight quantizers do (weight-only: no calibrated input scale).
-void quantize_linear(ops::LinearWeight& w, ops::WeightFormat format) {
+// A dense [N, K] weight quantized as ModelOpt's weight quantizers do. There is no calibrated input scale, so the
+// activations are `act`: a dense FP8 layer quantizes them dynamically (ActQuant::kDynamic), experts and NVFP4 layers
+// run weight-only.
+void quantize_linear(ops::LinearWeight& w, ops::WeightFormat format, ops::ActQuant act) {
   if (!w || w.format != ops::WeightFormat::kDense || format == ops::WeightFormat::kDense) return;
   const Tensor f = w.weight.to_f32();
   const int64_t N = f.dim(0), K = f.dim(1);
@@ -380,8 +382,13 @@ void quantize_linear(ops::LinearWeight& w, ops::WeightFormat format) {
     w.scale = q.weight_scale_2;
   }
   w.format = format;
-  w.act = ops::ActQuant::kNone;
+  w.act = format == ops::WeightFormat::kFp8 ? act : ops::ActQuant::kNone;
   w.input_scale = 0.0f;
+}
+
+// The activation quantization of a dense layer quantized at load: dynamic (FP8), none with ModelOptions::weight_only.
+ops::ActQuant load_quantized_act(const ModelOptions& options) {
+  return options.weight_only ? ops::ActQuant::kNone : ops::ActQuant::kDynamic;
 }
 
 void quantize_experts(ops::ExpertWeights& w, ops::WeightFormat format) {
@@ -390,7 +397,7 @@ void quantize_experts(ops::ExpertWeights& w, ops::WeightFormat format) {
   for (int64_t e = 0; e < w.num_experts(); ++e) {
     ex.push_back(w.expert(e));
     ex.back().name = fmt::format("{} (expert {})", w.name, e);
-    quantize_linear(ex.back(), format);
+    quantize_linear(ex.back(), format, ops::ActQuant::kNone);
   }
   const std::string name = w.name;
   w = stack_experts(ex, name);
@@ -508,7 +515,7 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, co
       case Role::kF32: *s.tensor = ck.take_f32(s.name, s.shape); break;
       case Role::kLinear:
         *s.linear = load_linear(ck, s.name, s.shape[0], s.shape[1], options);
-        if (quantizable(s)) quantize_linear(*s.linear, options.quantize);
+        if (quantizable(s)) quantize_linear(*s.linear, options.quantize, load_quantized_act(options));
         break;
       case Role::kExperts: {
         const int64_t E = s.shape[0], N = s.shape[1], K = s.shape[2];
@@ -572,7 +579,7 @@ ModelWeights synthetic_weights(const ModelConfig& c, const ModelOptions& options
         s.linear->name = "backbone." + s.name;
         if (s.name == "lm_head") s.linear->name = "lm_head";
         s.linear->weight = synthetic_tensor(c, seed, s.name + ".weight", s.shape, options.dtype);
-        if (quantizable(s)) quantize_linear(*s.linear, options.quantize);
+        if (quantizable(s)) quantize_linear(*s.linear, options.quantize, load_quantized_act(options));
         break;
       case Role::kExperts: {
         std::vector<ops::LinearWeight> ex;
@@ -581,7 +588,7 @@ ModelWeights synthetic_weights(const ModelConfig& c, const ModelOptions& options
           l.name = "backbone." + expert_name(s.name, e);
           l.weight = synthetic_tensor(c, seed, expert_name(s.name, e) + ".weight", {s.shape[1], s.shape[2]},
                                       options.dtype);
-          if (quantizable(s)) quantize_linear(l, options.quantize);
+          if (quantizable(s)) quantize_linear(l, options.quantize, ops::ActQuant::kNone);
           ex.push_back(std::move(l));
         }
         *s.experts = stack_experts(ex, "backbone." + s.name);

@@ -159,8 +159,8 @@ void validate_linear(const LinearWeight& w) {
       expect_shape(w.name, "weight_scale", w.weight_scale, {N, K / kNvfp4BlockSize}, "F8_E4M3 [N, K / 16]");
       positive_scale(w.name, "weight_scale_2", w.scale);
       if (w.act != ActQuant::kNone) {
-        invalid_input("{}: NVFP4 runs weight-only here (activations unquantized); static FP8 activation "
-                      "quantization does not apply to it", w.name);
+        invalid_input("{}: NVFP4 runs weight-only here (activations unquantized); {} FP8 activation "
+                      "quantization does not apply to it", w.name, act_quant_name(w.act));
       }
       return;
     }
@@ -179,7 +179,12 @@ void cpu_linear(const Tensor& out, const Tensor& x, const LinearWeight& w, const
       }
       Tensor xq = Tensor::empty(DType::kF32, x.shape());
       std::memcpy(xq.data(), x.data(), x.nbytes());
-      fake_quantize_fp8({xq.f32(), static_cast<size_t>(xq.numel())}, w.input_scale);
+      const std::span<float> v(xq.f32(), static_cast<size_t>(xq.numel()));
+      if (w.act == ActQuant::kDynamic) {
+        fake_quantize_fp8_dynamic(v);
+      } else {
+        fake_quantize_fp8(v, w.input_scale);
+      }
       cpu::fp8_linear(out, xq, w.weight, w.scale, bias);
       return;
     }
@@ -236,6 +241,10 @@ void validate(const ExpertWeights& w) {
     invalid_input("{}.weight: {}, expected [E, N, K]", w.name, w.weight ? w.weight.describe() : std::string("missing"));
   }
   const int64_t E = w.num_experts();
+  if (w.act == ActQuant::kDynamic) {
+    invalid_input("{}: dynamic activation quantization is implemented for dense layers only (experts: weight-only or "
+                  "static)", w.name);
+  }
   if (w.format != WeightFormat::kDense) {
     if (static_cast<int64_t>(w.host_scale.size()) != E || !w.scale || w.scale.numel() != E) {
       invalid_input("{}: {} per-expert weight scales for {} experts", w.name, w.host_scale.size(), E);

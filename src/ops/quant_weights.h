@@ -29,10 +29,22 @@ inline const char* weight_format_name(WeightFormat f) {
 }
 
 // What happens to the activation before the product.
-//   kNone    the activation as it is (weight-only dequantization)
-//   kStatic  x' = e4m3(x / input_scale) * input_scale, saturated at +-448 (FP8 W8A8 with the checkpoint's static
-//            activation scale; FP8 formats only)
-enum class ActQuant : uint8_t { kNone, kStatic };
+//   kNone     the activation as it is (weight-only dequantization)
+//   kStatic   x' = e4m3(x / input_scale) * input_scale, saturated at +-448 (FP8 W8A8 with the checkpoint's static
+//             activation scale; FP8 formats only)
+//   kDynamic  the same with s = max|x| / 448 over the whole [T, K] input of the op, in place of input_scale (1 when
+//             x is all zeros): FP8 W8A8 with a per-tensor dynamic scale, computed each call, for weights quantized
+//             without calibration (--quantization fp8; vLLM's dynamic FP8 scheme). FP8 dense layers only.
+enum class ActQuant : uint8_t { kNone, kStatic, kDynamic };
+
+inline const char* act_quant_name(ActQuant a) {
+  switch (a) {
+    case ActQuant::kNone: return "weight-only";
+    case ActQuant::kStatic: return "static";
+    case ActQuant::kDynamic: return "dynamic";
+  }
+  return "?";
+}
 
 // One linear layer y = x' @ W^T (+ b).
 struct LinearWeight {

@@ -1,4 +1,5 @@
 // FP8 E4M3 against torch's float8_e4m3fn and ModelOpt's FP8 export (goldens: scripts/make_quant_fixtures.py).
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -88,6 +89,26 @@ TEST(Fp8, ZeroTensorGetsUnitScale) {
   const Fp8Weight q = quantize_fp8_per_tensor(z);
   EXPECT_EQ(q.weight_scale, 1.0f);
   for (uint8_t b : q.data) EXPECT_EQ(b, 0);
+}
+
+// Dynamic per-tensor activation quantization: the scale is the weight rule's amax / 448 over the input itself (so
+// nothing saturates: the largest |x| maps to 448 exactly), then the static fake quantization with it; zeros get 1.
+TEST(Fp8, DynamicActivationFakeQuantUsesTheTensorsOwnAmax) {
+  const Tensor x = golden("fp8_x.npy");
+  std::vector<float> got(f32s(x).begin(), f32s(x).end());
+  float amax = 0.0f;
+  for (float v : got) amax = std::max(amax, std::fabs(v));
+  const float s = fake_quantize_fp8_dynamic(got);
+  EXPECT_EQ(s, amax / 448.0f);
+  std::vector<float> want(f32s(x).begin(), f32s(x).end());
+  fake_quantize_fp8(want, s);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(f32_bits(got[i]), f32_bits(want[i])) << i;
+    EXPECT_LE(std::fabs(got[i]), amax * (1.0f + 1e-6f)) << i;  // 448 * s rounds to the amax: no saturation
+  }
+  std::vector<float> zeros(5, 0.0f);
+  EXPECT_EQ(fake_quantize_fp8_dynamic(zeros), 1.0f);
+  for (float v : zeros) EXPECT_EQ(v, 0.0f);
 }
 
 TEST(Fp8, StaticActivationFakeQuantMatchesTorch) {

@@ -12,7 +12,13 @@
 // weight vector are stored as sizeof(S) "planes" of 16 bytes ([token][plane][vector]), so that lane l's read of
 // plane q at vector v + l is 512 contiguous bytes per warp (no bank conflicts). The sum is fp32 (per-lane partials,
 // a warp butterfly, the row's warps in order), then y = sum * out_scale (+ bias), rounded once to the output dtype;
-// out_scale = scale (kNone) or input_scale * scale (kStatic): the per-tensor scales applied once.
+// out_scale = scale (kNone) or input_scale * scale (kStatic): the per-tensor scales applied once. ActQuant::kDynamic:
+// every block first reduces max |x| over the whole [T, K] input (at most 8 x K values, read from L2 by each block)
+// to the per-tensor scale s = max / 448 (1 for zeros), then stages x as kStatic does with s, and out_scale = s * scale.
+//
+// Dynamic activations at prefill sizes: dynamic_quantize_fp8 (two kernels: per-block maxima of |x|, then every block
+// reduces those, block 0 stores s, and all quantize x / s) writes the codes and s to device memory; cuBLASLt reads s
+// through CUBLASLT_MATMUL_DESC_B_SCALE_POINTER (D = alpha * scale_B * acc with alpha = scale, a host scalar).
 //
 // GEMM (cuBLASLt, FP8 E4M3 x E4M3 -> BF16 / F16, CUBLAS_COMPUTE_32F). Row-major y = xq W^T is column-major
 // y^T = W xq^T: A is W seen column-major as [K, N] (ld K) with TRANSA = T, B is xq as [K, T] (ld K), D is y^T as
@@ -55,6 +61,7 @@ constexpr int64_t kGemvMaxSmemBytes = 160 * 1024;  // x staged: tokens (rounded 
 enum class XSource : int {
   kRaw,       // x in the activation dtype T, used as it is (ActQuant::kNone); S = T
   kQuant,     // x in T, quantized while staged: e4m3(x / x_scale) (ActQuant::kStatic); S = __half
+  kDynamic,   // as kQuant with x_scale = max |x| / 448 over all of x, reduced by each block (ActQuant::kDynamic)
   kPrequant,  // x F8_E4M3 codes (fp8_linear_prequant); S = __half
 };
 
@@ -65,7 +72,7 @@ struct Fp8GemvParams {
   void* y = nullptr;           // [T, N] output dtype
   int T = 0, K = 0, N = 0;
   float x_scale = 1.0f;    // kQuant: input_scale
-  float out_scale = 1.0f;  // applied to the fp32 sum
+  float out_scale = 1.0f;  // applied to the fp32 sum (kDynamic: times the block's s)
   int warps_per_row = 0;
 };
 
@@ -108,6 +115,29 @@ __device__ __forceinline__ void codes_to_half_planes(const uint32_t (&w)[4], uin
   memcpy(&out, h, sizeof(h));
 }
 
+// ActQuant::kDynamic's per-tensor scale of x [n] (n % 8 == 0, 16-byte aligned) as one block computes it: the
+// maximum of |x| (fmaxf: a NaN is skipped, as std::max skips it on the CPU; an infinity gives s = inf), divided by
+// 448 correctly rounded (core/fp8.h's fp8_weight_scale), 1 when every value is zero. Every thread gets s.
+template <typename T, int kBlockThreads>
+__device__ float block_dynamic_scale(const T* x, int64_t n) {
+  __shared__ float warp_max[kBlockThreads / 32];
+  float m = 0.0f;
+  for (int64_t i = static_cast<int64_t>(threadIdx.x) * 8; i < n; i += int64_t{kBlockThreads} * 8) {
+    float v[8];
+    load_f32<T, 8, false>(x + i, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kBlockThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+  return m > 0.0f ? __fdiv_rn(m, 448.0f) : 1.0f;
+}
+
 // Dynamic shared memory: x staged as [MT][P][K / 16] 16-byte planes (zeros for the tokens past T).
 template <typename T, typename S, XSource kSrc, int MT>
 __global__ void __launch_bounds__(kThreads) fp8_gemv_kernel(const Fp8GemvParams p) {
@@ -138,6 +168,11 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_kernel(const Fp8GemvParams 
   }
   pdl_wait();
   pdl_trigger();
+  float x_scale = p.x_scale, out_scale = p.out_scale;
+  if constexpr (kSrc == XSource::kDynamic) {
+    x_scale = block_dynamic_scale<T, kThreads>(static_cast<const T*>(p.x), static_cast<int64_t>(p.T) * p.K);
+    out_scale *= x_scale;
+  }
 
   // x -> shared memory, one 16-element group per thread and step.
   for (int i = static_cast<int>(threadIdx.x); i < MT * kv; i += kThreads) {
@@ -165,10 +200,10 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_kernel(const Fp8GemvParams 
       } else {
         load_f32<T, 16, false>(static_cast<const T*>(p.x) + static_cast<size_t>(t) * p.K + static_cast<size_t>(v) * 16,
                                f);
-        if constexpr (kSrc == XSource::kQuant) {
+        if constexpr (kSrc == XSource::kQuant || kSrc == XSource::kDynamic) {
 #pragma unroll
           for (int k = 0; k < 8; ++k) {
-            const float2 d = fp8::decode2(fp8::quantize2(f[2 * k], f[2 * k + 1], p.x_scale));
+            const float2 d = fp8::decode2(fp8::quantize2(f[2 * k], f[2 * k + 1], x_scale));
             f[2 * k] = d.x;
             f[2 * k + 1] = d.y;
           }
@@ -253,7 +288,7 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_kernel(const Fp8GemvParams 
       for (int t = 0; t < MT; ++t) {
         if (t == lane) s = acc[t];
       }
-      s *= p.out_scale;
+      s *= out_scale;
       if (p.bias != nullptr) s += to_float(static_cast<const T*>(p.bias)[row]);
       static_cast<T*>(p.y)[static_cast<int64_t>(lane) * p.N + row] = from_float<T>(s);
     }
@@ -307,6 +342,7 @@ void launch_fp8_gemv(const Fp8GemvParams& p, DType act, XSource src, cudaStream_
     switch (src) {
       case XSource::kRaw: launch_gemv_src<T, T, XSource::kRaw>(p, stream); break;
       case XSource::kQuant: launch_gemv_src<T, __half, XSource::kQuant>(p, stream); break;
+      case XSource::kDynamic: launch_gemv_src<T, __half, XSource::kDynamic>(p, stream); break;
       case XSource::kPrequant: launch_gemv_src<T, __half, XSource::kPrequant>(p, stream); break;
     }
   });
@@ -389,21 +425,26 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_mma_kernel(const Fp8GemvPar
   if (tile < n_tiles) load_steps(tile, s0);  // before the grid dependency: constant data
   pdl_wait();
   pdl_trigger();
+  float x_scale = p.x_scale, out_scale = p.out_scale;
+  if constexpr (kSrc == XSource::kDynamic) {
+    x_scale = block_dynamic_scale<T, kThreads>(static_cast<const T*>(p.x), static_cast<int64_t>(p.T) * p.K);
+    out_scale *= x_scale;
+  }
 
   // x -> shared memory as e4m3 codes, 8 token rows (zeros past T), 16 bytes per thread and step.
   for (int i = static_cast<int>(threadIdx.x); i < 8 * kv; i += kThreads) {
     const int t = i / kv, v = i % kv;
     uint4 q = make_uint4(0, 0, 0, 0);
     if (t < p.T) {
-      if constexpr (kSrc == XSource::kQuant) {
+      if constexpr (kSrc == XSource::kQuant || kSrc == XSource::kDynamic) {
         float f[16];
         load_f32<T, 16, false>(static_cast<const T*>(p.x) + static_cast<size_t>(t) * p.K + static_cast<size_t>(v) * 16,
                                f);
         uint32_t w[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          w[k] = fp8::quantize2(f[4 * k], f[4 * k + 1], p.x_scale) |
-                 (static_cast<uint32_t>(fp8::quantize2(f[4 * k + 2], f[4 * k + 3], p.x_scale)) << 16);
+          w[k] = fp8::quantize2(f[4 * k], f[4 * k + 1], x_scale) |
+                 (static_cast<uint32_t>(fp8::quantize2(f[4 * k + 2], f[4 * k + 3], x_scale)) << 16);
         }
         q = make_uint4(w[0], w[1], w[2], w[3]);
       } else {
@@ -460,7 +501,7 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_mma_kernel(const Fp8GemvPar
       for (int j = 0; j < 4; ++j) {
         const int row = tile * 16 + g + (j >= 2 ? 8 : 0), token = 2 * c + (j & 1);
         if (row < p.N && token < p.T) {
-          float s = acc[j] * p.out_scale;
+          float s = acc[j] * out_scale;
           if (p.bias != nullptr) s += to_float(static_cast<const T*>(p.bias)[row]);
           static_cast<T*>(p.y)[static_cast<int64_t>(token) * p.N + row] = from_float<T>(s);
         }
@@ -501,6 +542,8 @@ void launch_fp8_gemv_mma(const Fp8GemvParams& p, DType act, XSource src, cudaStr
   CHIMERA_DISPATCH_FLOAT(act, "cuda::fp8_linear (tensor-core gemv) activations", T, {
     if (src == XSource::kQuant) {
       launch_gemv_mma_src<T, XSource::kQuant>(p, stream);
+    } else if (src == XSource::kDynamic) {
+      launch_gemv_mma_src<T, XSource::kDynamic>(p, stream);
     } else {
       launch_gemv_mma_src<T, XSource::kPrequant>(p, stream);
     }
@@ -539,10 +582,12 @@ __global__ void __launch_bounds__(kEwThreads) quantize_kernel(const T* x, uint8_
   }
 }
 
-// out[i] = value(q[i]) * scale (F32).
-__global__ void __launch_bounds__(kEwThreads) decode_kernel(const uint8_t* q, float* out, int64_t n, float scale) {
+// out[i] = value(q[i]) * scale (F32); with scale_ptr (a device scalar: a dynamic scale), * *scale_ptr instead.
+__global__ void __launch_bounds__(kEwThreads) decode_kernel(const uint8_t* q, float* out, int64_t n, float scale,
+                                                            const float* scale_ptr) {
   pdl_wait();
   pdl_trigger();
+  if (scale_ptr != nullptr) scale = *scale_ptr;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     out[i] = fp8::decode2(q[i]).x * scale;
@@ -579,6 +624,73 @@ void launch_quantize(const void* x, DType act, uint8_t* q, int64_t n, float scal
   });
 }
 
+// ---- dynamic per-tensor quantization (ActQuant::kDynamic at prefill sizes) ----------------------------------------
+//
+// Kernel 1: block b writes partial[b] = max |x| over its grid-stride share of x. Kernel 2: every block reduces the
+// kDynamicBlocks maxima to s = max / 448 (1 for zeros; block_dynamic_scale's rule), block 0 stores s at *scale_out,
+// and all quantize their share of x / s into q. No atomics: max is exact, so s and the codes are the same bits on
+// every run and every grid.
+constexpr int kDynamicBlocks = 512;
+
+template <typename T>
+__global__ void __launch_bounds__(kEwThreads) amax_partial_kernel(const T* x, int64_t n, float* partial) {
+  __shared__ float warp_max[kEwThreads / 32];
+  pdl_wait();
+  pdl_trigger();
+  float m = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    m = fmaxf(m, fabsf(to_float(x[i])));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kEwThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+    partial[blockIdx.x] = m;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kEwThreads) quantize_dynamic_kernel(const T* x, uint8_t* q, int64_t n,
+                                                                      const float* partial, float* scale_out) {
+  __shared__ float warp_max[kEwThreads / 32];
+  pdl_wait();
+  pdl_trigger();
+  float m = 0.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < kDynamicBlocks; i += kEwThreads) m = fmaxf(m, partial[i]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kEwThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+  const float scale = m > 0.0f ? __fdiv_rn(m, 448.0f) : 1.0f;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float v[1] = {to_float(x[i])};
+    fp8::store_quantized<1>(q + i, v, scale);
+  }
+}
+
+// q = e4m3(x / s) with s the dynamic per-tensor scale of x [n], stored at scale_out (a device F32 scalar).
+void launch_quantize_dynamic(const void* x, DType act, uint8_t* q, int64_t n, float* scale_out, cudaStream_t stream) {
+  const char* op = "cuda::fp8_linear (dynamic quantization)";
+  const Tensor partial = device::empty(Device::kCuda, DType::kF32, {kDynamicBlocks});
+  CHIMERA_DISPATCH_FLOAT(act, str_cat(op, " x"), T, {
+    CHIMERA_CUDA_CHECK(launch(amax_partial_kernel<T>, dim3(kDynamicBlocks), dim3(kEwThreads), 0, stream,
+                              static_cast<const T*>(x), n, partial.data_as<float>()),
+                       op);
+    CHIMERA_CUDA_CHECK(launch(quantize_dynamic_kernel<T>, dim3(ew_blocks(n)), dim3(kEwThreads), 0, stream,
+                              static_cast<const T*>(x), q, n, static_cast<const float*>(partial.data_as<float>()),
+                              scale_out),
+                       op);
+  });
+}
+
 // ---- cuBLASLt FP8 GEMM --------------------------------------------------------------------------------------------
 
 #define CHIMERA_FP8_CUBLAS_CHECK(expr, op)                                                                            \
@@ -604,7 +716,7 @@ uint32_t alignment(const void* p) {
 struct PlanKey {
   int64_t tokens, in, out;
   DType dtype;
-  bool bias, fast_accum;
+  bool bias, fast_accum, x_scale_ptr;  // x_scale_ptr: x's scale is a device scalar (B_SCALE_POINTER)
   uint32_t align_w, align_x, align_y, align_b;
   bool operator==(const PlanKey&) const = default;
 };
@@ -616,7 +728,8 @@ struct PlanKeyHash {
     mix(static_cast<uint64_t>(k.tokens));
     mix(static_cast<uint64_t>(k.in));
     mix(static_cast<uint64_t>(k.out));
-    mix(static_cast<uint64_t>(k.dtype) | (uint64_t{k.bias} << 8) | (uint64_t{k.fast_accum} << 9));
+    mix(static_cast<uint64_t>(k.dtype) | (uint64_t{k.bias} << 8) | (uint64_t{k.fast_accum} << 9) |
+        (uint64_t{k.x_scale_ptr} << 10));
     mix((uint64_t{k.align_w} << 32) | k.align_x);
     mix((uint64_t{k.align_y} << 32) | k.align_b);
     return h;
@@ -652,7 +765,7 @@ cudaDataType_t out_type(DType d) {
   return d == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
 }
 
-const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias) {
+const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias, const float* x_scale) {
   auto it = st.plans.find(k);
   if (it != st.plans.end()) return it->second;
   const char* op = kGemmOp;
@@ -675,6 +788,10 @@ const Plan& get_plan(LtState& st, const PlanKey& k, const void* bias) {
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)), op);
     CHIMERA_FP8_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), op);
+  }
+  if (k.x_scale_ptr) {
+    CHIMERA_FP8_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof(x_scale)), op);
   }
   const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
   CHIMERA_FP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.w, CUDA_R_8F_E4M3, u(k.in), u(k.out), k.in), op);
@@ -714,9 +831,10 @@ bool gemm_shape_ok(const Tensor& out, const Tensor& xq_or_x, const ops::LinearWe
          vec_aligned({out.data(), xq_or_x.data(), w.weight.data(), bias ? bias.data() : nullptr});
 }
 
-// y = alpha * xq @ W^T (+ bias) through cuBLASLt; false when cuBLASLt has no algorithm for the shape.
+// y = alpha * (x_scale ? *x_scale : 1) * xq @ W^T (+ bias) through cuBLASLt (x_scale: a device scalar); false when
+// cuBLASLt has no algorithm for the shape.
 bool run_gemm(const ops::Context& ctx, const Tensor& out, const Tensor& xq, const ops::LinearWeight& w,
-              const Tensor& bias, float alpha, bool fast_accum) {
+              const Tensor& bias, float alpha, bool fast_accum, const float* x_scale = nullptr) {
   LtState& st = lt_state();
   const PlanKey key{xq.dim(0),
                     w.in_features(),
@@ -724,12 +842,18 @@ bool run_gemm(const ops::Context& ctx, const Tensor& out, const Tensor& xq, cons
                     out.dtype(),
                     static_cast<bool>(bias),
                     fast_accum,
+                    x_scale != nullptr,
                     alignment(w.weight.data()),
                     alignment(xq.data()),
                     alignment(out.data()),
                     bias ? alignment(bias.data()) : 256u};
-  const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr);
+  const Plan& plan = get_plan(st, key, bias ? bias.data() : nullptr, x_scale);
   if (!plan.ok) return false;
+  if (x_scale != nullptr) {
+    CHIMERA_FP8_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof(x_scale)),
+        kGemmOp);
+  }
   if (bias) {
     const void* b = bias.data();
     CHIMERA_FP8_CUBLAS_CHECK(
@@ -745,8 +869,19 @@ bool run_gemm(const ops::Context& ctx, const Tensor& out, const Tensor& xq, cons
 
 // ---- the paths ----------------------------------------------------------------------------------------------------
 
+// kDynamic: the kernels multiply in their own s.
 float out_scale(const ops::LinearWeight& w) {
   return w.act == ops::ActQuant::kStatic ? w.input_scale * w.scale : w.scale;
+}
+
+XSource x_source(const ops::LinearWeight& w, bool prequant) {
+  if (prequant) return XSource::kPrequant;
+  switch (w.act) {
+    case ops::ActQuant::kStatic: return XSource::kQuant;
+    case ops::ActQuant::kDynamic: return XSource::kDynamic;
+    case ops::ActQuant::kNone: break;
+  }
+  return XSource::kRaw;
 }
 
 bool gemv_ok(const Tensor& out, const Tensor& x, const ops::LinearWeight& w, XSource src) {
@@ -784,19 +919,30 @@ void run_gemv(const ops::Context& ctx, const Tensor& out, const Tensor& x, const
 }
 
 // The dequantized fallback: W and x' in F32, the fp32 cuBLASLt GEMM, then the output dtype. xq: x is F8_E4M3 codes.
+// x_scale: with xq, the codes' dynamic scale (a device scalar) in place of w.input_scale.
 void run_dequant(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops::LinearWeight& w,
-                 const Tensor& bias, bool xq) {
+                 const Tensor& bias, bool xq, const float* x_scale = nullptr) {
   const cudaStream_t stream = as_stream(ctx.stream);
   const int64_t T = x.dim(0), K = w.in_features(), N = w.out_features();
   const char* op = "cuda::fp8_linear (dequantized)";
   const Tensor w32 = device::empty(Device::kCuda, DType::kF32, {N, K});
   CHIMERA_CUDA_CHECK(launch(decode_kernel, dim3(ew_blocks(N * K)), dim3(kEwThreads), 0, stream,
-                            static_cast<const uint8_t*>(w.weight.data()), w32.f32(), N * K, w.scale),
+                            static_cast<const uint8_t*>(w.weight.data()), w32.f32(), N * K, w.scale,
+                            static_cast<const float*>(nullptr)),
                      op);
   const Tensor x32 = device::empty(Device::kCuda, DType::kF32, {T, K});
-  if (xq) {
+  if (xq || w.act == ops::ActQuant::kDynamic) {
+    // Codes given (xq: with the static input_scale, or with the dynamic scale at *x_scale) or made here (kDynamic).
+    Tensor codes = x, scale;
+    if (!xq) {
+      codes = device::empty(Device::kCuda, DType::kF8E4M3, {T, K});
+      scale = device::empty(Device::kCuda, DType::kF32, {1});
+      launch_quantize_dynamic(x.data(), x.dtype(), static_cast<uint8_t*>(codes.data()), T * K, scale.data_as<float>(),
+                              stream);
+      x_scale = scale.data_as<float>();
+    }
     CHIMERA_CUDA_CHECK(launch(decode_kernel, dim3(ew_blocks(T * K)), dim3(kEwThreads), 0, stream,
-                              static_cast<const uint8_t*>(x.data()), x32.f32(), T * K, w.input_scale),
+                              static_cast<const uint8_t*>(codes.data()), x32.f32(), T * K, w.input_scale, x_scale),
                        op);
   } else {
     const bool quant = w.act == ops::ActQuant::kStatic;
@@ -861,10 +1007,10 @@ void check_args(const char* op, const Tensor& out, const Tensor& x, const ops::L
 
 Fp8LinearPath choose(const Tensor& out, const Tensor& x, const ops::LinearWeight& w, const Tensor& bias,
                      bool prequant) {
-  const XSource src = prequant ? XSource::kPrequant : w.act == ops::ActQuant::kStatic ? XSource::kQuant : XSource::kRaw;
+  const XSource src = x_source(w, prequant);
   if (src != XSource::kRaw && x.dim(0) >= kFp8GemvMmaMinTokens && gemv_mma_ok(x, w)) return Fp8LinearPath::kGemvMma;
   if (gemv_ok(out, x, w, src)) return Fp8LinearPath::kGemv;
-  if ((prequant || w.act == ops::ActQuant::kStatic) && gemm_shape_ok(out, x, w, bias)) return Fp8LinearPath::kGemm;
+  if (src != XSource::kRaw && gemm_shape_ok(out, x, w, bias)) return Fp8LinearPath::kGemm;
   return Fp8LinearPath::kDequant;
 }
 
@@ -877,7 +1023,7 @@ void run(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops:
   if (w.in_features() == 0) throw_runtime(str_cat(op, ": ", w.name, ": in_features 0 is not supported on CUDA"));
   const bool auto_path = path == Fp8LinearPath::kAuto;
   if (auto_path) path = choose(out, x, w, bias, prequant);
-  const XSource src = prequant ? XSource::kPrequant : w.act == ops::ActQuant::kStatic ? XSource::kQuant : XSource::kRaw;
+  const XSource src = x_source(w, prequant);
   switch (path) {
     case Fp8LinearPath::kGemv:
       if (!gemv_ok(out, x, w, src)) {
@@ -892,29 +1038,37 @@ void run(const ops::Context& ctx, const Tensor& out, const Tensor& x, const ops:
       if (src == XSource::kRaw || !gemv_mma_ok(x, w)) {
         throw_runtime(
             str_cat(op, ": ", w.name, ": the tensor-core FP8 GEMV does not take x ", x.describe(), " @ weight ",
-                    w.weight.describe(), " (ActQuant::kStatic or a prequantized x, 1 <= T <= ", kFp8GemvMaxTokens,
+                    w.weight.describe(), " (ActQuant::kStatic / kDynamic or a prequantized x, 1 <= T <= ", kFp8GemvMaxTokens,
                     ", K % 16 == 0, 16-byte aligned x and weight, x staged in <= ", kGemvMaxSmemBytes, " bytes)"));
       }
       run_gemv(ctx, out, x, w, bias, src, true);
       return;
     case Fp8LinearPath::kGemm: {
-      if (!(prequant || w.act == ops::ActQuant::kStatic) || !gemm_shape_ok(out, x, w, bias)) {
+      if (src == XSource::kRaw || !gemm_shape_ok(out, x, w, bias)) {
         throw_runtime(str_cat(op, ": ", w.name, ": the FP8 GEMM does not take x ", x.describe(), " @ weight ",
                               w.weight.describe(), " -> ", out.describe(),
-                              " (ActQuant::kStatic, BF16 / F16 out, K % 16 == 0, N % 16 == 0, 16-byte aligned)"));
+                              " (ActQuant::kStatic / kDynamic, BF16 / F16 out, K % 16 == 0, N % 16 == 0, 16-byte "
+                              "aligned)"));
       }
-      Tensor xq = x;
-      if (!prequant) {
+      Tensor xq = x, x_scale;
+      if (src == XSource::kQuant) {
         xq = device::empty(Device::kCuda, DType::kF8E4M3, x.shape());
         launch_quantize(x.data(), x.dtype(), static_cast<uint8_t*>(xq.data()), x.numel(), w.input_scale,
                         as_stream(ctx.stream));
+      } else if (src == XSource::kDynamic) {
+        xq = device::empty(Device::kCuda, DType::kF8E4M3, x.shape());
+        x_scale = device::empty(Device::kCuda, DType::kF32, {1});
+        launch_quantize_dynamic(x.data(), x.dtype(), static_cast<uint8_t*>(xq.data()), x.numel(),
+                                x_scale.data_as<float>(), as_stream(ctx.stream));
       }
-      if (run_gemm(ctx, out, xq, w, bias, w.input_scale * w.scale, fast_accum)) return;
+      const bool dynamic = src == XSource::kDynamic;
+      const float* xs = dynamic ? x_scale.data_as<float>() : nullptr;
+      if (run_gemm(ctx, out, xq, w, bias, dynamic ? w.scale : w.input_scale * w.scale, fast_accum, xs)) return;
       if (!auto_path) {
         throw_runtime(str_cat(op, ": ", w.name, ": cuBLASLt has no FP8 algorithm for xq [", x.dim(0), ", ",
                               w.in_features(), "] @ weight^T ", w.weight.describe(), " -> ", out.describe()));
       }
-      run_dequant(ctx, out, xq, w, bias, true);  // the codes are computed: reuse them
+      run_dequant(ctx, out, xq, w, bias, true, xs);  // the codes are computed: reuse them
       return;
     }
     case Fp8LinearPath::kDequant:

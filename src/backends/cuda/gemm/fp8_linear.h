@@ -3,6 +3,8 @@
 //
 //   y [T, N] = x' @ (e4m3(weight) * w.scale)^T (+ bias)
 //     w.act == ActQuant::kStatic: x' = e4m3(x / w.input_scale) * w.input_scale (saturated at +-448): W8A8
+//     w.act == ActQuant::kDynamic: the same with s = max |x| / 448 over the whole x [T, K] in place of input_scale
+//                                  (1 for zeros), computed on the device each call: W8A8 with a dynamic scale
 //     w.act == ActQuant::kNone:   x' = x (weight-only dequantization)
 //
 // x, out (and bias) share one activation dtype: BF16, F16 or F32; accumulation is fp32 on every path. The paths
@@ -10,11 +12,12 @@
 //   kGemv     decode sizes (1 <= T <= kFp8GemvMaxTokens, K % 16 == 0): a weight-streaming GEMV (16-byte loads of 16
 //             weights), x staged in shared memory (kStatic: its e4m3 values, exact in f16), the scales applied once
 //             to the fp32 sum.
-//   kGemvMma  decode sizes with an e4m3 x (kStatic or prequantized), T >= kFp8GemvMmaMinTokens: the same weight
-//             stream into FP8 tensor cores (mma.sync m16n8k32 e4m3, 16 rows x 8 tokens), no conversions; each 64-k
+//   kGemvMma  decode sizes with an e4m3 x (kStatic, kDynamic or prequantized), T >= kFp8GemvMmaMinTokens: the same
+//             weight stream into FP8 tensor cores (mma.sync m16n8k32 e4m3, 16 rows x 8 tokens), no conversions; each 64-k
 //             step's mma result is added to fp32 registers.
-//   kGemm     prefill sizes, kStatic, 16-bit out: quantize_fp8 of x, then cuBLASLt's FP8 GEMM (E4M3 x E4M3, fp32
-//             accumulation with fast accumulation off, alpha = input_scale * scale, bf16 / f16 out). Needs
+//   kGemm     prefill sizes, kStatic or kDynamic, 16-bit out: quantize_fp8 of x (kDynamic: a max-|x| pass first, the
+//             scale left on the device for cuBLASLt's B scale pointer), then cuBLASLt's FP8 GEMM (E4M3 x E4M3, fp32
+//             accumulation with fast accumulation off, alpha = input_scale * scale or scale, bf16 / f16 out). Needs
 //             K % 16 == 0, N % 16 == 0 and 16-byte aligned pointers (cuBLASLt's FP8 rules).
 //   kDequant  everything else (fp32 activations at prefill sizes, kNone at prefill sizes, K % 16 != 0, odd N):
 //             the weight dequantized to F32 (e4m3 * scale, as the CPU reference does) and x' in F32, then the fp32

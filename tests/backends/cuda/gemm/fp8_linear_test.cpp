@@ -1,6 +1,6 @@
 // The CUDA FP8 dense layer (backends/cuda/gemm/fp8_linear.h) against a double-precision reference built from
-// core/fp8.h (the dequantized weight and, for W8A8, the fake-quantized activation: bit-exact against torch /
-// ModelOpt in tests/core), on every path (the decode GEMV, cuBLASLt's FP8 GEMM, the dequantized fallback) and on
+// core/fp8.h (the dequantized weight and, for W8A8, the fake-quantized activation with the static or the dynamic
+// per-tensor scale: bit-exact against torch / ModelOpt in tests/core), on every path (the decode GEMV, cuBLASLt's FP8 GEMM, the dequantized fallback) and on
 // awkward sizes: T = 1, 3, 7, 8, 9, 33, 300; K a multiple of 16 and not (40); N odd, a multiple of 8 only (24: the
 // GEMM's N % 16 rule sends it to the fallback) and of 16; BF16, F16 and
 // F32 activations; with and without bias; x quantized inside (fp8_linear) and prequantized (fp8_linear_prequant).
@@ -78,6 +78,7 @@ float round_to(float v, DType act) {
 std::vector<float> act_ref(const Tensor& x, const ops::LinearWeight& w) {
   std::vector<float> v(x.f32(), x.f32() + x.numel());
   if (w.act == ops::ActQuant::kStatic) fake_quantize_fp8(v, w.input_scale);
+  if (w.act == ops::ActQuant::kDynamic) fake_quantize_fp8_dynamic(v);
   return v;
 }
 
@@ -137,9 +138,9 @@ std::vector<Fp8LinearPath> paths_for(const Size& s, ops::ActQuant act, DType dty
   std::vector<Fp8LinearPath> p{Fp8LinearPath::kAuto, Fp8LinearPath::kDequant};
   if (s.T <= cuda::kFp8GemvMaxTokens && s.K % 16 == 0) {
     p.push_back(Fp8LinearPath::kGemv);
-    if (act == ops::ActQuant::kStatic) p.push_back(Fp8LinearPath::kGemvMma);
+    if (act != ops::ActQuant::kNone) p.push_back(Fp8LinearPath::kGemvMma);
   }
-  if (act == ops::ActQuant::kStatic && dtype != DType::kF32 && s.K % 16 == 0 && s.N % 16 == 0) {
+  if (act != ops::ActQuant::kNone && dtype != DType::kF32 && s.K % 16 == 0 && s.N % 16 == 0) {
     p.push_back(Fp8LinearPath::kGemm);
   }
   return p;
@@ -151,13 +152,13 @@ TEST_P(CudaFp8Linear, EveryPathMatchesTheReference) {
   test::Rng rng = test::Rng::for_test();
   const ops::Context ctx{Device::kCuda, nullptr};
   const float input_scale = 2.5f / kE4m3Max;  // x ~ N(0, 1): |x| > 2.5 saturates, about 1 %
-  for (const ops::ActQuant act : {ops::ActQuant::kNone, ops::ActQuant::kStatic}) {
+  for (const ops::ActQuant act : {ops::ActQuant::kNone, ops::ActQuant::kStatic, ops::ActQuant::kDynamic}) {
     const Layer l = make_layer(rng, N, K, act, input_scale);
     for (const DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
       for (const bool with_bias : {false, true}) {
         if (dtype == DType::kF16 && with_bias) continue;  // F16 is covered once; bias with the others
-        SCOPED_TRACE(::testing::Message() << (act == ops::ActQuant::kStatic ? "W8A8" : "weight-only") << " "
-                                          << dtype_name(dtype) << (with_bias ? " +bias" : ""));
+        SCOPED_TRACE(::testing::Message() << ops::act_quant_name(act) << " " << dtype_name(dtype)
+                                          << (with_bias ? " +bias" : ""));
         Tensor x32 = rng.normal_tensor({T, K});
         for (int64_t i = 0; i < x32.numel(); ++i) x32.f32()[i] = round_to(x32.f32()[i], dtype);
         Tensor b32;
@@ -205,6 +206,10 @@ TEST_P(CudaFp8Linear, AutoPathIsTheExpectedOne) {
                              : K % 16 == 0 && N % 16 == 0            ? Fp8LinearPath::kGemm
                                                                      : Fp8LinearPath::kDequant;
   EXPECT_EQ(cuda::fp8_linear_path(out, x, l.w, Tensor()), want);
+  ops::LinearWeight dyn = l.w;  // dynamic scales take the same paths
+  dyn.act = ops::ActQuant::kDynamic;
+  dyn.input_scale = 0.0f;
+  EXPECT_EQ(cuda::fp8_linear_path(out, x, dyn, Tensor()), want);
   // weight-only never takes the tensor-core GEMV (x is not e4m3)
   ops::LinearWeight wo = l.w;
   wo.act = ops::ActQuant::kNone;
@@ -226,8 +231,8 @@ std::vector<uint8_t> host_bytes(const Tensor& t) {
   return {p, p + h.nbytes()};
 }
 
-// The decode GEMVs (T = 1: CUDA cores; T = 8: tensor cores) and the FP8 GEMM (T = 64) captured in a CUDA graph: the
-// eager bits (no allocation or upload is captured that a replay would miss; the GEMM's quantized x comes from the
+// The decode GEMVs (T = 1: CUDA cores; T = 8: tensor cores) and the FP8 GEMM (T = 64), static and dynamic
+// activation scales, captured in a CUDA graph: the eager bits (no allocation or upload is captured that a replay would miss; the GEMM's quantized x comes from the
 // graph's pool).
 TEST(CudaFp8LinearGraph, CapturedGivesTheEagerBits) {
   if (!device::cuda_available()) GTEST_SKIP() << device::describe_cuda();
@@ -235,22 +240,25 @@ TEST(CudaFp8LinearGraph, CapturedGivesTheEagerBits) {
   const int64_t K = 2688, N = 1040;
   const float input_scale = 2.5f / kE4m3Max;
   const Layer l = make_layer(rng, N, K, ops::ActQuant::kStatic, input_scale);
+  const Layer ld = make_layer(rng, N, K, ops::ActQuant::kDynamic, 0.0f);
   for (const int64_t T : {int64_t{1}, int64_t{8}, int64_t{64}}) {
     SCOPED_TRACE(::testing::Message() << "T=" << T);
     const Tensor x = device::to_device(rng.normal_tensor({T, K}), Device::kCuda, DType::kBF16);
     const Tensor xq = device::empty(Device::kCuda, DType::kF8E4M3, {T, K});
     const Tensor y = device::empty(Device::kCuda, DType::kBF16, {T, N});
     const Tensor yp = device::empty(Device::kCuda, DType::kBF16, {T, N});
+    const Tensor yd = device::empty(Device::kCuda, DType::kBF16, {T, N});  // the dynamic-scale layer
     const device::Stream stream = device::Stream::create();
     const ops::Context c{Device::kCuda, stream.get()};
     auto body = [&] {
       cuda::fp8_linear(c, y, x, l.w, Tensor());
       cuda::quantize_fp8(c, xq, x, input_scale);
       cuda::fp8_linear_prequant(c, yp, xq, l.w, Tensor());
+      cuda::fp8_linear(c, yd, x, ld.w, Tensor());
     };
     body();
     stream.synchronize();
-    const std::vector<uint8_t> ey = host_bytes(y), eyp = host_bytes(yp);
+    const std::vector<uint8_t> ey = host_bytes(y), eyp = host_bytes(yp), eyd = host_bytes(yd);
     EXPECT_EQ(ey, eyp) << "fp8_linear and quantize + fp8_linear_prequant differ";
     device::AllocPool pool;
     device::Graph g;
@@ -260,10 +268,12 @@ TEST(CudaFp8LinearGraph, CapturedGivesTheEagerBits) {
     }
     poison(y);
     poison(yp);
+    poison(yd);
     g.launch(c.stream);
     stream.synchronize();
     EXPECT_EQ(host_bytes(y), ey);
     EXPECT_EQ(host_bytes(yp), eyp);
+    EXPECT_EQ(host_bytes(yd), eyd);
   }
 }
 
