@@ -360,8 +360,7 @@ Tensor bytes_tensor(DType dtype, const Shape& shape, const std::vector<uint8_t>&
 }
 
 // A dense [N, K] weight quantized as ModelOpt's weight quantizers do. There is no calibrated input scale, so the
-// activations are `act`: a dense FP8 layer quantizes them dynamically (ActQuant::kDynamic), experts and NVFP4 layers
-// run weight-only.
+// activations are `act` (FP8: ActQuant::kDynamic, or kNone with ModelOptions::weight_only); NVFP4 runs weight-only.
 void quantize_linear(ops::LinearWeight& w, ops::WeightFormat format, ops::ActQuant act) {
   if (!w || w.format != ops::WeightFormat::kDense || format == ops::WeightFormat::kDense) return;
   const Tensor f = w.weight.to_f32();
@@ -386,18 +385,18 @@ void quantize_linear(ops::LinearWeight& w, ops::WeightFormat format, ops::ActQua
   w.input_scale = 0.0f;
 }
 
-// The activation quantization of a dense layer quantized at load: dynamic (FP8), none with ModelOptions::weight_only.
+// The activation quantization of a layer quantized at load: dynamic (FP8), none with ModelOptions::weight_only.
 ops::ActQuant load_quantized_act(const ModelOptions& options) {
   return options.weight_only ? ops::ActQuant::kNone : ops::ActQuant::kDynamic;
 }
 
-void quantize_experts(ops::ExpertWeights& w, ops::WeightFormat format) {
+void quantize_experts(ops::ExpertWeights& w, ops::WeightFormat format, ops::ActQuant act) {
   if (!w || w.format != ops::WeightFormat::kDense || format == ops::WeightFormat::kDense) return;
   std::vector<ops::LinearWeight> ex;
   for (int64_t e = 0; e < w.num_experts(); ++e) {
     ex.push_back(w.expert(e));
     ex.back().name = fmt::format("{} (expert {})", w.name, e);
-    quantize_linear(ex.back(), format, ops::ActQuant::kNone);
+    quantize_linear(ex.back(), format, act);
   }
   const std::string name = w.name;
   w = stack_experts(ex, name);
@@ -538,7 +537,7 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, co
           }
           *s.experts = stack_experts(ex, name, target);
         }
-        if (quantizable(s)) quantize_experts(*s.experts, options.quantize);
+        if (quantizable(s)) quantize_experts(*s.experts, options.quantize, load_quantized_act(options));
         break;
       }
     }
@@ -588,7 +587,7 @@ ModelWeights synthetic_weights(const ModelConfig& c, const ModelOptions& options
           l.name = "backbone." + expert_name(s.name, e);
           l.weight = synthetic_tensor(c, seed, expert_name(s.name, e) + ".weight", {s.shape[1], s.shape[2]},
                                       options.dtype);
-          if (quantizable(s)) quantize_linear(l, options.quantize, ops::ActQuant::kNone);
+          if (quantizable(s)) quantize_linear(l, options.quantize, load_quantized_act(options));
           ex.push_back(std::move(l));
         }
         *s.experts = stack_experts(ex, "backbone." + s.name);

@@ -86,8 +86,8 @@ struct ModelOptions {
   // Quantize a dense checkpoint's (or a synthetic model's) linear layers at load (--quantization fp8 | nvfp4), as
   // ModelOpt's per-tensor FP8 and NVFP4 weight quantizers do (core/fp8.h, core/nvfp4.h), with ModelOpt's default
   // exclusions: lm_head, the router, conv1d and the embeddings stay dense. There is no calibration: FP8
-  // dense layers quantize their activations dynamically (ActQuant::kDynamic), the experts and NVFP4 layers run
-  // weight-only (ActQuant::kNone). kDense: off. A checkpoint that is already quantized -> kInvalidInput.
+  // layers and experts quantize their activations dynamically (ActQuant::kDynamic), NVFP4 ones run weight-only
+  // (ActQuant::kNone). kDense: off. A checkpoint that is already quantized -> kInvalidInput.
   ops::WeightFormat quantize = ops::WeightFormat::kDense;
   // Run every FP8 layer weight-only (ActQuant::kNone), ignoring the checkpoint's static input scales: ModelOpt's
   // weights-only reference (its input quantizers disabled).

@@ -241,10 +241,6 @@ void validate(const ExpertWeights& w) {
     invalid_input("{}.weight: {}, expected [E, N, K]", w.name, w.weight ? w.weight.describe() : std::string("missing"));
   }
   const int64_t E = w.num_experts();
-  if (w.act == ActQuant::kDynamic) {
-    invalid_input("{}: dynamic activation quantization is implemented for dense layers only (experts: weight-only or "
-                  "static)", w.name);
-  }
   if (w.format != WeightFormat::kDense) {
     if (static_cast<int64_t>(w.host_scale.size()) != E || !w.scale || w.scale.numel() != E) {
       invalid_input("{}: {} per-expert weight scales for {} experts", w.name, w.host_scale.size(), E);

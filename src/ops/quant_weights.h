@@ -34,7 +34,8 @@ inline const char* weight_format_name(WeightFormat f) {
 //             activation scale; FP8 formats only)
 //   kDynamic  the same with s = max|x| / 448 over the whole [T, K] input of the op, in place of input_scale (1 when
 //             x is all zeros): FP8 W8A8 with a per-tensor dynamic scale, computed each call, for weights quantized
-//             without calibration (--quantization fp8; vLLM's dynamic FP8 scheme). FP8 dense layers only.
+//             without calibration (--quantization fp8; vLLM's dynamic FP8 scheme). FP8 only; for routed experts the
+//             tensor is the projection's whole input: x for up_proj, every routed row of every expert for down_proj.
 enum class ActQuant : uint8_t { kNone, kStatic, kDynamic };
 
 inline const char* act_quant_name(ActQuant a) {

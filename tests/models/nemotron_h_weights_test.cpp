@@ -197,7 +197,7 @@ TEST(WeightsModule, SummaryCountsLogicalParametersAndStoredBytes) {
 }
 
 // --quantization at load on the bundled model (models/nemotron-h-tiny) beside its fp32 run: the layers are quantized
-// (FP8 dense layers with dynamic activation scales, the rest weight-only), lm_head stays dense, the parameter count is unchanged, the logits are finite and moved. How far they
+// (FP8 with dynamic activation scales, NVFP4 weight-only), lm_head stays dense, the parameter count is unchanged, the logits are finite and moved. How far they
 // move is reported, not bounded: the bundled model has random weights, and a random model's logits respond to a
 // weight perturbation chaotically (the MoE routers' choices flip), so no bound derived from the weight rounding holds
 // at the output. The exactness of the quantizers is tested where a reference exists: ModelOptQuantizeAtLoad in
@@ -213,15 +213,17 @@ TEST(WeightsModule, QuantizeAtLoadOnTheBundledModel) {
     o.quantize = f;
     const NemotronH q = NemotronH::load(c, ck, o);
     EXPECT_EQ(q.weights().layers[0].mamba.in_proj.format, f);
-    // No calibration: FP8 dense layers quantize their activations dynamically, NVFP4 layers and experts run
-    // weight-only.
-    EXPECT_EQ(q.weights().layers[0].mamba.in_proj.act,
-              f == ops::WeightFormat::kFp8 ? ops::ActQuant::kDynamic : ops::ActQuant::kNone);
+    // No calibration: FP8 layers (experts too) quantize their activations dynamically, NVFP4 runs weight-only.
+    const ops::ActQuant want = f == ops::WeightFormat::kFp8 ? ops::ActQuant::kDynamic : ops::ActQuant::kNone;
+    EXPECT_EQ(q.weights().layers[0].mamba.in_proj.act, want);
+    int moe = 0;
     for (const LayerWeights& L : q.weights().layers) {
-      if (L.kind == LayerKind::kMoe) {
-        EXPECT_EQ(L.moe.experts_up.act, ops::ActQuant::kNone);
-      }
+      if (L.kind != LayerKind::kMoe) continue;
+      EXPECT_EQ(L.moe.experts_up.act, want);
+      EXPECT_EQ(L.moe.experts_down.act, want);
+      ++moe;
     }
+    EXPECT_GT(moe, 0);
     EXPECT_EQ(q.weights().lm_head.format, ops::WeightFormat::kDense);  // ModelOpt's default exclusion
     EXPECT_EQ(q.parameter_counts(), dense.parameter_counts());
     const std::vector<int32_t> prompt = {5, 17, 42, 99, 3, 64, 7, 128, 11, 200};

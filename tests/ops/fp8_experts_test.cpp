@@ -41,11 +41,11 @@ struct Fp8Experts {
   std::vector<float> up_w, down_w;  // dequantized [E, N, K]
 };
 
-ops::ExpertWeights make_weights(test::Rng& rng, int64_t E, int64_t N, int64_t K, bool stat, const char* name,
+ops::ExpertWeights make_weights(test::Rng& rng, int64_t E, int64_t N, int64_t K, ops::ActQuant act, const char* name,
                                 std::vector<float>& deq) {
   ops::ExpertWeights w;
   w.format = ops::WeightFormat::kFp8;
-  w.act = stat ? ops::ActQuant::kStatic : ops::ActQuant::kNone;
+  w.act = act;
   w.name = name;
   w.weight = Tensor::empty(DType::kF8E4M3, {E, N, K});
   deq.resize(static_cast<size_t>(E * N * K));
@@ -105,55 +105,102 @@ struct Reference {
 };
 
 // x: values representable in `act`. acc_rel(K): the accumulation error of one dot product per unit of sum |terms|.
+// Two passes: every routed row's r first (its value and interval after the activation dtype's rounding), then the
+// down projections, so that a dynamic down scale can be taken over every r. A dynamic scale is itself an interval
+// [s_lo, s_hi] = [max r_lo, max r_hi] / 448 (a kernel's r lies in its interval, so its max does), and a quantized r
+// lies in [e4m3(r_lo / s_hi) * s_lo, e4m3(r_hi / s_lo) * s_hi] (rounding and positive scaling are monotone).
 template <typename AccRel>
 Reference naive(const Tensor& x, const Tensor& ids, const Tensor& w, const Fp8Experts& s, DType act, AccRel acc_rel) {
   const int64_t T = x.dim(0), D = x.dim(1), k = ids.dim(1), I = s.up.out_features();
-  const bool up_stat = s.up.act == ops::ActQuant::kStatic, down_stat = s.down.act == ops::ActQuant::kStatic;
+  const ops::ActQuant up_act = s.up.act, down_act = s.down.act;
   std::vector<double> out(static_cast<size_t>(T * D), 0.0), tol(static_cast<size_t>(T * D), 0.0),
       mag(static_cast<size_t>(T * D), 0.0);
-  std::vector<float> a(static_cast<size_t>(D)), v(static_cast<size_t>(I)), width(static_cast<size_t>(I));
+  std::vector<float> a(static_cast<size_t>(D));
   const double up_rel = acc_rel(D), down_rel = acc_rel(I);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = ids.i32()[t * k + j];
-      const double wt = w.f32()[t * k + j];
-      const size_t ue = static_cast<size_t>(e);
+  // up's dynamic scale is exact: x is given, and max / 448 is computed the same way everywhere.
+  float s_x = 1.0f;
+  if (up_act == ops::ActQuant::kDynamic) {
+    float m = 0.0f;
+    for (int64_t i = 0; i < x.numel(); ++i) m = std::max(m, std::fabs(x.f32()[i]));
+    s_x = m > 0.0f ? m / kE4m3Max : 1.0f;
+  }
+  const int64_t P = T * k;
+  std::vector<float> r_mid(static_cast<size_t>(P * I)), r_lo(r_mid.size()), r_hi(r_mid.size());
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t t = p / k, e = ids.i32()[p];
+    const size_t ue = static_cast<size_t>(e);
+    for (int64_t c = 0; c < D; ++c) {
+      const float xv = x.f32()[t * D + c];
+      a[c] = up_act == ops::ActQuant::kStatic    ? fake_q(xv, s.up.host_input_scale[ue])
+             : up_act == ops::ActQuant::kDynamic ? fake_q(xv, s_x)
+                                                 : xv;
+    }
+    const float* wu = s.up_w.data() + e * I * D;
+    for (int64_t i = 0; i < I; ++i) {
+      double h = 0.0, sum_abs = 0.0;
       for (int64_t c = 0; c < D; ++c) {
-        const float xv = x.f32()[t * D + c];
-        a[c] = up_stat ? fake_q(xv, s.up.host_input_scale[ue]) : xv;
+        h += static_cast<double>(a[c]) * wu[i * D + c];
+        sum_abs += std::fabs(static_cast<double>(a[c]) * wu[i * D + c]);
       }
-      const float* wu = s.up_w.data() + e * I * D;
+      const double err = up_rel * sum_abs + std::fabs(h) * 0x1p-22;
+      auto r_of = [&](double hv) {
+        const double r = std::max(hv, 0.0);
+        return round_act(static_cast<float>(r * r), act);
+      };
+      // The interval's ends, widened by one fp32 ulp for the conversion of r*r itself.
+      const double lo = std::max(h - err, 0.0), hi = std::max(h + err, 0.0);
+      const size_t o = static_cast<size_t>(p * I + i);
+      r_mid[o] = r_of(h);
+      r_lo[o] = r_of(lo * (1.0 - 0x1p-23));
+      r_hi[o] = r_of(hi * (1.0 + 0x1p-23));
+    }
+  }
+  float sd_mid = 1.0f, sd_lo = 1.0f, sd_hi = 1.0f;
+  if (down_act == ops::ActQuant::kDynamic) {
+    float m_mid = 0.0f, m_lo = 0.0f, m_hi = 0.0f;
+    for (size_t o = 0; o < r_mid.size(); ++o) {
+      m_mid = std::max(m_mid, r_mid[o]);
+      m_lo = std::max(m_lo, r_lo[o]);
+      m_hi = std::max(m_hi, r_hi[o]);
+    }
+    EXPECT_GT(m_lo, 0.0f) << "a test case whose r may all be zero";
+    sd_mid = m_mid / kE4m3Max;
+    sd_lo = m_lo / kE4m3Max;
+    sd_hi = m_hi / kE4m3Max;
+  }
+  std::vector<float> v(static_cast<size_t>(I)), width(static_cast<size_t>(I));
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t t = p / k, e = ids.i32()[p];
+    const size_t ue = static_cast<size_t>(e);
+    const double wt = w.f32()[p];
+    for (int64_t i = 0; i < I; ++i) {
+      const size_t o = static_cast<size_t>(p * I + i);
+      float lo = r_lo[o], hi = r_hi[o];
+      v[i] = r_mid[o];
+      if (down_act == ops::ActQuant::kStatic) {
+        const float in = s.down.host_input_scale[ue];
+        v[i] = fake_q(v[i], in);
+        lo = fake_q(lo, in);
+        hi = fake_q(hi, in);
+      } else if (down_act == ops::ActQuant::kDynamic) {
+        v[i] = fake_q(v[i], sd_mid);
+        lo = e4m3_to_f32(f32_to_e4m3(lo / sd_hi)) * sd_lo;
+        hi = e4m3_to_f32(f32_to_e4m3(hi / sd_lo)) * sd_hi;
+      }
+      width[i] = hi - lo;
+    }
+    const float* wd = s.down_w.data() + e * D * I;
+    for (int64_t n = 0; n < D; ++n) {
+      double y = 0.0, sum_abs = 0.0, allow = 0.0;
       for (int64_t i = 0; i < I; ++i) {
-        double h = 0.0, sum_abs = 0.0;
-        for (int64_t c = 0; c < D; ++c) {
-          h += static_cast<double>(a[c]) * wu[i * D + c];
-          sum_abs += std::fabs(static_cast<double>(a[c]) * wu[i * D + c]);
-        }
-        const double err = up_rel * sum_abs + std::fabs(h) * 0x1p-22;
-        auto rv = [&](double hv) {
-          const double r = std::max(hv, 0.0);
-          float f = round_act(static_cast<float>(r * r), act);
-          return down_stat ? fake_q(f, s.down.host_input_scale[ue]) : f;
-        };
-        // The interval's ends, widened by one fp32 ulp for the conversion of r*r itself.
-        const double lo = std::max(h - err, 0.0), hi = std::max(h + err, 0.0);
-        const float v_lo = rv(lo * (1.0 - 0x1p-23)), v_hi = rv(hi * (1.0 + 0x1p-23));
-        v[i] = rv(h);
-        width[i] = v_hi - v_lo;
+        y += static_cast<double>(v[i]) * wd[n * I + i];
+        sum_abs += std::fabs(static_cast<double>(v[i]) * wd[n * I + i]);
+        allow += std::fabs(static_cast<double>(wd[n * I + i])) * width[i];
       }
-      const float* wd = s.down_w.data() + e * D * I;
-      for (int64_t n = 0; n < D; ++n) {
-        double y = 0.0, sum_abs = 0.0, allow = 0.0;
-        for (int64_t i = 0; i < I; ++i) {
-          y += static_cast<double>(v[i]) * wd[n * I + i];
-          sum_abs += std::fabs(static_cast<double>(v[i]) * wd[n * I + i]);
-          allow += std::fabs(static_cast<double>(wd[n * I + i])) * width[i];
-        }
-        const size_t o = static_cast<size_t>(t * D + n);
-        out[o] += wt * y;
-        mag[o] += wt * sum_abs;
-        tol[o] += wt * (allow + down_rel * (sum_abs + allow) + std::fabs(y) * 0x1p-22);
-      }
+      const size_t o = static_cast<size_t>(t * D + n);
+      out[o] += wt * y;
+      mag[o] += wt * sum_abs;
+      tol[o] += wt * (allow + down_rel * (sum_abs + allow) + std::fabs(y) * 0x1p-22);
     }
   }
   Reference r;
@@ -193,8 +240,15 @@ double fp32_acc_rel(int64_t K) {
 
 struct Case {
   int64_t T, E, k, D, I;
-  bool up_static, down_static;
-  int64_t skip = -1;  // an expert no token picks
+  bool up_static, down_static;  // the projection quantizes its input (W8A8)
+  int64_t skip = -1;            // an expert no token picks
+  bool dynamic = false;         // W8A8 with dynamic scales (ActQuant::kDynamic) rather than calibrated static ones
+  ops::ActQuant up_act() const {
+    return up_static ? (dynamic ? ops::ActQuant::kDynamic : ops::ActQuant::kStatic) : ops::ActQuant::kNone;
+  }
+  ops::ActQuant down_act() const {
+    return down_static ? (dynamic ? ops::ActQuant::kDynamic : ops::ActQuant::kStatic) : ops::ActQuant::kNone;
+  }
 };
 
 // Inputs, weights and calibrated scales of one case. x values representable in `act`.
@@ -207,8 +261,8 @@ Inputs make_inputs(test::Rng& rng, const Case& c, DType act) {
   in.x = rng.normal_tensor({c.T, c.D}, 1.0f);
   for (int64_t i = 0; i < in.x.numel(); ++i) in.x.f32()[i] = round_act(in.x.f32()[i], act);
   make_routing(rng, c.T, c.E, c.k, c.skip, in.ids, in.w);
-  in.s.up = make_weights(rng, c.E, c.I, c.D, c.up_static, "layers.0.mixer.experts.{e}.up_proj", in.s.up_w);
-  in.s.down = make_weights(rng, c.E, c.D, c.I, c.down_static, "layers.0.mixer.experts.{e}.down_proj", in.s.down_w);
+  in.s.up = make_weights(rng, c.E, c.I, c.D, c.up_act(), "layers.0.mixer.experts.{e}.up_proj", in.s.up_w);
+  in.s.down = make_weights(rng, c.E, c.D, c.I, c.down_act(), "layers.0.mixer.experts.{e}.down_proj", in.s.down_w);
   // Calibration: amax of each expert's inputs over this batch (up: x rows routed to it; down: its relu^2 output).
   std::vector<float> amax_up(static_cast<size_t>(c.E), 0.0f), amax_down(static_cast<size_t>(c.E), 0.0f);
   for (int64_t p = 0; p < c.T * c.k; ++p) {
@@ -258,9 +312,12 @@ TEST(Fp8Experts, CpuMatchesNaiveLoop) {
   auto rng = test::Rng::for_test();
   for (const Case& c :
        {Case{1, 5, 1, 48, 32, true, true}, Case{9, 5, 2, 40, 24, true, true, 2}, Case{64, 5, 2, 70, 42, true, false},
-        Case{33, 128, 6, 32, 48, true, true}, Case{8, 5, 2, 40, 24, false, true}}) {
+        Case{33, 128, 6, 32, 48, true, true}, Case{8, 5, 2, 40, 24, false, true},
+        Case{9, 5, 2, 40, 24, true, true, 2, true}, Case{64, 5, 2, 70, 42, true, false, -1, true},
+        Case{33, 128, 6, 32, 48, false, true, -1, true}}) {
     SCOPED_TRACE(testing::Message() << "T " << c.T << " E " << c.E << " k " << c.k << " D " << c.D << " I " << c.I
-                                    << " static " << c.up_static << c.down_static);
+                                    << " up " << ops::act_quant_name(c.up_act()) << " down "
+                                    << ops::act_quant_name(c.down_act()));
     for (DType act : {DType::kF32, DType::kBF16}) {
       const Inputs in = make_inputs(rng, c, act);
       Tensor got = Tensor::empty(DType::kF32, {c.T, c.D});
@@ -324,7 +381,8 @@ std::vector<float> run_cuda(const Inputs& in, DType act, cuda::moe::Fp8ExpertsPa
 
 void cuda_case(test::Rng& rng, const Case& c, DType act, cuda::moe::Fp8ExpertsPath path) {
   SCOPED_TRACE(testing::Message() << "T " << c.T << " E " << c.E << " k " << c.k << " D " << c.D << " I " << c.I
-                                  << " static " << c.up_static << c.down_static << " " << dtype_name(act) << " path "
+                                  << " up " << ops::act_quant_name(c.up_act()) << " down "
+                                  << ops::act_quant_name(c.down_act()) << " " << dtype_name(act) << " path "
                                   << static_cast<int>(path));
   const Inputs in = make_inputs(rng, c, act);
   // The automatic choice may take the tensor cores (bf16): their bound, which contains the fp32 one.
@@ -375,6 +433,10 @@ TEST(Fp8Experts, CudaGemvMatchesReference) {
       cuda_case(rng, Case{T, 5, 2, 80, 48, false, false}, act, gemv);
       cuda_case(rng, Case{T, 128, 6, 72, 40, false, false}, act, gemv);
       cuda_case(rng, Case{T, 5, 2, 80, 48, true, false}, act, gemv);
+      // Dynamic scales (--quantization fp8): both projections, and one of them.
+      cuda_case(rng, Case{T, 5, 2, 80, 48, true, true, 2, true}, act, gemv);
+      cuda_case(rng, Case{T, 128, 6, 72, 40, true, true, -1, true}, act, gemv);
+      cuda_case(rng, Case{T, 5, 2, 80, 48, false, true, -1, true}, act, gemv);
     }
   }
 }
@@ -405,6 +467,9 @@ TEST(Fp8Experts, CudaCutlassMatchesReference) {
   }
   cuda_case(rng, Case{257, 5, 1, 144, 272, true, true}, DType::kBF16, path);
   cuda_case(rng, Case{96, 8, 6, 2688, 1856, true, true}, DType::kBF16, path);  // Nano's expert shapes
+  // Dynamic scales: the up GEMM writes bf16 r, quantized with its own scale before the down GEMM.
+  for (int64_t T : {1, 9, 64, 257}) cuda_case(rng, Case{T, 128, 6, 96, 64, true, true, -1, true}, DType::kBF16, path);
+  cuda_case(rng, Case{96, 8, 6, 2688, 1856, true, true, -1, true}, DType::kBF16, path);
   // Outside its domain (weight-only, fp32 activations, K % 16 != 0): a clear error, not a wrong answer.
   {
     const Inputs in = make_inputs(rng, Case{9, 5, 2, 80, 48, false, false}, DType::kBF16);
@@ -425,6 +490,7 @@ TEST(Fp8Experts, CudaAutoPicksAWorkingPath) {
   cuda_case(rng, Case{257, 5, 2, 70, 42, true, true}, DType::kBF16, path);
   cuda_case(rng, Case{257, 5, 2, 80, 48, false, false}, DType::kBF16, path);
   cuda_case(rng, Case{64, 5, 2, 80, 48, true, true}, DType::kF32, path);
+  cuda_case(rng, Case{257, 128, 6, 96, 64, true, true, -1, true}, DType::kBF16, path);
 }
 #endif
 

@@ -90,15 +90,23 @@ void moe_experts_fp8(const Tensor& out, const Tensor& x, const Tensor& topk_ids,
     pairs[static_cast<size_t>(e)].push_back(i);
   }
   out.fill_f32(0.0f);
+  // ActQuant::kDynamic: one per-tensor scale over the whole input of the projection: x for up_proj, every routed
+  // row's r (all experts) for down_proj, so the down projections wait until every expert's r exists.
+  std::vector<float> x_dyn;
+  if (up.act == ops::ActQuant::kDynamic) {
+    x_dyn.assign(x.f32(), x.f32() + T * Din);
+    fake_quantize_fp8_dynamic(x_dyn);
+  }
+  const float* x_rows = up.act == ops::ActQuant::kDynamic ? x_dyn.data() : x.f32();
+  std::vector<Tensor> h_of(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
     const auto& pe = pairs[static_cast<size_t>(e)];
     const int64_t n = static_cast<int64_t>(pe.size());
     if (n == 0) continue;
     const Tensor xs = Tensor::empty(DType::kF32, {n, Din});
     const Tensor h = Tensor::empty(DType::kF32, {n, I});
-    const Tensor ys = Tensor::empty(DType::kF32, {n, Din});
     for (int64_t r = 0; r < n; ++r) {
-      std::memcpy(xs.f32() + r * Din, x.f32() + (pe[r] / k) * Din, static_cast<size_t>(Din) * sizeof(float));
+      std::memcpy(xs.f32() + r * Din, x_rows + (pe[r] / k) * Din, static_cast<size_t>(Din) * sizeof(float));
     }
     const size_t ue = static_cast<size_t>(e);
     if (up.act == ops::ActQuant::kStatic) {
@@ -118,7 +126,25 @@ void moe_experts_fp8(const Tensor& out, const Tensor& x, const Tensor& topk_ids,
     if (down.act == ops::ActQuant::kStatic) {
       fake_quantize_fp8(std::span<float>(hp, static_cast<size_t>(n * I)), down.host_input_scale[ue]);
     }
-    fp8_linear(ys, h, down.weight.select(e), down.host_scale[ue], Tensor());
+    h_of[ue] = h;
+  }
+  if (down.act == ops::ActQuant::kDynamic) {
+    float amax = 0.0f;
+    for (const Tensor& h : h_of) {
+      if (h) amax = std::max(amax, max_abs({h.f32(), static_cast<size_t>(h.numel())}));
+    }
+    const float s_down = amax > 0.0f ? amax / kE4m3Max : 1.0f;  // fp8_weight_scale's rule over all rows
+    for (const Tensor& h : h_of) {
+      if (h) fake_quantize_fp8({h.f32(), static_cast<size_t>(h.numel())}, s_down);
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const Tensor& h = h_of[static_cast<size_t>(e)];
+    if (!h) continue;
+    const auto& pe = pairs[static_cast<size_t>(e)];
+    const int64_t n = static_cast<int64_t>(pe.size());
+    const Tensor ys = Tensor::empty(DType::kF32, {n, Din});
+    fp8_linear(ys, h, down.weight.select(e), down.host_scale[static_cast<size_t>(e)], Tensor());
     for (int64_t r = 0; r < n; ++r) {
       const float w = topk_weights.f32()[pe[r]];
       float* o = out.f32() + (pe[r] / k) * Din;

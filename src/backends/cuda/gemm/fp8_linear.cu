@@ -654,7 +654,8 @@ __global__ void __launch_bounds__(kEwThreads) amax_partial_kernel(const T* x, in
 
 template <typename T>
 __global__ void __launch_bounds__(kEwThreads) quantize_dynamic_kernel(const T* x, uint8_t* q, int64_t n,
-                                                                      const float* partial, float* scale_out) {
+                                                                      const float* partial, float* scale_out,
+                                                                      int n_scale_out) {
   __shared__ float warp_max[kEwThreads / 32];
   pdl_wait();
   pdl_trigger();
@@ -668,7 +669,10 @@ __global__ void __launch_bounds__(kEwThreads) quantize_dynamic_kernel(const T* x
 #pragma unroll
   for (int w = 0; w < kEwThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
   const float scale = m > 0.0f ? __fdiv_rn(m, 448.0f) : 1.0f;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
+  if (blockIdx.x == 0) {
+    for (int i = static_cast<int>(threadIdx.x); i < n_scale_out; i += kEwThreads) scale_out[i] = scale;
+  }
+  if (q == nullptr) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const float v[1] = {to_float(x[i])};
@@ -676,17 +680,19 @@ __global__ void __launch_bounds__(kEwThreads) quantize_dynamic_kernel(const T* x
   }
 }
 
-// q = e4m3(x / s) with s the dynamic per-tensor scale of x [n], stored at scale_out (a device F32 scalar).
-void launch_quantize_dynamic(const void* x, DType act, uint8_t* q, int64_t n, float* scale_out, cudaStream_t stream) {
+// q = e4m3(x / s) with s the dynamic per-tensor scale of x [n], stored in scale_out[0 .. n_scale_out) (device F32);
+// q == nullptr: the scale only.
+void launch_quantize_dynamic(const void* x, DType act, uint8_t* q, int64_t n, float* scale_out, cudaStream_t stream,
+                             int n_scale_out = 1) {
   const char* op = "cuda::fp8_linear (dynamic quantization)";
   const Tensor partial = device::empty(Device::kCuda, DType::kF32, {kDynamicBlocks});
   CHIMERA_DISPATCH_FLOAT(act, str_cat(op, " x"), T, {
     CHIMERA_CUDA_CHECK(launch(amax_partial_kernel<T>, dim3(kDynamicBlocks), dim3(kEwThreads), 0, stream,
                               static_cast<const T*>(x), n, partial.data_as<float>()),
                        op);
-    CHIMERA_CUDA_CHECK(launch(quantize_dynamic_kernel<T>, dim3(ew_blocks(n)), dim3(kEwThreads), 0, stream,
-                              static_cast<const T*>(x), q, n, static_cast<const float*>(partial.data_as<float>()),
-                              scale_out),
+    CHIMERA_CUDA_CHECK(launch(quantize_dynamic_kernel<T>, dim3(q != nullptr ? ew_blocks(n) : 1), dim3(kEwThreads), 0,
+                              stream, static_cast<const T*>(x), q, n,
+                              static_cast<const float*>(partial.data_as<float>()), scale_out, n_scale_out),
                        op);
   });
 }
@@ -1112,6 +1118,26 @@ void fp8_linear_prequant_with_path(const ops::Context& ctx, const Tensor& out, c
                                    const ops::LinearWeight& w, const Tensor& bias, Fp8LinearPath path,
                                    bool fast_accum) {
   run(ctx, out, xq, w, bias, path, fast_accum, true);
+}
+
+void quantize_fp8_dynamic(const ops::Context& ctx, const Tensor& out_q, const Tensor& x, const Tensor& scale_out) {
+  const char* op = "cuda::quantize_fp8_dynamic";
+  if (!x || x.device() != Device::kCuda) {
+    throw_runtime(str_cat(op, ": x ", x ? x.describe() : std::string("(undefined)"), " must be a CUDA tensor"));
+  }
+  if (out_q && (!(out_q.dtype() == DType::kF8E4M3 || out_q.dtype() == DType::kU8) || out_q.numel() != x.numel() ||
+                out_q.device() != Device::kCuda)) {
+    throw_runtime(str_cat(op, ": out_q ", out_q.describe(), " must be F8_E4M3 (or U8) codes of x's size on CUDA (x ",
+                          x.describe(), ")"));
+  }
+  if (!scale_out || scale_out.dtype() != DType::kF32 || scale_out.numel() < 1 || scale_out.device() != Device::kCuda ||
+      scale_out.numel() > (int64_t{1} << 20)) {
+    throw_runtime(str_cat(op, ": scale_out ", scale_out ? scale_out.describe() : std::string("(undefined)"),
+                          " must be an F32 CUDA tensor of 1 .. 2^20 elements"));
+  }
+  const device::LaunchScope launch_scope(ctx.kernels.pdl);
+  launch_quantize_dynamic(x.data(), x.dtype(), out_q ? static_cast<uint8_t*>(out_q.data()) : nullptr, x.numel(),
+                          scale_out.data_as<float>(), as_stream(ctx.stream), static_cast<int>(scale_out.numel()));
 }
 
 void quantize_fp8(const ops::Context& ctx, const Tensor& out_q, const Tensor& x, float input_scale) {

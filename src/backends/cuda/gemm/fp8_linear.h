@@ -68,6 +68,12 @@ void fp8_linear_prequant_with_path(const ops::Context& ctx, const Tensor& out, c
 // f32_to_e4m3(x / input_scale) bit for bit on finite values and infinities (a NaN gives a NaN code).
 void quantize_fp8(const ops::Context& ctx, const Tensor& out_q, const Tensor& x, float input_scale);
 
+// ActQuant::kDynamic's quantizer: s = max |x| / 448 over all of x (1 for zeros; NaNs skipped), every element of
+// scale_out (F32 [n] on the device, n >= 1: one copy per expert for the grouped kernels) = s, and, when out_q is
+// defined, out_q (F8_E4M3 or U8, x's element count) = e4m3(x / s) as quantize_fp8 rounds. x BF16 / F16 / F32.
+// Deterministic (no atomics): the same bits on every run.
+void quantize_fp8_dynamic(const ops::Context& ctx, const Tensor& out_q, const Tensor& x, const Tensor& scale_out);
+
 // residual += x (stored in the activation dtype, as ops::add_rms_norm), then
 // out_q = e4m3(round_T(rms_norm(residual) * weight) / input_scale): the bits of add_rms_norm followed by
 // quantize_fp8 of its output (the normalised row is rounded to the activation dtype T before the quantization,

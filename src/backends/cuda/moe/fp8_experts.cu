@@ -8,6 +8,7 @@
 
 #include "backends/cpu/fp8_experts.h"
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/gemm/fp8_linear.h"
 #include "backends/cuda/moe/experts.h"
 #include "backends/cuda/moe/fp8_moe_kernels.h"
 #include "backends/cuda/moe/moe_kernels.h"
@@ -75,7 +76,9 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
   if (P > (int64_t{1} << 30) || P * std::max(D, I) > (int64_t{1} << 40)) {
     throw_runtime(str_cat(kOp, ": ", T, " tokens x top-", k, " is too large"));
   }
-  const bool up_q = up.act == ops::ActQuant::kStatic, down_q = down.act == ops::ActQuant::kStatic;
+  // W8A8 with a static (per-expert input_scale) or a dynamic (one per-tensor scale computed here) activation scale.
+  const bool up_q = up.act != ops::ActQuant::kNone, down_q = down.act != ops::ActQuant::kNone;
+  const bool up_dyn = up.act == ops::ActQuant::kDynamic, down_dyn = down.act == ops::ActQuant::kDynamic;
   // The CUTLASS FP8 grouped GEMM's domain: W8A8 on both projections, bf16 activations, 16-byte TMA rows.
   const bool cutlass_ok = cutlass_built() && up_q && down_q && act == DType::kBF16 && D % 16 == 0 && I % 16 == 0 &&
                           aligned16(up.weight.data()) && aligned16(down.weight.data()) && aligned16(x.data());
@@ -85,10 +88,10 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
                                                                               : Fp8ExpertsPath::kGemv;
   } else if (path == Fp8ExpertsPath::kCutlass && !cutlass_ok) {
     throw_runtime(str_cat(kOp, ": the cutlass path ",
-                          cutlass_built() ? "takes W8A8 static experts, BF16 x, D and I multiples of 16 (x "
+                          cutlass_built() ? "takes W8A8 experts, BF16 x, D and I multiples of 16 (x "
                                           : "is not built (cmake -DCHIMERA_CUTLASS=ON); x ",
-                          x.describe(), ", D ", D, ", I ", I, ", up ", up_q ? "static" : "weight-only", ", down ",
-                          down_q ? "static" : "weight-only", ")"));
+                          x.describe(), ", D ", D, ", I ", I, ", up ", ops::act_quant_name(up.act), ", down ",
+                          ops::act_quant_name(down.act), ")"));
   }
   if (T == 0) return;
   cudaStream_t stream = as_stream(ctx.stream);
@@ -114,9 +117,15 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
 
   Tensor y = device::empty(Device::kCuda, DType::kF32, {P, D});
   Tensor pair_row;
+  // Dynamic scales, one copy per expert so that the kernels read them where they read per-expert input scales:
+  // x's now; r's (down) once the up projection has written r in the activation dtype.
+  const Tensor up_in = up_dyn ? device::empty(Device::kCuda, DType::kF32, {E}) : up.input_scale;
+  const Tensor down_in = down_dyn ? device::empty(Device::kCuda, DType::kF32, {E}) : down.input_scale;
+  if (up_dyn) quantize_fp8_dynamic(ctx, Tensor(), x, up_in);
   if (use_cutlass) {
     Tensor xq = device::empty(Device::kCuda, DType::kU8, {P, D});
     Tensor hq = device::empty(Device::kCuda, DType::kU8, {P, I});
+    const Tensor hb = down_dyn ? device::empty(Device::kCuda, DType::kBF16, {P, I}) : Tensor();
     pair_row = device::empty(Device::kCuda, DType::kI32, {P});
 #ifdef CHIMERA_HAVE_CUTLASS
     const size_t ws_bytes = fp8_cutlass_workspace_bytes(static_cast<int>(max_items));
@@ -128,9 +137,10 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
     c.up_weight = static_cast<const uint8_t*>(up.weight.data());
     c.down_weight = static_cast<const uint8_t*>(down.weight.data());
     c.up_scale = f32_ptr(up.scale);
-    c.up_in_scale = f32_ptr(up.input_scale);
+    c.up_in_scale = f32_ptr(up_in);
     c.down_scale = f32_ptr(down.scale);
-    c.down_in_scale = f32_ptr(down.input_scale);
+    c.down_in_scale = f32_ptr(down_in);
+    c.hb = hb ? hb.data() : nullptr;
     c.x = x.data();
     c.sorted_pair = sorted_pair;
     c.items = items;
@@ -146,11 +156,15 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
     c.yp = y.data_as<float>();
     c.pair_row = pair_row.data_as<int32_t>();
 #ifdef CHIMERA_HAVE_CUTLASS
-    launch_moe_fp8_cutlass(c, ws.data(), ws_bytes, stream);
+    launch_moe_fp8_cutlass_up(c, ws.data(), ws_bytes, stream);
+    if (down_dyn) quantize_fp8_dynamic(ctx, hq, hb, down_in);  // r (bf16) -> its codes and scale
+    launch_moe_fp8_cutlass_down(c, ws.data(), ws_bytes, stream);
 #endif
   } else {
-    // h: e4m3 codes when the down projection quantizes its input, else r in the activation dtype.
-    Tensor h = device::empty(Device::kCuda, down_q ? DType::kU8 : act, {P, I});
+    // h: e4m3 codes when the down projection quantizes its input with a static scale, else r in the activation
+    // dtype (a dynamic scale is r's own: hq gets the codes after the up projection).
+    Tensor h = device::empty(Device::kCuda, down_q && !down_dyn ? DType::kU8 : act, {P, I});
+    const Tensor hq = down_dyn ? device::empty(Device::kCuda, DType::kU8, {P, I}) : h;
     Fp8GemvParams g{};
     g.sorted_pair = sorted_pair;
     g.items = items;
@@ -162,8 +176,8 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
     Fp8GemvParams gu = g;
     gu.weight = static_cast<const uint8_t*>(up.weight.data());
     gu.w_scale = f32_ptr(up.scale);
-    gu.in_scale = up_q ? f32_ptr(up.input_scale) : nullptr;
-    gu.out_scale = down_q ? f32_ptr(down.input_scale) : nullptr;
+    gu.in_scale = up_q ? f32_ptr(up_in) : nullptr;
+    gu.out_scale = down_q && !down_dyn ? f32_ptr(down.input_scale) : nullptr;
     gu.x = x.data();
     gu.out = h.data();
     gu.N = static_cast<int>(I);
@@ -172,13 +186,14 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
     Fp8GemvParams gd = g;
     gd.weight = static_cast<const uint8_t*>(down.weight.data());
     gd.w_scale = f32_ptr(down.scale);
-    gd.in_scale = down_q ? f32_ptr(down.input_scale) : nullptr;
-    gd.x = h.data();
+    gd.in_scale = down_q ? f32_ptr(down_in) : nullptr;
+    gd.x = hq.data();
     gd.out = y.data();
     gd.N = static_cast<int>(D);
     gd.K = static_cast<int>(I);
     gd.up = false;
     launch_moe_fp8_gemv(gu, act, stream);
+    if (down_dyn) quantize_fp8_dynamic(ctx, hq, h, down_in);
     launch_moe_fp8_gemv(gd, act, stream);
   }
 

@@ -50,12 +50,17 @@ void launch_moe_fp8_gemv(const Fp8GemvParams& p, DType act, cudaStream_t stream)
 // W8A8 on both projections, bf16 activations, D and I multiples of 16, 16-byte aligned expert weights. One group
 // per active expert (a permutation with tile_rows >= P), swap-AB as the bf16 CUTLASS path (moe_kernels.h,
 // CutlassExpertsParams): A = W_e [N_out, K] e4m3 K-major, B = the expert's rows [rows, K] e4m3 K-major,
-// D = out^T column-major. Launches:
+// D = out^T column-major. launch_moe_fp8_cutlass_up:
 //   1. prepare: xq[r, :] = e4m3(x[token(r), :] / in_up[e]) (the gather quantizes with the row's expert's scale),
 //      pair_row[pair(r)] = r, per-group shapes / pointers / strides and the per-group scalar pointers;
 //   2. up GEMM, epilogue (EVT): hq = e4m3(bf16(relu(acc * in_up[e] * s_up[e])^2) / in_down[e]) -> hq [P, I] U8;
-//   3. down GEMM, epilogue: yp = acc * in_down[e] * s_down[e] in fp32 -> yp [P, D] permuted order, unscaled by the
+//      with hb set (a dynamic down scale, not known before r exists): hb = bf16(relu(acc * in_up[e] * s_up[e])^2)
+//      -> hb [P, I] bf16, which the caller quantizes into hq and whose scale it writes to in_down before
+// launch_moe_fp8_cutlass_down:
+//   3. the down GEMM's per-group alpha = in_down[e] * s_down[e] (a small kernel, in_down final now);
+//   4. down GEMM, epilogue: yp = acc * in_down[e] * s_down[e] in fp32 -> yp [P, D] permuted order, unscaled by the
 //      routing weight (launch_moe_combine with pair_row applies it, as on the bf16 CUTLASS path).
+// Both launches take the same params and workspace.
 struct Fp8CutlassParams {
   const uint8_t* up_weight;    // [E, I, D] e4m3
   const uint8_t* down_weight;  // [E, D, I] e4m3
@@ -71,10 +76,14 @@ struct Fp8CutlassParams {
   int groups;         // min(P, E)
   uint8_t* xq;        // [P, D] scratch
   uint8_t* hq;        // [P, I] scratch
+  void* hb;           // [P, I] bf16 scratch, or nullptr: the up GEMM writes r there instead of its codes
   float* yp;          // [P, D] out, permuted order
   int32_t* pair_row;  // [P] out
 };
 size_t fp8_cutlass_workspace_bytes(int groups);
-void launch_moe_fp8_cutlass(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+void launch_moe_fp8_cutlass_up(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream);
+void launch_moe_fp8_cutlass_down(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
 
 }  // namespace chimera::cuda::moe

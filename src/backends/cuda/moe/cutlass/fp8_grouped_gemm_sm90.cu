@@ -11,9 +11,11 @@
 // *ptr_array[group] for the tile's group):
 //   up   : hq = e4m3(bf16(relu(alpha_up[g] * acc)^2) / in_down[e]), saturated: the relu^2 and the down projection's
 //          activation quantization in the up GEMM's epilogue, so the down GEMM reads FP8;
+//   up, dynamic down scale: hb = bf16(relu(alpha_up[g] * acc)^2) (the scale needs every r first; the caller
+//          quantizes hb);
 //   down : yp = alpha_down[g] * acc in fp32, alpha = w_scale[e] * in_scale[e] (the product the GEMV forms too).
-// The prepare kernel writes every group entry (shapes, pointers, strides, alphas, scalar pointers) on the device from
-// the permutation's items, and gathers x by token quantizing each row with its expert's input scale: no host
+// The prepare kernel writes every group entry (shapes, pointers, strides, the up alphas, scalar pointers) on the
+// device from the permutation's items (the down alphas follow in a kernel of their own, once in_down is final), and gathers x by token quantizing each row with its expert's input scale: no host
 // synchronisation, graph-capturable.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -70,6 +72,27 @@ struct Relu2Quant<cutlass::Array<float, N>> {
   }
 };
 
+// r = relu(v)^2 (converted to bf16 by the epilogue's output conversion, round to nearest).
+template <class T>
+struct Relu2 {
+  CUTLASS_HOST_DEVICE T operator()(T const& v) const {
+    const T r = v > T(0) ? v : T(0);
+    return r * r;
+  }
+};
+template <int N>
+struct Relu2<cutlass::Array<float, N>> {
+  CUTLASS_HOST_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& v) const {
+    cutlass::Array<float, N> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) {
+      const float r = fmaxf(v[i], 0.0f);
+      out[i] = r * r;
+    }
+    return out;
+  }
+};
+
 using ElementIn = cutlass::float_e4m3_t;
 using ElementAcc = float;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
@@ -87,14 +110,15 @@ using Scaled =
     fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, GroupScalar, fusion::Sm90AccFetch>;
 using UpFusion =
     fusion::Sm90EVT<fusion::Sm90Compute<Relu2Quant, cutlass::float_e4m3_t, float, kRound>, Scaled, GroupScalar>;
+using UpBf16Fusion = fusion::Sm90EVT<fusion::Sm90Compute<Relu2, cutlass::bfloat16_t, float, kRound>, Scaled>;
 using DownFusion = Scaled;
 
-template <bool kUp, int kTileN>
+template <class ElementD_, class Fusion_, int kTileN>
 struct GemmConfig {
   using TileShape = Shape<_128, Int<kTileN>, _128>;
-  using ElementD = cute::conditional_t<kUp, cutlass::float_e4m3_t, float>;
+  using ElementD = ElementD_;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-  using Fusion = cute::conditional_t<kUp, UpFusion, DownFusion>;
+  using Fusion = Fusion_;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
@@ -112,8 +136,9 @@ struct GemmConfig {
   using StrideD = typename Kernel::InternalStrideD;
 };
 constexpr int kTileN = 128;
-using UpGemm = GemmConfig<true, kTileN>;
-using DownGemm = GemmConfig<false, kTileN>;
+using UpGemm = GemmConfig<cutlass::float_e4m3_t, UpFusion, kTileN>;
+using UpBf16Gemm = GemmConfig<cutlass::bfloat16_t, UpBf16Fusion, kTileN>;
+using DownGemm = GemmConfig<float, DownFusion, kTileN>;
 
 using KMajorStride = Stride<int64_t, _1, _0>;
 using ColMajorStride = Stride<_1, int64_t, _0>;
@@ -122,7 +147,8 @@ constexpr bool strides_as_expected() {
   return cute::is_same_v<typename Cfg::StrideA, KMajorStride> && cute::is_same_v<typename Cfg::StrideB, KMajorStride> &&
          cute::is_same_v<typename Cfg::StrideD, ColMajorStride>;
 }
-static_assert(strides_as_expected<UpGemm>() && strides_as_expected<DownGemm>(), "A and B K-major, D column-major");
+static_assert(strides_as_expected<UpGemm>() && strides_as_expected<UpBf16Gemm>() && strides_as_expected<DownGemm>(),
+              "A and B K-major, D column-major");
 __device__ __forceinline__ KMajorStride k_major_stride(int ld) {
   return make_stride(int64_t{ld}, _1{}, _0{});
 }
@@ -146,7 +172,24 @@ struct GroupArrays {
   const float** divisor_ptr;  // [G] up: &in_down[e] (the down projection's input scale); down: unused
 };
 using UpArrays = GroupArrays<cutlass::float_e4m3_t>;
+using UpBf16Arrays = GroupArrays<cutlass::bfloat16_t>;
 using DownArrays = GroupArrays<float>;
+
+// The up GEMM's arrays with its outputs seen as bf16 (the same memory: the prepare kernel stored hb's row pointers).
+UpBf16Arrays as_bf16(const UpArrays& a) {
+  UpBf16Arrays b{};
+  b.shapes = a.shapes;
+  b.a = a.a;
+  b.b = a.b;
+  b.d = reinterpret_cast<cutlass::bfloat16_t**>(a.d);
+  b.stride_a = a.stride_a;
+  b.stride_b = a.stride_b;
+  b.stride_d = a.stride_d;
+  b.alpha = a.alpha;
+  b.alpha_ptr = a.alpha_ptr;
+  b.divisor_ptr = a.divisor_ptr;
+  return b;
+}
 
 constexpr size_t kAlign = 256;
 constexpr size_t align_up(size_t v) {
@@ -213,7 +256,8 @@ __global__ void __launch_bounds__(kPrepThreads) moe_fp8_cutlass_prepare_kernel(c
       q.up.shapes[g] = make_shape(p.I, it.z, p.D);
       q.up.a[g] = reinterpret_cast<const ElementIn*>(p.up_weight + static_cast<int64_t>(e) * p.I * p.D);
       q.up.b[g] = reinterpret_cast<const ElementIn*>(p.xq + r0 * p.D);
-      q.up.d[g] = reinterpret_cast<cutlass::float_e4m3_t*>(p.hq + r0 * p.I);
+      q.up.d[g] = p.hb != nullptr ? reinterpret_cast<cutlass::float_e4m3_t*>(static_cast<__nv_bfloat16*>(p.hb) + r0 * p.I)
+                                  : reinterpret_cast<cutlass::float_e4m3_t*>(p.hq + r0 * p.I);
       q.up.stride_a[g] = k_major_stride(p.D);
       q.up.stride_b[g] = k_major_stride(p.D);
       q.up.stride_d[g] = col_major_stride(p.I);
@@ -227,8 +271,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_fp8_cutlass_prepare_kernel(c
       q.down.stride_a[g] = k_major_stride(p.I);
       q.down.stride_b[g] = k_major_stride(p.I);
       q.down.stride_d[g] = col_major_stride(p.D);
-      q.down.alpha[g] = p.down_scale[e] * p.down_in_scale[e];
-      q.down.alpha_ptr[g] = q.down.alpha + g;
+      q.down.alpha_ptr[g] = q.down.alpha + g;  // the value: moe_fp8_cutlass_down_alpha_kernel
       q.down.divisor_ptr[g] = p.down_in_scale + e;
     }
   }
@@ -287,6 +330,8 @@ typename Cfg::Gemm::Arguments make_args(const Arrays& a, int groups, int sms) {
     typename GroupScalar::Arguments divisor{};
     divisor.scalar_ptr_arrays[0] = a.divisor_ptr;
     args.epilogue.thread = {{alpha, {}, {}}, divisor, {}};
+  } else if constexpr (cute::is_same_v<typename Cfg::Fusion, UpBf16Fusion>) {
+    args.epilogue.thread = {{alpha, {}, {}}, {}};
   } else {
     args.epilogue.thread = {alpha, {}, {}};
   }
@@ -320,8 +365,48 @@ void run_gemm(const Arrays& a, int groups, int sms, unsigned char* gemm_ws, size
 size_t gemm_workspace_bytes(int groups, int sms) {
   const UpArrays up{};
   const DownArrays down{};
-  return align_up(std::max(UpGemm::Gemm::get_workspace_size(make_args<UpGemm>(up, groups, sms)),
-                           DownGemm::Gemm::get_workspace_size(make_args<DownGemm>(down, groups, sms))));
+  return align_up(std::max({UpGemm::Gemm::get_workspace_size(make_args<UpGemm>(up, groups, sms)),
+                            UpBf16Gemm::Gemm::get_workspace_size(make_args<UpBf16Gemm>(as_bf16(up), groups, sms)),
+                            DownGemm::Gemm::get_workspace_size(make_args<DownGemm>(down, groups, sms))}));
+}
+
+// alpha_down[g] = s_down[e] * in_down[e] for every group (in_down may have been written after the prepare kernel).
+__global__ void __launch_bounds__(kPrepThreads) moe_fp8_cutlass_down_alpha_kernel(const Fp8CutlassParams p,
+                                                                                  float* alpha) {
+  pdl_wait();
+  pdl_trigger();
+  const int n_items = *p.n_items;
+  for (int g = static_cast<int>(threadIdx.x); g < p.groups; g += kPrepThreads) {
+    const int e = g < n_items ? p.items[g].x : 0;
+    alpha[g] = p.down_scale[e] * p.down_in_scale[e];
+  }
+}
+
+// The workspace as both launches carve it.
+struct Carved {
+  PrepareParams q;
+  unsigned char* up_gemm_ws;
+  unsigned char* down_gemm_ws;
+  size_t gemm_ws;
+};
+
+Carved carve_workspace(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes) {
+  if (p.D % 16 != 0 || p.I % 16 != 0) {
+    throw_runtime(
+        str_cat("cuda::moe_experts_fp8: the CUTLASS path needs D, I multiples of 16 (D ", p.D, ", I ", p.I, ")"));
+  }
+  if (workspace_bytes < fp8_cutlass_workspace_bytes(p.groups)) {
+    throw_runtime("cuda::moe_experts_fp8: CUTLASS workspace too small");
+  }
+  Carved c{};
+  auto* ws = static_cast<unsigned char*>(workspace);
+  c.q.p = p;
+  c.q.up = carve<UpArrays>(ws, p.groups);
+  c.q.down = carve<DownArrays>(ws, p.groups);
+  c.gemm_ws = gemm_workspace_bytes(p.groups, sm_count());
+  c.up_gemm_ws = ws;
+  c.down_gemm_ws = ws + c.gemm_ws;
+  return c;
 }
 
 }  // namespace
@@ -330,29 +415,28 @@ size_t fp8_cutlass_workspace_bytes(int groups) {
   return 2 * group_array_bytes(groups) + 2 * gemm_workspace_bytes(groups, sm_count());
 }
 
-void launch_moe_fp8_cutlass(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+void launch_moe_fp8_cutlass_up(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream) {
   if (p.P <= 0 || p.groups <= 0) return;
-  if (p.D % 16 != 0 || p.I % 16 != 0) {
-    throw_runtime(
-        str_cat("cuda::moe_experts_fp8: the CUTLASS path needs D, I multiples of 16 (D ", p.D, ", I ", p.I, ")"));
-  }
-  if (workspace_bytes < fp8_cutlass_workspace_bytes(p.groups)) {
-    throw_runtime("cuda::moe_experts_fp8: CUTLASS workspace too small");
-  }
-  const int sms = sm_count();
-  auto* ws = static_cast<unsigned char*>(workspace);
-  PrepareParams q{};
-  q.p = p;
-  q.up = carve<UpArrays>(ws, p.groups);
-  q.down = carve<DownArrays>(ws, p.groups);
-  const size_t gemm_ws = gemm_workspace_bytes(p.groups, sms);
-  unsigned char* up_gemm_ws = ws;
-  unsigned char* down_gemm_ws = ws + gemm_ws;
+  const Carved c = carve_workspace(p, workspace, workspace_bytes);
   const unsigned blocks = static_cast<unsigned>((p.P + kPrepRows - 1) / kPrepRows);
-  CHIMERA_CUDA_CHECK(launch(moe_fp8_cutlass_prepare_kernel, dim3(blocks), dim3(kPrepThreads), 0, stream, q),
+  CHIMERA_CUDA_CHECK(launch(moe_fp8_cutlass_prepare_kernel, dim3(blocks), dim3(kPrepThreads), 0, stream, c.q),
                      "cuda::moe_experts_fp8");
-  run_gemm<UpGemm>(q.up, p.groups, sms, up_gemm_ws, gemm_ws, stream);
-  run_gemm<DownGemm>(q.down, p.groups, sms, down_gemm_ws, gemm_ws, stream);
+  if (p.hb != nullptr) {
+    run_gemm<UpBf16Gemm>(as_bf16(c.q.up), p.groups, sm_count(), c.up_gemm_ws, c.gemm_ws, stream);
+  } else {
+    run_gemm<UpGemm>(c.q.up, p.groups, sm_count(), c.up_gemm_ws, c.gemm_ws, stream);
+  }
+}
+
+void launch_moe_fp8_cutlass_down(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes,
+                                 cudaStream_t stream) {
+  if (p.P <= 0 || p.groups <= 0) return;
+  const Carved c = carve_workspace(p, workspace, workspace_bytes);
+  CHIMERA_CUDA_CHECK(
+      launch(moe_fp8_cutlass_down_alpha_kernel, dim3(1), dim3(kPrepThreads), 0, stream, p, c.q.down.alpha),
+      "cuda::moe_experts_fp8");
+  run_gemm<DownGemm>(c.q.down, p.groups, sm_count(), c.down_gemm_ws, c.gemm_ws, stream);
 }
 
 }  // namespace chimera::cuda::moe
