@@ -10,7 +10,8 @@
 #   engine    chimera bench on the Nano shape, this tree and the baseline alternated (ENGINE_ROUNDS, default 1):
 #             prefill 1K / 8K, decode b1 / b64 / b256 after a 1K prompt; JSON per run in $OUT. ENGINE_QUANT (a
 #             comma list of none, fp8, nvfp4; default none) runs this tree once per weight format (--quantization),
-#             one after the other in each round (engine_new_<format>_<round>.json)
+#             one after the other in each round (engine_new_<format>_<round>.json); ENGINE_BATCHES: the decode
+#             batch sizes (default 1,64,256)
 #   fuzz-start  scripts/fuzz.sh in the background at nice 19 over the carried harness binaries (.fuzzbin/fuzz/,
 #             built on the CPU machine: this one has no clang) for FUZZ_SECONDS (default 400), FUZZ_JOBS processes
 #             per harness (default 6) of FUZZ_HARNESSES (default chat_template,tokenizer_codec); the corpus grows in
@@ -61,7 +62,7 @@ for step in "$@"; do
     grep -E "^\[  FAILED  \]|^\[==========\]|^\[  PASSED  \]|tests? (ran|skipped)" "$OUT/tests.log" | head -40
     el tests ;;
   engine)
-    args=(--synthetic "$NANO" --device cuda --input-lens 1024,8192 --batch-sizes 1,64,256 --decode-context 1024)
+    args=(--synthetic "$NANO" --device cuda --input-lens 1024,8192 --batch-sizes "${ENGINE_BATCHES:-1,64,256}" --decode-context 1024)
     for r in $(seq "${ENGINE_ROUNDS:-1}"); do
       if [ -x .baseline/build/chimera ]; then
         .baseline/build/chimera bench "${args[@]}" --json-out "$OUT/engine_base_$r.json" 2>&1 | tail -14
@@ -75,17 +76,22 @@ for step in "$@"; do
       done
     done ;;
   fuzz-start)
-    ( FUZZ_NO_BUILD=1 FUZZ_BUILD_DIR=.fuzzbin FUZZ_JOBS=${FUZZ_JOBS:-6} FUZZ_TIMEOUT=60 \
-        nice -n 19 bash scripts/fuzz.sh "${FUZZ_SECONDS:-400}" $(echo "${FUZZ_HARNESSES:-chat_template,tokenizer_codec}" | tr , ' ') \
-        >"$OUT/fuzz_summary.txt" 2>&1 ) &
-    FUZZ_PID=$!
-    el "fuzzing in the background (pid $FUZZ_PID)" ;;
+    # One scripts/fuzz.sh per harness, all at once (the script runs its harnesses one after the other).
+    FUZZ_PIDS=()
+    for h in $(echo "${FUZZ_HARNESSES:-chat_template,tokenizer_codec}" | tr , ' '); do
+      ( FUZZ_NO_BUILD=1 FUZZ_BUILD_DIR=.fuzzbin FUZZ_JOBS=${FUZZ_JOBS:-6} FUZZ_TIMEOUT=60 \
+          nice -n 19 bash scripts/fuzz.sh "${FUZZ_SECONDS:-400}" "$h" >"$OUT/fuzz_summary_$h.txt" 2>&1 ) &
+      FUZZ_PIDS+=($!)
+    done
+    el "fuzzing in the background (pids ${FUZZ_PIDS[*]})" ;;
   fuzz-wait)
-    if [ -n "${FUZZ_PID:-}" ]; then
-      for _ in $(seq "${FUZZ_WAIT:-60}"); do kill -0 "$FUZZ_PID" 2>/dev/null || break; sleep 1; done
-      pkill -INT -f '.fuzzbin/fuzz/' 2>/dev/null
-      wait "$FUZZ_PID"
-    fi
+    # Up to FUZZ_WAIT s for the harnesses' own time limit, then SIGINT (libFuzzer still prints its statistics).
+    for pid in ${FUZZ_PIDS[@]+"${FUZZ_PIDS[@]}"}; do
+      for _ in $(seq "${FUZZ_WAIT:-60}"); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    done
+    pkill -INT -f '.fuzzbin/fuzz/' 2>/dev/null
+    for pid in ${FUZZ_PIDS[@]+"${FUZZ_PIDS[@]}"}; do wait "$pid"; done
+    cat "$OUT"/fuzz_summary_*.txt >"$OUT/fuzz_summary.txt" 2>/dev/null
     cat "$OUT/fuzz_summary.txt"
     cp "$OUT/fuzz_summary.txt" .fuzzbin/
     (cd .fuzzbin && tar czf "$OUT/fuzz.tgz" fuzz_summary.txt corpus findings fuzz_*.log)
