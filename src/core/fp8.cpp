@@ -33,8 +33,7 @@ float max_abs(std::span<const float> w) {
 }
 
 float fp8_weight_scale(std::span<const float> w) {
-  const float amax = max_abs(w);
-  return amax > 0.0f ? amax / kE4m3Max : 1.0f;
+  return fp8_scale_for_amax(max_abs(w));
 }
 
 Fp8Weight quantize_fp8_per_tensor(std::span<const float> w) {

@@ -133,7 +133,7 @@ void moe_experts_fp8(const Tensor& out, const Tensor& x, const Tensor& topk_ids,
     for (const Tensor& h : h_of) {
       if (h) amax = std::max(amax, max_abs({h.f32(), static_cast<size_t>(h.numel())}));
     }
-    const float s_down = amax > 0.0f ? amax / kE4m3Max : 1.0f;  // fp8_weight_scale's rule over all rows
+    const float s_down = fp8_scale_for_amax(amax);  // fp8_weight_scale's rule over all rows
     for (const Tensor& h : h_of) {
       if (h) fake_quantize_fp8({h.f32(), static_cast<size_t>(h.numel())}, s_down);
     }

@@ -37,6 +37,7 @@
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/moe/cutlass/relu2_epilogue.cuh"
 #include "backends/cuda/moe/fp8_moe_kernels.h"
 
 namespace chimera::cuda::moe {
@@ -67,27 +68,6 @@ struct Relu2Quant<cutlass::Array<float, N>> {
 #else
       out[i] = static_cast<float>(cutlass::bfloat16_t(r * r)) / s[i];
 #endif
-    }
-    return out;
-  }
-};
-
-// r = relu(v)^2 (converted to bf16 by the epilogue's output conversion, round to nearest).
-template <class T>
-struct Relu2 {
-  CUTLASS_HOST_DEVICE T operator()(T const& v) const {
-    const T r = v > T(0) ? v : T(0);
-    return r * r;
-  }
-};
-template <int N>
-struct Relu2<cutlass::Array<float, N>> {
-  CUTLASS_HOST_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& v) const {
-    cutlass::Array<float, N> out;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) {
-      const float r = fmaxf(v[i], 0.0f);
-      out[i] = r * r;
     }
     return out;
   }

@@ -34,34 +34,13 @@
 
 #include "backends/cuda/cuda_common.cuh"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/moe/cutlass/relu2_epilogue.cuh"
 #include "backends/cuda/moe/moe_kernels.h"
 
 namespace chimera::cuda::moe {
 namespace {
 
 using namespace cute;
-
-// relu(v)^2 in fp32 (the mma path's up epilogue: fmaxf, then the square; the bf16 rounding is CUTLASS's
-// round-to-nearest-even conversion of the epilogue output, as __float2bfloat16_rn).
-template <class T>
-struct Relu2 {
-  CUTLASS_HOST_DEVICE T operator()(T const& v) const {
-    const T r = v > T(0) ? v : T(0);
-    return r * r;
-  }
-};
-template <int N>
-struct Relu2<cutlass::Array<float, N>> {
-  CUTLASS_HOST_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& v) const {
-    cutlass::Array<float, N> out;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) {
-      const float r = fmaxf(v[i], 0.0f);
-      out[i] = r * r;
-    }
-    return out;
-  }
-};
 
 using ElementIn = cutlass::bfloat16_t;
 using ElementAcc = float;
