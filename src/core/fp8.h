@@ -75,7 +75,9 @@ struct Fp8Weight {
 };
 float fp8_weight_scale(std::span<const float> w);
 // The per-tensor scale of a tensor whose max |value| is amax: amax / 448, 1 when amax is 0.
-inline float fp8_scale_for_amax(float amax) { return amax > 0.0f ? amax / kE4m3Max : 1.0f; }
+inline float fp8_scale_for_amax(float amax) {
+  return amax > 0.0f ? amax / kE4m3Max : 1.0f;
+}
 // max |w[i]| (0 for an empty span); NaN elements are ignored as std::max ignores them.
 float max_abs(std::span<const float> w);
 Fp8Weight quantize_fp8_per_tensor(std::span<const float> w);
