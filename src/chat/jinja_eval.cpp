@@ -518,6 +518,9 @@ Value Interpreter::eval_binary(const Node& n) {
                     ((b.is_string() || b.is_list()) && (a.is_int() || a.is_bool())))) {
     const Value& seq = a.is_int() || a.is_bool() ? b : a;
     int64_t times = std::max<int64_t>(0, (a.is_int() || a.is_bool() ? a : b).as_int());
+    // An empty sequence repeats to itself however large the count: never loop `times` times over nothing, which
+    // no size check would stop (Python answers `10**12 * ""` at once too).
+    if (seq.is_string() ? seq.str().empty() : seq.list()->empty()) times = 0;
     if (seq.is_string()) {
       check_size(seq.str().size() * static_cast<size_t>(std::min<int64_t>(times, 1ll << 40)), n.line);
       std::string out;
@@ -568,12 +571,17 @@ Value Interpreter::eval_binary(const Node& n) {
   }
   if (op == "**") {
     if (y < 0) return Value(std::pow(static_cast<double>(x), static_cast<double>(y)));
+    // Exponentiation by squaring: log2(y) multiplications, exact until a product leaves int64 (then a float, as
+    // the other overflowing operators here).
     int64_t acc = 1;
-    for (int64_t i = 0; i < y; ++i) {
-      if (__builtin_mul_overflow(acc, x, &acc)) {
+    int64_t base = x;
+    for (int64_t e = y; e > 0; e >>= 1) {
+      if ((e & 1) && __builtin_mul_overflow(acc, base, &acc)) {
         return Value(std::pow(static_cast<double>(x), static_cast<double>(y)));
       }
-      if (acc == 0 || acc == 1) break;
+      if (e > 1 && __builtin_mul_overflow(base, base, &base)) {
+        return Value(std::pow(static_cast<double>(x), static_cast<double>(y)));
+      }
     }
     return Value(acc);
   }
