@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 
 #include "tokenizer/unicode.h"
@@ -414,36 +415,67 @@ bool is_py_space(uint32_t cp) {
          (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
 }
 
+size_t utf8_sequence_at(std::string_view s, size_t i, uint32_t* cp_out) {
+  unsigned char c = static_cast<unsigned char>(s[i]);
+  int len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+  if (len == 0 || i + static_cast<size_t>(len) > s.size()) return 0;
+  uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
+  for (int k = 1; k < len; ++k) {
+    unsigned char cc = static_cast<unsigned char>(s[i + static_cast<size_t>(k)]);
+    if ((cc >> 6) != 0x2) return 0;
+    cp = (cp << 6) | (cc & 0x3F);
+  }
+  // Overlong forms, code points past U+10FFFF and surrogates are not UTF-8.
+  static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+  if (cp < kMin[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+  if (cp_out != nullptr) *cp_out = cp;
+  return static_cast<size_t>(len);
+}
+
 std::vector<uint32_t> utf8_decode(std::string_view s) {
   std::vector<uint32_t> out;
   out.reserve(s.size());
   size_t i = 0;
   while (i < s.size()) {
-    unsigned char c = static_cast<unsigned char>(s[i]);
-    int len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
     uint32_t cp = 0;
-    bool ok = len > 0 && i + static_cast<size_t>(len) <= s.size();
-    if (ok) {
-      cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
-      for (int k = 1; k < len; ++k) {
-        unsigned char cc = static_cast<unsigned char>(s[i + static_cast<size_t>(k)]);
-        if ((cc >> 6) != 0x2) {
-          ok = false;
-          break;
-        }
-        cp = (cp << 6) | (cc & 0x3F);
-      }
-      static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
-      if (ok && (cp < kMin[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))) ok = false;
-    }
-    if (!ok) {
-      out.push_back(kEscapeBase + c);
+    const size_t len = utf8_sequence_at(s, i, &cp);
+    if (len == 0) {
+      out.push_back(kEscapeBase + static_cast<unsigned char>(s[i]));
       ++i;
     } else {
       out.push_back(cp);
-      i += static_cast<size_t>(len);
+      i += len;
     }
   }
+  return out;
+}
+
+std::string utf8_replace_invalid(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  size_t i = 0;
+  size_t run = 0;  // start of the valid bytes not yet copied
+  while (i < s.size()) {
+    // ASCII runs eight bytes a test.
+    uint64_t word = 0;
+    if (i + 8 <= s.size() && (std::memcpy(&word, s.data() + i, 8), (word & 0x8080808080808080ull) == 0)) {
+      i += 8;
+      continue;
+    }
+    if (static_cast<unsigned char>(s[i]) < 0x80) {
+      ++i;
+      continue;
+    }
+    const size_t len = utf8_sequence_at(s, i, nullptr);
+    if (len > 0) {
+      i += len;
+      continue;
+    }
+    out.append(s, run, i - run);
+    out += "\xEF\xBF\xBD";  // U+FFFD
+    run = ++i;
+  }
+  out.append(s, run, std::string_view::npos);
   return out;
 }
 

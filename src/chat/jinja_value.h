@@ -121,7 +121,13 @@ std::string to_json(const Value& v, int indent, bool sort_keys, const std::strin
 
 // UTF-8 helpers with Python's notion of whitespace (str.isspace) and code-point counts.
 bool is_py_space(uint32_t cp);
+// The length (1..4) of the well-formed UTF-8 sequence at s[i], its code point in *cp when cp is not null; 0 when the
+// byte there starts none (a stray continuation byte, a cut-off, overlong or surrogate sequence, past U+10FFFF).
+size_t utf8_sequence_at(std::string_view s, size_t i, uint32_t* cp);
 std::vector<uint32_t> utf8_decode(std::string_view s);  // invalid bytes decode as themselves (U+DC80.. style)
+// s with every byte that starts no well-formed sequence replaced by U+FFFD (one per byte, as decoding with
+// errors="surrogateescape" and encoding those escapes as U+FFFD); valid text is copied unchanged, in one pass.
+std::string utf8_replace_invalid(std::string_view s);
 std::string utf8_encode(const std::vector<uint32_t>& cps, size_t begin, size_t end);
 size_t utf8_length(std::string_view s);
 std::string py_strip(std::string_view s, bool left, bool right, const std::string* chars);

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>  // memrchr (glibc)
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -123,12 +124,20 @@ nlohmann::ordered_json convert_value(const std::string& value, const nlohmann::j
 
 // Model text is UTF-8 but a cut-off or hostile delta may not be: invalid bytes become U+FFFD so that the
 // arguments are always valid JSON text.
-std::string valid_utf8(std::string_view s) {
-  std::vector<uint32_t> cps = jinja::utf8_decode(s);
-  for (uint32_t& cp : cps) {
-    if (cp >= 0xDC80 && cp <= 0xDCFF) cp = 0xFFFD;
+std::string valid_utf8(std::string_view s) { return jinja::utf8_replace_invalid(s); }
+
+// body.rfind(tag) for a tag that starts with '<': only the '<' positions are compared (string_view::rfind compares
+// the tag at every position from the end, a long output's worth of memcmp calls).
+size_t last_tag(std::string_view body, std::string_view tag) {
+  size_t end = body.size();
+  while (end > 0) {
+    const void* hit = memrchr(body.data(), '<', end);
+    if (hit == nullptr) break;
+    const size_t pos = static_cast<size_t>(static_cast<const char*>(hit) - body.data());
+    if (body.substr(pos, tag.size()) == tag) return pos;
+    end = pos;
   }
-  return jinja::utf8_encode(cps, 0, cps.size());
+  return std::string_view::npos;
 }
 
 std::string strip_one_newline(std::string_view v) {
@@ -167,7 +176,7 @@ bool ToolCallParser::parse_block(std::string_view raw_block, ToolCall& out) {
       jinja::py_strip(block.substr(f + kFunctionOpen.size(), name_end - f - kFunctionOpen.size()), true, true, nullptr);
   if (name.empty()) return false;
   std::string_view body = block.substr(name_end + 1);
-  size_t fend = body.rfind(kFunctionClose);
+  size_t fend = last_tag(body, kFunctionClose);
   if (fend != std::string_view::npos) body = body.substr(0, fend);
   nlohmann::ordered_json args = nlohmann::ordered_json::object();
   size_t pos = 0;
