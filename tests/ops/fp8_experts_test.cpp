@@ -452,6 +452,14 @@ TEST(Fp8Experts, CudaGemvNanoShapes) {
   }
   cuda_case(rng, Case{2, 8, 6, 2688, 1856, false, false}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
   cuda_case(rng, Case{2, 24, 22, 1024, 2688, true, true}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
+  // These shapes take the persistent GEMV: with dynamic scales (--quantization fp8: x's from every block's own
+  // reduction, r's from the up launch's per-block maxima), one projection quantized, and F16 activations.
+  for (int64_t T : {1, 5, 8}) {
+    cuda_case(rng, Case{T, 8, 6, 2688, 1856, true, true, -1, true}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
+  }
+  cuda_case(rng, Case{4, 8, 6, 2688, 1856, false, true, 3, true}, DType::kBF16, cuda::moe::Fp8ExpertsPath::kGemv);
+  cuda_case(rng, Case{3, 24, 22, 1024, 2688, true, false}, DType::kF16, cuda::moe::Fp8ExpertsPath::kGemv);
+  cuda_case(rng, Case{1, 8, 6, 2688, 1856, true, true, -1, true}, DType::kF16, cuda::moe::Fp8ExpertsPath::kGemv);
 }
 
 TEST(Fp8Experts, CudaCutlassMatchesReference) {

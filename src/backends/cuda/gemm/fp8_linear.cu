@@ -115,39 +115,6 @@ __device__ __forceinline__ void codes_to_half_planes(const uint32_t (&w)[4], uin
   memcpy(&out, h, sizeof(h));
 }
 
-// ActQuant::kDynamic's per-tensor scale of x [n] (n % 8 == 0, 16-byte aligned) as one block computes it: the
-// maximum of |x| (fmaxf: a NaN is skipped, as std::max skips it on the CPU; an infinity gives s = inf), divided by
-// 448 correctly rounded (core/fp8.h's fp8_weight_scale), 1 when every value is zero. Every thread gets s.
-// The maximum of m over the block, returned to every thread (fmaxf: NaNs skipped). Every thread must call it.
-template <int kBlockThreads>
-__device__ float block_max(float m) {
-  __shared__ float warp_max[kBlockThreads / 32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-  __syncthreads();
-  m = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kBlockThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-  return m;
-}
-
-// max / 448 correctly rounded (core/fp8.h's fp8_weight_scale), 1 for a zero maximum.
-__device__ __forceinline__ float scale_for_amax(float m) {
-  return m > 0.0f ? __fdiv_rn(m, 448.0f) : 1.0f;
-}
-
-template <typename T, int kBlockThreads>
-__device__ float block_dynamic_scale(const T* x, int64_t n) {
-  float m = 0.0f;
-  for (int64_t i = static_cast<int64_t>(threadIdx.x) * 8; i < n; i += int64_t{kBlockThreads} * 8) {
-    float v[8];
-    load_f32<T, 8, false>(x + i, v);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
-  }
-  return scale_for_amax(block_max<kBlockThreads>(m));
-}
 
 // Dynamic shared memory: x staged as [MT][P][K / 16] 16-byte planes (zeros for the tokens past T).
 template <typename T, typename S, XSource kSrc, int MT>
@@ -181,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_kernel(const Fp8GemvParams 
   pdl_trigger();
   float x_scale = p.x_scale, out_scale = p.out_scale;
   if constexpr (kSrc == XSource::kDynamic) {
-    x_scale = block_dynamic_scale<T, kThreads>(static_cast<const T*>(p.x), static_cast<int64_t>(p.T) * p.K);
+    x_scale = fp8::block_dynamic_scale<T, kThreads>(static_cast<const T*>(p.x), static_cast<int64_t>(p.T) * p.K);
     out_scale *= x_scale;
   }
 
@@ -438,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) fp8_gemv_mma_kernel(const Fp8GemvPar
   pdl_trigger();
   float x_scale = p.x_scale, out_scale = p.out_scale;
   if constexpr (kSrc == XSource::kDynamic) {
-    x_scale = block_dynamic_scale<T, kThreads>(static_cast<const T*>(p.x), static_cast<int64_t>(p.T) * p.K);
+    x_scale = fp8::block_dynamic_scale<T, kThreads>(static_cast<const T*>(p.x), static_cast<int64_t>(p.T) * p.K);
     out_scale *= x_scale;
   }
 
@@ -652,7 +619,7 @@ __global__ void __launch_bounds__(kEwThreads) amax_partial_kernel(const T* x, in
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     m = fmaxf(m, fabsf(to_float(x[i])));
   }
-  m = block_max<kEwThreads>(m);
+  m = fp8::block_max<kEwThreads>(m);
   if (threadIdx.x == 0) partial[blockIdx.x] = m;
 }
 
@@ -664,7 +631,7 @@ __global__ void __launch_bounds__(kEwThreads) quantize_dynamic_kernel(const T* x
   pdl_trigger();
   float m = 0.0f;
   for (int i = static_cast<int>(threadIdx.x); i < kDynamicBlocks; i += kEwThreads) m = fmaxf(m, partial[i]);
-  const float scale = scale_for_amax(block_max<kEwThreads>(m));
+  const float scale = fp8::scale_for_amax(fp8::block_max<kEwThreads>(m));
   if (blockIdx.x == 0) {
     for (int i = static_cast<int>(threadIdx.x); i < n_scale_out; i += kEwThreads) scale_out[i] = scale;
   }

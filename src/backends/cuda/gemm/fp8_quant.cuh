@@ -1,4 +1,5 @@
-// E4M3 conversions in kernels (the FP8 linear, the quantizers and the fused norm + quant kernels).
+// E4M3 conversions in kernels (the FP8 linear, the FP8 experts' GEMV, the quantizers and the fused norm + quant
+// kernels), and the block-level dynamic scale (max |x| / 448) they share.
 //
 // Encoding: cvt.rn.satfinite.e4m3x2.f32 (sm_89+, one instruction for two values): round to nearest even,
 // magnitudes beyond 448 (infinities included) saturate to +-448, NaN becomes a NaN code (0x7f / 0xff). That is
@@ -13,6 +14,7 @@
 #include <cstdint>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/cuda_vec.cuh"
 
 namespace chimera::cuda::fp8 {
 
@@ -61,6 +63,41 @@ __device__ __forceinline__ void store_quantized(uint8_t* dst, const float (&v)[N
       }
     }
   }
+}
+
+// The maximum of m over the block, returned to every thread (fmaxf: NaNs skipped). Every thread must call it.
+template <int kBlockThreads>
+__device__ float block_max(float m) {
+  __shared__ float warp_max[kBlockThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kBlockThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+  __syncthreads();  // warp_max is free again: a kernel may call this more than once
+  return m;
+}
+
+// max / 448 correctly rounded (core/fp8.h's fp8_weight_scale), 1 for a zero maximum.
+__device__ __forceinline__ float scale_for_amax(float m) {
+  return m > 0.0f ? __fdiv_rn(m, 448.0f) : 1.0f;
+}
+
+// ActQuant::kDynamic's per-tensor scale of x [n] (n % 8 == 0, 16-byte aligned) as one block computes it: the
+// maximum of |x| (fmaxf: a NaN is skipped, as std::max skips it on the CPU; an infinity gives s = inf), then
+// scale_for_amax. Every thread gets s.
+template <typename T, int kBlockThreads>
+__device__ float block_dynamic_scale(const T* x, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = static_cast<int64_t>(threadIdx.x) * 8; i < n; i += int64_t{kBlockThreads} * 8) {
+    float v[8];
+    load_f32<T, 8, false>(x + i, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
+  }
+  return scale_for_amax(block_max<kBlockThreads>(m));
 }
 
 }  // namespace chimera::cuda::fp8

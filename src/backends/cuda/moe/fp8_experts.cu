@@ -119,10 +119,61 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
   Tensor pair_row;
   // Dynamic scales, one copy per expert so that the kernels read them where they read per-expert input scales:
   // x's now; r's (down) once the up projection has written r in the activation dtype.
-  const Tensor up_in = up_dyn ? device::empty(Device::kCuda, DType::kF32, {E}) : up.input_scale;
-  const Tensor down_in = down_dyn ? device::empty(Device::kCuda, DType::kF32, {E}) : down.input_scale;
-  if (up_dyn) quantize_fp8_dynamic(ctx, Tensor(), x, up_in);
-  if (use_cutlass) {
+  // The persistent GEMV (every model's decode shape) computes dynamic scales itself; the other two paths read them
+  // from up_in / down_in like static ones.
+  const bool persistent = !use_cutlass && (act == DType::kBF16 || act == DType::kF16) && D % 16 == 0 &&
+                          I % 16 == 0 && aligned16(up.weight.data()) && aligned16(down.weight.data()) &&
+                          aligned16(x.data()) &&
+                          static_cast<size_t>(tile_rows) * static_cast<size_t>(std::max(D, I)) * 2 <=
+                              kFp8GemvMaxSmemBytes;
+  const Tensor up_in = up_dyn && !persistent ? device::empty(Device::kCuda, DType::kF32, {E}) : up.input_scale;
+  const Tensor down_in = down_dyn && !persistent ? device::empty(Device::kCuda, DType::kF32, {E}) : down.input_scale;
+  if (up_dyn && !persistent) quantize_fp8_dynamic(ctx, Tensor(), x, up_in);
+  auto gemv_act = [](ops::ActQuant a) {
+    return a == ops::ActQuant::kStatic ? Fp8GemvAct::kStatic
+           : a == ops::ActQuant::kDynamic ? Fp8GemvAct::kDynamic
+                                          : Fp8GemvAct::kNone;
+  };
+  if (persistent) {
+    // h: r in the activation dtype; with a dynamic down scale the up launch also writes its blocks' maxima of r.
+    Tensor h = device::empty(Device::kCuda, act, {P, I});
+    const int up_grid = fp8_persistent_gemv_grid(static_cast<int>(I), static_cast<int>(max_items));
+    const Tensor amax = down_dyn ? device::empty(Device::kCuda, DType::kF32, {up_grid}) : Tensor();
+    Fp8PersistentGemvParams g{};
+    g.sorted_pair = sorted_pair;
+    g.items = items;
+    g.n_items = n_items;
+    g.topk_weights = topk_weights.data_as<float>();
+    g.top_k = static_cast<int>(k);
+    g.max_items = static_cast<int>(max_items);
+    g.tile_rows = tile_rows;
+    Fp8PersistentGemvParams gu = g;
+    gu.weight = static_cast<const uint8_t*>(up.weight.data());
+    gu.w_scale = f32_ptr(up.scale);
+    gu.act = gemv_act(up.act);
+    gu.in_scale = up.act == ops::ActQuant::kStatic ? f32_ptr(up.input_scale) : nullptr;
+    gu.x = x.data();
+    gu.out = h.data();
+    gu.amax_out = down_dyn ? amax.data_as<float>() : nullptr;
+    gu.T = static_cast<int>(T);
+    gu.N = static_cast<int>(I);
+    gu.K = static_cast<int>(D);
+    gu.up = true;
+    Fp8PersistentGemvParams gd = g;
+    gd.weight = static_cast<const uint8_t*>(down.weight.data());
+    gd.w_scale = f32_ptr(down.scale);
+    gd.act = gemv_act(down.act);
+    gd.in_scale = down.act == ops::ActQuant::kStatic ? f32_ptr(down.input_scale) : nullptr;
+    gd.amax_in = down_dyn ? amax.data_as<float>() : nullptr;
+    gd.amax_count = up_grid;
+    gd.x = h.data();
+    gd.out = y.data();
+    gd.N = static_cast<int>(D);
+    gd.K = static_cast<int>(I);
+    gd.up = false;
+    launch_moe_fp8_gemv_persistent(gu, act, stream);
+    launch_moe_fp8_gemv_persistent(gd, act, stream);
+  } else if (use_cutlass) {
     Tensor xq = device::empty(Device::kCuda, DType::kU8, {P, D});
     Tensor hq = device::empty(Device::kCuda, DType::kU8, {P, I});
     const Tensor hb = down_dyn ? device::empty(Device::kCuda, DType::kBF16, {P, I}) : Tensor();

@@ -1,5 +1,9 @@
-// Grouped FP8 expert GEMV (fp8_moe_kernels.h, Fp8GemvParams): decode, and every shape outside the CUTLASS FP8
-// grouped GEMM's domain. Grid (max_items, ceil(N / kFp8GemvRowsPerBlock)); block (i, j) takes work item i (exits
+// Grouped FP8 expert GEMVs (fp8_moe_kernels.h). Two kernels: the persistent one (Fp8PersistentGemvParams, below
+// the general one) for decode with bf16 / f16 activations and 16-multiple K, which is every model's shape; and the
+// general one (Fp8GemvParams), which takes any K, F32 activations and every shape outside the CUTLASS FP8 grouped
+// GEMM's domain.
+//
+// The general kernel: Grid (max_items, ceil(N / kFp8GemvRowsPerBlock)); block (i, j) takes work item i (exits
 // when i >= *n_items) and weight rows [32 j, 32 j + 32) of its expert: the item's input rows are staged in shared
 // memory in the activation dtype (quantized to e4m3 values on the way in for the W8A8 up-projection), then warp w
 // streams rows 4w .. 4w + 3, lane l the 16-byte chunks l, l + 32, ... of each, two chunks per row per step (eight
@@ -16,6 +20,8 @@
 #include <cstdint>
 
 #include "backends/cuda/cuda_common.cuh"
+#include "backends/cuda/cuda_vec.cuh"
+#include "backends/cuda/gemm/fp8_quant.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/moe/fp8_moe_kernels.h"
 
@@ -245,5 +251,230 @@ void launch_moe_fp8_gemv(const Fp8GemvParams& p, DType act, cudaStream_t stream)
       throw_runtime(str_cat("cuda::moe_experts_fp8: activations ", dtype_name(act), " (supported: F32, BF16, F16)"));
   }
 }
+
+// ---- the persistent GEMV ------------------------------------------------------------------------------------------
+//
+// Why: at T = 1 the general kernel's grid (one block per item and 32 rows: 348 blocks of 86 KB for Nano's up
+// projection) runs 1.3 waves of blocks that each wait for their item, stage x and then issue only three load steps:
+// 30 % of the weight floor. Here (as the bf16 grouped GEMV, grouped_gemv.cu) the grid is 2 blocks per SM and each
+// block walks units u = blockIdx.x, + gridDim.x, ... of 16 rows of one item's expert; the next unit's first weight
+// loads go out during this unit's last step, so every lane keeps 2 rows x 4 16-byte loads in flight across units.
+// The unit's token rows are staged in shared memory as [nt][planes][K / 16] 16-byte planes (two per 16 elements of
+// a 16-bit dtype), so lane l's read of plane q at chunk c + l is 512 contiguous bytes per warp; W8A8 rows are staged
+// as the e4m3 values of row / s (exact in bf16 and f16), so the loop multiplies decoded weights by staged values
+// only and the scales meet the fp32 sum once.
+namespace {
+
+constexpr int kPThreads = 256, kPWarps = kPThreads / 32;
+constexpr int kPBlocksPerSm = 2;
+constexpr int kPUnroll = 4;                  // 16-byte chunks per row and lane per step
+constexpr int kPStepChunks = 32 * kPUnroll;  // chunks of a row one step covers (2048 e4m3 weights)
+constexpr int kPRows = 2;                    // weight rows per warp (they share the staged token chunks)
+constexpr int kPRowsPerUnit = kPWarps * kPRows;
+
+struct PUnit {
+  const uint4* w;  // the expert's [N, K / 16] chunks
+  int e, row0, r0, nt;
+};
+
+template <typename TA, int NT, bool kUp>
+__global__ void __launch_bounds__(kPThreads, kPBlocksPerSm) moe_fp8_gemv_persistent_kernel(const Fp8PersistentGemvParams p) {
+  constexpr int kPlanes = static_cast<int>(sizeof(TA));  // 16-byte planes per 16 elements
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint4* xs = reinterpret_cast<uint4*>(smem_raw);  // [NT][kPlanes][KC]
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int KC = p.K / 16, N = p.N;
+  const int n_tiles = (N + kPRowsPerUnit - 1) / kPRowsPerUnit;
+  const uint4* W = reinterpret_cast<const uint4*>(p.weight);
+
+  pdl_wait();  // the permutation, x / h and the up launch's maxima are visible from here
+  pdl_trigger();
+  const int total = *p.n_items * n_tiles;
+  // The dynamic scale is per tensor: the same s in every block (block-uniform work before the first unit).
+  float s_dyn = 1.0f;
+  if (p.act == Fp8GemvAct::kDynamic) {
+    if constexpr (kUp) {
+      s_dyn = fp8::block_dynamic_scale<TA, kPThreads>(static_cast<const TA*>(p.x), static_cast<int64_t>(p.T) * p.K);
+    } else {
+      float m = 0.0f;
+      for (int i = tid; i < p.amax_count; i += kPThreads) m = fmaxf(m, p.amax_in[i]);
+      s_dyn = fp8::scale_for_amax(fp8::block_max<kPThreads>(m));
+    }
+  }
+
+  auto unit_of = [&](int u) {
+    const int4 item = p.items[u / n_tiles];
+    return PUnit{W + static_cast<int64_t>(item.x) * N * KC, item.x, (u % n_tiles) * kPRowsPerUnit + warp * kPRows,
+                 item.y, item.z};
+  };
+  uint4 wnext[kPRows][kPUnroll];
+  auto load_step = [&](const PUnit& un, int c0) {
+#pragma unroll
+    for (int v = 0; v < kPUnroll; ++v) {
+      const int c = c0 + v * 32 + lane;
+#pragma unroll
+      for (int r = 0; r < kPRows; ++r) {
+        const uint4* row = un.w + static_cast<int64_t>(min(un.row0 + r, N - 1)) * KC;
+        wnext[r][v] = un.row0 < N && c < KC ? ld_stream(row + c) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+
+  float local_max = 0.0f;  // up: the largest h this thread stored
+  int u = static_cast<int>(blockIdx.x);
+  PUnit cur{};
+  if (u < total) {
+    cur = unit_of(u);
+    load_step(cur, 0);
+  }
+  while (u < total) {
+    const int un = u + static_cast<int>(gridDim.x);
+    const bool has_next = un < total;
+    const float s = p.act == Fp8GemvAct::kStatic ? p.in_scale[cur.e] : s_dyn;
+    __syncthreads();  // the previous unit's readers of xs are done
+    // Stage the unit's rows: up: the x row of each pair's token; down: h rows r0 .. r0 + nt.
+    for (int i = tid; i < cur.nt * KC; i += kPThreads) {
+      const int m = i / KC, c = i - m * KC;
+      const int64_t src = kUp ? p.sorted_pair[cur.r0 + m] / p.top_k : cur.r0 + m;
+      const uint4* X = static_cast<const uint4*>(p.x) + src * KC * kPlanes + static_cast<int64_t>(c) * kPlanes;
+#pragma unroll
+      for (int q = 0; q < kPlanes; ++q) {
+        uint4 v = X[q];
+        if (p.act != Fp8GemvAct::kNone) {
+          float f[8];
+          unpack8<TA>(v, f);
+          alignas(16) TA t[8];
+#pragma unroll
+          for (int j = 0; j < 8; j += 2) {
+            const float2 d = fp8::decode2(fp8::quantize2(f[j], f[j + 1], s));
+            t[j] = from_float<TA>(d.x);
+            t[j + 1] = from_float<TA>(d.y);
+          }
+          memcpy(&v, t, sizeof(v));
+        }
+        xs[(m * kPlanes + q) * KC + c] = v;
+      }
+    }
+    const PUnit nxt = has_next ? unit_of(un) : cur;
+    __syncthreads();
+
+    float acc[kPRows][NT];
+#pragma unroll
+    for (int r = 0; r < kPRows; ++r)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
+    for (int c0 = 0; c0 < KC; c0 += kPStepChunks) {
+      uint4 wcur[kPRows][kPUnroll];
+#pragma unroll
+      for (int r = 0; r < kPRows; ++r)
+#pragma unroll
+        for (int v = 0; v < kPUnroll; ++v) wcur[r][v] = wnext[r][v];
+      // In flight during this step's FMAs: this unit's next step, or the next unit's first one.
+      if (c0 + kPStepChunks < KC) {
+        load_step(cur, c0 + kPStepChunks);
+      } else if (has_next) {
+        load_step(nxt, 0);
+      }
+#pragma unroll
+      for (int v = 0; v < kPUnroll; ++v) {
+        const int c = c0 + v * 32 + lane;
+        if (c >= KC) break;  // chunks past the row: only in the row's last step
+        float wf[kPRows][16];
+#pragma unroll
+        for (int r = 0; r < kPRows; ++r) e4m3x16_to_f32(wcur[r][v], wf[r]);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          if (t >= cur.nt) break;
+#pragma unroll
+          for (int q = 0; q < kPlanes; ++q) {
+            float xf[8];
+            unpack8<TA>(xs[(t * kPlanes + q) * KC + c], xf);
+#pragma unroll
+            for (int r = 0; r < kPRows; ++r)
+#pragma unroll
+              for (int j = 0; j < 8; ++j) acc[r][t] = fmaf(wf[r][8 * q + j], xf[j], acc[r][t]);
+          }
+        }
+      }
+    }
+
+    // Lane t stores token t's outputs of this warp's rows.
+    const float alpha = p.w_scale[cur.e] * (p.act == Fp8GemvAct::kNone ? 1.0f : s);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t >= cur.nt) break;
+      float v[kPRows];
+#pragma unroll
+      for (int r = 0; r < kPRows; ++r) v[r] = warp_sum(acc[r][t]);
+      if (lane != t) continue;
+      const int64_t row = cur.r0 + t;
+#pragma unroll
+      for (int r = 0; r < kPRows; ++r) {
+        const int n = cur.row0 + r;
+        if (n >= N) continue;
+        const float val = v[r] * alpha;
+        if constexpr (kUp) {
+          const float g = fmaxf(val, 0.0f);
+          const TA h = from_float<TA>(g * g);  // the activation dtype's rounding point
+          static_cast<TA*>(p.out)[row * N + n] = h;
+          local_max = fmaxf(local_max, to_float(h));
+        } else {
+          const int pair = p.sorted_pair[row];
+          static_cast<float*>(p.out)[static_cast<int64_t>(pair) * N + n] = __fmul_rn(p.topk_weights[pair], val);
+        }
+      }
+    }
+    u = un;
+    cur = nxt;
+  }
+  if (kUp && p.amax_out != nullptr) {
+    const float m = fp8::block_max<kPThreads>(local_max);
+    if (tid == 0) p.amax_out[blockIdx.x] = m;
+  }
+}
+
+template <typename TA, int NT>
+void launch_persistent_nt(const Fp8PersistentGemvParams& p, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(NT) * p.K * sizeof(TA);
+  auto* kernel = p.up ? moe_fp8_gemv_persistent_kernel<TA, NT, true> : moe_fp8_gemv_persistent_kernel<TA, NT, false>;
+  set_max_dynamic_smem(kernel, kFp8GemvMaxSmemBytes, "cuda::moe_experts_fp8");
+  const dim3 grid(static_cast<unsigned>(fp8_persistent_gemv_grid(p.N, p.max_items)));
+  CHIMERA_CUDA_CHECK(launch(kernel, grid, dim3(kPThreads), smem, stream, p), "cuda::moe_experts_fp8");
+}
+
+template <typename TA>
+void launch_persistent_typed(const Fp8PersistentGemvParams& p, cudaStream_t stream) {
+  switch (p.tile_rows) {
+    case 1: return launch_persistent_nt<TA, 1>(p, stream);
+    case 2: return launch_persistent_nt<TA, 2>(p, stream);
+    case 4: return launch_persistent_nt<TA, 4>(p, stream);
+    case 8: return launch_persistent_nt<TA, 8>(p, stream);
+    default:
+      throw_runtime(str_cat("cuda::moe_experts_fp8: persistent GEMV tile of ", p.tile_rows, " rows (1, 2, 4 or 8)"));
+  }
+}
+
+}  // namespace
+
+int fp8_persistent_gemv_grid(int N, int max_items) {
+  const int64_t units = static_cast<int64_t>((N + kPRowsPerUnit - 1) / kPRowsPerUnit) * max_items;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, int64_t{kPBlocksPerSm} * sm_count())));
+}
+
+void launch_moe_fp8_gemv_persistent(const Fp8PersistentGemvParams& p, DType act, cudaStream_t stream) {
+  if (p.max_items <= 0 || p.N <= 0) return;
+  const bool aligned = (reinterpret_cast<uintptr_t>(p.weight) & 15u) == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15u) == 0;
+  if (p.K % 16 != 0 || !aligned || static_cast<size_t>(p.tile_rows) * p.K * 2 > kFp8GemvMaxSmemBytes) {
+    throw_runtime(str_cat("cuda::moe_experts_fp8: the persistent GEMV needs K % 16 == 0, 16-byte aligned rows and ",
+                          p.tile_rows, " x K x 2 <= ", kFp8GemvMaxSmemBytes, " bytes (K = ", p.K, ")"));
+  }
+  switch (act) {
+    case DType::kBF16: return launch_persistent_typed<__nv_bfloat16>(p, stream);
+    case DType::kF16: return launch_persistent_typed<__half>(p, stream);
+    default:
+      throw_runtime(str_cat("cuda::moe_experts_fp8: the persistent GEMV takes BF16 or F16, not ", dtype_name(act)));
+  }
+}
+
 
 }  // namespace chimera::cuda::moe

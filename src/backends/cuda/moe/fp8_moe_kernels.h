@@ -1,4 +1,4 @@
-// FP8 MoE expert kernels (fp8_grouped_gemv.cu, cutlass/fp8_grouped_gemm_sm90.cu) and their params structs; the
+// FP8 MoE expert kernels (fp8_grouped_gemv.cu: the general and the persistent GEMV; cutlass/fp8_grouped_gemm_sm90.cu) and their params structs; the
 // Tensor adapter is fp8_experts.cu. Plain pointers and sizes only. Included by .cu files only.
 //
 // Rows, pairs and work items are those of moe_kernels.h (launch_moe_permute): pair = t * top_k + j, permuted row r =
@@ -45,6 +45,42 @@ inline constexpr int kFp8GemvRowsPerBlock = 8 * kFp8GemvRowsPerWarp;
 inline constexpr size_t kFp8GemvMaxSmemBytes = 96 * 1024;
 // The activation dtype: F32, BF16 or F16. PDL launch (cuda::launch).
 void launch_moe_fp8_gemv(const Fp8GemvParams& p, DType act, cudaStream_t stream);
+
+// The decode GEMV (fp8_grouped_gemv.cu, the persistent kernel): the same work items and output contract as
+// Fp8GemvParams, with the activation scale applied while the rows are staged and h always in the activation dtype:
+//   acc  = sum_k a[r, k] * e4m3(W_e[n, k]) in fp32, v = acc * w_scale[e] * s (s = 1 for kNone)
+//   a    = the input rows (up: x[token(r), :]; down: h[r, :]) or, W8A8, the e4m3 values of row / s, where s is
+//          in_scale[e] (kStatic) or the per-tensor dynamic scale (kDynamic: up: max |x| / 448 over x [T, K],
+//          reduced by every block; down: max r / 448 over every routed r, from the up launch's per-block maxima)
+//   up   : h[r, n] = round_act(relu(v)^2); with amax_out, block b also writes the max of the h it stored to
+//          amax_out[b] (every block of the grid writes its slot, 0 when it stored nothing)
+//   down : y[pair(r), n] = topk_weights[pair(r)] * v in fp32
+// A persistent grid (fp8_persistent_gemv_grid blocks, 2 per SM) walks units of 16 weight rows of one item's expert;
+// each warp owns 2 rows; the next unit's first weight loads are issued while this one finishes, so the weight stream
+// never stops at a unit boundary. BF16 / F16 activations, K % 16 == 0, 16-byte aligned weights and rows,
+// tile_rows x K x 2 <= kFp8GemvMaxSmemBytes.
+enum class Fp8GemvAct : int { kNone, kStatic, kDynamic };
+struct Fp8PersistentGemvParams {
+  const uint8_t* weight;       // [E, N, K] e4m3
+  const float* w_scale;        // [E]
+  const float* in_scale;       // [E] (kStatic)
+  Fp8GemvAct act;              // how the input rows are quantized
+  const void* x;               // up: x [T, K]; down: h [P, K]; activation dtype
+  void* out;                   // up: h [P, N] activation dtype; down: y [P, N] f32
+  float* amax_out;             // up: [grid] per-block maxima of h (for the down launch's dynamic scale), or nullptr
+  const float* amax_in;        // down, kDynamic: the up launch's amax_out
+  int amax_count;              // its length: the up launch's grid
+  const int32_t* sorted_pair;  // [P]
+  const int4* items;           // [max_items]
+  const int32_t* n_items;      // [1]
+  const float* topk_weights;   // [P] (down)
+  int T;                       // up: rows of x (the dynamic scale's extent)
+  int N, K, top_k, max_items, tile_rows;  // tile_rows: 1, 2, 4 or 8
+  bool up;
+};
+// The grid of a launch with these sizes (the up launch's is the down launch's amax_count).
+int fp8_persistent_gemv_grid(int N, int max_items);
+void launch_moe_fp8_gemv_persistent(const Fp8PersistentGemvParams& p, DType act, cudaStream_t stream);
 
 // ---- CUTLASS 3.x sm90 FP8 grouped GEMM (cutlass/fp8_grouped_gemm_sm90.cu, built with CHIMERA_HAVE_CUTLASS) -------
 // W8A8 on both projections, bf16 activations, D and I multiples of 16, 16-byte aligned expert weights. One group
