@@ -345,6 +345,29 @@ void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<
       [&] { CHIMERA_CUDA_CALL(cuda::residual_norm_linear(ctx, rn, outs, weights, bias)); });
 }
 
+void residual_rms_norm(const Context& ctx, const ResidualNorm& rn) {
+  const Check c(ctx, "residual_rms_norm");
+  c.f32("a", rn.a, 2);
+  if (rn.b) c.like("b", rn.b, "a", rn.a);
+  c.like("residual", rn.residual, "a", rn.a);
+  c.like("residual_out", rn.residual_out, "a", rn.a);
+  c.like("x", rn.x, "a", rn.a);
+  c.norm_weight("norm_weight", rn.norm_weight, "a", rn.a);
+  c.no_alias("residual_out", rn.residual_out, "residual", rn.residual);
+  c.no_alias("residual_out", rn.residual_out, "a", rn.a);
+  if (rn.b) c.no_alias("residual_out", rn.residual_out, "b", rn.b);
+  c.dispatch(
+      [&] {
+        cpu::convert(rn.residual_out, rn.residual);
+        if (rn.b) {
+          cpu::add2_rms_norm(rn.residual_out, rn.x, rn.a, rn.b, rn.norm_weight, rn.eps);
+        } else {
+          cpu::add_rms_norm(rn.residual_out, rn.x, rn.a, rn.norm_weight, rn.eps);
+        }
+      },
+      [&] { CHIMERA_CUDA_CALL(cuda::residual_rms_norm(ctx, rn)); });
+}
+
 void relu2(const Context& ctx, const Tensor& x) {
   const Check c(ctx, "relu2");
   c.f32("x", x, -1);

@@ -114,6 +114,11 @@ struct ResidualNorm {
 };
 void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<const Tensor> outs,
                           std::span<const Tensor> weights, const Tensor& bias = Tensor());
+// The residual step alone, out of place: residual_out = residual + a (+ round(a + b)), x = rms_norm(residual_out) *
+// norm_weight, stored. Exactly convert(residual_out, residual) then add_rms_norm / add2_rms_norm on residual_out,
+// in one launch on CUDA (the norm kernel reads residual and writes residual_out). For the layers whose first dense
+// op cannot take the norm (quantized weights).
+void residual_rms_norm(const Context& ctx, const ResidualNorm& rn);
 
 // x = relu(x)^2 in place (any shape).
 void relu2(const Context& ctx, const Tensor& x);

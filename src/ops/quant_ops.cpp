@@ -309,13 +309,9 @@ void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<
     residual_norm_linear(ctx, rn, outs, std::span<const Tensor>(w.data(), weights.size()), bias);
     return;
   }
-  // Unfused, with the dense op's arithmetic: the CPU reference of residual_norm_linear is exactly these ops.
-  convert(ctx, rn.residual_out, rn.residual);
-  if (rn.b) {
-    add2_rms_norm(ctx, rn.residual_out, rn.x, rn.a, rn.b, rn.norm_weight, rn.eps);
-  } else {
-    add_rms_norm(ctx, rn.residual_out, rn.x, rn.a, rn.norm_weight, rn.eps);
-  }
+  // The residual step (one launch, residual written out of place), then the quantized layers: the same arithmetic
+  // as the dense op's CPU reference.
+  residual_rms_norm(ctx, rn);
   for (size_t i = 0; i < weights.size(); ++i) linear(ctx, outs[i], rn.x, *weights[i], bias);
 }
 

@@ -149,6 +149,51 @@ TEST_P(OpsNorm, Add2RmsNormEqualsAddThenAddRmsNorm) {
   }
 }
 
+// ops::residual_rms_norm (the residual step out of place, one launch on CUDA) == convert then add_rms_norm /
+// add2_rms_norm in place, bit for bit, and the input residual untouched.
+TEST_P(OpsNorm, ResidualRmsNormEqualsCopyThenAddRmsNorm) {
+  auto rng = test::Rng::for_test();
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 33}, {3, 40}, {8, 512}};
+  if (on_cuda()) shapes.insert(shapes.end(), {{1, 2688}, {2, 2688}, {64, 4096}, {3, 40001}});
+  for (DType act : act_dtypes()) {
+    for (const auto& [T, D] : shapes) {
+      for (bool two : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "T=" << T << " D=" << D << " act=" << dtype_name(act) << " b=" << two);
+        const Tensor a = on_backend(rounded(rng.normal_tensor({T, D}), act), act);
+        const Tensor b = two ? on_backend(rounded(rng.normal_tensor({T, D}), act), act) : Tensor();
+        const Tensor res0 = rounded(rng.normal_tensor({T, D}, 4.0f), act);
+        const Tensor w = on_backend(test::cast_to(rng.uniform_tensor({D}, 0.5f, 1.5f), DType::kBF16));
+        Tensor res_want = on_backend(res0, act), out_want = output(act, {T, D});
+        if (two) {
+          ops::add2_rms_norm(ctx(), res_want, out_want, a, b, w, 1e-5f);
+        } else {
+          ops::add_rms_norm(ctx(), res_want, out_want, a, w, 1e-5f);
+        }
+        ops::ResidualNorm rn;
+        rn.residual = on_backend(res0, act);
+        rn.residual_out = output(act, {T, D});
+        rn.a = a;
+        rn.b = b;
+        rn.norm_weight = w;
+        rn.eps = 1e-5f;
+        rn.x = output(act, {T, D});
+        ops::residual_rms_norm(ctx(), rn);
+        EXPECT_TRUE(test::bit_equal(host_f32(rn.residual_out), host_f32(res_want)));
+        EXPECT_TRUE(test::bit_equal(host_f32(rn.x), host_f32(out_want)));
+        EXPECT_TRUE(test::bit_equal(host_f32(rn.residual), rounded(res0, act)));
+      }
+    }
+  }
+  // The output residual may not overlap its inputs.
+  ops::ResidualNorm bad;
+  bad.a = output(DType::kF32, {2, 8});
+  bad.residual = output(DType::kF32, {2, 8});
+  bad.residual_out = bad.residual;
+  bad.norm_weight = on_backend(test::cast_to(rng.uniform_tensor({8}, 0.5f, 1.5f), DType::kBF16));
+  bad.x = output(DType::kF32, {2, 8});
+  EXPECT_THROW(ops::residual_rms_norm(ctx(), bad), Error);
+}
+
 TEST_P(OpsNorm, GatedRmsNormMatchesNaive) {
   auto rng = test::Rng::for_test();
   struct Case {

@@ -37,6 +37,7 @@ void relu2_mlp(const ops::Context& ctx, const Tensor& out, const Tensor& x, cons
                const Tensor& down_proj);
 void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, std::span<const Tensor> outs,
                           std::span<const Tensor> weights, const Tensor& bias);
+void residual_rms_norm(const ops::Context& ctx, const ops::ResidualNorm& rn);
 
 // mamba/ (conv1d.cu)
 void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,

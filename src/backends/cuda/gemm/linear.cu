@@ -366,6 +366,22 @@ void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, 
   residual_norm_linear_with_choice(ctx, rn, outs, weights, bias, choice);
 }
 
+void residual_rms_norm(const ops::Context& ctx, const ops::ResidualNorm& rn) {
+  const char* op = "ops::residual_rms_norm";
+  require_same_dtype(op, {{"a", &rn.a}, {"residual", &rn.residual}, {"residual_out", &rn.residual_out}, {"x", &rn.x}});
+  if (rn.b) require_same_dtype(op, {{"a", &rn.a}, {"b", &rn.b}});
+  const int64_t T = rn.a.dim(0), D = rn.a.dim(1);
+  if (T == 0) return;
+  if (D > (int64_t{1} << 30)) throw_runtime(str_cat(op, ": hidden size ", D, " exceeds one row of the norm kernel"));
+  const norm::RowNormParams np{rn.x.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual.data(),
+                               rn.norm_weight.data(), T, static_cast<int>(D), 1, rn.eps, rn.residual_out.data()};
+  if (rn.b) {
+    norm::launch_add2_rms_norm(np, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
+  } else {
+    norm::launch_add_rms_norm(np, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
+  }
+}
+
 void residual_norm_linear_with_choice(const ops::Context& ctx, const ops::ResidualNorm& rn,
                                       std::span<const Tensor> outs, std::span<const Tensor> weights,
                                       const Tensor& bias, int choice) {
@@ -378,13 +394,7 @@ void residual_norm_linear_with_choice(const ops::Context& ctx, const ops::Residu
   if (D > (int64_t{1} << 30)) throw_runtime(str_cat(op, ": hidden size ", D, " exceeds one row of the norm kernel"));
   if (choice == kSeparate) {
     // The two ops: the norm kernel with the residual written out of place, then the dense layer(s).
-    const norm::RowNormParams np{rn.x.data(), rn.a.data(), rn.b ? rn.b.data() : nullptr, rn.residual.data(),
-                                 rn.norm_weight.data(), T, static_cast<int>(D), 1, rn.eps, rn.residual_out.data()};
-    if (rn.b) {
-      norm::launch_add2_rms_norm(np, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
-    } else {
-      norm::launch_add_rms_norm(np, rn.a.dtype(), rn.norm_weight.dtype(), as_stream(ctx.stream));
-    }
+    cuda::residual_rms_norm(ctx, rn);  // qualified: ADL also finds ops::residual_rms_norm
     if (weights.size() == 1) {
       cuda::linear(ctx, outs[0], rn.x, weights[0], bias);
     } else {
