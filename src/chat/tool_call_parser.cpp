@@ -124,7 +124,9 @@ nlohmann::ordered_json convert_value(const std::string& value, const nlohmann::j
 
 // Model text is UTF-8 but a cut-off or hostile delta may not be: invalid bytes become U+FFFD so that the
 // arguments are always valid JSON text.
-std::string valid_utf8(std::string_view s) { return jinja::utf8_replace_invalid(s); }
+std::string valid_utf8(std::string_view s) {
+  return jinja::utf8_replace_invalid(s);
+}
 
 // body.rfind(tag) for a tag that starts with '<': only the '<' positions are compared (string_view::rfind compares
 // the tag at every position from the end, a long output's worth of memcmp calls).

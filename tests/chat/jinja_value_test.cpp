@@ -26,16 +26,16 @@ TEST(JinjaUtf8, ReplaceInvalidMatchesTheDecoderDefinition) {
   EXPECT_EQ(utf8_replace_invalid(""), "");
   EXPECT_EQ(utf8_replace_invalid("plain ascii"), "plain ascii");
   EXPECT_EQ(utf8_replace_invalid("\xC3\xBC \xE2\x82\xAC \xF0\x9F\x98\x80"), "\xC3\xBC \xE2\x82\xAC \xF0\x9F\x98\x80");
-  EXPECT_EQ(utf8_replace_invalid("a\x80z"), "a" + fffd + "z");                      // stray continuation byte
-  EXPECT_EQ(utf8_replace_invalid("\xE2\x82"), fffd + fffd);                         // cut off: one per byte
-  EXPECT_EQ(utf8_replace_invalid("\xC0\xAF"), fffd + fffd);                         // overlong
-  EXPECT_EQ(utf8_replace_invalid("\xED\xA0\x80"), fffd + fffd + fffd);              // a surrogate
+  EXPECT_EQ(utf8_replace_invalid("a\x80z"), "a" + fffd + "z");                     // stray continuation byte
+  EXPECT_EQ(utf8_replace_invalid("\xE2\x82"), fffd + fffd);                        // cut off: one per byte
+  EXPECT_EQ(utf8_replace_invalid("\xC0\xAF"), fffd + fffd);                        // overlong
+  EXPECT_EQ(utf8_replace_invalid("\xED\xA0\x80"), fffd + fffd + fffd);             // a surrogate
   EXPECT_EQ(utf8_replace_invalid("\xF4\x90\x80\x80"), fffd + fffd + fffd + fffd);  // past U+10FFFF
   EXPECT_EQ(utf8_replace_invalid("\xFF\xC3\xBC"), fffd + "\xC3\xBC");
   // Random bytes biased towards UTF-8 lead and continuation bytes, every length up to 40.
   std::mt19937 rng(7);
-  const unsigned char pool[] = {'a', ' ', 0x80, 0xBF, 0xC2, 0xC3, 0xC0, 0xE0, 0xE2, 0xED, 0xEF,
-                                0xF0, 0xF4, 0xF5, 0xFF, 0xA0, 0x9F, 0x8F, 0x90, 0x82};
+  const unsigned char pool[] = {'a',  ' ',  0x80, 0xBF, 0xC2, 0xC3, 0xC0, 0xE0, 0xE2, 0xED,
+                                0xEF, 0xF0, 0xF4, 0xF5, 0xFF, 0xA0, 0x9F, 0x8F, 0x90, 0x82};
   for (int trial = 0; trial < 20000; ++trial) {
     std::string s(static_cast<size_t>(rng() % 41), '\0');
     for (char& c : s) c = static_cast<char>(pool[rng() % sizeof pool]);

@@ -121,16 +121,15 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
   // x's now; r's (down) once the up projection has written r in the activation dtype.
   // The persistent GEMV (every model's decode shape) computes dynamic scales itself; the other two paths read them
   // from up_in / down_in like static ones.
-  const bool persistent = !use_cutlass && (act == DType::kBF16 || act == DType::kF16) && D % 16 == 0 &&
-                          I % 16 == 0 && aligned16(up.weight.data()) && aligned16(down.weight.data()) &&
-                          aligned16(x.data()) &&
-                          static_cast<size_t>(tile_rows) * static_cast<size_t>(std::max(D, I)) * 2 <=
-                              kFp8GemvMaxSmemBytes;
+  const bool persistent =
+      !use_cutlass && (act == DType::kBF16 || act == DType::kF16) && D % 16 == 0 && I % 16 == 0 &&
+      aligned16(up.weight.data()) && aligned16(down.weight.data()) && aligned16(x.data()) &&
+      static_cast<size_t>(tile_rows) * static_cast<size_t>(std::max(D, I)) * 2 <= kFp8GemvMaxSmemBytes;
   const Tensor up_in = up_dyn && !persistent ? device::empty(Device::kCuda, DType::kF32, {E}) : up.input_scale;
   const Tensor down_in = down_dyn && !persistent ? device::empty(Device::kCuda, DType::kF32, {E}) : down.input_scale;
   if (up_dyn && !persistent) quantize_fp8_dynamic(ctx, Tensor(), x, up_in);
   auto gemv_act = [](ops::ActQuant a) {
-    return a == ops::ActQuant::kStatic ? Fp8GemvAct::kStatic
+    return a == ops::ActQuant::kStatic    ? Fp8GemvAct::kStatic
            : a == ops::ActQuant::kDynamic ? Fp8GemvAct::kDynamic
                                           : Fp8GemvAct::kNone;
   };

@@ -278,7 +278,8 @@ struct PUnit {
 };
 
 template <typename TA, int NT, bool kUp>
-__global__ void __launch_bounds__(kPThreads, kPBlocksPerSm) moe_fp8_gemv_persistent_kernel(const Fp8PersistentGemvParams p) {
+__global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
+    moe_fp8_gemv_persistent_kernel(const Fp8PersistentGemvParams p) {
   constexpr int kPlanes = static_cast<int>(sizeof(TA));  // 16-byte planes per 16 elements
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint4* xs = reinterpret_cast<uint4*>(smem_raw);  // [NT][kPlanes][KC]
@@ -463,7 +464,8 @@ int fp8_persistent_gemv_grid(int N, int max_items) {
 
 void launch_moe_fp8_gemv_persistent(const Fp8PersistentGemvParams& p, DType act, cudaStream_t stream) {
   if (p.max_items <= 0 || p.N <= 0) return;
-  const bool aligned = (reinterpret_cast<uintptr_t>(p.weight) & 15u) == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15u) == 0;
+  const bool aligned =
+      (reinterpret_cast<uintptr_t>(p.weight) & 15u) == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15u) == 0;
   if (p.K % 16 != 0 || !aligned || static_cast<size_t>(p.tile_rows) * p.K * 2 > kFp8GemvMaxSmemBytes) {
     throw_runtime(str_cat("cuda::moe_experts_fp8: the persistent GEMV needs K % 16 == 0, 16-byte aligned rows and ",
                           p.tile_rows, " x K x 2 <= ", kFp8GemvMaxSmemBytes, " bytes (K = ", p.K, ")"));
@@ -475,6 +477,5 @@ void launch_moe_fp8_gemv_persistent(const Fp8PersistentGemvParams& p, DType act,
       throw_runtime(str_cat("cuda::moe_experts_fp8: the persistent GEMV takes BF16 or F16, not ", dtype_name(act)));
   }
 }
-
 
 }  // namespace chimera::cuda::moe

@@ -1,5 +1,6 @@
-// FP8 MoE expert kernels (fp8_grouped_gemv.cu: the general and the persistent GEMV; cutlass/fp8_grouped_gemm_sm90.cu) and their params structs; the
-// Tensor adapter is fp8_experts.cu. Plain pointers and sizes only. Included by .cu files only.
+// FP8 MoE expert kernels (fp8_grouped_gemv.cu: the general and the persistent GEMV; cutlass/fp8_grouped_gemm_sm90.cu)
+// and their params structs; the Tensor adapter is fp8_experts.cu. Plain pointers and sizes only. Included by .cu files
+// only.
 //
 // Rows, pairs and work items are those of moe_kernels.h (launch_moe_permute): pair = t * top_k + j, permuted row r =
 // the r-th pair in expert order, work item {expert, first permuted row, rows, 0}.
@@ -117,8 +118,7 @@ struct Fp8CutlassParams {
   int32_t* pair_row;  // [P] out
 };
 size_t fp8_cutlass_workspace_bytes(int groups);
-void launch_moe_fp8_cutlass_up(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes,
-                               cudaStream_t stream);
+void launch_moe_fp8_cutlass_up(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 void launch_moe_fp8_cutlass_down(const Fp8CutlassParams& p, void* workspace, size_t workspace_bytes,
                                  cudaStream_t stream);
 
