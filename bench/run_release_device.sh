@@ -15,7 +15,8 @@
 #   fuzz-start  scripts/fuzz.sh in the background at nice 19 over the carried harness binaries (.fuzzbin/fuzz/,
 #             built on the CPU machine: this one has no clang) for FUZZ_SECONDS (default 400), FUZZ_JOBS processes
 #             per harness (default 6) of FUZZ_HARNESSES (default chat_template,tokenizer_codec); the corpus grows in
-#             .fuzzbin/corpus
+#             .fuzzbin/corpus. Start it after `build`: ten ASan processes beside the build stretched it from ~175 s to
+#             473 s even at nice 19 (2026-12-02)
 #   fuzz-wait   waits for it (at most FUZZ_WAIT seconds, default 60, then stops it) and leaves its summary, logs,
 #             findings and grown corpus in $OUT/fuzz.tgz
 #   serve     chimera serve on the Nano shape (bf16, CUDA; SERVE_MAX_NUM_SEQS, SERVE_MAX_NUM_BATCHED_TOKENS: default
