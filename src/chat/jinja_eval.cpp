@@ -33,6 +33,13 @@ void Interpreter::step(int line) {
   }
 }
 
+void Interpreter::charge(uint64_t units, int line) {
+  steps_ += units;
+  if (steps_ > budget_.max_steps) {
+    fail(line, "template exceeded its work budget of " + std::to_string(budget_.max_steps) + " steps");
+  }
+}
+
 void Interpreter::check_size(size_t bytes, int line) const {
   if (bytes > budget_.max_output_bytes) {
     fail(line, "template built a value of " + std::to_string(bytes) + " bytes, over its budget of " +
@@ -77,7 +84,10 @@ Value Interpreter::lookup(const std::string& name, int line) const {
 }
 
 std::vector<Value> Interpreter::iterate(const Value& v, int line) {
-  if (v.is_list()) return *v.list();
+  if (v.is_list()) {
+    charge(v.list()->size(), line);  // a copy of every item (the loops and filters over a sequence)
+    return *v.list();
+  }
   if (v.is_undefined()) return {};
   if (v.is_dict()) {
     std::vector<Value> keys;
@@ -492,6 +502,7 @@ Value Interpreter::eval_binary(const Node& n) {
     std::string s = py_str(a);
     std::string t = py_str(b);
     check_size(s.size() + t.size(), n.line);
+    charge((s.size() + t.size()) / 64, n.line);
     return Value(s + t);
   }
   auto undefined_operand = [&](const Value& v) {
@@ -505,10 +516,12 @@ Value Interpreter::eval_binary(const Node& n) {
   if (op == "+") {
     if (a.is_string() && b.is_string()) {
       check_size(a.str().size() + b.str().size(), n.line);
+      charge((a.str().size() + b.str().size()) / 64, n.line);
       return Value(a.str() + b.str());
     }
     if (a.is_list() && b.is_list()) {
       if (a.list()->size() + b.list()->size() > kMaxListItems) fail(n.line, "list grew past its size budget");
+      charge(a.list()->size() + b.list()->size(), n.line);
       List out = *a.list();
       out.insert(out.end(), b.list()->begin(), b.list()->end());
       return make_list(std::move(out));
@@ -523,6 +536,7 @@ Value Interpreter::eval_binary(const Node& n) {
     if (seq.is_string() ? seq.str().empty() : seq.list()->empty()) times = 0;
     if (seq.is_string()) {
       check_size(seq.str().size() * static_cast<size_t>(std::min<int64_t>(times, 1ll << 40)), n.line);
+      charge(seq.str().size() * static_cast<uint64_t>(times) / 64, n.line);
       std::string out;
       for (int64_t i = 0; i < times; ++i) out += seq.str();
       return Value(out);
@@ -530,6 +544,7 @@ Value Interpreter::eval_binary(const Node& n) {
     if (seq.list()->size() * static_cast<size_t>(std::min<int64_t>(times, 1ll << 40)) > kMaxListItems) {
       fail(n.line, "list grew past its size budget");
     }
+    charge(seq.list()->size() * static_cast<uint64_t>(times), n.line);
     List out;
     for (int64_t i = 0; i < times; ++i) out.insert(out.end(), seq.list()->begin(), seq.list()->end());
     return make_list(std::move(out));

@@ -20,6 +20,9 @@ class Interpreter {
 
   [[noreturn]] void fail(int line, const std::string& msg) const;
   void step(int line);                            // one unit of work against the budget
+  // `units` units of work at once: an op whose cost grows with the value it copies or builds (one unit per list
+  // item, per 64 bytes of string), so that such an op inside a loop cannot run unbounded work per step.
+  void charge(uint64_t units, int line);
   void check_size(size_t bytes, int line) const;  // a string / list about to be built
   Value eval(const Node& n);
   Value call(const Value& callee, CallArgs& args, int line);

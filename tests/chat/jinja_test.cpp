@@ -122,6 +122,20 @@ TEST(JinjaBudget, HostileTemplatesStopWithAClearError) {
   // times 77777777775 looped 7.7e10 times without growing the output); the same for an empty list.
   EXPECT_EQ(render("[{{ 77777777775 * (A777 | e) }}][{{ '' * 9223372036854775807 }}][{{ [] * 100000000000 }}]"),
             "[][][[]]");
+  // Work that grows with the values built is charged too (fuzz finding: a 4-item list times 77777 inside a loop
+  // copied 300,000 items per iteration under a 20,000-step budget and ran for 18 s).
+  EXPECT_NE(
+      error_of("{% for i in range(88) %}{{ 'abcd' | list * 77777 * 0 }}{% endfor %}", {}, small).find("work budget"),
+      std::string::npos);
+  EXPECT_NE(error_of("{% set l = range(60000) | list %}{% for i in range(100) %}{{ l | list | length }}{% endfor %}",
+                     {}, small)
+                .find("work budget"),
+            std::string::npos);
+  EXPECT_NE(error_of("{% set s = 'x' * 60000 %}{% for i in range(10000) %}{% set t = s ~ i %}{% endfor %}", {}, small)
+                .find("work budget"),
+            std::string::npos);
+  EXPECT_EQ(render("{{ ('ab' | list) * 3 }} {{ [1] + [2] }} {{ 'a' ~ 'b' }}", {}, small),
+            "['a', 'b', 'a', 'b', 'a', 'b'] [1, 2] ab");
   // Integer powers take log2(exponent) steps and stay exact, the sign included.
   EXPECT_EQ(render("{{ (-1) ** 9223372036854775807 }} {{ 1 ** 9223372036854775807 }} {{ (-3) ** 3 }} {{ 3 ** 39 }}"),
             "-1 1 -27 4052555153018976267");
