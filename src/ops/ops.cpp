@@ -303,12 +303,9 @@ void linear_multi(const Context& ctx, std::span<const Tensor> outs, const Tensor
       [&] { CHIMERA_CUDA_CALL(cuda::linear_multi(ctx, outs, x, weights)); });
 }
 
-void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<const Tensor> outs,
-                          std::span<const Tensor> weights, const Tensor& bias) {
-  const Check c(ctx, "residual_norm_linear");
-  if (outs.size() != weights.size() || weights.empty() || weights.size() > 3) {
-    c.fail("{} outputs for {} weights (1 to 3 of each, one output per weight)", outs.size(), weights.size());
-  }
+namespace {
+// The residual step's tensors (ResidualNorm), as residual_norm_linear and residual_rms_norm both take them.
+void check_residual_step(const Check& c, const ResidualNorm& rn) {
   c.f32("a", rn.a, 2);
   if (rn.b) c.like("b", rn.b, "a", rn.a);
   c.like("residual", rn.residual, "a", rn.a);
@@ -318,6 +315,25 @@ void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<
   c.no_alias("residual_out", rn.residual_out, "residual", rn.residual);
   c.no_alias("residual_out", rn.residual_out, "a", rn.a);
   if (rn.b) c.no_alias("residual_out", rn.residual_out, "b", rn.b);
+}
+// The CPU reference of the residual step: the out-of-place copy, then the in-place norm op.
+void cpu_residual_step(const ResidualNorm& rn) {
+  cpu::convert(rn.residual_out, rn.residual);
+  if (rn.b) {
+    cpu::add2_rms_norm(rn.residual_out, rn.x, rn.a, rn.b, rn.norm_weight, rn.eps);
+  } else {
+    cpu::add_rms_norm(rn.residual_out, rn.x, rn.a, rn.norm_weight, rn.eps);
+  }
+}
+}  // namespace
+
+void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<const Tensor> outs,
+                          std::span<const Tensor> weights, const Tensor& bias) {
+  const Check c(ctx, "residual_norm_linear");
+  if (outs.size() != weights.size() || weights.empty() || weights.size() > 3) {
+    c.fail("{} outputs for {} weights (1 to 3 of each, one output per weight)", outs.size(), weights.size());
+  }
+  check_residual_step(c, rn);
   for (size_t i = 0; i < weights.size(); ++i) {
     const std::string w = fmt::format("weights[{}]", i), o = fmt::format("outs[{}]", i);
     c.weight(w.c_str(), weights[i], 2);
@@ -334,12 +350,7 @@ void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<
   }
   c.dispatch(
       [&] {
-        cpu::convert(rn.residual_out, rn.residual);
-        if (rn.b) {
-          cpu::add2_rms_norm(rn.residual_out, rn.x, rn.a, rn.b, rn.norm_weight, rn.eps);
-        } else {
-          cpu::add_rms_norm(rn.residual_out, rn.x, rn.a, rn.norm_weight, rn.eps);
-        }
+        cpu_residual_step(rn);
         for (size_t i = 0; i < weights.size(); ++i) cpu::linear(outs[i], rn.x, weights[i], bias);
       },
       [&] { CHIMERA_CUDA_CALL(cuda::residual_norm_linear(ctx, rn, outs, weights, bias)); });
@@ -347,25 +358,8 @@ void residual_norm_linear(const Context& ctx, const ResidualNorm& rn, std::span<
 
 void residual_rms_norm(const Context& ctx, const ResidualNorm& rn) {
   const Check c(ctx, "residual_rms_norm");
-  c.f32("a", rn.a, 2);
-  if (rn.b) c.like("b", rn.b, "a", rn.a);
-  c.like("residual", rn.residual, "a", rn.a);
-  c.like("residual_out", rn.residual_out, "a", rn.a);
-  c.like("x", rn.x, "a", rn.a);
-  c.norm_weight("norm_weight", rn.norm_weight, "a", rn.a);
-  c.no_alias("residual_out", rn.residual_out, "residual", rn.residual);
-  c.no_alias("residual_out", rn.residual_out, "a", rn.a);
-  if (rn.b) c.no_alias("residual_out", rn.residual_out, "b", rn.b);
-  c.dispatch(
-      [&] {
-        cpu::convert(rn.residual_out, rn.residual);
-        if (rn.b) {
-          cpu::add2_rms_norm(rn.residual_out, rn.x, rn.a, rn.b, rn.norm_weight, rn.eps);
-        } else {
-          cpu::add_rms_norm(rn.residual_out, rn.x, rn.a, rn.norm_weight, rn.eps);
-        }
-      },
-      [&] { CHIMERA_CUDA_CALL(cuda::residual_rms_norm(ctx, rn)); });
+  check_residual_step(c, rn);
+  c.dispatch([&] { cpu_residual_step(rn); }, [&] { CHIMERA_CUDA_CALL(cuda::residual_rms_norm(ctx, rn)); });
 }
 
 void relu2(const Context& ctx, const Tensor& x) {

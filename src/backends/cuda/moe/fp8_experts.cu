@@ -128,6 +128,16 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
   const Tensor up_in = up_dyn && !persistent ? device::empty(Device::kCuda, DType::kF32, {E}) : up.input_scale;
   const Tensor down_in = down_dyn && !persistent ? device::empty(Device::kCuda, DType::kF32, {E}) : down.input_scale;
   if (up_dyn && !persistent) quantize_fp8_dynamic(ctx, Tensor(), x, up_in);
+  // The work list and routing fields both GEMV params structs share.
+  auto set_work_list = [&](auto& g) {
+    g.sorted_pair = sorted_pair;
+    g.items = items;
+    g.n_items = n_items;
+    g.topk_weights = topk_weights.data_as<float>();
+    g.top_k = static_cast<int>(k);
+    g.max_items = static_cast<int>(max_items);
+    g.tile_rows = tile_rows;
+  };
   auto gemv_act = [](ops::ActQuant a) {
     return a == ops::ActQuant::kStatic    ? Fp8GemvAct::kStatic
            : a == ops::ActQuant::kDynamic ? Fp8GemvAct::kDynamic
@@ -139,13 +149,7 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
     const int up_grid = fp8_persistent_gemv_grid(static_cast<int>(I), static_cast<int>(max_items));
     const Tensor amax = down_dyn ? device::empty(Device::kCuda, DType::kF32, {up_grid}) : Tensor();
     Fp8PersistentGemvParams g{};
-    g.sorted_pair = sorted_pair;
-    g.items = items;
-    g.n_items = n_items;
-    g.topk_weights = topk_weights.data_as<float>();
-    g.top_k = static_cast<int>(k);
-    g.max_items = static_cast<int>(max_items);
-    g.tile_rows = tile_rows;
+    set_work_list(g);
     Fp8PersistentGemvParams gu = g;
     gu.weight = static_cast<const uint8_t*>(up.weight.data());
     gu.w_scale = f32_ptr(up.scale);
@@ -216,13 +220,7 @@ void moe_experts_fp8_on_path(const ops::Context& ctx, const Tensor& out, const T
     Tensor h = device::empty(Device::kCuda, down_q && !down_dyn ? DType::kU8 : act, {P, I});
     const Tensor hq = down_dyn ? device::empty(Device::kCuda, DType::kU8, {P, I}) : h;
     Fp8GemvParams g{};
-    g.sorted_pair = sorted_pair;
-    g.items = items;
-    g.n_items = n_items;
-    g.topk_weights = topk_weights.data_as<float>();
-    g.top_k = static_cast<int>(k);
-    g.max_items = static_cast<int>(max_items);
-    g.tile_rows = tile_rows;
+    set_work_list(g);
     Fp8GemvParams gu = g;
     gu.weight = static_cast<const uint8_t*>(up.weight.data());
     gu.w_scale = f32_ptr(up.scale);
