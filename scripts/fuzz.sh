@@ -15,6 +15,7 @@
 # FUZZ_JOBS=N runs N processes of each harness at once (seeds 1..N, each with its own log fuzz_NAME.J.log), sharing
 # its corpus directory (libFuzzer rereads it, so one process's new inputs reach the others); FUZZ_RUNS then applies
 # to each process, and the summary line sums their executions. Default 1: one process, logged as fuzz_NAME.log.
+# FUZZ_SEED_BASE=B gives process j the seed B + j (default 0), so campaigns on two machines do not start alike.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-60}
@@ -74,7 +75,7 @@ for n in "${names[@]}"; do
     pids=()
     for j in $(seq "$jobs"); do
       logs+=("$build/fuzz_$n.$j.log")
-      run_one "$build/fuzz_$n.$j.log" -seed="$j" &
+      run_one "$build/fuzz_$n.$j.log" -seed="$(( ${FUZZ_SEED_BASE:-0} + j ))" &
       pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
