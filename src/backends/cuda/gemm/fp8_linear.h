@@ -36,9 +36,9 @@ namespace chimera::cuda {
 
 constexpr int64_t kFp8GemvMaxTokens = 8;
 // From this many tokens a W8A8 decode layer takes the tensor-core GEMV. At one token the CUDA-core GEMV (plain fp32
-// FMAs) is as fast or faster on the models' shapes (Super's in_proj: a quarter faster); from two tokens its e4m3 ->
-// f32 conversions and per-token FMAs cost more than the tensor cores' truncating accumulation is worth (every
-// benchmarked shape: docs/fp8_cuda.md).
+// FMAs) is as fast or faster on the widest of the models' shapes; from two tokens its e4m3 -> f32 conversions and
+// per-token FMAs cost more than the tensor cores' truncating accumulation is worth (docs/perf.md, "Quantized
+// layers").
 constexpr int64_t kFp8GemvMmaMinTokens = 2;
 
 enum class Fp8LinearPath : int8_t { kAuto, kGemv, kGemvMma, kGemm, kDequant };
