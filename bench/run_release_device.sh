@@ -11,7 +11,8 @@
 #             prefill 1K / 8K, decode b1 / b64 / b256 after a 1K prompt; JSON per run in $OUT. ENGINE_QUANT (a
 #             comma list of none, fp8, nvfp4; default none) runs this tree once per weight format (--quantization),
 #             one after the other in each round (engine_new_<format>_<round>.json); ENGINE_BATCHES: the decode
-#             batch sizes (default 1,64,256)
+#             batch sizes (default 1,64,256); ENGINE_MODEL: the --synthetic preset (default the Nano one; another one
+#             runs this tree only), ENGINE_INPUT_LENS: the prefill lengths (default 1024,8192)
 #   fuzz-start  scripts/fuzz.sh in the background at nice 19 over the carried harness binaries (.fuzzbin/fuzz/,
 #             built on the CPU machine: this one has no clang) for FUZZ_SECONDS (default 400), FUZZ_JOBS processes
 #             per harness (default 6) of FUZZ_HARNESSES (default chat_template,tokenizer_codec); the corpus grows in
@@ -19,8 +20,8 @@
 #             473 s even at nice 19 (2026-12-02)
 #   fuzz-wait   waits for it (at most FUZZ_WAIT seconds, default 60, then stops it) and leaves its summary, logs,
 #             findings and grown corpus in $OUT/fuzz.tgz
-#   serve     chimera serve on the Nano shape (bf16, CUDA; SERVE_MAX_NUM_SEQS, SERVE_MAX_NUM_BATCHED_TOKENS: default
-#             chimera serve's own) and chimera bench serve against it,
+#   serve     chimera serve on the Nano shape (CUDA; weights bf16 or SERVE_QUANT as --quantization; SERVE_MAX_NUM_SEQS,
+#             SERVE_MAX_NUM_BATCHED_TOKENS: default chimera serve's own) and chimera bench serve against it,
 #             random 1K in / 1K out (max(c, 4) prompts per concurrency c)
 #             at SERVE_CONCURRENCY (default 1,64,256,1024); logs and JSON in $OUT
 # Every step prints a line starting with "== " and the elapsed seconds.
@@ -63,9 +64,9 @@ for step in "$@"; do
     grep -E "^\[  FAILED  \]|^\[==========\]|^\[  PASSED  \]|tests? (ran|skipped)" "$OUT/tests.log" | head -40
     el tests ;;
   engine)
-    args=(--synthetic "$NANO" --device cuda --input-lens 1024,8192 --batch-sizes "${ENGINE_BATCHES:-1,64,256}" --decode-context 1024)
+    args=(--synthetic "${ENGINE_MODEL:-$NANO}" --device cuda --input-lens "${ENGINE_INPUT_LENS:-1024,8192}" --batch-sizes "${ENGINE_BATCHES:-1,64,256}" --decode-context 1024)
     for r in $(seq "${ENGINE_ROUNDS:-1}"); do
-      if [ -x .baseline/build/chimera ]; then
+      if [ -x .baseline/build/chimera ] && [ "${ENGINE_MODEL:-$NANO}" = "$NANO" ]; then
         .baseline/build/chimera bench "${args[@]}" --json-out "$OUT/engine_base_$r.json" 2>&1 | tail -14
         el "baseline round $r"
       fi
@@ -99,7 +100,7 @@ for step in "$@"; do
     el "fuzz done" ;;
   serve)
     port=8731
-    ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs "${SERVE_MAX_NUM_SEQS:-1024}" \
+    ./build-dev/chimera serve --synthetic "$NANO" ${SERVE_QUANT:+--quantization "$SERVE_QUANT"} --device cuda --port "$port" --max-num-seqs "${SERVE_MAX_NUM_SEQS:-1024}" \
       --max-model-len 2304 ${SERVE_MAX_NUM_BATCHED_TOKENS:+--max-num-batched-tokens "$SERVE_MAX_NUM_BATCHED_TOKENS"} \
       >"$OUT/serve.log" 2>&1 &
     spid=$!
