@@ -172,8 +172,10 @@ int run_info(const InfoOptions& o) {
   if (c.num_nextn_predict_layers > 0) {
     std::string mtp;
     for (LayerKind k : c.mtp_layers) mtp += layer_kind_char(k);
-    fmt::print("  MTP       {} block(s), pattern {} ({} tensors present)\n", c.num_nextn_predict_layers, mtp,
-               m.model ? m.model->mtp_tensors().size() : 0);
+    fmt::print("  MTP       {} block(s), pattern {} ({})\n", c.num_nextn_predict_layers, mtp,
+               !m.model                    ? "from the config"
+               : m.model->mtp_blocks() > 0 ? "loaded"
+                                           : "not in the checkpoint");
   }
 
   fmt::print("\nparameters\n");

@@ -62,7 +62,8 @@ NemotronH NemotronH::load(const ModelConfig& config, const Checkpoint& checkpoin
   m.w_ = load_weights(config, checkpoint, load_quant_config(checkpoint.dir()), options);
   if (m.device_ == Device::kCuda) {
     WeightUploader up(config, m.act_dtype_);
-    for (int i = -1; i < static_cast<int>(config.layers.size()); ++i) up.upload(m.w_, i);
+    const int n = static_cast<int>(config.layers.size()) + mtp_layer_count(m.w_);
+    for (int i = -1; i < n; ++i) up.upload(m.w_, i);
   }
   return m;
 }
@@ -265,7 +266,91 @@ Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelStat
   return ctx.device == Device::kCpu ? logits : device::to_host_f32(logits);
 }
 
+namespace {
+// The batch's block tables on ctx.device: the CUDA attention reads them from device memory, one upload per step
+// shared by all layers (none when the step's metadata is already on the device).
+Tensor step_block_tables(const ops::Context& ctx, const StepBatch& b) {
+  if (b.device_meta) return b.device_meta->block_tables;
+  if (ctx.device != Device::kCpu && b.num_seqs() > 0) return device::to_device(b.block_tables, ctx.device);
+  return b.block_tables;
+}
+
+bool is_every_row(const StepBatch& b) {
+  const int64_t R = static_cast<int64_t>(b.logit_rows.size());
+  bool every_row = R == b.num_tokens();
+  for (int64_t r = 0; every_row && r < R; ++r) every_row = b.logit_rows[static_cast<size_t>(r)] == r;
+  return every_row;
+}
+}  // namespace
+
 Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
+  return forward_impl(ctx, b, state, nullptr);
+}
+
+Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state, Tensor& hidden) const {
+  return forward_impl(ctx, b, state, &hidden);
+}
+
+NemotronH::Stream NemotronH::stream(const ops::Context& ctx, int64_t T, std::span<const LayerWeights> layers) const {
+  const int64_t D = config_.hidden_size;
+  Stream s{act(ctx, {T, D}), act(ctx, {T, D}), act(ctx, {T, D}), act(ctx, {T, D}), Tensor()};
+  for (const LayerWeights& L : layers) {
+    if (L.kind == LayerKind::kMoe) {
+      s.routed = act(ctx, {T, D});
+      break;
+    }
+  }
+  return s;
+}
+
+bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelState& state,
+                           std::span<const LayerWeights> layers, size_t first, const Tensor& block_tables, Stream& s,
+                           const Tensor& final_norm, bool fold_final, ops::ResidualNorm& pending) const {
+  const float eps = config_.layer_norm_epsilon;
+  // The residual step after layer j: h = h + mixer(x) (a MoE layer's shared + routed output rounded to the
+  // activation dtype first), x = the next layer's norm (or the final norm) of h. Before a Mamba or attention layer
+  // it is left pending and folded into that layer's first dense op (one launch fewer at decode sizes on CUDA);
+  // otherwise one fused add + norm op here.
+  bool has_pending = false;
+  for (size_t j = 0; j < layers.size(); ++j) {
+    const LayerWeights& L = layers[j];
+    const size_t i = first + j;
+    const ops::ResidualNorm* pre = has_pending ? &pending : nullptr;
+    switch (L.kind) {
+      case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], pre, s.x, s.mix); break;
+      case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], pre, s.x, s.mix); break;
+      case LayerKind::kMlp: ops::relu2_mlp(ctx, s.mix, s.x, L.mlp.up_proj, L.mlp.down_proj); break;
+      case LayerKind::kMoe: moe_mixer(ctx, i, L, s.x, s.mix, s.routed); break;
+    }
+    if (has_pending) std::swap(s.h, s.h_next);  // the folded step wrote the new residual to h_next
+    dump_activation(i, "input", s.h);           // h is layer i's input now: the folded step has run
+    const bool last = j + 1 == layers.size();
+    const bool fold_next =
+        last ? fold_final : layers[j + 1].kind == LayerKind::kMamba || layers[j + 1].kind == LayerKind::kAttention;
+    const Tensor& next_norm = last ? final_norm : layers[j + 1].norm;
+    const Tensor no_tensor;
+    const Tensor& second = L.kind == LayerKind::kMoe ? s.routed : no_tensor;
+    has_pending = fold_next;
+    if (fold_next) {
+      pending = ops::ResidualNorm{s.h, s.h_next, s.mix, second, next_norm, eps, s.x};
+    } else if (second) {
+      ops::add2_rms_norm(ctx, s.h, s.x, s.mix, second, next_norm, eps);
+    } else {
+      ops::add_rms_norm(ctx, s.h, s.x, s.mix, next_norm, eps);
+    }
+  }
+  return has_pending;
+}
+
+Tensor NemotronH::head_logits(const ops::Context& ctx, const StepBatch& b, const Tensor& x) const {
+  // Only the requested rows go through lm_head (all of them in a decode step: no gather).
+  Tensor logits = act(ctx, {static_cast<int64_t>(b.logit_rows.size()), config_.vocab_size});
+  const Tensor rows = is_every_row(b) ? x : gather_rows(ctx, x, act_dtype_, b.logit_rows);
+  ops::linear(ctx, logits, rows, w_.lm_head);
+  return logits;
+}
+
+Tensor NemotronH::forward_impl(const ops::Context& ctx, const StepBatch& b, ModelState& state, Tensor* hidden) const {
   b.validate();
   if (ctx.device != device_) {
     runtime_error("NemotronH::forward: the model was loaded for the {} but the context is {}",
@@ -273,84 +358,63 @@ Tensor NemotronH::forward_device(const ops::Context& ctx, const StepBatch& b, Mo
   }
   // Written only while a dump is on (a debugging session: one thread), so concurrent forwards stay read-only.
   if (!dump_dir_.empty()) dump_step_ = b.num_prefill_seqs > 0 ? dumped_steps_++ : -1;
-  const ModelConfig& c = config_;
-  const int64_t T = b.num_tokens(), D = c.hidden_size;
-  const float eps = c.layer_norm_epsilon;
   const StepBatch::DeviceMeta* dm = b.device_meta;
+  const Tensor block_tables = step_block_tables(ctx, b);
 
-  // The CUDA attention reads block tables from device memory: one upload per step, shared by all layers
-  // (none when the step's metadata is already on the device).
-  Tensor block_tables = b.block_tables;
-  if (dm) {
-    block_tables = dm->block_tables;
-  } else if (ctx.device != Device::kCpu && b.num_seqs() > 0) {
-    block_tables = device::to_device(b.block_tables, ctx.device);
-  }
-
-  // The residual stream in two buffers: a residual step folded into the next layer's first dense op writes the
-  // new residual to the other one (its GEMV blocks all read the old one; ops::residual_norm_linear).
-  Tensor h = act(ctx, {T, D}), h_next = act(ctx, {T, D});
-  ops::embedding(ctx, h, w_.embeddings, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
-  Tensor x = act(ctx, {T, D});    // normed input of the current mixer
-  Tensor mix = act(ctx, {T, D});  // mixer output (the MoE layer's shared expert)
-  Tensor routed;                  // the MoE layer's routed experts, added in the norm kernel
-  for (const LayerWeights& L : w_.layers) {
-    if (L.kind == LayerKind::kMoe) {
-      routed = act(ctx, {T, D});
-      break;
-    }
-  }
-  ops::rms_norm(ctx, x, h, w_.layers.empty() ? w_.norm_f : w_.layers[0].norm, eps);
-
-  // The residual step after layer i: h = h + mixer(x) (a MoE layer's shared + routed output rounded to the
-  // activation dtype first), x = the next layer's norm (or norm_f) of h. Before a Mamba or attention layer it is
-  // left pending and folded into that layer's first dense op (one launch fewer at decode sizes on CUDA);
-  // otherwise one fused add + norm op here.
-  // The last step (norm_f) folds into the lm_head when every row's logits are wanted (a decode step).
-  const int64_t R = static_cast<int64_t>(b.logit_rows.size());
-  bool every_row = R == T;
-  for (int64_t r = 0; every_row && r < R; ++r) every_row = b.logit_rows[static_cast<size_t>(r)] == r;
+  Stream s = stream(ctx, b.num_tokens(), w_.layers);
+  ops::embedding(ctx, s.h, w_.embeddings, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
+  ops::rms_norm(ctx, s.x, s.h, w_.layers.empty() ? w_.norm_f : w_.layers[0].norm, config_.layer_norm_epsilon);
+  // The last step (norm_f) folds into the lm_head when every row's logits are wanted (a decode step) and nobody
+  // needs norm_f's output itself.
   ops::ResidualNorm pending;
-  bool has_pending = false;
-  for (size_t i = 0; i < w_.layers.size(); ++i) {
-    const LayerWeights& L = w_.layers[i];
-    const ops::ResidualNorm* pre = has_pending ? &pending : nullptr;
-    switch (L.kind) {
-      case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], pre, x, mix); break;
-      case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], pre, x, mix); break;
-      case LayerKind::kMlp: ops::relu2_mlp(ctx, mix, x, L.mlp.up_proj, L.mlp.down_proj); break;
-      case LayerKind::kMoe: moe_mixer(ctx, i, L, x, mix, routed); break;
-    }
-    if (has_pending) std::swap(h, h_next);  // the folded step wrote the new residual to h_next
-    dump_activation(i, "input", h);         // h is layer i's input now: the folded step has run
-    const bool fold_next =
-        i + 1 < w_.layers.size()
-            ? w_.layers[i + 1].kind == LayerKind::kMamba || w_.layers[i + 1].kind == LayerKind::kAttention
-            : every_row;
-    const Tensor& next_norm = i + 1 < w_.layers.size() ? w_.layers[i + 1].norm : w_.norm_f;
-    const Tensor no_tensor;
-    const Tensor& second = L.kind == LayerKind::kMoe ? routed : no_tensor;
-    has_pending = fold_next;
-    if (fold_next) {
-      pending = ops::ResidualNorm{h, h_next, mix, second, next_norm, eps, x};
-    } else if (second) {
-      ops::add2_rms_norm(ctx, h, x, mix, second, next_norm, eps);
-    } else {
-      ops::add_rms_norm(ctx, h, x, mix, next_norm, eps);
-    }
-  }
-
-  // x now holds norm_f(h), or the step is pending for the lm_head. Only the requested rows go through lm_head (all
-  // of them in a decode step: no gather).
-  Tensor logits = act(ctx, {R, c.vocab_size});
-  if (has_pending) {
+  const bool folded = run_layers(ctx, b, state, w_.layers, 0, block_tables, s, w_.norm_f,
+                                 is_every_row(b) && hidden == nullptr, pending);
+  if (folded) {
+    Tensor logits = act(ctx, {b.num_tokens(), config_.vocab_size});
     const ops::LinearWeight* head[] = {&w_.lm_head};
     ops::residual_norm_linear(ctx, pending, {&logits, 1}, head);
     return logits;
   }
-  const Tensor rows = every_row ? x : gather_rows(ctx, x, act_dtype_, b.logit_rows);
-  ops::linear(ctx, logits, rows, w_.lm_head);
-  return logits;
+  if (hidden) *hidden = s.x;  // norm_f(h)
+  return head_logits(ctx, b, s.x);
+}
+
+Tensor NemotronH::mtp_forward_device(const ops::Context& ctx, const StepBatch& b, const Tensor& hidden,
+                                     ModelState& state, int block, Tensor* mtp_hidden) const {
+  b.validate();
+  if (ctx.device != device_) runtime_error("NemotronH::mtp_forward: the context's device is not the model's");
+  if (block < 0 || block >= mtp_blocks()) {
+    runtime_error("NemotronH::mtp_forward: block {} of a head with {} block(s)", block, mtp_blocks());
+  }
+  const int64_t T = b.num_tokens(), D = config_.hidden_size;
+  const float eps = config_.layer_norm_epsilon;
+  if (hidden.shape() != Shape{T, D} || hidden.dtype() != act_dtype_ || hidden.device() != ctx.device) {
+    runtime_error("NemotronH::mtp_forward: hidden is {}, expected [{}, {}] of the step's rows in the activation dtype",
+                  hidden.describe(), T, D);
+  }
+  const MtpBlockWeights& m = w_.mtp[static_cast<size_t>(block)];
+  const size_t first = w_.layers.size() + static_cast<size_t>(block) * m.layers.size();
+  if (state.kv.size() < first + m.layers.size()) {
+    runtime_error("NemotronH::mtp_forward: the state has no MTP caches (a StateCache made with CacheSizes::mtp)");
+  }
+  const StepBatch::DeviceMeta* dm = b.device_meta;
+  const Tensor block_tables = step_block_tables(ctx, b);
+
+  // x0 = eh_proj(concat[enorm(e_{t+1}), hnorm(h_t)]), the embedding first.
+  Tensor e = act(ctx, {T, D}), en = act(ctx, {T, D}), hn = act(ctx, {T, D}), eh = act(ctx, {T, 2 * D});
+  ops::embedding(ctx, e, w_.embeddings, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
+  ops::rms_norm(ctx, en, e, m.enorm, eps);
+  ops::rms_norm(ctx, hn, hidden, m.hnorm, eps);
+  ops::write_columns(ctx, eh, en, 0);
+  ops::write_columns(ctx, eh, hn, D);
+  Stream s = stream(ctx, T, m.layers);
+  ops::linear(ctx, s.h, eh, m.eh_proj);
+  ops::rms_norm(ctx, s.x, s.h, m.layers[0].norm, eps);
+  // Its sublayers as the backbone's layers, then final_layernorm (kept: it is the next draft depth's h).
+  ops::ResidualNorm pending;
+  run_layers(ctx, b, state, m.layers, first, block_tables, s, m.final_layernorm, /*fold_final=*/false, pending);
+  if (mtp_hidden) *mtp_hidden = s.x;
+  return head_logits(ctx, b, s.x);
 }
 
 }  // namespace chimera

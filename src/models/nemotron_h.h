@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -26,20 +27,22 @@ class NemotronH : public Model {
   // NVFP4 modules as ModelOpt exports them). Accepts NVIDIA's published naming (backbone.*, backbone.embeddings or
   // backbone.embedding, one tensor per expert) and transformers' in-memory naming (model.*, fused experts).
   // Missing, unexpected, mis-shaped and mis-typed tensors are kInvalidInput errors naming the tensor (and the file).
-  // mtp.* tensors are kept in mtp_tensors().
+  // The MTP head (mtp.*) is loaded when the config has one (num_nextn_predict_layers > 0) and the checkpoint carries
+  // its tensors; a config without a head ignores them.
   // With options.device kCuda the weights are uploaded (a progress line on stderr when it is a terminal).
   static NemotronH load(const ModelConfig& config, const Checkpoint& checkpoint, const ModelOptions& options = {});
   // A random-weight model of `config` (a preset, io/model_presets.h), built in memory through the same name
   // table and shapes as load(): each tensor is generated on its own, deterministically from (seed, name), in
   // options.dtype (fp32 for A_log, D, dt_bias and the router's correction bias) with scales that keep the
-  // activations O(1). On CUDA each layer is uploaded as soon as it is made. No MTP tensors.
+  // activations O(1). On CUDA each layer is uploaded as soon as it is made. An MTP head when the config has one.
   static NemotronH synthetic(const ModelConfig& config, const ModelOptions& options = {}, uint64_t seed = 0);
 
   const ModelConfig& config() const override { return config_; }
   Device device() const override { return device_; }
   // The dtype of every activation, the conv state and the KV cache: F32 on the CPU, options.dtype on CUDA.
   DType activation_dtype() const override { return act_dtype_; }
-  const std::map<std::string, Tensor>& mtp_tensors() const { return w_.mtp; }
+  // The MTP head's blocks (num_nextn_predict_layers when the weights have a head, else 0).
+  int mtp_blocks() const { return static_cast<int>(w_.mtp.size()); }
   const ModelWeights& weights() const { return w_; }
   // Parameter count per layer kind name ("embeddings", "mamba", ..., "lm_head"); a quantized weight counts N x K.
   std::map<std::string, int64_t> parameter_counts() const;
@@ -51,6 +54,20 @@ class NemotronH : public Model {
   // activation dtype. Enqueues work on ctx.stream and does not wait for it (no host synchronisation on CUDA), so a
   // decode step can be captured in a CUDA graph when batch.device_meta is set.
   Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const override;
+  // The same step also leaving, for the MTP head, the backbone's output of every row in `hidden`: norm_f(h)
+  // [num_tokens, hidden_size] on ctx.device in the activation dtype.
+  Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state, Tensor& hidden) const;
+
+  // One step of MTP block `block` (docs/model.md 7): row r of `batch` carries the token that follows row r of the
+  // backbone step (token_ids: e_{t+1}) and `hidden` row r is the backbone's output there (h_t, from the
+  // forward_device above; for a deeper draft, the previous block step's mtp_hidden). The same cu_seqlens,
+  // context_lens and block tables as the backbone step: the head's attention sublayers keep their own KV cache
+  // at state index config.layers.size() + f (f: the sublayer in mtp.layers.f; CacheSizes::mtp). Returns the logits
+  // of batch.logit_rows, which predict the token two after each row, [logit_rows, vocab_size] on ctx.device in the
+  // activation dtype; mtp_hidden, when set, gets final_layernorm's output of every row [num_tokens, hidden_size].
+  // Enqueued on ctx.stream like forward_device.
+  Tensor mtp_forward_device(const ops::Context& ctx, const StepBatch& batch, const Tensor& hidden, ModelState& state,
+                            int block, Tensor* mtp_hidden = nullptr) const;
 
   // Debugging (chimera generate --dump-activations DIR; scripts/bf16_layer_error.py reads it): every later forward
   // step that has prefill rows (an eager step, never a captured decode graph) writes, per layer i,
@@ -60,6 +77,13 @@ class NemotronH : public Model {
   void set_activation_dump(std::filesystem::path dir);
 
  private:
+  // The residual stream of one decoder stack: h and h_next its two buffers (a residual step folded into the next
+  // layer's first dense op writes the other one), x the current mixer's normed input, mix and routed the mixer's
+  // outputs (routed: a MoE layer's routed experts, added in the norm kernel).
+  struct Stream {
+    Tensor h, h_next, x, mix, routed;
+  };
+
   NemotronH() = default;
   static NemotronH with_options(const ModelConfig& config, const ModelOptions& options);
   // An uninitialised activation on `device` in the activation dtype.
@@ -74,6 +98,18 @@ class NemotronH : public Model {
   void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
                        const Tensor& block_tables, const ops::KvCacheView& kv, const ops::ResidualNorm* pre,
                        const Tensor& x, const Tensor& out) const;
+  // Runs `layers` over s.h (x holding layers[0]'s norm of h on entry); layer j's caches and dumps are at index
+  // first + j. Ends with x = final_norm(h), or with that residual step left in `pending` when fold_final (returns
+  // true: the caller folds it into its lm_head).
+  bool run_layers(const ops::Context& ctx, const StepBatch& batch, ModelState& state,
+                  std::span<const LayerWeights> layers, size_t first, const Tensor& block_tables, Stream& s,
+                  const Tensor& final_norm, bool fold_final, ops::ResidualNorm& pending) const;
+  // forward_device with the backbone's output in *hidden when hidden is set.
+  Tensor forward_impl(const ops::Context& ctx, const StepBatch& batch, ModelState& state, Tensor* hidden) const;
+  // Stream buffers for T rows of `layers`.
+  Stream stream(const ops::Context& ctx, int64_t T, std::span<const LayerWeights> layers) const;
+  // Logits of batch.logit_rows from x (a final norm's output of every row).
+  Tensor head_logits(const ops::Context& ctx, const StepBatch& batch, const Tensor& x) const;
   // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm. `layer`
   // names its dumps.
   void moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeights& w, const Tensor& x,

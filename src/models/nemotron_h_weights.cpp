@@ -97,13 +97,20 @@ std::string name_list(const std::vector<std::string>& names) {
 }
 
 // ---- the checkpoint side of the name table -------------------------------------------------------------------
-// Canonical names (no "backbone." / "model." prefix, "embeddings" spelled with an s) mapped back to the
-// checkpoint's own names, with a record of what the model consumed.
+bool is_mtp_name(const std::string& name) {
+  return name.rfind("mtp.", 0) == 0;
+}
+
+// Canonical names (no "backbone." / "model." prefix, "embeddings" spelled with an s; the MTP head's mtp.* as they
+// are) mapped back to the checkpoint's own names, with a record of what the model consumed.
 class CheckpointTensors {
  public:
-  CheckpointTensors(const Checkpoint& ckpt, const std::optional<QuantConfig>& quant) : ckpt_(ckpt), quant_(quant) {
+  // with_mtp false: the checkpoint's mtp.* tensors are not the model's (a config without an MTP head) and are
+  // neither loaded nor reported as unexpected.
+  CheckpointTensors(const Checkpoint& ckpt, const std::optional<QuantConfig>& quant, bool with_mtp)
+      : ckpt_(ckpt), quant_(quant) {
     for (const std::string& name : ckpt.names()) {
-      if (name.rfind("mtp.", 0) == 0) continue;  // kept separately for the MTP head
+      if (is_mtp_name(name) && !with_mtp) continue;
       std::string c = name;
       for (const char* prefix : {"backbone.", "model."}) {
         if (c.rfind(prefix, 0) == 0) {
@@ -120,10 +127,11 @@ class CheckpointTensors {
 
   bool has(const std::string& c) const { return canonical_.count(c) != 0; }
 
-  // The checkpoint's name of canonical tensor `c` ("backbone." + c when the checkpoint lacks it).
+  // The checkpoint's name of canonical tensor `c` ("backbone." + c when the checkpoint lacks it, mtp.* as it is).
   std::string name_of(const std::string& c) const {
     const auto it = canonical_.find(c);
-    return it != canonical_.end() ? it->second : "backbone." + c;
+    if (it != canonical_.end()) return it->second;
+    return is_mtp_name(c) ? c : "backbone." + c;
   }
   // The checkpoint module of canonical module `c` ("layers.0.mixer.in_proj" -> "backbone.layers.0.mixer.in_proj").
   std::string module_of(const std::string& c) const {
@@ -403,8 +411,11 @@ void quantize_experts(ops::ExpertWeights& w, ops::WeightFormat format, ops::ActQ
 }
 
 // Whether --quantization touches slot `s`: every linear layer and expert projection but lm_head (ModelOpt's
-// default exclusions; the router, conv1d and embeddings are not linear slots).
-bool quantizable(const WeightSlot& s) { return s.kind != "lm_head"; }
+// default exclusions; the router, conv1d and embeddings are not linear slots) and the MTP head, which NVIDIA's
+// quantized Super checkpoints keep in bf16.
+bool quantizable(const WeightSlot& s) {
+  return s.kind != "lm_head" && s.kind != "mtp";
+}
 
 void reshape_conv(const WeightSlot& s) {
   if (*s.tensor && ends_with(s.name, "conv1d.weight")) *s.tensor = s.tensor->reshape({s.shape[0], s.shape[2]});
@@ -416,10 +427,30 @@ std::string expert_name(const std::string& pattern, int64_t e) {
   return n;
 }
 
-ModelWeights empty_weights(const ModelConfig& c) {
+// The layer structure of `c` with no tensors yet; with_mtp: its MTP head's blocks too.
+ModelWeights empty_weights(const ModelConfig& c, bool with_mtp) {
   ModelWeights w;
   w.layers.resize(c.layers.size());
   for (size_t i = 0; i < c.layers.size(); ++i) w.layers[i].kind = c.layers[i];
+  if (!with_mtp || c.num_nextn_predict_layers == 0) return w;
+  if (c.mtp_layers.empty()) {
+    invalid_input(
+        "config.json: num_nextn_predict_layers = {} but the MTP pattern (mtp_hybrid_override_pattern / "
+        "mtp_layers_block_type) is empty",
+        c.num_nextn_predict_layers);
+  }
+  for (const LayerKind k : c.mtp_layers) {
+    if (k == LayerKind::kMamba) {
+      invalid_input(
+          "config.json: mtp_hybrid_override_pattern / mtp_layers_block_type has a Mamba sublayer; the MTP "
+          "head supports attention ('*'), MLP ('-') and MoE ('E') sublayers");
+    }
+  }
+  w.mtp.resize(static_cast<size_t>(c.num_nextn_predict_layers));
+  for (MtpBlockWeights& b : w.mtp) {
+    b.layers.resize(c.mtp_layers.size());
+    for (size_t j = 0; j < c.mtp_layers.size(); ++j) b.layers[j].kind = c.mtp_layers[j];
+  }
   return w;
 }
 
@@ -437,11 +468,10 @@ std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w) {
   tensor("embeddings.weight", "embeddings", -1, Role::kTensor, {V, D}, &w.embeddings);
   tensor("norm_f.weight", "norm_f", -1, Role::kTensor, {D}, &w.norm_f);
   linear("lm_head", "lm_head", -1, V, D, &w.lm_head);
-  for (size_t i = 0; i < c.layers.size() && i < w.layers.size(); ++i) {
-    LayerWeights& L = w.layers[i];
-    const std::string p = fmt::format("layers.{}.", i), mx = p + "mixer.";
-    const std::string kind = layer_kind_name(L.kind);
-    const int li = static_cast<int>(i);
+  // One layer's slots: prefix "layers.{i}." (or the MTP head's "mtp.layers.{f}."), grouped under `kind`; `i`:
+  // the layer index (the Mamba state-rounding seed).
+  auto layer = [&](LayerWeights& L, const std::string& p, const std::string& kind, int li) {
+    const std::string mx = p + "mixer.";
     tensor(p + "norm.weight", kind, li, Role::kTensor, {D}, &L.norm);
     switch (L.kind) {
       case LayerKind::kMamba: {
@@ -457,7 +487,7 @@ std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w) {
         m.ssm.dt_min = c.time_step_limit_min;
         m.ssm.dt_max = c.time_step_limit_max;
         // The F16 state's stochastic rounding draws differ per layer (ops.h SsmParams::state_seed).
-        m.ssm.state_seed = splitmix64(0x4d616d6261535352ull ^ static_cast<uint64_t>(i));
+        m.ssm.state_seed = splitmix64(0x4d616d6261535352ull ^ static_cast<uint64_t>(li));
         tensor(mx + "norm.weight", kind, li, Role::kTensor, {Di}, &m.norm);
         linear(mx + "out_proj", kind, li, D, Di, &m.out_proj);
         if (c.use_bias) tensor(mx + "out_proj.bias", kind, li, Role::kTensor, {D}, &m.out_proj_bias);
@@ -494,8 +524,33 @@ std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w) {
         break;
       }
     }
+  };
+  for (size_t i = 0; i < c.layers.size() && i < w.layers.size(); ++i) {
+    layer(w.layers[i], fmt::format("layers.{}.", i), layer_kind_name(w.layers[i].kind), static_cast<int>(i));
+  }
+  // The MTP head: block-level tensors on each block's first and last sublayer (docs/model.md 7).
+  size_t f = 0;
+  for (MtpBlockWeights& b : w.mtp) {
+    for (size_t j = 0; j < b.layers.size(); ++j, ++f) {
+      const std::string p = fmt::format("mtp.layers.{}.", f);
+      const int li = static_cast<int>(w.layers.size() + f);
+      if (j == 0) {
+        tensor(p + "enorm.weight", "mtp", li, Role::kTensor, {D}, &b.enorm);
+        tensor(p + "hnorm.weight", "mtp", li, Role::kTensor, {D}, &b.hnorm);
+        linear(p + "eh_proj", "mtp", li, D, 2 * D, &b.eh_proj);
+      }
+      layer(b.layers[j], p, "mtp", li);
+      if (j + 1 == b.layers.size())
+        tensor(p + "final_layernorm.weight", "mtp", li, Role::kTensor, {D}, &b.final_layernorm);
+    }
   }
   return s;
+}
+
+int mtp_layer_count(const ModelWeights& w) {
+  size_t n = 0;
+  for (const MtpBlockWeights& b : w.mtp) n += b.layers.size();
+  return static_cast<int>(n);
 }
 
 ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, const std::optional<QuantConfig>& quant,
@@ -504,8 +559,13 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, co
     invalid_input("--quantization {}: {} is already quantized ({}); drop the flag to run it as stored",
                   ops::weight_format_name(options.quantize), checkpoint.dir().string(), quant->source);
   }
-  CheckpointTensors ck(checkpoint, quant);
-  ModelWeights w = empty_weights(c);
+  // The MTP head is loaded when the config has one and the checkpoint carries its tensors (a file without them
+  // is a backbone, as transformers saves it); then every one of its tensors is checked like the rest.
+  bool has_mtp_tensors = false;
+  for (const std::string& name : checkpoint.names()) has_mtp_tensors = has_mtp_tensors || is_mtp_name(name);
+  const bool with_mtp = c.num_nextn_predict_layers > 0 && has_mtp_tensors;
+  CheckpointTensors ck(checkpoint, quant, with_mtp);
+  ModelWeights w = empty_weights(c, with_mtp);
   for (const WeightSlot& s : weight_slots(c, w)) {
     switch (s.role) {
       case Role::kTensor:
@@ -544,24 +604,25 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, co
     if (s.tensor) reshape_conv(s);
   }
   // The FP8 KV cache's scales, when the checkpoint has them (ModelOpt: on the k / v projections).
-  for (size_t i = 0; i < w.layers.size(); ++i) {
-    if (w.layers[i].kind != LayerKind::kAttention) continue;
-    const std::string mx = fmt::format("layers.{}.mixer.", i);
-    AttentionWeights& a = w.layers[i].attention;
+  auto kv_scales = [&](LayerWeights& L, const std::string& mx) {
+    if (L.kind != LayerKind::kAttention) return;
+    AttentionWeights& a = L.attention;
     if (ck.has(mx + "k_proj.k_scale")) a.k_scale = ck.scalar(mx + "k_proj.k_scale", true);
     if (ck.has(mx + "v_proj.v_scale")) a.v_scale = ck.scalar(mx + "v_proj.v_scale", true);
+  };
+  for (size_t i = 0; i < w.layers.size(); ++i) kv_scales(w.layers[i], fmt::format("layers.{}.mixer.", i));
+  size_t f = 0;
+  for (MtpBlockWeights& b : w.mtp) {
+    for (LayerWeights& L : b.layers) kv_scales(L, fmt::format("mtp.layers.{}.mixer.", f++));
   }
   ck.finish();
-  for (const std::string& name : checkpoint.names()) {
-    if (name.rfind("mtp.", 0) == 0) w.mtp.emplace(name, checkpoint.tensor(name));
-  }
   bind_expert_views(w);
   return w;
 }
 
 ModelWeights synthetic_weights(const ModelConfig& c, const ModelOptions& options, uint64_t seed,
                                const std::function<void(ModelWeights&, int layer)>& on_layer) {
-  ModelWeights w = empty_weights(c);
+  ModelWeights w = empty_weights(c, /*with_mtp=*/true);
   const std::vector<WeightSlot> slots = weight_slots(c, w);
   int current = -1;
   for (const WeightSlot& s : slots) {
@@ -602,7 +663,13 @@ ModelWeights synthetic_weights(const ModelConfig& c, const ModelOptions& options
 }
 
 void bind_expert_views(ModelWeights& w) {
-  for (LayerWeights& L : w.layers) {
+  std::vector<LayerWeights*> layers;
+  for (LayerWeights& L : w.layers) layers.push_back(&L);
+  for (MtpBlockWeights& b : w.mtp) {
+    for (LayerWeights& L : b.layers) layers.push_back(&L);
+  }
+  for (LayerWeights* layer : layers) {
+    LayerWeights& L = *layer;
     MoeWeights& m = L.moe;
     m.up_views.clear();
     m.down_views.clear();
@@ -728,11 +795,6 @@ std::map<std::string, KindWeights> weight_summary(const ModelConfig& config, con
       }
     }
   }
-  for (const auto& [name, t] : w.mtp) {
-    KindWeights& k = r["mtp"];
-    k.parameters += t.numel();
-    k.bytes += nbytes(t);
-  }
   for (auto& [kind, k] : r) {
     for (const std::string& f : formats[kind]) k.formats += (k.formats.empty() ? "" : "+") + f;
     if (k.formats.empty()) k.formats = "dense";
@@ -748,6 +810,7 @@ double decode_bytes_per_token(const ModelConfig& config, const ModelWeights& wei
   auto nbytes = [](const Tensor& t) { return t ? static_cast<double>(t.nbytes()) : 0.0; };
   double bytes = 0.0;
   for (const WeightSlot& s : weight_slots(config, w)) {
+    if (s.kind == "mtp") continue;  // the backbone's token
     if (s.tensor) {
       bytes += s.kind == "embeddings" ? nbytes(*s.tensor) / static_cast<double>(config.vocab_size) : nbytes(*s.tensor);
     } else if (s.linear) {

@@ -94,12 +94,25 @@ struct ModelOptions {
   bool weight_only = false;
 };
 
+// One block of the multi-token-prediction head (Nemotron 3 Super's mtp.*; docs/model.md 7): the sublayers of
+// mtp_hybrid_override_pattern, flattened in the checkpoint as mtp.layers.{block * len(pattern) + j}. The block-level
+// tensors sit on its first sublayer (enorm, hnorm, eh_proj) and its last (final_layernorm).
+struct MtpBlockWeights {
+  Tensor enorm;                      // [D] RMSNorm of the next token's embedding
+  Tensor hnorm;                      // [D] RMSNorm of the backbone's hidden state
+  ops::LinearWeight eh_proj;         // [D, 2D] over concat[enorm(e), hnorm(h)], the embedding first
+  std::vector<LayerWeights> layers;  // one per pattern character (attention, MLP or MoE: no Mamba)
+  Tensor final_layernorm;            // [D]
+};
+
 struct ModelWeights {
   Tensor embeddings;  // [V, D]
   std::vector<LayerWeights> layers;
   Tensor norm_f;                // [D]
   ops::LinearWeight lm_head;    // [V, D]
-  std::map<std::string, Tensor> mtp;  // host views (the MTP head does not run yet)
+  // num_nextn_predict_layers blocks when the checkpoint has mtp.* tensors (or a synthetic model's config asks for
+  // them); empty otherwise. Embeddings and lm_head are the backbone's.
+  std::vector<MtpBlockWeights> mtp;
 };
 
 // One entry of the name table.
@@ -115,7 +128,8 @@ struct WeightSlot {
   std::string name;  // canonical checkpoint name (no "backbone." prefix): a tensor's full name, a linear module's
                      // prefix ("layers.0.mixer.in_proj"), the experts' "layers.3.mixer.experts.{e}.up_proj"
   std::string kind;  // what chimera info groups it under: a layer kind name, "embeddings", "norm_f", "lm_head"
-  int layer = -1;    // its layer, -1 for the embeddings, norm_f and lm_head
+  int layer = -1;    // its layer, -1 for the embeddings, norm_f and lm_head; the MTP head's sublayer f (mtp.layers.f)
+                     // is layers.size() + f (mtp_layer_count: how many there are)
   Role role = Role::kTensor;
   Shape shape;        // tensors: the checkpoint shape; linear: [N, K]; experts: [E, N, K]
   Tensor* tensor = nullptr;
@@ -124,9 +138,11 @@ struct WeightSlot {
 };
 
 // The name table of a model of `config` whose weights are (or will be) `w`: w.layers must already hold one entry
-// per layer with its kind (the slots point into it). Entries come layer by layer, the embeddings, norm_f and lm_head
-// first.
+// per layer with its kind, and w.mtp its blocks' sublayers (the slots point into them). Entries come layer by
+// layer, the embeddings, norm_f and lm_head first, the MTP head's sublayers (kind "mtp") last.
 std::vector<WeightSlot> weight_slots(const ModelConfig& config, ModelWeights& w);
+// The MTP head's sublayers in `w` (num_nextn_predict_layers x the pattern's length when it has a head, else 0).
+int mtp_layer_count(const ModelWeights& w);
 
 // Every weight from the checkpoint through the name table, in the format its quantization config (DIR/
 // hf_quant_config.json or config.json's quantization_config, io/quant_config.h) says: a module the config does not

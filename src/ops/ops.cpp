@@ -814,4 +814,16 @@ void copy_columns(const Context& ctx, const Tensor& out, const Tensor& in, int64
   c.dispatch([&] { cpu::copy_columns(out, in, col_begin); }, [&] { CHIMERA_CUDA_CALL(cuda::copy_columns(ctx, out, in, col_begin)); });
 }
 
+void write_columns(const Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin) {
+  const Check c(ctx, "write_columns");
+  c.f32("in", in, 2);
+  c.f32("out", out, 2);
+  if (out.dim(0) != in.dim(0) || col_begin < 0 || col_begin + in.dim(1) > out.dim(1)) {
+    c.fail("in {} does not match columns [{}, {}) of out {}", in.describe(), col_begin, col_begin + in.dim(1),
+           out.describe());
+  }
+  c.dispatch([&] { cpu::write_columns(out, in, col_begin); },
+             [&] { CHIMERA_CUDA_CALL(cuda::write_columns(ctx, out, in, col_begin)); });
+}
+
 }  // namespace chimera::ops

@@ -347,5 +347,7 @@ void sample_tokens(const Context& ctx, const Tensor& out_ids, const Tensor& logi
 void add(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
 // Copies columns [col_begin, col_begin + out.dim(1)) of a [T, W] matrix into out [T, w].
 void copy_columns(const Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin);
+// The inverse: writes in [T, w] into columns [col_begin, col_begin + w) of out [T, W] (a concat is one call a part).
+void write_columns(const Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin);
 
 }  // namespace chimera::ops

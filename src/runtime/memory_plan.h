@@ -43,7 +43,8 @@ struct MemoryPlan {
 
 // Parameters by kind ("embeddings", "mamba", ..., "lm_head"), from the config alone (checked arithmetic, as
 // plan_memory): equal to
-// NemotronH::parameter_counts() of a model of this config without an MTP head.
+// NemotronH::parameter_counts() of a model of this config without its "mtp" entry (the MTP head, when it has one,
+// is not counted here: the batch-1 roofline and the published parameter counts are the backbone's).
 std::map<std::string, int64_t> parameter_counts(const ModelConfig& config);
 // Parameters of the config's layers, embeddings, norm_f and lm_head (no MTP head); equals the sum of
 // NemotronH::parameter_counts() for a model of this config.

@@ -35,12 +35,19 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
 
   const int64_t slots = int64_t{sizes_.max_seqs} + sizes_.num_pad;
   const int64_t blocks = int64_t{sizes_.num_blocks} + sizes_.num_pad;
-  const size_t n = config.layers.size();
+  // The backbone's layers, then (CacheSizes::mtp) the MTP head's sublayers, block after block.
+  std::vector<LayerKind> kinds = config.layers;
+  if (sizes_.mtp) {
+    for (int64_t b = 0; b < config.num_nextn_predict_layers; ++b) {
+      kinds.insert(kinds.end(), config.mtp_layers.begin(), config.mtp_layers.end());
+    }
+  }
+  const size_t n = kinds.size();
   state_.conv.resize(n);
   state_.ssm.resize(n);
   state_.kv.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    switch (config.layers[i]) {
+    switch (kinds[i]) {
       case LayerKind::kMamba:
         state_.conv[i] = zeros(device, act_dtype, {slots, config.conv_dim(), config.conv_kernel - 1});
         state_.ssm[i] = zeros(device, sizes_.ssm_dtype,

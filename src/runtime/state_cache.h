@@ -46,6 +46,10 @@ struct CacheSizes {
   // --kv-cache-dtype fp8: K and V stored as F8_E4M3 (ops.h KvCacheView; the views' scales start at 1); false
   // ("auto"): the activation dtype.
   bool kv_cache_fp8 = false;
+  // The MTP head's caches too: its attention sublayers' KV (same blocks and block tables as the backbone's: the
+  // head's position t is the backbone's) at state index config.layers.size() + f, f the sublayer in mtp.layers.f.
+  // Off: the head cannot run, and its KV costs nothing.
+  bool mtp = false;
 };
 
 // --mamba-ssm-cache-dtype: "float32", "bfloat16" or "float16" (vLLM's names); kInvalidInput naming `what` otherwise.

@@ -1,4 +1,5 @@
-// add, copy_columns (on CUDA also bf16 / f16 and model shapes), and the dispatch checks of a CUDA context.
+// add, copy_columns, write_columns (on CUDA also bf16 / f16 and model shapes), and the dispatch checks of a CUDA
+// context.
 #include <vector>
 
 #include "common/backend_param.h"
@@ -80,6 +81,39 @@ TEST_P(OpsElementwise, CopyColumns) {
   Tensor out = output(DType::kF32, {3, 111});
   EXPECT_TRUE(test::throws_error([&] { ops::copy_columns(ctx(), out, in, 390); }, ErrorKind::kRuntime,
                                  "ops::copy_columns: out F32[3, 111] does not match columns [390, 501)"));
+}
+
+// The MTP head's concat[enorm(e), hnorm(h)]: two parts written side by side, every other column untouched.
+TEST_P(OpsElementwise, WriteColumns) {
+  auto rng = test::Rng::for_test();
+  struct Case {
+    int64_t T, W, begin, w;
+  };
+  std::vector<Case> cases = {{3, 500, 389, 111}, {5, 128, 0, 64}, {5, 128, 64, 64}};
+  if (on_cuda()) cases.insert(cases.end(), {{1, 8192, 4096, 4096}, {333, 5376, 2688, 2688}});
+  for (DType act : act_dtypes()) {
+    for (const Case& k : cases) {
+      SCOPED_TRACE(::testing::Message() << "T=" << k.T << " W=" << k.W << " begin=" << k.begin << " "
+                                        << dtype_name(act));
+      const Tensor base = rounded(rng.normal_tensor({k.T, k.W}), act);
+      const Tensor in = rounded(rng.normal_tensor({k.T, k.w}), act);
+      // What out must hold, taken before the call (on the CPU `out` may share base's buffer).
+      std::vector<float> want(base.f32(), base.f32() + base.numel());
+      for (int64_t t = 0; t < k.T; ++t) {
+        for (int64_t c = 0; c < k.w; ++c) want[static_cast<size_t>(t * k.W + k.begin + c)] = in.f32()[t * k.w + c];
+      }
+      Tensor out = on_backend(base, act);
+      ops::write_columns(ctx(), out, on_backend(in, act), k.begin);
+      const Tensor got = host_f32(out);
+      for (int64_t i = 0; i < k.T * k.W; ++i) {
+        ASSERT_EQ(got.f32()[i], want[static_cast<size_t>(i)]) << "row " << i / k.W << " column " << i % k.W;
+      }
+    }
+  }
+  const Tensor in = on_backend(rng.normal_tensor({3, 111}));
+  Tensor out = output(DType::kF32, {3, 500});
+  EXPECT_TRUE(test::throws_error([&] { ops::write_columns(ctx(), out, in, 390); }, ErrorKind::kRuntime,
+                                 "ops::write_columns: in F32[3, 111] does not match columns [390, 501)"));
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(OpsElementwise);

@@ -77,5 +77,6 @@ TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int32
 
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void copy_columns(const Tensor& out, const Tensor& in, int64_t col_begin);
+void write_columns(const Tensor& out, const Tensor& in, int64_t col_begin);
 
 }  // namespace chimera::cpu

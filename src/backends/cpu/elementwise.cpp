@@ -1,4 +1,4 @@
-// Small helpers the model uses between ops: add, copy_columns.
+// Small helpers the model uses between ops: add, copy_columns, write_columns.
 #include <cstring>
 
 #include "backends/cpu/cpu_ops.h"
@@ -16,6 +16,13 @@ void copy_columns(const Tensor& out, const Tensor& in, int64_t col_begin) {
   const int64_t T = out.dim(0), w = out.dim(1), W = in.dim(1);
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(out.f32() + t * w, in.f32() + t * W + col_begin, static_cast<size_t>(w) * sizeof(float));
+  }
+}
+
+void write_columns(const Tensor& out, const Tensor& in, int64_t col_begin) {
+  const int64_t T = in.dim(0), w = in.dim(1), W = out.dim(1);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(out.f32() + t * W + col_begin, in.f32() + t * w, static_cast<size_t>(w) * sizeof(float));
   }
 }
 

@@ -28,6 +28,7 @@ void gated_rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& y,
 void relu2(const ops::Context& ctx, const Tensor& x);
 void add(const ops::Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
 void copy_columns(const ops::Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin);
+void write_columns(const ops::Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin);
 
 // gemm/ (linear.cu: cuBLASLt)
 void linear(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias);

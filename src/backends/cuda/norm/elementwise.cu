@@ -1,5 +1,6 @@
-// CUDA elementwise helpers: relu2 (in place), add, copy_columns. Grid-stride loops over 16-byte groups with
-// a scalar tail; fp32 math, one rounding per stored element (the CPU reference rounds the same way in fp32).
+// CUDA elementwise helpers: relu2 (in place), add, copy_columns / write_columns (strided copies). Grid-stride loops
+// over 16-byte groups with a scalar tail; fp32 math, one rounding per stored element (the CPU reference rounds the same
+// way in fp32).
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/cuda_vec.cuh"
 #include "backends/cuda/launch.cuh"
@@ -106,6 +107,18 @@ void copy_columns(const ops::Context& ctx, const Tensor& out, const Tensor& in, 
                                        static_cast<size_t>(w) * es, static_cast<size_t>(T), cudaMemcpyDeviceToDevice,
                                        as_stream(ctx.stream)),
                      "ops::copy_columns");
+}
+
+void write_columns(const ops::Context& ctx, const Tensor& out, const Tensor& in, int64_t col_begin) {
+  require_same_dtype("ops::write_columns", {{"in", &in}, {"out", &out}});
+  const int64_t T = in.dim(0), w = in.dim(1), W = out.dim(1);
+  if (T == 0 || w == 0) return;
+  const size_t es = dtype_size(in.dtype());
+  auto* dst = static_cast<char*>(out.data()) + static_cast<size_t>(col_begin) * es;
+  CHIMERA_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(W) * es, in.data(), static_cast<size_t>(w) * es,
+                                       static_cast<size_t>(w) * es, static_cast<size_t>(T), cudaMemcpyDeviceToDevice,
+                                       as_stream(ctx.stream)),
+                     "ops::write_columns");
 }
 
 }  // namespace chimera::cuda
