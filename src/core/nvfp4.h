@@ -28,19 +28,14 @@ inline float e2m1_to_f32(uint8_t nibble) {
 // the midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to 0, 1, 1, 2, 2, 4, 4. The sign bit is set for x < 0,
 // also when the magnitude rounds to 0 (ModelOpt's cast does the same: -0.1 -> 0x8); -0.0 and NaN -> 0x0 sign.
 // NaN is not a value ModelOpt produces (a NaN weight has a NaN amax); it encodes as 6 here.
+// Branch-free: the code is the number of rounding boundaries below the magnitude (> where the tie goes down to an
+// even code, >= where it goes up to one), since random weights make a chain of ifs mispredict at every element.
 inline uint8_t f32_to_e2m1(float x) {
-  const uint8_t sign = x < 0.0f ? 0x8u : 0x0u;
+  const auto sign = static_cast<uint8_t>(x < 0.0f ? 0x8u : 0x0u);
   const float a = x < 0.0f ? -x : x;
-  uint8_t code;
-  if (a <= 0.25f) code = 0;
-  else if (a < 0.75f) code = 1;
-  else if (a <= 1.25f) code = 2;
-  else if (a < 1.75f) code = 3;
-  else if (a <= 2.5f) code = 4;
-  else if (a < 3.5f) code = 5;
-  else if (a <= 5.0f) code = 6;
-  else code = 7;  // (5, inf] and NaN
-  return sign | code;
+  const int code = int{a > 0.25f} + int{a >= 0.75f} + int{a > 1.25f} + int{a >= 1.75f} + int{a > 2.5f} +
+                   int{a >= 3.5f} + int{a > 5.0f} + 7 * int{a != a};  // (5, inf] -> 7; NaN passes none -> 7
+  return static_cast<uint8_t>(sign | code);
 }
 
 // A quantized [rows, cols] NVFP4 tensor (cols a multiple of 16).
