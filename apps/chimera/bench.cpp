@@ -49,6 +49,7 @@ void add_bench(CLI::App& app, BenchOptions& o) {
                  "Weights and activations on CUDA: bfloat16 (default) or float32; the CPU computes in float32")
       ->check(CLI::IsMember({"bfloat16", "float32"}));
   add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
+  add_speculative_config_flag(app, o.speculative_config);
   add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
   app.add_option("--input-lens", o.input_lens, "Prefill: prompt lengths, comma-separated (one sequence each)")
       ->delimiter(',')
@@ -182,6 +183,7 @@ struct Runner {
     ec.cache.ssm_dtype = ssm_dtype;
     ec.cache.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
     ec.cuda_graphs = o.cuda_graphs;
+    ec.speculative = speculative_config_from_flag(o.speculative_config);
     return ec;
   }
 
@@ -246,8 +248,10 @@ struct Runner {
     // room for those tokens, the warm-up and the timed steps, so no sequence finishes before the timing ends.
     const int64_t budget = sched_defaults.max_num_batched_tokens;
     const int64_t prefill_steps = (int64_t{batch} * o.decode_context + budget - 1) / budget + batch;
+    // A verify step emits up to K + 1 tokens per sequence.
+    const int64_t per_step = int64_t{1} + speculative_config_from_flag(o.speculative_config).num_speculative_tokens;
     const auto new_tokens =
-        static_cast<int32_t>(prefill_steps + o.warmup + o.decode_steps + 1 + (profile ? 1 : 0));
+        static_cast<int32_t>(prefill_steps + per_step * (o.warmup + o.decode_steps + 1 + (profile ? 1 : 0)));
     const int32_t model_len = o.decode_context + new_tokens;
     if (std::string why = does_not_fit(batch, model_len); !why.empty()) {
       r["status"] = "skipped";
@@ -282,10 +286,16 @@ struct Runner {
     double context_sum = 0;
     for (int32_t g : generated) context_sum += o.decode_context + g;
     int32_t partial_steps = 0;  // steps in which not every sequence decoded (should be none)
+    int64_t timed_tokens = 0;   // tokens the timed steps emitted (K + 1 a sequence at most with speculation)
+    const SpeculativeStats spec_before = engine.speculative_stats();
     const auto t0 = Clock::now();
     for (int32_t s = 0; s < o.decode_steps; ++s) {
       const std::vector<TokenEvent> evs = engine.step();
-      if (static_cast<int32_t>(evs.size()) != batch) ++partial_steps;
+      std::set<int32_t> seqs;
+      for (const TokenEvent& ev : evs) {
+        if (ev.token >= 0) ++timed_tokens, seqs.insert(ev.seq_id);
+      }
+      if (static_cast<int32_t>(seqs.size()) != batch) ++partial_steps;
       count(evs);
     }
     const double secs = seconds_since(t0);
@@ -299,8 +309,25 @@ struct Runner {
       profiles->push_back(std::move(p));
     }
     r["status"] = "ok";
-    r["tpot_ms"] = secs / o.decode_steps * 1e3;
-    r["tokens_per_s"] = static_cast<double>(batch) * o.decode_steps / secs;
+    r["step_ms"] = secs / o.decode_steps * 1e3;
+    r["tpot_ms"] = secs / (static_cast<double>(timed_tokens) / batch) * 1e3;  // per token of one sequence
+    r["tokens_per_s"] = static_cast<double>(timed_tokens) / secs;
+    if (ec.speculative.enabled()) {  // the timed steps' drafts only
+      SpeculativeStats t = engine.speculative_stats();
+      t.num_drafts -= spec_before.num_drafts;
+      t.num_draft_tokens -= spec_before.num_draft_tokens;
+      t.num_accepted_tokens -= spec_before.num_accepted_tokens;
+      for (size_t i = 0; i < t.accepted_per_position.size(); ++i) {
+        t.accepted_per_position[i] -= spec_before.accepted_per_position[i];
+      }
+      r["speculative"] = {{"num_speculative_tokens", ec.speculative.num_speculative_tokens},
+                          {"num_drafts", t.num_drafts},
+                          {"num_draft_tokens", t.num_draft_tokens},
+                          {"num_accepted_tokens", t.num_accepted_tokens},
+                          {"accepted_per_position", t.accepted_per_position},
+                          {"acceptance_rate", t.acceptance_rate()},
+                          {"mean_acceptance_length", t.mean_acceptance_length()}};
+    }
     r["steps"] = o.decode_steps;
     r["mean_context_at_start"] = context_sum / batch;
     r["prefill_ms"] = prefill_s * 1e3;
@@ -423,10 +450,12 @@ int run_bench(const BenchOptions& o) {
   }
   if (!o.batch_sizes.empty()) {
     fmt::print(
-        "\ndecode ({}-token prefill per sequence; time per output token = step time, {} steps; CUDA graphs {}; "
+        "\ndecode ({}-token prefill per sequence; time per output token = step time / tokens a sequence gets a step, {} "
+        "steps; CUDA graphs {}; "
         "PDL {})\n"
         "  {:>10} {:>12} {:>14} {:>14}\n",
-        o.decode_context, o.decode_steps, mo.device == Device::kCuda && o.cuda_graphs ? "on" : "off",
+        o.decode_context, o.decode_steps,
+        mo.device == Device::kCuda && o.cuda_graphs && o.speculative_config.empty() ? "on" : "off",
         pdl ? "on" : "off", "batch", "TPOT ms", "tok/s", "vs roofline");
     for (int32_t b : o.batch_sizes) {
       const bool graphs = mo.device == Device::kCuda && o.cuda_graphs;
@@ -446,6 +475,12 @@ int run_bench(const BenchOptions& o) {
         fmt::print("  {:>10} {:>12} {:>14} {:>14}\n", b, cell(r, "tpot_ms", "{:.3f}"),
                    cell(r, "tokens_per_s", "{:.1f}"),
                    r.contains("roofline_ratio") ? fmt::format("{:.2f}%", 100 * r["roofline_ratio"].get<double>()) : "");
+        if (r.contains("speculative")) {
+          const nlohmann::json& sp = r["speculative"];
+          fmt::print("  {:>10} speculative K = {}: step {:.3f} ms, acceptance {:.1f} %, mean acceptance length {:.2f}\n",
+                     "", sp["num_speculative_tokens"].get<int>(), r["step_ms"].get<double>(),
+                     100 * sp["acceptance_rate"].get<double>(), sp["mean_acceptance_length"].get<double>());
+        }
         if (r.contains("graph_capture_s")) {  // the engine's start-up capture, as `serve` prints it
           const auto sizes = r["graph_batch_sizes"].get<std::vector<int32_t>>();
           fmt::print("  {:>10} CUDA graphs: {} decode batch sizes ({} to {}) captured in {:.2f} s, {}\n", "",

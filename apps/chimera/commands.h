@@ -30,6 +30,7 @@ struct GenerateOptions {
   std::string kv_cache_dtype = "auto";  // --kv-cache-dtype auto | fp8
   bool no_special_tokens = false;
   bool quiet = false;  // no stats on stderr
+  std::string speculative_config;  // --speculative-config JSON; "" = off
   // Tensor-parallel AllReduce strategy (--allreduce-strategy / CHIMERA_ALLREDUCE_STRATEGY, read once by CLI11
   // at parse time). Carried for the tensor-parallel engine; generate runs on one device today.
   dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;
@@ -68,6 +69,7 @@ struct BenchOptions {
   // Also break one prefill step (the first --input-lens length) and one decode step per batch size into time
   // per op kind (runtime/profiler.h).
   bool profile = false;
+  std::string speculative_config;  // --speculative-config JSON; "" = off (decode steps verify the head's drafts)
 };
 
 // chimera serve (serve.cpp): the OpenAI-compatible server; flags named as vLLM's.
@@ -96,6 +98,7 @@ struct ServeOptions {
   size_t max_body_bytes = size_t{32} << 20;
   int32_t request_timeout_s = 30;
   double shutdown_timeout_s = 30.0;
+  std::string speculative_config;  // --speculative-config JSON; "" = off
 };
 
 void add_generate(CLI::App& app, GenerateOptions& opt);

@@ -52,6 +52,7 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
       ->check(CLI::IsMember({"bfloat16", "float32"}));
   add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
   add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
+  add_speculative_config_flag(app, o.speculative_config);
   app.add_option("--max-model-len", o.max_model_len, "Maximum tokens per sequence (prompt + output)")
       ->capture_default_str();
   app.add_option("--logits-out", o.logits_out,
@@ -130,6 +131,7 @@ int run_generate(const GenerateOptions& o) {
 
   const auto t0 = std::chrono::steady_clock::now();
   EngineConfig ec;
+  ec.speculative = speculative_config_from_flag(o.speculative_config);
   ec.cache.ssm_dtype = resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, load_source_config(o.source));
   MemoryLimits limits;
   limits.ssm_dtype = ec.cache.ssm_dtype;
@@ -236,6 +238,10 @@ int run_generate(const GenerateOptions& o) {
     const double ttft = generated ? ms(t_first - t_loaded).count() : 0.0;
     const double decode_ms = generated > 1 ? ms(t_end - t_first).count() : 0.0;
     if (!graphs.empty()) fmt::print(stderr, "[chimera] {}\n", graphs);
+    if (ec.speculative.enabled()) {
+      fmt::print(stderr, "[chimera] speculative decoding (mtp, K = {}): {}\n", ec.speculative.num_speculative_tokens,
+                 engine.speculative_stats().summary());
+    }
     fmt::print(stderr, "[chimera] prompt {} tokens, generated {} | load {:.0f} ms, first token {:.1f} ms{} | {} {}\n",
                prompt.size(), generated, load_ms, ttft,
                generated > 1 ? fmt::format(", decode {:.1f} tok/s", (generated - 1) / (decode_ms / 1000.0)) : "",

@@ -41,6 +41,17 @@ ops::WeightFormat ModelSource::quantize() const {
   return ops::WeightFormat::kDense;
 }
 
+void add_speculative_config_flag(CLI::App& app, std::string& value) {
+  app.add_option("--speculative-config", value,
+                 "Speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}': "
+                 "the checkpoint's multi-token-prediction head drafts K tokens a step, verified in one step");
+}
+
+SpeculativeConfig speculative_config_from_flag(const std::string& value) {
+  if (value.empty()) return {};
+  return parse_speculative_config(value, "--speculative-config");
+}
+
 void add_ssm_cache_dtype_flag(CLI::App& app, std::string& value) {
   app.add_option("--mamba-ssm-cache-dtype", value,
                  "Mamba SSM state cache: float32, bfloat16 (round to nearest even), float16 (stochastic rounding) "

@@ -12,6 +12,7 @@
 #include "io/safetensors.h"
 #include "models/nemotron_h.h"
 #include "runtime/memory_plan.h"
+#include "runtime/speculative.h"
 #include "tokenizer/tokenizer.h"
 
 namespace chimera::cli {
@@ -48,6 +49,9 @@ ModelConfig load_source_config(const ModelSource& src);
 
 // Registers --mamba-ssm-cache-dtype (vLLM's flag): float32, bfloat16, float16 or auto (the default).
 void add_ssm_cache_dtype_flag(CLI::App& app, std::string& value);
+// --speculative-config JSON (vLLM's): '{"method": "mtp", "num_speculative_tokens": K}'; "" = off.
+void add_speculative_config_flag(CLI::App& app, std::string& value);
+SpeculativeConfig speculative_config_from_flag(const std::string& value);
 // The SSM state dtype: the flag's, or for "" / "auto" the config's mamba_ssm_cache_dtype (float32 when config.json
 // has none). kInvalidInput naming the flag or the config field for anything else.
 DType resolve_ssm_cache_dtype(const std::string& flag, const ModelConfig& config);

@@ -56,6 +56,7 @@ void add_serve(CLI::App& app, ServeOptions& o) {
   app.add_option("--dtype", o.dtype, "Weights and activations on CUDA: bfloat16 (default) or float32")
       ->check(CLI::IsMember({"bfloat16", "float32"}));
   add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
+  add_speculative_config_flag(app, o.speculative_config);
   add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
   app.add_option("--reasoning-parser", o.reasoning_parser, "Split reasoning into reasoning_content: nemotron_v3")
       ->check(CLI::IsMember({"nemotron_v3"}));
@@ -99,6 +100,7 @@ int run_serve(const ServeOptions& o) {
   int32_t max_num_seqs = o.max_num_seqs != 0 ? o.max_num_seqs : cuda ? 0 : kCpuDefaultMaxNumSeqs;
 
   EngineConfig ec;
+  ec.speculative = speculative_config_from_flag(o.speculative_config);
   ec.scheduler.max_num_batched_tokens = max_num_batched_tokens;
   ec.cache.max_model_len = o.max_model_len;
   ec.cache.ssm_dtype = resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, load_source_config(o.source));
@@ -123,6 +125,8 @@ int run_serve(const ServeOptions& o) {
     req.cuda_graphs = ec.cuda_graphs;
     req.ssm_dtype = ec.cache.ssm_dtype;
     req.kv_cache_fp8 = ec.cache.kv_cache_fp8;
+    req.num_speculative_tokens = ec.speculative.num_speculative_tokens;
+    req.cuda_graphs = ec.cuda_graphs && !ec.speculative.enabled();
     const DType act = m.model->activation_dtype();
     // The weights as the GPU holds them (quantized layers as stored).
     int64_t weights = 0;

@@ -94,9 +94,9 @@ void truncate_layers(ModelConfig& config, int64_t num_layers) {
     invalid_input("--num-layers: {} is out of range, the model has {} layers", num_layers, config.num_hidden_layers());
   }
   if (num_layers == config.num_hidden_layers()) return;
+  // The MTP head stays (it reads the last layer's output, whichever that is), so speculative decoding can be measured
+  // at a large model's shapes on one device.
   config.layers.resize(static_cast<size_t>(num_layers));
-  config.num_nextn_predict_layers = 0;  // the MTP head follows the last layer; a truncated model has none
-  config.mtp_layers.clear();
 }
 
 }  // namespace chimera

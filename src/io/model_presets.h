@@ -15,7 +15,7 @@ std::vector<std::string> model_preset_names();
 // The preset's config; an unknown name -> kInvalidInput listing the presets.
 ModelConfig model_preset(const std::string& name);
 // Keeps the first `num_layers` layers of the pattern (so a large model fits one device); num_layers must be
-// in [1, num_hidden_layers] (kInvalidInput otherwise). The MTP head is dropped with any truncation.
+// in [1, num_hidden_layers] (kInvalidInput otherwise). The MTP head is kept.
 void truncate_layers(ModelConfig& config, int64_t num_layers);
 
 }  // namespace chimera

@@ -1,5 +1,6 @@
 #include "models/nemotron_h.h"
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 #include <optional>
@@ -121,8 +122,9 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   const MambaWeights& w = L.mamba;
   const int64_t T = b.num_tokens(), H = c.mamba_num_heads, P = c.mamba_head_dim, G = c.n_groups;
   const int64_t N = c.ssm_state_size, Di = c.mamba_inner(), Cd = c.conv_dim();
-  const int64_t Tp = b.num_prefill_tokens();
+  const int64_t Tp = b.num_prefill_tokens(), Tc = b.num_chunk_tokens();
   const size_t np = static_cast<size_t>(b.num_prefill_seqs);
+  const size_t nc = np - static_cast<size_t>(b.num_spec_seqs);  // prompt chunks (and recomputation) first
   const std::span<const int32_t> cu(b.cu_seqlens);
   const ops::Indices slots(b.state_slots, b.device_meta ? b.device_meta->state_slots : nullptr);
   // The positions that key an F16 state's stochastic rounding (ops.h SsmParams::context_lens).
@@ -144,26 +146,72 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
                              w.norm, G, c.layer_norm_epsilon, conv_state, ssm_state, slots.subspan(np),
                              /*prefetch_states=*/true);  // the previous kernel is in_proj
   }
+  // Speculative verify rows: the single-token update token by token, out of place (StepBatch::spec_slots).
+  if (nc < np) spec_mamba(ctx, w, b, zxbcdt, sp, conv_state, ssm_state, normed);
   // Prefill rows: varlen causal conv + SiLU, chunked SSD scan, gated norm.
-  if (np > 0) {
-    const Tensor in_rows = Tp == T ? zxbcdt : zxbcdt.rows(0, Tp);
+  if (nc > 0) {
+    const Tensor in_rows = Tc == T ? zxbcdt : zxbcdt.rows(0, Tc);
     Tensor z, xbc, dt;
     split_columns(ctx, in_rows, {Di, Cd, H}, {&z, &xbc, &dt});
-    Tensor xbc_act = act(ctx, {Tp, Cd});
-    ops::causal_conv1d(ctx, xbc_act, xbc, w.conv1d_weight, w.conv1d_bias, conv_state, cu.first(np + 1),
-                       slots.host.first(np), /*silu=*/true);
+    Tensor xbc_act = act(ctx, {Tc, Cd});
+    ops::causal_conv1d(ctx, xbc_act, xbc, w.conv1d_weight, w.conv1d_bias, conv_state, cu.first(nc + 1),
+                       slots.host.first(nc), /*silu=*/true);
     Tensor xs, B, C;
     split_columns(ctx, xbc_act, {Di, G * N, G * N}, {&xs, &B, &C});
-    Tensor y = act(ctx, {Tp, H, P});
+    Tensor y = act(ctx, {Tc, H, P});
     ops::SsmParams prefill = sp;
-    prefill.context_lens = sp.context_lens.first(np);
-    ops::ssd_chunk_scan(ctx, y, xs.reshape({Tp, H, P}), dt, B.reshape({Tp, G, N}), C.reshape({Tp, G, N}), prefill,
-                        ssm_state, cu.first(np + 1), slots.host.first(np), c.chunk_size);
+    prefill.context_lens = sp.context_lens.first(nc);
+    ops::ssd_chunk_scan(ctx, y, xs.reshape({Tc, H, P}), dt, B.reshape({Tc, G, N}), C.reshape({Tc, G, N}), prefill,
+                        ssm_state, cu.first(nc + 1), slots.host.first(nc), c.chunk_size);
     // Gate first, then per-group RMSNorm (norm_before_gate = false).
-    ops::gated_rms_norm(ctx, Tp == T ? normed : normed.rows(0, Tp), y.reshape({Tp, Di}), z, w.norm, G,
+    ops::gated_rms_norm(ctx, Tc == T ? normed : normed.rows(0, Tc), y.reshape({Tc, Di}), z, w.norm, G,
                         c.layer_norm_epsilon);
   }
   ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);
+}
+
+void NemotronH::spec_mamba(const ops::Context& ctx, const MambaWeights& w, const StepBatch& b, const Tensor& zxbcdt,
+                           const ops::SsmParams& sp, const Tensor& conv_state, const Tensor& ssm_state,
+                           const Tensor& normed) const {
+  const size_t np = static_cast<size_t>(b.num_prefill_seqs), nc = np - static_cast<size_t>(b.num_spec_seqs);
+  const int32_t Tc = b.num_chunk_tokens(), Ts = b.num_prefill_tokens() - Tc;
+  // Step j of the verify is row j of every spec sequence longer than j. Gathered step-major (longest sequences
+  // first, so step j's rows are the first n_j of its block), each step is one single-token update of contiguous rows.
+  std::vector<size_t> seqs(np - nc);
+  for (size_t i = 0; i < seqs.size(); ++i) seqs[i] = nc + i;
+  const auto len = [&](size_t s) { return b.cu_seqlens[s + 1] - b.cu_seqlens[s]; };
+  std::stable_sort(seqs.begin(), seqs.end(), [&](size_t x, size_t y) { return len(x) > len(y); });
+  std::vector<int32_t> gather;                 // step-major position -> row of zxbcdt
+  std::vector<int32_t> scatter(static_cast<size_t>(Ts));  // spec row -> its step-major position
+  std::vector<int32_t> src, dst, pos;          // per step-major row: slot read, slot written, token position
+  std::vector<size_t> step_begin;
+  for (int32_t j = 0; j < len(seqs.front()); ++j) {
+    step_begin.push_back(gather.size());
+    for (size_t s : seqs) {
+      if (len(s) <= j) break;
+      const int32_t row = b.cu_seqlens[s] + j;
+      scatter[static_cast<size_t>(row - Tc)] = static_cast<int32_t>(gather.size());
+      gather.push_back(row);
+      src.push_back(j == 0 ? b.state_slots[s] : b.spec_slots[static_cast<size_t>(row - 1 - Tc)]);
+      dst.push_back(b.spec_slots[static_cast<size_t>(row - Tc)]);
+      pos.push_back(b.context_lens[s] + j);
+    }
+  }
+  step_begin.push_back(gather.size());
+  const Tensor in = gather_rows(ctx, zxbcdt, act_dtype_, gather);
+  const Tensor out = act(ctx, {Ts, normed.dim(1)});
+  const ModelConfig& c = config_;
+  for (size_t j = 0; j + 1 < step_begin.size(); ++j) {
+    const size_t r0 = step_begin[j], r1 = step_begin[j + 1];
+    ops::SsmParams step = sp;
+    step.context_lens = std::span<const int32_t>(pos).subspan(r0, r1 - r0);
+    ops::mamba_decode_update(ctx, out.rows(static_cast<int64_t>(r0), static_cast<int64_t>(r1)),
+                             in.rows(static_cast<int64_t>(r0), static_cast<int64_t>(r1)), w.conv1d_weight,
+                             w.conv1d_bias, step, w.norm, c.n_groups, c.layer_norm_epsilon, conv_state, ssm_state,
+                             std::span<const int32_t>(src).subspan(r0, r1 - r0), /*prefetch_states=*/false,
+                             std::span<const int32_t>(dst).subspan(r0, r1 - r0));
+  }
+  ops::embedding(ctx, normed.rows(Tc, Tc + Ts), out, scatter);  // back to the batch's row order
 }
 
 void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,

@@ -42,7 +42,7 @@ class NemotronH : public Model {
   // The dtype of every activation, the conv state and the KV cache: F32 on the CPU, options.dtype on CUDA.
   DType activation_dtype() const override { return act_dtype_; }
   // The MTP head's blocks (num_nextn_predict_layers when the weights have a head, else 0).
-  int mtp_blocks() const { return static_cast<int>(w_.mtp.size()); }
+  int mtp_blocks() const override { return static_cast<int>(w_.mtp.size()); }
   const ModelWeights& weights() const { return w_; }
   // Parameter count per layer kind name ("embeddings", "mamba", ..., "lm_head"); a quantized weight counts N x K.
   std::map<std::string, int64_t> parameter_counts() const;
@@ -56,7 +56,8 @@ class NemotronH : public Model {
   Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const override;
   // The same step also leaving, for the MTP head, the backbone's output of every row in `hidden`: norm_f(h)
   // [num_tokens, hidden_size] on ctx.device in the activation dtype.
-  Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state, Tensor& hidden) const;
+  Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state,
+                        Tensor& hidden) const override;
 
   // One step of MTP block `block` (docs/model.md 7): row r of `batch` carries the token that follows row r of the
   // backbone step (token_ids: e_{t+1}) and `hidden` row r is the backbone's output there (h_t, from the
@@ -67,7 +68,7 @@ class NemotronH : public Model {
   // activation dtype; mtp_hidden, when set, gets final_layernorm's output of every row [num_tokens, hidden_size].
   // Enqueued on ctx.stream like forward_device.
   Tensor mtp_forward_device(const ops::Context& ctx, const StepBatch& batch, const Tensor& hidden, ModelState& state,
-                            int block, Tensor* mtp_hidden = nullptr) const;
+                            int block, Tensor* mtp_hidden = nullptr) const override;
 
   // Debugging (chimera generate --dump-activations DIR; scripts/bf16_layer_error.py reads it): every later forward
   // step that has prefill rows (an eager step, never a captured decode graph) writes, per layer i,
@@ -94,6 +95,11 @@ class NemotronH : public Model {
   // is the residual step that produces x (pre->x == x), folded into that op (ops::residual_norm_linear).
   void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const Tensor& conv_state,
                    const Tensor& ssm_state, const ops::ResidualNorm* pre, const Tensor& x, const Tensor& out) const;
+  // The Mamba layer's speculative verify rows (StepBatch::num_spec_seqs): from their in_proj rows (zxbcdt, every row of
+  // the step) to their rows of normed, one out-of-place single-token update per draft position.
+  void spec_mamba(const ops::Context& ctx, const MambaWeights& w, const StepBatch& batch, const Tensor& zxbcdt,
+                  const ops::SsmParams& sp, const Tensor& conv_state, const Tensor& ssm_state,
+                  const Tensor& normed) const;
   // block_tables: the batch's table on ctx.device (uploaded once per step on CUDA).
   void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
                        const Tensor& block_tables, const ops::KvCacheView& kv, const ops::ResidualNorm* pre,

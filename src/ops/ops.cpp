@@ -398,13 +398,39 @@ void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const
   c.dispatch([&] { cpu::causal_conv1d(out, x, weight, bias, conv_state, cu_seqlens, slots, silu); }, [&] { CHIMERA_CUDA_CALL(cuda::causal_conv1d(ctx, out, x, weight, bias, conv_state, cu_seqlens, slots, silu)); });
 }
 
+namespace {
+// Out of place: a live row's destination is in range and no other live row's source or destination (a kernel may
+// still be reading one sequence's source while it writes another's destination). Empty dst_slots: in place.
+void check_dst_slots(const Check& c, const Indices& slots, const Indices& dst_slots, int64_t num_slots) {
+  if (dst_slots.empty()) return;
+  if (dst_slots.size() != slots.size()) c.fail("{} dst_slots for {} slots", dst_slots.size(), slots.size());
+  std::unordered_map<int32_t, size_t> src_of;  // source slot -> its sequence
+  for (size_t b = 0; b < slots.size(); ++b) {
+    if (slots[b] >= 0) src_of.emplace(slots[b], b);
+  }
+  std::unordered_set<int32_t> dst_seen;
+  for (size_t b = 0; b < slots.size(); ++b) {
+    if (slots[b] < 0) continue;
+    const int32_t d = dst_slots[b];
+    if (d < 0 || d >= num_slots) c.fail("dst slot {} of sequence {} is out of range for {} state slots", d, b, num_slots);
+    if (!dst_seen.insert(d).second) c.fail("dst slot {} is the destination of more than one sequence", d);
+    const auto it = src_of.find(d);
+    if (it != src_of.end() && it->second != b) {
+      c.fail("dst slot {} of sequence {} is the source slot of sequence {}", d, b, it->second);
+    }
+  }
+}
+}  // namespace
+
 void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                          const Tensor& bias, const Tensor& conv_state, const Indices& slots, bool silu) {
+                          const Tensor& bias, const Tensor& conv_state, const Indices& slots, bool silu,
+                          const Indices& dst_slots) {
   const Check c(ctx, "causal_conv1d_update");
   check_conv(c, out, x, weight, bias, conv_state);
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
   c.slots(slots.host, conv_state.dim(0));
-  c.dispatch([&] { cpu::causal_conv1d_update(out, x, weight, bias, conv_state, slots.host, silu); }, [&] { CHIMERA_CUDA_CALL(cuda::causal_conv1d_update(ctx, out, x, weight, bias, conv_state, slots, silu)); });
+  check_dst_slots(c, slots, dst_slots, conv_state.dim(0));
+  c.dispatch([&] { cpu::causal_conv1d_update(out, x, weight, bias, conv_state, slots.host, silu, dst_slots.host); }, [&] { CHIMERA_CUDA_CALL(cuda::causal_conv1d_update(ctx, out, x, weight, bias, conv_state, slots, silu, dst_slots)); });
 }
 
 void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
@@ -443,28 +469,7 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
   c.slots(slots.host, ssm_state.dim(0));
   check_context_lens(c, p, slots.size());
-  if (!dst_slots.empty()) {
-    // Out of place: a live row's destination is in range and no other live row's source or destination (a kernel may
-    // still be reading one sequence's source while it writes another's destination).
-    if (dst_slots.size() != slots.size()) c.fail("{} dst_slots for {} slots", dst_slots.size(), slots.size());
-    std::unordered_map<int32_t, size_t> src_of;  // source slot -> its sequence
-    for (size_t b = 0; b < slots.size(); ++b) {
-      if (slots[b] >= 0) src_of.emplace(slots[b], b);
-    }
-    std::unordered_set<int32_t> dst_seen;
-    for (size_t b = 0; b < slots.size(); ++b) {
-      if (slots[b] < 0) continue;
-      const int32_t d = dst_slots[b];
-      if (d < 0 || d >= ssm_state.dim(0)) {
-        c.fail("dst slot {} of sequence {} is out of range for {} state slots", d, b, ssm_state.dim(0));
-      }
-      if (!dst_seen.insert(d).second) c.fail("dst slot {} is the destination of more than one sequence", d);
-      const auto it = src_of.find(d);
-      if (it != src_of.end() && it->second != b) {
-        c.fail("dst slot {} of sequence {} is the source slot of sequence {}", d, b, it->second);
-      }
-    }
-  }
+  check_dst_slots(c, slots, dst_slots, ssm_state.dim(0));
   c.dispatch([&] { cpu::selective_state_update(y, x, dt_raw, B, C, p, ssm_state, slots.host, dst_slots.host); }, [&] { CHIMERA_CUDA_CALL(cuda::selective_state_update(ctx, y, x, dt_raw, B, C, p, ssm_state, slots, dst_slots)); });
 }
 
@@ -476,7 +481,8 @@ namespace {
 // captured graph), so the norm covers every row and pad rows get unspecified values.
 void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                           const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t G,
-                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots) {
+                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
+                          const Indices& dst_slots) {
   const int64_t Bn = zxbcdt.dim(0), H = ssm_state.dim(1), P = ssm_state.dim(2), N = ssm_state.dim(3);
   const int64_t Di = H * P, Cd = Di + 2 * G * N;
   const auto tmp = [&](Shape shape) { return device::empty(ctx.device, zxbcdt.dtype(), std::move(shape)); };
@@ -485,14 +491,14 @@ void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& z
   copy_columns(ctx, xbc, zxbcdt, Di);
   copy_columns(ctx, dt, zxbcdt, Di + Cd);
   const Tensor xbc_act = tmp({Bn, Cd});
-  causal_conv1d_update(ctx, xbc_act, xbc, conv_weight, conv_bias, conv_state, slots, /*silu=*/true);
+  causal_conv1d_update(ctx, xbc_act, xbc, conv_weight, conv_bias, conv_state, slots, /*silu=*/true, dst_slots);
   const Tensor x = tmp({Bn, Di}), B = tmp({Bn, G * N}), C = tmp({Bn, G * N});
   copy_columns(ctx, x, xbc_act, 0);
   copy_columns(ctx, B, xbc_act, Di);
   copy_columns(ctx, C, xbc_act, Di + G * N);
   const Tensor y = tmp({Bn, H, P});
   selective_state_update(ctx, y, x.reshape({Bn, H, P}), dt, B.reshape({Bn, G, N}), C.reshape({Bn, G, N}), p, ssm_state,
-                         slots);
+                         slots, dst_slots);
   const Tensor y2 = y.reshape({Bn, Di});
   if (ctx.device == Device::kCpu) {
     for (int64_t b = 0; b < Bn; ++b) {
@@ -509,7 +515,8 @@ void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& z
 void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
-                         [[maybe_unused]] bool prefetch_states) {  // unused without CUDA
+                         [[maybe_unused]] bool prefetch_states,  // unused without CUDA
+                         const Indices& dst_slots) {
   const Check c(ctx, "mamba_decode_update");
   c.f32("zxbcdt", zxbcdt, 2);
   c.f32("out", out, 2);
@@ -541,17 +548,18 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
   if (static_cast<int64_t>(slots.size()) != Bn) c.fail("{} slots for zxbcdt {}", slots.size(), zxbcdt.describe());
   c.slots(slots.host, std::min(conv_state.dim(0), ssm_state.dim(0)));
   check_context_lens(c, p, slots.size());
+  check_dst_slots(c, slots, dst_slots, std::min(conv_state.dim(0), ssm_state.dim(0)));
 #ifdef CHIMERA_HAVE_CUDA
   // The backend's plan: the fused kernel up to mamba_decode_fused_max_rows rows (beyond that the separate kernels
-  // fill the GPU better), where it takes the sizes.
-  const bool fused = ctx.device == Device::kCuda && Bn <= ctx.kernels.mamba_decode_fused_max_rows &&
+  // fill the GPU better), where it takes the sizes; out of place always the three ops.
+  const bool fused = ctx.device == Device::kCuda && dst_slots.empty() && Bn <= ctx.kernels.mamba_decode_fused_max_rows &&
                      cuda::mamba_decode_fusable(zxbcdt, conv_weight, conv_state, ssm_state, n_groups);
 #else
   const bool fused = false;
 #endif
   if (!fused) {  // the CPU reference, and CUDA sizes the fused kernel does not take: each op dispatches itself
     mamba_decode_compose(ctx, out, zxbcdt, conv_weight, conv_bias, p, norm_weight, n_groups, eps, conv_state,
-                         ssm_state, slots);
+                         ssm_state, slots, dst_slots);
     return;
   }
   c.dispatch([&] { runtime_error("ops::mamba_decode_update: the CPU backend composes the three ops"); },

@@ -139,8 +139,12 @@ void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const
                    std::span<const int32_t> slots, bool silu);
 
 // Single-step update for a batch of sequences (one token each). x, out: [B, C]; slots: [B].
+// dst_slots (empty: in place): sequence b reads slot slots[b] and writes its shifted window to slot dst_slots[b],
+// leaving slots[b] as it was, with selective_state_update's rules for the destinations (below): the same bits as
+// the in-place update.
 void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                          const Tensor& bias, const Tensor& conv_state, const Indices& slots, bool silu);
+                          const Tensor& bias, const Tensor& conv_state, const Indices& slots, bool silu,
+                          const Indices& dst_slots = {});
 
 // Parameters shared by the SSD scan and the selective state update.
 struct SsmParams {
@@ -206,10 +210,12 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
 // overlapping the previous kernel (launch.cuh, "two back"), when ctx.kernels.mamba_prefetch_states. The caller
 // guarantees that the previous kernel on the stream writes neither state (the model: this layer's in_proj). Same
 // results either way.
+// dst_slots (empty: in place): both states out of place, as causal_conv1d_update and selective_state_update take
+// them (a speculative verify step keeps every token's state, runtime/engine.h): always the three ops composed.
 void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
-                         bool prefetch_states = false);
+                         bool prefetch_states = false, const Indices& dst_slots = {});
 
 // ---- attention -------------------------------------------------------------------------------------
 // A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim], in the

@@ -12,6 +12,11 @@ void StepBatch::validate() const {
                 num_tokens());
   CHIMERA_CHECK(num_prefill_seqs >= 0 && static_cast<size_t>(num_prefill_seqs) <= s, "num_prefill_seqs {}",
                 num_prefill_seqs);
+  CHIMERA_CHECK(num_spec_seqs >= 0 && num_spec_seqs <= num_prefill_seqs, "num_spec_seqs {} of {} multi-token sequences",
+                num_spec_seqs, num_prefill_seqs);
+  const size_t spec_rows = static_cast<size_t>(num_prefill_tokens() - num_chunk_tokens());
+  CHIMERA_CHECK(spec_slots.size() == spec_rows, "spec_slots has {} entries for {} spec rows", spec_slots.size(),
+                spec_rows);
   for (size_t i = 0; i < s; ++i) {
     const int32_t n = cu_seqlens[i + 1] - cu_seqlens[i];
     CHIMERA_CHECK(n >= 1, "sequence {} has {} new tokens", i, n);

@@ -28,6 +28,15 @@ struct StepBatch {
   // decode attention), one new token each. The engine puts a sequence with one new token after a non-empty
   // context in the second group, every other in the first.
   int32_t num_prefill_seqs = 0;
+  // Speculative verify steps (runtime/engine.h): the last num_spec_seqs sequences of the multi-token group are each
+  // a decode token followed by its draft tokens. Their Mamba layers step token by token (the single-token update)
+  // instead of running the chunked scan, out of place: the conv and SSM state after row i of such a sequence go to
+  // slot spec_slots[j] (j: the row's index among all spec rows, so spec_slots has one entry per spec row), row i + 1
+  // reads them there (row 0 reads state_slots[s]), and state_slots[s] keeps the state before the step. The engine
+  // then adopts the slot of the last accepted row: a rejected draft costs no replay. Every other op sees ordinary
+  // multi-token rows (attention over context + new rows).
+  int32_t num_spec_seqs = 0;
+  std::vector<int32_t> spec_slots;
   // Packed rows whose logits the step returns, in this order (the last row of each sequence when
   // generating; every row when scoring a prompt).
   std::vector<int32_t> logit_rows;
@@ -47,6 +56,8 @@ struct StepBatch {
   int32_t num_seqs() const { return static_cast<int32_t>(context_lens.size()); }
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_prefill_tokens() const { return cu_seqlens[static_cast<size_t>(num_prefill_seqs)]; }
+  // Rows of the multi-token group before the spec sequences' (prompt chunks and recomputation).
+  int32_t num_chunk_tokens() const { return cu_seqlens[static_cast<size_t>(num_prefill_seqs - num_spec_seqs)]; }
   // Checks internal consistency (sizes, monotone offsets, one token per sequence of the single-token group,
   // contexts >= 0); kRuntime on error.
   void validate() const;

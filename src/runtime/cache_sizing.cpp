@@ -129,9 +129,19 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
     p.graphs = add(largest, largest / 4, "graph allowance");
   }
   p.ssm_dtype = r.ssm_dtype;
-  p.slot_bytes = mamba_slot_bytes(c, act_dtype, r.ssm_dtype);
+  // Speculative decoding: K + 1 spare Mamba slots per sequence and the MTP head's attention KV (CacheSizes).
+  const size_t per_seq_slots = r.num_speculative_tokens > 0 ? static_cast<size_t>(r.num_speculative_tokens) + 2 : 1;
+  p.slot_bytes = mul(mamba_slot_bytes(c, act_dtype, r.ssm_dtype), per_seq_slots, "Mamba slots of a sequence");
   p.kv_cache_fp8 = r.kv_cache_fp8;
   p.block_bytes = kv_block_bytes(c, act_dtype, r.block_size, r.kv_cache_fp8);
+  if (r.num_speculative_tokens > 0 && c.num_nextn_predict_layers > 0) {
+    ModelConfig head = c;  // the head's sublayers as a model of their own: their KV per block
+    head.layers.clear();
+    for (int64_t b = 0; b < c.num_nextn_predict_layers; ++b) {
+      head.layers.insert(head.layers.end(), c.mtp_layers.begin(), c.mtp_layers.end());
+    }
+    p.block_bytes = add(p.block_bytes, kv_block_bytes(head, act_dtype, r.block_size, r.kv_cache_fp8), "KV block");
+  }
   // The graphs' pad rows each own a scratch Mamba slot and KV block (StateCache, CacheSizes::num_pad).
   p.pad_rows = r.cuda_graphs ? cuda_graph_pad_rows(cuda_graph_batch_sizes(want)) : 0;
   const size_t pad_bytes = mul(static_cast<size_t>(p.pad_rows), add(p.slot_bytes, p.block_bytes, "pad row"),

@@ -42,6 +42,9 @@ struct CacheSizingRequest {
   bool cuda_graphs = true;  // reserve the graphs' allowance (decode buckets up to max_num_seqs)
   DType ssm_dtype = DType::kF32;  // the SSM state's dtype (--mamba-ssm-cache-dtype): its bytes per slot
   bool kv_cache_fp8 = false;      // --kv-cache-dtype fp8: one byte per K / V element
+  // Speculative decoding's K (0: off): each sequence's slot_bytes include its K + 1 spare Mamba slots, and a block's
+  // bytes the MTP head's attention sublayers (CacheSizes::spare_slots, CacheSizes::mtp).
+  int32_t num_speculative_tokens = 0;
 };
 
 struct CacheSizingPlan {
@@ -52,7 +55,7 @@ struct CacheSizingPlan {
   size_t workspace = 0;      // step activations at max_num_batched_tokens (memory_plan's estimate)
   size_t graphs = 0;         // allowance for the captured decode graphs' private pool
   int32_t pad_rows = 0;      // scratch Mamba slots and KV blocks for the graphs' pad rows (cuda_graph_pad_rows)
-  size_t slot_bytes = 0;     // Mamba conv + SSM state of one sequence, all Mamba layers
+  size_t slot_bytes = 0;     // Mamba conv + SSM state of one sequence, all Mamba layers (and its spare slots)
   size_t block_bytes = 0;    // K + V of one block, all attention layers
   int32_t mamba_slots = 0;
   int32_t kv_blocks = 0;

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <unordered_map>
 
 #include <fmt/core.h>
 
+#include "backends/cpu/cpu_ops.h"
 #include "core/error.h"
 #include "runtime/cache_sizing.h"
 #include "runtime/memory_plan.h"
@@ -21,7 +23,12 @@ std::span<const int32_t> generated_of(const Sequence& s) {
   return std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.prompt_len));
 }
 
-bool uses_graphs(const EngineConfig& c, Device device) { return device == Device::kCuda && c.cuda_graphs; }
+// Speculative engines run every step eagerly (the verify and draft steps are not captured yet).
+bool uses_graphs(const EngineConfig& c, Device device) {
+  return device == Device::kCuda && c.cuda_graphs && !c.speculative.enabled();
+}
+
+bool is_greedy(const SamplingParams& p) { return p.temperature == 0.0f || p.top_k == 1; }
 
 // The graph buckets: vLLM's sizes up to the largest decode batch the scheduler can form.
 std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device) {
@@ -29,11 +36,22 @@ std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device) {
   return cuda_graph_batch_sizes(std::min(c.scheduler.max_num_seqs, c.cache.max_seqs));
 }
 
-// The caches as configured, plus a scratch slot and block for each pad row a bucket can carry.
-CacheSizes with_pad_scratch(const EngineConfig& c, Device device) {
+// The caches as configured, plus a scratch slot and block for each pad row a bucket can carry, and with speculative
+// decoding the draft head's KV and K + 1 spare Mamba slots per sequence.
+CacheSizes engine_cache_sizes(const EngineConfig& c, Device device) {
   CacheSizes sizes = c.cache;
   sizes.num_pad = cuda_graph_pad_rows(graph_buckets(c, device));
+  if (c.speculative.enabled()) {
+    sizes.mtp = true;
+    sizes.spare_slots = c.speculative.num_speculative_tokens + 1;
+  }
   return sizes;
+}
+
+SchedulerConfig engine_scheduler_config(const EngineConfig& c) {
+  SchedulerConfig s = c.scheduler;
+  s.num_speculative_tokens = c.speculative.num_speculative_tokens;
+  return s;
 }
 }  // namespace
 
@@ -41,12 +59,19 @@ Engine::Engine(const Model& model, const ops::Context& ctx, const EngineConfig& 
     : model_(model),
       ctx_(ctx),
       config_(config),
-      cache_(model.config(), with_pad_scratch(config, ctx.device), ctx.device, model.activation_dtype()),
-      scheduler_(config.scheduler, cache_),
+      cache_(model.config(), engine_cache_sizes(config, ctx.device), ctx.device, model.activation_dtype()),
+      scheduler_(engine_scheduler_config(config), cache_),
       stop_ids_(model.config().eos_token_ids) {
   if (ctx.device != model.device()) {
     runtime_error("Engine: the model was loaded for the {} but the context is the {}",
                   model.device() == Device::kCpu ? "CPU" : "GPU", ctx.device == Device::kCpu ? "CPU" : "GPU");
+  }
+  if (config_.speculative.enabled()) {
+    if (model.mtp_blocks() == 0) {
+      invalid_input("--speculative-config: method \"mtp\" drafts with the checkpoint's multi-token-prediction head, "
+                    "and this model has none (num_nextn_predict_layers = 0 or no mtp.* tensors)");
+    }
+    spec_stats_.accepted_per_position.assign(static_cast<size_t>(config_.speculative.num_speculative_tokens), 0);
   }
   // Graph capture needs a stream of our own (the legacy default stream cannot be captured).
   if (ctx_.device == Device::kCuda && ctx_.stream == nullptr) {
@@ -259,8 +284,9 @@ std::vector<TokenEvent> Engine::step() {
 
   // ---- build the step batch ----
   // Sequences with several new tokens, or none in context, run the multi-token kernels (varlen conv, chunked
-  // scan, attention over context + new rows) and come first; sequences with one new token after a context run
-  // the single-token kernels (conv update, selective state update, decode attention).
+  // scan, attention over context + new rows) and come first, prompt chunks before verify steps (a decode token with
+  // drafts: its Mamba layers step token by token, StepBatch::num_spec_seqs); sequences with one new token after a
+  // context run the single-token kernels (conv update, selective state update, decode attention).
   // The step's sequences by id, looked up once (a step of a thousand decodes must not search the running list per
   // lookup); the pointers stay valid until the scheduler next changes its lists, after this step's update.
   std::unordered_map<int32_t, Sequence*> by_id;
@@ -271,10 +297,18 @@ std::vector<TokenEvent> Engine::step() {
     CHIMERA_CHECK(it != by_id.end(), "scheduled sequence {} is not running", id);
     return *it->second;
   };
+  // A verify step: a decode (one pending token past the prompt) scheduled with some of its drafts.
+  auto verifies = [&](const ScheduledSeq& p) {
+    const Sequence& s = seq(p.seq_id);
+    return p.num_tokens > 1 && s.num_computed > 0 && !s.in_prefill() && s.num_pending() == 1;
+  };
   StepBatch b;
   std::vector<ScheduledSeq> order;
   for (const ScheduledSeq& p : plan.seqs) {
-    if (p.num_tokens > 1 || seq(p.seq_id).num_computed == 0) order.push_back(p);
+    if ((p.num_tokens > 1 || seq(p.seq_id).num_computed == 0) && !verifies(p)) order.push_back(p);
+  }
+  for (const ScheduledSeq& p : plan.seqs) {
+    if (verifies(p)) order.push_back(p);
   }
   b.num_prefill_seqs = static_cast<int32_t>(order.size());
   for (const ScheduledSeq& p : plan.seqs) {
@@ -282,24 +316,45 @@ std::vector<TokenEvent> Engine::step() {
   }
   const int32_t max_blocks = cache_.blocks_per_seq();
   b.block_tables = Tensor::zeros(DType::kI32, {static_cast<int64_t>(order.size()), max_blocks});
-  // For each logits row: its sequence, whether this step samples from it, whether on_logits sees it, and the
-  // prompt position whose token it scores for the sequence's prompt_logprobs (-1: none).
+  // For each logits row: its sequence, whether this step samples from it, whether on_logits sees it, the prompt
+  // position whose token it scores for the sequence's prompt_logprobs (-1: none), and in a verify step its row
+  // (0: after the last token, i: after draft i - 1; -1: not a verify row).
   struct RowOwner {
     int32_t seq_id;
     bool samples;
     bool reported;
     int32_t scores = -1;
+    int32_t verify_row = -1;
   };
   std::vector<RowOwner> row_owner;
   for (size_t i = 0; i < order.size(); ++i) {
     Sequence& s = seq(order[i].seq_id);
     const int32_t n = order[i].num_tokens;
     const int32_t start = b.num_tokens();
-    b.token_ids.insert(b.token_ids.end(), s.tokens.begin() + s.num_computed, s.tokens.begin() + s.num_computed + n);
+    const bool verify = verifies(order[i]);
+    if (verify) {
+      // The last token, then the first n - 1 drafts (all of them unless the token budget cut the step short).
+      s.drafts.resize(static_cast<size_t>(n - 1));
+      if (!s.draft_probs.empty()) s.draft_probs.resize(static_cast<size_t>(n - 1));
+      b.token_ids.push_back(s.tokens[static_cast<size_t>(s.num_computed)]);
+      b.token_ids.insert(b.token_ids.end(), s.drafts.begin(), s.drafts.end());
+      b.spec_slots.insert(b.spec_slots.end(), s.spare_slots.begin(), s.spare_slots.begin() + n);
+      ++b.num_spec_seqs;
+    } else {
+      b.token_ids.insert(b.token_ids.end(), s.tokens.begin() + s.num_computed,
+                         s.tokens.begin() + s.num_computed + n);
+    }
     b.cu_seqlens.push_back(b.num_tokens());
     b.context_lens.push_back(s.num_computed);
     b.state_slots.push_back(s.slot);
     std::copy(s.blocks.begin(), s.blocks.end(), b.block_tables.i32() + static_cast<int64_t>(i) * max_blocks);
+    if (verify) {
+      for (int32_t r = 0; r < n; ++r) {
+        b.logit_rows.push_back(start + r);
+        row_owner.push_back({s.id, true, true, -1, r});
+      }
+      continue;
+    }
     // Row r holds the logits after token s.num_computed + r. A row is reported once: a preempted sequence
     // recomputing its tokens reports only rows past num_computed_max; the last row samples the next token.
     // A sequence asking for prompt_logprobs gets the rows of its prompt positions 0 .. prompt_len - 2, chunk by
@@ -320,19 +375,29 @@ std::vector<TokenEvent> Engine::step() {
 
   // ---- execute ----
   const int64_t graph_steps_before = num_graph_steps_;
-  Tensor logits = execute(b);
-  last_step_.prefill_tokens = b.num_prefill_tokens();
-  last_step_.decode_tokens = b.num_tokens() - b.num_prefill_tokens();
+  Tensor hidden;  // speculative decoding: the backbone's output of every row, the draft head's input
+  Tensor logits = speculative() ? model_.forward_device(ctx_, b, cache_.state(), hidden) : execute(b);
+  last_step_.prefill_tokens = b.num_chunk_tokens();
+  last_step_.decode_tokens = b.num_tokens() - b.num_chunk_tokens();  // verify rows included
   last_step_.graph = num_graph_steps_ != graph_steps_before;
 
   // ---- update ----
   for (const ScheduledSeq& p : order) {
     Sequence& s = seq(p.seq_id);
-    s.num_computed += p.num_tokens;
+    s.num_computed += p.num_tokens;  // a verify step's sequence steps back to its accepted prefix below
     s.num_computed_max = std::max(s.num_computed_max, s.num_computed);
   }
+  // The history a row's penalties see: the generated tokens, and in a verify step the drafts before the row.
+  std::vector<int32_t> history;
+  auto history_of = [&](const Sequence& s, int32_t verify_row) -> std::span<const int32_t> {
+    if (verify_row <= 0) return generated_of(s);
+    history.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
+    history.insert(history.end(), s.drafts.begin(), s.drafts.begin() + verify_row);
+    return history;
+  };
   // On the GPU, when every logits row samples and nobody asked for the rows themselves, sampling runs there and
-  // only the token ids come back; otherwise the rows come to the host (fp32) and are sampled there.
+  // only the token ids come back; otherwise the rows come to the host (fp32) and are sampled there. Verify rows of a
+  // sampling (temperature > 0) request need the rows: rejection sampling compares distributions.
   std::vector<SampledToken> device_tokens;
   if (ctx_.device == Device::kCuda) {
     bool all_sample = !on_logits;
@@ -341,10 +406,11 @@ std::vector<TokenEvent> Engine::step() {
     std::vector<ops::PenaltyToken> penalty_tokens;
     for (size_t r = 0; all_sample && r < row_owner.size(); ++r) {
       const Sequence& s = seq(row_owner[r].seq_id);
-      all_sample = row_owner[r].samples && s.sampling.max_new_tokens > 0;
-      ops::SamplingRow row = sampling_row(s.sampling, static_cast<uint64_t>(s.num_generated()));
+      const int32_t vr = row_owner[r].verify_row;
+      all_sample = row_owner[r].samples && s.sampling.max_new_tokens > 0 && (vr < 0 || is_greedy(s.sampling));
+      ops::SamplingRow row = sampling_row(s.sampling, static_cast<uint64_t>(s.num_generated() + std::max(vr, 0)));
       row.penalty_begin = static_cast<int32_t>(penalty_tokens.size());
-      append_penalty_tokens(s.sampling, prompt_of(s), generated_of(s), penalty_tokens);
+      append_penalty_tokens(s.sampling, prompt_of(s), history_of(s, vr), penalty_tokens);
       row.penalty_end = static_cast<int32_t>(penalty_tokens.size());
       want_logprobs = want_logprobs || s.sampling.logprobs >= 0;
       rows.push_back(row);
@@ -356,11 +422,19 @@ std::vector<TokenEvent> Engine::step() {
     }
   }
   const int64_t V = model_.config().vocab_size;
+  const bool on_host = device_tokens.empty();
+  auto host_row = [&](size_t r) {
+    return std::span<const float>(on_host ? logits.f32() + static_cast<int64_t>(r) * V : nullptr,
+                                  on_host ? static_cast<size_t>(V) : 0);
+  };
+  std::map<int32_t, std::vector<size_t>> verify_rows;  // sequence -> its verify rows, in order
   for (size_t r = 0; r < row_owner.size(); ++r) {
     Sequence& s = seq(row_owner[r].seq_id);
-    const bool on_host = device_tokens.empty();
-    const std::span<const float> row(on_host ? logits.f32() + static_cast<int64_t>(r) * V : nullptr,
-                                     on_host ? static_cast<size_t>(V) : 0);
+    if (row_owner[r].verify_row >= 0) {
+      verify_rows[s.id].push_back(r);
+      continue;
+    }
+    const std::span<const float> row = host_row(r);
     if (on_logits && row_owner[r].reported) on_logits(s.id, row);
     if (row_owner[r].scores >= 0) {
       const int32_t at = row_owner[r].scores;
@@ -381,34 +455,232 @@ std::vector<TokenEvent> Engine::step() {
     SampledToken t = on_host ? sample_token(row, s.sampling, step, prompt_of(s), generated_of(s))
                              : std::move(device_tokens[r]);
     if (t.nonfinite) {
-      // NaN / Inf logits (broken weights or an overflow): sampling them gives plausible-looking garbage.
-      s.finish = FinishReason::kError;
-      s.error = fmt::format("non-finite logits at step {} of sequence {} (a NaN or an infinity among them)", step, s.id);
-      TokenEvent ev{s.id, -1, s.finish};
-      ev.error = s.error;
-      events.push_back(with_prompt_logprobs(std::move(ev)));
+      fail_nonfinite(s, step, events, with_prompt_logprobs);
       continue;
     }
-    const int32_t tok = t.id;
-    TokenEvent ev = with_prompt_logprobs({s.id, tok, FinishReason::kNone});
-    s.tokens.push_back(tok);
-    const bool eos = !s.sampling.ignore_eos && std::find(stop_ids_.begin(), stop_ids_.end(), tok) != stop_ids_.end();
-    const auto& stop_tokens = s.sampling.stop_token_ids;
-    if (eos || std::find(stop_tokens.begin(), stop_tokens.end(), tok) != stop_tokens.end()) {
-      s.finish = FinishReason::kStop;
-    } else if (s.num_generated() >= s.sampling.max_new_tokens ||
-               static_cast<int32_t>(s.tokens.size()) >= cache_.sizes().max_model_len) {
-      s.finish = FinishReason::kLength;
+    TokenEvent ev = with_prompt_logprobs({s.id, t.id, FinishReason::kNone});  // before the token joins s
+    TokenEvent appended = append_token(s, t);
+    appended.prompt_logprobs = std::move(ev.prompt_logprobs);
+    events.push_back(std::move(appended));
+  }
+
+  // ---- speculative decoding: accept each verify step's longest valid prefix, then draft for the next step ----
+  for (auto& [id, rows] : verify_rows) {
+    Sequence& s = seq(id);
+    const int32_t n = static_cast<int32_t>(rows.size());
+    const int32_t context = s.num_computed - n;  // before this step
+    const uint64_t g = static_cast<uint64_t>(s.num_generated());
+    // The tokens the step emits: accepted drafts, then the correction (or the bonus token after all of them).
+    std::vector<int32_t> emitted;
+    bool nonfinite = false;
+    if (is_greedy(s.sampling)) {
+      std::vector<int32_t> targets;
+      for (int32_t j = 0; j < n; ++j) {
+        const size_t r = rows[static_cast<size_t>(j)];
+        const SampledToken t = on_host ? sample_token(host_row(r), s.sampling, g + static_cast<uint64_t>(j),
+                                                      prompt_of(s), history_of(s, j))
+                                       : device_tokens[r];
+        targets.push_back(t.id);
+        nonfinite = nonfinite || t.nonfinite;
+      }
+      emitted = accept_greedy(s.drafts, targets);
+    } else {
+      for (int32_t j = 0; j < n; ++j) {
+        const std::span<const float> row = host_row(rows[static_cast<size_t>(j)]);
+        nonfinite = nonfinite || !std::all_of(row.begin(), row.end(), [](float v) { return std::isfinite(v); });
+        const uint64_t step = g + static_cast<uint64_t>(j);
+        if (j == n - 1) {  // every draft accepted: the bonus token, sampled as without speculation
+          emitted.push_back(sample_token(row, s.sampling, step, prompt_of(s), history_of(s, j)).id);
+          break;
+        }
+        std::vector<ops::PenaltyToken> pen;
+        append_penalty_tokens(s.sampling, prompt_of(s), history_of(s, j), pen);
+        const std::vector<float> p = cpu::sampling_probs(row, sampling_row(s.sampling, step), pen);
+        const RejectionResult res =
+            rejection_step(p, s.draft_probs[static_cast<size_t>(j)], s.drafts[static_cast<size_t>(j)],
+                           spec_uniform(s.sampling.seed, SpecStream::kAccept, step),
+                           spec_uniform(s.sampling.seed, SpecStream::kResample, step));
+        emitted.push_back(res.token);
+        if (!res.accepted) break;
+      }
     }
-    ev.finish = s.finish;
-    if (s.sampling.logprobs >= 0) {
-      ev.logprob = t.logprob;
-      ev.top_logprobs = std::move(t.top_logprobs);
+    const int32_t accepted = static_cast<int32_t>(emitted.size()) - 1;
+    spec_stats_.num_drafts += 1;
+    spec_stats_.num_draft_tokens += n - 1;
+    spec_stats_.num_accepted_tokens += accepted;
+    for (int32_t j = 0; j < accepted; ++j) ++spec_stats_.accepted_per_position[static_cast<size_t>(j)];
+    // The state after the last accepted row becomes the sequence's; the KV past it is overwritten by later steps.
+    s.num_computed = context + accepted + 1;
+    std::swap(s.slot, s.spare_slots[static_cast<size_t>(accepted)]);
+    s.drafts.clear();
+    s.draft_probs.clear();
+    if (nonfinite) {
+      fail_nonfinite(s, g, events, [](TokenEvent ev) { return ev; });
+      continue;
     }
-    events.push_back(std::move(ev));
+    for (size_t j = 0; j < emitted.size() && !s.finished(); ++j) {
+      const size_t r = rows[j];
+      if (on_logits) on_logits(s.id, host_row(r));
+      SampledToken t;
+      t.id = emitted[j];
+      if (s.sampling.logprobs >= 0) {
+        if (on_host) {
+          PromptLogprob lp = prompt_logprob(host_row(r), t.id, s.sampling.logprobs);
+          t.logprob = lp.logprob;
+          t.top_logprobs = std::move(lp.top);
+        } else {  // greedy on the device: the emitted token is the row's sampled one
+          t.logprob = device_tokens[r].logprob;
+          t.top_logprobs = device_tokens[r].top_logprobs;
+        }
+      }
+      events.push_back(append_token(s, t));
+    }
+    s.num_computed = std::min(s.num_computed, static_cast<int32_t>(s.tokens.size()));
+  }
+  if (speculative()) {
+    std::vector<Sequence*> seqs;
+    for (const ScheduledSeq& p : order) seqs.push_back(&seq(p.seq_id));
+    propose_drafts(b, seqs, hidden);
   }
   for (Sequence& s : scheduler_.collect_finished()) finished_.push_back(std::move(s));
   return events;
+}
+
+void Engine::fail_nonfinite(Sequence& s, uint64_t step, std::vector<TokenEvent>& events,
+                            const std::function<TokenEvent(TokenEvent)>& decorate) {
+  // NaN / Inf logits (broken weights or an overflow): sampling them gives plausible-looking garbage.
+  s.finish = FinishReason::kError;
+  s.error = fmt::format("non-finite logits at step {} of sequence {} (a NaN or an infinity among them)", step, s.id);
+  TokenEvent ev{s.id, -1, s.finish};
+  ev.error = s.error;
+  events.push_back(decorate(std::move(ev)));
+}
+
+TokenEvent Engine::append_token(Sequence& s, SampledToken& t) {
+  const int32_t tok = t.id;
+  TokenEvent ev{s.id, tok, FinishReason::kNone};
+  s.tokens.push_back(tok);
+  const bool eos = !s.sampling.ignore_eos && std::find(stop_ids_.begin(), stop_ids_.end(), tok) != stop_ids_.end();
+  const auto& stop_tokens = s.sampling.stop_token_ids;
+  if (eos || std::find(stop_tokens.begin(), stop_tokens.end(), tok) != stop_tokens.end()) {
+    s.finish = FinishReason::kStop;
+  } else if (s.num_generated() >= s.sampling.max_new_tokens ||
+             static_cast<int32_t>(s.tokens.size()) >= cache_.sizes().max_model_len) {
+    s.finish = FinishReason::kLength;
+  }
+  ev.finish = s.finish;
+  if (s.sampling.logprobs >= 0) {
+    ev.logprob = t.logprob;
+    ev.top_logprobs = std::move(t.top_logprobs);
+  }
+  return ev;
+}
+
+void Engine::propose_drafts(const StepBatch& b, const std::vector<Sequence*>& seqs, const Tensor& hidden) {
+  const int32_t K = config_.speculative.num_speculative_tokens;
+  // The draft head's step over the backbone step's rows: row r (position t) carries the token at t + 1 where it is
+  // known (a prompt token, an accepted draft, the token just sampled), else 0 (rejected rows: the head's KV there is
+  // rewritten before anything reads it). Every row runs, so the head's KV cache follows the backbone's; the logits
+  // are those of each drafting sequence's last computed row, which predict the token after the one just sampled.
+  StepBatch m = b;
+  m.num_spec_seqs = 0;
+  m.spec_slots.clear();
+  m.logit_rows.clear();
+  m.device_meta = nullptr;
+  struct Drafting {
+    Sequence* s;
+    int32_t depth;  // drafts it wants this step (>= 1)
+  };
+  std::vector<Drafting> drafting;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence& s = *seqs[i];
+    const int32_t begin = b.cu_seqlens[i], n = b.cu_seqlens[i + 1] - begin, context = b.context_lens[i];
+    for (int32_t r = 0; r < n; ++r) {
+      const size_t next = static_cast<size_t>(context + r + 1);
+      m.token_ids[static_cast<size_t>(begin + r)] = next < s.tokens.size() ? s.tokens[next] : 0;
+    }
+    const int32_t len = static_cast<int32_t>(s.tokens.size());
+    if (s.finished() || s.in_prefill() || s.num_computed != len - 1) continue;
+    // Drafts the next verify step can use: within the model length and the tokens still to generate.
+    const int32_t depth = std::min({K, cache_.sizes().max_model_len - len, s.sampling.max_new_tokens - s.num_generated() - 1});
+    if (depth <= 0) continue;
+    m.logit_rows.push_back(begin + (s.num_computed - 1 - context));
+    drafting.push_back({&s, depth});
+  }
+  const bool any = !drafting.empty();
+  if (!any) m.logit_rows.push_back(0);  // the head still runs for its cache; the row is dropped
+  const int blocks = model_.mtp_blocks();
+  Tensor mtp_hidden;
+  Tensor logits = model_.mtp_forward_device(ctx_, m, hidden, cache_.state(), 0, any && K > 1 ? &mtp_hidden : nullptr);
+  if (!any) return;
+  // Row d of `logits` is drafting[d]'s; hidden_row[d] its row of mtp_hidden (the head's output there).
+  std::vector<int32_t> hidden_row(m.logit_rows.begin(), m.logit_rows.end());
+  for (int32_t depth = 1;; ++depth) {
+    std::vector<Sequence*> live;
+    for (const Drafting& d : drafting) live.push_back(d.s);
+    draw_drafts(logits, live);
+    if (depth == K) break;
+    // The next depth: one token per sequence that wants more (its last draft), at the position after the previous
+    // depth's, the block applied again (or the next block of a head with several) on its own previous output.
+    std::vector<Drafting> next;
+    std::vector<int32_t> next_hidden_row;
+    for (size_t d = 0; d < drafting.size(); ++d) {
+      if (drafting[d].depth <= depth) continue;
+      next.push_back(drafting[d]);
+      next_hidden_row.push_back(hidden_row[d]);
+    }
+    if (next.empty()) break;
+    StepBatch db;
+    const int32_t max_blocks = cache_.blocks_per_seq();
+    db.block_tables = Tensor::zeros(DType::kI32, {static_cast<int64_t>(next.size()), max_blocks});
+    for (size_t i = 0; i < next.size(); ++i) {
+      const Sequence& s = *next[i].s;
+      db.token_ids.push_back(s.drafts.back());
+      db.cu_seqlens.push_back(static_cast<int32_t>(i + 1));
+      db.context_lens.push_back(s.num_computed + depth - 1);
+      db.state_slots.push_back(s.slot);
+      std::copy(s.blocks.begin(), s.blocks.end(), db.block_tables.i32() + static_cast<int64_t>(i) * max_blocks);
+      db.logit_rows.push_back(static_cast<int32_t>(i));
+    }
+    const Tensor h =
+        device::empty(ctx_.device, mtp_hidden.dtype(), {static_cast<int64_t>(next.size()), mtp_hidden.dim(1)});
+    ops::embedding(ctx_, h, mtp_hidden, next_hidden_row);
+    Tensor out_hidden;
+    logits = model_.mtp_forward_device(ctx_, db, h, cache_.state(), depth % blocks,
+                                       depth + 1 < K ? &out_hidden : nullptr);
+    mtp_hidden = out_hidden;
+    drafting = std::move(next);
+    hidden_row.resize(drafting.size());
+    for (size_t d = 0; d < drafting.size(); ++d) hidden_row[d] = static_cast<int32_t>(d);
+  }
+}
+
+void Engine::draw_drafts(const Tensor& logits, const std::vector<Sequence*>& seqs) {
+  const int64_t R = static_cast<int64_t>(seqs.size());
+  bool all_greedy = true;
+  for (const Sequence* s : seqs) all_greedy = all_greedy && is_greedy(s->sampling);
+  if (ctx_.device == Device::kCuda && all_greedy) {  // argmax on the device: only the ids come back
+    const std::vector<ops::SamplingRow> rows(static_cast<size_t>(R));
+    const std::vector<SampledToken> ids = sample_on_device(logits, rows, {}, false);
+    for (int64_t i = 0; i < R; ++i) seqs[static_cast<size_t>(i)]->drafts.push_back(ids[static_cast<size_t>(i)].id);
+    return;
+  }
+  const Tensor host = ctx_.device == Device::kCpu ? logits : device::to_host_f32(logits);
+  const int64_t V = host.dim(1);
+  for (int64_t i = 0; i < R; ++i) {
+    Sequence& s = *seqs[static_cast<size_t>(i)];
+    const std::span<const float> row(host.f32() + i * V, static_cast<size_t>(V));
+    if (is_greedy(s.sampling)) {
+      s.drafts.push_back(static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin()));
+      continue;
+    }
+    // Drawn from the draft distribution q: the request's temperature, top-k, top-p and min-p, no penalties (any q
+    // keeps the output exact; this one is close to the target's). q is kept for the verify's rejection test.
+    const uint64_t step = static_cast<uint64_t>(s.num_generated()) + s.drafts.size();
+    std::vector<float> q = cpu::sampling_probs(row, sampling_row(s.sampling, step), {});
+    s.drafts.push_back(sample_from_probs(q, spec_uniform(s.sampling.seed, SpecStream::kDraft, step)));
+    s.draft_probs.push_back(std::move(q));
+  }
 }
 
 bool Engine::abort_request(int32_t seq_id) {

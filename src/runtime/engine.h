@@ -14,6 +14,7 @@
 #include "backends/device_api.h"
 #include "runtime/model.h"
 #include "runtime/scheduler.h"
+#include "runtime/speculative.h"
 #include "runtime/state_cache.h"
 
 namespace chimera {
@@ -32,6 +33,17 @@ struct EngineConfig {
   // to cuda_graph_pad_rows of the buckets); only the B real rows' logits are returned and sampled. Prefill and
   // mixed steps stay eager.
   bool cuda_graphs = true;
+  // Speculative decoding with the model's MTP head (--speculative-config; needs a head: kInvalidInput otherwise).
+  // After each step the head drafts up to K tokens per decoding sequence: one head step over the step's rows (which
+  // also fills the head's KV cache, prompt chunks included), then K - 1 single-token steps, the block applied to its
+  // own output. The next step verifies the drafts: the sequence's last token and its drafts as K + 1 rows, attention
+  // over context + rows, the Mamba layers stepping token by token into the sequence's spare slots
+  // (StepBatch::num_spec_seqs). Greedy requests accept the longest prefix equal to the target's argmax, then its
+  // token after it, so they emit exactly what they would without speculation; sampling requests use rejection
+  // sampling (runtime/speculative.h), which leaves the output distribution the target's. The accepted row's slot
+  // becomes the sequence's Mamba state. Drafts are capped by max_model_len and max_tokens. Such engines run every step
+  // eagerly (no CUDA graphs).
+  SpeculativeConfig speculative;
 };
 
 struct TokenEvent {
@@ -97,10 +109,12 @@ class Engine {
   // What the last step() computed (zeros before the first, and for a step that found nothing to run).
   struct StepStats {
     int32_t prefill_tokens = 0;  // tokens of sequences in their prompt (or recomputing after a preemption)
-    int32_t decode_tokens = 0;   // one-token steps of sequences past their prompt
+    int32_t decode_tokens = 0;   // rows of sequences past their prompt (a verify step's last token and drafts)
     bool graph = false;          // ran as a CUDA graph replay
   };
   const StepStats& last_step() const { return last_step_; }
+  // Speculative decoding's counters so far (all zero without it).
+  const SpeculativeStats& speculative_stats() const { return spec_stats_; }
 
  private:
   // A captured decode step of one bucket of n rows: its inputs live at fixed device addresses (refilled before each
@@ -128,6 +142,18 @@ class Engine {
                                              bool want_logprobs);
 
 
+  bool speculative() const { return config_.speculative.enabled(); }
+  // A sequence's token: appended to it, its finish decided (stop ids, max_tokens, the model length), as an event.
+  TokenEvent append_token(Sequence& s, SampledToken& t);
+  // Finishes s with kError for non-finite logits at `step`; the event goes through `decorate` (prompt logprobs).
+  void fail_nonfinite(Sequence& s, uint64_t step, std::vector<TokenEvent>& events,
+                      const std::function<TokenEvent(TokenEvent)>& decorate);
+  // After a step of batch b (seqs: its sequences in batch order, hidden: the backbone's output of every row): the
+  // MTP head's step over those rows, then its further depths, leaving each decoding sequence's drafts in it.
+  void propose_drafts(const StepBatch& b, const std::vector<Sequence*>& seqs, const Tensor& hidden);
+  // One draft per sequence from row i of `logits` (the head's): the argmax, or drawn from the draft distribution.
+  void draw_drafts(const Tensor& logits, const std::vector<Sequence*>& seqs);
+
   const Model& model_;
   ops::Context ctx_;
   EngineConfig config_;
@@ -144,6 +170,7 @@ class Engine {
   Tensor graph_logits_;  // [largest bucket, vocab]: every graph's logits (one replay at a time)
   double graph_capture_seconds_ = 0.0;
   int64_t num_graph_steps_ = 0;
+  SpeculativeStats spec_stats_;
 };
 
 // The start-up line of an engine's CUDA graphs, as vLLM prints it ("" when it has none):

@@ -26,6 +26,19 @@ class Model {
   // waiting for it (capturable in a CUDA graph when batch.device_meta is set).
   virtual Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const = 0;
 
+  // Speculative decoding with the model's own multi-token-prediction head (runtime/engine.h). Blocks of the head
+  // (0: none, and the two calls below are not made).
+  virtual int mtp_blocks() const { return 0; }
+  // forward_device also leaving the backbone's output of every row (the final norm's, before lm_head) in `hidden`:
+  // [num_tokens, hidden_size] on ctx.device in the activation dtype.
+  virtual Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state,
+                                Tensor& hidden) const;
+  // One step of MTP block `block` over the rows of `batch` (token_ids: each row's next token), `hidden` the
+  // backbone's (or the previous block step's) output of those rows: the logits of batch.logit_rows on ctx.device
+  // in the activation dtype, and the head's own output of every row in *mtp_hidden when set.
+  virtual Tensor mtp_forward_device(const ops::Context& ctx, const StepBatch& batch, const Tensor& hidden,
+                                    ModelState& state, int block, Tensor* mtp_hidden = nullptr) const;
+
  protected:
   Model() = default;
   Model(const Model&) = default;

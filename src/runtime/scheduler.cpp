@@ -37,6 +37,19 @@ Sequence& Scheduler::get(int32_t id) {
   runtime_error("scheduler: no sequence {}", id);
 }
 
+void Scheduler::release(Sequence& s) {
+  cache_.release_slot(s.slot);
+  for (int32_t slot : s.spare_slots) cache_.release_slot(slot);
+  cache_.release_blocks(s.blocks);
+  s.slot = -1;
+  s.spare_slots.clear();
+}
+
+int32_t Scheduler::tokens_to_reserve(const Sequence& s, int32_t n) const {
+  const int32_t extra = std::max(0, config_.num_speculative_tokens - 1);
+  return std::min(s.num_computed + n + extra, std::max(cache_.sizes().max_model_len, s.num_computed + n));
+}
+
 void Scheduler::preempt_last(SchedulerOutput& out, int32_t& budget) {
   Sequence& v = running_.back();
   // Already given tokens this step (a decode scheduled before a prompt chunk that needs its blocks): take back.
@@ -45,10 +58,10 @@ void Scheduler::preempt_last(SchedulerOutput& out, int32_t& budget) {
     budget += it->num_tokens;
     out.seqs.erase(it);
   }
-  cache_.release_slot(v.slot);
-  cache_.release_blocks(v.blocks);
-  v.slot = -1;
+  release(v);
   v.num_computed = 0;
+  v.drafts.clear();  // the draft head's cache is gone with the blocks: the recomputation drafts anew
+  v.draft_probs.clear();
   ++v.num_preemptions;
   ++num_preemptions_;
   out.preempted.push_back(v.id);
@@ -67,10 +80,12 @@ SchedulerOutput Scheduler::schedule() {
     for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
       Sequence& s = running_[i];
       if (s.finished() || s.in_prefill() != prompt_phase) continue;
-      const int32_t n = std::min(budget, s.num_pending());
+      // A decode with drafts verifies them in the same step (all or, when the budget is short, a prefix).
+      const int32_t pending = s.num_pending() + (prompt_phase ? 0 : static_cast<int32_t>(s.drafts.size()));
+      const int32_t n = std::min(budget, pending);
       if (n <= 0) continue;
       bool self_preempted = false;
-      while (!cache_.reserve_blocks(s.blocks, s.num_computed + n)) {
+      while (!cache_.reserve_blocks(s.blocks, tokens_to_reserve(s, n))) {
         // The pool holds at least one sequence of max_model_len (StateCache checks), so a sequence alone
         // always fits and there is someone to preempt.
         CHIMERA_CHECK(running_.size() > 1, "sequence {} alone does not fit the KV pool", s.id);
@@ -89,13 +104,20 @@ SchedulerOutput Scheduler::schedule() {
     Sequence& s = waiting_.front();
     const int32_t n = std::min(budget, s.num_pending());
     std::vector<int32_t> blocks;
-    if (!cache_.reserve_blocks(blocks, s.num_computed + n)) break;
+    if (!cache_.reserve_blocks(blocks, tokens_to_reserve(s, n))) break;
     const int32_t slot = cache_.allocate_slot();
     if (slot < 0) {
       cache_.release_blocks(blocks);
       break;
     }
+    std::vector<int32_t> spare = cache_.allocate_spare_slots();
+    if (spare.size() != static_cast<size_t>(cache_.sizes().spare_slots)) {  // every sequence holds as many
+      cache_.release_slot(slot);
+      cache_.release_blocks(blocks);
+      break;
+    }
     s.slot = slot;
+    s.spare_slots = std::move(spare);
     s.blocks = std::move(blocks);
     out.seqs.push_back({s.id, n});
     budget -= n;
@@ -110,9 +132,7 @@ std::optional<Sequence> Scheduler::abort(int32_t id) {
   auto r = std::find_if(running_.begin(), running_.end(), [id](const Sequence& s) { return s.id == id; });
   if (r != running_.end()) {
     if (r->finished()) return std::nullopt;
-    cache_.release_slot(r->slot);
-    cache_.release_blocks(r->blocks);
-    r->slot = -1;
+    release(*r);
     out = std::move(*r);
     running_.erase(r);
   } else {
@@ -129,9 +149,7 @@ std::vector<Sequence> Scheduler::collect_finished() {
   std::vector<Sequence> done;
   for (auto it = running_.begin(); it != running_.end();) {
     if (it->finished()) {
-      cache_.release_slot(it->slot);
-      cache_.release_blocks(it->blocks);
-      it->slot = -1;
+      release(*it);
       done.push_back(std::move(*it));
       it = running_.erase(it);
     } else {

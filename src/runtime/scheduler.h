@@ -43,6 +43,13 @@ struct Sequence {
   // sampling.prompt_logprobs >= 0: those of prompt positions 1.. computed so far (every prefill chunk adds
   // its rows); handed out with the sequence's first sampling event.
   std::vector<PromptLogprob> prompt_logprobs;
+  // Speculative decoding (runtime/engine.h): the draft tokens proposed to follow `tokens`, which the next step
+  // verifies (scheduled as 1 + drafts.size() tokens), and when sampling each one's draft distribution (dense over
+  // the vocabulary) for rejection sampling. Cleared by a preemption.
+  std::vector<int32_t> drafts;
+  std::vector<std::vector<float>> draft_probs;
+  // CacheSizes::spare_slots Mamba slots the verify step writes its rows' states to; held and released with `slot`.
+  std::vector<int32_t> spare_slots;
 
   int32_t num_generated() const { return static_cast<int32_t>(tokens.size()) - prompt_len; }
   // Tokens not yet in the caches (the next step's candidates).
@@ -68,6 +75,9 @@ struct SchedulerConfig {
   // Requests that may wait for admission; add() past it throws ErrorKind::kOverloaded. 0: no bound.
   // Preempted sequences return to the queue whatever its length.
   int32_t max_waiting = 0;
+  // Speculative decoding's K (the engine sets it): a running sequence past its prompt is scheduled with its drafts,
+  // and every sequence's KV blocks cover K - 1 tokens past the step's (the draft steps after it write there).
+  int32_t num_speculative_tokens = 0;
 };
 
 class Scheduler {
@@ -95,6 +105,10 @@ class Scheduler {
  private:
   // Moves running_.back() (the most recently admitted) back to the front of the waiting queue.
   void preempt_last(SchedulerOutput& out, int32_t& budget);
+  // Frees a sequence's Mamba slots (its own and the spare ones) and KV blocks.
+  void release(Sequence& s);
+  // KV positions a sequence given n new tokens this step needs blocks for (capped at the model length).
+  int32_t tokens_to_reserve(const Sequence& s, int32_t n) const;
 
   SchedulerConfig config_;
   StateCache& cache_;

@@ -33,7 +33,9 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
                   sizes_.num_blocks, sizes_.block_size, sizes_.max_model_len);
   }
 
-  const int64_t slots = int64_t{sizes_.max_seqs} + sizes_.num_pad;
+  if (sizes_.spare_slots < 0) runtime_error("StateCache: {} spare slots per sequence", sizes_.spare_slots);
+  const int64_t spare_total = int64_t{sizes_.max_seqs} * sizes_.spare_slots;
+  const int64_t slots = int64_t{sizes_.max_seqs} + sizes_.num_pad + spare_total;
   const int64_t blocks = int64_t{sizes_.num_blocks} + sizes_.num_pad;
   // The backbone's layers, then (CacheSizes::mtp) the MTP head's sublayers, block after block.
   std::vector<LayerKind> kinds = config.layers;
@@ -63,6 +65,8 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
       case LayerKind::kMoe: break;
     }
   }
+  const int32_t spare_begin = sizes_.max_seqs + sizes_.num_pad;
+  for (int32_t s = spare_begin + static_cast<int32_t>(spare_total) - 1; s >= spare_begin; --s) free_slots_.push_back(s);
   for (int32_t s = sizes_.max_seqs - 1; s >= 0; --s) free_slots_.push_back(s);
   for (int32_t b = sizes_.num_blocks - 1; b >= 0; --b) free_blocks_.push_back(b);
 }
@@ -79,6 +83,14 @@ int32_t StateCache::allocate_slot() {
   return slot;
 }
 
+std::vector<int32_t> StateCache::allocate_spare_slots() {
+  const auto n = static_cast<size_t>(sizes_.spare_slots);
+  if (free_slots_.size() < n) return {};
+  std::vector<int32_t> out(free_slots_.end() - static_cast<long>(n), free_slots_.end());
+  free_slots_.resize(free_slots_.size() - n);
+  return out;
+}
+
 int32_t StateCache::pad_slot(int32_t j) const {
   CHIMERA_CHECK(j >= 0 && j < sizes_.num_pad, "pad slot {} of {}", j, sizes_.num_pad);
   return sizes_.max_seqs + j;
@@ -90,7 +102,10 @@ int32_t StateCache::pad_block(int32_t j) const {
 }
 
 void StateCache::release_slot(int32_t slot) {
-  CHIMERA_CHECK(slot >= 0 && slot < sizes_.max_seqs, "release of slot {}", slot);
+  const int32_t spare_begin = sizes_.max_seqs + sizes_.num_pad;
+  CHIMERA_CHECK((slot >= 0 && slot < sizes_.max_seqs) ||
+                    (slot >= spare_begin && slot < spare_begin + sizes_.max_seqs * sizes_.spare_slots),
+                "release of slot {}", slot);
   CHIMERA_CHECK(std::find(free_slots_.begin(), free_slots_.end(), slot) == free_slots_.end(),
                 "slot {} released twice", slot);
   free_slots_.push_back(slot);

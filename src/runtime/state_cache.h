@@ -8,7 +8,8 @@
 //     --kv-cache-dtype fp8: one byte an element), handed out in blocks and addressed through per-sequence block
 //     tables.
 //   * Past both, num_pad scratch slots and blocks for CUDA-graph pad rows: slots = max_seqs + num_pad, blocks =
-//     num_blocks + num_pad; sizes(), the free lists and the load figures count only the sequences' part.
+//     num_blocks + num_pad; sizes(), the free lists and the load figures count only the sequences' part. With
+//     speculative decoding, max_seqs * spare_slots more slots after the pad slots (CacheSizes::spare_slots).
 // Everything lives on the device the model runs on (device::empty, zeroed with device::zero).
 // The runtime allocates and frees; the model only reads and writes through slot ids and block tables.
 #pragma once
@@ -50,6 +51,11 @@ struct CacheSizes {
   // head's position t is the backbone's) at state index config.layers.size() + f, f the sublayer in mtp.layers.f.
   // Off: the head cannot run, and its KV costs nothing.
   bool mtp = false;
+  // Speculative decoding (runtime/engine.h): Mamba slots each sequence holds besides its own, one per row of a verify
+  // step (K + 1 for K draft tokens), where the step leaves the state after each row. Accepting a prefix makes that
+  // row's slot the sequence's own and the old one a spare (no copy). They follow the pad slots; max_seqs *
+  // (1 + spare_slots) slots in the sequences' part.
+  int32_t spare_slots = 0;
 };
 
 // --mamba-ssm-cache-dtype: "float32", "bfloat16" or "float16" (vLLM's names); kInvalidInput naming `what` otherwise.
@@ -69,8 +75,12 @@ class StateCache {
 
   // A fresh Mamba slot, zeroed in every layer (a new sequence starts from zero state). -1 when none is free.
   int32_t allocate_slot();
+  // CacheSizes::spare_slots more slots for a sequence, not zeroed (a verify step writes a slot before reading it);
+  // empty when the pool is short. Spare and own slots come from one pool and are released alike.
+  std::vector<int32_t> allocate_spare_slots();
   void release_slot(int32_t slot);
-  int32_t free_slots() const { return static_cast<int32_t>(free_slots_.size()); }
+  // Sequences' worth of free slots (each sequence holds 1 + spare_slots).
+  int32_t free_slots() const { return static_cast<int32_t>(free_slots_.size()) / (1 + sizes_.spare_slots); }
 
   // Grows `blocks` so that it covers `num_tokens` tokens. False (and nothing taken) if the pool is short.
   bool reserve_blocks(std::vector<int32_t>& blocks, int32_t num_tokens);

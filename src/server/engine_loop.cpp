@@ -116,6 +116,10 @@ void EngineLoop::apply_pending(std::deque<Pending>& adds, std::vector<std::pair<
 
 void EngineLoop::update_gauges() {
   metrics_.set_gauges(EngineGauges{engine_.num_running(), engine_.num_waiting(), engine_.kv_cache_usage()});
+  const SpeculativeStats& sp = engine_.speculative_stats();
+  if (!sp.accepted_per_position.empty()) {
+    metrics_.set_speculative(sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens, sp.accepted_per_position);
+  }
 }
 
 void EngineLoop::account_step(Clock::time_point step_start, Clock::time_point now, int64_t generated) {

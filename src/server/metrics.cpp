@@ -74,6 +74,16 @@ void Metrics::add_prompt_tokens(int64_t n) {
   std::lock_guard lock(mu_);
   prompt_tokens_ += n;
 }
+void Metrics::set_speculative(int64_t drafts, int64_t draft_tokens, int64_t accepted_tokens,
+                              std::vector<int64_t> accepted_per_position) {
+  std::lock_guard lock(mu_);
+  speculative_ = true;
+  spec_drafts_ = drafts;
+  spec_draft_tokens_ = draft_tokens;
+  spec_accepted_ = accepted_tokens;
+  spec_accepted_per_pos_ = std::move(accepted_per_position);
+}
+
 void Metrics::add_generation_tokens(int64_t n) {
   std::lock_guard lock(mu_);
   generation_tokens_ += n;
@@ -120,6 +130,19 @@ std::string Metrics::render() const {
   out += fmt::format("chimera:prompt_tokens_total{{{}}} {}\n", labels_, prompt_tokens_);
   head("generation_tokens_total", "counter", "Number of generation tokens processed.");
   out += fmt::format("chimera:generation_tokens_total{{{}}} {}\n", labels_, generation_tokens_);
+  if (speculative_) {  // vLLM's spec-decode counters
+    head("spec_decode_num_drafts", "counter", "Number of spec decoding drafts.");
+    out += fmt::format("chimera:spec_decode_num_drafts{{{}}} {}\n", labels_, spec_drafts_);
+    head("spec_decode_num_draft_tokens", "counter", "Number of draft tokens.");
+    out += fmt::format("chimera:spec_decode_num_draft_tokens{{{}}} {}\n", labels_, spec_draft_tokens_);
+    head("spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.");
+    out += fmt::format("chimera:spec_decode_num_accepted_tokens{{{}}} {}\n", labels_, spec_accepted_);
+    head("spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.");
+    for (size_t i = 0; i < spec_accepted_per_pos_.size(); ++i) {
+      out += fmt::format("chimera:spec_decode_num_accepted_tokens_per_pos{{{},position=\"{}\"}} {}\n", labels_, i,
+                         spec_accepted_per_pos_[i]);
+    }
+  }
   head("request_success_total", "counter", "Count of successfully processed requests.");
   for (const auto& [reason, n] : success_) {
     out += fmt::format("chimera:request_success_total{{{},finished_reason=\"{}\"}} {}\n", labels_,

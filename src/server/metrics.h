@@ -1,7 +1,9 @@
 // Prometheus metrics in the text exposition format, with vLLM's metric names and meanings under the
 // `chimera:` prefix, labelled model_name (vLLM's v1 engine: vllm/v1/metrics/loggers.py):
 //   gauges      num_requests_running, num_requests_waiting, kv_cache_usage_perc (0..1 of the KV blocks)
-//   counters    prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
+//   counters    prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}, and with
+//               speculative decoding spec_decode_num_drafts, spec_decode_num_draft_tokens,
+//               spec_decode_num_accepted_tokens, spec_decode_num_accepted_tokens_per_pos{position}
 //   histograms  time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds,
 //               request_queue_time_seconds, request_prompt_tokens, request_generation_tokens
 // Thread-safe: the engine thread records, HTTP threads render.
@@ -53,6 +55,9 @@ class Metrics {
                        double e2e_seconds, double queue_seconds);
   void set_gauges(const EngineGauges& g);
   EngineGauges gauges() const;
+  // The engine's speculative-decoding counters so far (runtime/speculative.h), rendered only once set.
+  void set_speculative(int64_t drafts, int64_t draft_tokens, int64_t accepted_tokens,
+                       std::vector<int64_t> accepted_per_position);
 
   std::string render() const;
 
@@ -63,6 +68,9 @@ class Metrics {
   int64_t prompt_tokens_ = 0;
   int64_t generation_tokens_ = 0;
   std::map<std::string, int64_t> success_;  // by finished_reason
+  bool speculative_ = false;
+  int64_t spec_drafts_ = 0, spec_draft_tokens_ = 0, spec_accepted_ = 0;
+  std::vector<int64_t> spec_accepted_per_pos_;
   Histogram ttft_, itl_, e2e_, queue_, prompt_len_, gen_len_;
 };
 

@@ -100,8 +100,8 @@ TEST(ModelPresets, NumLayersKeepsThePrefixOfThePattern) {
   EXPECT_EQ(c.num_hidden_layers(), 9);
   EXPECT_EQ(c.pattern(), full.substr(0, 9));
   EXPECT_EQ(c.pattern(), "MEMEMEM*E");
-  EXPECT_EQ(c.num_nextn_predict_layers, 0);  // the MTP head goes with the last layer
-  EXPECT_TRUE(c.mtp_layers.empty());
+  EXPECT_EQ(c.num_nextn_predict_layers, 1);  // the MTP head stays, behind the last kept layer
+  EXPECT_EQ(c.mtp_layers.size(), 2u);
   EXPECT_EQ(c.hidden_size, 4096);  // everything else is kept
 
   ModelConfig t = model_preset("tiny");

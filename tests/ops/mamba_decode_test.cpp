@@ -238,6 +238,62 @@ TEST_P(OpsMambaDecodeUpdate, RepeatedSteps) {
   check(rng, {16, 64, 2, 128, 4}, 6, DType::kF32, DType::kF32, 3);
 }
 
+// Out of place (speculative verify): three steps in a chain, each reading the slot the previous one wrote, give the
+// in-place three ops' out and states bit for bit, leave every source slot as it was, and skip pad rows.
+TEST_P(OpsMambaDecodeUpdate, OutOfPlaceChainEqualsInPlace) {
+  auto rng = test::Rng::for_test();
+  for (DType act : {DType::kF32, DType::kBF16}) {
+    if (act != DType::kF32 && !on_cuda()) continue;
+    const Dims d{16, 64, 2, 128, 4};
+    const int64_t batch = 3, steps = 3, num_slots = batch * (steps + 1);
+    SCOPED_TRACE(dtype_name(act));
+    const Inputs in = make_inputs(rng, d, batch, num_slots);
+    OnDevice oop = place(in, GetParam(), act, DType::kF32, act), ref = place(in, GetParam(), act, DType::kF32, act);
+    // Sequence b starts in slot b (b = 1 is a pad row); step j writes slot batch * (j + 1) + b.
+    const std::vector<int32_t> live = {0, -1, 2};
+    std::vector<int32_t> src = live;
+    for (int64_t j = 0; j < steps; ++j) {
+      SCOPED_TRACE(::testing::Message() << "step " << j);
+      const Tensor zx = device::to_device(rng.normal_tensor({batch, d.width()}), GetParam(), act);
+      oop.zxbcdt = zx, ref.zxbcdt = zx;
+      std::vector<int32_t> dst(static_cast<size_t>(batch));
+      for (int64_t b = 0; b < batch; ++b) dst[b] = static_cast<int32_t>(batch * (j + 1) + b);
+      const Tensor before_cs = device::to_host(oop.conv_state), before_ss = device::to_host(oop.ssm_state);
+      const Tensor out = output(act, {batch, d.Di()}), out_ref = output(act, {batch, d.Di()});
+      ops::mamba_decode_update(ctx(), out, oop.zxbcdt, oop.conv_w, oop.conv_b, oop.p, oop.norm_w, d.G, 1e-5f,
+                               oop.conv_state, oop.ssm_state, src, false, dst);
+      three_ops(ctx(), out_ref, ref, d, live);  // in place on slots 0 and 2
+      Tensor got = host_f32(out), want = host_f32(out_ref);
+      zero_pad_rows(live, {&got, &want});
+      EXPECT_TRUE(test::bit_equal(got, want)) << "out";
+      const Tensor cs = device::to_host(oop.conv_state), ss = device::to_host(oop.ssm_state);
+      const Tensor rcs = device::to_host(ref.conv_state), rss = device::to_host(ref.ssm_state);
+      for (int64_t b = 0; b < batch; ++b) {
+        if (live[b] < 0) {  // a pad row writes nothing, its destination included
+          EXPECT_TRUE(test::bit_equal(cs.select(dst[b]), before_cs.select(dst[b]))) << "pad destination";
+          continue;
+        }
+        EXPECT_TRUE(test::bit_equal(cs.select(dst[b]), rcs.select(live[b]))) << "conv state of " << b;
+        EXPECT_TRUE(test::bit_equal(ss.select(dst[b]), rss.select(live[b]))) << "ssm state of " << b;
+        EXPECT_TRUE(test::bit_equal(cs.select(src[b]), before_cs.select(src[b]))) << "source conv slot kept";
+        EXPECT_TRUE(test::bit_equal(ss.select(src[b]), before_ss.select(src[b]))) << "source ssm slot kept";
+      }
+      for (int64_t b = 0; b < batch; ++b) src[b] = live[b] < 0 ? -1 : dst[b];
+    }
+  }
+  // A destination that is another row's source is refused.
+  const Dims d{4, 8, 2, 16, 4};
+  const Inputs in = make_inputs(rng, d, 2, 4);
+  const OnDevice o = place(in, GetParam(), DType::kF32, DType::kF32, DType::kF32);
+  const Tensor out = output(DType::kF32, {2, d.Di()});
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        ops::mamba_decode_update(ctx(), out, o.zxbcdt, o.conv_w, o.conv_b, o.p, o.norm_w, d.G, 1e-5f, o.conv_state,
+                                 o.ssm_state, std::vector<int32_t>{0, 1}, false, std::vector<int32_t>{1, 3});
+      },
+      ErrorKind::kRuntime, "dst slot 1 of sequence 0 is the source slot of sequence 1"));
+}
+
 // ---- CUDA only: 16-bit activations and states ----------------------------------------------------------
 
 TEST_P(OpsMambaDecodeUpdate, Bf16ActivationsAndStates) {

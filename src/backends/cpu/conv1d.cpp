@@ -55,22 +55,25 @@ void causal_conv1d(const Tensor& out, const Tensor& x, const Tensor& weight, con
 }
 
 void causal_conv1d_update(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                          const Tensor& conv_state, std::span<const int32_t> slots, bool silu_act) {
+                          const Tensor& conv_state, std::span<const int32_t> slots, bool silu_act,
+                          std::span<const int32_t> dst_slots) {
   const ConvWeights cw = load_conv_weights(weight, bias);
   const int64_t C = cw.C, K = cw.K, Bn = static_cast<int64_t>(slots.size());
   for (int64_t b = 0; b < Bn; ++b) {
     const int32_t slot = slots[static_cast<size_t>(b)];
     if (slot < 0) continue;
+    const int64_t dst_slot = dst_slots.empty() ? slot : dst_slots[static_cast<size_t>(b)];
     for (int64_t c = 0; c < C; ++c) {
-      float* st = conv_state.f32() + (slot * C + c) * (K - 1);
+      const float* st = conv_state.f32() + (slot * C + c) * (K - 1);
+      float* dst = conv_state.f32() + (dst_slot * C + c) * (K - 1);
       const float* w = cw.w.data() + c * K;
       const float xn = x.f32()[b * C + c];
       float acc = cw.bias[c];
       for (int64_t j = 0; j < K - 1; ++j) acc += w[j] * st[j];
       acc += w[K - 1] * xn;
-      // shift left by one and append the new input
-      for (int64_t j = 0; j + 1 < K - 1; ++j) st[j] = st[j + 1];
-      if (K > 1) st[K - 2] = xn;
+      // shift left by one and append the new input (in place: dst == st, read ahead of the write)
+      for (int64_t j = 0; j + 1 < K - 1; ++j) dst[j] = st[j + 1];
+      if (K > 1) dst[K - 2] = xn;
       out.f32()[b * C + c] = silu_act ? silu(acc) : acc;
     }
   }

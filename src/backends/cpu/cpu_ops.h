@@ -29,7 +29,8 @@ void causal_conv1d(const Tensor& out, const Tensor& x, const Tensor& weight, con
                    const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
                    bool silu);
 void causal_conv1d_update(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                          const Tensor& conv_state, std::span<const int32_t> slots, bool silu);
+                          const Tensor& conv_state, std::span<const int32_t> slots, bool silu,
+                          std::span<const int32_t> dst_slots = {});
 
 void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
                     const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
@@ -64,6 +65,10 @@ struct SampledRow {
 // `logprob` (top is computed when p.num_top_logprobs > 0).
 SampledRow sample_row(std::span<const float> logits, const ops::SamplingRow& p,
                       std::span<const ops::PenaltyToken> penalties, bool with_logprob);
+// The distribution sample_row draws from, dense over the vocabulary and normalised (0 outside the tokens it keeps;
+// a greedy row: 1 at the argmax): for speculative decoding's rejection sampling (runtime/speculative.h).
+std::vector<float> sampling_probs(std::span<const float> logits, const ops::SamplingRow& p,
+                                  std::span<const ops::PenaltyToken> penalties);
 void sample_tokens(const ops::SamplingOutputs& out, const Tensor& logits, std::span<const ops::SamplingRow> rows,
                    std::span<const ops::PenaltyToken> penalty_tokens);
 // The raw log-softmax of one given token of a row (sample_row's logprob for that token), its rank (1 + the number

@@ -35,11 +35,25 @@ int32_t argmax(std::span<const float> l) {
   return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
 }
 
-int32_t sample_penalised(std::span<const float> logits, const ops::SamplingRow& p) {
+// The distribution a row samples from (temperature, min_p, top-k, top-p applied to already penalised logits): the
+// kept tokens in descending logit order (stable: ties keep the lower id first) with their unnormalised
+// probabilities, and their sum. Greedy rows (temperature 0 or top_k 1) keep the argmax alone.
+struct Kept {
+  std::vector<int32_t> order;
+  std::vector<double> prob;
+  double sum = 1.0;
+};
+
+Kept kept_distribution(std::span<const float> logits, const ops::SamplingRow& p) {
+  Kept k;
   const auto n = static_cast<int32_t>(logits.size());
-  if (p.temperature == 0.0f || p.top_k == 1) return argmax(logits);
-  // Candidates in descending logit order (stable: ties keep the lower id first).
-  std::vector<int32_t> order(static_cast<size_t>(n));
+  if (p.temperature == 0.0f || p.top_k == 1) {
+    k.order = {argmax(logits)};
+    k.prob = {1.0};
+    return k;
+  }
+  std::vector<int32_t>& order = k.order;
+  order.resize(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
   // Softmax numerators at the temperature relative to the best token, in double (the CUDA sampler's mass_of).
@@ -55,7 +69,8 @@ int32_t sample_penalised(std::span<const float> logits, const ops::SamplingRow& 
   }
   if (p.top_k > 0) keep = std::min(keep, static_cast<size_t>(p.top_k));
 
-  std::vector<double> prob(keep);
+  std::vector<double>& prob = k.prob;
+  prob.resize(keep);
   double sum = 0.0;
   for (size_t i = 0; i < keep; ++i) {
     prob[i] = mass(order[i]);
@@ -74,17 +89,32 @@ int32_t sample_penalised(std::span<const float> logits, const ops::SamplingRow& 
       }
     }
     keep = cut;
-    sum = std::accumulate(prob.begin(), prob.begin() + static_cast<long>(keep), 0.0);
-  } else {
-    sum = 1.0;
+    k.sum = std::accumulate(prob.begin(), prob.begin() + static_cast<long>(keep), 0.0);
   }
-  const double u = counter_uniform(p.seed, p.step) * sum;
+  order.resize(keep);
+  prob.resize(keep);
+  return k;
+}
+
+int32_t sample_penalised(std::span<const float> logits, const ops::SamplingRow& p) {
+  if (p.temperature == 0.0f || p.top_k == 1) return argmax(logits);
+  const Kept k = kept_distribution(logits, p);
+  const double u = counter_uniform(p.seed, p.step) * k.sum;
   double cum = 0.0;
-  for (size_t i = 0; i < keep; ++i) {
-    cum += prob[i];
-    if (u < cum) return order[i];
+  for (size_t i = 0; i < k.order.size(); ++i) {
+    cum += k.prob[i];
+    if (u < cum) return k.order[i];
   }
-  return order[keep - 1];
+  return k.order.back();
+}
+
+// Logits with the row's penalties applied (a copy only when some apply).
+std::span<const float> penalised_row(std::span<const float> logits, const ops::SamplingRow& p,
+                                     std::span<const ops::PenaltyToken> penalties, std::vector<float>& storage) {
+  if (!has_penalty(p) || penalties.empty()) return logits;
+  storage.assign(logits.begin(), logits.end());
+  for (const ops::PenaltyToken& t : penalties) storage[static_cast<size_t>(t.id)] = penalised(storage[t.id], p, t);
+  return storage;
 }
 
 // Raw log-softmax normaliser in double: max + log(sum exp(l - max)).
@@ -119,13 +149,8 @@ SampledRow sample_row(std::span<const float> logits, const ops::SamplingRow& p,
   SampledRow out;
   out.nonfinite = !std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); });
 
-  if (has_penalty(p) && !penalties.empty()) {
-    std::vector<float> pen(logits.begin(), logits.end());
-    for (const ops::PenaltyToken& t : penalties) pen[static_cast<size_t>(t.id)] = penalised(pen[t.id], p, t);
-    out.id = sample_penalised(pen, p);
-  } else {
-    out.id = sample_penalised(logits, p);
-  }
+  std::vector<float> storage;
+  out.id = sample_penalised(penalised_row(logits, p, penalties, storage), p);
 
   if (with_logprob || p.num_top_logprobs > 0) {
     const double lse = log_sum_exp(logits);
@@ -133,6 +158,16 @@ SampledRow sample_row(std::span<const float> logits, const ops::SamplingRow& p,
     out.top = top_logprobs(logits, p.num_top_logprobs, lse);
   }
   return out;
+}
+
+std::vector<float> sampling_probs(std::span<const float> logits, const ops::SamplingRow& p,
+                                  std::span<const ops::PenaltyToken> penalties) {
+  CHIMERA_CHECK(!logits.empty(), "sampling_probs on empty logits");
+  std::vector<float> storage;
+  const Kept k = kept_distribution(penalised_row(logits, p, penalties, storage), p);
+  std::vector<float> probs(logits.size(), 0.0f);
+  for (size_t i = 0; i < k.order.size(); ++i) probs[static_cast<size_t>(k.order[i])] = static_cast<float>(k.prob[i] / k.sum);
+  return probs;
 }
 
 void sample_tokens(const ops::SamplingOutputs& out, const Tensor& logits, std::span<const ops::SamplingRow> rows,

@@ -45,7 +45,8 @@ void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, 
                    const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
                    bool silu);
 void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                          const Tensor& bias, const Tensor& conv_state, const ops::Indices& slots, bool silu);
+                          const Tensor& bias, const Tensor& conv_state, const ops::Indices& slots, bool silu,
+                          const ops::Indices& dst_slots = {});
 // mamba/ (selective_state_update.cu)
 void selective_state_update(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
                             const Tensor& B, const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,

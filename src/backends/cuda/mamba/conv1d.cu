@@ -263,11 +263,13 @@ void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, 
 }
 
 void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                          const Tensor& bias, const Tensor& conv_state, const ops::Indices& slots, bool silu) {
+                          const Tensor& bias, const Tensor& conv_state, const ops::Indices& slots, bool silu,
+                          const ops::Indices& dst_slots) {
   Conv1dParams p = conv_params("ops::causal_conv1d_update", out, x, weight, bias, conv_state, silu);
   if (slots.empty()) return;
   const cudaStream_t stream = as_stream(ctx.stream);
   p.slots = device_indices(slots, stream, 0);
+  p.dst_slots = dst_slots.empty() ? nullptr : device_indices(dst_slots, stream, 1);
   p.batch = static_cast<int>(slots.size());
   launch_causal_conv1d_update(p, stream);
 }

@@ -42,6 +42,9 @@ struct Conv1dParams {
   int n_tiles = 0;
   // update
   const int32_t* slots = nullptr;  // [batch] device; slot < 0: row skipped
+  // [batch] device, or nullptr (in place): row b's shifted window goes to slot dst_slots[b] (ops.h), read with the
+  // slots before pdl_wait() for the same reason.
+  const int32_t* dst_slots = nullptr;
   // The kernel reads the slot ids before pdl_wait() (launch.cuh): they are step metadata that no kernel of the step
   // writes (ops::Indices: host values, or a device copy of them made before the step). That takes the slot
   // look-up's round trip off the path slot -> state address -> state loads.

@@ -1,5 +1,6 @@
 // causal_conv1d_update: one new token per slot (decode), conv1d.cuh for the math.
-//   x, out [batch, C] act dtype; conv_state [num_slots, C, K-1] state dtype, shifted left by one in place.
+//   x, out [batch, C] act dtype; conv_state [num_slots, C, K-1] state dtype, shifted left by one in place (or into
+//   slot dst_slots[b]: Conv1dParams::dst_slots).
 // Fast kernel: a thread per (R = 1 row, E = 16 / sizeof(act) channels). The taps
 // go out first, once for all R rows (16-byte vectors when they are in the activation dtype; constant weights,
 // so under PDL they load while the previous kernel drains), then the R slot ids and the R 16-byte x loads (x
@@ -34,9 +35,12 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Co
   float w[E][K], bias[E];
   mamba::load_taps<T, E, K>(p.weight, p.weight_dtype, p.bias, p.bias_dtype, p.taps_vec, c0, w, bias);
   const int b0 = blockIdx.y * R;
-  int slot[R];  // step metadata, written by no kernel of the step (Conv1dParams::slots): read before the wait
+  int slot[R], dst[R];  // step metadata, written by no kernel of the step (Conv1dParams::slots): read before the wait
 #pragma unroll
-  for (int r = 0; r < R; ++r) slot[r] = b0 + r < p.batch ? p.slots[b0 + r] : -1;
+  for (int r = 0; r < R; ++r) {
+    slot[r] = b0 + r < p.batch ? p.slots[b0 + r] : -1;
+    dst[r] = slot[r] >= 0 && p.dst_slots != nullptr ? p.dst_slots[b0 + r] : slot[r];
+  }
   pdl_wait();  // PDL: x and conv_state are step data (earlier kernels' outputs)
   pdl_trigger();
   Pack<T, E> xv[R];
@@ -76,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_kernel(const Co
       for (int j = 0; j + 1 < K - 1; ++j) next.set(e * (K - 1) + j, st[r].get(e * (K - 1) + j + 1));
       next.set(e * (K - 1) + K - 2, xv[r].get(e));
     }
-    next.store(static_cast<S*>(p.conv_state) + (slot[r] * C + c0) * (K - 1));
+    next.store(static_cast<S*>(p.conv_state) + (dst[r] * C + c0) * (K - 1));
     o.store(static_cast<T*>(p.out) + (b0 + r) * C + c0);
   }
 }
@@ -92,6 +96,7 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_portable_kernel
   if (slot < 0 || c >= p.C) return;
   const float xn = load_elem(p.x, p.act, b * p.C + c);
   const int64_t s0 = (slot * p.C + c) * (K - 1);
+  const int64_t d0 = (static_cast<int64_t>(p.dst_slots != nullptr ? p.dst_slots[b] : slot) * p.C + c) * (K - 1);
   float st[K - 1];
 #pragma unroll
   for (int j = 0; j < K - 1; ++j) st[j] = load_elem(p.conv_state, p.state_dtype, s0 + j);
@@ -100,8 +105,8 @@ __global__ void __launch_bounds__(kThreads) causal_conv1d_update_portable_kernel
   for (int j = 0; j < K - 1; ++j) acc = __fmaf_rn(load_param(p.weight, p.weight_dtype, c * K + j), st[j], acc);
   acc = __fmaf_rn(load_param(p.weight, p.weight_dtype, c * K + K - 1), xn, acc);
 #pragma unroll
-  for (int j = 0; j + 1 < K - 1; ++j) store_elem(p.conv_state, p.state_dtype, s0 + j, st[j + 1]);
-  store_elem(p.conv_state, p.state_dtype, s0 + K - 2, xn);
+  for (int j = 0; j + 1 < K - 1; ++j) store_elem(p.conv_state, p.state_dtype, d0 + j, st[j + 1]);
+  store_elem(p.conv_state, p.state_dtype, d0 + K - 2, xn);
   store_elem(p.out, p.act, b * p.C + c, p.silu ? silu_fast(acc) : acc);
 }
 
