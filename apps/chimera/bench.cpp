@@ -450,13 +450,14 @@ int run_bench(const BenchOptions& o) {
   }
   if (!o.batch_sizes.empty()) {
     fmt::print(
-        "\ndecode ({}-token prefill per sequence; time per output token = step time / tokens a sequence gets a step, {} "
+        "\ndecode ({}-token prefill per sequence; time per output token = step time / tokens a sequence gets a step, "
+        "{} "
         "steps; CUDA graphs {}; "
         "PDL {})\n"
         "  {:>10} {:>12} {:>14} {:>14}\n",
         o.decode_context, o.decode_steps,
-        mo.device == Device::kCuda && o.cuda_graphs && o.speculative_config.empty() ? "on" : "off",
-        pdl ? "on" : "off", "batch", "TPOT ms", "tok/s", "vs roofline");
+        mo.device == Device::kCuda && o.cuda_graphs && o.speculative_config.empty() ? "on" : "off", pdl ? "on" : "off",
+        "batch", "TPOT ms", "tok/s", "vs roofline");
     for (int32_t b : o.batch_sizes) {
       const bool graphs = mo.device == Device::kCuda && o.cuda_graphs;
       nlohmann::json r =
@@ -477,9 +478,10 @@ int run_bench(const BenchOptions& o) {
                    r.contains("roofline_ratio") ? fmt::format("{:.2f}%", 100 * r["roofline_ratio"].get<double>()) : "");
         if (r.contains("speculative")) {
           const nlohmann::json& sp = r["speculative"];
-          fmt::print("  {:>10} speculative K = {}: step {:.3f} ms, acceptance {:.1f} %, mean acceptance length {:.2f}\n",
-                     "", sp["num_speculative_tokens"].get<int>(), r["step_ms"].get<double>(),
-                     100 * sp["acceptance_rate"].get<double>(), sp["mean_acceptance_length"].get<double>());
+          fmt::print(
+              "  {:>10} speculative K = {}: step {:.3f} ms, acceptance {:.1f} %, mean acceptance length {:.2f}\n", "",
+              sp["num_speculative_tokens"].get<int>(), r["step_ms"].get<double>(),
+              100 * sp["acceptance_rate"].get<double>(), sp["mean_acceptance_length"].get<double>());
         }
         if (r.contains("graph_capture_s")) {  // the engine's start-up capture, as `serve` prints it
           const auto sizes = r["graph_batch_sizes"].get<std::vector<int32_t>>();

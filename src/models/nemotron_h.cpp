@@ -181,9 +181,9 @@ void NemotronH::spec_mamba(const ops::Context& ctx, const MambaWeights& w, const
   for (size_t i = 0; i < seqs.size(); ++i) seqs[i] = nc + i;
   const auto len = [&](size_t s) { return b.cu_seqlens[s + 1] - b.cu_seqlens[s]; };
   std::stable_sort(seqs.begin(), seqs.end(), [&](size_t x, size_t y) { return len(x) > len(y); });
-  std::vector<int32_t> gather;                 // step-major position -> row of zxbcdt
+  std::vector<int32_t> gather;                            // step-major position -> row of zxbcdt
   std::vector<int32_t> scatter(static_cast<size_t>(Ts));  // spec row -> its step-major position
-  std::vector<int32_t> src, dst, pos;          // per step-major row: slot read, slot written, token position
+  std::vector<int32_t> src, dst, pos;                     // per step-major row: slot read, slot written, token position
   std::vector<size_t> step_begin;
   for (int32_t j = 0; j < len(seqs.front()); ++j) {
     step_begin.push_back(gather.size());

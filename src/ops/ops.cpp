@@ -412,7 +412,8 @@ void check_dst_slots(const Check& c, const Indices& slots, const Indices& dst_sl
   for (size_t b = 0; b < slots.size(); ++b) {
     if (slots[b] < 0) continue;
     const int32_t d = dst_slots[b];
-    if (d < 0 || d >= num_slots) c.fail("dst slot {} of sequence {} is out of range for {} state slots", d, b, num_slots);
+    if (d < 0 || d >= num_slots)
+      c.fail("dst slot {} of sequence {} is out of range for {} state slots", d, b, num_slots);
     if (!dst_seen.insert(d).second) c.fail("dst slot {} is the destination of more than one sequence", d);
     const auto it = src_of.find(d);
     if (it != src_of.end() && it->second != b) {
@@ -430,7 +431,11 @@ void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x
   if (static_cast<int64_t>(slots.size()) != x.dim(0)) c.fail("{} slots for x {}", slots.size(), x.describe());
   c.slots(slots.host, conv_state.dim(0));
   check_dst_slots(c, slots, dst_slots, conv_state.dim(0));
-  c.dispatch([&] { cpu::causal_conv1d_update(out, x, weight, bias, conv_state, slots.host, silu, dst_slots.host); }, [&] { CHIMERA_CUDA_CALL(cuda::causal_conv1d_update(ctx, out, x, weight, bias, conv_state, slots, silu, dst_slots)); });
+  c.dispatch(
+      [&] { cpu::causal_conv1d_update(out, x, weight, bias, conv_state, slots.host, silu, dst_slots.host); },
+      [&] {
+        CHIMERA_CUDA_CALL(cuda::causal_conv1d_update(ctx, out, x, weight, bias, conv_state, slots, silu, dst_slots));
+      });
 }
 
 void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
@@ -480,8 +485,8 @@ namespace {
 // norm runs per non-pad row so pad rows of out stay untouched; on CUDA the slots may live on the device only (a
 // captured graph), so the norm covers every row and pad rows get unspecified values.
 void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
-                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t G,
-                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
+                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t G, float eps,
+                          const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
                           const Indices& dst_slots) {
   const int64_t Bn = zxbcdt.dim(0), H = ssm_state.dim(1), P = ssm_state.dim(2), N = ssm_state.dim(3);
   const int64_t Di = H * P, Cd = Di + 2 * G * N;
@@ -552,14 +557,15 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
 #ifdef CHIMERA_HAVE_CUDA
   // The backend's plan: the fused kernel up to mamba_decode_fused_max_rows rows (beyond that the separate kernels
   // fill the GPU better), where it takes the sizes; out of place always the three ops.
-  const bool fused = ctx.device == Device::kCuda && dst_slots.empty() && Bn <= ctx.kernels.mamba_decode_fused_max_rows &&
+  const bool fused = ctx.device == Device::kCuda && dst_slots.empty() &&
+                     Bn <= ctx.kernels.mamba_decode_fused_max_rows &&
                      cuda::mamba_decode_fusable(zxbcdt, conv_weight, conv_state, ssm_state, n_groups);
 #else
   const bool fused = false;
 #endif
   if (!fused) {  // the CPU reference, and CUDA sizes the fused kernel does not take: each op dispatches itself
-    mamba_decode_compose(ctx, out, zxbcdt, conv_weight, conv_bias, p, norm_weight, n_groups, eps, conv_state,
-                         ssm_state, slots, dst_slots);
+    mamba_decode_compose(ctx, out, zxbcdt, conv_weight, conv_bias, p, norm_weight, n_groups, eps, conv_state, ssm_state,
+                         slots, dst_slots);
     return;
   }
   c.dispatch([&] { runtime_error("ops::mamba_decode_update: the CPU backend composes the three ops"); },

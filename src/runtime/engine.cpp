@@ -28,7 +28,9 @@ bool uses_graphs(const EngineConfig& c, Device device) {
   return device == Device::kCuda && c.cuda_graphs && !c.speculative.enabled();
 }
 
-bool is_greedy(const SamplingParams& p) { return p.temperature == 0.0f || p.top_k == 1; }
+bool is_greedy(const SamplingParams& p) {
+  return p.temperature == 0.0f || p.top_k == 1;
+}
 
 // The graph buckets: vLLM's sizes up to the largest decode batch the scheduler can form.
 std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device) {
@@ -68,8 +70,9 @@ Engine::Engine(const Model& model, const ops::Context& ctx, const EngineConfig& 
   }
   if (config_.speculative.enabled()) {
     if (model.mtp_blocks() == 0) {
-      invalid_input("--speculative-config: method \"mtp\" drafts with the checkpoint's multi-token-prediction head, "
-                    "and this model has none (num_nextn_predict_layers = 0 or no mtp.* tensors)");
+      invalid_input(
+          "--speculative-config: method \"mtp\" drafts with the checkpoint's multi-token-prediction head, "
+          "and this model has none (num_nextn_predict_layers = 0 or no mtp.* tensors)");
     }
     spec_stats_.accepted_per_position.assign(static_cast<size_t>(config_.speculative.num_speculative_tokens), 0);
   }
@@ -341,8 +344,7 @@ std::vector<TokenEvent> Engine::step() {
       b.spec_slots.insert(b.spec_slots.end(), s.spare_slots.begin(), s.spare_slots.begin() + n);
       ++b.num_spec_seqs;
     } else {
-      b.token_ids.insert(b.token_ids.end(), s.tokens.begin() + s.num_computed,
-                         s.tokens.begin() + s.num_computed + n);
+      b.token_ids.insert(b.token_ids.end(), s.tokens.begin() + s.num_computed, s.tokens.begin() + s.num_computed + n);
     }
     b.cu_seqlens.push_back(b.num_tokens());
     b.context_lens.push_back(s.num_computed);
@@ -602,7 +604,8 @@ void Engine::propose_drafts(const StepBatch& b, const std::vector<Sequence*>& se
     const int32_t len = static_cast<int32_t>(s.tokens.size());
     if (s.finished() || s.in_prefill() || s.num_computed != len - 1) continue;
     // Drafts the next verify step can use: within the model length and the tokens still to generate.
-    const int32_t depth = std::min({K, cache_.sizes().max_model_len - len, s.sampling.max_new_tokens - s.num_generated() - 1});
+    const int32_t depth =
+        std::min({K, cache_.sizes().max_model_len - len, s.sampling.max_new_tokens - s.num_generated() - 1});
     if (depth <= 0) continue;
     m.logit_rows.push_back(begin + (s.num_computed - 1 - context));
     drafting.push_back({&s, depth});
@@ -646,8 +649,8 @@ void Engine::propose_drafts(const StepBatch& b, const std::vector<Sequence*>& se
         device::empty(ctx_.device, mtp_hidden.dtype(), {static_cast<int64_t>(next.size()), mtp_hidden.dim(1)});
     ops::embedding(ctx_, h, mtp_hidden, next_hidden_row);
     Tensor out_hidden;
-    logits = model_.mtp_forward_device(ctx_, db, h, cache_.state(), depth % blocks,
-                                       depth + 1 < K ? &out_hidden : nullptr);
+    logits =
+        model_.mtp_forward_device(ctx_, db, h, cache_.state(), depth % blocks, depth + 1 < K ? &out_hidden : nullptr);
     mtp_hidden = out_hidden;
     drafting = std::move(next);
     hidden_row.resize(drafting.size());

@@ -141,7 +141,6 @@ class Engine {
                                              const std::vector<ops::PenaltyToken>& penalty_tokens,
                                              bool want_logprobs);
 
-
   bool speculative() const { return config_.speculative.enabled(); }
   // A sequence's token: appended to it, its finish decided (stop ids, max_tokens, the model length), as an event.
   TokenEvent append_token(Sequence& s, SampledToken& t);

@@ -13,7 +13,8 @@ namespace chimera {
 
 SpeculativeConfig parse_speculative_config(const std::string& text, const std::string& what) {
   const nlohmann::json j = parse_json(text, what);
-  if (!j.is_object()) invalid_input("{}: expected a JSON object such as {{\"method\": \"mtp\", \"num_speculative_tokens\": 3}}", what);
+  if (!j.is_object())
+    invalid_input("{}: expected a JSON object such as {{\"method\": \"mtp\", \"num_speculative_tokens\": 3}}", what);
   SpeculativeConfig c;
   bool has_k = false;
   for (const auto& [key, value] : j.items()) {
@@ -21,7 +22,8 @@ SpeculativeConfig parse_speculative_config(const std::string& text, const std::s
       if (!value.is_string()) invalid_input("{}: \"method\" must be a string", what);
       const std::string m = value.get<std::string>();
       if (m != "mtp" && m != "nemotron_h_mtp" && m != "deepseek_mtp") {
-        invalid_input("{}: method \"{}\" is not supported (supported: \"mtp\", the checkpoint's own MTP head)", what, m);
+        invalid_input("{}: method \"{}\" is not supported (supported: \"mtp\", the checkpoint's own MTP head)", what,
+                      m);
       }
       c.method = "mtp";
     } else if (key == "num_speculative_tokens") {
@@ -54,9 +56,9 @@ std::string SpeculativeStats::summary() const {
   for (int64_t a : accepted_per_position) {
     per += fmt::format(" {:.3f}", num_drafts == 0 ? 0.0 : static_cast<double>(a) / static_cast<double>(num_drafts));
   }
-  return fmt::format("drafts {}, draft tokens {}, accepted {} ({:.1f} %), mean acceptance length {:.2f}, per position{}",
-                     num_drafts, num_draft_tokens, num_accepted_tokens, 100.0 * acceptance_rate(),
-                     mean_acceptance_length(), per);
+  return fmt::format(
+      "drafts {}, draft tokens {}, accepted {} ({:.1f} %), mean acceptance length {:.2f}, per position{}", num_drafts,
+      num_draft_tokens, num_accepted_tokens, 100.0 * acceptance_rate(), mean_acceptance_length(), per);
 }
 
 std::vector<int32_t> accept_greedy(std::span<const int32_t> drafts, std::span<const int32_t> targets) {

@@ -65,7 +65,7 @@ TEST(SpeculativeAccept, GreedyTakesTheLongestMatchingPrefixThenTheTarget) {
   EXPECT_EQ(accept_greedy(V{5, 6, 7}, V{5, 6, 7, 8}), (V{5, 6, 7, 8}));  // all accepted, bonus 8
   EXPECT_EQ(accept_greedy(V{5, 6, 7}, V{5, 9, 7, 8}), (V{5, 9}));        // rejected at 1: correction 9
   EXPECT_EQ(accept_greedy(V{5, 6, 7}, V{4, 6, 7, 8}), (V{4}));           // none accepted
-  EXPECT_EQ(accept_greedy(V{}, V{3}), (V{3}));                            // no drafts: a plain decode
+  EXPECT_EQ(accept_greedy(V{}, V{3}), (V{3}));                           // no drafts: a plain decode
 }
 
 TEST(SpeculativeAccept, StatsSummary) {
@@ -75,8 +75,9 @@ TEST(SpeculativeAccept, StatsSummary) {
   s.num_drafts = 4, s.num_draft_tokens = 12, s.num_accepted_tokens = 6, s.accepted_per_position = {4, 2, 0};
   EXPECT_DOUBLE_EQ(s.acceptance_rate(), 0.5);
   EXPECT_DOUBLE_EQ(s.mean_acceptance_length(), 2.5);
-  EXPECT_EQ(s.summary(), "drafts 4, draft tokens 12, accepted 6 (50.0 %), mean acceptance length 2.50, "
-                         "per position 1.000 0.500 0.000");
+  EXPECT_EQ(s.summary(),
+            "drafts 4, draft tokens 12, accepted 6 (50.0 %), mean acceptance length 2.50, "
+            "per position 1.000 0.500 0.000");
 }
 
 // The chi-square statistic of observed counts against expected probabilities, and the 0.001 upper quantile of the
@@ -425,8 +426,11 @@ TEST_P(SpeculativeEngine, SamplingKeepsTheTargetDistribution) {
 TEST_P(SpeculativeEngine, ModelWithoutAHeadIsAClearError) {
   const test::Fixture plain = test::load_fixture("all_kinds");
   const test::LoadedFixture l = test::load_model(plain.dir, ModelOptions{GetParam(), DType::kF32});
-  EXPECT_TRUE(test::throws_error([&] { Engine e(*l.model, ops::Context{GetParam(), nullptr}, config(2)); },
-                                 ErrorKind::kInvalidInput, "this model has none"));
+  EXPECT_TRUE(test::throws_error(
+      [&] {
+        Engine e(*l.model, ops::Context{GetParam(), nullptr}, config(2));
+      },
+      ErrorKind::kInvalidInput, "this model has none"));
 }
 
 CHIMERA_INSTANTIATE_BACKENDS(SpeculativeEngine);

@@ -166,7 +166,8 @@ std::vector<float> sampling_probs(std::span<const float> logits, const ops::Samp
   std::vector<float> storage;
   const Kept k = kept_distribution(penalised_row(logits, p, penalties, storage), p);
   std::vector<float> probs(logits.size(), 0.0f);
-  for (size_t i = 0; i < k.order.size(); ++i) probs[static_cast<size_t>(k.order[i])] = static_cast<float>(k.prob[i] / k.sum);
+  for (size_t i = 0; i < k.order.size(); ++i)
+    probs[static_cast<size_t>(k.order[i])] = static_cast<float>(k.prob[i] / k.sum);
   return probs;
 }
 
