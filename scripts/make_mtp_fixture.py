@@ -77,7 +77,7 @@ class MtpBlock(nn.Module):
 
     def forward(self, emb, h):  # [1, T, D] each: the embedding of token t+1 and the backbone's h_t
         T = emb.shape[1]
-        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]  # additive causal mask for eager attention
+        mask = torch.full((T, T), float("-inf"), device=emb.device).triu(1)[None, None]  # additive causal mask (eager)
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))  # embedding first
         for layer in self.layers:
             x = layer(x, attention_mask=mask if layer.block_type == "full_attention" else None)

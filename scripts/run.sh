@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/build.sh chimera_cli   # the CLI only: the test binary is built by test.sh
-./build/chimera generate -m models/nemotron-h-tiny -p "${1:-The capital of France is}" -n "${2:-48}" "${@:3}"
+./build/chimera generate -m models/nemotron-h-kjv -p "${1:-In the beginning God created}" -n "${2:-48}" "${@:3}"

@@ -34,6 +34,21 @@ TEST(ServerMetrics, OneTwoFiveBuckets) {
   EXPECT_EQ(buckets_1_2_5(4096).back(), 2000);
 }
 
+// Speculative decoding's counters appear only once the engine reports them, under vLLM's spec_decode_* names.
+TEST(ServerMetrics, SpeculativeDecodingCounters) {
+  Metrics m("kjv", 256);
+  EXPECT_EQ(m.render().find("spec_decode"), std::string::npos);
+  m.set_speculative(21, 40, 24, {17, 7});
+  const std::string out = m.render();
+  EXPECT_NE(out.find("chimera:spec_decode_num_drafts{model_name=\"kjv\"} 21\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("chimera:spec_decode_num_draft_tokens{model_name=\"kjv\"} 40\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("chimera:spec_decode_num_accepted_tokens{model_name=\"kjv\"} 24\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("chimera:spec_decode_num_accepted_tokens_per_pos{model_name=\"kjv\",position=\"1\"} 7\n"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("# TYPE chimera:spec_decode_num_drafts counter"), std::string::npos) << out;
+}
+
 TEST(ServerMetrics, VllmNamesAndLabels) {
   Metrics m("my \"model\"", 4096);
   m.set_gauges({3, 2, 0.25});
