@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -223,7 +224,10 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   std::fflush(out);
 
   // ---- the run ----
+  // The server's speculative-decoding counters around the run (its /metrics; none: no such block).
+  const std::optional<std::string> metrics_before = scrape_metrics(base_url, cfg);
   RunResult run = run_requests(cfg, requests, arrivals);
+  const std::optional<std::string> metrics_after = scrape_metrics(base_url, cfg);
   for (RequestOutput& o : run.outputs) {
     // No usage block: count the text's tokens, as vLLM does.
     if (o.success && o.output_tokens == 0) {
@@ -320,6 +324,30 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
     for (const auto& [p, v] : s.stats->percentiles_ms) {
       print_row(out, fmt::format("P{} {} (ms):", percentile_word(p), s.name), f2(v));
       result[fmt::format("p{}_{}_ms", percentile_word(p), s.key)] = v;
+    }
+  }
+  if (metrics_before && metrics_after) {
+    const SpecDecodeCounters before = parse_spec_decode_counters(*metrics_before);
+    const SpecDecodeCounters after = parse_spec_decode_counters(*metrics_after);
+    if (after.present) {
+      const SpecDecodeResult sd = spec_decode_delta(before, after);
+      fmt::print(out, "{:-^50}\n", "Speculative Decoding");
+      print_row(out, "Acceptance rate (%):", f2(100.0 * sd.acceptance_rate));
+      print_row(out, "Acceptance length:", f2(sd.acceptance_length));
+      print_row(out, "Drafts:", fmt::format("{:.0f}", sd.drafts));
+      print_row(out, "Draft tokens:", fmt::format("{:.0f}", sd.draft_tokens));
+      print_row(out, "Accepted tokens:", fmt::format("{:.0f}", sd.accepted_tokens));
+      std::string per;
+      for (double r : sd.per_position_rate) per += (per.empty() ? "" : ", ") + f2(100.0 * r);
+      print_row(out, "Per-position acceptance (%):", per);
+      result["spec_decode_acceptance_rate"] = 100.0 * sd.acceptance_rate;
+      result["spec_decode_acceptance_length"] = sd.acceptance_length;
+      result["spec_decode_num_drafts"] = sd.drafts;
+      result["spec_decode_draft_tokens"] = sd.draft_tokens;
+      result["spec_decode_accepted_tokens"] = sd.accepted_tokens;
+      json per_pos = json::array();
+      for (double r : sd.per_position_rate) per_pos.push_back(100.0 * r);
+      result["spec_decode_per_position_acceptance_rates"] = per_pos;
     }
   }
   fmt::print(out, "{}\n", std::string(50, '='));

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <optional>
 
 #include "bench_serve/sse.h"
 #include "core/error.h"
@@ -281,19 +282,19 @@ RunResult run_requests(const ClientConfig& cfg, const std::vector<PreparedReques
   return result;
 }
 
-std::string first_model_id(const std::string& base_url, const ClientConfig& cfg) {
+namespace {
+// A blocking GET: the status (0 when no answer came) and the body; `error` gets libcurl's message.
+long http_get(const std::string& url, const ClientConfig& cfg, long timeout_s, std::string& body, std::string& error) {
   ensure_curl();
-  const std::string url = base_url + "/v1/models";
   CURL* e = curl_easy_init();
   if (!e) runtime_error("libcurl: curl_easy_init failed");
   curl_slist* h = make_headers(cfg, false);
-  std::string body;
   char errbuf[CURL_ERROR_SIZE] = {};
   curl_easy_setopt(e, CURLOPT_URL, url.c_str());
   curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
   curl_easy_setopt(e, CURLOPT_ERRORBUFFER, errbuf);
   curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(e, CURLOPT_TIMEOUT, 30L);
+  curl_easy_setopt(e, CURLOPT_TIMEOUT, timeout_s);
   curl_easy_setopt(e, CURLOPT_WRITEDATA, &body);
   curl_easy_setopt(
       e, CURLOPT_WRITEFUNCTION, +[](char* p, size_t s, size_t m, void* u) {
@@ -306,9 +307,18 @@ std::string first_model_id(const std::string& base_url, const ClientConfig& cfg)
   curl_easy_cleanup(e);
   curl_slist_free_all(h);
   if (code != CURLE_OK) {
-    runtime_error("cannot list the server's models at {}: {} (is the server running? or pass --model)", url,
-                  errbuf[0] ? errbuf : curl_easy_strerror(code));
+    error = errbuf[0] ? errbuf : curl_easy_strerror(code);
+    return 0;
   }
+  return status;
+}
+}  // namespace
+
+std::string first_model_id(const std::string& base_url, const ClientConfig& cfg) {
+  const std::string url = base_url + "/v1/models";
+  std::string body, error;
+  const long status = http_get(url, cfg, 30, body, error);
+  if (status == 0) runtime_error("cannot list the server's models at {}: {} (is the server running? or pass --model)", url, error);
   if (status != 200) runtime_error("GET {} answered HTTP {}: {}", url, status, body.substr(0, 300));
   nlohmann::json j = nlohmann::json::parse(body, nullptr, false);
   if (j.is_discarded() || !j.is_object() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
@@ -317,6 +327,12 @@ std::string first_model_id(const std::string& base_url, const ClientConfig& cfg)
                   body.substr(0, 300));
   }
   return j["data"][0]["id"].get<std::string>();
+}
+
+std::optional<std::string> scrape_metrics(const std::string& base_url, const ClientConfig& cfg) {
+  std::string body, error;
+  if (http_get(base_url + "/metrics", cfg, 10, body, error) != 200) return std::nullopt;
+  return body;
 }
 
 }  // namespace chimera::bench_serve

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,5 +48,7 @@ RunResult run_requests(const ClientConfig& cfg, const std::vector<PreparedReques
 
 // GET base_url/v1/models: the first model's id. Throws runtime_error with the reason when that fails.
 std::string first_model_id(const std::string& base_url, const ClientConfig& cfg);
+// GET base_url/metrics: the Prometheus text, or nullopt when the server has none (any failure or non-200 answer).
+std::optional<std::string> scrape_metrics(const std::string& base_url, const ClientConfig& cfg);
 
 }  // namespace chimera::bench_serve

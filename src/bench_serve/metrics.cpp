@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 
 namespace chimera::bench_serve {
@@ -94,6 +95,62 @@ BenchmarkMetrics compute_metrics(const std::vector<RequestOutput>& outputs, doub
     m.max_concurrent_requests = *std::max_element(active.begin(), active.end());
   }
   return m;
+}
+
+SpecDecodeCounters parse_spec_decode_counters(const std::string& text) {
+  SpecDecodeCounters c;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(pos, end - pos);
+    pos = end + 1;
+    if (line.empty() || line[0] == '#') continue;
+    // name{labels} value
+    const size_t brace = line.find('{'), space = line.rfind(' ');
+    if (space == std::string::npos) continue;
+    const std::string name = line.substr(0, std::min(brace, space));
+    const size_t colon = name.rfind(':');
+    const std::string metric = colon == std::string::npos ? name : name.substr(colon + 1);
+    if (metric.rfind("spec_decode_", 0) != 0) continue;
+    char* stop = nullptr;
+    const std::string value_text = line.substr(space + 1);
+    const double v = std::strtod(value_text.c_str(), &stop);
+    if (stop == value_text.c_str() || !std::isfinite(v)) continue;
+    if (metric == "spec_decode_num_drafts" || metric == "spec_decode_num_drafts_total") {
+      c.drafts += v;
+    } else if (metric == "spec_decode_num_draft_tokens" || metric == "spec_decode_num_draft_tokens_total") {
+      c.draft_tokens += v;
+    } else if (metric == "spec_decode_num_accepted_tokens" || metric == "spec_decode_num_accepted_tokens_total") {
+      c.accepted_tokens += v;
+    } else if (metric == "spec_decode_num_accepted_tokens_per_pos" ||
+               metric == "spec_decode_num_accepted_tokens_per_pos_total") {
+      const size_t at = line.find("position=\"");
+      if (at == std::string::npos || brace == std::string::npos || at > space) continue;
+      const long p = std::strtol(line.c_str() + at + 10, nullptr, 10);
+      if (p < 0 || p > 64) continue;
+      if (c.accepted_per_position.size() <= static_cast<size_t>(p)) c.accepted_per_position.resize(p + 1, 0.0);
+      c.accepted_per_position[static_cast<size_t>(p)] += v;
+    } else {
+      continue;
+    }
+    c.present = true;
+  }
+  return c;
+}
+
+SpecDecodeResult spec_decode_delta(const SpecDecodeCounters& before, const SpecDecodeCounters& after) {
+  SpecDecodeResult r;
+  r.drafts = after.drafts - before.drafts;
+  r.draft_tokens = after.draft_tokens - before.draft_tokens;
+  r.accepted_tokens = after.accepted_tokens - before.accepted_tokens;
+  if (r.draft_tokens > 0) r.acceptance_rate = r.accepted_tokens / r.draft_tokens;
+  if (r.drafts > 0) r.acceptance_length = 1.0 + r.accepted_tokens / r.drafts;
+  for (size_t i = 0; i < after.accepted_per_position.size(); ++i) {
+    const double b = i < before.accepted_per_position.size() ? before.accepted_per_position[i] : 0.0;
+    r.per_position_rate.push_back(r.drafts > 0 ? (after.accepted_per_position[i] - b) / r.drafts : 0.0);
+  }
+  return r;
 }
 
 }  // namespace chimera::bench_serve

@@ -63,4 +63,24 @@ MetricStats summarize(const std::vector<double>& values_s, const std::vector<dou
 BenchmarkMetrics compute_metrics(const std::vector<RequestOutput>& outputs, double duration_s,
                                  const std::vector<double>& percentiles);
 
+// The speculative-decoding counters of a server's /metrics text (Prometheus exposition): the series named
+// <prefix>:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens and _num_accepted_tokens_per_pos{position}
+// whatever the prefix (chimera: or vllm:), summed over their other labels. `present` is false when the text has none
+// (a server without speculative decoding). Malformed lines are skipped.
+struct SpecDecodeCounters {
+  bool present = false;
+  double drafts = 0, draft_tokens = 0, accepted_tokens = 0;
+  std::vector<double> accepted_per_position;
+};
+SpecDecodeCounters parse_spec_decode_counters(const std::string& prometheus_text);
+
+// What a benchmark run added to the counters (after - before): acceptance rate = accepted / draft tokens,
+// acceptance length = 1 + accepted / drafts (the tokens a verify step emits), per position accepted / drafts.
+struct SpecDecodeResult {
+  double drafts = 0, draft_tokens = 0, accepted_tokens = 0;
+  double acceptance_rate = 0, acceptance_length = 1;
+  std::vector<double> per_position_rate;
+};
+SpecDecodeResult spec_decode_delta(const SpecDecodeCounters& before, const SpecDecodeCounters& after);
+
 }  // namespace chimera::bench_serve

@@ -100,5 +100,39 @@ TEST(BenchServeMetrics, AllFailedGivesZeros) {
   EXPECT_EQ(m.max_concurrent_requests, 0);
 }
 
+// The spec-decode counters of /metrics, chimera's or vLLM's prefix, summed over label sets; deltas as rates.
+TEST(BenchServeMetrics, SpecDecodeCountersFromPrometheusText) {
+  const std::string before =
+      "# HELP chimera:spec_decode_num_drafts Number of spec decoding drafts.\n"
+      "chimera:spec_decode_num_drafts{model_name=\"m\"} 10\n"
+      "chimera:spec_decode_num_draft_tokens{model_name=\"m\"} 30\n"
+      "chimera:spec_decode_num_accepted_tokens{model_name=\"m\"} 12\n"
+      "chimera:spec_decode_num_accepted_tokens_per_pos{model_name=\"m\",position=\"0\"} 8\n"
+      "chimera:spec_decode_num_accepted_tokens_per_pos{model_name=\"m\",position=\"2\"} 1\n"
+      "chimera:generation_tokens_total{model_name=\"m\"} 99\n";
+  const std::string after =
+      "vllm:spec_decode_num_drafts_total{engine=\"0\"} 60\n"
+      "vllm:spec_decode_num_drafts_total{engine=\"1\"} 50\n"
+      "vllm:spec_decode_num_draft_tokens_total{engine=\"0\"} 330\n"
+      "vllm:spec_decode_num_accepted_tokens_total{engine=\"0\"} 212\n"
+      "vllm:spec_decode_num_accepted_tokens_per_pos_total{engine=\"0\",position=\"0\"} 88\n"
+      "vllm:spec_decode_num_accepted_tokens_per_pos_total{engine=\"0\",position=\"1\"} 50\n"
+      "vllm:spec_decode_num_accepted_tokens_per_pos_total{engine=\"0\",position=\"2\"} 21\n"
+      "broken line\nvllm:spec_decode_num_drafts_total{engine=\"2\"} nan\n";
+  const SpecDecodeCounters b = parse_spec_decode_counters(before), a = parse_spec_decode_counters(after);
+  EXPECT_TRUE(b.present);
+  EXPECT_EQ(b.drafts, 10);
+  EXPECT_EQ(b.accepted_per_position, (std::vector<double>{8, 0, 1}));
+  EXPECT_EQ(a.drafts, 110);  // two engines' series summed; the nan skipped
+  const SpecDecodeResult d = spec_decode_delta(b, a);
+  EXPECT_EQ(d.drafts, 100);
+  EXPECT_EQ(d.draft_tokens, 300);
+  EXPECT_EQ(d.accepted_tokens, 200);
+  EXPECT_DOUBLE_EQ(d.acceptance_rate, 200.0 / 300.0);
+  EXPECT_DOUBLE_EQ(d.acceptance_length, 3.0);
+  EXPECT_EQ(d.per_position_rate, (std::vector<double>{0.8, 0.5, 0.2}));
+  EXPECT_FALSE(parse_spec_decode_counters("chimera:generation_tokens_total{} 5\n").present);
+}
+
 }  // namespace
 }  // namespace chimera::bench_serve
