@@ -318,7 +318,8 @@ std::string first_model_id(const std::string& base_url, const ClientConfig& cfg)
   const std::string url = base_url + "/v1/models";
   std::string body, error;
   const long status = http_get(url, cfg, 30, body, error);
-  if (status == 0) runtime_error("cannot list the server's models at {}: {} (is the server running? or pass --model)", url, error);
+  if (status == 0)
+    runtime_error("cannot list the server's models at {}: {} (is the server running? or pass --model)", url, error);
   if (status != 200) runtime_error("GET {} answered HTTP {}: {}", url, status, body.substr(0, 300));
   nlohmann::json j = nlohmann::json::parse(body, nullptr, false);
   if (j.is_discarded() || !j.is_object() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
