@@ -21,6 +21,7 @@ const char* reason_label(FinishReason r, bool aborted) {
 
 EngineLoop::EngineLoop(Engine& engine, Metrics& metrics, EngineLoopConfig config, int32_t max_num_seqs)
     : engine_(engine), metrics_(metrics), config_(config), max_num_seqs_(max_num_seqs) {
+  update_gauges();  // every series exists from the start (the counters at zero), before the engine thread runs
   thread_ = std::thread([this] { run(); });
 }
 

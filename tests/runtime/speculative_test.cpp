@@ -423,6 +423,77 @@ TEST_P(SpeculativeEngine, SamplingKeepsTheTargetDistribution) {
             run(model(), GetParam(), config(2, 8), few, few_s).tokens);
 }
 
+// What a demanding user combines with speculation: prompts longer than the token budget (the head's cache filled
+// chunk by chunk), a model length that ends sequences mid-draft, a repetition penalty (each verify row's history
+// holds the drafts before it), logprobs (the emitted tokens' own rows), and an abort between steps. Each run equals
+// the same run without speculation.
+TEST_P(SpeculativeEngine, ChunkedPrefillModelLengthPenaltiesLogprobsAndAbort) {
+  OracleModel m(model(), OracleModel::Mode::kWrongByHash);
+  for (size_t p = 0; p < 3; ++p) m.learn(reference(p));
+  for (int32_t k : {1, 3}) {
+    SCOPED_TRACE(::testing::Message() << "K=" << k);
+    {  // a 16-token budget: the 37- and 53-token prompts prefill in chunks beside the others' verify steps
+      EngineConfig with = config(k), without = config(0);
+      with.scheduler.max_num_batched_tokens = without.scheduler.max_num_batched_tokens = 16;
+      const std::vector<SamplingParams> sp = {greedy(32), greedy(32), greedy(32)};
+      EXPECT_EQ(run(m, GetParam(), with, fixture_.prompts, sp).tokens,
+                run(model(), GetParam(), without, fixture_.prompts, sp).tokens);
+    }
+    {  // max_model_len 60: the 53-token prompt stops after 7 tokens, whatever its drafts
+      EngineConfig with = config(k), without = config(0);
+      with.cache.max_model_len = without.cache.max_model_len = 60;
+      const std::vector<SamplingParams> sp = {greedy(32), greedy(32), greedy(32)};
+      const RunResult a = run(m, GetParam(), with, fixture_.prompts, sp);
+      EXPECT_EQ(a.tokens, run(model(), GetParam(), without, fixture_.prompts, sp).tokens);
+      EXPECT_EQ(a.tokens[2].size(), 7u);
+    }
+    {  // a repetition penalty, greedy
+      SamplingParams pen = greedy(32);
+      pen.repetition_penalty = 1.5f;
+      pen.frequency_penalty = 0.3f;
+      const std::vector<SamplingParams> sp = {pen, pen, pen};
+      EXPECT_EQ(run(m, GetParam(), config(k), fixture_.prompts, sp).tokens,
+                run(model(), GetParam(), config(0), fixture_.prompts, sp).tokens);
+    }
+    {  // logprobs: the emitted tokens' log-probabilities and top 3, as without speculation
+      SamplingParams lp = greedy(16);
+      lp.logprobs = 3;
+      std::vector<std::vector<TokenEvent>> evs(2);
+      for (int32_t kk : {0, k}) {
+        Engine e(kk == 0 ? static_cast<const Model&>(model()) : m, ops::Context{GetParam(), nullptr}, config(kk));
+        e.add_request(fixture_.prompts[1], lp);
+        while (e.has_unfinished()) {
+          for (TokenEvent& ev : e.step()) evs[kk == 0 ? 0 : 1].push_back(std::move(ev));
+        }
+      }
+      ASSERT_EQ(evs[0].size(), evs[1].size());
+      for (size_t i = 0; i < evs[0].size(); ++i) {
+        EXPECT_EQ(evs[0][i].token, evs[1][i].token) << i;
+        EXPECT_NEAR(evs[0][i].logprob, evs[1][i].logprob, 1e-4) << i;
+        ASSERT_EQ(evs[0][i].top_logprobs.size(), 3u);
+        ASSERT_EQ(evs[1][i].top_logprobs.size(), 3u);
+        for (size_t j = 0; j < 3; ++j) {
+          EXPECT_EQ(evs[0][i].top_logprobs[j].first, evs[1][i].top_logprobs[j].first) << i;
+          EXPECT_NEAR(evs[0][i].top_logprobs[j].second, evs[1][i].top_logprobs[j].second, 1e-4) << i;
+        }
+      }
+    }
+    {  // an abort after three steps frees the sequence's slots (spare ones too); the others go on unchanged
+      Engine e(m, ops::Context{GetParam(), nullptr}, config(k));
+      std::vector<int32_t> ids;
+      for (size_t p = 0; p < 3; ++p) ids.push_back(e.add_request(fixture_.prompts[p], greedy(32)));
+      for (int s = 0; s < 3; ++s) e.step();
+      EXPECT_TRUE(e.abort_request(ids[1]));
+      while (e.has_unfinished()) e.step();
+      EXPECT_EQ(e.num_free_slots(), e.num_total_slots());
+      std::map<int32_t, std::vector<int32_t>> by_id;
+      for (Sequence& sq : e.take_finished()) by_id[sq.id] = {sq.tokens.begin() + sq.prompt_len, sq.tokens.end()};
+      EXPECT_EQ(by_id[ids[0]], fixture_.greedy[0]);
+      EXPECT_EQ(by_id[ids[2]], fixture_.greedy[2]);
+    }
+  }
+}
+
 TEST_P(SpeculativeEngine, ModelWithoutAHeadIsAClearError) {
   const test::Fixture plain = test::load_fixture("all_kinds");
   const test::LoadedFixture l = test::load_model(plain.dir, ModelOptions{GetParam(), DType::kF32});

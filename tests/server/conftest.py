@@ -24,9 +24,9 @@ def cli_path():
 
 
 class Server:
-    def __init__(self, *extra):
+    def __init__(self, *extra, model=MODEL):
         self.proc = subprocess.Popen(
-            [cli_path(), "serve", "-m", MODEL, "--host", "127.0.0.1", "--port", "0",
+            [cli_path(), "serve", "-m", model, "--host", "127.0.0.1", "--port", "0",
              "--served-model-name", MODEL_NAME, "--api-key", API_KEY, *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines = []
