@@ -313,13 +313,7 @@ struct Runner {
     r["tpot_ms"] = secs / (static_cast<double>(timed_tokens) / batch) * 1e3;  // per token of one sequence
     r["tokens_per_s"] = static_cast<double>(timed_tokens) / secs;
     if (ec.speculative.enabled()) {  // the timed steps' drafts only
-      SpeculativeStats t = engine.speculative_stats();
-      t.num_drafts -= spec_before.num_drafts;
-      t.num_draft_tokens -= spec_before.num_draft_tokens;
-      t.num_accepted_tokens -= spec_before.num_accepted_tokens;
-      for (size_t i = 0; i < t.accepted_per_position.size(); ++i) {
-        t.accepted_per_position[i] -= spec_before.accepted_per_position[i];
-      }
+      const SpeculativeStats t = engine.speculative_stats().since(spec_before);
       r["speculative"] = {{"num_speculative_tokens", ec.speculative.num_speculative_tokens},
                           {"num_drafts", t.num_drafts},
                           {"num_draft_tokens", t.num_draft_tokens},

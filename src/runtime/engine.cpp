@@ -28,10 +28,6 @@ bool uses_graphs(const EngineConfig& c, Device device) {
   return device == Device::kCuda && c.cuda_graphs && !c.speculative.enabled();
 }
 
-bool is_greedy(const SamplingParams& p) {
-  return p.temperature == 0.0f || p.top_k == 1;
-}
-
 // The graph buckets: vLLM's sizes up to the largest decode batch the scheduler can form.
 std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device) {
   if (!uses_graphs(c, device)) return {};
@@ -389,10 +385,11 @@ std::vector<TokenEvent> Engine::step() {
     s.num_computed += p.num_tokens;  // a verify step's sequence steps back to its accepted prefix below
     s.num_computed_max = std::max(s.num_computed_max, s.num_computed);
   }
-  // The history a row's penalties see: the generated tokens, and in a verify step the drafts before the row.
+  // The history a row's penalties see: the generated tokens, and in a verify step the drafts before the row (only
+  // the penalties read it, so without them nothing is copied).
   std::vector<int32_t> history;
   auto history_of = [&](const Sequence& s, int32_t verify_row) -> std::span<const int32_t> {
-    if (verify_row <= 0) return generated_of(s);
+    if (verify_row <= 0 || !s.sampling.has_penalties()) return generated_of(s);
     history.assign(s.tokens.begin() + s.prompt_len, s.tokens.end());
     history.insert(history.end(), s.drafts.begin(), s.drafts.begin() + verify_row);
     return history;
@@ -409,7 +406,7 @@ std::vector<TokenEvent> Engine::step() {
     for (size_t r = 0; all_sample && r < row_owner.size(); ++r) {
       const Sequence& s = seq(row_owner[r].seq_id);
       const int32_t vr = row_owner[r].verify_row;
-      all_sample = row_owner[r].samples && s.sampling.max_new_tokens > 0 && (vr < 0 || is_greedy(s.sampling));
+      all_sample = row_owner[r].samples && s.sampling.max_new_tokens > 0 && (vr < 0 || s.sampling.greedy());
       ops::SamplingRow row = sampling_row(s.sampling, static_cast<uint64_t>(s.num_generated() + std::max(vr, 0)));
       row.penalty_begin = static_cast<int32_t>(penalty_tokens.size());
       append_penalty_tokens(s.sampling, prompt_of(s), history_of(s, vr), penalty_tokens);
@@ -444,8 +441,9 @@ std::vector<TokenEvent> Engine::step() {
     }
     if (!row_owner[r].samples) continue;
     // The first sampling event of a sequence hands out its prompt logprobs (all chunks' rows are in by now).
-    auto with_prompt_logprobs = [&s](TokenEvent ev) {
-      if (s.sampling.prompt_logprobs >= 0 && s.num_generated() == 0) ev.prompt_logprobs = std::move(s.prompt_logprobs);
+    const bool first_event = s.num_generated() == 0;
+    auto with_prompt_logprobs = [&s, first_event](TokenEvent ev) {
+      if (s.sampling.prompt_logprobs >= 0 && first_event) ev.prompt_logprobs = std::move(s.prompt_logprobs);
       return ev;
     };
     if (s.sampling.max_new_tokens == 0) {
@@ -460,10 +458,7 @@ std::vector<TokenEvent> Engine::step() {
       fail_nonfinite(s, step, events, with_prompt_logprobs);
       continue;
     }
-    TokenEvent ev = with_prompt_logprobs({s.id, t.id, FinishReason::kNone});  // before the token joins s
-    TokenEvent appended = append_token(s, t);
-    appended.prompt_logprobs = std::move(ev.prompt_logprobs);
-    events.push_back(std::move(appended));
+    events.push_back(with_prompt_logprobs(append_token(s, t)));
   }
 
   // ---- speculative decoding: accept each verify step's longest valid prefix, then draft for the next step ----
@@ -475,7 +470,7 @@ std::vector<TokenEvent> Engine::step() {
     // The tokens the step emits: accepted drafts, then the correction (or the bonus token after all of them).
     std::vector<int32_t> emitted;
     bool nonfinite = false;
-    if (is_greedy(s.sampling)) {
+    if (s.sampling.greedy()) {
       std::vector<int32_t> targets;
       for (int32_t j = 0; j < n; ++j) {
         const size_t r = rows[static_cast<size_t>(j)];
@@ -661,7 +656,7 @@ void Engine::propose_drafts(const StepBatch& b, const std::vector<Sequence*>& se
 void Engine::draw_drafts(const Tensor& logits, const std::vector<Sequence*>& seqs) {
   const int64_t R = static_cast<int64_t>(seqs.size());
   bool all_greedy = true;
-  for (const Sequence* s : seqs) all_greedy = all_greedy && is_greedy(s->sampling);
+  for (const Sequence* s : seqs) all_greedy = all_greedy && s->sampling.greedy();
   if (ctx_.device == Device::kCuda && all_greedy) {  // argmax on the device: only the ids come back
     const std::vector<ops::SamplingRow> rows(static_cast<size_t>(R));
     const std::vector<SampledToken> ids = sample_on_device(logits, rows, {}, false);
@@ -673,7 +668,7 @@ void Engine::draw_drafts(const Tensor& logits, const std::vector<Sequence*>& seq
   for (int64_t i = 0; i < R; ++i) {
     Sequence& s = *seqs[static_cast<size_t>(i)];
     const std::span<const float> row(host.f32() + i * V, static_cast<size_t>(V));
-    if (is_greedy(s.sampling)) {
+    if (s.sampling.greedy()) {
       s.drafts.push_back(static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin()));
       continue;
     }

@@ -42,6 +42,8 @@ struct SamplingParams {
   // kInvalidInput naming the field and its CLI flag on bad values (negative temperature, top_p outside (0, 1],
   // min_p outside [0, 1], a penalty out of range, logprobs outside [-1, 20], a negative stop token id, ...).
   void validate() const;
+  // Greedy: the argmax of the (penalised) logits, the sampler's rule (temperature 0 or top_k 1).
+  bool greedy() const { return temperature == 0.0f || top_k == 1; }
   bool has_penalties() const {
     return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f;
   }

@@ -43,6 +43,17 @@ SpeculativeConfig parse_speculative_config(const std::string& text, const std::s
   return c;
 }
 
+SpeculativeStats SpeculativeStats::since(const SpeculativeStats& before) const {
+  SpeculativeStats d = *this;
+  d.num_drafts -= before.num_drafts;
+  d.num_draft_tokens -= before.num_draft_tokens;
+  d.num_accepted_tokens -= before.num_accepted_tokens;
+  for (size_t i = 0; i < d.accepted_per_position.size() && i < before.accepted_per_position.size(); ++i) {
+    d.accepted_per_position[i] -= before.accepted_per_position[i];
+  }
+  return d;
+}
+
 double SpeculativeStats::acceptance_rate() const {
   return num_draft_tokens == 0 ? 0.0 : static_cast<double>(num_accepted_tokens) / static_cast<double>(num_draft_tokens);
 }

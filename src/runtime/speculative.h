@@ -36,6 +36,8 @@ struct SpeculativeStats {
   // accepted_per_position[i]: drafts whose token at position i (0-based) was accepted; K entries.
   std::vector<int64_t> accepted_per_position;
 
+  // What was counted after `before` (an earlier copy of these counters).
+  SpeculativeStats since(const SpeculativeStats& before) const;
   // Accepted / proposed draft tokens (0 before any draft).
   double acceptance_rate() const;
   // Tokens a verify step emits on average: 1 + accepted draft tokens per draft (1 before any draft).

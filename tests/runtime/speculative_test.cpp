@@ -78,6 +78,14 @@ TEST(SpeculativeAccept, StatsSummary) {
   EXPECT_EQ(s.summary(),
             "drafts 4, draft tokens 12, accepted 6 (50.0 %), mean acceptance length 2.50, "
             "per position 1.000 0.500 0.000");
+  SpeculativeStats later = s;
+  later.num_drafts = 7, later.num_draft_tokens = 21, later.num_accepted_tokens = 8;
+  later.accepted_per_position = {6, 2, 0};
+  const SpeculativeStats d = later.since(s);
+  EXPECT_EQ(d.num_drafts, 3);
+  EXPECT_EQ(d.num_draft_tokens, 9);
+  EXPECT_EQ(d.num_accepted_tokens, 2);
+  EXPECT_EQ(d.accepted_per_position, (std::vector<int64_t>{2, 0, 0}));
 }
 
 // The chi-square statistic of observed counts against expected probabilities, and the 0.001 upper quantile of the
