@@ -115,7 +115,7 @@ void input_linear(const ops::Context& ctx, const ops::ResidualNorm* pre, const T
 }
 }  // namespace
 
-void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
+void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b, const SpecPlan& spec,
                             const Tensor& conv_state, const Tensor& ssm_state, const ops::ResidualNorm* pre,
                             const Tensor& x, const Tensor& out) const {
   const ModelConfig& c = config_;
@@ -147,7 +147,7 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
                              /*prefetch_states=*/true);  // the previous kernel is in_proj
   }
   // Speculative verify rows: the single-token update token by token, out of place (StepBatch::spec_slots).
-  if (nc < np) spec_mamba(ctx, w, b, zxbcdt, sp, conv_state, ssm_state, normed);
+  if (nc < np) spec_mamba(ctx, w, b, spec, zxbcdt, sp, conv_state, ssm_state, normed);
   // Prefill rows: varlen causal conv + SiLU, chunked SSD scan, gated norm.
   if (nc > 0) {
     const Tensor in_rows = Tc == T ? zxbcdt : zxbcdt.rows(0, Tc);
@@ -170,48 +170,53 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);
 }
 
-void NemotronH::spec_mamba(const ops::Context& ctx, const MambaWeights& w, const StepBatch& b, const Tensor& zxbcdt,
-                           const ops::SsmParams& sp, const Tensor& conv_state, const Tensor& ssm_state,
-                           const Tensor& normed) const {
+NemotronH::SpecPlan NemotronH::spec_plan(const StepBatch& b) {
+  SpecPlan p;
   const size_t np = static_cast<size_t>(b.num_prefill_seqs), nc = np - static_cast<size_t>(b.num_spec_seqs);
-  const int32_t Tc = b.num_chunk_tokens(), Ts = b.num_prefill_tokens() - Tc;
-  // Step j of the verify is row j of every spec sequence longer than j. Gathered step-major (longest sequences
-  // first, so step j's rows are the first n_j of its block), each step is one single-token update of contiguous rows.
+  if (nc == np) return p;
+  const int32_t Tc = b.num_chunk_tokens();
+  // Longest sequences first, so step j's rows are the first n_j of its block.
   std::vector<size_t> seqs(np - nc);
   for (size_t i = 0; i < seqs.size(); ++i) seqs[i] = nc + i;
   const auto len = [&](size_t s) { return b.cu_seqlens[s + 1] - b.cu_seqlens[s]; };
   std::stable_sort(seqs.begin(), seqs.end(), [&](size_t x, size_t y) { return len(x) > len(y); });
-  std::vector<int32_t> gather;                            // step-major position -> row of zxbcdt
-  std::vector<int32_t> scatter(static_cast<size_t>(Ts));  // spec row -> its step-major position
-  std::vector<int32_t> src, dst, pos;                     // per step-major row: slot read, slot written, token position
-  std::vector<size_t> step_begin;
+  p.scatter.resize(static_cast<size_t>(b.num_prefill_tokens() - Tc));
   for (int32_t j = 0; j < len(seqs.front()); ++j) {
-    step_begin.push_back(gather.size());
+    p.step_begin.push_back(p.gather.size());
     for (size_t s : seqs) {
       if (len(s) <= j) break;
       const int32_t row = b.cu_seqlens[s] + j;
-      scatter[static_cast<size_t>(row - Tc)] = static_cast<int32_t>(gather.size());
-      gather.push_back(row);
-      src.push_back(j == 0 ? b.state_slots[s] : b.spec_slots[static_cast<size_t>(row - 1 - Tc)]);
-      dst.push_back(b.spec_slots[static_cast<size_t>(row - Tc)]);
-      pos.push_back(b.context_lens[s] + j);
+      p.scatter[static_cast<size_t>(row - Tc)] = static_cast<int32_t>(p.gather.size());
+      p.gather.push_back(row);
+      p.src.push_back(j == 0 ? b.state_slots[s] : b.spec_slots[static_cast<size_t>(row - 1 - Tc)]);
+      p.dst.push_back(b.spec_slots[static_cast<size_t>(row - Tc)]);
+      p.pos.push_back(b.context_lens[s] + j);
     }
   }
-  step_begin.push_back(gather.size());
-  const Tensor in = gather_rows(ctx, zxbcdt, act_dtype_, gather);
+  p.step_begin.push_back(p.gather.size());
+  return p;
+}
+
+void NemotronH::spec_mamba(const ops::Context& ctx, const MambaWeights& w, const StepBatch& b, const SpecPlan& spec,
+                           const Tensor& zxbcdt, const ops::SsmParams& sp, const Tensor& conv_state,
+                           const Tensor& ssm_state, const Tensor& normed) const {
+  const int32_t Tc = b.num_chunk_tokens(), Ts = b.num_prefill_tokens() - Tc;
+  const Tensor in = gather_rows(ctx, zxbcdt, act_dtype_, spec.gather);
   const Tensor out = act(ctx, {Ts, normed.dim(1)});
   const ModelConfig& c = config_;
-  for (size_t j = 0; j + 1 < step_begin.size(); ++j) {
-    const size_t r0 = step_begin[j], r1 = step_begin[j + 1];
+  const auto part = [](const std::vector<int32_t>& v, size_t r0, size_t r1) {
+    return std::span<const int32_t>(v).subspan(r0, r1 - r0);
+  };
+  for (size_t j = 0; j + 1 < spec.step_begin.size(); ++j) {
+    const size_t r0 = spec.step_begin[j], r1 = spec.step_begin[j + 1];
     ops::SsmParams step = sp;
-    step.context_lens = std::span<const int32_t>(pos).subspan(r0, r1 - r0);
+    step.context_lens = part(spec.pos, r0, r1);
     ops::mamba_decode_update(ctx, out.rows(static_cast<int64_t>(r0), static_cast<int64_t>(r1)),
                              in.rows(static_cast<int64_t>(r0), static_cast<int64_t>(r1)), w.conv1d_weight,
                              w.conv1d_bias, step, w.norm, c.n_groups, c.layer_norm_epsilon, conv_state, ssm_state,
-                             std::span<const int32_t>(src).subspan(r0, r1 - r0), /*prefetch_states=*/false,
-                             std::span<const int32_t>(dst).subspan(r0, r1 - r0));
+                             part(spec.src, r0, r1), /*prefetch_states=*/false, part(spec.dst, r0, r1));
   }
-  ops::embedding(ctx, normed.rows(Tc, Tc + Ts), out, scatter);  // back to the batch's row order
+  ops::embedding(ctx, normed.rows(Tc, Tc + Ts), out, spec.scatter);  // back to the batch's row order
 }
 
 void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
@@ -365,7 +370,7 @@ bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelSta
     const size_t i = first + j;
     const ops::ResidualNorm* pre = has_pending ? &pending : nullptr;
     switch (L.kind) {
-      case LayerKind::kMamba: mamba_mixer(ctx, L, b, state.conv[i], state.ssm[i], pre, s.x, s.mix); break;
+      case LayerKind::kMamba: mamba_mixer(ctx, L, b, s.spec, state.conv[i], state.ssm[i], pre, s.x, s.mix); break;
       case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], pre, s.x, s.mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, s.mix, s.x, L.mlp.up_proj, L.mlp.down_proj); break;
       case LayerKind::kMoe: moe_mixer(ctx, i, L, s.x, s.mix, s.routed); break;
@@ -410,6 +415,7 @@ Tensor NemotronH::forward_impl(const ops::Context& ctx, const StepBatch& b, Mode
   const Tensor block_tables = step_block_tables(ctx, b);
 
   Stream s = stream(ctx, b.num_tokens(), w_.layers);
+  s.spec = spec_plan(b);  // once for all Mamba layers of the step
   ops::embedding(ctx, s.h, w_.embeddings, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
   ops::rms_norm(ctx, s.x, s.h, w_.layers.empty() ? w_.norm_f : w_.layers[0].norm, config_.layer_norm_epsilon);
   // The last step (norm_f) folds into the lm_head when every row's logits are wanted (a decode step) and nobody

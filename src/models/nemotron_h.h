@@ -78,11 +78,23 @@ class NemotronH : public Model {
   void set_activation_dump(std::filesystem::path dir);
 
  private:
+  // The step-major order of a step's speculative verify rows (StepBatch::num_spec_seqs), the same for every Mamba
+  // layer of the step: step j is row j of every verify sequence longer than j, its rows
+  // [step_begin[j], step_begin[j + 1]) of the gathered order, each with the slot it reads, the slot it writes and
+  // its token's position.
+  struct SpecPlan {
+    std::vector<int32_t> gather;   // step-major position -> row of the step
+    std::vector<int32_t> scatter;  // verify row (from the first one) -> its step-major position
+    std::vector<int32_t> src, dst, pos;
+    std::vector<size_t> step_begin;
+  };
+  static SpecPlan spec_plan(const StepBatch& batch);
   // The residual stream of one decoder stack: h and h_next its two buffers (a residual step folded into the next
   // layer's first dense op writes the other one), x the current mixer's normed input, mix and routed the mixer's
-  // outputs (routed: a MoE layer's routed experts, added in the norm kernel).
+  // outputs (routed: a MoE layer's routed experts, added in the norm kernel); spec the step's verify plan.
   struct Stream {
     Tensor h, h_next, x, mix, routed;
+    SpecPlan spec;
   };
 
   NemotronH() = default;
@@ -93,12 +105,13 @@ class NemotronH : public Model {
   void dump_activation(size_t layer, const char* what, const Tensor& t) const;
   // The Mamba and attention mixers read their normed input x only through their first dense op; `pre`, when set,
   // is the residual step that produces x (pre->x == x), folded into that op (ops::residual_norm_linear).
-  void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const Tensor& conv_state,
-                   const Tensor& ssm_state, const ops::ResidualNorm* pre, const Tensor& x, const Tensor& out) const;
+  void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const SpecPlan& spec,
+                   const Tensor& conv_state, const Tensor& ssm_state, const ops::ResidualNorm* pre, const Tensor& x,
+                   const Tensor& out) const;
   // The Mamba layer's speculative verify rows (StepBatch::num_spec_seqs): from their in_proj rows (zxbcdt, every row of
   // the step) to their rows of normed, one out-of-place single-token update per draft position.
-  void spec_mamba(const ops::Context& ctx, const MambaWeights& w, const StepBatch& batch, const Tensor& zxbcdt,
-                  const ops::SsmParams& sp, const Tensor& conv_state, const Tensor& ssm_state,
+  void spec_mamba(const ops::Context& ctx, const MambaWeights& w, const StepBatch& batch, const SpecPlan& spec,
+                  const Tensor& zxbcdt, const ops::SsmParams& sp, const Tensor& conv_state, const Tensor& ssm_state,
                   const Tensor& normed) const;
   // block_tables: the batch's table on ctx.device (uploaded once per step on CUDA).
   void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,

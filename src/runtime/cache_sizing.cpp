@@ -136,10 +136,7 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   p.block_bytes = kv_block_bytes(c, act_dtype, r.block_size, r.kv_cache_fp8);
   if (r.num_speculative_tokens > 0 && c.num_nextn_predict_layers > 0) {
     ModelConfig head = c;  // the head's sublayers as a model of their own: their KV per block
-    head.layers.clear();
-    for (int64_t b = 0; b < c.num_nextn_predict_layers; ++b) {
-      head.layers.insert(head.layers.end(), c.mtp_layers.begin(), c.mtp_layers.end());
-    }
+    head.layers = mtp_cache_layers(c);
     p.block_bytes = add(p.block_bytes, kv_block_bytes(head, act_dtype, r.block_size, r.kv_cache_fp8), "KV block");
   }
   // The graphs' pad rows each own a scratch Mamba slot and KV block (StateCache, CacheSizes::num_pad).

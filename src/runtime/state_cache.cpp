@@ -40,9 +40,8 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
   // The backbone's layers, then (CacheSizes::mtp) the MTP head's sublayers, block after block.
   std::vector<LayerKind> kinds = config.layers;
   if (sizes_.mtp) {
-    for (int64_t b = 0; b < config.num_nextn_predict_layers; ++b) {
-      kinds.insert(kinds.end(), config.mtp_layers.begin(), config.mtp_layers.end());
-    }
+    const std::vector<LayerKind> head = mtp_cache_layers(config);
+    kinds.insert(kinds.end(), head.begin(), head.end());
   }
   const size_t n = kinds.size();
   state_.conv.resize(n);
@@ -147,6 +146,14 @@ size_t StateCache::mamba_state_bytes_per_seq(const ModelConfig& c, DType ssm_dty
 size_t StateCache::kv_bytes_per_token(const ModelConfig& c, size_t bytes_per_element) {
   const size_t per_layer = static_cast<size_t>(2 * c.num_key_value_heads * c.head_dim) * bytes_per_element;
   return per_layer * static_cast<size_t>(std::count(c.layers.begin(), c.layers.end(), LayerKind::kAttention));
+}
+
+std::vector<LayerKind> mtp_cache_layers(const ModelConfig& config) {
+  std::vector<LayerKind> kinds;
+  for (int64_t b = 0; b < config.num_nextn_predict_layers; ++b) {
+    kinds.insert(kinds.end(), config.mtp_layers.begin(), config.mtp_layers.end());
+  }
+  return kinds;
 }
 
 DType parse_ssm_cache_dtype(const std::string& name, const std::string& what) {

@@ -58,6 +58,9 @@ struct CacheSizes {
   int32_t spare_slots = 0;
 };
 
+// The MTP head's sublayers in cache order (CacheSizes::mtp): its block's pattern, once per block.
+std::vector<LayerKind> mtp_cache_layers(const ModelConfig& config);
+
 // --mamba-ssm-cache-dtype: "float32", "bfloat16" or "float16" (vLLM's names); kInvalidInput naming `what` otherwise.
 DType parse_ssm_cache_dtype(const std::string& name, const std::string& what);
 // The flag's spelling of a dtype ("float32", ...).
