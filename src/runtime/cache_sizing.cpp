@@ -150,7 +150,25 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
                   "--max-num-seqs",
                   r.gpu_memory_utilization, gib(p.budget), gib(p.workspace), gib(p.graphs), gib(pad_bytes));
   }
-  const size_t caches = p.budget - overhead;
+  size_t caches = p.budget - overhead;
+  // Prefix caching's Mamba checkpoints come off the top: each holds one sequence's Mamba state.
+  p.prefix_caching = r.prefix_caching;
+  p.checkpoint_interval = r.mamba_checkpoint_interval;
+  if (r.prefix_caching && count(c, LayerKind::kMamba) > 0) {
+    if (r.mamba_checkpoint_slots < 0) {
+      invalid_input("--mamba-checkpoint-slots must be >= 0, got {}", r.mamba_checkpoint_slots);
+    }
+    p.checkpoint_bytes = mamba_slot_bytes(c, act_dtype, r.ssm_dtype);
+    const size_t n = r.mamba_checkpoint_slots > 0 ? static_cast<size_t>(r.mamba_checkpoint_slots)
+                                                  : std::max<size_t>(1, caches / 10 / p.checkpoint_bytes);
+    const size_t bytes = mul(n, p.checkpoint_bytes, "Mamba checkpoints");
+    if (bytes >= caches || n > INT32_MAX) {
+      invalid_input("--mamba-checkpoint-slots {} need {}, more than the {} left for the caches", n, gib(bytes),
+                    gib(caches));
+    }
+    p.checkpoint_slots = static_cast<int32_t>(n);
+    caches -= bytes;
+  }
   const size_t per_seq_blocks = (static_cast<size_t>(r.max_model_len) + r.block_size - 1) / r.block_size;
   const size_t one_seq_kv = mul(per_seq_blocks, p.block_bytes, "KV of one sequence");
   const size_t for_slots = caches > one_seq_kv ? caches - one_seq_kv : 0;
@@ -180,13 +198,23 @@ std::string format_cache_sizing(const CacheSizingPlan& p, const std::string& dev
     pads = fmt::format("CUDA-graph pads: {} scratch Mamba slots and KV blocks ({})\n", p.pad_rows,
                        gib(static_cast<size_t>(p.pad_rows) * (p.slot_bytes + p.block_bytes)));
   }
+  std::string checkpoints;
+  if (p.checkpoint_slots > 0) {
+    checkpoints =
+        fmt::format("prefix caching: {} Mamba state checkpoints, one every {} tokens ({})\n", p.checkpoint_slots,
+                    p.checkpoint_interval, gib(static_cast<size_t>(p.checkpoint_slots) * p.checkpoint_bytes));
+  } else if (p.prefix_caching) {
+    checkpoints = "prefix caching: KV blocks only (the model has no Mamba layers)\n";
+  }
   return fmt::format(
       "{} memory: {} total, {} allowed; in use {} (weights {}); workspace {}, CUDA graphs {}\n"
       "KV cache: {} blocks x {} = {} tokens ({}{}); Mamba state: {} slots ({}, SSM state {}; at most {} slots fit)\n"
-      "{}maximum concurrency for {} tokens per request: {:.2f}x ({} sequences fit at once)\n",
+      "{}{}maximum concurrency for {} tokens per request: {:.2f}x ({} sequences fit at once)\n",
       device_name, gib(p.total), gib(p.budget + p.in_use), gib(p.in_use), gib(p.weights), gib(p.workspace),
-      gib(p.graphs), p.kv_blocks, p.block_size, p.kv_tokens(), gib(static_cast<size_t>(p.kv_blocks) * p.block_bytes), p.kv_cache_fp8 ? ", fp8" : "",
-      p.mamba_slots, gib(p.mamba_slots * p.slot_bytes), ssm_cache_dtype_name(p.ssm_dtype), p.max_slots_that_fit, pads, p.max_model_len, per_request, p.max_concurrency());
+      gib(p.graphs), p.kv_blocks, p.block_size, p.kv_tokens(), gib(static_cast<size_t>(p.kv_blocks) * p.block_bytes),
+      p.kv_cache_fp8 ? ", fp8" : "", p.mamba_slots, gib(p.mamba_slots * p.slot_bytes),
+      ssm_cache_dtype_name(p.ssm_dtype), p.max_slots_that_fit, pads, checkpoints, p.max_model_len, per_request,
+      p.max_concurrency());
 }
 
 }  // namespace chimera

@@ -45,6 +45,11 @@ struct CacheSizingRequest {
   // Speculative decoding's K (0: off): each sequence's slot_bytes include its K + 1 spare Mamba slots, and a block's
   // bytes the MTP head's attention sublayers (CacheSizes::spare_slots, CacheSizes::mtp).
   int32_t num_speculative_tokens = 0;
+  // Prefix caching: the Mamba checkpoints' spacing, and their slots; 0: a tenth of the cache memory (after the
+  // workspace, graphs and pads) in checkpoints of one sequence's Mamba state each, at least one.
+  bool prefix_caching = false;
+  int32_t mamba_checkpoint_interval = 2048;
+  int32_t mamba_checkpoint_slots = 0;
 };
 
 struct CacheSizingPlan {
@@ -59,6 +64,10 @@ struct CacheSizingPlan {
   size_t block_bytes = 0;    // K + V of one block, all attention layers
   int32_t mamba_slots = 0;
   int32_t kv_blocks = 0;
+  bool prefix_caching = false;
+  int32_t checkpoint_slots = 0;  // Mamba checkpoints (prefix caching)
+  int32_t checkpoint_interval = 0;
+  size_t checkpoint_bytes = 0;  // one checkpoint: one sequence's Mamba state
   int32_t block_size = 0;
   int32_t max_model_len = 0;
   int32_t max_slots_that_fit = 0;  // Mamba slots the budget could hold beside one full sequence's KV
@@ -70,12 +79,20 @@ struct CacheSizingPlan {
   // Everything the StateCache allocates: the sequences' slots and blocks and the pad scratch.
   size_t cache_bytes() const {
     return (static_cast<size_t>(mamba_slots) + pad_rows) * slot_bytes +
-           (static_cast<size_t>(kv_blocks) + pad_rows) * block_bytes;
+           (static_cast<size_t>(kv_blocks) + pad_rows) * block_bytes +
+           static_cast<size_t>(checkpoint_slots) * checkpoint_bytes;
   }
   CacheSizes cache_sizes() const {
-    return CacheSizes{.max_seqs = mamba_slots, .max_model_len = max_model_len, .block_size = block_size,
-                      .num_blocks = kv_blocks, .num_pad = pad_rows, .ssm_dtype = ssm_dtype,
-                      .kv_cache_fp8 = kv_cache_fp8};
+    return CacheSizes{.max_seqs = mamba_slots,
+                      .max_model_len = max_model_len,
+                      .block_size = block_size,
+                      .num_blocks = kv_blocks,
+                      .num_pad = pad_rows,
+                      .ssm_dtype = ssm_dtype,
+                      .kv_cache_fp8 = kv_cache_fp8,
+                      .prefix_caching = prefix_caching,
+                      .checkpoint_slots = checkpoint_slots,
+                      .checkpoint_interval = checkpoint_interval};
   }
 };
 

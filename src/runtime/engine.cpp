@@ -43,6 +43,8 @@ CacheSizes engine_cache_sizes(const EngineConfig& c, Device device) {
     sizes.mtp = true;
     sizes.spare_slots = c.speculative.num_speculative_tokens + 1;
   }
+  // Every prompt row's logits are asked for: nothing may be skipped.
+  if (c.return_prompt_logits) sizes.prefix_caching = false;
   return sizes;
 }
 
@@ -280,6 +282,8 @@ std::vector<TokenEvent> Engine::step() {
     }
     return events;
   }
+  // Sequences admitted on a cached prefix start from its Mamba checkpoint (ordered before the step's ops).
+  for (const SlotCopy& c : plan.restores) cache_.copy_mamba_state(c.dst, c.src, ctx_.stream);
 
   // ---- build the step batch ----
   // Sequences with several new tokens, or none in context, run the multi-token kernels (varlen conv, chunked
@@ -538,6 +542,13 @@ std::vector<TokenEvent> Engine::step() {
     std::vector<Sequence*> seqs;
     for (const ScheduledSeq& p : order) seqs.push_back(&seq(p.seq_id));
     propose_drafts(b, seqs, hidden);
+  }
+  // Prefix caching: publish the blocks the step completed and save the Mamba checkpoints it reached, before a
+  // finished sequence's slot is handed on.
+  for (const ScheduledSeq& p : order) {
+    if (const std::optional<SlotCopy> c = scheduler_.commit(seq(p.seq_id))) {
+      cache_.copy_mamba_state(c->dst, c->src, ctx_.stream);
+    }
   }
   for (Sequence& s : scheduler_.collect_finished()) finished_.push_back(std::move(s));
   return events;

@@ -113,6 +113,10 @@ class Engine {
     bool graph = false;          // ran as a CUDA graph replay
   };
   const StepStats& last_step() const { return last_step_; }
+  // Prefix caching's token counts so far (zero without it), and the Mamba checkpoint pool's use.
+  const PrefixCacheStats& prefix_cache_stats() const { return scheduler_.prefix_cache_stats(); }
+  int32_t num_checkpoints() const { return cache_.checkpoints().size(); }
+  int32_t checkpoint_capacity() const { return cache_.checkpoints().capacity(); }
   // Speculative decoding's counters so far (all zero without it).
   const SpeculativeStats& speculative_stats() const { return spec_stats_; }
 

@@ -43,6 +43,76 @@ void Scheduler::release(Sequence& s) {
   cache_.release_blocks(s.blocks);
   s.slot = -1;
   s.spare_slots.clear();
+  s.num_published = 0;
+}
+
+bool Scheduler::caches(const Sequence& s) const {
+  return cache_.sizes().prefix_caching && s.sampling.prompt_logprobs < 0;
+}
+
+void Scheduler::hash_blocks(Sequence& s, int32_t num_tokens) const {
+  const int32_t bs = cache_.sizes().block_size;
+  for (auto i = static_cast<int32_t>(s.block_hashes.size()); (i + 1) * bs <= num_tokens; ++i) {
+    const uint64_t parent = i == 0 ? kRootHash : s.block_hashes[static_cast<size_t>(i - 1)];
+    s.block_hashes.push_back(block_hash(
+        parent, std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs))));
+  }
+}
+
+int32_t Scheduler::match_prefix(Sequence& s, std::vector<int32_t>& blocks, int32_t& checkpoint) {
+  checkpoint = -1;
+  if (!caches(s)) return 0;
+  const int32_t bs = cache_.sizes().block_size;
+  const auto len = static_cast<int32_t>(s.tokens.size());
+  hash_blocks(s, len);
+  const std::vector<int32_t> matched = cache_.block_pool().match(s.block_hashes, s.tokens);
+  // The last token is always computed: its logits sample the next one.
+  const int32_t limit = std::min(static_cast<int32_t>(matched.size()) * bs, len - 1);
+  int32_t p = 0;
+  if (!cache_.has_mamba()) {
+    p = limit / bs * bs;
+  } else {
+    const int32_t every = cache_.sizes().checkpoint_interval;
+    for (int32_t q = limit / every * every; q > 0; q -= every) {
+      const std::optional<int32_t> slot = cache_.checkpoints().find(s.block_hashes[static_cast<size_t>(q / bs - 1)]);
+      if (slot) {
+        p = q;
+        checkpoint = *slot;
+        break;
+      }
+    }
+  }
+  blocks.assign(matched.begin(), matched.begin() + p / bs);
+  cache_.block_pool().acquire(blocks);
+  return p;
+}
+
+int32_t Scheduler::clip_to_checkpoint(const Sequence& s, int32_t n) const {
+  if (!caches(s) || !cache_.has_mamba() || cache_.checkpoints().capacity() == 0) return n;
+  const int32_t every = cache_.sizes().checkpoint_interval;
+  const int32_t next = (s.num_computed / every + 1) * every;
+  return s.num_computed + n > next ? next - s.num_computed : n;
+}
+
+std::optional<SlotCopy> Scheduler::commit(Sequence& s) {
+  if (!caches(s) || s.slot < 0 || s.finish == FinishReason::kError) return std::nullopt;
+  const int32_t bs = cache_.sizes().block_size;
+  const int32_t full = std::min(s.num_computed / bs, static_cast<int32_t>(s.blocks.size()));
+  hash_blocks(s, full * bs);
+  for (int32_t i = s.num_published; i < full; ++i) {
+    cache_.block_pool().publish(
+        s.blocks[static_cast<size_t>(i)], s.block_hashes[static_cast<size_t>(i)],
+        std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs)));
+  }
+  s.num_published = std::max(s.num_published, full);
+  // A finished sequence's state may run past its tokens (a verify step that stopped inside its accepted run).
+  const int32_t every = cache_.sizes().checkpoint_interval;
+  if (s.finished() || !cache_.has_mamba() || s.num_computed == 0 || s.num_computed % every != 0) return std::nullopt;
+  const std::optional<int32_t> slot =
+      cache_.checkpoints().insert(s.block_hashes[static_cast<size_t>(s.num_computed / bs - 1)]);
+  if (!slot) return std::nullopt;
+  ++prefix_stats_.checkpoints_saved;
+  return SlotCopy{*slot, s.slot};
 }
 
 int32_t Scheduler::tokens_to_reserve(const Sequence& s, int32_t n) const {
@@ -82,8 +152,9 @@ SchedulerOutput Scheduler::schedule() {
       if (s.finished() || s.in_prefill() != prompt_phase) continue;
       // A decode with drafts verifies them in the same step (all or, when the budget is short, a prefix).
       const int32_t pending = s.num_pending() + (prompt_phase ? 0 : static_cast<int32_t>(s.drafts.size()));
-      const int32_t n = std::min(budget, pending);
+      int32_t n = std::min(budget, pending);
       if (n <= 0) continue;
+      if (s.drafts.empty()) n = clip_to_checkpoint(s, n);
       bool self_preempted = false;
       while (!cache_.reserve_blocks(s.blocks, tokens_to_reserve(s, n))) {
         // The pool holds at least one sequence of max_model_len (StateCache checks), so a sequence alone
@@ -102,20 +173,32 @@ SchedulerOutput Scheduler::schedule() {
   //    budget last. Admission never preempts.
   while (!waiting_.empty() && budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
     Sequence& s = waiting_.front();
-    const int32_t n = std::min(budget, s.num_pending());
+    // A cached prefix first (its blocks referenced before the reservation, so that it cannot evict them).
     std::vector<int32_t> blocks;
-    if (!cache_.reserve_blocks(blocks, tokens_to_reserve(s, n))) break;
-    const int32_t slot = cache_.allocate_slot();
-    if (slot < 0) {
+    int32_t checkpoint = -1;
+    const int32_t cached = match_prefix(s, blocks, checkpoint);
+    const int32_t computed_before = s.num_computed;
+    s.num_computed = cached;
+    const int32_t n = clip_to_checkpoint(s, std::min(budget, s.num_pending()));
+    const int32_t slot =
+        cache_.reserve_blocks(blocks, tokens_to_reserve(s, n)) ? cache_.allocate_slot(checkpoint < 0) : -1;
+    std::vector<int32_t> spare;
+    if (slot >= 0) spare = cache_.allocate_spare_slots();
+    if (slot < 0 || spare.size() != static_cast<size_t>(cache_.sizes().spare_slots)) {  // every sequence holds as many
+      if (slot >= 0) cache_.release_slot(slot);
       cache_.release_blocks(blocks);
+      s.num_computed = computed_before;
       break;
     }
-    std::vector<int32_t> spare = cache_.allocate_spare_slots();
-    if (spare.size() != static_cast<size_t>(cache_.sizes().spare_slots)) {  // every sequence holds as many
-      cache_.release_slot(slot);
-      cache_.release_blocks(blocks);
-      break;
+    if (caches(s)) {
+      prefix_stats_.queries += static_cast<int64_t>(s.tokens.size());
+      prefix_stats_.hits += cached;
     }
+    if (checkpoint >= 0) {
+      out.restores.push_back({slot, checkpoint});
+      ++prefix_stats_.restores;
+    }
+    s.num_published = cached / cache_.sizes().block_size;
     s.slot = slot;
     s.spare_slots = std::move(spare);
     s.blocks = std::move(blocks);

@@ -50,6 +50,10 @@ struct Sequence {
   std::vector<std::vector<float>> draft_probs;
   // CacheSizes::spare_slots Mamba slots the verify step writes its rows' states to; held and released with `slot`.
   std::vector<int32_t> spare_slots;
+  // Prefix caching (runtime/prefix_cache.h): the chain hashes of the full blocks of `tokens` computed so far (they
+  // depend on the tokens alone), and how many of `blocks` are published.
+  std::vector<uint64_t> block_hashes;
+  int32_t num_published = 0;
 
   int32_t num_generated() const { return static_cast<int32_t>(tokens.size()) - prompt_len; }
   // Tokens not yet in the caches (the next step's candidates).
@@ -63,9 +67,19 @@ struct ScheduledSeq {
   int32_t num_tokens;  // new tokens this step, >= 1
 };
 
+// A Mamba state copy between slots: a checkpoint restored into a sequence's slot before the step, or a sequence's
+// state saved into a checkpoint slot after it.
+struct SlotCopy {
+  int32_t dst;
+  int32_t src;
+};
+
 struct SchedulerOutput {
   std::vector<ScheduledSeq> seqs;  // in priority order; the engine arranges them into the step batch
   std::vector<int32_t> preempted;  // ids preempted while scheduling this step (now waiting)
+  // Prefix caching: sequences admitted on a cached prefix, whose slot the engine fills from the checkpoint before
+  // the step runs (their num_computed already counts the prefix).
+  std::vector<SlotCopy> restores;
   bool empty() const { return seqs.empty(); }
 };
 
@@ -90,6 +104,12 @@ class Scheduler {
   SchedulerOutput schedule();
   // Frees the slot and blocks of finished sequences and forgets them; returns them.
   std::vector<Sequence> collect_finished();
+  // Prefix caching, after each step for each of its sequences (num_computed updated): publishes the blocks it
+  // completed, and when its computed tokens end on a checkpoint boundary returns the copy that saves its Mamba
+  // state as a checkpoint (the engine issues it before anything else touches the slot).
+  std::optional<SlotCopy> commit(Sequence& s);
+  const PrefixCacheStats& prefix_cache_stats() const { return prefix_stats_; }
+
   // Removes a waiting or running, unfinished sequence at once, freeing its slot and blocks; it comes back with
   // finish = kAbort. nullopt (and nothing changes) for an unknown or already finished id.
   std::optional<Sequence> abort(int32_t id);
@@ -109,12 +129,24 @@ class Scheduler {
   void release(Sequence& s);
   // KV positions a sequence given n new tokens this step needs blocks for (capped at the model length).
   int32_t tokens_to_reserve(const Sequence& s, int32_t n) const;
+  // Prefix caching applies to s (the cache has it on and s does not score its prompt).
+  bool caches(const Sequence& s) const;
+  // Extends s.block_hashes over the full blocks of its first num_tokens tokens.
+  void hash_blocks(Sequence& s, int32_t num_tokens) const;
+  // Admission on a cached prefix: the longest block-aligned prefix, short of the last token, whose blocks are
+  // published and (with Mamba layers) whose end has a checkpoint. Takes references to its blocks (into `blocks`);
+  // returns its length (0: none) and the checkpoint's slot in `checkpoint`.
+  int32_t match_prefix(Sequence& s, std::vector<int32_t>& blocks, int32_t& checkpoint);
+  // A chunk of n tokens for s, cut to end at the next checkpoint boundary it crosses (so that the state there can
+  // be saved).
+  int32_t clip_to_checkpoint(const Sequence& s, int32_t n) const;
 
   SchedulerConfig config_;
   StateCache& cache_;
   std::deque<Sequence> waiting_;
   std::vector<Sequence> running_;  // admitted (own a slot), in admission order
   int64_t num_preemptions_ = 0;
+  PrefixCacheStats prefix_stats_;
 };
 
 }  // namespace chimera

@@ -17,7 +17,7 @@ Tensor zeros(Device device, DType dtype, Shape shape) {
 }  // namespace
 
 StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Device device, DType act_dtype)
-    : sizes_(sizes), device_(device) {
+    : sizes_(sizes), device_(device), blocks_(0, 1, false), checkpoints_({}) {
   if (sizes_.max_seqs < 1) invalid_input("max sequences must be >= 1, got {}", sizes_.max_seqs);
   if (sizes_.max_model_len < 1) invalid_input("max model length must be >= 1, got {}", sizes_.max_model_len);
   if (sizes_.block_size < 1) invalid_input("KV block size must be >= 1, got {}", sizes_.block_size);
@@ -34,8 +34,19 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
   }
 
   if (sizes_.spare_slots < 0) runtime_error("StateCache: {} spare slots per sequence", sizes_.spare_slots);
+  if (sizes_.prefix_caching) {
+    if (sizes_.checkpoint_slots < 0) {
+      invalid_input("--mamba-checkpoint-slots must be >= 0, got {}", sizes_.checkpoint_slots);
+    }
+    if (sizes_.checkpoint_interval < sizes_.block_size || sizes_.checkpoint_interval % sizes_.block_size != 0) {
+      invalid_input("--mamba-checkpoint-interval {} must be a positive multiple of the KV block size {}",
+                    sizes_.checkpoint_interval, sizes_.block_size);
+    }
+  } else {
+    sizes_.checkpoint_slots = 0;
+  }
   const int64_t spare_total = int64_t{sizes_.max_seqs} * sizes_.spare_slots;
-  const int64_t slots = int64_t{sizes_.max_seqs} + sizes_.num_pad + spare_total;
+  const int64_t slots = int64_t{sizes_.max_seqs} + sizes_.num_pad + spare_total + sizes_.checkpoint_slots;
   const int64_t blocks = int64_t{sizes_.num_blocks} + sizes_.num_pad;
   // The backbone's layers, then (CacheSizes::mtp) the MTP head's sublayers, block after block.
   std::vector<LayerKind> kinds = config.layers;
@@ -67,13 +78,19 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
   const int32_t spare_begin = sizes_.max_seqs + sizes_.num_pad;
   for (int32_t s = spare_begin + static_cast<int32_t>(spare_total) - 1; s >= spare_begin; --s) free_slots_.push_back(s);
   for (int32_t s = sizes_.max_seqs - 1; s >= 0; --s) free_slots_.push_back(s);
-  for (int32_t b = sizes_.num_blocks - 1; b >= 0; --b) free_blocks_.push_back(b);
+  blocks_ = BlockPool(sizes_.num_blocks, sizes_.block_size, sizes_.prefix_caching);
+  std::vector<int32_t> checkpoint_ids;
+  for (int32_t j = 0; j < sizes_.checkpoint_slots; ++j) {
+    checkpoint_ids.push_back(spare_begin + static_cast<int32_t>(spare_total) + j);
+  }
+  checkpoints_ = CheckpointPool(std::move(checkpoint_ids));
 }
 
-int32_t StateCache::allocate_slot() {
+int32_t StateCache::allocate_slot(bool zeroed) {
   if (free_slots_.empty()) return -1;
   const int32_t slot = free_slots_.back();
   free_slots_.pop_back();
+  if (!zeroed) return slot;
   for (size_t i = 0; i < state_.conv.size(); ++i) {
     if (!state_.conv[i]) continue;
     device::zero(state_.conv[i].select(slot));
@@ -114,17 +131,30 @@ bool StateCache::reserve_blocks(std::vector<int32_t>& blocks, int32_t num_tokens
   const int32_t need = (num_tokens + sizes_.block_size - 1) / sizes_.block_size;
   const int32_t more = need - static_cast<int32_t>(blocks.size());
   if (more <= 0) return true;
-  if (more > free_blocks() || need > blocks_per_seq()) return false;
-  for (int32_t i = 0; i < more; ++i) {
-    blocks.push_back(free_blocks_.back());
-    free_blocks_.pop_back();
-  }
-  return true;
+  if (need > blocks_per_seq()) return false;
+  return blocks_.take(more, blocks);
 }
 
 void StateCache::release_blocks(std::vector<int32_t>& blocks) {
-  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) free_blocks_.push_back(*it);
+  blocks_.release(blocks);
   blocks.clear();
+}
+
+bool StateCache::has_mamba() const {
+  return std::any_of(state_.conv.begin(), state_.conv.end(), [](const Tensor& t) { return static_cast<bool>(t); });
+}
+
+void StateCache::copy_mamba_state(int32_t dst, int32_t src, void* stream) {
+  for (size_t i = 0; i < state_.conv.size(); ++i) {
+    if (!state_.conv[i]) continue;
+    for (const Tensor& t : {state_.conv[i], state_.ssm[i]}) {
+      if (device_ == Device::kCpu) {
+        device::copy(t.select(dst), t.select(src));
+      } else {
+        device::copy_async(t.select(dst), t.select(src), stream);
+      }
+    }
+  }
 }
 
 size_t StateCache::bytes() const {

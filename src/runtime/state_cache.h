@@ -9,7 +9,10 @@
 //     tables.
 //   * Past both, num_pad scratch slots and blocks for CUDA-graph pad rows: slots = max_seqs + num_pad, blocks =
 //     num_blocks + num_pad; sizes(), the free lists and the load figures count only the sequences' part. With
-//     speculative decoding, max_seqs * spare_slots more slots after the pad slots (CacheSizes::spare_slots).
+//     speculative decoding, max_seqs * spare_slots more slots after the pad slots (CacheSizes::spare_slots); with
+//     prefix caching, CacheSizes::checkpoint_slots more after those for the Mamba checkpoints (runtime/prefix_cache.h).
+//   * With prefix caching the KV blocks are reference counted and published under a hash chain (BlockPool), so
+//     sequences with a common prefix share them and a finished sequence's blocks stay for the next request.
 // Everything lives on the device the model runs on (device::empty, zeroed with device::zero).
 // The runtime allocates and frees; the model only reads and writes through slot ids and block tables.
 #pragma once
@@ -20,6 +23,7 @@
 
 #include "io/model_config.h"
 #include "ops/ops.h"
+#include "runtime/prefix_cache.h"
 
 namespace chimera {
 
@@ -56,6 +60,12 @@ struct CacheSizes {
   // row's slot the sequence's own and the old one a spare (no copy). They follow the pad slots; max_seqs *
   // (1 + spare_slots) slots in the sequences' part.
   int32_t spare_slots = 0;
+  // Prefix caching (runtime/prefix_cache.h): KV blocks published and shared by their hash chain, and
+  // checkpoint_slots Mamba slots (after the spare ones) that hold the Mamba state after a prefix of
+  // checkpoint_interval x k tokens (a multiple of block_size). Off: blocks are a plain free list.
+  bool prefix_caching = false;
+  int32_t checkpoint_slots = 0;
+  int32_t checkpoint_interval = 2048;
 };
 
 // The MTP head's sublayers in cache order (CacheSizes::mtp): its block's pattern, once per block.
@@ -76,8 +86,9 @@ class StateCache {
   Device device() const { return device_; }
   int32_t blocks_per_seq() const { return (sizes_.max_model_len + sizes_.block_size - 1) / sizes_.block_size; }
 
-  // A fresh Mamba slot, zeroed in every layer (a new sequence starts from zero state). -1 when none is free.
-  int32_t allocate_slot();
+  // A fresh Mamba slot, zeroed in every layer (a new sequence starts from zero state) unless `zeroed` is false (a
+  // slot about to be overwritten by a checkpoint). -1 when none is free.
+  int32_t allocate_slot(bool zeroed = true);
   // CacheSizes::spare_slots more slots for a sequence, not zeroed (a verify step writes a slot before reading it);
   // empty when the pool is short. Spare and own slots come from one pool and are released alike.
   std::vector<int32_t> allocate_spare_slots();
@@ -88,12 +99,24 @@ class StateCache {
   // Grows `blocks` so that it covers `num_tokens` tokens. False (and nothing taken) if the pool is short.
   bool reserve_blocks(std::vector<int32_t>& blocks, int32_t num_tokens);
   void release_blocks(std::vector<int32_t>& blocks);
-  int32_t free_blocks() const { return static_cast<int32_t>(free_blocks_.size()); }
+  // Blocks a reservation can take: free ones and cached ones nobody holds (evicted as needed).
+  int32_t free_blocks() const { return blocks_.num_free(); }
+  BlockPool& block_pool() { return blocks_; }
+  const BlockPool& block_pool() const { return blocks_; }
+
+  // Prefix caching's Mamba checkpoints (slot ids of their own pool).
+  CheckpointPool& checkpoints() { return checkpoints_; }
+  const CheckpointPool& checkpoints() const { return checkpoints_; }
+  // Copies slot src's Mamba state (conv and SSM, every Mamba layer) to slot dst, ordered on `stream` (CUDA; the
+  // host copies at once).
+  void copy_mamba_state(int32_t dst, int32_t src, void* stream);
 
   // Pad row j's scratch Mamba slot and KV block (0 <= j < sizes().num_pad).
   int32_t pad_slot(int32_t j) const;
   int32_t pad_block(int32_t j) const;
 
+  // Whether the model has Mamba layers (their state needs checkpoints to be restored).
+  bool has_mamba() const;
   ModelState& state() { return state_; }
   // Bytes held by all caches (for `chimera info` and memory planning).
   size_t bytes() const;
@@ -106,7 +129,8 @@ class StateCache {
   Device device_;
   ModelState state_;
   std::vector<int32_t> free_slots_;   // a stack; lowest ids handed out first
-  std::vector<int32_t> free_blocks_;  // likewise
+  BlockPool blocks_;
+  CheckpointPool checkpoints_;
 };
 
 }  // namespace chimera
