@@ -23,7 +23,15 @@ void add_bench_serve(CLI::App& app, bench_serve::BenchServeOptions& o, std::stri
                  "Model directory (or tokenizer.json) whose vocabulary the prompt ids come from (default: --model "
                  "when it is a directory)");
   app.add_option("--label", o.label, "Label of the result (file name prefix; default openai)");
-  app.add_option("--dataset-name", o.dataset_name, "Dataset: random")->capture_default_str();
+  app.add_option("--dataset-name", o.dataset_name,
+                 "Dataset: random, or multi-turn (a chat replay: every turn resends the conversation so far)")
+      ->capture_default_str();
+  app.add_option("--multi-turn-conversations", o.multi_turn_conversations, "multi-turn: conversations")
+      ->check(kPositive)
+      ->capture_default_str();
+  app.add_option("--multi-turn-turns", o.multi_turn_turns, "multi-turn: turns per conversation")
+      ->check(kPositive)
+      ->capture_default_str();
   app.add_option("--prompt-format", o.prompt_format,
                  "Completions prompts as token-id lists (exact lengths) or as their decoded text")
       ->check(CLI::IsMember({"ids", "text"}))

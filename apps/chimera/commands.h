@@ -99,6 +99,11 @@ struct ServeOptions {
   int32_t request_timeout_s = 30;
   double shutdown_timeout_s = 30.0;
   std::string speculative_config;  // --speculative-config JSON; "" = off
+  // Prefix caching (runtime/prefix_cache.h): --enable-prefix-caching / --no-enable-prefix-caching, the Mamba
+  // checkpoints' spacing in tokens and their slots (0: automatic, CacheSizingRequest::mamba_checkpoint_slots).
+  bool enable_prefix_caching = true;
+  int32_t mamba_checkpoint_interval = 2048;
+  int32_t mamba_checkpoint_slots = 0;
 };
 
 void add_generate(CLI::App& app, GenerateOptions& opt);

@@ -58,6 +58,17 @@ void add_serve(CLI::App& app, ServeOptions& o) {
   add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
   add_speculative_config_flag(app, o.speculative_config);
   add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
+  app.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o.enable_prefix_caching,
+               "Reuse the KV blocks and Mamba state checkpoints of prompt prefixes seen before (default on)");
+  app.add_option("--mamba-checkpoint-interval", o.mamba_checkpoint_interval,
+                 "Prefix caching: tokens between Mamba state checkpoints (a multiple of the KV block size, 16)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--mamba-checkpoint-slots", o.mamba_checkpoint_slots,
+                 "Prefix caching: Mamba state checkpoints kept (LRU); 0: a tenth of the cache memory on CUDA, "
+                 "2 x --max-num-seqs on the CPU")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--reasoning-parser", o.reasoning_parser, "Split reasoning into reasoning_content: nemotron_v3")
       ->check(CLI::IsMember({"nemotron_v3"}));
   app.add_option("--tool-call-parser", o.tool_call_parser, "Turn the model's tool calls into tool_calls")
@@ -107,6 +118,9 @@ int run_serve(const ServeOptions& o) {
   MemoryLimits limits;
   limits.ssm_dtype = ec.cache.ssm_dtype;
   ec.cache.kv_cache_fp8 = limits.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
+  ec.cache.prefix_caching = o.enable_prefix_caching;
+  ec.cache.checkpoint_interval = o.mamba_checkpoint_interval;
+  ec.cache.checkpoint_slots = o.mamba_checkpoint_slots > 0 ? o.mamba_checkpoint_slots : 2 * max_num_seqs;
   limits.max_num_seqs = max_num_seqs;
   limits.max_model_len = o.max_model_len;
   limits.max_tokens_per_step = max_num_batched_tokens;
@@ -126,6 +140,9 @@ int run_serve(const ServeOptions& o) {
     req.ssm_dtype = ec.cache.ssm_dtype;
     req.kv_cache_fp8 = ec.cache.kv_cache_fp8;
     req.num_speculative_tokens = ec.speculative.num_speculative_tokens;
+    req.prefix_caching = o.enable_prefix_caching;
+    req.mamba_checkpoint_interval = o.mamba_checkpoint_interval;
+    req.mamba_checkpoint_slots = o.mamba_checkpoint_slots;
     req.cuda_graphs = ec.cuda_graphs && !ec.speculative.enabled();
     const DType act = m.model->activation_dtype();
     // The weights as the GPU holds them (quantized layers as stored).

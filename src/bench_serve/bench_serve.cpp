@@ -97,8 +97,8 @@ std::string f2(double v) {
 
 int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   // ---- options -> one validated configuration ----
-  if (opt.dataset_name != "random") {
-    invalid_input("--dataset-name {}: only 'random' is supported", opt.dataset_name);
+  if (opt.dataset_name != "random" && opt.dataset_name != "multi-turn") {
+    invalid_input("--dataset-name {}: expected random or multi-turn", opt.dataset_name);
   }
   std::string base_url = opt.base_url.empty() ? fmt::format("http://{}:{}", opt.host, opt.port) : opt.base_url;
   while (!base_url.empty() && base_url.back() == '/') base_url.pop_back();
@@ -156,17 +156,33 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   for (int64_t id = 0; id < tok.vocab_size(); ++id) {
     if (!tok.is_special(static_cast<int32_t>(id))) allowed.push_back(static_cast<int32_t>(id));
   }
-  RandomDatasetParams dp;
-  dp.num_prompts = opt.num_prompts;
-  dp.input_len = opt.random_input_len;
-  dp.output_len = opt.random_output_len;
-  dp.range_ratio = opt.random_range_ratio;
-  dp.prefix_len = opt.random_prefix_len;
-  dp.seed = opt.seed;
-  const std::vector<SampleRequest> samples = random_dataset(dp, allowed);
+  std::vector<SampleRequest> samples;
+  std::vector<int64_t> previous_turn;  // multi-turn: each request's previous turn
+  if (opt.dataset_name == "random") {
+    RandomDatasetParams dp;
+    dp.num_prompts = opt.num_prompts;
+    dp.input_len = opt.random_input_len;
+    dp.output_len = opt.random_output_len;
+    dp.range_ratio = opt.random_range_ratio;
+    dp.prefix_len = opt.random_prefix_len;
+    dp.seed = opt.seed;
+    samples = random_dataset(dp, allowed);
+  } else {
+    MultiTurnParams mp;
+    mp.conversations = opt.multi_turn_conversations;
+    mp.turns = opt.multi_turn_turns;
+    mp.input_len = opt.random_input_len;
+    mp.output_len = opt.random_output_len;
+    mp.prefix_len = opt.random_prefix_len;
+    mp.seed = opt.seed;
+    for (MultiTurnRequest& r : multi_turn_dataset(mp, allowed)) {
+      samples.push_back(std::move(r.sample));
+      previous_turn.push_back(r.after);
+    }
+  }
   // A different stream of the same seed: the arrival times do not shift when the dataset's draws change.
-  const std::vector<double> arrivals =
-      arrival_times(opt.num_prompts, opt.request_rate, opt.burstiness, opt.seed ^ 0x9e3779b97f4a7c15ull);
+  const std::vector<double> arrivals = arrival_times(static_cast<int64_t>(samples.size()), opt.request_rate,
+                                                     opt.burstiness, opt.seed ^ 0x9e3779b97f4a7c15ull);
 
   std::string model_id = opt.model;
   if (model_id.empty()) {
@@ -177,7 +193,7 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   const std::string model_name = opt.served_model_name.empty() ? model_id : opt.served_model_name;
   // As vLLM: the random dataset always sets ignore_eos on OpenAI-compatible backends, so every request
   // generates its drawn output length.
-  const bool ignore_eos = opt.ignore_eos || opt.dataset_name == "random";
+  const bool ignore_eos = opt.ignore_eos || opt.dataset_name == "random" || opt.dataset_name == "multi-turn";
 
   std::vector<PreparedRequest> requests(samples.size());
   for (size_t i = 0; i < samples.size(); ++i) {
@@ -188,6 +204,7 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
                                     samples[i].output_len, ignore_eos, sampling)
                            .dump();
     requests[i].prompt_len = samples[i].prompt_len;
+    if (!previous_turn.empty()) requests[i].after = previous_turn[i];
   }
 
   // ---- the test request ----
@@ -259,7 +276,7 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
   result["label"] = opt.label.empty() ? json(nullptr) : json(opt.label);
   result["model_id"] = model_id;
   result["tokenizer_id"] = tokenizer_value;
-  result["num_prompts"] = opt.num_prompts;
+  result["num_prompts"] = static_cast<int64_t>(samples.size());
   result["request_rate"] = std::isinf(opt.request_rate) ? json("inf") : json(opt.request_rate);
   result["burstiness"] = opt.burstiness;
   result["max_concurrency"] = opt.max_concurrency > 0 ? json(opt.max_concurrency) : json(nullptr);
@@ -348,6 +365,20 @@ int run_bench_serve(const BenchServeOptions& opt, std::FILE* out) {
       json per_pos = json::array();
       for (double r : sd.per_position_rate) per_pos.push_back(100.0 * r);
       result["spec_decode_per_position_acceptance_rates"] = per_pos;
+    }
+  }
+  if (metrics_before && metrics_after) {
+    const PrefixCacheCounters before = parse_prefix_cache_counters(*metrics_before);
+    const PrefixCacheCounters after = parse_prefix_cache_counters(*metrics_after);
+    if (after.present) {
+      const double queries = after.queries - before.queries, hits = after.hits - before.hits;
+      fmt::print(out, "{:-^50}\n", "Prefix Cache");
+      print_row(out, "Queried tokens:", fmt::format("{:.0f}", queries));
+      print_row(out, "Hit tokens:", fmt::format("{:.0f}", hits));
+      print_row(out, "Hit rate (%):", f2(queries > 0 ? 100.0 * hits / queries : 0.0));
+      result["prefix_cache_queries"] = queries;
+      result["prefix_cache_hits"] = hits;
+      result["prefix_cache_hit_rate"] = queries > 0 ? 100.0 * hits / queries : 0.0;
     }
   }
   fmt::print(out, "{}\n", std::string(50, '='));

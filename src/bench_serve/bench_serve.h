@@ -29,6 +29,10 @@ struct BenchServeOptions {
   double random_range_ratio = 0.0;
   int64_t random_prefix_len = 0;
   int64_t num_prompts = 1000;
+  // --dataset-name multi-turn (dataset.h MultiTurnParams): conversations and turns per conversation (the request
+  // count is their product; --random-input-len / --random-output-len / --random-prefix-len size the turns).
+  int64_t multi_turn_conversations = 16;
+  int64_t multi_turn_turns = 4;
   int64_t max_concurrency = 0;  // 0 = unlimited (vLLM's None)
   double request_rate = std::numeric_limits<double>::infinity();
   double burstiness = 1.0;

@@ -217,10 +217,16 @@ RunResult run_requests(const ClientConfig& cfg, const std::vector<PreparedReques
   std::vector<std::unique_ptr<Transfer>> slots(n);
   const Clock::time_point start = Clock::now();
   size_t next = 0, in_flight = 0, done = 0;
+  std::vector<bool> finished(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    CHIMERA_CHECK(requests[i].after < static_cast<int64_t>(i), "request {} waits for a later request {}", i,
+                  requests[i].after);
+  }
+  auto ready = [&](size_t i) { return requests[i].after < 0 || finished[static_cast<size_t>(requests[i].after)]; };
 
   auto launch_due = [&] {
     const double now = seconds(Clock::now() - start);
-    while (next < n && in_flight < limit && arrivals[next] <= now) {
+    while (next < n && in_flight < limit && arrivals[next] <= now && ready(next)) {
       auto t = std::make_unique<Transfer>();
       t->index = next;
       t->chat = cfg.chat;
@@ -264,6 +270,7 @@ RunResult run_requests(const ClientConfig& cfg, const std::vector<PreparedReques
       curl_multi_remove_handle(multi.get(), msg->easy_handle);
       t->finish(code);
       result.outputs[t->index] = std::move(t->out);
+      finished[t->index] = true;
       slots[t->index].reset();
       --in_flight;
       ++done;
@@ -272,7 +279,7 @@ RunResult run_requests(const ClientConfig& cfg, const std::vector<PreparedReques
     if (done == n) break;
     // Sleep until a socket is ready, curl's own timer fires, or the next arrival is due.
     int wait_ms = 1000;
-    if (next < n && in_flight < limit) {
+    if (next < n && in_flight < limit && ready(next)) {
       const double due = arrivals[next] - seconds(Clock::now() - start);
       wait_ms = std::clamp(static_cast<int>(due * 1000.0), 0, 1000);
     }

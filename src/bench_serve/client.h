@@ -29,6 +29,9 @@ struct ClientConfig {
 struct PreparedRequest {
   std::string body;  // the JSON payload
   int64_t prompt_len = 0;
+  // The request, if any (>= 0, an earlier index), that must have finished before this one is sent (the previous
+  // turn of a conversation). Requests still go out in order: a waiting one holds back those after it.
+  int64_t after = -1;
 };
 
 struct RunResult {

@@ -51,6 +51,41 @@ std::vector<SampleRequest> random_dataset(const RandomDatasetParams& p, const st
   return out;
 }
 
+std::vector<MultiTurnRequest> multi_turn_dataset(const MultiTurnParams& p, const std::vector<int32_t>& allowed_ids) {
+  if (p.conversations < 1) invalid_input("--multi-turn-conversations must be at least 1, got {}", p.conversations);
+  if (p.turns < 1) invalid_input("--multi-turn-turns must be at least 1, got {}", p.turns);
+  if (p.input_len < 1) invalid_input("--random-input-len must be at least 1, got {}", p.input_len);
+  if (p.output_len < 1) invalid_input("--random-output-len must be at least 1, got {}", p.output_len);
+  if (p.prefix_len < 0) invalid_input("--random-prefix-len must be >= 0, got {}", p.prefix_len);
+  if (allowed_ids.empty()) invalid_input("the tokenizer leaves no non-special token ids to draw prompts from");
+  std::mt19937_64 rng(p.seed);
+  std::uniform_int_distribution<size_t> id_dist(0, allowed_ids.size() - 1);
+  auto draw = [&](int64_t n) {
+    std::vector<int32_t> v(static_cast<size_t>(n));
+    for (auto& x : v) x = allowed_ids[id_dist(rng)];
+    return v;
+  };
+  const std::vector<int32_t> prefix = draw(p.prefix_len);
+  std::vector<std::vector<int32_t>> history(static_cast<size_t>(p.conversations), prefix);
+  std::vector<MultiTurnRequest> out;
+  for (int64_t t = 0; t < p.turns; ++t) {
+    for (int64_t c = 0; c < p.conversations; ++c) {
+      std::vector<int32_t>& h = history[static_cast<size_t>(c)];
+      const std::vector<int32_t> user = draw(p.input_len);
+      h.insert(h.end(), user.begin(), user.end());
+      MultiTurnRequest r;
+      r.sample.prompt_ids = h;
+      r.sample.prompt_len = static_cast<int64_t>(h.size());
+      r.sample.output_len = p.output_len;
+      r.after = t == 0 ? -1 : static_cast<int64_t>(out.size()) - p.conversations;
+      out.push_back(std::move(r));
+      const std::vector<int32_t> reply = draw(p.output_len);  // the recorded answer the next turn resends
+      h.insert(h.end(), reply.begin(), reply.end());
+    }
+  }
+  return out;
+}
+
 std::vector<double> arrival_times(int64_t n, double request_rate, double burstiness, uint64_t seed) {
   if (!(request_rate > 0.0)) invalid_input("--request-rate must be > 0 (or inf), got {}", request_rate);
   if (!(burstiness > 0.0)) invalid_input("--burstiness must be > 0, got {}", burstiness);

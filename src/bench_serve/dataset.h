@@ -31,6 +31,26 @@ struct SampleRequest {
 // Throws invalid_input naming the flag for a bad range ratio, lengths below 1 or an empty allowed vocabulary.
 std::vector<SampleRequest> random_dataset(const RandomDatasetParams& p, const std::vector<int32_t>& allowed_ids);
 
+// The multi-turn chat replay (--dataset-name multi-turn): `conversations` conversations of `turns` turns each. A
+// conversation opens with the shared prefix (--random-prefix-len, a system prompt) and each turn adds a user
+// message of input_len random ids; turn t's prompt is the whole conversation so far: the prefix, then every earlier
+// turn's user message followed by its recorded assistant reply (output_len random ids, as a replayed chat log
+// carries the original answers), then turn t's user message. Requests come turn by turn (every conversation's turn
+// 0, then every turn 1, ...), each after the previous turn of its conversation (`after`, the client waits for it).
+struct MultiTurnParams {
+  int64_t conversations = 16;
+  int64_t turns = 4;
+  int64_t input_len = 256;
+  int64_t output_len = 128;
+  int64_t prefix_len = 0;
+  uint64_t seed = 0;
+};
+struct MultiTurnRequest {
+  SampleRequest sample;
+  int64_t after = -1;  // the request of the conversation's previous turn
+};
+std::vector<MultiTurnRequest> multi_turn_dataset(const MultiTurnParams& p, const std::vector<int32_t>& allowed_ids);
+
 // Offsets (seconds from the run's start) at which each of n requests arrives, as vLLM's get_request: for a
 // finite rate the gaps are Gamma(shape = burstiness, scale = 1 / (rate * burstiness)) (burstiness 1: Poisson
 // arrivals), cumulated, then rescaled so that the last arrival is at n / rate exactly; all 0 for rate = inf.

@@ -97,8 +97,12 @@ BenchmarkMetrics compute_metrics(const std::vector<RequestOutput>& outputs, doub
   return m;
 }
 
-SpecDecodeCounters parse_spec_decode_counters(const std::string& text) {
-  SpecDecodeCounters c;
+namespace {
+// Calls fn(metric, line, labels_at, value) for each sample line of a Prometheus text: metric is the name after its
+// last ':' (the prefix dropped), labels_at the position of '{' in line (npos without labels). Comments, blank and
+// malformed lines are skipped.
+template <typename Fn>
+void for_each_sample(const std::string& text, Fn fn) {
   size_t pos = 0;
   while (pos < text.size()) {
     size_t end = text.find('\n', pos);
@@ -112,11 +116,18 @@ SpecDecodeCounters parse_spec_decode_counters(const std::string& text) {
     const std::string name = line.substr(0, std::min(brace, space));
     const size_t colon = name.rfind(':');
     const std::string metric = colon == std::string::npos ? name : name.substr(colon + 1);
-    if (metric.rfind("spec_decode_", 0) != 0) continue;
     char* stop = nullptr;
     const std::string value_text = line.substr(space + 1);
     const double v = std::strtod(value_text.c_str(), &stop);
     if (stop == value_text.c_str() || !std::isfinite(v)) continue;
+    fn(metric, line, brace < space ? brace : std::string::npos, v);
+  }
+}
+}  // namespace
+
+SpecDecodeCounters parse_spec_decode_counters(const std::string& text) {
+  SpecDecodeCounters c;
+  for_each_sample(text, [&c](const std::string& metric, const std::string& line, size_t brace, double v) {
     if (metric == "spec_decode_num_drafts" || metric == "spec_decode_num_drafts_total") {
       c.drafts += v;
     } else if (metric == "spec_decode_num_draft_tokens" || metric == "spec_decode_num_draft_tokens_total") {
@@ -126,16 +137,31 @@ SpecDecodeCounters parse_spec_decode_counters(const std::string& text) {
     } else if (metric == "spec_decode_num_accepted_tokens_per_pos" ||
                metric == "spec_decode_num_accepted_tokens_per_pos_total") {
       const size_t at = line.find("position=\"");
-      if (at == std::string::npos || brace == std::string::npos || at > space) continue;
+      if (at == std::string::npos || brace == std::string::npos || at > line.rfind(' ')) return;
       const long p = std::strtol(line.c_str() + at + 10, nullptr, 10);
-      if (p < 0 || p > 64) continue;
+      if (p < 0 || p > 64) return;
       if (c.accepted_per_position.size() <= static_cast<size_t>(p)) c.accepted_per_position.resize(p + 1, 0.0);
       c.accepted_per_position[static_cast<size_t>(p)] += v;
     } else {
-      continue;
+      return;
     }
     c.present = true;
-  }
+  });
+  return c;
+}
+
+PrefixCacheCounters parse_prefix_cache_counters(const std::string& text) {
+  PrefixCacheCounters c;
+  for_each_sample(text, [&c](const std::string& metric, const std::string&, size_t, double v) {
+    if (metric == "prefix_cache_queries" || metric == "prefix_cache_queries_total") {
+      c.queries += v;
+    } else if (metric == "prefix_cache_hits" || metric == "prefix_cache_hits_total") {
+      c.hits += v;
+    } else {
+      return;
+    }
+    c.present = true;
+  });
   return c;
 }
 

@@ -83,4 +83,12 @@ struct SpecDecodeResult {
 };
 SpecDecodeResult spec_decode_delta(const SpecDecodeCounters& before, const SpecDecodeCounters& after);
 
+// The prefix-cache counters of a server's /metrics text: <prefix>:prefix_cache_queries and prefix_cache_hits (tokens,
+// with or without the _total suffix), summed over their labels; `present` false when the text has neither.
+struct PrefixCacheCounters {
+  bool present = false;
+  double queries = 0, hits = 0;
+};
+PrefixCacheCounters parse_prefix_cache_counters(const std::string& prometheus_text);
+
 }  // namespace chimera::bench_serve

@@ -117,6 +117,7 @@ void EngineLoop::apply_pending(std::deque<Pending>& adds, std::vector<std::pair<
 
 void EngineLoop::update_gauges() {
   metrics_.set_gauges(EngineGauges{engine_.num_running(), engine_.num_waiting(), engine_.kv_cache_usage()});
+  metrics_.set_prefix_cache(engine_.prefix_cache_stats(), engine_.num_checkpoints(), engine_.checkpoint_capacity());
   const SpeculativeStats& sp = engine_.speculative_stats();
   if (!sp.accepted_per_position.empty()) {
     metrics_.set_speculative(sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens, sp.accepted_per_position);

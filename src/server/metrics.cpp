@@ -84,6 +84,13 @@ void Metrics::set_speculative(int64_t drafts, int64_t draft_tokens, int64_t acce
   spec_accepted_per_pos_ = std::move(accepted_per_position);
 }
 
+void Metrics::set_prefix_cache(const PrefixCacheStats& stats, int32_t checkpoints, int32_t checkpoint_capacity) {
+  std::lock_guard lock(mu_);
+  prefix_ = stats;
+  checkpoints_ = checkpoints;
+  checkpoint_capacity_ = checkpoint_capacity;
+}
+
 void Metrics::add_generation_tokens(int64_t n) {
   std::lock_guard lock(mu_);
   generation_tokens_ += n;
@@ -130,6 +137,19 @@ std::string Metrics::render() const {
   out += fmt::format("chimera:prompt_tokens_total{{{}}} {}\n", labels_, prompt_tokens_);
   head("generation_tokens_total", "counter", "Number of generation tokens processed.");
   out += fmt::format("chimera:generation_tokens_total{{{}}} {}\n", labels_, generation_tokens_);
+  // vLLM's prefix-cache counters (tokens), and the Mamba checkpoints behind them.
+  head("prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.");
+  out += fmt::format("chimera:prefix_cache_queries_total{{{}}} {}\n", labels_, prefix_.queries);
+  head("prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.");
+  out += fmt::format("chimera:prefix_cache_hits_total{{{}}} {}\n", labels_, prefix_.hits);
+  head("prefix_cache_restores_total", "counter", "Requests admitted on a cached prefix.");
+  out += fmt::format("chimera:prefix_cache_restores_total{{{}}} {}\n", labels_, prefix_.restores);
+  head("mamba_checkpoints_saved_total", "counter", "Mamba state checkpoints written.");
+  out += fmt::format("chimera:mamba_checkpoints_saved_total{{{}}} {}\n", labels_, prefix_.checkpoints_saved);
+  head("mamba_checkpoints", "gauge", "Mamba state checkpoints held.");
+  out += fmt::format("chimera:mamba_checkpoints{{{}}} {}\n", labels_, checkpoints_);
+  head("mamba_checkpoint_capacity", "gauge", "Mamba state checkpoint slots.");
+  out += fmt::format("chimera:mamba_checkpoint_capacity{{{}}} {}\n", labels_, checkpoint_capacity_);
   if (speculative_) {  // vLLM's spec-decode counters
     head("spec_decode_num_drafts", "counter", "Number of spec decoding drafts.");
     out += fmt::format("chimera:spec_decode_num_drafts{{{}}} {}\n", labels_, spec_drafts_);

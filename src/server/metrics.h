@@ -3,7 +3,10 @@
 //   gauges      num_requests_running, num_requests_waiting, kv_cache_usage_perc (0..1 of the KV blocks)
 //   counters    prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}, and with
 //               speculative decoding spec_decode_num_drafts, spec_decode_num_draft_tokens,
-//               spec_decode_num_accepted_tokens, spec_decode_num_accepted_tokens_per_pos{position}
+//               spec_decode_num_accepted_tokens, spec_decode_num_accepted_tokens_per_pos{position};
+//               prefix_cache_queries_total, prefix_cache_hits_total (tokens), prefix_cache_restores_total,
+//               mamba_checkpoints_saved_total
+//   gauges of prefix caching: mamba_checkpoints (held), mamba_checkpoint_capacity
 //   histograms  time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds,
 //               request_queue_time_seconds, request_prompt_tokens, request_generation_tokens
 // Thread-safe: the engine thread records, HTTP threads render.
@@ -14,6 +17,8 @@
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "runtime/prefix_cache.h"
 
 namespace chimera::server {
 
@@ -59,6 +64,9 @@ class Metrics {
   void set_speculative(int64_t drafts, int64_t draft_tokens, int64_t accepted_tokens,
                        std::vector<int64_t> accepted_per_position);
 
+  // Prefix caching (runtime/prefix_cache.h): token counts so far and the Mamba checkpoint pool's use.
+  void set_prefix_cache(const PrefixCacheStats& stats, int32_t checkpoints, int32_t checkpoint_capacity);
+
   std::string render() const;
 
  private:
@@ -71,6 +79,8 @@ class Metrics {
   bool speculative_ = false;
   int64_t spec_drafts_ = 0, spec_draft_tokens_ = 0, spec_accepted_ = 0;
   std::vector<int64_t> spec_accepted_per_pos_;
+  PrefixCacheStats prefix_;
+  int32_t checkpoints_ = 0, checkpoint_capacity_ = 0;
   Histogram ttft_, itl_, e2e_, queue_, prompt_len_, gen_len_;
 };
 
