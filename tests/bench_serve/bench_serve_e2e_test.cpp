@@ -286,6 +286,36 @@ TEST_F(BenchServeE2E, RequestRateGivesPoissonArrivals) {
   EXPECT_LT(cv, 1.8);
 }
 
+// The multi-turn replay: 3 conversations x 3 turns; a turn goes out only after its conversation's previous turn has
+// finished (each takes >= 100 ms at the mock), while the conversations of one turn go out together.
+TEST_F(BenchServeE2E, MultiTurnTurnsWaitForThePreviousTurn) {
+  MockServer mock({"--ttft-ms", "100"});
+  ASSERT_GT(mock.port(), 0);
+  const fs::path result = tmp_ / "multi.json";
+  const auto r = run_cli("bench serve --base-url " + mock.url() + " --model mock " + tokenizer_flag() +
+                         " --dataset-name multi-turn --multi-turn-conversations 3 --multi-turn-turns 3"
+                         " --random-prefix-len 5 --random-input-len 4 --random-output-len 2 --max-concurrency 8"
+                         " --ready-check-timeout-sec 0 --result-filename " +
+                         result.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(read_json(result)["num_prompts"], 9);
+  const json s = mock.stats();
+  const auto t = s["arrivals"].get<std::vector<double>>();
+  const auto lens = s["prompt_lens"].get<std::vector<int64_t>>();
+  ASSERT_EQ(t.size(), 9u);
+  std::vector<int64_t> sorted = lens;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, (std::vector<int64_t>{9, 9, 9, 15, 15, 15, 21, 21, 21}));  // 5 + 4, then + 2 + 4 a turn
+  double last_of_turn_0 = 0, first_of_turn_1 = 1e30, first_of_turn_0 = 1e30;
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (lens[i] == 9)
+      last_of_turn_0 = std::max(last_of_turn_0, t[i]), first_of_turn_0 = std::min(first_of_turn_0, t[i]);
+    if (lens[i] == 15) first_of_turn_1 = std::min(first_of_turn_1, t[i]);
+  }
+  EXPECT_LT(last_of_turn_0 - first_of_turn_0, 0.08);    // one turn's conversations together
+  EXPECT_GE(first_of_turn_1 - first_of_turn_0, 0.095);  // the next turn after the previous finished
+}
+
 TEST_F(BenchServeE2E, FailedRequestsAreCountedWithTheirReasons) {
   // Request n (from 1) fails: n % 4 == 0 HTTP 500; else n % 5 == 0 malformed SSE; else n % 7 == 0 dropped
   // mid-stream. Of 1..20: {4,8,12,16,20}, {5,10,15}, {7,14}: 10 failed, 10 completed.

@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/backend_param.h"
 #include "core/error.h"
 
 namespace chimera::bench_serve {
@@ -78,6 +79,37 @@ TEST(BenchServeDataset, RangeRatioPrefixAndSeed) {
   p.seed = 6;
   const auto c = random_dataset(p, ids);
   EXPECT_NE(a[0].prompt_ids, c[0].prompt_ids);
+}
+
+// The chat replay: turn t of a conversation resends its turn t - 1 prompt and that turn's recorded reply, then a new
+// user message; requests come turn by turn, each after its conversation's previous one.
+TEST(BenchServeDataset, MultiTurnResendsTheConversationTurnByTurn) {
+  MultiTurnParams p;
+  p.conversations = 3;
+  p.turns = 4;
+  p.input_len = 7;
+  p.output_len = 5;
+  p.prefix_len = 11;
+  p.seed = 9;
+  const auto ids = allowed_ids();
+  const auto r = multi_turn_dataset(p, ids);
+  ASSERT_EQ(r.size(), 12u);
+  for (size_t i = 0; i < r.size(); ++i) {
+    const int64_t turn = static_cast<int64_t>(i) / 3;
+    EXPECT_EQ(r[i].sample.prompt_len, 11 + 7 * (turn + 1) + 5 * turn) << i;
+    EXPECT_EQ(r[i].sample.output_len, 5);
+    EXPECT_EQ(r[i].after, turn == 0 ? -1 : static_cast<int64_t>(i) - 3);
+    // Every prompt opens with the shared prefix; a turn's prompt starts with its previous turn's.
+    EXPECT_TRUE(std::equal(r[0].sample.prompt_ids.begin(), r[0].sample.prompt_ids.begin() + 11,
+                           r[i].sample.prompt_ids.begin()));
+    if (turn > 0) {
+      const auto& prev = r[static_cast<size_t>(r[i].after)].sample.prompt_ids;
+      EXPECT_TRUE(std::equal(prev.begin(), prev.end(), r[i].sample.prompt_ids.begin())) << i;
+    }
+  }
+  EXPECT_NE(r[0].sample.prompt_ids, r[1].sample.prompt_ids);  // conversations differ past the prefix
+  p.turns = 0;
+  EXPECT_TRUE(test::throws_error([&] { multi_turn_dataset(p, ids); }, ErrorKind::kInvalidInput, "--multi-turn-turns"));
 }
 
 TEST(BenchServeDataset, BadParametersNameTheFlag) {

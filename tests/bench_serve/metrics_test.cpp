@@ -134,5 +134,19 @@ TEST(BenchServeMetrics, SpecDecodeCountersFromPrometheusText) {
   EXPECT_FALSE(parse_spec_decode_counters("chimera:generation_tokens_total{} 5\n").present);
 }
 
+// The prefix-cache counters, either prefix, with or without _total, summed over label sets.
+TEST(BenchServeMetrics, PrefixCacheCountersFromPrometheusText) {
+  EXPECT_FALSE(parse_prefix_cache_counters("chimera:prompt_tokens_total{m=\"x\"} 5\n").present);
+  const PrefixCacheCounters c = parse_prefix_cache_counters(
+      "# TYPE chimera:prefix_cache_queries_total counter\n"
+      "chimera:prefix_cache_queries_total{model_name=\"m\"} 1000\n"
+      "chimera:prefix_cache_hits_total{model_name=\"m\"} 750\n"
+      "vllm:prefix_cache_queries{engine=\"1\"} 10\n"
+      "vllm:prefix_cache_hits{engine=\"1\"} nan\n");
+  EXPECT_TRUE(c.present);
+  EXPECT_EQ(c.queries, 1010);
+  EXPECT_EQ(c.hits, 750);
+}
+
 }  // namespace
 }  // namespace chimera::bench_serve

@@ -147,6 +147,49 @@ TEST(CacheSizing, Fp8KvCacheCountsOneByteAnElement) {
   EXPECT_NE(format_cache_sizing(p8, "GPU").find(", fp8); Mamba state"), std::string::npos) << format_cache_sizing(p8, "GPU");
 }
 
+// Prefix caching's Mamba checkpoints: a tenth of the caches' memory by default (or the count asked), taken before the
+// slots and blocks, allocated by the StateCache exactly as planned, and printed.
+TEST(CacheSizing, PrefixCachingCheckpointsComeOffTheCaches) {
+  const ModelConfig c = tiny();
+  CacheSizingRequest r;
+  r.max_num_seqs = 2;
+  r.max_model_len = 256;
+  r.max_num_batched_tokens = 256;
+  r.cuda_graphs = false;
+  r.gpu_memory_utilization = 1.0;
+  const device::MemoryInfo mem{kGiB / 64, kGiB / 64};
+  const CacheSizingPlan off = size_caches(c, DType::kF32, 0, mem, r);
+  EXPECT_EQ(off.checkpoint_slots, 0);
+  r.prefix_caching = true;
+  r.mamba_checkpoint_interval = 64;
+  const CacheSizingPlan on = size_caches(c, DType::kF32, 0, mem, r);
+  const size_t slot = mamba_slot_bytes(c, DType::kF32);
+  EXPECT_EQ(on.checkpoint_bytes, slot);
+  const size_t caches = off.budget - off.workspace - off.graphs;
+  EXPECT_EQ(static_cast<size_t>(on.checkpoint_slots), caches / 10 / slot);
+  EXPECT_LE(on.kv_blocks, off.kv_blocks);
+  EXPECT_LE(on.cache_bytes(), caches);
+  const CacheSizes sizes = on.cache_sizes();
+  EXPECT_TRUE(sizes.prefix_caching);
+  EXPECT_EQ(sizes.checkpoint_interval, 64);
+  EXPECT_EQ(StateCache(c, sizes, Device::kCpu, DType::kF32).bytes(), on.cache_bytes());
+  EXPECT_NE(format_cache_sizing(on, "GPU").find(fmt::format("prefix caching: {} Mamba state checkpoints, one every 64 "
+                                                            "tokens",
+                                                            on.checkpoint_slots)),
+            std::string::npos)
+      << format_cache_sizing(on, "GPU");
+  r.mamba_checkpoint_slots = 3;
+  EXPECT_EQ(size_caches(c, DType::kF32, 0, mem, r).checkpoint_slots, 3);
+  r.mamba_checkpoint_slots = 1 << 30;
+  EXPECT_TRUE(test::throws_error([&] { size_caches(c, DType::kF32, 0, mem, r); }, ErrorKind::kInvalidInput,
+                                 "--mamba-checkpoint-slots"));
+  // The interval must be whole blocks.
+  CacheSizes bad = sizes;
+  bad.checkpoint_interval = 24;
+  EXPECT_TRUE(test::throws_error([&] { StateCache(c, bad, Device::kCpu, DType::kF32); }, ErrorKind::kInvalidInput,
+                                 "--mamba-checkpoint-interval 24"));
+}
+
 TEST(CacheSizing, BudgetIsUtilizationOfTotalLessWhatIsInUse) {
   const ModelConfig c = tiny();
   CacheSizingRequest r;

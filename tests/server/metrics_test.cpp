@@ -49,6 +49,21 @@ TEST(ServerMetrics, SpeculativeDecodingCounters) {
   EXPECT_NE(out.find("# TYPE chimera:spec_decode_num_drafts counter"), std::string::npos) << out;
 }
 
+TEST(ServerMetrics, PrefixCacheCountersAndCheckpointGauges) {
+  Metrics m("kjv", 256);
+  std::string out = m.render();
+  EXPECT_NE(out.find("chimera:prefix_cache_hits_total{model_name=\"kjv\"} 0\n"), std::string::npos) << out;
+  m.set_prefix_cache(PrefixCacheStats{.queries = 900, .hits = 640, .restores = 5, .checkpoints_saved = 12}, 9, 40);
+  out = m.render();
+  EXPECT_NE(out.find("# TYPE chimera:prefix_cache_queries_total counter"), std::string::npos) << out;
+  EXPECT_NE(out.find("chimera:prefix_cache_queries_total{model_name=\"kjv\"} 900\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("chimera:prefix_cache_hits_total{model_name=\"kjv\"} 640\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("chimera:prefix_cache_restores_total{model_name=\"kjv\"} 5\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("chimera:mamba_checkpoints_saved_total{model_name=\"kjv\"} 12\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("chimera:mamba_checkpoints{model_name=\"kjv\"} 9\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("chimera:mamba_checkpoint_capacity{model_name=\"kjv\"} 40\n"), std::string::npos) << out;
+}
+
 TEST(ServerMetrics, VllmNamesAndLabels) {
   Metrics m("my \"model\"", 4096);
   m.set_gauges({3, 2, 0.25});
