@@ -24,6 +24,13 @@
 #             SERVE_MAX_NUM_BATCHED_TOKENS: default chimera serve's own) and chimera bench serve against it,
 #             random 1K in / 1K out (max(c, 4) prompts per concurrency c)
 #             at SERVE_CONCURRENCY (default 1,64,256,1024); logs and JSON in $OUT
+#   prefix    prefix caching: chimera serve on the Nano shape (bf16, --max-num-seqs 256, --max-model-len 8448) once per
+#             PREFIX_MODES entry (default on,off,on512: the default cache, --no-enable-prefix-caching, and checkpoints
+#             every 512 tokens), each running chimera bench serve: a shared 4096-token prefix + 256 unique tokens, 256
+#             out, at concurrency 1 (16 prompts) and 64 (128 prompts); the multi-turn replay (32 conversations x 4
+#             turns, 1024-token system prompt, 512-token user turns, 128-token replies, concurrency 32); 8K in / 1 out at
+#             concurrency 1 (no shared prefix: what the cache costs a prompt it cannot help); random 1K in / 256 out at
+#             concurrency 256 (512 prompts). Every run has its own seed, so no run hits another's prompts
 # Every step prints a line starting with "== " and the elapsed seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +128,40 @@ for step in "$@"; do
     echo "stats lines of the server (every 10 s with steps):"; grep "Avg prompt" "$OUT/serve.log" | sed 's/^chimera serve: //'
     curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics.txt"
     kill -INT "$spid"; wait "$spid"; echo "serve exit $?" ;;
+  prefix)
+    port=8732
+    for mode in $(echo "${PREFIX_MODES:-on,off,on512}" | tr , ' '); do
+      case "$mode" in
+        on) flags=() ;;
+        off) flags=(--no-enable-prefix-caching) ;;
+        on512) flags=(--mamba-checkpoint-interval 512) ;;
+        *) echo "unknown prefix mode $mode"; exit 2 ;;
+      esac
+      ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs 256 --max-model-len 8448 \
+        "${flags[@]}" >"$OUT/prefix_serve_$mode.log" 2>&1 &
+      spid=$!
+      for _ in $(seq 600); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 "$spid" 2>/dev/null || { echo "chimera serve exited:"; tail -20 "$OUT/prefix_serve_$mode.log"; exit 1; }
+        sleep 1
+      done
+      el "server up ($mode)"; grep -E "prefix caching|KV cache|CUDA graphs" "$OUT/prefix_serve_$mode.log"
+      bs() {  # name, then bench serve flags
+        local name=$1; shift
+        ./build-dev/chimera bench serve --base-url "http://127.0.0.1:$port" --tokenizer models/nemotron-h-tiny "$@" \
+          --save-result --result-filename "$OUT/prefix_${mode}_$name.json" 2>&1 | tee "$OUT/prefix_${mode}_$name.log" |
+          grep -E "Successful|duration|Output token|Total token|Mean TTFT|Median TTFT|P99 TTFT|Mean TPOT|Hit rate|Queried|Hit tokens"
+        el "$mode $name"
+      }
+      bs shared_c1 --random-prefix-len 4096 --random-input-len 256 --random-output-len 256 --num-prompts 16 --max-concurrency 1 --seed 11
+      bs shared_c64 --random-prefix-len 4096 --random-input-len 256 --random-output-len 256 --num-prompts 128 --max-concurrency 64 --seed 12
+      bs multiturn --dataset-name multi-turn --multi-turn-conversations 32 --multi-turn-turns 4 --random-prefix-len 1024 \
+        --random-input-len 512 --random-output-len 128 --max-concurrency 32 --seed 13
+      bs unique8k --random-input-len 8192 --random-output-len 1 --num-prompts 8 --max-concurrency 1 --seed 14
+      bs random1k --random-input-len 1024 --random-output-len 256 --num-prompts 512 --max-concurrency 256 --seed 15
+      curl -s "http://127.0.0.1:$port/metrics" >"$OUT/prefix_metrics_$mode.txt"
+      kill -INT "$spid"; wait "$spid"; echo "serve exit $?"
+    done ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
 done
