@@ -25,8 +25,8 @@
 #             random 1K in / 1K out (max(c, 4) prompts per concurrency c)
 #             at SERVE_CONCURRENCY (default 1,64,256,1024); logs and JSON in $OUT
 #   prefix    prefix caching: chimera serve on the Nano shape (bf16, --max-num-seqs 256, --max-model-len 8448) once per
-#             PREFIX_MODES entry (default on,off,on512: the default cache, --no-enable-prefix-caching, and checkpoints
-#             every 512 tokens), each running chimera bench serve: a shared 4096-token prefix + 256 unique tokens, 256
+#             PREFIX_MODES entry (default on,off,on512: --enable-prefix-caching, --no-enable-prefix-caching, and the
+#             cache with checkpoints every 512 tokens), each running chimera bench serve: a shared 4096-token prefix + 256 unique tokens, 256
 #             out, at concurrency 1 (16 prompts) and 64 (128 prompts); the multi-turn replay (32 conversations x 4
 #             turns, 1024-token system prompt, 512-token user turns, 128-token replies, concurrency 32); 8K in / 1 out at
 #             concurrency 1 (no shared prefix: what the cache costs a prompt it cannot help); random 1K in / 256 out at
@@ -132,9 +132,9 @@ for step in "$@"; do
     port=8732
     for mode in $(echo "${PREFIX_MODES:-on,off,on512}" | tr , ' '); do
       case "$mode" in
-        on) flags=() ;;
+        on) flags=(--enable-prefix-caching) ;;
         off) flags=(--no-enable-prefix-caching) ;;
-        on512) flags=(--mamba-checkpoint-interval 512) ;;
+        on512) flags=(--enable-prefix-caching --mamba-checkpoint-interval 512) ;;
         *) echo "unknown prefix mode $mode"; exit 2 ;;
       esac
       ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs 256 --max-model-len 8448 \

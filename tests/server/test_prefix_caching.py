@@ -1,4 +1,4 @@
-# chimera serve with prefix caching (on by default) through the real `openai` client: a chat resent turn after turn
+# chimera serve with --enable-prefix-caching through the real `openai` client: a chat resent turn after turn
 # and completions sharing a long prefix get exactly the greedy text of a server with --no-enable-prefix-caching, and
 # /metrics counts the queried and hit tokens (the cached server's grow, the other's stay 0).
 import openai
@@ -16,7 +16,7 @@ ENDINGS = ["And God said,", "And the evening and the morning were", "And God saw
 @pytest.fixture(scope="module")
 def servers():
     common = ("--max-num-seqs", "4", "--shutdown-timeout", "5", "--mamba-checkpoint-interval", "32")
-    cached = Server(*common, model=KJV)
+    cached = Server(*common, "--enable-prefix-caching", model=KJV)
     plain = Server(*common, "--no-enable-prefix-caching", model=KJV)
     yield cached, plain
     for s in (cached, plain):
