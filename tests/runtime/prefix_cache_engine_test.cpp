@@ -143,6 +143,16 @@ TEST_P(PrefixCacheEngine, SamePromptTwice) {
   }
 }
 
+// A prompt one token past a checkpoint: the restored sequence has one token left, so its first step is a decode
+// (the single-token kernels; on CUDA a graph replay) straight from the checkpoint.
+TEST_P(PrefixCacheEngine, RestoredWithOneTokenLeftDecodesAtOnce) {
+  const Tokens p = random_tokens(97, 9);
+  for (DType dt : dtypes()) {
+    const WorkloadResult r = compare("all_kinds", dt, {{p}, {p}, {cat(head(p, 96), {7})}}, config(true));
+    EXPECT_EQ(r.wave_hits, (std::vector<int64_t>{0, 96, 96}));
+  }
+}
+
 // Prompts sharing the first L tokens of one long prompt, for L around every multiple of the spacing and of the block
 // size: each restores the last checkpoint at or below its shared full blocks, never from nothing when the shared part
 // ends inside a block or between checkpoints.
