@@ -122,13 +122,17 @@ int run_serve(const ServeOptions& o) {
   ec.cache.prefix_caching = o.enable_prefix_caching;
   ec.cache.checkpoint_interval = o.mamba_checkpoint_interval;
   ec.cache.checkpoint_slots = o.mamba_checkpoint_slots > 0 ? o.mamba_checkpoint_slots : 2 * max_num_seqs;
+  if (o.enable_prefix_caching) limits.mamba_checkpoints = ec.cache.checkpoint_slots;
   limits.max_num_seqs = max_num_seqs;
   limits.max_model_len = o.max_model_len;
   limits.max_tokens_per_step = max_num_batched_tokens;
   limits.block_size = ec.cache.block_size;
   // On CUDA the caches are sized from the device's memory after the weights (--gpu-memory-utilization), so the
   // load-time check covers the weights and one sequence only.
-  if (cuda) limits.max_num_seqs = 1;
+  if (cuda) {
+    limits.max_num_seqs = 1;
+    limits.mamba_checkpoints = 0;  // size_caches plans them
+  }
   LoadedModel m = load_model(o.source, /*with_weights=*/true, model_options, limits);
   if (cuda) {
     CacheSizingRequest req;

@@ -143,7 +143,10 @@ MemoryPlan plan_memory(const ModelConfig& c, DType weight_dtype, DType act_dtype
   const int64_t mamba_per_seq = km.add({km.mul({c.conv_dim(), c.conv_kernel - 1, asize}),
                                         km.mul({c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size,
                                                 static_cast<int64_t>(dtype_size(limits.ssm_dtype))})});
-  p.mamba_state = static_cast<size_t>(km.mul({count(c, LayerKind::kMamba), mamba_per_seq, km.add({seqs, pads})}));
+  const int64_t checkpoints = std::max(limits.mamba_checkpoints, 0);
+  p.mamba_checkpoints = static_cast<int32_t>(checkpoints);
+  p.mamba_state =
+      static_cast<size_t>(km.mul({count(c, LayerKind::kMamba), mamba_per_seq, km.add({seqs, pads, checkpoints})}));
 
   // Widest intermediates of one token in each mixer kind present (what the forward pass keeps live).
   const Checked ks{"workspace"};
@@ -181,8 +184,12 @@ std::string gib(size_t bytes) {
 
 void check_memory_plan(const MemoryPlan& p, size_t free_bytes, const std::string& device_name) {
   if (p.total() <= free_bytes) return;
-  invalid_input("needs {} (weights {}, KV {}, Mamba state {}, workspace {}) but the {} has {} free", gib(p.total()),
-                gib(p.weights), gib(p.kv_cache), gib(p.mamba_state), gib(p.workspace), device_name, gib(free_bytes));
+  const std::string checkpoints =
+      p.mamba_checkpoints > 0 ? fmt::format(" with {} checkpoints of --mamba-checkpoint-slots", p.mamba_checkpoints)
+                              : "";
+  invalid_input("needs {} (weights {}, KV {}, Mamba state {}{}, workspace {}) but the {} has {} free", gib(p.total()),
+                gib(p.weights), gib(p.kv_cache), gib(p.mamba_state), checkpoints, gib(p.workspace), device_name,
+                gib(free_bytes));
 }
 
 }  // namespace chimera

@@ -5,7 +5,8 @@
 //   KV cache    attention layers x 2 (K, V) x kv heads x head_dim x activation dtype (1 byte with an FP8 cache),
 //               for max_num_seqs
 //               sequences of max_model_len tokens rounded up to whole blocks, plus one block per CUDA-graph pad row
-//   Mamba state per Mamba layer and sequence (and CUDA-graph pad row): conv state [conv_dim, conv_kernel - 1] in the
+//   Mamba state per Mamba layer and sequence (and CUDA-graph pad row, and prefix-caching checkpoint): conv state
+//   [conv_dim, conv_kernel - 1] in the
 //               activation dtype and SSM state [mamba_num_heads, mamba_head_dim, ssm_state_size] in
 //               MemoryLimits::ssm_dtype (fp32 unless --mamba-ssm-cache-dtype says otherwise)
 //   workspace   an estimate: per token of a step, a few hidden-size activations plus the widest mixer's
@@ -31,6 +32,7 @@ struct MemoryLimits {
   int32_t graph_pad_rows = 0;          // scratch Mamba slots and KV blocks of CUDA-graph pad rows (CacheSizes::num_pad)
   DType ssm_dtype = DType::kF32;       // the SSM state's dtype (CacheSizes::ssm_dtype)
   bool kv_cache_fp8 = false;           // K / V in FP8 E4M3, one byte an element (CacheSizes::kv_cache_fp8)
+  int32_t mamba_checkpoints = 0;       // prefix caching's Mamba checkpoint slots (CacheSizes::checkpoint_slots)
 };
 
 struct MemoryPlan {
@@ -38,6 +40,7 @@ struct MemoryPlan {
   size_t kv_cache = 0;
   size_t mamba_state = 0;
   size_t workspace = 0;
+  int32_t mamba_checkpoints = 0;  // of the Mamba state, this many prefix-caching checkpoints (named in the error)
   size_t total() const { return weights + kv_cache + mamba_state + workspace; }
 };
 

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/backend_param.h"
 #include "core/error.h"
 #include "io/model_presets.h"
 #include "runtime/memory_plan.h"
@@ -59,6 +60,14 @@ TEST(MemoryPlan, KvCacheAndMambaStateOfNano30B) {
   const MemoryPlan padded = plan_memory(c, DType::kBF16, DType::kBF16, l);
   EXPECT_EQ(padded.kv_cache, size_t{6} * 2 * 2 * 128 * 2 * (4112 * 8 + 3 * 16));
   EXPECT_EQ(padded.mamba_state, per_seq * 11);
+
+  // Prefix caching's checkpoints: one sequence's Mamba state each, and no KV.
+  l.mamba_checkpoints = 5;
+  const MemoryPlan cached = plan_memory(c, DType::kBF16, DType::kBF16, l);
+  EXPECT_EQ(cached.mamba_state, per_seq * 16);
+  EXPECT_EQ(cached.kv_cache, padded.kv_cache);
+  EXPECT_TRUE(test::throws_error([&] { check_memory_plan(cached, 1, "host"); }, ErrorKind::kInvalidInput,
+                                 "with 5 checkpoints of --mamba-checkpoint-slots"));
 }
 
 TEST(MemoryPlan, Super120BNeedsTruncationForOneGpu) {
