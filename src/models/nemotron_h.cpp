@@ -43,6 +43,32 @@ void split_columns(const ops::Context& ctx, const Tensor& in, std::initializer_l
   }
 }
 
+// Calls fn(seq, first row, end row, checkpoint slot) for each segment of the sequences with Mamba checkpoints inside
+// their chunk (StepBatch::mamba_checkpoints), in order: a segment ending at a checkpoint carries its slot, the
+// sequence's last one -1.
+template <typename Fn>
+void for_each_segment(const StepBatch& b, Fn fn) {
+  const auto& cps = b.mamba_checkpoints;
+  for (size_t j = 0; j < cps.size();) {
+    const int32_t s = cps[j].seq, begin = b.cu_seqlens[static_cast<size_t>(s)];
+    int32_t r0 = begin;
+    for (; j < cps.size() && cps[j].seq == s; ++j) {
+      fn(s, r0, begin + cps[j].rows, cps[j].slot);
+      r0 = begin + cps[j].rows;
+    }
+    fn(s, r0, b.cu_seqlens[static_cast<size_t>(s) + 1], -1);
+  }
+}
+
+// Slot src's state of one layer ([slots, ...]) copied to slot dst, in stream order.
+void copy_slot(const ops::Context& ctx, const Tensor& state, int32_t dst, int32_t src) {
+  if (ctx.device == Device::kCpu) {
+    device::copy(state.select(dst), state.select(src));
+  } else {
+    device::copy_async(state.select(dst), state.select(src), ctx.stream);
+  }
+}
+
 void check_options(const ModelConfig& c, const ModelOptions& options) {
   if (c.mlp_bias) invalid_input("config.json: mlp_bias=true is not supported (no released checkpoint uses it)");
   if (c.attention_bias) invalid_input("config.json: attention_bias=true is not supported (HF ignores it too)");
@@ -154,15 +180,46 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
     Tensor z, xbc, dt;
     split_columns(ctx, in_rows, {Di, Cd, H}, {&z, &xbc, &dt});
     Tensor xbc_act = act(ctx, {Tc, Cd});
+    // Sequences with Mamba checkpoints inside their chunk (StepBatch::mamba_checkpoints) run segment by segment
+    // after the others: masked out of the batched calls (a negative slot is skipped), then one call per segment,
+    // the state copied to the checkpoint slot after each cut.
+    std::vector<int32_t> batched(slots.host.begin(), slots.host.begin() + static_cast<ptrdiff_t>(nc));
+    for (const StepBatch::MambaCheckpoint& m : b.mamba_checkpoints) batched[static_cast<size_t>(m.seq)] = -1;
+    const bool cuts = !b.mamba_checkpoints.empty();
     ops::causal_conv1d(ctx, xbc_act, xbc, w.conv1d_weight, w.conv1d_bias, conv_state, cu.first(nc + 1),
-                       slots.host.first(nc), /*silu=*/true);
+                       cuts ? std::span<const int32_t>(batched) : slots.host.first(nc), /*silu=*/true);
+    if (cuts) {
+      for_each_segment(b, [&](int32_t s, int32_t r0, int32_t r1, int32_t checkpoint) {
+        const int32_t seg_cu[] = {0, r1 - r0};
+        const int32_t slot[] = {b.state_slots[static_cast<size_t>(s)]};
+        ops::causal_conv1d(ctx, xbc_act.rows(r0, r1), xbc.rows(r0, r1), w.conv1d_weight, w.conv1d_bias, conv_state,
+                           seg_cu, slot, /*silu=*/true);
+        if (checkpoint >= 0) copy_slot(ctx, conv_state, checkpoint, slot[0]);
+      });
+    }
     Tensor xs, B, C;
     split_columns(ctx, xbc_act, {Di, G * N, G * N}, {&xs, &B, &C});
     Tensor y = act(ctx, {Tc, H, P});
     ops::SsmParams prefill = sp;
     prefill.context_lens = sp.context_lens.first(nc);
     ops::ssd_chunk_scan(ctx, y, xs.reshape({Tc, H, P}), dt, B.reshape({Tc, G, N}), C.reshape({Tc, G, N}), prefill,
-                        ssm_state, cu.first(nc + 1), slots.host.first(nc), c.chunk_size);
+                        ssm_state, cu.first(nc + 1), cuts ? std::span<const int32_t>(batched) : slots.host.first(nc),
+                        c.chunk_size);
+    if (cuts) {
+      for_each_segment(b, [&](int32_t s, int32_t r0, int32_t r1, int32_t checkpoint) {
+        const int32_t seg_cu[] = {0, r1 - r0};
+        const int32_t slot[] = {b.state_slots[static_cast<size_t>(s)]};
+        // The segment's first token's position keys an F16 state's stochastic rounding, as for any chunk.
+        const int32_t context[] = {b.context_lens[static_cast<size_t>(s)] +
+                                   (r0 - b.cu_seqlens[static_cast<size_t>(s)])};
+        ops::SsmParams seg = sp;
+        seg.context_lens = ops::Indices(std::span<const int32_t>(context));
+        ops::ssd_chunk_scan(ctx, y.rows(r0, r1), xs.rows(r0, r1).reshape({r1 - r0, H, P}), dt.rows(r0, r1),
+                            B.rows(r0, r1).reshape({r1 - r0, G, N}), C.rows(r0, r1).reshape({r1 - r0, G, N}), seg,
+                            ssm_state, seg_cu, slot, c.chunk_size);
+        if (checkpoint >= 0) copy_slot(ctx, ssm_state, checkpoint, slot[0]);
+      });
+    }
     // Gate first, then per-group RMSNorm (norm_before_gate = false).
     ops::gated_rms_norm(ctx, Tc == T ? normed : normed.rows(0, Tc), y.reshape({Tc, Di}), z, w.norm, G,
                         c.layer_norm_epsilon);

@@ -31,6 +31,17 @@ void StepBatch::validate() const {
                   "block_tables must be I32 [{}, max_blocks], got {}", s, block_tables.describe());
   }
   for (int32_t r : logit_rows) CHIMERA_CHECK(r >= 0 && r < num_tokens(), "logit row {} out of range", r);
+  const int32_t chunk_seqs = num_prefill_seqs - num_spec_seqs;
+  for (size_t j = 0; j < mamba_checkpoints.size(); ++j) {
+    const MambaCheckpoint& m = mamba_checkpoints[j];
+    CHIMERA_CHECK(m.seq >= 0 && m.seq < chunk_seqs, "Mamba checkpoint {} of sequence {}: not a prompt chunk", j, m.seq);
+    const int32_t n = cu_seqlens[static_cast<size_t>(m.seq) + 1] - cu_seqlens[static_cast<size_t>(m.seq)];
+    CHIMERA_CHECK(m.rows > 0 && m.rows < n, "Mamba checkpoint {} after {} of {} rows", j, m.rows, n);
+    if (j > 0) {
+      const MambaCheckpoint& p = mamba_checkpoints[j - 1];
+      CHIMERA_CHECK(p.seq < m.seq || (p.seq == m.seq && p.rows < m.rows), "Mamba checkpoints out of order at {}", j);
+    }
+  }
   if (device_meta != nullptr) {
     CHIMERA_CHECK(num_prefill_seqs == 0, "device-side metadata is for decode-only steps ({} prefill sequences)",
                   num_prefill_seqs);

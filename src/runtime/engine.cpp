@@ -375,6 +375,17 @@ std::vector<TokenEvent> Engine::step() {
     }
   }
 
+  // Prefix caching's checkpoints inside the chunks, by batch index (StepBatch::mamba_checkpoints).
+  if (!plan.checkpoints.empty()) {
+    std::unordered_map<int32_t, int32_t> index;
+    for (size_t i = 0; i < order.size(); ++i) index.emplace(order[i].seq_id, static_cast<int32_t>(i));
+    for (const SchedulerOutput::Checkpoint& c : plan.checkpoints) {
+      b.mamba_checkpoints.push_back({index.at(c.seq_id), c.rows, c.slot});
+    }
+    std::sort(b.mamba_checkpoints.begin(), b.mamba_checkpoints.end(),
+              [](const auto& x, const auto& y) { return x.seq != y.seq ? x.seq < y.seq : x.rows < y.rows; });
+  }
+
   // ---- execute ----
   const int64_t graph_steps_before = num_graph_steps_;
   Tensor hidden;  // speculative decoding: the backbone's output of every row, the draft head's input

@@ -1,6 +1,7 @@
 #include "runtime/scheduler.h"
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "core/error.h"
 
@@ -87,11 +88,24 @@ int32_t Scheduler::match_prefix(Sequence& s, std::vector<int32_t>& blocks, int32
   return p;
 }
 
-int32_t Scheduler::clip_to_checkpoint(const Sequence& s, int32_t n) const {
-  if (!caches(s) || !cache_.has_mamba() || cache_.checkpoints().capacity() == 0) return n;
-  const int32_t every = cache_.sizes().checkpoint_interval;
-  const int32_t next = (s.num_computed / every + 1) * every;
-  return s.num_computed + n > next ? next - s.num_computed : n;
+void Scheduler::plan_checkpoints(SchedulerOutput& out) {
+  if (!cache_.sizes().prefix_caching || !cache_.has_mamba() || cache_.checkpoints().capacity() == 0) return;
+  const int32_t every = cache_.sizes().checkpoint_interval, bs = cache_.sizes().block_size;
+  std::unordered_map<int32_t, int32_t> scheduled;  // sequence id -> its new tokens this step
+  for (const ScheduledSeq& p : out.seqs) scheduled.emplace(p.seq_id, p.num_tokens);
+  for (Sequence& s : running_) {
+    const auto it = scheduled.find(s.id);
+    if (it == scheduled.end() || !caches(s) || !s.drafts.empty() || it->second < 2) continue;  // no chunk this step
+    const int32_t c = s.num_computed, end = c + it->second;
+    for (int32_t m = (c / every + 1) * every; m < end; m += every) {
+      hash_blocks(s, m);
+      if (const std::optional<int32_t> slot =
+              cache_.checkpoints().insert(s.block_hashes[static_cast<size_t>(m / bs - 1)])) {
+        out.checkpoints.push_back({s.id, m - c, *slot});
+        ++prefix_stats_.checkpoints_saved;
+      }
+    }
+  }
 }
 
 std::optional<SlotCopy> Scheduler::commit(Sequence& s) {
@@ -152,9 +166,8 @@ SchedulerOutput Scheduler::schedule() {
       if (s.finished() || s.in_prefill() != prompt_phase) continue;
       // A decode with drafts verifies them in the same step (all or, when the budget is short, a prefix).
       const int32_t pending = s.num_pending() + (prompt_phase ? 0 : static_cast<int32_t>(s.drafts.size()));
-      int32_t n = std::min(budget, pending);
+      const int32_t n = std::min(budget, pending);
       if (n <= 0) continue;
-      if (s.drafts.empty()) n = clip_to_checkpoint(s, n);
       bool self_preempted = false;
       while (!cache_.reserve_blocks(s.blocks, tokens_to_reserve(s, n))) {
         // The pool holds at least one sequence of max_model_len (StateCache checks), so a sequence alone
@@ -179,7 +192,7 @@ SchedulerOutput Scheduler::schedule() {
     const int32_t cached = match_prefix(s, blocks, checkpoint);
     const int32_t computed_before = s.num_computed;
     s.num_computed = cached;
-    const int32_t n = clip_to_checkpoint(s, std::min(budget, s.num_pending()));
+    const int32_t n = std::min(budget, s.num_pending());
     const int32_t slot =
         cache_.reserve_blocks(blocks, tokens_to_reserve(s, n)) ? cache_.allocate_slot(checkpoint < 0) : -1;
     std::vector<int32_t> spare;
@@ -207,6 +220,7 @@ SchedulerOutput Scheduler::schedule() {
     running_.push_back(std::move(s));
     waiting_.pop_front();
   }
+  plan_checkpoints(out);
   return out;
 }
 

@@ -80,6 +80,14 @@ struct SchedulerOutput {
   // Prefix caching: sequences admitted on a cached prefix, whose slot the engine fills from the checkpoint before
   // the step runs (their num_computed already counts the prefix).
   std::vector<SlotCopy> restores;
+  // Prefix caching: checkpoint boundaries inside the step's chunks (StepBatch::mamba_checkpoints): sequence seq_id
+  // leaves its Mamba state after `rows` of its new tokens in checkpoint slot `slot`.
+  struct Checkpoint {
+    int32_t seq_id;
+    int32_t rows;
+    int32_t slot;
+  };
+  std::vector<Checkpoint> checkpoints;
   bool empty() const { return seqs.empty(); }
 };
 
@@ -137,9 +145,9 @@ class Scheduler {
   // published and (with Mamba layers) whose end has a checkpoint. Takes references to its blocks (into `blocks`);
   // returns its length (0: none) and the checkpoint's slot in `checkpoint`.
   int32_t match_prefix(Sequence& s, std::vector<int32_t>& blocks, int32_t& checkpoint);
-  // A chunk of n tokens for s, cut to end at the next checkpoint boundary it crosses (so that the state there can
-  // be saved).
-  int32_t clip_to_checkpoint(const Sequence& s, int32_t n) const;
+  // The checkpoint boundaries strictly inside the step's chunks, each given a checkpoint slot unless it is saved
+  // already (after every preemption of the step is decided, so no slot is promised for a chunk that does not run).
+  void plan_checkpoints(SchedulerOutput& out);
 
   SchedulerConfig config_;
   StateCache& cache_;

@@ -8,6 +8,8 @@
 // sequences share steps (batches, preemption) or a checkpoint was taken in a decode step (the multi-turn replay: the
 // uncached run reaches that point through the prefill kernels instead), the arithmetic differs in rounding only:
 // those run in fp32 on the CPU and CUDA, where greedy tokens of the fixtures are robust to it.
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <random>
 #include <vector>
@@ -68,12 +70,17 @@ EngineConfig config(bool caching, int32_t max_seqs = 1, int32_t budget = kInterv
 // Runs the requests of each wave together, a wave after the previous one finished, on one engine.
 struct WorkloadResult {
   std::vector<Tokens> tokens;      // generated, per request in order
+  std::vector<std::vector<float>> logits;  // per request, the rows it sampled from, back to back
   std::vector<int64_t> wave_hits;  // prefix-cache hit tokens added by each wave
   PrefixCacheStats stats;
   int64_t preemptions = 0;
 };
 WorkloadResult run_waves(Engine& engine, const std::vector<std::vector<Tokens>>& waves, const SamplingParams& sp) {
   WorkloadResult r;
+  std::map<int32_t, std::vector<float>> rows;
+  engine.on_logits = [&rows](int32_t id, std::span<const float> row) {
+    rows[id].insert(rows[id].end(), row.begin(), row.end());
+  };
   for (const std::vector<Tokens>& wave : waves) {
     const int64_t hits_before = engine.prefix_cache_stats().hits;
     std::vector<int32_t> ids;
@@ -83,7 +90,10 @@ WorkloadResult run_waves(Engine& engine, const std::vector<std::vector<Tokens>>&
     }
     std::map<int32_t, Tokens> by_id;
     for (Sequence& s : engine.take_finished()) by_id[s.id] = Tokens(s.tokens.begin() + s.prompt_len, s.tokens.end());
-    for (int32_t id : ids) r.tokens.push_back(by_id[id]);
+    for (int32_t id : ids) {
+      r.tokens.push_back(by_id[id]);
+      r.logits.push_back(rows[id]);
+    }
     r.wave_hits.push_back(engine.prefix_cache_stats().hits - hits_before);
   }
   r.stats = engine.prefix_cache_stats();
@@ -121,6 +131,18 @@ class PrefixCacheEngine : public BackendTest {
     const WorkloadResult a = run_waves(cached, waves, sp);
     const WorkloadResult b = run_waves(plain, waves, sp);
     EXPECT_EQ(a.tokens, b.tokens);
+    // The logits too, so a wrong state that greedy tokens happen to survive still shows: fp32 differs from the
+    // uncached run by rounding (other chunk boundaries), bf16 by a few of its steps.
+    const float tol = dtype == DType::kF32 ? 1e-4f : 5e-2f;
+    for (size_t i = 0; i < a.logits.size() && a.tokens == b.tokens; ++i) {
+      EXPECT_EQ(a.logits[i].size(), b.logits[i].size());
+      float worst = 0, scale = 0;
+      for (size_t k = 0; k < std::min(a.logits[i].size(), b.logits[i].size()); ++k) {
+        worst = std::max(worst, std::abs(a.logits[i][k] - b.logits[i][k]));
+        scale = std::max(scale, std::abs(b.logits[i][k]));
+      }
+      EXPECT_LE(worst, tol * scale) << "request " << i << ": max |cached - uncached| " << worst << " of " << scale;
+    }
     EXPECT_EQ(b.stats.queries, 0);
     EXPECT_EQ(b.stats.hits, 0);
     return a;
@@ -201,6 +223,7 @@ TEST_P(PrefixCacheEngine, MultiTurnConversationResentTurnAfterTurn) {
   for (const std::string& f : kFixtures) {
     const NemotronH& m = *model(f, DType::kF32).model;
     std::vector<Tokens> outputs[2];
+    std::vector<std::vector<float>> logits[2];
     int64_t hits = 0;
     for (bool caching : {true, false}) {
       Engine engine(m, ops::Context{GetParam(), nullptr}, config(caching));
@@ -209,11 +232,20 @@ TEST_P(PrefixCacheEngine, MultiTurnConversationResentTurnAfterTurn) {
         conversation = cat(conversation, random_tokens(20, 300 + static_cast<uint64_t>(turn)));
         const WorkloadResult r = run_waves(engine, {{conversation}}, greedy(24));
         outputs[caching ? 0 : 1].push_back(r.tokens[0]);
+        logits[caching ? 0 : 1].push_back(r.logits[0]);
         conversation = cat(conversation, r.tokens[0]);
         if (caching) hits = r.stats.hits;
       }
     }
     EXPECT_EQ(outputs[0], outputs[1]) << f;
+    for (size_t t = 0; t < logits[0].size() && outputs[0] == outputs[1]; ++t) {
+      float worst = 0, scale = 0;
+      for (size_t k = 0; k < logits[0][t].size(); ++k) {
+        worst = std::max(worst, std::abs(logits[0][t][k] - logits[1][t][k]));
+        scale = std::max(scale, std::abs(logits[1][t][k]));
+      }
+      EXPECT_LE(worst, 1e-4f * scale) << f << " turn " << t;
+    }
     // Turn t restores a checkpoint inside the previous turn's answer (decoded, at a multiple of 32): 64, 96, 160.
     EXPECT_EQ(hits, 64 + 96 + 160) << f;
   }
