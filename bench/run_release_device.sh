@@ -146,8 +146,9 @@ for step in "$@"; do
         sleep 1
       done
       el "server up ($mode)"; grep -E "prefix caching|KV cache|CUDA graphs" "$OUT/prefix_serve_$mode.log"
-      bs() {  # name, then bench serve flags
+      bs() {  # name, then bench serve flags; PREFIX_LOADS (a comma list of the names) picks some
         local name=$1; shift
+        case ",${PREFIX_LOADS:-shared_c1,shared_c64,multiturn,unique8k,random1k}," in *",$name,"*) ;; *) return ;; esac
         ./build-dev/chimera bench serve --base-url "http://127.0.0.1:$port" --tokenizer models/nemotron-h-tiny "$@" \
           --save-result --result-filename "$OUT/prefix_${mode}_$name.json" 2>&1 | tee "$OUT/prefix_${mode}_$name.log" |
           grep -E "Successful|duration|Output token|Total token|Mean TTFT|Median TTFT|P99 TTFT|Mean TPOT|Hit rate|Queried|Hit tokens"
