@@ -96,6 +96,7 @@ WorkloadResult run_waves(Engine& engine, const std::vector<std::vector<Tokens>>&
     }
     r.wave_hits.push_back(engine.prefix_cache_stats().hits - hits_before);
   }
+  engine.on_logits = nullptr;  // it points at `rows`
   r.stats = engine.prefix_cache_stats();
   r.preemptions = engine.num_preemptions();
   return r;
