@@ -39,8 +39,8 @@ struct StepBatch {
   std::vector<int32_t> spec_slots;
   // Prefix caching's Mamba checkpoints inside prompt chunks: sequence `seq` (one of the chunk sequences, the first
   // num_prefill_seqs - num_spec_seqs) leaves its Mamba state after its first `rows` new rows in slot `slot` too. Its
-  // Mamba layers run the chunk in segments split there (conv and scan per segment, the state copied after each
-  // cut); every other op sees the chunk whole. Sorted by seq, then rows; 0 < rows < the sequence's new rows.
+  // Mamba layers run the chunk in pieces cut there (NemotronH::CutPlan: the conv and the scan once per piece of the
+  // step's most-cut sequence, the state copied after each cut); every other op sees the chunk whole. Sorted by seq, then rows; 0 < rows < the sequence's new rows.
   struct MambaCheckpoint {
     int32_t seq;
     int32_t rows;

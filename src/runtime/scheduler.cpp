@@ -60,6 +60,15 @@ void Scheduler::hash_blocks(Sequence& s, int32_t num_tokens) const {
   }
 }
 
+int32_t Scheduler::prompt_checkpoint(const Sequence& s) const {
+  const int32_t bs = cache_.sizes().block_size;
+  return (s.prompt_len - 1) / bs * bs;
+}
+
+bool Scheduler::is_checkpoint_boundary(const Sequence& s, int32_t m) const {
+  return m > 0 && (m % cache_.sizes().checkpoint_interval == 0 || m == prompt_checkpoint(s));
+}
+
 int32_t Scheduler::match_prefix(Sequence& s, std::vector<int32_t>& blocks, int32_t& checkpoint) {
   checkpoint = -1;
   if (!caches(s)) return 0;
@@ -73,8 +82,8 @@ int32_t Scheduler::match_prefix(Sequence& s, std::vector<int32_t>& blocks, int32
   if (!cache_.has_mamba()) {
     p = limit / bs * bs;
   } else {
-    const int32_t every = cache_.sizes().checkpoint_interval;
-    for (int32_t q = limit / every * every; q > 0; q -= every) {
+    // Checkpoints lie on block boundaries (every checkpoint_interval, and each prompt's last one): the longest wins.
+    for (int32_t q = limit / bs * bs; q > 0; q -= bs) {
       const std::optional<int32_t> slot = cache_.checkpoints().find(s.block_hashes[static_cast<size_t>(q / bs - 1)]);
       if (slot) {
         p = q;
@@ -93,11 +102,17 @@ void Scheduler::plan_checkpoints(SchedulerOutput& out) {
   const int32_t every = cache_.sizes().checkpoint_interval, bs = cache_.sizes().block_size;
   std::unordered_map<int32_t, int32_t> scheduled;  // sequence id -> its new tokens this step
   for (const ScheduledSeq& p : out.seqs) scheduled.emplace(p.seq_id, p.num_tokens);
+  std::vector<int32_t> cuts;
   for (Sequence& s : running_) {
     const auto it = scheduled.find(s.id);
     if (it == scheduled.end() || !caches(s) || !s.drafts.empty() || it->second < 2) continue;  // no chunk this step
     const int32_t c = s.num_computed, end = c + it->second;
-    for (int32_t m = (c / every + 1) * every; m < end; m += every) {
+    cuts.clear();
+    for (int32_t m = (c / every + 1) * every; m < end; m += every) cuts.push_back(m);
+    if (const int32_t m = prompt_checkpoint(s); m > c && m < end && m % every != 0) {
+      cuts.insert(std::lower_bound(cuts.begin(), cuts.end(), m), m);
+    }
+    for (const int32_t m : cuts) {
       hash_blocks(s, m);
       if (const std::optional<int32_t> slot =
               cache_.checkpoints().insert(s.block_hashes[static_cast<size_t>(m / bs - 1)])) {
@@ -120,8 +135,7 @@ std::optional<SlotCopy> Scheduler::commit(Sequence& s) {
   }
   s.num_published = std::max(s.num_published, full);
   // A finished sequence's state may run past its tokens (a verify step that stopped inside its accepted run).
-  const int32_t every = cache_.sizes().checkpoint_interval;
-  if (s.finished() || !cache_.has_mamba() || s.num_computed == 0 || s.num_computed % every != 0) return std::nullopt;
+  if (s.finished() || !cache_.has_mamba() || !is_checkpoint_boundary(s, s.num_computed)) return std::nullopt;
   const std::optional<int32_t> slot =
       cache_.checkpoints().insert(s.block_hashes[static_cast<size_t>(s.num_computed / bs - 1)]);
   if (!slot) return std::nullopt;

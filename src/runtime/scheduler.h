@@ -141,6 +141,12 @@ class Scheduler {
   bool caches(const Sequence& s) const;
   // Extends s.block_hashes over the full blocks of its first num_tokens tokens.
   void hash_blocks(Sequence& s, int32_t num_tokens) const;
+  // Where s's prompt leaves a Mamba checkpoint besides every checkpoint_interval tokens: the last block boundary
+  // short of its last prompt token (0: a prompt of one block or less), so that a request resending the prompt, or
+  // extending it as the next turn of a chat does, resumes within a block of its end.
+  int32_t prompt_checkpoint(const Sequence& s) const;
+  // s leaves a checkpoint after its first m tokens: m is a multiple of the interval or its prompt_checkpoint.
+  bool is_checkpoint_boundary(const Sequence& s, int32_t m) const;
   // Admission on a cached prefix: the longest block-aligned prefix, short of the last token, whose blocks are
   // published and (with Mamba layers) whose end has a checkpoint. Takes references to its blocks (into `blocks`);
   // returns its length (0: none) and the checkpoint's slot in `checkpoint`.

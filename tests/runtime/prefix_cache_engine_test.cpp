@@ -188,9 +188,10 @@ TEST_P(PrefixCacheEngine, SharedPrefixesOfEveryLengthAroundTheSpacing) {
   for (size_t i = 0; i < lengths.size(); ++i) {
     const int32_t L = lengths[i];
     waves.push_back({cat(head(base, static_cast<size_t>(L)), random_tokens(30, 100 + i))});
-    // Blocks match while all their tokens are shared; the first request's checkpoints lie at 32, 64, 96, 128.
+    // Blocks match while all their tokens are shared; the first request's checkpoints lie at 32, 64, 96, 128 and at
+    // its prompt's last block boundary, 144.
     const int32_t matched = L / kBlock * kBlock;
-    want.push_back(std::min(matched, 128) / kInterval * kInterval);
+    want.push_back(matched >= 144 ? 144 : std::min(matched, 128) / kInterval * kInterval);
   }
   // Room for every block and checkpoint of the run (the waves leave about 80 checkpoints), so that LRU eviction plays
   // no part here.
@@ -250,6 +251,26 @@ TEST_P(PrefixCacheEngine, MultiTurnConversationResentTurnAfterTurn) {
     // Turn t restores a checkpoint inside the previous turn's answer (decoded, at a multiple of 32): 64, 96, 160.
     EXPECT_EQ(hits, 64 + 96 + 160) << f;
   }
+}
+
+// A prompt leaves a checkpoint at its last block boundary besides the spacing's: resending it, or extending it as
+// the next turn of a chat does, resumes within a block of its end, whether that boundary falls inside a chunk, at a
+// chunk's end (budget 40: chunks [0, 40), [40, 80)) or in a step shared with other sequences.
+TEST_P(PrefixCacheEngine, PromptsResumeAtTheirLastBlock) {
+  const Tokens p = random_tokens(90, 10);  // 80 is its last block boundary, not a multiple of 32
+  const std::vector<std::vector<Tokens>> waves = {{p}, {p}, {cat(p, random_tokens(25, 1000))}};
+  for (int32_t budget : {kInterval, 40, 200}) {
+    SCOPED_TRACE(::testing::Message() << "budget " << budget);
+    for (DType dt : dtypes()) {
+      const WorkloadResult r = compare("all_kinds", dt, waves, config(true, 1, budget));
+      EXPECT_EQ(r.wave_hits, (std::vector<int64_t>{0, 80, 80}));
+    }
+  }
+  // Three prompts in one step, each cut at its spacing and its own last block (pieces of 32/32/16/10, 32/16/2 and
+  // 16/4 rows run in waves), then each resent.
+  const std::vector<Tokens> three = {random_tokens(90, 11), random_tokens(50, 12), random_tokens(20, 13)};
+  const WorkloadResult r = compare("all_kinds", DType::kF32, {three, three}, config(true, 4, 400));
+  EXPECT_EQ(r.wave_hits, (std::vector<int64_t>{0, 80 + 48 + 16}));
 }
 
 // A pool of one sequence's KV blocks and two checkpoints: later prompts evict earlier prefixes, the outputs never
