@@ -43,15 +43,6 @@ void split_columns(const ops::Context& ctx, const Tensor& in, std::initializer_l
   }
 }
 
-// Slot src's state of one layer ([slots, ...]) copied to slot dst, in stream order.
-void copy_slot(const ops::Context& ctx, const Tensor& state, int32_t dst, int32_t src) {
-  if (ctx.device == Device::kCpu) {
-    device::copy(state.select(dst), state.select(src));
-  } else {
-    device::copy_async(state.select(dst), state.select(src), ctx.stream);
-  }
-}
-
 void check_options(const ModelConfig& c, const ModelOptions& options) {
   if (c.mlp_bias) invalid_input("config.json: mlp_bias=true is not supported (no released checkpoint uses it)");
   if (c.attention_bias) invalid_input("config.json: attention_bias=true is not supported (HF ignores it too)");
@@ -125,7 +116,7 @@ void input_linear(const ops::Context& ctx, const ops::ResidualNorm* pre, const T
 }  // namespace
 
 void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b, const SpecPlan& spec,
-                            const CutPlan& cuts, const Tensor& conv_state, const Tensor& ssm_state, const ops::ResidualNorm* pre,
+                            const Tensor& conv_state, const Tensor& ssm_state, const ops::ResidualNorm* pre,
                             const Tensor& x, const Tensor& out) const {
   const ModelConfig& c = config_;
   const MambaWeights& w = L.mamba;
@@ -163,72 +154,23 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
     Tensor z, xbc, dt;
     split_columns(ctx, in_rows, {Di, Cd, H}, {&z, &xbc, &dt});
     Tensor xbc_act = act(ctx, {Tc, Cd});
-    // Chunks with Mamba checkpoints inside (StepBatch::mamba_checkpoints) run in waves of pieces (CutPlan), the
-    // state saved to the checkpoint slot after each wave; without checkpoints one call covers the step.
-    const auto save = [&](size_t wave, const Tensor& state) {
-      for (size_t i = 0; i < cuts.seq.size(); ++i) {
-        if (cuts.wave[i] == static_cast<int32_t>(wave) && cuts.checkpoint[i] >= 0) {
-          copy_slot(ctx, state, cuts.checkpoint[i], b.state_slots[static_cast<size_t>(cuts.seq[i])]);
-        }
-      }
-    };
-    if (cuts.cu.empty()) {
-      ops::causal_conv1d(ctx, xbc_act, xbc, w.conv1d_weight, w.conv1d_bias, conv_state, cu.first(nc + 1),
-                         slots.host.first(nc), /*silu=*/true);
-    }
-    for (size_t wave = 0; wave < cuts.wave_slots.size(); ++wave) {  // none without cuts
-      ops::causal_conv1d(ctx, xbc_act, xbc, w.conv1d_weight, w.conv1d_bias, conv_state, cuts.cu,
-                         cuts.wave_slots[wave], /*silu=*/true);
-      save(wave, conv_state);
-    }
+    // Prefix caching's checkpoints inside the chunks (StepBatch::mamba_checkpoints): the conv and the scan write the
+    // state at each cut as they pass it.
+    const std::span<const ops::StateCheckpoint> cuts(b.mamba_checkpoints);
+    ops::causal_conv1d(ctx, xbc_act, xbc, w.conv1d_weight, w.conv1d_bias, conv_state, cu.first(nc + 1),
+                       slots.host.first(nc), /*silu=*/true, cuts);
     Tensor xs, B, C;
     split_columns(ctx, xbc_act, {Di, G * N, G * N}, {&xs, &B, &C});
     Tensor y = act(ctx, {Tc, H, P});
     ops::SsmParams prefill = sp;
-    prefill.context_lens = cuts.cu.empty() ? sp.context_lens.first(nc) : ops::Indices(cuts.context);
-    const Tensor xs3 = xs.reshape({Tc, H, P}), B3 = B.reshape({Tc, G, N}), C3 = C.reshape({Tc, G, N});
-    if (cuts.cu.empty()) {
-      ops::ssd_chunk_scan(ctx, y, xs3, dt, B3, C3, prefill, ssm_state, cu.first(nc + 1), slots.host.first(nc),
-                          c.chunk_size);
-    }
-    for (size_t wave = 0; wave < cuts.wave_slots.size(); ++wave) {  // none without cuts
-      ops::ssd_chunk_scan(ctx, y, xs3, dt, B3, C3, prefill, ssm_state, cuts.cu, cuts.wave_slots[wave], c.chunk_size);
-      save(wave, ssm_state);
-    }
+    prefill.context_lens = sp.context_lens.first(nc);
+    ops::ssd_chunk_scan(ctx, y, xs.reshape({Tc, H, P}), dt, B.reshape({Tc, G, N}), C.reshape({Tc, G, N}), prefill,
+                        ssm_state, cu.first(nc + 1), slots.host.first(nc), c.chunk_size, cuts);
     // Gate first, then per-group RMSNorm (norm_before_gate = false).
     ops::gated_rms_norm(ctx, Tc == T ? normed : normed.rows(0, Tc), y.reshape({Tc, Di}), z, w.norm, G,
                         c.layer_norm_epsilon);
   }
   ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);
-}
-
-NemotronH::CutPlan NemotronH::cut_plan(const StepBatch& b) {
-  CutPlan p;
-  if (b.mamba_checkpoints.empty()) return p;
-  const auto nc = static_cast<int32_t>(b.num_prefill_seqs - b.num_spec_seqs);
-  auto next = b.mamba_checkpoints.begin();
-  p.cu.push_back(0);
-  size_t waves = 1;
-  for (int32_t s = 0; s < nc; ++s) {
-    const int32_t begin = b.cu_seqlens[static_cast<size_t>(s)];
-    int32_t r0 = begin, w = 0;
-    const auto piece = [&](int32_t r1, int32_t checkpoint) {
-      p.seq.push_back(s);
-      p.context.push_back(b.context_lens[static_cast<size_t>(s)] + (r0 - begin));
-      p.checkpoint.push_back(checkpoint);
-      p.wave.push_back(w++);
-      p.cu.push_back(r1);
-      r0 = r1;
-    };
-    for (; next != b.mamba_checkpoints.end() && next->seq == s; ++next) piece(begin + next->rows, next->slot);
-    piece(b.cu_seqlens[static_cast<size_t>(s) + 1], -1);
-    waves = std::max(waves, static_cast<size_t>(w));
-  }
-  p.wave_slots.assign(waves, std::vector<int32_t>(p.seq.size(), -1));
-  for (size_t i = 0; i < p.seq.size(); ++i) {
-    p.wave_slots[static_cast<size_t>(p.wave[i])][i] = b.state_slots[static_cast<size_t>(p.seq[i])];
-  }
-  return p;
 }
 
 NemotronH::SpecPlan NemotronH::spec_plan(const StepBatch& b) {
@@ -431,7 +373,7 @@ bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelSta
     const size_t i = first + j;
     const ops::ResidualNorm* pre = has_pending ? &pending : nullptr;
     switch (L.kind) {
-      case LayerKind::kMamba: mamba_mixer(ctx, L, b, s.spec, s.cuts, state.conv[i], state.ssm[i], pre, s.x, s.mix); break;
+      case LayerKind::kMamba: mamba_mixer(ctx, L, b, s.spec, state.conv[i], state.ssm[i], pre, s.x, s.mix); break;
       case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], pre, s.x, s.mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, s.mix, s.x, L.mlp.up_proj, L.mlp.down_proj); break;
       case LayerKind::kMoe: moe_mixer(ctx, i, L, s.x, s.mix, s.routed); break;
@@ -477,7 +419,6 @@ Tensor NemotronH::forward_impl(const ops::Context& ctx, const StepBatch& b, Mode
 
   Stream s = stream(ctx, b.num_tokens(), w_.layers);
   s.spec = spec_plan(b);  // once for all Mamba layers of the step
-  s.cuts = cut_plan(b);
   ops::embedding(ctx, s.h, w_.embeddings, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
   ops::rms_norm(ctx, s.x, s.h, w_.layers.empty() ? w_.norm_f : w_.layers[0].norm, config_.layer_norm_epsilon);
   // The last step (norm_f) folds into the lm_head when every row's logits are wanted (a decode step) and nobody

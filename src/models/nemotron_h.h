@@ -89,25 +89,12 @@ class NemotronH : public Model {
     std::vector<size_t> step_begin;
   };
   static SpecPlan spec_plan(const StepBatch& batch);
-  // A step's prompt chunks cut at their Mamba checkpoints (StepBatch::mamba_checkpoints), the same for every Mamba
-  // layer of the step. Piece i is chunk rows [cu[i], cu[i + 1]) of sequence seq[i], its wave[i]-th, preceded by
-  // context[i] of its tokens; checkpoint[i] is the slot its end state is saved to (-1: the sequence's last piece).
-  // Wave w runs the w-th piece of every sequence in one conv and one scan call over all the chunk rows:
-  // wave_slots[w] gives those pieces their sequence's slot and every other piece -1 (skipped), so a step makes as
-  // many calls as its most-cut sequence has pieces, however many sequences have checkpoints. Empty: no checkpoint.
-  struct CutPlan {
-    std::vector<int32_t> cu, seq, wave, context, checkpoint;
-    std::vector<std::vector<int32_t>> wave_slots;
-  };
-  static CutPlan cut_plan(const StepBatch& batch);
   // The residual stream of one decoder stack: h and h_next its two buffers (a residual step folded into the next
   // layer's first dense op writes the other one), x the current mixer's normed input, mix and routed the mixer's
-  // outputs (routed: a MoE layer's routed experts, added in the norm kernel); spec and cuts the step's verify and cut
-  // plans.
+  // outputs (routed: a MoE layer's routed experts, added in the norm kernel); spec the step's verify plan.
   struct Stream {
     Tensor h, h_next, x, mix, routed;
     SpecPlan spec;
-    CutPlan cuts;
   };
 
   NemotronH() = default;
@@ -119,7 +106,7 @@ class NemotronH : public Model {
   // The Mamba and attention mixers read their normed input x only through their first dense op; `pre`, when set,
   // is the residual step that produces x (pre->x == x), folded into that op (ops::residual_norm_linear).
   void mamba_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch, const SpecPlan& spec,
-                   const CutPlan& cuts, const Tensor& conv_state, const Tensor& ssm_state, const ops::ResidualNorm* pre, const Tensor& x,
+                   const Tensor& conv_state, const Tensor& ssm_state, const ops::ResidualNorm* pre, const Tensor& x,
                    const Tensor& out) const;
   // The Mamba layer's speculative verify rows (StepBatch::num_spec_seqs): from their in_proj rows (zxbcdt, every row of
   // the step) to their rows of normed, one out-of-place single-token update per draft position.

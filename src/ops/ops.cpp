@@ -111,6 +111,26 @@ class Check {
       if (!seen.insert(slots[s]).second) fail("slot {} is used by more than one sequence", slots[s]);
     }
   }
+  // StateCheckpoint's rules, after seqlens and slots have passed.
+  void checkpoints(std::span<const StateCheckpoint> cps, std::span<const int32_t> cu, std::span<const int32_t> slots,
+                   int64_t num_slots) const {
+    std::unordered_set<int32_t> taken(slots.begin(), slots.end());
+    for (size_t j = 0; j < cps.size(); ++j) {
+      const StateCheckpoint& k = cps[j];
+      if (k.seq < 0 || static_cast<size_t>(k.seq) >= slots.size() || slots[static_cast<size_t>(k.seq)] < 0) {
+        fail("checkpoint {} names sequence {}, which is not a live sequence of the call", j, k.seq);
+      }
+      const int32_t n = cu[static_cast<size_t>(k.seq) + 1] - cu[static_cast<size_t>(k.seq)];
+      if (k.rows <= 0 || k.rows >= n) fail("checkpoint {} after {} of sequence {}'s {} rows", j, k.rows, k.seq, n);
+      if (k.slot < 0 || k.slot >= num_slots)
+        fail("checkpoint {} slot {} is out of range for {} slots", j, k.slot, num_slots);
+      if (!taken.insert(k.slot).second)
+        fail("checkpoint {} slot {} is already a sequence's or a checkpoint's", j, k.slot);
+      if (j > 0 && !(cps[j - 1].seq < k.seq || (cps[j - 1].seq == k.seq && cps[j - 1].rows < k.rows))) {
+        fail("checkpoints out of order at {}", j);
+      }
+    }
+  }
 
   template <typename CpuFn, typename CudaFn>
   void dispatch(CpuFn&& cpu_fn, CudaFn&& cuda_fn) const {
@@ -390,12 +410,17 @@ void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Ten
 
 void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
                    const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
-                   bool silu) {
+                   bool silu, std::span<const StateCheckpoint> checkpoints) {
   const Check c(ctx, "causal_conv1d");
   check_conv(c, out, x, weight, bias, conv_state);
   c.seqlens(cu_seqlens, slots.size(), x.dim(0));
   c.slots(slots, conv_state.dim(0));
-  c.dispatch([&] { cpu::causal_conv1d(out, x, weight, bias, conv_state, cu_seqlens, slots, silu); }, [&] { CHIMERA_CUDA_CALL(cuda::causal_conv1d(ctx, out, x, weight, bias, conv_state, cu_seqlens, slots, silu)); });
+  c.checkpoints(checkpoints, cu_seqlens, slots, conv_state.dim(0));
+  c.dispatch([&] { cpu::causal_conv1d(out, x, weight, bias, conv_state, cu_seqlens, slots, silu, checkpoints); },
+             [&] {
+               CHIMERA_CUDA_CALL(
+                   cuda::causal_conv1d(ctx, out, x, weight, bias, conv_state, cu_seqlens, slots, silu, checkpoints));
+             });
 }
 
 namespace {
@@ -440,14 +465,19 @@ void causal_conv1d_update(const Context& ctx, const Tensor& out, const Tensor& x
 
 void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
                     const Tensor& C, const SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
-                    std::span<const int32_t> slots, int64_t chunk_size) {
+                    std::span<const int32_t> slots, int64_t chunk_size, std::span<const StateCheckpoint> checkpoints) {
   const Check c(ctx, "ssd_chunk_scan");
   check_ssm(c, y, x, dt_raw, B, C, p, ssm_state);
   if (chunk_size <= 0) c.fail("chunk_size {} must be positive", chunk_size);
   c.seqlens(cu_seqlens, slots.size(), x.dim(0));
   c.slots(slots, ssm_state.dim(0));
+  c.checkpoints(checkpoints, cu_seqlens, slots, ssm_state.dim(0));
   check_context_lens(c, p, slots.size());
-  c.dispatch([&] { cpu::ssd_chunk_scan(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots, chunk_size); }, [&] { CHIMERA_CUDA_CALL(cuda::ssd_chunk_scan(ctx, y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots, chunk_size)); });
+  c.dispatch([&] { cpu::ssd_chunk_scan(y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots, chunk_size, checkpoints); },
+             [&] {
+               CHIMERA_CUDA_CALL(cuda::ssd_chunk_scan(ctx, y, x, dt_raw, B, C, p, ssm_state, cu_seqlens, slots,
+                                                      chunk_size, checkpoints));
+             });
 }
 
 void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,

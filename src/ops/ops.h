@@ -128,15 +128,27 @@ void relu2_mlp(const Context& ctx, const Tensor& out, const Tensor& x, const Ten
                const Tensor& down_proj);
 
 // ---- Mamba-2 ---------------------------------------------------------------------------------------
+// A Mamba state checkpoint inside a prefill call (prefix caching, runtime/prefix_cache.h): sequence `seq` of the
+// call also leaves its state after its first `rows` new rows in state slot `slot`. 0 < rows < the sequence's rows;
+// the sequence is not a pad; the slot is in range and no sequence's slot nor another checkpoint's; sorted by seq,
+// then rows.
+struct StateCheckpoint {
+  int32_t seq;
+  int32_t rows;
+  int32_t slot;
+};
+
 // Depthwise causal conv1d over a packed batch, SiLU fused when `silu`.
 //   x, out: [T, C]; weight: [C, K] (or the checkpoint's [C, 1, K]); bias: [C] or undefined;
 //   conv_state: [num_slots, C, K-1]: the K-1 inputs preceding each sequence's first new token (zeros for a
 //   fresh sequence); on return holds the last K-1 inputs (older ones kept when a sequence has < K-1 tokens).
 //   cu_seqlens: [num_seqs + 1]; slots: [num_seqs]. A pad sequence (slot < 0) is skipped: its out rows and
 //   all state are left untouched. Non-negative slots must be distinct.
-void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
-                   const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> cu_seqlens,
-                   std::span<const int32_t> slots, bool silu);
+//   checkpoints: the K-1 inputs preceding each cut (older ones from the sequence's state when the cut is fewer
+//   than K-1 rows in) written to the checkpoint's slot.
+void causal_conv1d(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                   const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
+                   bool silu, std::span<const StateCheckpoint> checkpoints = {});
 
 // Single-step update for a batch of sequences (one token each). x, out: [B, C]; slots: [B].
 // dst_slots (empty: in place): sequence b reads slot slots[b] and writes its shifted window to slot dst_slots[b],
@@ -166,11 +178,15 @@ struct SsmParams {
 
 // Chunked SSD prefill (docs/model.md 3.4) over a packed batch, with initial states read from and final states
 // written to ssm_state slots. x: [T, H, P]; dt_raw: [T, H]; B, C: [T, G, N]; y: [T, H, P];
-// ssm_state: [num_slots, H, P, N] F32, BF16 or F16 (SsmParams). Head h uses group h / (H / G). The chunk grid restarts at each
-// sequence start. A pad sequence (slot < 0) is skipped: its y rows are left untouched.
-void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,
-                    const Tensor& B, const Tensor& C, const SsmParams& p, const Tensor& ssm_state,
-                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size);
+// ssm_state: [num_slots, H, P, N] F32, BF16 or F16 (SsmParams). Head h uses group h / (H / G). The chunk grid restarts
+// at each sequence start. A pad sequence (slot < 0) is skipped: its y rows are left untouched. checkpoints: the grid
+// also restarts at each cut, and the state there (the state entering the chunk after it, rounded to the state dtype as
+// a final state is, keyed by the position of the row before the cut) is written to the checkpoint's slot; the sequence
+// runs on in fp32, so y and its final state are those of the call without the checkpoints up to the chunking.
+void ssd_chunk_scan(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
+                    const Tensor& C, const SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
+                    std::span<const int32_t> slots, int64_t chunk_size,
+                    std::span<const StateCheckpoint> checkpoints = {});
 
 // The plain per-token recurrence (docs/model.md 3.3): the test oracle for ssd_chunk_scan, same contract.
 void ssm_recurrence(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw,

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/ops.h"
 
 namespace chimera {
 
@@ -38,14 +39,10 @@ struct StepBatch {
   int32_t num_spec_seqs = 0;
   std::vector<int32_t> spec_slots;
   // Prefix caching's Mamba checkpoints inside prompt chunks: sequence `seq` (one of the chunk sequences, the first
-  // num_prefill_seqs - num_spec_seqs) leaves its Mamba state after its first `rows` new rows in slot `slot` too. Its
-  // Mamba layers run the chunk in pieces cut there (NemotronH::CutPlan: the conv and the scan once per piece of the
-  // step's most-cut sequence, the state copied after each cut); every other op sees the chunk whole. Sorted by seq, then rows; 0 < rows < the sequence's new rows.
-  struct MambaCheckpoint {
-    int32_t seq;
-    int32_t rows;
-    int32_t slot;
-  };
+  // num_prefill_seqs - num_spec_seqs) leaves its Mamba state after its first `rows` new rows in slot `slot` too. The
+  // Mamba layers' conv and scan write that state as they pass the cut (ops::StateCheckpoint); every other op sees the
+  // chunk whole. Sorted by seq, then rows; 0 < rows < the sequence's new rows.
+  using MambaCheckpoint = ops::StateCheckpoint;
   std::vector<MambaCheckpoint> mamba_checkpoints;
   // Packed rows whose logits the step returns, in this order (the last row of each sequence when
   // generating; every row when scoring a prompt).

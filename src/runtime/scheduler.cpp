@@ -66,7 +66,7 @@ int32_t Scheduler::prompt_checkpoint(const Sequence& s) const {
 }
 
 bool Scheduler::is_checkpoint_boundary(const Sequence& s, int32_t m) const {
-  return m > 0 && (m % cache_.sizes().checkpoint_interval == 0 || m == prompt_checkpoint(s));
+  return m > 0 && (m % cache_.sizes().checkpoint_interval == 0 || m == prompt_checkpoint(s) || m == s.shared_kv_end);
 }
 
 int32_t Scheduler::match_prefix(Sequence& s, std::vector<int32_t>& blocks, int32_t& checkpoint) {
@@ -92,6 +92,9 @@ int32_t Scheduler::match_prefix(Sequence& s, std::vector<int32_t>& blocks, int32
       }
     }
   }
+  // Blocks someone computed before, past the last checkpoint: this prompt parts from that one there, which makes it
+  // the place where the next prompt sharing the prefix wants to resume.
+  s.shared_kv_end = limit / bs * bs > p ? limit / bs * bs : 0;
   blocks.assign(matched.begin(), matched.begin() + p / bs);
   cache_.block_pool().acquire(blocks);
   return p;
@@ -109,8 +112,9 @@ void Scheduler::plan_checkpoints(SchedulerOutput& out) {
     const int32_t c = s.num_computed, end = c + it->second;
     cuts.clear();
     for (int32_t m = (c / every + 1) * every; m < end; m += every) cuts.push_back(m);
-    if (const int32_t m = prompt_checkpoint(s); m > c && m < end && m % every != 0) {
-      cuts.insert(std::lower_bound(cuts.begin(), cuts.end(), m), m);
+    for (const int32_t m : {prompt_checkpoint(s), s.shared_kv_end}) {
+      const auto at = std::lower_bound(cuts.begin(), cuts.end(), m);
+      if (m > c && m < end && (at == cuts.end() || *at != m)) cuts.insert(at, m);
     }
     for (const int32_t m : cuts) {
       hash_blocks(s, m);

@@ -54,6 +54,9 @@ struct Sequence {
   // depend on the tokens alone), and how many of `blocks` are published.
   std::vector<uint64_t> block_hashes;
   int32_t num_published = 0;
+  // Admission found published KV blocks of this prompt up to here but no Mamba checkpoint that far (0: none): the
+  // prompt leaves one there, where it parts from the prompt computed before it.
+  int32_t shared_kv_end = 0;
 
   int32_t num_generated() const { return static_cast<int32_t>(tokens.size()) - prompt_len; }
   // Tokens not yet in the caches (the next step's candidates).
@@ -145,7 +148,8 @@ class Scheduler {
   // short of its last prompt token (0: a prompt of one block or less), so that a request resending the prompt, or
   // extending it as the next turn of a chat does, resumes within a block of its end.
   int32_t prompt_checkpoint(const Sequence& s) const;
-  // s leaves a checkpoint after its first m tokens: m is a multiple of the interval or its prompt_checkpoint.
+  // s leaves a checkpoint after its first m tokens: m is a multiple of the interval, its prompt_checkpoint or its
+  // shared_kv_end.
   bool is_checkpoint_boundary(const Sequence& s, int32_t m) const;
   // Admission on a cached prefix: the longest block-aligned prefix, short of the last token, whose blocks are
   // published and (with Mamba layers) whose end has a checkpoint. Takes references to its blocks (into `blocks`);

@@ -247,6 +247,62 @@ TEST_P(OpsConv1d, SplitInTwoCallsEqualsOneCall) {
   }
 }
 
+// Checkpoints (prefix caching) hold, bit for bit, the state a call over the sequence's first `rows` rows leaves:
+// cuts under K-1 rows in (the window reaches into the old state), at tile edges and past them, several per sequence
+// and none in some; outputs and final states are those of the call without checkpoints.
+TEST_P(OpsConv1d, CheckpointsHoldTheStateAtTheCut) {
+  auto rng = test::Rng::for_test();
+  const int64_t K = 4;
+  const std::vector<int32_t> lens = {71, 5, 0, 40}, slots = {2, 0, -1, 4};
+  const std::vector<ops::StateCheckpoint> cps = {{0, 1, 5}, {0, 2, 6}, {0, 33, 7}, {0, 64, 8}, {3, 39, 9}};
+  const auto cu = cu_from(lens);
+  for (DType act : {DType::kF32, DType::kBF16}) {
+    if (act != DType::kF32 && !on_cuda()) continue;
+    for (int64_t C : {33, 264}) {
+      SCOPED_TRACE(::testing::Message() << "act=" << dtype_name(act) << " C=" << C);
+      const Tensor x = on_backend(rng.normal_tensor({cu.back(), C}), act);
+      const Tensor w = on_backend(rng.normal_tensor({C, K})), bias = on_backend(rng.normal_tensor({C}));
+      const Tensor state0 = rng.normal_tensor({10, C, K - 1});
+      const Tensor with = output(act, {cu.back(), C}), without = output(act, {cu.back(), C});
+      const Tensor s_with = on_backend(state0), s_without = on_backend(state0);
+      ops::causal_conv1d(ctx(), with, x, w, bias, s_with, cu, slots, true, cps);
+      ops::causal_conv1d(ctx(), without, x, w, bias, s_without, cu, slots, true);
+      EXPECT_TRUE(test::bit_equal(device::to_host(with), device::to_host(without)));
+      const Tensor got = host_f32(s_with), plain = host_f32(s_without);
+      for (int32_t s : {0, 1, 2, 3, 4}) EXPECT_TRUE(test::bit_equal(got.select(s), plain.select(s))) << "slot " << s;
+      for (const ops::StateCheckpoint& k : cps) {
+        const Tensor s_prefix = on_backend(state0), out = output(act, {k.rows, C});
+        const int32_t begin = cu[static_cast<size_t>(k.seq)];
+        const std::vector<int32_t> slot = {slots[static_cast<size_t>(k.seq)]};
+        ops::causal_conv1d(ctx(), out, x.rows(begin, begin + k.rows), w, bias, s_prefix,
+                           std::vector<int32_t>{0, k.rows}, slot, true);
+        EXPECT_TRUE(test::bit_equal(got.select(k.slot), host_f32(s_prefix).select(slot[0])))
+            << "checkpoint after " << k.rows << " rows of sequence " << k.seq;
+      }
+    }
+  }
+}
+
+TEST_P(OpsConv1d, CheckpointRulesAreChecked) {
+  const int64_t C = 8, K = 4;
+  const Tensor x = on_backend(Tensor::zeros(DType::kF32, {10, C})), w = on_backend(Tensor::zeros(DType::kF32, {C, K}));
+  const Tensor state = on_backend(Tensor::zeros(DType::kF32, {6, C, K - 1})), out = output(DType::kF32, {10, C});
+  const std::vector<int32_t> cu = {0, 6, 10}, slots = {0, -1};
+  using Cps = std::vector<ops::StateCheckpoint>;
+  for (const auto& [cps, what] :
+       std::vector<std::pair<Cps, const char*>>{{{{0, 0, 3}}, "after 0 of sequence 0's 6 rows"},
+                                                {{{0, 6, 3}}, "after 6 of sequence 0's 6 rows"},
+                                                {{{1, 2, 3}}, "not a live sequence"},
+                                                {{{0, 2, 0}}, "already a sequence's"},
+                                                {{{0, 2, 3}, {0, 3, 3}}, "already a sequence's or a checkpoint's"},
+                                                {{{0, 3, 3}, {0, 2, 4}}, "out of order"},
+                                                {{{0, 3, 6}}, "out of range"}}) {
+    EXPECT_TRUE(test::throws_error([&] { ops::causal_conv1d(ctx(), out, x, w, Tensor(), state, cu, slots, true, cps); },
+                                   ErrorKind::kRuntime, what))
+        << what;
+  }
+}
+
 TEST_P(OpsConv1d, UpdateEqualsOneTokenConv) {
   auto rng = test::Rng::for_test();
   for (int64_t K : {2, 3, 4}) {

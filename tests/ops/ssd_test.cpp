@@ -321,6 +321,83 @@ TEST_P(OpsSsd, ChunkScanMatchesRecurrence) {
   }
 }
 
+// Checkpoints (prefix caching): each checkpoint slot holds the state a scan of the sequence's first `rows` rows
+// leaves, and y and the final states are those of the scan without checkpoints (the chunk grid restarts at each
+// cut, so they agree to the reduction order); on CUDA the checkpoint slots also match the CPU reference, in every
+// state dtype.
+TEST_P(OpsSsd, CheckpointsHoldTheStateAtTheCut) {
+  auto rng = test::Rng::for_test();
+  struct ScanShape {
+    SsmCase c;
+    int64_t chunk;
+    DType act;
+  };
+  std::vector<ScanShape> shapes = {{kCases[1], 8, DType::kF32}, {kCases[0], 5, DType::kF32}};
+  if (on_cuda()) shapes.push_back({kNano, 128, DType::kBF16});
+  for (const ScanShape& sh : shapes) {
+    const bool big = sh.chunk == 128;
+    // Cuts one row in, at and around chunk edges, several in one sequence, none in another, next to a pad.
+    const std::vector<int32_t> lens = big ? std::vector<int32_t>{300, 0, 129, 77} : std::vector<int32_t>{40, 0, 23, 17};
+    const std::vector<int32_t> slots = {1, -1, 3, 0};
+    const std::vector<ops::StateCheckpoint> cps =
+        big ? std::vector<ops::StateCheckpoint>{{0, 1, 5}, {0, 128, 6}, {0, 200, 7}, {2, 128, 8}}
+            : std::vector<ops::StateCheckpoint>{{0, 1, 5}, {0, 8, 6}, {0, 21, 7}, {2, 22, 8}};
+    const auto cu = cu_from(lens);
+    for (DType state_dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      if (state_dtype != DType::kF32 && !on_cuda()) continue;
+      SCOPED_TRACE(::testing::Message() << "H=" << sh.c.H << " chunk=" << sh.chunk << " act=" << dtype_name(sh.act)
+                                        << " state=" << dtype_name(state_dtype));
+      const SsmInputs ref = rounded(make_inputs(rng, cu.back(), sh.c), sh.act, DType::kF32);
+      const Tensor state0 = rounded(rng.normal_tensor({10, sh.c.H, sh.c.P, sh.c.N}, 0.5f), state_dtype);
+      const bool f32 = sh.act == DType::kF32 && state_dtype == DType::kF32;
+      const double nmse = f32 ? test::kF32ReductionNmse : test::kBF16ReductionNmse;
+      const test::Tolerance tol = f32 ? test::kF32Reduction : test::kBF16Reduction;
+
+      const SsmInputs d = dev(ref, sh.act);
+      const Tensor y = poisoned(sh.act, ref.x.shape()), state = dev(state0, state_dtype);
+      ops::ssd_chunk_scan(ctx(), y, d.x, d.dt_raw, d.B, d.C, d.p, state, cu, slots, sh.chunk, cps);
+      Tensor got = host_f32(y);
+      const Tensor got_state = host_f32(state);
+
+      // Without checkpoints, on the CPU reference.
+      Tensor plain = Tensor::empty(DType::kF32, ref.x.shape()), plain_state = state0.clone();
+      test::poison(plain);
+      ops::ssd_chunk_scan(ops::Context{}, plain, ref.x, ref.dt_raw, ref.B, ref.C, ref.p, plain_state, cu, slots,
+                          sh.chunk);
+      expect_pad_rows_untouched(got, plain, cu, slots);
+      EXPECT_TRUE(test::nmse_close(got, plain, nmse, tol)) << "y";
+      for (int32_t s : {0, 1, 3}) {
+        EXPECT_TRUE(test::nmse_close(got_state.select(s), plain_state.select(s), nmse, tol)) << "final state " << s;
+      }
+      for (int32_t s : {2, 4, 9}) EXPECT_TRUE(test::bit_equal(got_state.select(s), state0.select(s))) << "slot " << s;
+      // Each checkpoint against the CPU reference's scan of the prefix alone.
+      for (const ops::StateCheckpoint& k : cps) {
+        const int32_t begin = cu[static_cast<size_t>(k.seq)];
+        const std::vector<int32_t> slot = {slots[static_cast<size_t>(k.seq)]};
+        SsmInputs prefix = ref;
+        prefix.x = ref.x.rows(begin, begin + k.rows).clone();
+        prefix.dt_raw = ref.dt_raw.rows(begin, begin + k.rows).clone();
+        prefix.B = ref.B.rows(begin, begin + k.rows).clone();
+        prefix.C = ref.C.rows(begin, begin + k.rows).clone();
+        Tensor py = Tensor::empty(DType::kF32, prefix.x.shape()), pstate = state0.clone();
+        ops::ssd_chunk_scan(ops::Context{}, py, prefix.x, prefix.dt_raw, prefix.B, prefix.C, prefix.p, pstate,
+                            std::vector<int32_t>{0, k.rows}, slot, sh.chunk);
+        EXPECT_TRUE(test::nmse_close(got_state.select(k.slot), pstate.select(slot[0]), nmse, tol))
+            << "checkpoint after " << k.rows << " rows of sequence " << k.seq;
+      }
+      if (on_cuda()) {  // every slot, checkpoints included, against the CPU reference with the same checkpoints
+        Tensor want = Tensor::empty(DType::kF32, ref.x.shape()), want_state = state0.clone();
+        ops::ssd_chunk_scan(ops::Context{}, want, ref.x, ref.dt_raw, ref.B, ref.C, ref.p, want_state, cu, slots,
+                            sh.chunk, cps);
+        for (const ops::StateCheckpoint& k : cps) {
+          EXPECT_TRUE(test::nmse_close(got_state.select(k.slot), want_state.select(k.slot), nmse, tol))
+              << "CUDA checkpoint after " << k.rows << " rows of sequence " << k.seq;
+        }
+      }
+    }
+  }
+}
+
 TEST_P(OpsSsd, DtLimitsClampBothPaths) {
   auto rng = test::Rng::for_test();
   const SsmCase c{4, 8, 2, 16};

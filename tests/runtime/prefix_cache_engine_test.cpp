@@ -12,6 +12,7 @@
 #include <cmath>
 #include <map>
 #include <random>
+#include <set>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -183,15 +184,19 @@ TEST_P(PrefixCacheEngine, SharedPrefixesOfEveryLengthAroundTheSpacing) {
   const Tokens base = random_tokens(200, 2);
   std::vector<std::vector<Tokens>> waves = {{head(base, 150)}};
   std::vector<int64_t> want = {0};
+  // The first request's checkpoints: every 32 tokens and its prompt's last block boundary.
+  std::set<int32_t> checkpoints = {32, 64, 96, 128, 144};
   const std::vector<int32_t> lengths = {0,  1,  15, 16, 17, 31, 32,  33,  47,  48,
                                         63, 64, 65, 95, 96, 97, 127, 128, 129, 150};
   for (size_t i = 0; i < lengths.size(); ++i) {
     const int32_t L = lengths[i];
     waves.push_back({cat(head(base, static_cast<size_t>(L)), random_tokens(30, 100 + i))});
-    // Blocks match while all their tokens are shared; the first request's checkpoints lie at 32, 64, 96, 128 and at
-    // its prompt's last block boundary, 144.
+    // Blocks match while all their tokens are shared; a request restores the last checkpoint at or below them and
+    // leaves one where its matched blocks end (where it parts from `base`).
     const int32_t matched = L / kBlock * kBlock;
-    want.push_back(matched >= 144 ? 144 : std::min(matched, 128) / kInterval * kInterval);
+    const auto at = checkpoints.upper_bound(matched);
+    want.push_back(at == checkpoints.begin() ? 0 : *std::prev(at));
+    if (matched > 0) checkpoints.insert(matched);
   }
   // Room for every block and checkpoint of the run (the waves leave about 80 checkpoints), so that LRU eviction plays
   // no part here.
@@ -200,7 +205,7 @@ TEST_P(PrefixCacheEngine, SharedPrefixesOfEveryLengthAroundTheSpacing) {
   ec.cache.num_blocks = 512;
   for (DType dt : dtypes()) {
     const WorkloadResult r = compare("all_kinds", dt, waves, ec);
-    // Each later prompt also leaves checkpoints; none of them shares more with the next than `base` does.
+    // Each later prompt also leaves checkpoints past L; none of them shares more with the next than `base` does.
     EXPECT_EQ(r.wave_hits, want);
   }
 }
@@ -271,6 +276,19 @@ TEST_P(PrefixCacheEngine, PromptsResumeAtTheirLastBlock) {
   const std::vector<Tokens> three = {random_tokens(90, 11), random_tokens(50, 12), random_tokens(20, 13)};
   const WorkloadResult r = compare("all_kinds", DType::kF32, {three, three}, config(true, 4, 400));
   EXPECT_EQ(r.wave_hits, (std::vector<int64_t>{0, 80 + 48 + 16}));
+}
+
+// A shared system prompt that ends between checkpoints: the first request to find its KV blocks with no checkpoint
+// at their end leaves one there, and every later one resumes at the system prompt's last block.
+TEST_P(PrefixCacheEngine, APromptLeavesACheckpointWhereItPartsFromAnEarlierOne) {
+  const Tokens system = random_tokens(50, 14);  // blocks to 48; the first request's checkpoints: 32, 64, 80
+  const std::vector<std::vector<Tokens>> waves = {{cat(system, random_tokens(40, 1400))},
+                                                  {cat(system, random_tokens(30, 1401))},
+                                                  {cat(system, random_tokens(20, 1402))}};
+  for (DType dt : dtypes()) {
+    const WorkloadResult r = compare("all_kinds", dt, waves, config(true));
+    EXPECT_EQ(r.wave_hits, (std::vector<int64_t>{0, 32, 48}));
+  }
 }
 
 // A pool of one sequence's KV blocks and two checkpoints: later prompts evict earlier prefixes, the outputs never

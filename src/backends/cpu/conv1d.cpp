@@ -28,11 +28,12 @@ ConvWeights load_conv_weights(const Tensor& weight, const Tensor& bias) {
 
 void causal_conv1d(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
                    const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
-                   bool silu_act) {
+                   bool silu_act, std::span<const ops::StateCheckpoint> checkpoints) {
   const ConvWeights cw = load_conv_weights(weight, bias);
   const int64_t C = cw.C, K = cw.K, S = static_cast<int64_t>(slots.size());
   parallel_for(C, 64, [&](int64_t c0, int64_t c1) {
     std::vector<float> hist;  // K-1 state columns followed by the sequence's new inputs, one channel
+    auto cp = checkpoints.begin();
     for (int64_t s = 0; s < S; ++s) {
       const int32_t slot = slots[static_cast<size_t>(s)];
       if (slot < 0) continue;
@@ -48,8 +49,14 @@ void causal_conv1d(const Tensor& out, const Tensor& x, const Tensor& weight, con
           for (int64_t j = 0; j < K; ++j) acc += w[j] * hist[t + j];  // hist[t + j] = input at t-(K-1)+j
           out.f32()[(r0 + t) * C + c] = silu_act ? silu(acc) : acc;
         }
+        // A checkpoint after r rows holds the K-1 inputs before row r: hist[r .. r + K-2].
+        for (auto k = cp; k != checkpoints.end() && k->seq == s; ++k) {
+          float* ck = conv_state.f32() + (k->slot * C + c) * (K - 1);
+          for (int64_t j = 0; j < K - 1; ++j) ck[j] = hist[k->rows + j];
+        }
         for (int64_t j = 0; j < K - 1; ++j) st[j] = hist[n + j];  // the last K-1 inputs
       }
+      while (cp != checkpoints.end() && cp->seq == s) ++cp;
     }
   });
 }

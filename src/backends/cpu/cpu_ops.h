@@ -27,14 +27,15 @@ void relu2_mlp(const Tensor& out, const Tensor& x, const Tensor& up_proj, const 
 
 void causal_conv1d(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
                    const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
-                   bool silu);
+                   bool silu, std::span<const ops::StateCheckpoint> checkpoints = {});
 void causal_conv1d_update(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
                           const Tensor& conv_state, std::span<const int32_t> slots, bool silu,
                           std::span<const int32_t> dst_slots = {});
 
 void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
                     const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
-                    std::span<const int32_t> slots, int64_t chunk_size);
+                    std::span<const int32_t> slots, int64_t chunk_size,
+                    std::span<const ops::StateCheckpoint> checkpoints = {});
 void ssm_recurrence(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
                     const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
                     std::span<const int32_t> slots);

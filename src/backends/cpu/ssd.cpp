@@ -35,9 +35,11 @@ std::vector<float> ssm_a(const ops::SsmParams& p) {
   return a;
 }
 
-// One chunk: rows [begin, end) of the packed batch, belonging to sequence `seq`.
+// One chunk: rows [begin, end) of the packed batch, belonging to sequence `seq`; the state entering it also goes to
+// slot `checkpoint` (-1: none; ops::StateCheckpoint).
 struct Chunk {
   int64_t seq, begin, end;
+  int32_t checkpoint = -1;
 };
 
 // The state of one (slot, head) is [P, N] elements at element offset (slot * H + h) * P * N of ssm_state, of the
@@ -92,7 +94,8 @@ void recurrence_step(float* S, const float* x_row, const float* b, const float* 
 
 void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
                     const ops::SsmParams& p, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
-                    std::span<const int32_t> slots, int64_t chunk_size) {
+                    std::span<const int32_t> slots, int64_t chunk_size,
+                    std::span<const ops::StateCheckpoint> checkpoints) {
   const SsmDims d = ssm_dims(x, B);
   const int64_t H = d.H, P = d.P, G = d.G, N = d.N, hpg = d.heads_per_group(), Q = chunk_size;
   const std::vector<float> A = ssm_a(p), Dskip = to_f32_vector(p.D), dt_bias = to_f32_vector(p.dt_bias);
@@ -100,14 +103,27 @@ void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, cons
   const float* Bp = B.f32();
   const float* Cp = C.f32();
 
-  // The chunk grid, restarting at each (non-pad) sequence; seq_chunks[s] = [first, last) chunk of sequence s.
+  // The chunk grid, restarting at each (non-pad) sequence and at each checkpoint's cut; seq_chunks[s] = [first,
+  // last) chunk of sequence s.
   std::vector<Chunk> chunks;
   std::vector<std::pair<int64_t, int64_t>> seq_chunks(slots.size());
+  auto cp = checkpoints.begin();
   for (size_t s = 0; s < slots.size(); ++s) {
     seq_chunks[s].first = static_cast<int64_t>(chunks.size());
     if (slots[s] >= 0) {
-      for (int64_t b = cu_seqlens[s]; b < cu_seqlens[s + 1]; b += Q) {
-        chunks.push_back({static_cast<int64_t>(s), b, std::min<int64_t>(b + Q, cu_seqlens[s + 1])});
+      const int64_t end = cu_seqlens[s + 1];
+      int64_t piece = cu_seqlens[s];
+      int32_t entering = -1;  // the checkpoint slot of the piece starting at `piece`
+      while (piece < end) {
+        const bool cut = cp != checkpoints.end() && cp->seq == static_cast<int32_t>(s);
+        const int64_t piece_end = cut ? cu_seqlens[s] + cp->rows : end;
+        for (int64_t b = piece; b < piece_end; b += Q) {
+          chunks.push_back(
+              {static_cast<int64_t>(s), b, std::min<int64_t>(b + Q, piece_end), b == piece ? entering : -1});
+        }
+        piece = piece_end;
+        entering = cut ? cp->slot : -1;
+        if (cut) ++cp;
       }
     }
     seq_chunks[s].second = static_cast<int64_t>(chunks.size());
@@ -165,6 +181,10 @@ void ssd_chunk_scan(const Tensor& y, const Tensor& x, const Tensor& dt_raw, cons
       const int64_t offset = (slot * H + h) * state_size;
       load_state(ssm_state, offset, state_size, running.data());
       for (int64_t ci = seq_chunks[s].first; ci < seq_chunks[s].second; ++ci) {
+        if (const int32_t ck = chunks[ci].checkpoint; ck >= 0) {  // keyed by the row before the cut
+          const int64_t before = context_of(p, static_cast<size_t>(s)) + chunks[ci].begin - cu_seqlens[s] - 1;
+          store_state(ssm_state, (ck * H + h) * state_size, state_size, running.data(), p, before, h * state_size);
+        }
         const float decay = std::exp(dA_cumsum[(chunks[ci].end - 1) * H + h]);
         float* st = states.data() + (ci * H + h) * state_size;
         for (int64_t e = 0; e < state_size; ++e) {

@@ -41,9 +41,9 @@ void residual_norm_linear(const ops::Context& ctx, const ops::ResidualNorm& rn, 
 void residual_rms_norm(const ops::Context& ctx, const ops::ResidualNorm& rn);
 
 // mamba/ (conv1d.cu)
-void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                   const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
-                   bool silu);
+void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+                   const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> cu_seqlens,
+                   std::span<const int32_t> slots, bool silu, std::span<const ops::StateCheckpoint> checkpoints = {});
 void causal_conv1d_update(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
                           const Tensor& bias, const Tensor& conv_state, const ops::Indices& slots, bool silu,
                           const ops::Indices& dst_slots = {});
@@ -63,7 +63,8 @@ void mamba_decode_update(const ops::Context& ctx, const Tensor& out, const Tenso
 // mamba/ (ssd_*.cu)
 void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
                     const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
-                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size);
+                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size,
+                    std::span<const ops::StateCheckpoint> checkpoints = {});
 void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
                     const Tensor& C, const ops::SsmParams& p, const Tensor& ssm_state,
                     std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots);

@@ -220,6 +220,33 @@ void launch_causal_conv1d(const Conv1dParams& p, cudaStream_t stream) {
 
 namespace {
 
+// One thread per (channel, checkpoint): the K-1 inputs before the cut, from x where the cut is at least that many
+// rows in, else partly from the sequence's state (which the prefill launched after this one then overwrites).
+__global__ void conv1d_checkpoints_kernel(Conv1dParams p, const Conv1dCheckpoint* cps) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= p.C) return;
+  const Conv1dCheckpoint k = cps[blockIdx.y];
+  const int W = p.K - 1;
+  for (int j = 0; j < W; ++j) {
+    const int t = k.rows - W + j;  // relative to the sequence's first new row
+    const float v = t >= 0 ? load_elem(p.x, p.act, (static_cast<int64_t>(k.row_begin) + t) * p.C + c)
+                           : load_elem(p.conv_state, p.state_dtype, (k.src_slot * p.C + c) * W + W + t);
+    mamba::store_elem(p.conv_state, p.state_dtype, (k.dst_slot * p.C + c) * W + j, v);
+  }
+}
+
+}  // namespace
+
+void launch_conv1d_checkpoints(const Conv1dParams& p, const Conv1dCheckpoint* checkpoints, int n, cudaStream_t stream) {
+  if (n == 0 || p.C == 0 || p.K < 2) return;
+  constexpr int kThreadsPerBlock = 256;
+  const dim3 grid(static_cast<unsigned>((p.C + kThreadsPerBlock - 1) / kThreadsPerBlock), static_cast<unsigned>(n));
+  conv1d_checkpoints_kernel<<<grid, kThreadsPerBlock, 0, stream>>>(p, checkpoints);
+  CHIMERA_LAUNCH_CHECK("ops::causal_conv1d (checkpoints)");
+}
+
+namespace {
+
 // Tensors -> Conv1dParams (everything but the batch metadata); one activation dtype per call.
 Conv1dParams conv_params(const char* op, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
                          const Tensor& conv_state, bool silu) {
@@ -244,9 +271,9 @@ Conv1dParams conv_params(const char* op, const Tensor& out, const Tensor& x, con
 
 }  // namespace
 
-void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                   const Tensor& conv_state, std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots,
-                   bool silu) {
+void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+                   const Tensor& bias, const Tensor& conv_state, std::span<const int32_t> cu_seqlens,
+                   std::span<const int32_t> slots, bool silu, std::span<const ops::StateCheckpoint> checkpoints) {
   Conv1dParams p = conv_params("ops::causal_conv1d", out, x, weight, bias, conv_state, silu);
   const auto* xo = static_cast<const char*>(x.data());
   const auto* oo = static_cast<const char*>(out.data());
@@ -256,6 +283,17 @@ void causal_conv1d(const ops::Context& ctx, const Tensor& out, const Tensor& x, 
   const std::vector<Conv1dTile> tiles = conv1d_tiles(cu_seqlens, slots);
   if (tiles.empty()) return;
   const cudaStream_t stream = as_stream(ctx.stream);
+  if (!checkpoints.empty()) {
+    std::vector<Conv1dCheckpoint> cps;
+    for (const ops::StateCheckpoint& k : checkpoints) {
+      const auto s = static_cast<size_t>(k.seq);
+      cps.push_back({cu_seqlens[s], k.rows, slots[s], k.slot});
+    }
+    launch_conv1d_checkpoints(p,
+                              static_cast<const Conv1dCheckpoint*>(
+                                  upload_scratch(cps.data(), cps.size() * sizeof(Conv1dCheckpoint), stream, 1)),
+                              static_cast<int>(cps.size()), stream);
+  }
   p.tiles = static_cast<const Conv1dTile*>(
       upload_scratch(tiles.data(), tiles.size() * sizeof(Conv1dTile), stream, 0));
   p.n_tiles = static_cast<int>(tiles.size());

@@ -51,6 +51,17 @@ struct Conv1dParams {
   int batch = 0;
 };
 
+// A conv state checkpoint (ops::StateCheckpoint) as the kernel reads it.
+struct Conv1dCheckpoint {
+  int32_t row_begin;  // the sequence's first row in the packed batch
+  int32_t rows;       // the cut: the state holds the K-1 inputs before the sequence's row `rows`
+  int32_t src_slot;   // the sequence's slot (its state before the call: the inputs left of a cut under K-1 rows in)
+  int32_t dst_slot;   // the checkpoint's slot
+};
+// Writes each checkpoint's window from x and the sequences' states before the call; launched ahead of the prefill,
+// which overwrites those states (same stream, no programmatic overlap). p: x, conv_state, dtypes, C and K.
+void launch_conv1d_checkpoints(const Conv1dParams& p, const Conv1dCheckpoint* checkpoints, int n, cudaStream_t stream);
+
 // Tiles of a packed batch: every non-pad, non-empty sequence cut into kConv1dTileRows-token tiles.
 std::vector<Conv1dTile> conv1d_tiles(std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots);
 

@@ -71,6 +71,7 @@ struct Plan {
   std::vector<int32_t> chunks;  // pairs {begin, end}
   std::vector<int32_t> supers;  // pairs {first chunk, count}
   std::vector<int32_t> seqs;    // quads {first super, end super, slot, position of the last token}
+  std::vector<int32_t> super_checkpoints;  // pairs {slot, position before}, one per super; empty: no checkpoints
   int n_chunks() const { return static_cast<int>(chunks.size() / 2); }
   int n_supers() const { return static_cast<int>(supers.size() / 2); }
   int n_seqs() const { return static_cast<int>(seqs.size() / 4); }
@@ -81,23 +82,43 @@ int32_t last_position(const ops::SsmParams& sp, std::span<const int32_t> cu, siz
   return (sp.context_lens.empty() ? 0 : sp.context_lens[s]) + cu[s + 1] - cu[s] - 1;
 }
 
+// The chunk grid restarts at each sequence and at each checkpoint's cut, and a superchunk starts there too, so the
+// state entering that superchunk is the checkpoint's.
 Plan make_plan(std::span<const int32_t> cu, std::span<const int32_t> slots, int64_t chunk, int superchunk,
-               const ops::SsmParams& sp) {
+               const ops::SsmParams& sp, std::span<const ops::StateCheckpoint> checkpoints) {
   Plan plan;
+  auto cp = checkpoints.begin();
   for (size_t s = 0; s < slots.size(); ++s) {
     if (slots[s] < 0 || cu[s + 1] == cu[s]) continue;
     const int first_super = plan.n_supers();
-    int in_super = superchunk;
-    for (int64_t b = cu[s]; b < cu[s + 1]; b += chunk) {
-      if (in_super == superchunk) {
-        plan.supers.push_back(plan.n_chunks());
-        plan.supers.push_back(0);
-        in_super = 0;
+    const int32_t context = sp.context_lens.empty() ? 0 : sp.context_lens[s];
+    int64_t piece = cu[s];
+    int32_t entering = -1, before = 0;  // the checkpoint at `piece` and its row's position
+    while (piece < cu[s + 1]) {
+      const bool cut = cp != checkpoints.end() && cp->seq == static_cast<int32_t>(s);
+      const int64_t piece_end = cut ? cu[s] + cp->rows : cu[s + 1];
+      int in_super = superchunk;
+      for (int64_t b = piece; b < piece_end; b += chunk) {
+        if (in_super == superchunk) {
+          plan.supers.push_back(plan.n_chunks());
+          plan.supers.push_back(0);
+          if (!checkpoints.empty()) {
+            plan.super_checkpoints.push_back(b == piece ? entering : -1);
+            plan.super_checkpoints.push_back(before);
+          }
+          in_super = 0;
+        }
+        plan.chunks.push_back(static_cast<int32_t>(b));
+        plan.chunks.push_back(static_cast<int32_t>(std::min<int64_t>(b + chunk, piece_end)));
+        ++plan.supers.back();
+        ++in_super;
       }
-      plan.chunks.push_back(static_cast<int32_t>(b));
-      plan.chunks.push_back(static_cast<int32_t>(std::min<int64_t>(b + chunk, cu[s + 1])));
-      ++plan.supers.back();
-      ++in_super;
+      if (cut) {
+        entering = cp->slot;
+        before = context + cp->rows - 1;
+        ++cp;
+      }
+      piece = piece_end;
     }
     plan.seqs.insert(plan.seqs.end(), {first_super, plan.n_supers(), slots[s], last_position(sp, cu, s)});
   }
@@ -125,9 +146,15 @@ bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) %
 
 SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
                      const ops::SsmParams& sp, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
-                     std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, SsdOptions options)
-    : act_(x.dtype()), state_(ssm_state.dtype()), A_log_(sp.A_log.data()), D_(sp.D.data()),
-      dt_bias_(sp.dt_bias.data()), options_(options), stream_(stream) {
+                     std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, SsdOptions options,
+                     std::span<const ops::StateCheckpoint> checkpoints)
+    : act_(x.dtype()),
+      state_(ssm_state.dtype()),
+      A_log_(sp.A_log.data()),
+      D_(sp.D.data()),
+      dt_bias_(sp.dt_bias.data()),
+      options_(options),
+      stream_(stream) {
   constexpr const char* kOp = "ops::ssd_chunk_scan";
   check_one_dtype(kOp, y, x, dt_raw, B, C);
   a_type_ = param_type(sp.A_log, kOp, "A_log");
@@ -142,15 +169,16 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   superchunk_ = !use_mma_                ? 1
                 : options.superchunk > 0 ? options.superchunk
                                          : pick_superchunk(cu_seqlens, slots, chunk_size, H);
-  const Plan plan = make_plan(cu_seqlens, slots, chunk_size, superchunk_, sp);
+  const Plan plan = make_plan(cu_seqlens, slots, chunk_size, superchunk_, sp, checkpoints);
   p_.n_chunks = plan.n_chunks();
   if (empty()) return;
 
   std::vector<int32_t> meta;
-  meta.reserve(plan.chunks.size() + plan.supers.size() + plan.seqs.size());
+  meta.reserve(plan.chunks.size() + plan.supers.size() + plan.seqs.size() + plan.super_checkpoints.size());
   meta.insert(meta.end(), plan.seqs.begin(), plan.seqs.end());  // int4 first: 16-byte aligned
   meta.insert(meta.end(), plan.chunks.begin(), plan.chunks.end());
   meta.insert(meta.end(), plan.supers.begin(), plan.supers.end());
+  meta.insert(meta.end(), plan.super_checkpoints.begin(), plan.super_checkpoints.end());
   const auto* dmeta =
       static_cast<const int32_t*>(upload_scratch(meta.data(), meta.size() * sizeof(int32_t), stream, 0));
 
@@ -186,6 +214,10 @@ SsdRunner::SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, con
   p_.seqs = reinterpret_cast<const int4*>(dmeta);
   p_.chunks = reinterpret_cast<const int2*>(dmeta + plan.seqs.size());
   p_.supers = reinterpret_cast<const int2*>(dmeta + plan.seqs.size() + plan.chunks.size());
+  if (!plan.super_checkpoints.empty()) {
+    p_.super_checkpoints =
+        reinterpret_cast<const int2*>(dmeta + plan.seqs.size() + plan.chunks.size() + plan.supers.size());
+  }
   p_.n_supers = plan.n_supers();
   p_.n_seqs = plan.n_seqs();
   p_.dt = ws.at(w_dt);
@@ -242,8 +274,10 @@ void SsdRunner::run() const {
 
 void ssd_chunk_scan(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,
                     const Tensor& C, const ops::SsmParams& sp, const Tensor& ssm_state,
-                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size) {
-  SsdRunner(y, x, dt_raw, B, C, sp, ssm_state, cu_seqlens, slots, chunk_size, as_stream(ctx.stream)).run();
+                    std::span<const int32_t> cu_seqlens, std::span<const int32_t> slots, int64_t chunk_size,
+                    std::span<const ops::StateCheckpoint> checkpoints) {
+  SsdRunner(y, x, dt_raw, B, C, sp, ssm_state, cu_seqlens, slots, chunk_size, as_stream(ctx.stream), {}, checkpoints)
+      .run();
 }
 
 void ssm_recurrence(const ops::Context& ctx, const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B,

@@ -3,13 +3,15 @@
 // and ssd_mma.cu / ssd_mma_split.cu (bf16 / f16 tensor-core kernels for the Nemotron shape P = 64, N = 128,
 // chunk 128).
 //
-// The prefill runs in five launches over a packed varlen batch whose chunk grid restarts at every sequence:
+// The prefill runs in five launches over a packed varlen batch whose chunk grid restarts at every sequence (and at
+// every checkpoint's cut, where a superchunk starts too):
 //   1. ssd_prepare       A = -exp(A_log), D, dt_bias -> fp32 [H]
 //   2. chunk_cumsum      dt = clamp(softplus(dt_raw + dt_bias)), dA_cumsum within each chunk -> fp32 [H, T]
 //   3. chunk_state       each "superchunk" (M consecutive chunks of one sequence) from a zero state:
 //                        S = exp(Acum_c[last]) * S + sum_s exp(Acum_c[last] - Acum_c[s]) dt[s] x[s] B[s]^T,
 //                        chunk by chunk -> states [n_supers, H, P, N] f32 and decay [n_supers, H] = prod_c exp(..)
 //   4. state_passing     from ssm_state[slot]: entering[sc] <- the state entering superchunk sc; final -> ssm_state
+//                        (and a checkpoint's slot <- the state entering the superchunk at its cut)
 //   5. chunk_scan        per superchunk and head, chunk by chunk: y = Y_diag + exp(Acum) C S^T + D x, then the
 //                        state advanced over the chunk (the chunk_state step) for the next chunk.
 // Stage 5 runs with 16 warps per block on the tensor-core path (ssd_mma_split.cu).
@@ -51,6 +53,9 @@ struct SsdParams {
   // [n_seqs] {first super, end super, slot, position of the last token}; only non-pad, non-empty ones. The position
   // and state_seed key the stochastic rounding of an F16 final state (ops.h SsmParams).
   const int4* seqs = nullptr;
+  // [n_supers] {slot, position of the row before it}, or nullptr: the state entering a superchunk that starts at a
+  // checkpoint's cut (ops::StateCheckpoint) also goes to that slot, rounded like a final state (slot < 0: none).
+  const int2* super_checkpoints = nullptr;
   uint64_t state_seed = 0;
   int n_chunks = 0, n_supers = 0, n_seqs = 0;
   // fp32 workspace:
@@ -128,7 +133,8 @@ class SsdRunner {
  public:
   SsdRunner(const Tensor& y, const Tensor& x, const Tensor& dt_raw, const Tensor& B, const Tensor& C,
             const ops::SsmParams& sp, const Tensor& ssm_state, std::span<const int32_t> cu_seqlens,
-            std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, SsdOptions options = {});
+            std::span<const int32_t> slots, int64_t chunk_size, cudaStream_t stream, SsdOptions options = {},
+            std::span<const ops::StateCheckpoint> checkpoints = {});
   bool empty() const { return p_.n_chunks == 0; }  // every sequence a pad or empty: nothing to launch
   bool uses_mma() const { return use_mma_; }
   int superchunk() const { return superchunk_; }

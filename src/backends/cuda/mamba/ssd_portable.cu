@@ -122,6 +122,17 @@ __global__ void __launch_bounds__(kThreads) ssd_state_passing_kernel(SsdParams p
           run[k] = d[b] * run[k] + vs[k];
         }
         *reinterpret_cast<Vec*>(&out[at(sc0 + b)]) = o;
+        if (p.super_checkpoints != nullptr) {
+          const int2 ck = p.super_checkpoints[sc0 + b];
+          if (ck.x >= 0) {
+            S* dst = static_cast<S*>(p.ssm_state) + (static_cast<size_t>(ck.x) * p.H + h) * PN + e;
+            const uint64_t ck_key = ssm_rounding_key(p.state_seed, ck.y);
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) {
+              dst[k] = mamba::round_state<S>(os[k], ck_key, static_cast<uint32_t>(h * PN + e + k));
+            }
+          }
+        }
       }
     }
   }
