@@ -101,8 +101,8 @@ struct ServeOptions {
   std::string speculative_config;  // --speculative-config JSON; "" = off
   // Prefix caching (runtime/prefix_cache.h): --enable-prefix-caching / --no-enable-prefix-caching, the Mamba
   // checkpoints' spacing in tokens and their slots (0: automatic, CacheSizingRequest::mamba_checkpoint_slots).
-  // Off by default until the cost of its in-chunk checkpoints is measured (docs/caches.md "Prefix caching").
-  bool enable_prefix_caching = false;
+  // On by default: it measured no cost on prompts it cannot help (docs/perf.md "Prefix caching").
+  bool enable_prefix_caching = true;
   int32_t mamba_checkpoint_interval = 2048;
   int32_t mamba_checkpoint_slots = 0;
 };

@@ -59,8 +59,8 @@ void add_serve(CLI::App& app, ServeOptions& o) {
   add_speculative_config_flag(app, o.speculative_config);
   add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
   app.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o.enable_prefix_caching,
-               "Reuse the KV blocks and Mamba state checkpoints of prompt prefixes seen before (default off until its "
-               "cost is measured: docs/caches.md \"Prefix caching\")");
+               "Reuse the KV blocks and Mamba state checkpoints of prompt prefixes seen before (default on; "
+               "docs/caches.md \"Prefix caching\")");
   app.add_option("--mamba-checkpoint-interval", o.mamba_checkpoint_interval,
                  "Prefix caching: tokens between Mamba state checkpoints (a multiple of the KV block size, 16)")
       ->check(CLI::PositiveNumber)
