@@ -95,6 +95,9 @@ void HostGroup::broadcast(int rank, std::span<std::byte> data, int root) {
 
 void HostGroup::barrier(int rank) {
   enter(rank, {"barrier", nullptr, 0, 0});
+  // Phase 1 too, as every collective: a rank leaving after phase 0 could post its next call while another still
+  // checks this one's posts.
+  rendezvous(rank, "barrier");
 }
 
 void HostGroup::abort(int rank, const std::string& why) {

@@ -92,6 +92,22 @@ TEST_P(HostGroupTest, AllGatherBroadcastAndBarrier) {
   }
 }
 
+TEST_P(HostGroupTest, BackToBackBarriersAndCollectives) {
+  // Calls with nothing in between: a fast rank's next post must never be taken for a slow rank's current one.
+  const int n = GetParam();
+  HostGroup group(n);
+  const auto errors = run_ranks(n, [&](int r) {
+    for (int i = 0; i < 200; ++i) {
+      std::vector<float> v(3, 1.0f);
+      group.barrier(r);
+      group.all_reduce_sum(r, v);
+      group.barrier(r);
+      if (v[0] != static_cast<float>(n)) throw Error(ErrorKind::kRuntime, "wrong sum");
+    }
+  });
+  for (const std::string& e : errors) EXPECT_EQ(e, "");
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, HostGroupTest, ::testing::Values(1, 2, 3, 4, 8));
 
 TEST(HostGroup, MissingRankTimesOutNamingIt) {

@@ -36,7 +36,7 @@ struct Ranks {
   void attach(int n, bool mtp) {
     if (n > 1) group = std::make_unique<dist::HostGroup>(n, std::chrono::seconds(30));
     CacheSizes sizes;
-    sizes.max_seqs = 2;
+    sizes.max_seqs = 5;  // two sequences and three slots for a verify step's rows
     sizes.max_model_len = 64;
     sizes.block_size = 16;
     sizes.mtp = mtp;
@@ -81,6 +81,14 @@ struct Ranks {
     }
     if (hidden) *hidden = hiddens[0];
     return std::vector<float>(logits[0].f32(), logits[0].f32() + logits[0].numel());
+  }
+
+  // A slot without blocks in every rank's cache (a speculative verify row's), the same id on every rank.
+  int32_t spare() {
+    std::vector<int32_t> ids;
+    for (auto& c : caches) ids.push_back(c->allocate_slot());
+    for (int32_t id : ids) EXPECT_EQ(id, ids[0]);
+    return ids[0];
   }
 
   // Slot s and its blocks in every rank's cache (the same ids: the caches are filled in the same order).
@@ -141,7 +149,7 @@ int32_t argmax(const std::vector<float>& logits, size_t row, int64_t V) {
 
 // Every step's logits and the greedy tokens of two sequences: step 0 prefills A whole and B's first 6 tokens
 // (every row's logits: the lm_head with norm_f folded in), step 1 runs B's remaining prompt after its cached
-// prefix and A's first decode token (selected rows), then `decode_steps` decode steps of both.
+// prefix and A's first decode token (selected rows), then `decode_steps` decode steps of both, then a verify step.
 struct Trace {
   std::vector<std::vector<float>> logits;
   std::vector<int32_t> tokens;
@@ -182,6 +190,12 @@ Trace run(Ranks& ranks, int decode_steps) {
   }
   tr.tokens.push_back(next_a);
   tr.tokens.push_back(next_b);
+  // A speculative verify step (StepBatch::num_spec_seqs): A's next token and two drafts, its Mamba layers stepping
+  // token by token out of place into three spare slots (the gated norm of each row on its own), and B's decode.
+  StepBatch v = batch({{&a, {next_a, 5, 9}}, {&b, {next_b}}}, 1, {});
+  v.num_spec_seqs = 1;
+  for (int k = 0; k < 3; ++k) v.spec_slots.push_back(ranks.spare());
+  tr.logits.push_back(ranks.step(v));
   return tr;
 }
 
