@@ -337,6 +337,16 @@ TEST_P(TensorParallelSynthetic, Fp8WeightOnlyQuantizedAtLoad) {
   });
 }
 
+TEST_P(TensorParallelSynthetic, Nvfp4QuantizedAtLoad) {
+  // NVFP4 (weight-only): the packed bytes and 16-column block scales cut with their columns; the tiny preset's cuts
+  // all fall on block boundaries at 2 and 4 ranks.
+  const ModelConfig c = model_preset("tiny");
+  compare_tp(c, GetParam(), [&](ModelOptions o) {
+    o.quantize = ops::WeightFormat::kNvfp4;
+    return NemotronH::synthetic(c, o, 8);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, TensorParallelSynthetic, ::testing::Values(2, 4));
 
 // The MTP head (sharded like the backbone, embeddings and lm_head vocabulary-parallel): the fixture's backbone
