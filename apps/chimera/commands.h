@@ -31,6 +31,9 @@ struct GenerateOptions {
   bool no_special_tokens = false;
   bool quiet = false;  // no stats on stderr
   std::string speculative_config;  // --speculative-config JSON; "" = off
+  // --tensor-parallel-size N: the model sharded over N ranks that are threads of this process
+  // (models/tensor_parallel_model.h); the CPU only in phase 1.
+  int tensor_parallel_size = 1;
   // Tensor-parallel AllReduce strategy (--allreduce-strategy / CHIMERA_ALLREDUCE_STRATEGY, read once by CLI11
   // at parse time). Carried for the tensor-parallel engine; generate runs on one device today.
   dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;

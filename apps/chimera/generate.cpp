@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <memory>
 #include <sstream>
 
 #include <fmt/core.h>
@@ -16,6 +17,7 @@
 #include "core/error.h"
 #include "io/npy.h"
 #include "model_loading.h"
+#include "models/tensor_parallel_model.h"
 #include "runtime/engine.h"
 #include "runtime/kernel_env.h"
 
@@ -59,6 +61,9 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
                  "Write float32 logits of every prompt position and every generated step to FILE.npy");
   app.add_option("--dump-activations", o.dump_activations,
                  "Debugging: write each layer's input (and a MoE layer's experts) of the prefill to DIR as .npy");
+  app.add_option("--tensor-parallel-size", o.tensor_parallel_size,
+                 "Shard the model over N ranks (threads of this process; --device cpu only for now)")
+      ->capture_default_str();
   app.add_flag("--no-special-tokens", o.no_special_tokens, "Do not add the tokenizer's special tokens (BOS)");
   app.add_flag("-q,--quiet", o.quiet, "No statistics on stderr");
 }
@@ -140,7 +145,26 @@ int run_generate(const GenerateOptions& o) {
   limits.max_model_len = o.max_model_len;
   limits.max_tokens_per_step = std::min(ec.scheduler.max_num_batched_tokens, o.max_model_len);
   limits.block_size = ec.cache.block_size;
-  LoadedModel m = load_model(o.source, /*with_weights=*/true, model_options, limits);
+  const int tp_size = o.tensor_parallel_size;
+  if (tp_size < 1) invalid_input("--tensor-parallel-size must be >= 1, got {}", tp_size);
+  if (tp_size > 1 && model_options.device != Device::kCpu) {
+    invalid_input("--tensor-parallel-size {}: tensor parallelism runs on --device cpu only for now", tp_size);
+  }
+  if (tp_size > 1 && !o.dump_activations.empty()) {
+    invalid_input("--dump-activations: not with --tensor-parallel-size {}", tp_size);
+  }
+  // With tensor parallelism the ranks' models are made here, each with its shard (no memory plan: the CPU).
+  LoadedModel m = load_model(o.source, /*with_weights=*/tp_size == 1, model_options, limits);
+  std::unique_ptr<TensorParallelModel> tp_model;
+  if (tp_size > 1) {
+    ModelOptions options = model_options;
+    options.quantize = o.source.quantize();
+    tp_model = TensorParallelModel::create(tp_size, options, [&](const ModelOptions& rank_options) {
+      return o.source.is_synthetic() ? NemotronH::synthetic(m.config, rank_options, o.source.synthetic_seed)
+                                     : NemotronH::load(m.config, *m.checkpoint, rank_options);
+    });
+  }
+  const Model& model = tp_model ? static_cast<const Model&>(*tp_model) : *m.model;
   if (!o.dump_activations.empty()) {
     try {
       m.model->set_activation_dump(o.dump_activations);
@@ -186,7 +210,7 @@ int run_generate(const GenerateOptions& o) {
   ec.scheduler.max_num_seqs = 1;
   ec.return_prompt_logits = !o.logits_out.empty();
   // The kernel configuration: the defaults with the environment registry's overrides (runtime/kernel_env.h).
-  Engine engine(*m.model, ops::Context{model_options.device, nullptr, nullptr, kernel_config_from_env()}, ec);
+  Engine engine(model, ops::Context{model_options.device, nullptr, nullptr, kernel_config_from_env()}, ec);
   // Reported after the text with the other figures, so the output starts with the prompt.
   const std::string graphs = format_graph_capture(engine);
   std::vector<float> logit_rows;
@@ -245,7 +269,7 @@ int run_generate(const GenerateOptions& o) {
     fmt::print(stderr, "[chimera] prompt {} tokens, generated {} | load {:.0f} ms, first token {:.1f} ms{} | {} {}\n",
                prompt.size(), generated, load_ms, ttft,
                generated > 1 ? fmt::format(", decode {:.1f} tok/s", (generated - 1) / (decode_ms / 1000.0)) : "",
-               o.device, dtype_name(m.model->activation_dtype()));
+               o.device, dtype_name(model.activation_dtype()));
   }
   return 0;
 }

@@ -8,6 +8,7 @@
 
 #include "backends/device_api.h"
 #include "core/error.h"
+#include "dist/host_group.h"
 #include "io/npy.h"
 #include "io/quant_config.h"
 #include "ops/quant_ops.h"
@@ -51,6 +52,10 @@ void check_options(const ModelConfig& c, const ModelOptions& options) {
     invalid_input("model dtype {} is not supported on CUDA (supported: float32, bfloat16, float16)",
                   dtype_name(options.dtype));
   }
+  if (options.tp.enabled() && options.device == Device::kCuda) {
+    invalid_input("--tensor-parallel-size {}: tensor parallelism on CUDA is not built yet (phase 1: the CPU backend)",
+                  options.tp.size);
+  }
 }
 
 }  // namespace
@@ -87,6 +92,8 @@ NemotronH NemotronH::synthetic(const ModelConfig& config, const ModelOptions& op
 NemotronH NemotronH::with_options(const ModelConfig& config, const ModelOptions& options) {
   NemotronH m;
   m.config_ = config;
+  m.tp_ = options.tp;
+  m.local_ = rank_config(config, options.tp);
   m.device_ = options.device;
   m.act_dtype_ = options.device == Device::kCpu ? DType::kF32 : options.dtype;
   return m;
@@ -118,7 +125,7 @@ void input_linear(const ops::Context& ctx, const ops::ResidualNorm* pre, const T
 void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b, const SpecPlan& spec,
                             const Tensor& conv_state, const Tensor& ssm_state, const ops::ResidualNorm* pre,
                             const Tensor& x, const Tensor& out) const {
-  const ModelConfig& c = config_;
+  const ModelConfig& c = local_;
   const MambaWeights& w = L.mamba;
   const int64_t T = b.num_tokens(), H = c.mamba_num_heads, P = c.mamba_head_dim, G = c.n_groups;
   const int64_t N = c.ssm_state_size, Di = c.mamba_inner(), Cd = c.conv_dim();
@@ -144,7 +151,7 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
     decode.context_lens = sp.context_lens.subspan(np);
     ops::mamba_decode_update(ctx, normed.rows(Tp, T), zxbcdt.rows(Tp, T), w.conv1d_weight, w.conv1d_bias, decode,
                              w.norm, G, c.layer_norm_epsilon, conv_state, ssm_state, slots.subspan(np),
-                             /*prefetch_states=*/true);  // the previous kernel is in_proj
+                             /*prefetch_states=*/true, {}, spanned_norm());  // the previous kernel is in_proj
   }
   // Speculative verify rows: the single-token update token by token, out of place (StepBatch::spec_slots).
   if (nc < np) spec_mamba(ctx, w, b, spec, zxbcdt, sp, conv_state, ssm_state, normed);
@@ -168,7 +175,7 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
                         ssm_state, cu.first(nc + 1), slots.host.first(nc), c.chunk_size, cuts);
     // Gate first, then per-group RMSNorm (norm_before_gate = false).
     ops::gated_rms_norm(ctx, Tc == T ? normed : normed.rows(0, Tc), y.reshape({Tc, Di}), z, w.norm, G,
-                        c.layer_norm_epsilon);
+                        c.layer_norm_epsilon, spanned_norm());
   }
   ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);
 }
@@ -206,7 +213,7 @@ void NemotronH::spec_mamba(const ops::Context& ctx, const MambaWeights& w, const
   const int32_t Tc = b.num_chunk_tokens(), Ts = b.num_prefill_tokens() - Tc;
   const Tensor in = gather_rows(ctx, zxbcdt, act_dtype_, spec.gather);
   const Tensor out = act(ctx, {Ts, normed.dim(1)});
-  const ModelConfig& c = config_;
+  const ModelConfig& c = local_;
   const auto part = [](const std::vector<int32_t>& v, size_t r0, size_t r1) {
     return std::span<const int32_t>(v).subspan(r0, r1 - r0);
   };
@@ -217,7 +224,7 @@ void NemotronH::spec_mamba(const ops::Context& ctx, const MambaWeights& w, const
     ops::mamba_decode_update(ctx, out.rows(static_cast<int64_t>(r0), static_cast<int64_t>(r1)),
                              in.rows(static_cast<int64_t>(r0), static_cast<int64_t>(r1)), w.conv1d_weight,
                              w.conv1d_bias, step, w.norm, c.n_groups, c.layer_norm_epsilon, conv_state, ssm_state,
-                             part(spec.src, r0, r1), /*prefetch_states=*/false, part(spec.dst, r0, r1));
+                             part(spec.src, r0, r1), /*prefetch_states=*/false, part(spec.dst, r0, r1), spanned_norm());
   }
   ops::embedding(ctx, normed.rows(Tc, Tc + Ts), out, spec.scatter);  // back to the batch's row order
 }
@@ -225,7 +232,7 @@ void NemotronH::spec_mamba(const ops::Context& ctx, const MambaWeights& w, const
 void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
                                 const Tensor& block_tables, const ops::KvCacheView& kv, const ops::ResidualNorm* pre,
                                 const Tensor& x, const Tensor& out) const {
-  const ModelConfig& c = config_;
+  const ModelConfig& c = local_;
   const AttentionWeights& w = L.attention;
   const int64_t T = b.num_tokens(), Qh = c.num_attention_heads, KVh = c.num_key_value_heads, hd = c.head_dim;
   Tensor q = act(ctx, {T, Qh * hd});
@@ -250,9 +257,9 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
   ops::linear(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
 }
 
-void NemotronH::moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeights& L, const Tensor& x,
+bool NemotronH::moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeights& L, const Tensor& x,
                           const Tensor& shared_out, const Tensor& routed_out) const {
-  const ModelConfig& c = config_;
+  const ModelConfig& c = local_;
   const MoeWeights& w = L.moe;
   const int64_t T = x.dim(0), k = c.num_experts_per_tok, Din = c.moe_input_dim();
 
@@ -285,7 +292,17 @@ void NemotronH::moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeig
     ops::moe_experts(ctx, latent_out, latent_in, ids, weights, w.experts_up, w.experts_down);
     ops::relu2_mlp(ctx, shared_out, x, sh.up_proj, sh.down_proj);
   }
+  if (group_.group && c.moe_latent_size) {
+    // Tensor parallelism: latent_out is this rank's part of the experts' sum, and fc2_latent_proj (replicated) may
+    // quantize its input (FP8), which is not linear: the sum is completed in the latent space first, so routed_out
+    // comes out whole and only the shared expert's part is left to sum.
+    ops::all_reduce(ctx, latent_out, group_);
+    ops::linear(ctx, routed_out, latent_out, w.fc2_latent_proj);
+    ops::all_reduce(ctx, shared_out, group_);
+    return false;
+  }
   if (c.moe_latent_size) ops::linear(ctx, routed_out, latent_out, w.fc2_latent_proj);
+  return true;
 }
 
 Tensor NemotronH::act(const ops::Context& ctx, Shape shape) const {
@@ -372,11 +389,22 @@ bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelSta
     const LayerWeights& L = layers[j];
     const size_t i = first + j;
     const ops::ResidualNorm* pre = has_pending ? &pending : nullptr;
+    bool partial = true;  // the mixer left this rank's part of its output to sum (tensor parallelism)
     switch (L.kind) {
       case LayerKind::kMamba: mamba_mixer(ctx, L, b, s.spec, state.conv[i], state.ssm[i], pre, s.x, s.mix); break;
       case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], pre, s.x, s.mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, s.mix, s.x, L.mlp.up_proj, L.mlp.down_proj); break;
-      case LayerKind::kMoe: moe_mixer(ctx, i, L, s.x, s.mix, s.routed); break;
+      case LayerKind::kMoe: partial = moe_mixer(ctx, i, L, s.x, s.mix, s.routed); break;
+    }
+    // Tensor parallelism: every mixer ends in a row-parallel layer (o_proj, out_proj, down_proj, the experts' and
+    // the shared expert's down_proj), so s.mix (+ s.routed) holds this rank's part of the sum: one all_reduce
+    // before the residual add, so the add + norm below (or folded into the next layer) sees the whole output. A
+    // LatentMoE layer has summed both of its outputs itself (moe_mixer).
+    bool summed = false;
+    if (group_.group && partial) {
+      if (L.kind == LayerKind::kMoe) ops::add(ctx, s.mix, s.mix, s.routed);
+      ops::all_reduce(ctx, s.mix, group_);
+      summed = true;
     }
     if (has_pending) std::swap(s.h, s.h_next);  // the folded step wrote the new residual to h_next
     dump_activation(i, "input", s.h);           // h is layer i's input now: the folded step has run
@@ -385,7 +413,7 @@ bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelSta
         last ? fold_final : layers[j + 1].kind == LayerKind::kMamba || layers[j + 1].kind == LayerKind::kAttention;
     const Tensor& next_norm = last ? final_norm : layers[j + 1].norm;
     const Tensor no_tensor;
-    const Tensor& second = L.kind == LayerKind::kMoe ? s.routed : no_tensor;
+    const Tensor& second = L.kind == LayerKind::kMoe && !summed ? s.routed : no_tensor;
     has_pending = fold_next;
     if (fold_next) {
       pending = ops::ResidualNorm{s.h, s.h_next, s.mix, second, next_norm, eps, s.x};
@@ -400,10 +428,59 @@ bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelSta
 
 Tensor NemotronH::head_logits(const ops::Context& ctx, const StepBatch& b, const Tensor& x) const {
   // Only the requested rows go through lm_head (all of them in a decode step: no gather).
-  Tensor logits = act(ctx, {static_cast<int64_t>(b.logit_rows.size()), config_.vocab_size});
+  Tensor logits = act(ctx, {static_cast<int64_t>(b.logit_rows.size()), local_.vocab_size});
   const Tensor rows = is_every_row(b) ? x : gather_rows(ctx, x, act_dtype_, b.logit_rows);
   ops::linear(ctx, logits, rows, w_.lm_head);
-  return logits;
+  return whole_logits(ctx, logits);
+}
+
+Tensor NemotronH::whole_logits(const ops::Context& ctx, const Tensor& local) const {
+  if (!group_.group) return local;
+  Tensor whole = act(ctx, {local.dim(0), config_.vocab_size});
+  ops::all_gather_columns(ctx, whole, local, group_);
+  return whole;
+}
+
+void NemotronH::embed(const ops::Context& ctx, const Tensor& out, const ops::Indices& ids) const {
+  if (!group_.group) {
+    ops::embedding(ctx, out, w_.embeddings, ids);
+    return;
+  }
+  // The rank's rows [first, first + V / size): its ids looked up, the others' rows zeroed, then summed.
+  const int64_t first = tp_.rank * local_.vocab_size;
+  std::vector<int32_t> local(ids.size());
+  std::vector<int64_t> foreign;
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const int32_t id = ids[t];
+    if (id < 0 || id >= config_.vocab_size) {
+      invalid_input("token id {} at position {} is outside the vocabulary [0, {})", id, t, config_.vocab_size);
+    }
+    const bool mine = id >= first && id < first + local_.vocab_size;
+    local[t] = mine ? static_cast<int32_t>(id - first) : 0;
+    if (!mine) foreign.push_back(static_cast<int64_t>(t));
+  }
+  ops::embedding(ctx, out, w_.embeddings, local);
+  for (const int64_t t : foreign) device::zero(out.rows(t, t + 1));
+  ops::all_reduce(ctx, out, group_);
+}
+
+void NemotronH::set_tensor_parallel_group(dist::HostGroup* group) {
+  if (!tp_.enabled()) {
+    if (group && group->size() != 1)
+      runtime_error("NemotronH: a communicator of {} ranks for a model without tensor parallelism", group->size());
+    return;
+  }
+  if (!group || group->size() != tp_.size) {
+    runtime_error("NemotronH: rank {} of {} needs a communicator of {} ranks, got {}", tp_.rank, tp_.size, tp_.size,
+                  group ? group->size() : 0);
+  }
+  group_ = ops::TpGroup{group, tp_.rank};
+  norm_spans_ = config_.n_groups < tp_.size;
+  if (norm_spans_) {
+    // Each rank's heads lie in one group of size / n_groups ranks (rank_config checked that it divides).
+    const int64_t span = tp_.size / config_.n_groups;
+    spanned_ = ops::SpannedNorm{group_, config_.n_groups, tp_.rank / span, span};
+  }
 }
 
 Tensor NemotronH::forward_impl(const ops::Context& ctx, const StepBatch& b, ModelState& state, Tensor* hidden) const {
@@ -417,9 +494,13 @@ Tensor NemotronH::forward_impl(const ops::Context& ctx, const StepBatch& b, Mode
   const StepBatch::DeviceMeta* dm = b.device_meta;
   const Tensor block_tables = step_block_tables(ctx, b);
 
+  if (tp_.enabled() && !group_.group) {
+    runtime_error("NemotronH::forward: rank {} of {} has no communicator (set_tensor_parallel_group)", tp_.rank,
+                  tp_.size);
+  }
   Stream s = stream(ctx, b.num_tokens(), w_.layers);
   s.spec = spec_plan(b);  // once for all Mamba layers of the step
-  ops::embedding(ctx, s.h, w_.embeddings, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
+  embed(ctx, s.h, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
   ops::rms_norm(ctx, s.x, s.h, w_.layers.empty() ? w_.norm_f : w_.layers[0].norm, config_.layer_norm_epsilon);
   // The last step (norm_f) folds into the lm_head when every row's logits are wanted (a decode step) and nobody
   // needs norm_f's output itself.
@@ -427,10 +508,10 @@ Tensor NemotronH::forward_impl(const ops::Context& ctx, const StepBatch& b, Mode
   const bool folded = run_layers(ctx, b, state, w_.layers, 0, block_tables, s, w_.norm_f,
                                  is_every_row(b) && hidden == nullptr, pending);
   if (folded) {
-    Tensor logits = act(ctx, {b.num_tokens(), config_.vocab_size});
+    Tensor logits = act(ctx, {b.num_tokens(), local_.vocab_size});
     const ops::LinearWeight* head[] = {&w_.lm_head};
     ops::residual_norm_linear(ctx, pending, {&logits, 1}, head);
-    return logits;
+    return whole_logits(ctx, logits);
   }
   if (hidden) *hidden = s.x;  // norm_f(h)
   return head_logits(ctx, b, s.x);
@@ -459,7 +540,8 @@ Tensor NemotronH::mtp_forward_device(const ops::Context& ctx, const StepBatch& b
 
   // x0 = eh_proj(concat[enorm(e_{t+1}), hnorm(h_t)]), the embedding first.
   Tensor e = act(ctx, {T, D}), en = act(ctx, {T, D}), hn = act(ctx, {T, D}), eh = act(ctx, {T, 2 * D});
-  ops::embedding(ctx, e, w_.embeddings, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
+  if (tp_.enabled() && !group_.group) runtime_error("NemotronH::mtp_forward: rank {} has no communicator", tp_.rank);
+  embed(ctx, e, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
   ops::rms_norm(ctx, en, e, m.enorm, eps);
   ops::rms_norm(ctx, hn, hidden, m.hnorm, eps);
   ops::write_columns(ctx, eh, en, 0);

@@ -37,7 +37,16 @@ class NemotronH : public Model {
   // activations O(1). On CUDA each layer is uploaded as soon as it is made. An MTP head when the config has one.
   static NemotronH synthetic(const ModelConfig& config, const ModelOptions& options = {}, uint64_t seed = 0);
 
+  // The whole model's config (with tensor parallelism too: the logits rows are whole).
   const ModelConfig& config() const override { return config_; }
+  // The rank's view of it (models/tensor_parallel.h rank_config): its heads, groups, intermediate columns and
+  // vocabulary rows; config() without tensor parallelism. The rank's StateCache is made from this one.
+  const ModelConfig& local_config() const { return local_; }
+  const TensorParallel& tensor_parallel() const { return tp_; }
+  // The communicator of the ranks (ModelOptions::tp; every rank's model gets the same group, size tp.size). Each
+  // rank's forward runs on its own thread, all ranks in lockstep on the same StepBatch: every forward (and MTP
+  // forward) step is a sequence of collectives. Needed before the first forward when tp.size > 1.
+  void set_tensor_parallel_group(dist::HostGroup* group);
   Device device() const override { return device_; }
   // The dtype of every activation, the conv state and the KV cache: F32 on the CPU, options.dtype on CUDA.
   DType activation_dtype() const override { return act_dtype_; }
@@ -129,12 +138,26 @@ class NemotronH : public Model {
   Stream stream(const ops::Context& ctx, int64_t T, std::span<const LayerWeights> layers) const;
   // Logits of batch.logit_rows from x (a final norm's output of every row).
   Tensor head_logits(const ops::Context& ctx, const StepBatch& batch, const Tensor& x) const;
+  // out [T, hidden] = the embeddings of `ids`; vocabulary-parallel: each rank looks up the ids of its rows (zero
+  // rows for the others') and one all_reduce completes every row.
+  void embed(const ops::Context& ctx, const Tensor& out, const ops::Indices& ids) const;
+  // Tensor parallelism: `local` [R, vocab_size / size] (the rank's lm_head rows) gathered into whole rows; the
+  // tensor itself without it.
+  Tensor whole_logits(const ops::Context& ctx, const Tensor& local) const;
   // The MoE mixer's two outputs, left unsummed: the forward adds both to the residual in add2_rms_norm. `layer`
-  // names its dumps.
-  void moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeights& w, const Tensor& x,
+  // names its dumps. Returns whether they are this rank's parts still to be summed (always without tensor
+  // parallelism); false: a LatentMoE layer under tensor parallelism summed both itself.
+  bool moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeights& w, const Tensor& x,
                  const Tensor& shared_out, const Tensor& routed_out) const;
 
   ModelConfig config_;
+  ModelConfig local_;  // rank_config(config_, tp_): the sizes every activation and weight of the forward has
+  TensorParallel tp_;
+  ops::TpGroup group_;  // the communicator (set_tensor_parallel_group); null without tensor parallelism
+  // The Mamba gated norm's group when it spans ranks (config n_groups < tp size): spanned_norm() points to it.
+  ops::SpannedNorm spanned_;
+  bool norm_spans_ = false;
+  const ops::SpannedNorm* spanned_norm() const { return norm_spans_ ? &spanned_ : nullptr; }
   Device device_ = Device::kCpu;
   DType act_dtype_ = DType::kF32;
   ModelWeights w_;

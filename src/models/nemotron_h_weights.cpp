@@ -418,7 +418,7 @@ bool quantizable(const WeightSlot& s) {
 }
 
 void reshape_conv(const WeightSlot& s) {
-  if (*s.tensor && ends_with(s.name, "conv1d.weight")) *s.tensor = s.tensor->reshape({s.shape[0], s.shape[2]});
+  if (*s.tensor && ends_with(s.name, "conv1d.weight")) *s.tensor = s.tensor->reshape({s.tensor->dim(0), s.shape[2]});
 }
 
 std::string expert_name(const std::string& pattern, int64_t e) {
@@ -454,20 +454,53 @@ ModelWeights empty_weights(const ModelConfig& c, bool with_mtp) {
   return w;
 }
 
+// Slot `s`'s tensor cut to the model's shard (models/tensor_parallel.h), after any quantization at load so that a
+// rank's quantized weight is exactly its slice of the unsharded one (per-tensor and per-expert scales are
+// replicated; NVFP4's packed bytes and 16-column block scales are cut along with their columns). A no-op for a
+// replicated slot.
+void apply_shard(const WeightSlot& s) {
+  const Shard& sh = s.shard;
+  if (sh.replicated()) return;
+  if (s.tensor) {
+    *s.tensor = sh.rank0_only ? Tensor() : slice_tensor(*s.tensor, sh);
+  } else if (s.linear && *s.linear) {
+    ops::LinearWeight& l = *s.linear;
+    const bool packed = l.format == ops::WeightFormat::kNvfp4 && sh.dim == 1;
+    l.weight = slice_tensor(l.weight, sh, packed ? 2 : 1);
+    if (l.weight_scale) l.weight_scale = slice_tensor(l.weight_scale, sh, packed ? kNvfp4BlockSize : 1);
+  } else if (s.experts && *s.experts) {
+    ops::ExpertWeights& x = *s.experts;
+    const bool packed = x.format == ops::WeightFormat::kNvfp4 && sh.dim == 2;
+    x.weight = slice_tensor(x.weight, sh, packed ? 2 : 1);
+    if (x.weight_scale) x.weight_scale = slice_tensor(x.weight_scale, sh, packed ? kNvfp4BlockSize : 1);
+  }
+}
+
 }  // namespace
 
-std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w) {
+std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w, const TensorParallel& tp) {
   std::vector<WeightSlot> s;
-  auto tensor = [&](std::string name, std::string kind, int layer, Role role, Shape shape, Tensor* t) {
-    s.push_back({std::move(name), std::move(kind), layer, role, std::move(shape), t, nullptr, nullptr});
+  // Shards only with tensor parallelism: without it every slot is replicated (the whole tensor, no copy).
+  const bool sharded = tp.enabled();
+  auto rows = [&](std::vector<std::pair<int64_t, int64_t>> r, int dim = 0) {
+    return sharded ? Shard{dim, std::move(r), false} : Shard{};
   };
-  auto linear = [&](std::string name, std::string kind, int layer, int64_t N, int64_t K, ops::LinearWeight* l) {
-    s.push_back({std::move(name), std::move(kind), layer, Role::kLinear, {N, K}, nullptr, l, nullptr});
+  auto part = [&](int64_t n, int64_t unit, int dim) {
+    const auto [b, e] = even_part(n, tp);
+    return rows({{b * unit, e * unit}}, dim);
+  };
+  const Shard rank0_only = sharded ? Shard{-1, {}, tp.rank != 0} : Shard{};
+  auto tensor = [&](std::string name, std::string kind, int layer, Role role, Shape shape, Tensor* t, Shard sh = {}) {
+    s.push_back({std::move(name), std::move(kind), layer, role, std::move(shape), std::move(sh), t, nullptr, nullptr});
+  };
+  auto linear = [&](std::string name, std::string kind, int layer, int64_t N, int64_t K, ops::LinearWeight* l,
+                    Shard sh = {}) {
+    s.push_back({std::move(name), std::move(kind), layer, Role::kLinear, {N, K}, std::move(sh), nullptr, l, nullptr});
   };
   const int64_t D = c.hidden_size, V = c.vocab_size;
-  tensor("embeddings.weight", "embeddings", -1, Role::kTensor, {V, D}, &w.embeddings);
+  tensor("embeddings.weight", "embeddings", -1, Role::kTensor, {V, D}, &w.embeddings, part(V, 1, 0));
   tensor("norm_f.weight", "norm_f", -1, Role::kTensor, {D}, &w.norm_f);
-  linear("lm_head", "lm_head", -1, V, D, &w.lm_head);
+  linear("lm_head", "lm_head", -1, V, D, &w.lm_head, part(V, 1, 0));
   // One layer's slots: prefix "layers.{i}." (or the MTP head's "mtp.layers.{f}."), grouped under `kind`; `i`:
   // the layer index (the Mamba state-rounding seed).
   auto layer = [&](LayerWeights& L, const std::string& p, const std::string& kind, int li) {
@@ -476,47 +509,66 @@ std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w) {
     switch (L.kind) {
       case LayerKind::kMamba: {
         const int64_t H = c.mamba_num_heads, Di = c.mamba_inner(), Cd = c.conv_dim(), K = c.conv_kernel;
+        const MambaShard ms = sharded ? mamba_shard(c, tp) : MambaShard{};
         MambaWeights& m = L.mamba;
-        linear(mx + "in_proj", kind, li, c.in_proj_dim(), D, &m.in_proj);
-        if (c.use_bias) tensor(mx + "in_proj.bias", kind, li, Role::kTensor, {c.in_proj_dim()}, &m.in_proj_bias);
-        tensor(mx + "conv1d.weight", kind, li, Role::kTensor, {Cd, 1, K}, &m.conv1d_weight);
-        if (c.use_conv_bias) tensor(mx + "conv1d.bias", kind, li, Role::kTensor, {Cd}, &m.conv1d_bias);
-        tensor(mx + "A_log", kind, li, Role::kSsmParam, {H}, &m.ssm.A_log);
-        tensor(mx + "D", kind, li, Role::kSsmParam, {H}, &m.ssm.D);
-        tensor(mx + "dt_bias", kind, li, Role::kSsmParam, {H}, &m.ssm.dt_bias);
+        linear(mx + "in_proj", kind, li, c.in_proj_dim(), D, &m.in_proj, rows(ms.in_proj));
+        if (c.use_bias) {
+          tensor(mx + "in_proj.bias", kind, li, Role::kTensor, {c.in_proj_dim()}, &m.in_proj_bias, rows(ms.in_proj));
+        }
+        tensor(mx + "conv1d.weight", kind, li, Role::kTensor, {Cd, 1, K}, &m.conv1d_weight, rows(ms.conv));
+        if (c.use_conv_bias) tensor(mx + "conv1d.bias", kind, li, Role::kTensor, {Cd}, &m.conv1d_bias, rows(ms.conv));
+        tensor(mx + "A_log", kind, li, Role::kSsmParam, {H}, &m.ssm.A_log, rows({ms.heads}));
+        tensor(mx + "D", kind, li, Role::kSsmParam, {H}, &m.ssm.D, rows({ms.heads}));
+        tensor(mx + "dt_bias", kind, li, Role::kSsmParam, {H}, &m.ssm.dt_bias, rows({ms.heads}));
         m.ssm.dt_min = c.time_step_limit_min;
         m.ssm.dt_max = c.time_step_limit_max;
         // The F16 state's stochastic rounding draws differ per layer (ops.h SsmParams::state_seed).
         m.ssm.state_seed = splitmix64(0x4d616d6261535352ull ^ static_cast<uint64_t>(li));
-        tensor(mx + "norm.weight", kind, li, Role::kTensor, {Di}, &m.norm);
-        linear(mx + "out_proj", kind, li, D, Di, &m.out_proj);
-        if (c.use_bias) tensor(mx + "out_proj.bias", kind, li, Role::kTensor, {D}, &m.out_proj_bias);
+        tensor(mx + "norm.weight", kind, li, Role::kTensor, {Di}, &m.norm, rows({ms.inner}));
+        linear(mx + "out_proj", kind, li, D, Di, &m.out_proj, rows({ms.inner}, 1));
+        if (c.use_bias) tensor(mx + "out_proj.bias", kind, li, Role::kTensor, {D}, &m.out_proj_bias, rank0_only);
         break;
       }
       case LayerKind::kAttention: {
-        const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
-        linear(mx + "q_proj", kind, li, q, D, &L.attention.q_proj);
-        linear(mx + "k_proj", kind, li, kv, D, &L.attention.k_proj);
-        linear(mx + "v_proj", kind, li, kv, D, &L.attention.v_proj);
-        linear(mx + "o_proj", kind, li, D, q, &L.attention.o_proj);
+        const int64_t hd = c.head_dim, q = c.num_attention_heads * hd, kv = c.num_key_value_heads * hd;
+        const auto [k0, k1] = sharded ? split_or_replicate(c.num_key_value_heads, tp) : std::pair<int64_t, int64_t>{};
+        linear(mx + "q_proj", kind, li, q, D, &L.attention.q_proj, part(c.num_attention_heads, hd, 0));
+        linear(mx + "k_proj", kind, li, kv, D, &L.attention.k_proj, rows({{k0 * hd, k1 * hd}}));
+        linear(mx + "v_proj", kind, li, kv, D, &L.attention.v_proj, rows({{k0 * hd, k1 * hd}}));
+        linear(mx + "o_proj", kind, li, D, q, &L.attention.o_proj, part(c.num_attention_heads, hd, 1));
         break;
       }
       case LayerKind::kMlp:
-        linear(mx + "up_proj", kind, li, c.intermediate_size, D, &L.mlp.up_proj);
-        linear(mx + "down_proj", kind, li, D, c.intermediate_size, &L.mlp.down_proj);
+        linear(mx + "up_proj", kind, li, c.intermediate_size, D, &L.mlp.up_proj, part(c.intermediate_size, 1, 0));
+        linear(mx + "down_proj", kind, li, D, c.intermediate_size, &L.mlp.down_proj, part(c.intermediate_size, 1, 1));
         break;
       case LayerKind::kMoe: {
         const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size, Din = c.moe_input_dim();
         MoeWeights& moe = L.moe;
         tensor(mx + "gate.weight", kind, li, Role::kRouterGate, {E, D}, &moe.gate);
         tensor(mx + "gate.e_score_correction_bias", kind, li, Role::kF32, {E}, &moe.e_score_correction_bias);
-        s.push_back({mx + "experts.{e}.up_proj", kind, li, Role::kExperts, {E, I, Din}, nullptr, nullptr,
+        // Routed experts split by their intermediate dimension (tensor parallel): up's N, down's K.
+        s.push_back({mx + "experts.{e}.up_proj",
+                     kind,
+                     li,
+                     Role::kExperts,
+                     {E, I, Din},
+                     part(I, 1, 1),
+                     nullptr,
+                     nullptr,
                      &moe.experts_up});
-        s.push_back({mx + "experts.{e}.down_proj", kind, li, Role::kExperts, {E, Din, I}, nullptr, nullptr,
+        s.push_back({mx + "experts.{e}.down_proj",
+                     kind,
+                     li,
+                     Role::kExperts,
+                     {E, Din, I},
+                     part(I, 1, 2),
+                     nullptr,
+                     nullptr,
                      &moe.experts_down});
         const int64_t Ish = c.moe_shared_expert_intermediate_size;
-        linear(mx + "shared_experts.up_proj", kind, li, Ish, D, &moe.shared_experts.up_proj);
-        linear(mx + "shared_experts.down_proj", kind, li, D, Ish, &moe.shared_experts.down_proj);
+        linear(mx + "shared_experts.up_proj", kind, li, Ish, D, &moe.shared_experts.up_proj, part(Ish, 1, 0));
+        linear(mx + "shared_experts.down_proj", kind, li, D, Ish, &moe.shared_experts.down_proj, part(Ish, 1, 1));
         if (c.moe_latent_size) {
           linear(mx + "fc1_latent_proj", kind, li, *c.moe_latent_size, D, &moe.fc1_latent_proj);
           linear(mx + "fc2_latent_proj", kind, li, D, *c.moe_latent_size, &moe.fc2_latent_proj);
@@ -565,8 +617,9 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, co
   for (const std::string& name : checkpoint.names()) has_mtp_tensors = has_mtp_tensors || is_mtp_name(name);
   const bool with_mtp = c.num_nextn_predict_layers > 0 && has_mtp_tensors;
   CheckpointTensors ck(checkpoint, quant, with_mtp);
+  rank_config(c, options.tp);  // sizes that cannot be split: kInvalidInput naming the config field
   ModelWeights w = empty_weights(c, with_mtp);
-  for (const WeightSlot& s : weight_slots(c, w)) {
+  for (const WeightSlot& s : weight_slots(c, w, options.tp)) {
     switch (s.role) {
       case Role::kTensor:
       case Role::kRouterGate: *s.tensor = ck.take(s.name, s.shape); break;
@@ -601,6 +654,7 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, co
         break;
       }
     }
+    apply_shard(s);
     if (s.tensor) reshape_conv(s);
   }
   // The FP8 KV cache's scales, when the checkpoint has them (ModelOpt: on the k / v projections).
@@ -622,8 +676,11 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, co
 
 ModelWeights synthetic_weights(const ModelConfig& c, const ModelOptions& options, uint64_t seed,
                                const std::function<void(ModelWeights&, int layer)>& on_layer) {
+  rank_config(c, options.tp);  // sizes that cannot be split: kInvalidInput naming the config field
   ModelWeights w = empty_weights(c, /*with_mtp=*/true);
-  const std::vector<WeightSlot> slots = weight_slots(c, w);
+  // Every tensor is made whole from (seed, name) and then cut to the rank's shard, so a rank's weights are exactly
+  // its slices of the unsharded model's.
+  const std::vector<WeightSlot> slots = weight_slots(c, w, options.tp);
   int current = -1;
   for (const WeightSlot& s : slots) {
     if (s.layer != current) {
@@ -655,6 +712,7 @@ ModelWeights synthetic_weights(const ModelConfig& c, const ModelOptions& options
         break;
       }
     }
+    apply_shard(s);
     if (s.tensor) reshape_conv(s);
   }
   if (on_layer) on_layer(w, current);

@@ -15,6 +15,7 @@
 #include "io/model_config.h"
 #include "io/quant_config.h"
 #include "io/safetensors.h"
+#include "models/tensor_parallel.h"
 #include "ops/ops.h"
 #include "ops/quant_weights.h"
 
@@ -92,6 +93,10 @@ struct ModelOptions {
   // Run every FP8 layer weight-only (ActQuant::kNone), ignoring the checkpoint's static input scales: ModelOpt's
   // weights-only reference (its input quantizers disabled).
   bool weight_only = false;
+  // Tensor parallelism (docs/architecture.md "Tensor parallelism"): this model holds rank tp.rank's shard of every
+  // weight (the name table's shard column) and its forward sums the row-parallel outputs through the communicator
+  // given to NemotronH::set_tensor_parallel_group. CPU only in phase 1 (CUDA: kInvalidInput).
+  TensorParallel tp;
 };
 
 // One block of the multi-token-prediction head (Nemotron 3 Super's mtp.*; docs/model.md 7): the sublayers of
@@ -131,7 +136,10 @@ struct WeightSlot {
   int layer = -1;    // its layer, -1 for the embeddings, norm_f and lm_head; the MTP head's sublayer f (mtp.layers.f)
                      // is layers.size() + f (mtp_layer_count: how many there are)
   Role role = Role::kTensor;
-  Shape shape;        // tensors: the checkpoint shape; linear: [N, K]; experts: [E, N, K]
+  Shape shape;  // tensors: the checkpoint shape; linear: [N, K]; experts: [E, N, K] (the full tensor's)
+  // Where the model's rank holds its part of the full tensor (models/tensor_parallel.h); replicated without tensor
+  // parallelism. The model's tensor has shard.local_shape(shape) (linear: [N, K]; experts: [E, N, K]).
+  Shard shard;
   Tensor* tensor = nullptr;
   ops::LinearWeight* linear = nullptr;
   ops::ExpertWeights* experts = nullptr;
@@ -139,8 +147,19 @@ struct WeightSlot {
 
 // The name table of a model of `config` whose weights are (or will be) `w`: w.layers must already hold one entry
 // per layer with its kind, and w.mtp its blocks' sublayers (the slots point into them). Entries come layer by
-// layer, the embeddings, norm_f and lm_head first, the MTP head's sublayers (kind "mtp") last.
-std::vector<WeightSlot> weight_slots(const ModelConfig& config, ModelWeights& w);
+// layer, the embeddings, norm_f and lm_head first, the MTP head's sublayers (kind "mtp") last. With tensor
+// parallelism (tp.size > 1) each slot's shard says which part of the full tensor rank tp.rank holds:
+//   column-parallel by heads: q_proj; k_proj / v_proj (their KV heads replicated when ranks outnumber them);
+//   Mamba in_proj (the rank's z, x and dt rows with the B and C rows of its groups, replicated when ranks
+//   outnumber the groups), in_proj.bias, conv1d channels (x of its heads, B / C of its groups), A_log, D,
+//   dt_bias, the gated norm's weight (its slice of d_inner);
+//   column-parallel by intermediate: MLP up_proj, the shared expert's up_proj, the routed experts' up_proj [E, N];
+//   row-parallel (the input dimension): o_proj, out_proj, MLP down_proj, the shared expert's down_proj, the routed
+//   experts' down_proj [E, :, K]; a row-parallel bias on rank 0 only;
+//   vocabulary-parallel: embeddings and lm_head rows;
+//   replicated: every RMSNorm weight but the gated one, the router gate and correction bias, the latent MoE
+//   projections, the MTP head's enorm / hnorm / eh_proj / final_layernorm.
+std::vector<WeightSlot> weight_slots(const ModelConfig& config, ModelWeights& w, const TensorParallel& tp = {});
 // The MTP head's sublayers in `w` (num_nextn_predict_layers x the pattern's length when it has a head, else 0).
 int mtp_layer_count(const ModelWeights& w);
 

@@ -20,6 +20,7 @@
 #define CHIMERA_CUDA_CALL(call) ::chimera::runtime_error("this build of chimera has no CUDA backend")
 #endif
 #include "core/error.h"
+#include "dist/host_group.h"
 #include "runtime/profiler.h"
 
 namespace chimera::ops {
@@ -275,13 +276,32 @@ void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out
 }
 
 void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
-                    int64_t n_groups, float eps) {
+                    int64_t n_groups, float eps, const SpannedNorm* spanned) {
   const Check c(ctx, "gated_rms_norm");
   c.f32("y", y, 2);
   c.like("z", z, "y", y);
   c.like("out", out, "y", y);
   c.norm_weight("weight", weight, "y", y);
   if (n_groups <= 0 || y.dim(1) % n_groups != 0) c.fail("n_groups {} does not divide y {}", n_groups, y.describe());
+  if (spanned) {
+    const SpannedNorm& sn = *spanned;
+    if (n_groups != 1 || sn.span < 1 || sn.group < 0 || sn.group >= sn.n_groups || !sn.tp.group) {
+      c.fail("a spanned norm needs n_groups 1 (got {}), a group in [0, {}) (got {}) and a communicator", n_groups,
+             sn.n_groups, sn.group);
+    }
+    const int64_t T = y.dim(0);
+    // Each rank's sum of squares in its group's column, zeros elsewhere: one all_reduce sums every group's parts.
+    const Tensor sums = device::empty(ctx.device, DType::kF32, {T, sn.n_groups});
+    c.dispatch(
+        [&] {
+          device::zero(sums);
+          cpu::gated_square_sums(sums, y, z, sn.group);
+          all_reduce(ctx, sums, sn.tp);
+          cpu::gated_rms_norm_from_sums(out, y, z, weight, sums, sn.group, y.dim(1) * sn.span, eps);
+        },
+        [&] { invalid_input("ops::gated_rms_norm: tensor parallelism on CUDA is not built yet (phase 1: CPU)"); });
+    return;
+  }
   c.dispatch([&] { cpu::gated_rms_norm(out, y, z, weight, n_groups, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::gated_rms_norm(ctx, out, y, z, weight, n_groups, eps)); });
 }
 
@@ -517,7 +537,7 @@ namespace {
 void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                           const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t G, float eps,
                           const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
-                          const Indices& dst_slots) {
+                          const Indices& dst_slots, const SpannedNorm* spanned) {
   const int64_t Bn = zxbcdt.dim(0), H = ssm_state.dim(1), P = ssm_state.dim(2), N = ssm_state.dim(3);
   const int64_t Di = H * P, Cd = Di + 2 * G * N;
   const auto tmp = [&](Shape shape) { return device::empty(ctx.device, zxbcdt.dtype(), std::move(shape)); };
@@ -535,7 +555,10 @@ void mamba_decode_compose(const Context& ctx, const Tensor& out, const Tensor& z
   selective_state_update(ctx, y, x.reshape({Bn, H, P}), dt, B.reshape({Bn, G, N}), C.reshape({Bn, G, N}), p, ssm_state,
                          slots, dst_slots);
   const Tensor y2 = y.reshape({Bn, Di});
-  if (ctx.device == Device::kCpu) {
+  if (spanned) {
+    // Every row at once: the sums are exchanged once for the whole batch (a pad row's values are unspecified).
+    gated_rms_norm(ctx, out, y2, z, norm_weight, G, eps, spanned);
+  } else if (ctx.device == Device::kCpu) {
     for (int64_t b = 0; b < Bn; ++b) {
       if (slots[static_cast<size_t>(b)] < 0) continue;
       gated_rms_norm(ctx, out.rows(b, b + 1), y2.rows(b, b + 1), z.rows(b, b + 1), norm_weight, G, eps);
@@ -551,7 +574,7 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
                          [[maybe_unused]] bool prefetch_states,  // unused without CUDA
-                         const Indices& dst_slots) {
+                         const Indices& dst_slots, const SpannedNorm* spanned) {
   const Check c(ctx, "mamba_decode_update");
   c.f32("zxbcdt", zxbcdt, 2);
   c.f32("out", out, 2);
@@ -587,7 +610,7 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
 #ifdef CHIMERA_HAVE_CUDA
   // The backend's plan: the fused kernel up to mamba_decode_fused_max_rows rows (beyond that the separate kernels
   // fill the GPU better), where it takes the sizes; out of place always the three ops.
-  const bool fused = ctx.device == Device::kCuda && dst_slots.empty() &&
+  const bool fused = ctx.device == Device::kCuda && dst_slots.empty() && spanned == nullptr &&
                      Bn <= ctx.kernels.mamba_decode_fused_max_rows &&
                      cuda::mamba_decode_fusable(zxbcdt, conv_weight, conv_state, ssm_state, n_groups);
 #else
@@ -595,7 +618,7 @@ void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zx
 #endif
   if (!fused) {  // the CPU reference, and CUDA sizes the fused kernel does not take: each op dispatches itself
     mamba_decode_compose(ctx, out, zxbcdt, conv_weight, conv_bias, p, norm_weight, n_groups, eps, conv_state, ssm_state,
-                         slots, dst_slots);
+                         slots, dst_slots, spanned);
     return;
   }
   c.dispatch([&] { runtime_error("ops::mamba_decode_update: the CPU backend composes the three ops"); },
@@ -868,6 +891,40 @@ void write_columns(const Context& ctx, const Tensor& out, const Tensor& in, int6
   }
   c.dispatch([&] { cpu::write_columns(out, in, col_begin); },
              [&] { CHIMERA_CUDA_CALL(cuda::write_columns(ctx, out, in, col_begin)); });
+}
+
+// ---- tensor parallelism ----------------------------------------------------------------------------
+
+void all_reduce(const Context& ctx, const Tensor& x, const TpGroup& tp) {
+  const Check c(ctx, "all_reduce");
+  c.f32("x", x, -1);
+  if (!tp.group) c.fail("no communicator");
+  c.dispatch(
+      [&] {
+        tp.group->all_reduce_sum(tp.rank, {x.f32(), static_cast<size_t>(x.numel())});
+      },
+      [&] { invalid_input("ops::all_reduce: tensor parallelism on CUDA is not built yet (phase 1: CPU)"); });
+}
+
+void all_gather_columns(const Context& ctx, const Tensor& out, const Tensor& in, const TpGroup& tp) {
+  const Check c(ctx, "all_gather_columns");
+  c.f32("in", in, 2);
+  c.f32("out", out, 2);
+  if (!tp.group) c.fail("no communicator");
+  const int64_t R = in.dim(0), C = in.dim(1), n = tp.group->size();
+  c.shape("out", out, {R, n * C}, "in", in);
+  c.dispatch(
+      [&] {
+        // Gathered rank-major [n, R, C], then each rank's block written to its columns of out.
+        std::vector<float> all(static_cast<size_t>(n * R * C));
+        tp.group->all_gather(tp.rank, {in.f32(), static_cast<size_t>(R * C)}, all);
+        for (int64_t r = 0; r < n; ++r) {
+          for (int64_t i = 0; i < R; ++i) {
+            std::copy_n(all.data() + (r * R + i) * C, C, out.f32() + i * n * C + r * C);
+          }
+        }
+      },
+      [&] { invalid_input("ops::all_gather_columns: tensor parallelism on CUDA is not built yet (phase 1: CPU)"); });
 }
 
 }  // namespace chimera::ops

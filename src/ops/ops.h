@@ -25,6 +25,10 @@ namespace chimera {
 class Profiler;  // runtime/profiler.h
 }  // namespace chimera
 
+namespace chimera::dist {
+class HostGroup;  // dist/host_group.h
+}  // namespace chimera::dist
+
 namespace chimera::ops {
 
 struct Context {
@@ -76,11 +80,35 @@ void add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out,
 void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b,
                    const Tensor& weight, float eps);
 
+// ---- tensor parallelism (docs/architecture.md "Tensor parallelism") ----------------------------------
+// A tensor-parallel rank: its group and its index in it. Phase 1: ranks are threads of one process on the CPU
+// backend (dist::HostGroup); the CUDA backend has no tensor-parallel path yet (kInvalidInput).
+struct TpGroup {
+  dist::HostGroup* group = nullptr;
+  int rank = 0;
+};
+// x (F32, any shape, the same on every rank) = the sum of every rank's x, added in rank order 0..size-1, so every
+// rank holds identical bits. The row-parallel layers' partial outputs go through it before the residual add.
+void all_reduce(const Context& ctx, const Tensor& x, const TpGroup& tp);
+// out [R, size * C] = every rank's in [R, C] side by side in rank order (vocabulary-parallel logits made whole).
+void all_gather_columns(const Context& ctx, const Tensor& out, const Tensor& in, const TpGroup& tp);
+// A gated norm group that spans ranks: with fewer groups than ranks each rank holds 1 / span of one group's
+// channels (the group `group` of n_groups in the whole layer), so the sum of squares is summed over the ranks
+// before the norm divides by it (vLLM's Mixer2RMSNormGated for n_groups = 1). Every rank must call the op.
+struct SpannedNorm {
+  TpGroup tp;
+  int64_t n_groups = 1;  // the layer's groups (unsharded)
+  int64_t group = 0;     // the rank's group
+  int64_t span = 1;      // ranks per group
+};
+
 // Gated grouped RMSNorm (docs/model.md 3.3, norm_before_gate = false):
 //   u = y * silu(z); per group of D/n_groups channels: u *= rsqrt(mean(u^2) + eps); out = weight * u
-// y, z, out: [T, D]; weight: [D]; D % n_groups == 0.
-void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z,
-                    const Tensor& weight, int64_t n_groups, float eps);
+// y, z, out: [T, D]; weight: [D]; D % n_groups == 0. With `spanned` (then n_groups must be 1): the rank's D
+// channels are one part of a group of D * span channels, mean(u^2) is taken over the whole group (one
+// all_reduce of [T, spanned->n_groups] sums). CPU only.
+void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
+                    int64_t n_groups, float eps, const SpannedNorm* spanned = nullptr);
 
 // ---- dense -----------------------------------------------------------------------------------------
 // out: [T, out_features] f32; x: [T, in_features] f32; weight: [out_features, in_features] (F32/BF16/F16);
@@ -228,10 +256,12 @@ void selective_state_update(const Context& ctx, const Tensor& y, const Tensor& x
 // results either way.
 // dst_slots (empty: in place): both states out of place, as causal_conv1d_update and selective_state_update take
 // them (a speculative verify step keeps every token's state, runtime/engine.h): always the three ops composed.
+// spanned: the gated norm's group spans tensor-parallel ranks (gated_rms_norm): always the three ops composed.
 void mamba_decode_update(const Context& ctx, const Tensor& out, const Tensor& zxbcdt, const Tensor& conv_weight,
                          const Tensor& conv_bias, const SsmParams& p, const Tensor& norm_weight, int64_t n_groups,
                          float eps, const Tensor& conv_state, const Tensor& ssm_state, const Indices& slots,
-                         bool prefetch_states = false, const Indices& dst_slots = {});
+                         bool prefetch_states = false, const Indices& dst_slots = {},
+                         const SpannedNorm* spanned = nullptr);
 
 // ---- attention -------------------------------------------------------------------------------------
 // A paged KV cache of one attention layer: k, v: [num_blocks, block_size, num_key_value_heads, head_dim], in the

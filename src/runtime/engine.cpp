@@ -36,8 +36,9 @@ std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device) {
 
 // The caches as configured, plus a scratch slot and block for each pad row a bucket can carry, and with speculative
 // decoding the draft head's KV and K + 1 spare Mamba slots per sequence.
-CacheSizes engine_cache_sizes(const EngineConfig& c, Device device) {
+CacheSizes engine_cache_sizes(const EngineConfig& c, Device device, const Model& model) {
   CacheSizes sizes = c.cache;
+  sizes.tensor_parallel_size = model.tensor_parallel_size();
   sizes.num_pad = cuda_graph_pad_rows(graph_buckets(c, device));
   if (c.speculative.enabled()) {
     sizes.mtp = true;
@@ -59,7 +60,7 @@ Engine::Engine(const Model& model, const ops::Context& ctx, const EngineConfig& 
     : model_(model),
       ctx_(ctx),
       config_(config),
-      cache_(model.config(), engine_cache_sizes(config, ctx.device), ctx.device, model.activation_dtype()),
+      cache_(model.config(), engine_cache_sizes(config, ctx.device, model), ctx.device, model.activation_dtype()),
       scheduler_(engine_scheduler_config(config), cache_),
       stop_ids_(model.config().eos_token_ids) {
   if (ctx.device != model.device()) {

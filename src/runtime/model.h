@@ -29,6 +29,10 @@ class Model {
   // Speculative decoding with the model's own multi-token-prediction head (runtime/engine.h). Blocks of the head
   // (0: none, and the two calls below are not made).
   virtual int mtp_blocks() const { return 0; }
+  // Ranks that run each step (models/tensor_parallel_model.h): the engine's StateCache holds one copy of every
+  // tensor per rank (CacheSizes::tensor_parallel_size), in ModelState::peers for ranks 1.., and config() is the
+  // rank-local one (the cache's geometry) with the whole vocabulary.
+  virtual int tensor_parallel_size() const { return 1; }
   // forward_device also leaving the backbone's output of every row (the final norm's, before lm_head) in `hidden`:
   // [num_tokens, hidden_size] on ctx.device in the activation dtype.
   virtual Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state,

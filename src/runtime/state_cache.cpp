@@ -75,6 +75,25 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
       case LayerKind::kMoe: break;
     }
   }
+  if (sizes_.tensor_parallel_size < 1)
+    runtime_error("StateCache: tensor parallel size {}", sizes_.tensor_parallel_size);
+  for (int32_t r = 1; r < sizes_.tensor_parallel_size; ++r) {
+    ModelState peer;
+    peer.conv.resize(n);
+    peer.ssm.resize(n);
+    peer.kv.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (state_.conv[i]) {
+        peer.conv[i] = zeros(device, state_.conv[i].dtype(), state_.conv[i].shape());
+        peer.ssm[i] = zeros(device, state_.ssm[i].dtype(), state_.ssm[i].shape());
+      }
+      if (state_.kv[i].k) {
+        const Tensor& k = state_.kv[i].k;
+        peer.kv[i] = ops::KvCacheView{zeros(device, k.dtype(), k.shape()), zeros(device, k.dtype(), k.shape())};
+      }
+    }
+    state_.peers.push_back(std::move(peer));
+  }
   const int32_t spare_begin = sizes_.max_seqs + sizes_.num_pad;
   for (int32_t s = spare_begin + static_cast<int32_t>(spare_total) - 1; s >= spare_begin; --s) free_slots_.push_back(s);
   for (int32_t s = sizes_.max_seqs - 1; s >= 0; --s) free_slots_.push_back(s);
@@ -91,11 +110,13 @@ int32_t StateCache::allocate_slot(bool zeroed) {
   const int32_t slot = free_slots_.back();
   free_slots_.pop_back();
   if (!zeroed) return slot;
-  for (size_t i = 0; i < state_.conv.size(); ++i) {
-    if (!state_.conv[i]) continue;
-    device::zero(state_.conv[i].select(slot));
-    device::zero(state_.ssm[i].select(slot));
-  }
+  for_each_rank([&](const ModelState& st) {
+    for (size_t i = 0; i < st.conv.size(); ++i) {
+      if (!st.conv[i]) continue;
+      device::zero(st.conv[i].select(slot));
+      device::zero(st.ssm[i].select(slot));
+    }
+  });
   return slot;
 }
 
@@ -145,24 +166,28 @@ bool StateCache::has_mamba() const {
 }
 
 void StateCache::copy_mamba_state(int32_t dst, int32_t src, void* stream) {
-  for (size_t i = 0; i < state_.conv.size(); ++i) {
-    if (!state_.conv[i]) continue;
-    for (const Tensor& t : {state_.conv[i], state_.ssm[i]}) {
-      if (device_ == Device::kCpu) {
-        device::copy(t.select(dst), t.select(src));
-      } else {
-        device::copy_async(t.select(dst), t.select(src), stream);
+  for_each_rank([&](const ModelState& st) {
+    for (size_t i = 0; i < st.conv.size(); ++i) {
+      if (!st.conv[i]) continue;
+      for (const Tensor& t : {st.conv[i], st.ssm[i]}) {
+        if (device_ == Device::kCpu) {
+          device::copy(t.select(dst), t.select(src));
+        } else {
+          device::copy_async(t.select(dst), t.select(src), stream);
+        }
       }
     }
-  }
+  });
 }
 
 size_t StateCache::bytes() const {
   size_t b = 0;
-  for (size_t i = 0; i < state_.conv.size(); ++i) {
-    if (state_.conv[i]) b += state_.conv[i].nbytes() + state_.ssm[i].nbytes();
-    if (state_.kv[i].k) b += state_.kv[i].k.nbytes() + state_.kv[i].v.nbytes();
-  }
+  for_each_rank([&](const ModelState& st) {
+    for (size_t i = 0; i < st.conv.size(); ++i) {
+      if (st.conv[i]) b += st.conv[i].nbytes() + st.ssm[i].nbytes();
+      if (st.kv[i].k) b += st.kv[i].k.nbytes() + st.kv[i].v.nbytes();
+    }
+  });
   return b;
 }
 

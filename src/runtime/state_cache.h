@@ -32,6 +32,9 @@ struct ModelState {
   std::vector<Tensor> conv;             // Mamba layers: [slots, Cd, K-1], activation dtype
   std::vector<Tensor> ssm;              // Mamba layers: [slots, H, P, N] in CacheSizes::ssm_dtype
   std::vector<ops::KvCacheView> kv;     // attention layers, activation dtype
+  // Tensor parallelism (CacheSizes::tensor_parallel_size): the other ranks' caches, peers[r - 1] rank r's, each
+  // shaped like this one (every rank holds the same number of heads), with the same slot and block ids.
+  std::vector<ModelState> peers;
 };
 
 struct CacheSizes {
@@ -66,6 +69,10 @@ struct CacheSizes {
   bool prefix_caching = false;
   int32_t checkpoint_slots = 0;
   int32_t checkpoint_interval = 2048;
+  // Tensor parallelism with ranks that are threads (models/tensor_parallel_model.h): the cache is made from the
+  // rank-local config and holds tensor_parallel_size copies of every tensor (ModelState::peers), one per rank,
+  // under one set of slot and block ids; zeroing a new slot and copy_mamba_state apply to every copy.
+  int32_t tensor_parallel_size = 1;
 };
 
 // The MTP head's sublayers in cache order (CacheSizes::mtp): its block's pattern, once per block.
@@ -125,6 +132,12 @@ class StateCache {
   static size_t kv_bytes_per_token(const ModelConfig& config, size_t bytes_per_element = 4);
 
  private:
+  // fn(state) for this rank's state and each peer's (CacheSizes::tensor_parallel_size).
+  template <typename Fn>
+  void for_each_rank(Fn fn) const {
+    fn(state_);
+    for (const ModelState& p : state_.peers) fn(p);
+  }
   CacheSizes sizes_;
   Device device_;
   ModelState state_;

@@ -485,6 +485,21 @@ TEST(CliSynthetic, TinyGeneratesTextOnTheCpu) {
   EXPECT_NE(other.out, once.out);
 }
 
+TEST(CliSynthetic, TensorParallelGeneratesTheSameTokens) {
+  // --tensor-parallel-size 2 and 4: the tiny preset sharded over ranks that are threads; greedy, so the same text.
+  const std::string cmd = "generate --synthetic tiny --prompt-ids 1,17,300,42 -n 8 --ignore-eos --temperature 0 -q";
+  auto one = run_cli(cmd);
+  ASSERT_EQ(one.status, 0) << one.out;
+  for (const char* n : {"2", "4"}) {
+    auto r = run_cli(cmd + " --tensor-parallel-size " + n);
+    EXPECT_EQ(r.status, 0) << r.out;
+    EXPECT_EQ(r.out, one.out) << "--tensor-parallel-size " << n;
+  }
+  auto bad = run_cli("generate --synthetic tiny --prompt-ids 1 -n 1 --tensor-parallel-size 3");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.out.find("vocab_size = 4096 is not divisible"), std::string::npos) << bad.out;
+}
+
 TEST(CliSynthetic, OtherVocabSizesGetASyntheticByteLevelTokenizer) {
   // Nano's 131072 ids fit no bundled tokenizer: a byte-level one of that size encodes the text prompt (one id per
   // byte) and decodes whatever the random weights pick. One layer keeps it to the embedding and the LM head.

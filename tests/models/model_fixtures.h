@@ -210,8 +210,8 @@ struct RunResult {
 
 // Runs one prompt through the engine (prefill in chunks of `max_batched_tokens` tokens, then token-by-token
 // decode), collecting the logits of every prompt position and every generated step. Runs on the model's device.
-inline RunResult run_prompt(const NemotronH& model, const std::vector<int32_t>& prompt, int32_t n_new,
-                     int32_t max_batched_tokens) {
+inline RunResult run_prompt(const Model& model, const std::vector<int32_t>& prompt, int32_t n_new,
+                            int32_t max_batched_tokens) {
   EngineConfig ec;
   ec.cache.max_seqs = 1;
   ec.cache.max_model_len = static_cast<int32_t>(prompt.size()) + n_new + 1;
@@ -262,7 +262,7 @@ struct BatchRun {
   std::vector<int32_t> graph_sizes;  // the engine's CUDA graph buckets (captured at start-up)
   int64_t graph_steps = 0;           // steps that replayed one of them
 };
-inline BatchRun run_batch_with(const NemotronH& model, const std::vector<std::vector<int32_t>>& prompts,
+inline BatchRun run_batch_with(const Model& model, const std::vector<std::vector<int32_t>>& prompts,
                                const std::vector<int32_t>& n_new, const BatchOptions& options) {
   EngineConfig ec;
   ec.cache.max_seqs = 4;
@@ -294,7 +294,7 @@ inline BatchRun run_batch_with(const NemotronH& model, const std::vector<std::ve
   out.graph_steps = engine.num_graph_steps();
   return out;
 }
-inline std::vector<RunResult> run_batch(const NemotronH& model, const std::vector<std::vector<int32_t>>& prompts,
+inline std::vector<RunResult> run_batch(const Model& model, const std::vector<std::vector<int32_t>>& prompts,
                                         const std::vector<int32_t>& n_new) {
   return run_batch_with(model, prompts, n_new, BatchOptions{}).results;
 }

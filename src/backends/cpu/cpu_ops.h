@@ -18,6 +18,11 @@ void rms_norm(const Tensor& out, const Tensor& x, const Tensor& weight, float ep
 void add_rms_norm(const Tensor& residual, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
 void add2_rms_norm(const Tensor& residual, const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& weight,
                    float eps);
+// A spanned gated norm's two halves (ops::SpannedNorm): sums[t, group] = sum over row t of (y * silu(z))^2 (sums'
+// other columns untouched); then out = weight * u * rsqrt(sums[t, group] / count + eps).
+void gated_square_sums(const Tensor& sums, const Tensor& y, const Tensor& z, int64_t group);
+void gated_rms_norm_from_sums(const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
+                              const Tensor& sums, int64_t group, int64_t count, float eps);
 void gated_rms_norm(const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight, int64_t n_groups,
                     float eps);
 

@@ -85,4 +85,32 @@ void gated_rms_norm(const Tensor& out, const Tensor& y, const Tensor& z, const T
   });
 }
 
+void gated_square_sums(const Tensor& sums, const Tensor& y, const Tensor& z, int64_t group) {
+  const int64_t T = y.dim(0), D = y.dim(1), G = sums.dim(1);
+  parallel_for(T, row_grain(D), [&](int64_t t0, int64_t t1) {
+    std::vector<float> u(static_cast<size_t>(D));
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* yr = y.f32() + t * D;
+      const float* zr = z.f32() + t * D;
+      for (int64_t c = 0; c < D; ++c) u[c] = yr[c] * silu(zr[c]);
+      sums.f32()[t * G + group] = dot_f32(u.data(), u.data(), D);
+    }
+  });
+}
+
+void gated_rms_norm_from_sums(const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
+                              const Tensor& sums, int64_t group, int64_t count, float eps) {
+  const int64_t T = y.dim(0), D = y.dim(1), G = sums.dim(1);
+  const std::vector<float> w = to_f32_vector(weight);
+  parallel_for(T, row_grain(D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* yr = y.f32() + t * D;
+      const float* zr = z.f32() + t * D;
+      const float inv = 1.0f / std::sqrt(sums.f32()[t * G + group] / static_cast<float>(count) + eps);
+      float* o = out.f32() + t * D;
+      for (int64_t c = 0; c < D; ++c) o[c] = w[c] * (yr[c] * silu(zr[c]) * inv);
+    }
+  });
+}
+
 }  // namespace chimera::cpu

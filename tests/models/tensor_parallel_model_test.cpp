@@ -1,0 +1,147 @@
+// TensorParallelModel (models/tensor_parallel_model.h): one Engine driving N rank models in lockstep threads. The
+// engine's StateCache holds every rank's caches (CacheSizes::tensor_parallel_size), so slot zeroing and state
+// copies reach all of them. Several prompts in one engine (chunked prefill mixed with decodes, sequences finishing
+// apart, slots reused): the same greedy tokens as one rank and logits within the TP tolerance.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common/tolerances.h"
+#include "core/error.h"
+#include "io/model_presets.h"
+#include "models/model_fixtures.h"
+#include "models/tensor_parallel_model.h"
+
+namespace chimera {
+namespace {
+
+struct Param {
+  std::string fixture;
+  int size;
+};
+class TensorParallelEngine : public ::testing::TestWithParam<Param> {};
+
+TEST_P(TensorParallelEngine, SameTokensAndLogitsAsOneRank) {
+  const test::Fixture f = test::load_fixture(GetParam().fixture);
+  const ModelConfig c = load_model_config(f.dir);
+  const Checkpoint ck = Checkpoint::open(f.dir);
+  const int n = GetParam().size;
+  try {
+    rank_config(c, {0, n});
+  } catch (const Error& e) {
+    GTEST_SKIP() << e.what();
+  }
+  const ModelOptions cpu{Device::kCpu, DType::kF32};
+  const NemotronH one = NemotronH::load(c, ck, cpu);
+  const auto tp = TensorParallelModel::create(n, cpu, [&](const ModelOptions& o) { return NemotronH::load(c, ck, o); });
+  EXPECT_EQ(tp->config().vocab_size, c.vocab_size);
+  // Prompts repeated so that more sequences than slots run and later ones reuse freed slots.
+  std::vector<std::vector<int32_t>> prompts = f.prompts;
+  prompts.insert(prompts.end(), f.prompts.begin(), f.prompts.end());
+  std::vector<int32_t> n_new;
+  for (size_t p = 0; p < prompts.size(); ++p) n_new.push_back(6 + static_cast<int32_t>(p % 3) * 4);
+  const auto ref = test::run_batch(one, prompts, n_new);
+  const auto got = test::run_batch(*tp, prompts, n_new);
+  ASSERT_EQ(got.size(), ref.size());
+  for (size_t p = 0; p < ref.size(); ++p) {
+    EXPECT_EQ(got[p].tokens, ref[p].tokens) << "prompt " << p;
+    ASSERT_EQ(got[p].logits.size(), ref[p].logits.size()) << "prompt " << p;
+    const size_t V = static_cast<size_t>(c.vocab_size);
+    double worst = 0.0;
+    for (size_t r = 0; r * V < ref[p].logits.size(); ++r) {
+      double max_ref = 0.0, max_err = 0.0;
+      for (size_t v = 0; v < V; ++v) {
+        max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[p].logits[r * V + v])));
+        max_err =
+            std::max(max_err, std::fabs(static_cast<double>(got[p].logits[r * V + v]) - ref[p].logits[r * V + v]));
+      }
+      worst = std::max(worst, max_err / std::max(max_ref, 1e-30));
+    }
+    EXPECT_LE(worst, test::kTensorParallelLogitsRelToMax) << "prompt " << p;
+  }
+}
+
+std::vector<Param> params() {
+  std::vector<Param> p;
+  for (const std::string& name : test::fixture_names()) {
+    for (int n : {2, 4}) p.push_back({name, n});
+  }
+  return p;
+}
+INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelEngine, ::testing::ValuesIn(params()),
+                         [](const ::testing::TestParamInfo<Param>& i) {
+                           return i.param.fixture + "_tp" + std::to_string(i.param.size);
+                         });
+
+// Speculative decoding with the MTP head over two ranks: verify steps write the rank's spare slots, accepting a
+// draft adopts one, so every rank's caches must follow the one set of slot ids. Greedy: the tokens of one rank.
+TEST(TensorParallelModel, SpeculativeDecodingGivesTheTokensOfOneRank) {
+  const test::Fixture f = test::load_fixture("mtp");
+  const ModelConfig c = load_model_config(f.dir);
+  const Checkpoint ck = Checkpoint::open(f.dir);
+  const ModelOptions cpu{Device::kCpu, DType::kF32};
+  const NemotronH one = NemotronH::load(c, ck, cpu);
+  const auto tp = TensorParallelModel::create(2, cpu, [&](const ModelOptions& o) { return NemotronH::load(c, ck, o); });
+  ASSERT_EQ(tp->mtp_blocks(), 1);
+  auto generate = [&](const Model& m) {
+    EngineConfig ec;
+    ec.cache.max_seqs = 2;
+    ec.cache.max_model_len = 128;
+    ec.scheduler.max_num_seqs = 2;
+    ec.speculative.method = "mtp";
+    ec.speculative.num_speculative_tokens = 2;
+    Engine engine(m, ops::Context{Device::kCpu, nullptr}, ec);
+    SamplingParams sp;
+    sp.max_new_tokens = 12;
+    sp.ignore_eos = true;
+    for (const auto& p : f.prompts) engine.add_request(p, sp);
+    while (engine.has_unfinished()) engine.step();
+    std::vector<std::vector<int32_t>> out;
+    auto done = engine.take_finished();
+    std::sort(done.begin(), done.end(), [](const Sequence& a, const Sequence& b) { return a.id < b.id; });
+    for (const Sequence& s : done) out.emplace_back(s.tokens.begin() + s.prompt_len, s.tokens.end());
+    EXPECT_GT(engine.speculative_stats().summary().size(), 0u);
+    return out;
+  };
+  EXPECT_EQ(generate(*tp), generate(one));
+}
+
+TEST(TensorParallelModel, RanksMustBeInOrder) {
+  const ModelConfig c = model_preset("tiny");
+  std::vector<NemotronH> ranks;
+  for (int r : {1, 0}) {
+    ModelOptions o;
+    o.tp = {r, 2};
+    ranks.push_back(NemotronH::synthetic(c, o, 0));
+  }
+  EXPECT_THROW(TensorParallelModel(std::move(ranks)), Error);
+}
+
+TEST(TensorParallelModel, AStateWithoutPeersIsAnError) {
+  const ModelConfig c = model_preset("tiny");
+  const auto tp =
+      TensorParallelModel::create(2, {}, [&](const ModelOptions& o) { return NemotronH::synthetic(c, o, 0); });
+  StateCache cache(tp->config(), CacheSizes{}, Device::kCpu, DType::kF32);  // tensor_parallel_size 1
+  StepBatch b;
+  b.token_ids = {1};
+  b.cu_seqlens = {0, 1};
+  b.context_lens = {0};
+  b.state_slots = {cache.allocate_slot()};
+  std::vector<int32_t> blocks;
+  ASSERT_TRUE(cache.reserve_blocks(blocks, 1));
+  b.block_tables = Tensor::from_i32({1, 1}, blocks);
+  b.num_prefill_seqs = 1;
+  b.logit_rows = {0};
+  try {
+    tp->forward(ops::Context{}, b, cache.state());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CacheSizes::tensor_parallel_size"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace chimera
