@@ -2,12 +2,11 @@
 // exactly the greedy tokens it gives with the cache off, and the hit accounting is exact where the workload fixes
 // it. Checkpoints every 32 tokens, KV blocks of 16, so prefixes of every length around the spacing are cheap.
 //
-// What is compared bit for bit: run one request at a time (max_num_seqs 1) with chunks of the checkpoint interval, a
-// restored request computes its tail in the very launches the uncached run makes (same chunk boundaries, same batch
-// shapes), and the checkpoint holds the bits the uncached run has at that point, so even CUDA bf16 must agree. Where
-// sequences share steps (batches, preemption) or a checkpoint was taken in a decode step (the multi-turn replay: the
-// uncached run reaches that point through the prefill kernels instead), the arithmetic differs in rounding only:
-// those run in fp32 on the CPU and CUDA, where greedy tokens of the fixtures are robust to it.
+// What differs: the scan restarts its chunk grid at a checkpoint's cut, other batch shapes pick other kernels' tiles,
+// and a checkpoint taken in a decode step was reached through the single-token kernels, so the cached run's
+// arithmetic differs from the uncached one's in rounding only. One request at a time (max_num_seqs 1) runs in every
+// dtype, CUDA bf16 included (tokens equal, logits within the dtype's bound); where sequences share steps (batches,
+// preemption) the workloads run in fp32 on the CPU and CUDA, where greedy tokens of the fixtures are robust to it.
 #include <algorithm>
 #include <cmath>
 #include <map>
