@@ -79,6 +79,7 @@ void add_bench(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   app.add_option("--seed", o.seed, "Seed of the random prompt ids")->capture_default_str();
   app.add_option("--json-out", o.json_out, "Write every measurement, with date, commit and device, to FILE (JSON)");
+  add_tensor_parallel_flag(app, o.tensor_parallel_size);
   app.add_flag("--profile", o.profile,
                "Also time one prefill (first --input-lens length) and one decode step per batch size per op kind "
                "(NVTX ranges + CUDA events; steady_clock on the CPU)");
@@ -149,7 +150,7 @@ nlohmann::json profile_json(const StepProfile& p) {
 
 struct Runner {
   const BenchOptions& o;
-  const NemotronH& model;
+  const Model& model;  // one NemotronH, or the TensorParallelModel of --tensor-parallel-size ranks
   ops::Context ctx;  // ctx.profiler is set with --profile (passive until a step is armed)
   DType weight_dtype;
   SchedulerConfig sched_defaults;
@@ -166,8 +167,9 @@ struct Runner {
     lim.block_size = CacheSizes{}.block_size;
     lim.ssm_dtype = ssm_dtype;
     lim.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
+    // With tensor parallelism model.config() is one rank's (its caches' geometry); every rank holds a copy.
     const MemoryPlan p = plan_memory(model.config(), weight_dtype, model.activation_dtype(), lim);
-    const size_t need = p.total() - p.weights;
+    const size_t need = (p.total() - p.weights) * static_cast<size_t>(model.tensor_parallel_size());
     const size_t free_b = device::memory_info(ctx.device).free;
     if (need <= free_b) return "";
     return fmt::format("skipped (needs {} beyond the weights: KV {}, Mamba state {}, workspace {}; {} free)", gib(need),
@@ -201,7 +203,7 @@ struct Runner {
     sp.max_new_tokens = 1;
     sp.ignore_eos = true;
     double secs = 0;
-    int32_t steps = 0;
+    int32_t steps = 0, first_token = -1;
     for (int32_t run = 0; run <= o.warmup; ++run) {  // the last run is timed
       const std::vector<int32_t> prompt = random_ids(rng, model.config().vocab_size, len);
       steps = 0;
@@ -210,7 +212,9 @@ struct Runner {
       bool first = false;
       while (!first && engine.has_unfinished()) {
         ++steps;
-        for (const TokenEvent& ev : engine.step()) first |= ev.token >= 0;
+        for (const TokenEvent& ev : engine.step()) {
+          if (ev.token >= 0) first = true, first_token = ev.token;
+        }
       }
       secs = seconds_since(t0);
       while (engine.has_unfinished()) engine.step();
@@ -220,6 +224,7 @@ struct Runner {
     r["ttft_ms"] = secs * 1e3;
     r["tokens_per_s"] = len / secs;
     r["steps"] = steps;
+    r["first_token"] = first_token;  // greedy: runs of one seed compare by it (e.g. tensor parallel vs one rank)
     if (profile_prefill) {  // one more prefill, armed from the request to its first token
       engine.add_request(random_ids(rng, model.config().vocab_size, len), sp);
       ctx.profiler->begin_step(fmt::format("prefill input_len={}", len));
@@ -266,12 +271,15 @@ struct Runner {
     sp.max_new_tokens = new_tokens;
     sp.ignore_eos = true;
     std::vector<int32_t> generated(static_cast<size_t>(batch), 0);
+    std::vector<int32_t> first_tokens;  // sequence 0's tokens, greedy: runs of one seed compare by them
     for (int32_t i = 0; i < batch; ++i) {
       engine.add_request(random_ids(rng, model.config().vocab_size, o.decode_context), sp);
     }
     auto count = [&](const std::vector<TokenEvent>& evs) {
       for (const TokenEvent& ev : evs) {
-        if (ev.token >= 0) ++generated[static_cast<size_t>(ev.seq_id)];
+        if (ev.token < 0) continue;
+        ++generated[static_cast<size_t>(ev.seq_id)];
+        if (ev.seq_id == 0) first_tokens.push_back(ev.token);
       }
     };
     // Prefill every sequence (until each has its first token), then the warm-up steps.
@@ -326,6 +334,7 @@ struct Runner {
     r["mean_context_at_start"] = context_sum / batch;
     r["prefill_ms"] = prefill_s * 1e3;
     r["partial_steps"] = partial_steps;
+    r["tokens_of_sequence_0"] = first_tokens;
     r["cuda_graph"] = !engine.graph_batch_sizes().empty();
     if (r["cuda_graph"].get<bool>()) {
       r["graph_capture_s"] = engine.graph_capture_seconds();
@@ -345,14 +354,8 @@ std::string cell(const nlohmann::json& r, const char* key, const char* fmt_spec)
 }  // namespace
 
 int run_bench(const BenchOptions& o) {
-  ModelOptions mo;
-  if (o.device == "cuda") {
-    if (!device::cuda_available()) invalid_input("--device cuda: {}", device::describe_cuda());
-    mo.device = Device::kCuda;
-    mo.dtype = o.dtype == "float32" ? DType::kF32 : DType::kBF16;
-  } else if (!o.dtype.empty() && o.dtype != "float32") {
-    invalid_input("--dtype {}: the CPU backend computes in float32 (use --device cuda for {})", o.dtype, o.dtype);
-  }
+  check_tensor_parallel_size(o.tensor_parallel_size, o.device);
+  const ModelOptions mo = model_options_from_flags(o.device, o.dtype);
   if (o.input_lens.empty() && o.batch_sizes.empty()) invalid_input("--input-lens and --batch-sizes are both empty");
   // The kernel configuration: the environment registry's overrides (runtime/kernel_env.h), then the flags.
   ops::KernelConfig kernels = kernel_config_from_env();
@@ -364,16 +367,19 @@ int run_bench(const BenchOptions& o) {
   load_limits.max_model_len = CacheSizes{}.block_size;
   load_limits.max_tokens_per_step = load_limits.max_model_len;
   const auto t_load = Clock::now();
-  LoadedModel m = load_model(o.source, /*with_weights=*/true, mo, load_limits);
+  const EngineModel em = load_engine_model(o.source, mo, o.tensor_parallel_size, load_limits);
   const double load_s = seconds_since(t_load);
-  const ModelConfig& c = m.config;
+  const ModelConfig& c = em.loaded.config;
+  const int tp_size = em.tensor_parallel_size();
+  // The weights' formats from rank 0 (every rank's layers are stored alike).
+  const NemotronH& rank0 = em.tp ? em.tp->rank(0) : *em.loaded.model;
 
   // --profile: engines get a context with a profiler; it costs nothing until a step is armed. The profiled steps
   // must run eagerly (a replayed CUDA graph dispatches no ops:: call, so there would be nothing to time).
   std::unique_ptr<Profiler> profiler = o.profile ? std::make_unique<Profiler>(mo.device) : nullptr;
   std::vector<StepProfile> profiles;
   Runner run{o,
-             *m.model,
+             em.model(),
              ops::Context{mo.device, nullptr, profiler.get(), kernels},
              weight_dtype_of(o, c, mo),
              SchedulerConfig{},
@@ -382,23 +388,27 @@ int run_bench(const BenchOptions& o) {
   DecodeRoofline roof = batch1_decode_roofline(c, run.weight_dtype, o.bandwidth_gbs * 1e9);
   // Quantized layers (a ModelOpt checkpoint or --quantization): the bytes the loaded weights take as stored.
   bool quantized = false;
-  for (const auto& [kind, k] : weight_summary(c, m.model->weights())) {
+  for (const auto& [kind, k] : weight_summary(c, rank0.weights())) {
     quantized = quantized || k.formats.find("fp8") != std::string::npos || k.formats.find("nvfp4") != std::string::npos;
   }
   if (quantized) {
-    roof.bytes_per_token = decode_bytes_per_token(c, m.model->weights());
+    // With tensor parallelism: what all ranks read together.
+    roof.bytes_per_token = 0;
+    for (int r = 0; r < tp_size; ++r) {
+      roof.bytes_per_token += decode_bytes_per_token(c, em.tp ? em.tp->rank(r).weights() : rank0.weights());
+    }
     roof.tokens_per_s = roof.bandwidth / roof.bytes_per_token;
   }
   const std::string device_desc = mo.device == Device::kCuda ? device::describe_cuda() : cpu_description();
   const std::string model_name =
       o.source.is_synthetic() ? fmt::format("synthetic {} ({} layers)", o.source.synthetic, c.num_hidden_layers())
                               : o.source.model_dir;
-  const std::string act = std::string(dtype_name(m.model->activation_dtype()));
+  const std::string act = std::string(dtype_name(em.model().activation_dtype()));
   std::string wdt = std::string(dtype_name(run.weight_dtype));
   if (quantized) {
     wdt += ", linear layers";
     std::set<std::string> formats;
-    for (const auto& [kind, k] : weight_summary(c, m.model->weights())) {
+    for (const auto& [kind, k] : weight_summary(c, rank0.weights())) {
       if (k.formats != "dense") formats.insert(k.formats);
     }
     for (const std::string& f : formats) wdt += " " + f;
@@ -406,9 +416,10 @@ int run_bench(const BenchOptions& o) {
 
   // PDL as the kernels will see it: on by default on sm_90+, off with --no-pdl or CHIMERA_PDL=0.
   const bool pdl = mo.device == Device::kCuda && kernels.pdl && device::pdl_enabled();
-  fmt::print("chimera bench | {} | {} {} (weights {}, SSM state {}, KV cache {}) | {} | PDL {} | commit {}\n",
+  fmt::print("chimera bench | {} | {} {} (weights {}, SSM state {}, KV cache {}){} | {} | PDL {} | commit {}\n",
              model_name, o.device, act, wdt, ssm_cache_dtype_name(run.ssm_dtype), o.kv_cache_dtype,
-             device_desc, pdl ? "on" : "off", CHIMERA_GIT_COMMIT);
+             tp_size > 1 ? fmt::format(" | tensor parallel {}", tp_size) : "", device_desc, pdl ? "on" : "off",
+             CHIMERA_GIT_COMMIT);
   fmt::print(
       "roofline   batch-1 decode {:.1f} tok/s = {:.3f} GB/token at {:.0f} GB/s ({:.3f} B active params, "
       "{:.3f} B read per token)\n",
@@ -512,6 +523,7 @@ int run_bench(const BenchOptions& o) {
     j["weight_dtype"] = wdt;
     j["mamba_ssm_cache_dtype"] = ssm_cache_dtype_name(run.ssm_dtype);
     j["kv_cache_dtype"] = o.kv_cache_dtype;
+    j["tensor_parallel_size"] = tp_size;
     j["settings"] = {{"decode_context", o.decode_context},
                      {"decode_steps", o.decode_steps},
                      {"warmup", o.warmup},

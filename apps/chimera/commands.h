@@ -50,6 +50,8 @@ struct InfoOptions {
   // Write the model's config as a transformers config.json (what `--synthetic PRESET [--num-layers N]`
   // builds), so a peer (bench/peers/engine_peers.py) runs the same shapes.
   std::string dump_config;
+  // --tensor-parallel-size N: the memory plan of one of N ranks (plan_rank_memory).
+  int tensor_parallel_size = 1;
 };
 
 // chimera bench (bench.cpp): prefill and decode throughput through the Engine, beside the batch-1 roofline.
@@ -73,6 +75,7 @@ struct BenchOptions {
   // per op kind (runtime/profiler.h).
   bool profile = false;
   std::string speculative_config;  // --speculative-config JSON; "" = off (decode steps verify the head's drafts)
+  int tensor_parallel_size = 1;    // --tensor-parallel-size N: the ranks of EngineModel (CPU only for now)
 };
 
 // chimera serve (serve.cpp): the OpenAI-compatible server; flags named as vLLM's.
@@ -108,6 +111,7 @@ struct ServeOptions {
   bool enable_prefix_caching = true;
   int32_t mamba_checkpoint_interval = 2048;
   int32_t mamba_checkpoint_slots = 0;
+  int tensor_parallel_size = 1;  // --tensor-parallel-size N: the ranks of EngineModel (CPU only for now)
 };
 
 void add_generate(CLI::App& app, GenerateOptions& opt);

@@ -17,7 +17,6 @@
 #include "core/error.h"
 #include "io/npy.h"
 #include "model_loading.h"
-#include "models/tensor_parallel_model.h"
 #include "runtime/engine.h"
 #include "runtime/kernel_env.h"
 
@@ -61,9 +60,7 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
                  "Write float32 logits of every prompt position and every generated step to FILE.npy");
   app.add_option("--dump-activations", o.dump_activations,
                  "Debugging: write each layer's input (and a MoE layer's experts) of the prefill to DIR as .npy");
-  app.add_option("--tensor-parallel-size", o.tensor_parallel_size,
-                 "Shard the model over N ranks (threads of this process; --device cpu only for now)")
-      ->capture_default_str();
+  add_tensor_parallel_flag(app, o.tensor_parallel_size);
   app.add_flag("--no-special-tokens", o.no_special_tokens, "Do not add the tokenizer's special tokens (BOS)");
   app.add_flag("-q,--quiet", o.quiet, "No statistics on stderr");
 }
@@ -118,6 +115,7 @@ void flush_stdout() {
 }  // namespace
 
 int run_generate(const GenerateOptions& o) {
+  check_tensor_parallel_size(o.tensor_parallel_size, o.device);
   const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
   if (!o.prompt.empty() + !o.prompt_ids.empty() + !o.prompt_file.empty() != 1) {
     invalid_input("give exactly one of --prompt, --prompt-ids and --prompt-file");
@@ -146,25 +144,12 @@ int run_generate(const GenerateOptions& o) {
   limits.max_tokens_per_step = std::min(ec.scheduler.max_num_batched_tokens, o.max_model_len);
   limits.block_size = ec.cache.block_size;
   const int tp_size = o.tensor_parallel_size;
-  if (tp_size < 1) invalid_input("--tensor-parallel-size must be >= 1, got {}", tp_size);
-  if (tp_size > 1 && model_options.device != Device::kCpu) {
-    invalid_input("--tensor-parallel-size {}: tensor parallelism runs on --device cpu only for now", tp_size);
-  }
   if (tp_size > 1 && !o.dump_activations.empty()) {
     invalid_input("--dump-activations: not with --tensor-parallel-size {}", tp_size);
   }
-  // With tensor parallelism the ranks' models are made here, each with its shard (no memory plan: the CPU).
-  LoadedModel m = load_model(o.source, /*with_weights=*/tp_size == 1, model_options, limits);
-  std::unique_ptr<TensorParallelModel> tp_model;
-  if (tp_size > 1) {
-    ModelOptions options = model_options;
-    options.quantize = o.source.quantize();
-    tp_model = TensorParallelModel::create(tp_size, options, [&](const ModelOptions& rank_options) {
-      return o.source.is_synthetic() ? NemotronH::synthetic(m.config, rank_options, o.source.synthetic_seed)
-                                     : NemotronH::load(m.config, *m.checkpoint, rank_options);
-    });
-  }
-  const Model& model = tp_model ? static_cast<const Model&>(*tp_model) : *m.model;
+  const EngineModel em = load_engine_model(o.source, model_options, tp_size, limits);
+  const LoadedModel& m = em.loaded;
+  const Model& model = em.model();
   if (!o.dump_activations.empty()) {
     try {
       m.model->set_activation_dump(o.dump_activations);

@@ -8,11 +8,12 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
-#include "io/quant_config.h"
-#include "commands.h"
-#include "model_loading.h"
 #include "backends/device_api.h"
+#include "commands.h"
 #include "core/error.h"
+#include "io/quant_config.h"
+#include "model_loading.h"
+#include "models/tensor_parallel.h"
 #include "runtime/memory_plan.h"
 #include "runtime/state_cache.h"
 
@@ -31,6 +32,7 @@ void add_info(CLI::App& app, InfoOptions& o) {
       ->capture_default_str();
   add_ssm_cache_dtype_flag(app, o.mamba_ssm_cache_dtype);
   add_kv_cache_dtype_flag(app, o.kv_cache_dtype);
+  add_tensor_parallel_flag(app, o.tensor_parallel_size);
   app.add_option("--dump-config", o.dump_config,
                  "Write the model's config as a transformers config.json to FILE (e.g. a --synthetic preset, "
                  "for bench/peers/engine_peers.py)");
@@ -131,6 +133,11 @@ int run_info(const InfoOptions& o) {
   // (generating 120B random weights to count them would be absurd).
   LoadedModel m = load_model(o.source, /*with_weights=*/!o.source.is_synthetic());
   const ModelConfig& c = m.config;
+  // The plan is for one of N ranks: a size that does not split fails here, naming the config field, as the
+  // loader would.
+  const int tp_size = o.tensor_parallel_size;
+  check_tensor_parallel_size(tp_size, "cpu");  // the plan's numbers hold for any device
+  if (tp_size > 1) rank_config(c, TensorParallel{0, tp_size});
   if (!o.dump_config.empty()) {
     std::ofstream f(o.dump_config);
     if (!f) invalid_input("--dump-config: cannot write '{}'", o.dump_config);
@@ -238,20 +245,35 @@ int run_info(const InfoOptions& o) {
   limits.max_model_len = o.max_model_len;
   limits.ssm_dtype = resolve_ssm_cache_dtype(o.mamba_ssm_cache_dtype, c);
   limits.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
-  MemoryPlan plan = plan_memory(c, dtype, dtype, limits, quantize);
+  MemoryPlan plan = plan_rank_memory(c, tp_size, dtype, dtype, limits, quantize);
   if (!o.source.is_synthetic() && load_quant_config(o.source.model_dir)) {
-    plan.weights = quantized_checkpoint_weight_bytes(o.source.model_dir, dtype);
+    // A ModelOpt checkpoint's bytes as stored; a rank's share of them is the share its shard has of the dense
+    // weights (an estimate: the quantized and dense modules shard alike).
+    const size_t stored_bytes = quantized_checkpoint_weight_bytes(o.source.model_dir, dtype);
+    const size_t dense = plan_memory(c, dtype, dtype, limits).weights;
+    plan.weights = tp_size == 1 ? stored_bytes
+                                : static_cast<size_t>(static_cast<double>(stored_bytes) *
+                                                      static_cast<double>(plan.weights) / static_cast<double>(dense));
   }
-  fmt::print("\nmemory plan ({}{}, {} sequences x {} tokens, {} tokens per step, SSM state {}, KV cache {})\n",
-             dtype_name(dtype),
-             quantize == ops::WeightFormat::kDense ? "" : fmt::format(", linear layers {}", ops::weight_format_name(quantize)),
-             o.max_num_seqs, o.max_model_len, limits.max_tokens_per_step, ssm_cache_dtype_name(limits.ssm_dtype),
-             limits.kv_cache_fp8 ? "fp8" : dtype_name(dtype));
-  fmt::print("  weights     {:>14}\n", gib(plan.weights));
-  fmt::print("  KV cache    {:>14}\n", gib(plan.kv_cache));
-  fmt::print("  Mamba state {:>14}\n", gib(plan.mamba_state));
-  fmt::print("  workspace   {:>14}  (estimate)\n", gib(plan.workspace));
-  fmt::print("  total       {:>14}\n", gib(plan.total()));
+  fmt::print(
+      "\nmemory plan{} ({}{}, {} sequences x {} tokens, {} tokens per step, SSM state {}, KV cache {})\n",
+      tp_size > 1 ? fmt::format(" per rank of --tensor-parallel-size {}", tp_size) : "", dtype_name(dtype),
+      quantize == ops::WeightFormat::kDense ? "" : fmt::format(", linear layers {}", ops::weight_format_name(quantize)),
+      o.max_num_seqs, o.max_model_len, limits.max_tokens_per_step, ssm_cache_dtype_name(limits.ssm_dtype),
+      limits.kv_cache_fp8 ? "fp8" : dtype_name(dtype));
+  // GiB for reading, bytes for comparing (a rank's sharded parts are the whole model's divided by the size).
+  auto row = [](const char* name, size_t bytes, const char* note = "") {
+    fmt::print("  {:<11} {:>14}  {:>16} B{}\n", name, gib(bytes), bytes, note);
+  };
+  row("weights", plan.weights);
+  row("KV cache", plan.kv_cache);
+  row("Mamba state", plan.mamba_state);
+  row("workspace", plan.workspace, "  (estimate)");
+  row("total", plan.total());
+  if (tp_size > 1) {
+    fmt::print("  {} ranks     {:>14}  (each rank holds its shard and its copy of the caches)\n", tp_size,
+               gib(plan.total() * static_cast<size_t>(tp_size)));
+  }
   if (device::cuda_available()) {
     const size_t free_b = device::memory_info(Device::kCuda).free;
     fmt::print("  GPU free    {:>14}  -> {}\n", gib(free_b), plan.total() <= free_b ? "fits" : "does NOT fit");

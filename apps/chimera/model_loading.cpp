@@ -2,10 +2,13 @@
 
 #include <filesystem>
 
+#include <fmt/core.h>
+
 #include "backends/device_api.h"
 #include "core/error.h"
 #include "io/model_presets.h"
 #include "io/quant_config.h"
+#include "models/tensor_parallel.h"
 #include "runtime/state_cache.h"
 #include "tokenizer/synthetic_tokenizer.h"
 
@@ -180,6 +183,62 @@ LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOpt
   m.checkpoint = std::make_unique<Checkpoint>(Checkpoint::open(src.model_dir));
   if (with_weights) m.model = std::make_unique<NemotronH>(NemotronH::load(m.config, *m.checkpoint, options));
   return m;
+}
+
+void add_tensor_parallel_flag(CLI::App& app, int& size) {
+  app.add_option("--tensor-parallel-size", size,
+                 "Shard the model over N ranks (threads of this process; --device cpu only for now)")
+      ->capture_default_str();
+}
+
+void check_tensor_parallel_size(int size, const std::string& device) {
+  if (size < 1) invalid_input("--tensor-parallel-size must be >= 1, got {}", size);
+  if (size > 1 && device != "cpu") {
+    invalid_input("--tensor-parallel-size {}: tensor parallelism runs on --device cpu only for now", size);
+  }
+}
+
+MemoryPlan plan_rank_memory(const ModelConfig& config, int tp_size, DType weight_dtype, DType act_dtype,
+                            const MemoryLimits& limits, ops::WeightFormat linear_format) {
+  if (tp_size == 1) return plan_memory(config, weight_dtype, act_dtype, limits, linear_format);
+  const ModelConfig local = rank_config(config, TensorParallel{0, tp_size});
+  // The caches and workspace as the engine sizes them (TensorParallelModel::config(): the rank's config with the
+  // whole vocabulary, the width of the gathered logits); the weights with the rank's vocabulary rows.
+  ModelConfig engine = local;
+  engine.vocab_size = config.vocab_size;
+  MemoryPlan plan = plan_memory(engine, weight_dtype, act_dtype, limits, linear_format);
+  plan.weights = plan_memory(local, weight_dtype, act_dtype, limits, linear_format).weights;
+  return plan;
+}
+
+EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_options, int tp_size,
+                              const std::optional<MemoryLimits>& limits) {
+  check_tensor_parallel_size(tp_size, flag_options.device == Device::kCpu ? "cpu" : "cuda");
+  EngineModel e;
+  if (tp_size == 1) {
+    e.loaded = load_model(src, /*with_weights=*/true, flag_options, limits);
+    return e;
+  }
+  e.loaded = load_model(src, /*with_weights=*/false, flag_options);
+  ModelOptions options = flag_options;
+  options.quantize = src.quantize();
+  const ModelConfig& c = e.loaded.config;
+  if (limits) {
+    const MemoryPlan rank = plan_rank_memory(c, tp_size, options.dtype, DType::kF32, *limits, options.quantize);
+    const auto n = static_cast<size_t>(tp_size);
+    MemoryPlan all = rank;
+    all.weights *= n;
+    all.kv_cache *= n;
+    all.mamba_state *= n;
+    all.workspace *= n;
+    check_memory_plan(all, device::memory_info(Device::kCpu).free,
+                      fmt::format("host ({} ranks of {} each)", tp_size, gib(rank.total())));
+  }
+  e.tp = TensorParallelModel::create(tp_size, options, [&](const ModelOptions& rank_options) {
+    return src.is_synthetic() ? NemotronH::synthetic(c, rank_options, src.synthetic_seed)
+                              : NemotronH::load(c, *e.loaded.checkpoint, rank_options);
+  });
+  return e;
 }
 
 LoadedModel load_model_dir(const std::string& dir, bool with_weights, const ModelOptions& options) {

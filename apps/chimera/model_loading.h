@@ -11,6 +11,7 @@
 #include "io/model_config.h"
 #include "io/safetensors.h"
 #include "models/nemotron_h.h"
+#include "models/tensor_parallel_model.h"
 #include "runtime/memory_plan.h"
 #include "runtime/speculative.h"
 #include "tokenizer/tokenizer.h"
@@ -70,5 +71,35 @@ size_t quantized_checkpoint_weight_bytes(const std::string& dir, DType dtype);
 void check_tokenizer_fits(const Tokenizer& tok, const ModelConfig& config, const std::string& tokenizer_path,
                           const std::string& config_path);
 LoadedModel load_model_dir(const std::string& dir, bool with_weights = true, const ModelOptions& options = {});
+
+// Tensor parallelism in the CLI (docs/architecture.md "Tensor parallelism"): generate, bench, serve and info share
+// the flag, its checks, the per-rank memory plan and the model construction.
+// Registers --tensor-parallel-size N.
+void add_tensor_parallel_flag(CLI::App& app, int& size);
+// kInvalidInput naming the flag: a size below 1, or above 1 with --device `device` other than cpu (the CPU ranks
+// only, for now). Checked before --device cuda is (model_options_from_flags), so the message is the same in every
+// build.
+void check_tensor_parallel_size(int size, const std::string& device);
+// The memory plan of one of `tp_size` ranks: its shard of the weights (weight_bytes of the rank's config,
+// models/tensor_parallel.h rank_config: the rank's heads, groups, intermediate columns and vocabulary rows), the
+// KV cache of its KV heads, the Mamba state of its heads, and a workspace with whole logits rows (every rank
+// gathers them). tp_size 1: plan_memory. A size that does not split is rank_config's kInvalidInput naming the
+// config field.
+MemoryPlan plan_rank_memory(const ModelConfig& config, int tp_size, DType weight_dtype, DType act_dtype,
+                            const MemoryLimits& limits, ops::WeightFormat linear_format = ops::WeightFormat::kDense);
+
+// The model an Engine runs: the loaded NemotronH, or with tensor parallelism the TensorParallelModel of its ranks
+// (each made here with its shard; `loaded` then keeps the config, checkpoint and tokenizer but no model).
+struct EngineModel {
+  LoadedModel loaded;
+  std::unique_ptr<TensorParallelModel> tp;
+  const Model& model() const { return tp ? static_cast<const Model&>(*tp) : *loaded.model; }
+  int tensor_parallel_size() const { return tp ? tp->tensor_parallel_size() : 1; }
+};
+// load_model for tp_size 1; otherwise the ranks' models on the CPU. With `limits` the memory plan is checked
+// first as load_model does, for tp_size ranks of plan_rank_memory against the host's free memory (a sharded
+// tensor is a copy, not a view of the checkpoint's mapping, so a checkpoint's weights count too).
+EngineModel load_engine_model(const ModelSource& src, const ModelOptions& options, int tp_size,
+                              const std::optional<MemoryLimits>& limits = std::nullopt);
 
 }  // namespace chimera::cli

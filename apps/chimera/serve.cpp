@@ -70,6 +70,7 @@ void add_serve(CLI::App& app, ServeOptions& o) {
                  "2 x --max-num-seqs on the CPU")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  add_tensor_parallel_flag(app, o.tensor_parallel_size);
   app.add_option("--reasoning-parser", o.reasoning_parser, "Split reasoning into reasoning_content: nemotron_v3")
       ->check(CLI::IsMember({"nemotron_v3"}));
   app.add_option("--tool-call-parser", o.tool_call_parser, "Turn the model's tool calls into tool_calls")
@@ -89,6 +90,7 @@ void add_serve(CLI::App& app, ServeOptions& o) {
 }
 
 int run_serve(const ServeOptions& o) {
+  check_tensor_parallel_size(o.tensor_parallel_size, o.device);
   const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
 
   // Signals go to the waiting main thread only (blocked here, before any thread starts, so every thread
@@ -133,7 +135,10 @@ int run_serve(const ServeOptions& o) {
     limits.max_num_seqs = 1;
     limits.mamba_checkpoints = 0;  // size_caches plans them
   }
-  LoadedModel m = load_model(o.source, /*with_weights=*/true, model_options, limits);
+  // With --tensor-parallel-size N (CPU) the plan is N ranks', each holding its shard and its copy of the caches.
+  const EngineModel em = load_engine_model(o.source, model_options, o.tensor_parallel_size, limits);
+  const LoadedModel& m = em.loaded;
+  const Model& model = em.model();
   if (cuda) {
     CacheSizingRequest req;
     req.gpu_memory_utilization = o.gpu_memory_utilization;
@@ -161,7 +166,7 @@ int run_serve(const ServeOptions& o) {
   }
   ec.scheduler.max_num_seqs = max_num_seqs;
   ec.cache.max_seqs = max_num_seqs;
-  Engine engine(*m.model, ops::Context{model_options.device, nullptr}, ec);
+  Engine engine(model, ops::Context{model_options.device, nullptr}, ec);
   if (const std::string graphs = format_graph_capture(engine); !graphs.empty()) {
     fmt::print("chimera serve: {}\n", graphs);
   }
@@ -202,8 +207,10 @@ int run_serve(const ServeOptions& o) {
   });
   const uint16_t port = http.listen();
   http.start();
-  fmt::print("chimera serve: model {} ({} {}), max_num_seqs {}, max_num_batched_tokens {}, max_model_len {}\n", name,
-             o.device, dtype_name(m.model->activation_dtype()), max_num_seqs, max_num_batched_tokens, o.max_model_len);
+  fmt::print("chimera serve: model {} ({} {}{}), max_num_seqs {}, max_num_batched_tokens {}, max_model_len {}\n", name,
+             o.device, dtype_name(model.activation_dtype()),
+             em.tensor_parallel_size() > 1 ? fmt::format(", tensor parallel {}", em.tensor_parallel_size()) : "",
+             max_num_seqs, max_num_batched_tokens, o.max_model_len);
   fmt::print("chimera serve: chat template {}{}{}\n", chat_template ? "from the model" : "none",
              o.reasoning_parser.empty() ? "" : ", reasoning parser " + o.reasoning_parser,
              o.tool_call_parser.empty() ? "" : ", tool-call parser " + o.tool_call_parser);

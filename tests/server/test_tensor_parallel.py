@@ -1,0 +1,77 @@
+# chimera serve --tensor-parallel-size 2 (the bundled tiny model sharded over two CPU ranks, threads of the server)
+# through the real `openai` client: greedy completions and chat completions, streamed and not, equal a server on
+# one rank; several requests at once share the ranks' engine; /metrics exports the same series.
+import concurrent.futures
+
+import openai
+import pytest
+
+from conftest import API_KEY, MODEL_NAME, Server, metric, metrics
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3, 4,"]
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    one = Server("--max-num-seqs", "8", "--shutdown-timeout", "5")
+    two = Server("--max-num-seqs", "8", "--shutdown-timeout", "5", "--tensor-parallel-size", "2")
+    yield one, two
+    for s in (one, two):
+        assert s.stop() == 0, "".join(s.lines[-40:])
+
+
+def client(s):
+    return openai.OpenAI(base_url=s.base + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_the_server_says_it_runs_two_ranks(servers):
+    one, two = servers
+    assert any("tensor parallel 2" in line for line in two.lines), "".join(two.lines)
+    assert not any("tensor parallel" in line for line in one.lines), "".join(one.lines)
+
+
+def test_greedy_completions_equal_one_rank(servers):
+    one, two = servers
+    for prompt in PROMPTS:
+        want = client(one).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        got = client(two).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.completion_tokens == want.usage.completion_tokens == 24
+        stream = client(two).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                                extra_body={"ignore_eos": True}, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want.choices[0].text
+
+
+def test_greedy_chat_equals_one_rank(servers):
+    one, two = servers
+    want = client(one).chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0)
+    got = client(two).chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.choices[0].finish_reason == want.choices[0].finish_reason
+
+
+def test_concurrent_requests_equal_one_rank(servers):
+    # The scheduler batches them into shared steps over both ranks (prefill chunks and decodes together).
+    one, two = servers
+
+    def run(s, prompt):
+        return client(s).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+
+    want = [run(one, p) for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
+        got = list(pool.map(lambda p: run(two, p), PROMPTS * 2))
+    assert got == want * 2
+
+
+def test_metrics_export_the_same_series(servers):
+    one, two = servers
+    client(two).completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    def names(base):
+        return {series.partition("{")[0] for series in metrics(base)}
+
+    assert names(two.base) == names(one.base)
+    assert metric(two.base, "chimera:num_requests_running") == 0
