@@ -12,6 +12,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -102,6 +103,19 @@ WorkloadResult run_waves(Engine& engine, const std::vector<std::vector<Tokens>>&
   return r;
 }
 
+// The rows one request sampled from with the cache and without: their largest difference at most `tol` of their largest
+// magnitude (logits catch a wrong state that greedy tokens happen to survive).
+void expect_logits_close(const std::vector<float>& cached, const std::vector<float>& plain, float tol,
+                         const std::string& what) {
+  EXPECT_EQ(cached.size(), plain.size()) << what;
+  float worst = 0, scale = 0;
+  for (size_t k = 0; k < std::min(cached.size(), plain.size()); ++k) {
+    worst = std::max(worst, std::abs(cached[k] - plain[k]));
+    scale = std::max(scale, std::abs(plain[k]));
+  }
+  EXPECT_LE(worst, tol * scale) << what << ": max |cached - uncached| " << worst << " of " << scale;
+}
+
 class PrefixCacheEngine : public BackendTest {
  protected:
   void SetUp() override {
@@ -136,13 +150,7 @@ class PrefixCacheEngine : public BackendTest {
     // uncached run by rounding (other chunk boundaries), bf16 by a few of its steps.
     const float tol = dtype == DType::kF32 ? 1e-4f : 5e-2f;
     for (size_t i = 0; i < a.logits.size() && a.tokens == b.tokens; ++i) {
-      EXPECT_EQ(a.logits[i].size(), b.logits[i].size());
-      float worst = 0, scale = 0;
-      for (size_t k = 0; k < std::min(a.logits[i].size(), b.logits[i].size()); ++k) {
-        worst = std::max(worst, std::abs(a.logits[i][k] - b.logits[i][k]));
-        scale = std::max(scale, std::abs(b.logits[i][k]));
-      }
-      EXPECT_LE(worst, tol * scale) << "request " << i << ": max |cached - uncached| " << worst << " of " << scale;
+      expect_logits_close(a.logits[i], b.logits[i], tol, "request " + std::to_string(i));
     }
     EXPECT_EQ(b.stats.queries, 0);
     EXPECT_EQ(b.stats.hits, 0);
@@ -245,12 +253,7 @@ TEST_P(PrefixCacheEngine, MultiTurnConversationResentTurnAfterTurn) {
     }
     EXPECT_EQ(outputs[0], outputs[1]) << f;
     for (size_t t = 0; t < logits[0].size() && outputs[0] == outputs[1]; ++t) {
-      float worst = 0, scale = 0;
-      for (size_t k = 0; k < logits[0][t].size(); ++k) {
-        worst = std::max(worst, std::abs(logits[0][t][k] - logits[1][t][k]));
-        scale = std::max(scale, std::abs(logits[1][t][k]));
-      }
-      EXPECT_LE(worst, 1e-4f * scale) << f << " turn " << t;
+      expect_logits_close(logits[0][t], logits[1][t], 1e-4f, f + " turn " + std::to_string(t));
     }
     // Turn t restores a checkpoint inside the previous turn's answer (decoded, at a multiple of 32): 64, 96, 160.
     EXPECT_EQ(hits, 64 + 96 + 160) << f;
