@@ -115,6 +115,7 @@ class Check {
   // StateCheckpoint's rules, after seqlens and slots have passed.
   void checkpoints(std::span<const StateCheckpoint> cps, std::span<const int32_t> cu, std::span<const int32_t> slots,
                    int64_t num_slots) const {
+    if (cps.empty()) return;  // every prefill call without prefix caching's cuts
     std::unordered_set<int32_t> taken(slots.begin(), slots.end());
     for (size_t j = 0; j < cps.size(); ++j) {
       const StateCheckpoint& k = cps[j];

@@ -102,21 +102,16 @@ int32_t Scheduler::match_prefix(Sequence& s, std::vector<int32_t>& blocks, int32
 
 void Scheduler::plan_checkpoints(SchedulerOutput& out) {
   if (!cache_.sizes().prefix_caching || !cache_.has_mamba() || cache_.checkpoints().capacity() == 0) return;
-  const int32_t every = cache_.sizes().checkpoint_interval, bs = cache_.sizes().block_size;
+  const int32_t bs = cache_.sizes().block_size;
   std::unordered_map<int32_t, int32_t> scheduled;  // sequence id -> its new tokens this step
   for (const ScheduledSeq& p : out.seqs) scheduled.emplace(p.seq_id, p.num_tokens);
-  std::vector<int32_t> cuts;
   for (Sequence& s : running_) {
     const auto it = scheduled.find(s.id);
     if (it == scheduled.end() || !caches(s) || !s.drafts.empty() || it->second < 2) continue;  // no chunk this step
     const int32_t c = s.num_computed, end = c + it->second;
-    cuts.clear();
-    for (int32_t m = (c / every + 1) * every; m < end; m += every) cuts.push_back(m);
-    for (const int32_t m : {prompt_checkpoint(s), s.shared_kv_end}) {
-      const auto at = std::lower_bound(cuts.begin(), cuts.end(), m);
-      if (m > c && m < end && (at == cuts.end() || *at != m)) cuts.insert(at, m);
-    }
-    for (const int32_t m : cuts) {
+    // Every kind of checkpoint boundary lies on a block boundary.
+    for (int32_t m = (c / bs + 1) * bs; m < end; m += bs) {
+      if (!is_checkpoint_boundary(s, m)) continue;
       hash_blocks(s, m);
       if (const std::optional<int32_t> slot =
               cache_.checkpoints().insert(s.block_hashes[static_cast<size_t>(m / bs - 1)])) {
