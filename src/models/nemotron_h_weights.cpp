@@ -497,6 +497,10 @@ std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w, cons
                     Shard sh = {}) {
     s.push_back({std::move(name), std::move(kind), layer, Role::kLinear, {N, K}, std::move(sh), nullptr, l, nullptr});
   };
+  auto experts = [&](std::string name, std::string kind, int layer, Shape shape, Shard sh, ops::ExpertWeights* e) {
+    s.push_back({std::move(name), std::move(kind), layer, Role::kExperts, std::move(shape), std::move(sh), nullptr,
+                 nullptr, e});
+  };
   const int64_t D = c.hidden_size, V = c.vocab_size;
   tensor("embeddings.weight", "embeddings", -1, Role::kTensor, {V, D}, &w.embeddings, part(V, 1, 0));
   tensor("norm_f.weight", "norm_f", -1, Role::kTensor, {D}, &w.norm_f);
@@ -548,24 +552,8 @@ std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w, cons
         tensor(mx + "gate.weight", kind, li, Role::kRouterGate, {E, D}, &moe.gate);
         tensor(mx + "gate.e_score_correction_bias", kind, li, Role::kF32, {E}, &moe.e_score_correction_bias);
         // Routed experts split by their intermediate dimension (tensor parallel): up's N, down's K.
-        s.push_back({mx + "experts.{e}.up_proj",
-                     kind,
-                     li,
-                     Role::kExperts,
-                     {E, I, Din},
-                     part(I, 1, 1),
-                     nullptr,
-                     nullptr,
-                     &moe.experts_up});
-        s.push_back({mx + "experts.{e}.down_proj",
-                     kind,
-                     li,
-                     Role::kExperts,
-                     {E, Din, I},
-                     part(I, 1, 2),
-                     nullptr,
-                     nullptr,
-                     &moe.experts_down});
+        experts(mx + "experts.{e}.up_proj", kind, li, {E, I, Din}, part(I, 1, 1), &moe.experts_up);
+        experts(mx + "experts.{e}.down_proj", kind, li, {E, Din, I}, part(I, 1, 2), &moe.experts_down);
         const int64_t Ish = c.moe_shared_expert_intermediate_size;
         linear(mx + "shared_experts.up_proj", kind, li, Ish, D, &moe.shared_experts.up_proj, part(Ish, 1, 0));
         linear(mx + "shared_experts.down_proj", kind, li, D, Ish, &moe.shared_experts.down_proj, part(Ish, 1, 1));
