@@ -1,11 +1,6 @@
-// A communicator for tensor-parallel ranks that are threads of one process (the CPU reference backend's
-// tensor parallelism, docs/architecture.md "Tensor parallelism"). Plain C++: built with and without CUDA / NCCL.
-//
-// Every collective is called by all `size` ranks with the same operation and element count, each from its own
-// thread, passing its rank. Results are deterministic: all_reduce_sum adds the ranks' buffers in rank order
-// 0..size-1 on every rank, so every rank holds identical bits. A rank that does not arrive within the timeout
-// ends the collective on every waiting rank with a kRuntime error naming the missing rank(s), and the group stays
-// broken (every later call fails at once): nothing hangs. abort() breaks it at once (a rank whose step threw).
+// The host collectives (dist/host_collectives.h) of tensor-parallel ranks that are threads of one process
+// (docs/architecture.md "Tensor parallelism"): a rendezvous under one mutex, each rank reading the others'
+// posted buffers. Plain C++: built with and without CUDA / NCCL.
 #pragma once
 
 #include <chrono>
@@ -17,26 +12,24 @@
 #include <string>
 #include <vector>
 
+#include "dist/host_collectives.h"
+
 namespace chimera::dist {
 
-class HostGroup {
+class HostGroup final : public HostCollectives {
  public:
   explicit HostGroup(int size, std::chrono::milliseconds timeout = std::chrono::seconds(60));
   HostGroup(const HostGroup&) = delete;
   HostGroup& operator=(const HostGroup&) = delete;
 
-  int size() const { return size_; }
+  int size() const override { return size_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
-  // data (the same length on every rank) = the sum of every rank's data, added in rank order.
-  void all_reduce_sum(int rank, std::span<float> data);
-  // out [size * in.size()] = every rank's `in` back to back in rank order.
-  void all_gather(int rank, std::span<const float> in, std::span<float> out);
-  // Every rank's `data` = root's bytes.
-  void broadcast(int rank, std::span<std::byte> data, int root);
-  void barrier(int rank);
-  // Breaks the group: every rank waiting in (or later entering) a collective throws kRuntime with `why`.
-  void abort(int rank, const std::string& why);
+  void all_reduce_sum(int rank, std::span<float> data) override;
+  void all_gather(int rank, std::span<const float> in, std::span<float> out) override;
+  void broadcast(int rank, std::span<std::byte> data, int root) override;
+  void barrier(int rank) override;
+  void abort(int rank, const std::string& why) override;
 
  private:
   struct Post {

@@ -8,7 +8,7 @@
 
 #include "backends/device_api.h"
 #include "core/error.h"
-#include "dist/host_group.h"
+#include "dist/host_collectives.h"
 #include "io/npy.h"
 #include "io/quant_config.h"
 #include "ops/quant_ops.h"
@@ -464,7 +464,7 @@ void NemotronH::embed(const ops::Context& ctx, const Tensor& out, const ops::Ind
   ops::all_reduce(ctx, out, group_);
 }
 
-void NemotronH::set_tensor_parallel_group(dist::HostGroup* group) {
+void NemotronH::set_tensor_parallel_group(dist::HostCollectives* group) {
   if (!tp_.enabled()) {
     if (group && group->size() != 1)
       runtime_error("NemotronH: a communicator of {} ranks for a model without tensor parallelism", group->size());

@@ -20,7 +20,7 @@
 #define CHIMERA_CUDA_CALL(call) ::chimera::runtime_error("this build of chimera has no CUDA backend")
 #endif
 #include "core/error.h"
-#include "dist/host_group.h"
+#include "dist/host_collectives.h"
 #include "runtime/profiler.h"
 
 namespace chimera::ops {

@@ -26,7 +26,7 @@ class Profiler;  // runtime/profiler.h
 }  // namespace chimera
 
 namespace chimera::dist {
-class HostGroup;  // dist/host_group.h
+class HostCollectives;  // dist/host_collectives.h
 }  // namespace chimera::dist
 
 namespace chimera::ops {
@@ -84,7 +84,7 @@ void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out
 // A tensor-parallel rank: its group and its index in it. Phase 1: ranks are threads of one process on the CPU
 // backend (dist::HostGroup); the CUDA backend has no tensor-parallel path yet (kInvalidInput).
 struct TpGroup {
-  dist::HostGroup* group = nullptr;
+  dist::HostCollectives* group = nullptr;
   int rank = 0;
 };
 // x (F32, any shape, the same on every rank) = the sum of every rank's x, added in rank order 0..size-1, so every
