@@ -32,7 +32,7 @@ struct GenerateOptions {
   bool quiet = false;  // no stats on stderr
   std::string speculative_config;  // --speculative-config JSON; "" = off
   // --tensor-parallel-size N: the model sharded over N ranks that are threads of this process
-  // (models/tensor_parallel_model.h); the CPU only in phase 1.
+  // (models/tensor_parallel_model.h): CPU threads, or one GPU per rank.
   int tensor_parallel_size = 1;
   // Tensor-parallel AllReduce strategy (--allreduce-strategy / CHIMERA_ALLREDUCE_STRATEGY, read once by CLI11
   // at parse time). Carried for the tensor-parallel engine; generate runs on one device today.
@@ -75,7 +75,7 @@ struct BenchOptions {
   // per op kind (runtime/profiler.h).
   bool profile = false;
   std::string speculative_config;  // --speculative-config JSON; "" = off (decode steps verify the head's drafts)
-  int tensor_parallel_size = 1;    // --tensor-parallel-size N: the ranks of EngineModel (CPU only for now)
+  int tensor_parallel_size = 1;    // --tensor-parallel-size N: the ranks of EngineModel
 };
 
 // chimera serve (serve.cpp): the OpenAI-compatible server; flags named as vLLM's.
@@ -111,7 +111,7 @@ struct ServeOptions {
   bool enable_prefix_caching = true;
   int32_t mamba_checkpoint_interval = 2048;
   int32_t mamba_checkpoint_slots = 0;
-  int tensor_parallel_size = 1;  // --tensor-parallel-size N: the ranks of EngineModel (CPU only for now)
+  int tensor_parallel_size = 1;  // --tensor-parallel-size N: the ranks of EngineModel
 };
 
 void add_generate(CLI::App& app, GenerateOptions& opt);

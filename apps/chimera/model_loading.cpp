@@ -187,14 +187,15 @@ LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOpt
 
 void add_tensor_parallel_flag(CLI::App& app, int& size) {
   app.add_option("--tensor-parallel-size", size,
-                 "Shard the model over N ranks (threads of this process; --device cpu only for now)")
+                 "Shard the model over N ranks: threads of this process, one GPU each with --device cuda")
       ->capture_default_str();
 }
 
 void check_tensor_parallel_size(int size, const std::string& device) {
   if (size < 1) invalid_input("--tensor-parallel-size must be >= 1, got {}", size);
-  if (size > 1 && device != "cpu") {
-    invalid_input("--tensor-parallel-size {}: tensor parallelism runs on --device cpu only for now", size);
+  if (size > 1 && device != "cpu" && device::device_count() < size) {
+    invalid_input("--tensor-parallel-size {}: needs {} GPUs (one per rank), this machine has {}", size, size,
+                  device::device_count());
   }
 }
 
@@ -223,21 +224,36 @@ EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_o
   ModelOptions options = flag_options;
   options.quantize = src.quantize();
   const ModelConfig& c = e.loaded.config;
+  const bool cuda = options.device == Device::kCuda;
+  std::vector<int> devices;  // CUDA: rank r on GPU r
+  for (int r = 0; cuda && r < tp_size; ++r) devices.push_back(r);
   if (limits) {
-    const MemoryPlan rank = plan_rank_memory(c, tp_size, options.dtype, DType::kF32, *limits, options.quantize);
-    const auto n = static_cast<size_t>(tp_size);
-    MemoryPlan all = rank;
-    all.weights *= n;
-    all.kv_cache *= n;
-    all.mamba_state *= n;
-    all.workspace *= n;
-    check_memory_plan(all, device::memory_info(Device::kCpu).free,
-                      fmt::format("host ({} ranks of {} each)", tp_size, gib(rank.total())));
+    const DType act = cuda ? options.dtype : DType::kF32;
+    const MemoryPlan rank = plan_rank_memory(c, tp_size, options.dtype, act, *limits, options.quantize);
+    if (cuda) {
+      for (const int d : devices) {
+        const device::DeviceGuard on(d);
+        check_memory_plan(rank, device::memory_info(Device::kCuda).free,
+                          fmt::format("GPU {} (rank {} of {})", d, d, tp_size));
+      }
+    } else {
+      const auto n = static_cast<size_t>(tp_size);
+      MemoryPlan all = rank;
+      all.weights *= n;
+      all.kv_cache *= n;
+      all.mamba_state *= n;
+      all.workspace *= n;
+      check_memory_plan(all, device::memory_info(Device::kCpu).free,
+                        fmt::format("host ({} ranks of {} each)", tp_size, gib(rank.total())));
+    }
   }
-  e.tp = TensorParallelModel::create(tp_size, options, [&](const ModelOptions& rank_options) {
-    return src.is_synthetic() ? NemotronH::synthetic(c, rank_options, src.synthetic_seed)
-                              : NemotronH::load(c, *e.loaded.checkpoint, rank_options);
-  });
+  e.tp = TensorParallelModel::create(
+      tp_size, options,
+      [&](const ModelOptions& rank_options) {
+        return src.is_synthetic() ? NemotronH::synthetic(c, rank_options, src.synthetic_seed)
+                                  : NemotronH::load(c, *e.loaded.checkpoint, rank_options);
+      },
+      devices);
   return e;
 }
 

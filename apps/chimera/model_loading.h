@@ -76,9 +76,9 @@ LoadedModel load_model_dir(const std::string& dir, bool with_weights = true, con
 // the flag, its checks, the per-rank memory plan and the model construction.
 // Registers --tensor-parallel-size N.
 void add_tensor_parallel_flag(CLI::App& app, int& size);
-// kInvalidInput naming the flag: a size below 1, or above 1 with --device `device` other than cpu (the CPU ranks
-// only, for now). Checked before --device cuda is (model_options_from_flags), so the message is the same in every
-// build.
+// kInvalidInput naming the flag: a size below 1, or above 1 with --device `device` other than cpu on a machine
+// with fewer GPUs than ranks (one GPU per rank). Checked before --device cuda is (model_options_from_flags), so a
+// build without CUDA says the same.
 void check_tensor_parallel_size(int size, const std::string& device);
 // The memory plan of one of `tp_size` ranks: its shard of the weights (weight_bytes of the rank's config,
 // models/tensor_parallel.h rank_config: the rank's heads, groups, intermediate columns and vocabulary rows), the
@@ -96,9 +96,10 @@ struct EngineModel {
   const Model& model() const { return tp ? static_cast<const Model&>(*tp) : *loaded.model; }
   int tensor_parallel_size() const { return tp ? tp->tensor_parallel_size() : 1; }
 };
-// load_model for tp_size 1; otherwise the ranks' models on the CPU. With `limits` the memory plan is checked
-// first as load_model does, for tp_size ranks of plan_rank_memory against the host's free memory (a sharded
-// tensor is a copy, not a view of the checkpoint's mapping, so a checkpoint's weights count too).
+// load_model for tp_size 1; otherwise the ranks' models, on the CPU or rank r on GPU r. With `limits` the memory
+// plan is checked first as load_model does: for tp_size ranks of plan_rank_memory against the host's free memory
+// on the CPU (a sharded tensor is a copy, not a view of the checkpoint's mapping, so a checkpoint's weights count
+// too), one rank's plan against each GPU's free memory on CUDA.
 EngineModel load_engine_model(const ModelSource& src, const ModelOptions& options, int tp_size,
                               const std::optional<MemoryLimits>& limits = std::nullopt);
 

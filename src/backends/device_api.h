@@ -13,6 +13,26 @@ namespace chimera::device {
 
 // True when the CUDA backend is built and a CUDA device answers (cudaGetDeviceCount > 0).
 bool cuda_available();
+// CUDA devices (0 without CUDA), the calling thread's current one, and setting it (tensor-parallel ranks on
+// several GPUs: each rank's thread works on its own; device memory comes from the current device's allocator).
+int device_count();
+int current_device();
+void set_current_device(int ordinal);
+// `ordinal` current on the calling thread for the guard's lifetime, the previous one after; ordinal < 0: no-op.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) : previous_(ordinal >= 0 ? current_device() : -1) {
+    if (ordinal >= 0 && ordinal != previous_) set_current_device(ordinal);
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0 && current_device() != previous_) set_current_device(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_;
+};
 // One line naming the device ("NVIDIA H200, sm_90, 132 SMs, 139.8 GiB") or why there is none.
 std::string describe_cuda();
 
@@ -31,6 +51,8 @@ void copy(const Tensor& dst, const Tensor& src);
 void zero(const Tensor& t);
 // Waits for all work on the device.
 void synchronize(Device device);
+// Waits for the work queued on one CUDA stream (a cudaStream_t).
+void synchronize_stream(void* stream);
 // Programmatic dependent launch for the kernels launched through cuda/launch.cuh: whether the calling thread's next
 // launch asks for it: the device supports it (sm_90+) and the innermost live LaunchScope of this thread allows it
 // (no scope: allowed, ops::KernelConfig's default).

@@ -7,6 +7,15 @@
 namespace chimera::device {
 
 bool cuda_available() { return false; }
+int device_count() {
+  return 0;
+}
+int current_device() {
+  return 0;
+}
+void set_current_device(int ordinal) {
+  if (ordinal != 0) throw_runtime("device::set_current_device: this build of chimera has no CUDA backend");
+}
 bool pdl_enabled() { return false; }
 LaunchScope::LaunchScope(bool /*pdl*/) : previous_(true) {}
 LaunchScope::~LaunchScope() { previous_ = true; }  // restores nothing: no kernel launches without CUDA
@@ -55,6 +64,9 @@ void zero(const Tensor& t) {
 }
 
 void synchronize(Device device) { no_cuda(device); }
+void synchronize_stream(void* /*stream*/) {
+  throw_runtime("device::synchronize_stream: this build of chimera has no CUDA backend");
+}
 std::pair<size_t, size_t> cuda_memory_stats() { return {0, 0}; }
 
 MemoryInfo memory_info(Device device) {

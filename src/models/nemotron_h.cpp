@@ -52,10 +52,6 @@ void check_options(const ModelConfig& c, const ModelOptions& options) {
     invalid_input("model dtype {} is not supported on CUDA (supported: float32, bfloat16, float16)",
                   dtype_name(options.dtype));
   }
-  if (options.tp.enabled() && options.device == Device::kCuda) {
-    invalid_input("--tensor-parallel-size {}: tensor parallelism on CUDA is not built yet (phase 1: the CPU backend)",
-                  options.tp.size);
-  }
 }
 
 }  // namespace
@@ -396,24 +392,24 @@ bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelSta
       case LayerKind::kMlp: ops::relu2_mlp(ctx, s.mix, s.x, L.mlp.up_proj, L.mlp.down_proj); break;
       case LayerKind::kMoe: partial = moe_mixer(ctx, i, L, s.x, s.mix, s.routed); break;
     }
-    // Tensor parallelism: every mixer ends in a row-parallel layer (o_proj, out_proj, down_proj, the experts' and
-    // the shared expert's down_proj), so s.mix (+ s.routed) holds this rank's part of the sum: one all_reduce
-    // before the residual add, so the add + norm below (or folded into the next layer) sees the whole output. A
-    // LatentMoE layer has summed both of its outputs itself (moe_mixer).
-    bool summed = false;
-    if (group_.group && partial) {
-      if (L.kind == LayerKind::kMoe) ops::add(ctx, s.mix, s.mix, s.routed);
-      ops::all_reduce(ctx, s.mix, group_);
-      summed = true;
-    }
     if (has_pending) std::swap(s.h, s.h_next);  // the folded step wrote the new residual to h_next
     dump_activation(i, "input", s.h);           // h is layer i's input now: the folded step has run
     const bool last = j + 1 == layers.size();
+    const Tensor& next_norm = last ? final_norm : layers[j + 1].norm;
+    // Tensor parallelism: every mixer ends in a row-parallel layer (o_proj, out_proj, down_proj, the experts' and
+    // the shared expert's down_proj), so s.mix (+ s.routed) holds this rank's part of the sum: the sum over ranks,
+    // the residual add and the next norm in one op (one fused AllReduce kernel between GPUs), never folded into
+    // the next layer. A LatentMoE layer has summed both of its outputs itself (moe_mixer).
+    if (group_.group && partial) {
+      if (L.kind == LayerKind::kMoe) ops::add(ctx, s.mix, s.mix, s.routed);
+      ops::all_reduce_add_rms_norm(ctx, s.h, s.x, s.mix, next_norm, eps, group_);
+      has_pending = false;
+      continue;
+    }
     const bool fold_next =
         last ? fold_final : layers[j + 1].kind == LayerKind::kMamba || layers[j + 1].kind == LayerKind::kAttention;
-    const Tensor& next_norm = last ? final_norm : layers[j + 1].norm;
     const Tensor no_tensor;
-    const Tensor& second = L.kind == LayerKind::kMoe && !summed ? s.routed : no_tensor;
+    const Tensor& second = L.kind == LayerKind::kMoe ? s.routed : no_tensor;
     has_pending = fold_next;
     if (fold_next) {
       pending = ops::ResidualNorm{s.h, s.h_next, s.mix, second, next_norm, eps, s.x};
@@ -446,25 +442,12 @@ void NemotronH::embed(const ops::Context& ctx, const Tensor& out, const ops::Ind
     ops::embedding(ctx, out, w_.embeddings, ids);
     return;
   }
-  // The rank's rows [first, first + V / size): its ids looked up, the others' rows zeroed, then summed.
-  const int64_t first = tp_.rank * local_.vocab_size;
-  std::vector<int32_t> local(ids.size());
-  std::vector<int64_t> foreign;
-  for (size_t t = 0; t < ids.size(); ++t) {
-    const int32_t id = ids[t];
-    if (id < 0 || id >= config_.vocab_size) {
-      invalid_input("token id {} at position {} is outside the vocabulary [0, {})", id, t, config_.vocab_size);
-    }
-    const bool mine = id >= first && id < first + local_.vocab_size;
-    local[t] = mine ? static_cast<int32_t>(id - first) : 0;
-    if (!mine) foreign.push_back(static_cast<int64_t>(t));
-  }
-  ops::embedding(ctx, out, w_.embeddings, local);
-  for (const int64_t t : foreign) device::zero(out.rows(t, t + 1));
+  // The rank's rows [first, first + V / size) looked up, the others' rows zero, then summed over the ranks.
+  ops::embedding_shard(ctx, out, w_.embeddings, ids, tp_.rank * local_.vocab_size, config_.vocab_size);
   ops::all_reduce(ctx, out, group_);
 }
 
-void NemotronH::set_tensor_parallel_group(dist::HostCollectives* group) {
+void NemotronH::set_tensor_parallel_group(dist::HostCollectives* group, dist::DeviceGroup* device) {
   if (!tp_.enabled()) {
     if (group && group->size() != 1)
       runtime_error("NemotronH: a communicator of {} ranks for a model without tensor parallelism", group->size());
@@ -474,7 +457,7 @@ void NemotronH::set_tensor_parallel_group(dist::HostCollectives* group) {
     runtime_error("NemotronH: rank {} of {} needs a communicator of {} ranks, got {}", tp_.rank, tp_.size, tp_.size,
                   group ? group->size() : 0);
   }
-  group_ = ops::TpGroup{group, tp_.rank};
+  group_ = ops::TpGroup{group, tp_.rank, device};
   norm_spans_ = config_.n_groups < tp_.size;
   if (norm_spans_) {
     // Each rank's heads lie in one group of size / n_groups ranks (rank_config checked that it divides).

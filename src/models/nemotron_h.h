@@ -45,8 +45,9 @@ class NemotronH : public Model {
   const TensorParallel& tensor_parallel() const { return tp_; }
   // The communicator of the ranks (ModelOptions::tp; every rank's model gets the same group, size tp.size). Each
   // rank's forward runs on its own thread, all ranks in lockstep on the same StepBatch: every forward (and MTP
-  // forward) step is a sequence of collectives. Needed before the first forward when tp.size > 1.
-  void set_tensor_parallel_group(dist::HostCollectives* group);
+  // forward) step is a sequence of collectives. Needed before the first forward when tp.size > 1. `device`: the
+  // device collectives of CUDA ranks on distinct GPUs (ops::TpGroup); null: CUDA collectives through `group`.
+  void set_tensor_parallel_group(dist::HostCollectives* group, dist::DeviceGroup* device = nullptr);
   Device device() const override { return device_; }
   // The dtype of every activation, the conv state and the KV cache: F32 on the CPU, options.dtype on CUDA.
   DType activation_dtype() const override { return act_dtype_; }

@@ -95,7 +95,7 @@ struct ModelOptions {
   bool weight_only = false;
   // Tensor parallelism (docs/architecture.md "Tensor parallelism"): this model holds rank tp.rank's shard of every
   // weight (the name table's shard column) and its forward sums the row-parallel outputs through the communicator
-  // given to NemotronH::set_tensor_parallel_group. CPU only in phase 1 (CUDA: kInvalidInput).
+  // given to NemotronH::set_tensor_parallel_group.
   TensorParallel tp;
 };
 

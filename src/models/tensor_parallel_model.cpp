@@ -1,43 +1,172 @@
 #include "models/tensor_parallel_model.h"
 
+#include <condition_variable>
 #include <exception>
+#include <mutex>
+#include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 
+#include "backends/device_api.h"
 #include "core/error.h"
+#ifdef CHIMERA_HAVE_NCCL
+#include "dist/device_group.h"
+#endif
 
 namespace chimera {
 
-TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chrono::milliseconds timeout) {
+// A rank's thread: runs one job at a time, handed over by post() and waited for by wait(). On CUDA it makes its
+// rank's GPU current and its own stream first, so the per-thread CUDA state (cuBLASLt handles, upload scratch)
+// lives once per rank rather than once per step, and its device memory comes from a pool of its own: the caching
+// allocator hands a freed block out again at once, which is safe on the stream that freed it but not on another
+// rank's stream of the same GPU.
+class TensorParallelModel::Worker {
+ public:
+  Worker(Device device, int gpu) {
+    thread_ = std::thread([this, device, gpu] { loop(device, gpu); });
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return ready_; });
+    if (start_error_) {
+      lock.unlock();
+      thread_.join();
+      std::rethrow_exception(start_error_);
+    }
+  }
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void* stream() const { return stream_.get(); }
+  void post(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = std::move(job);
+      busy_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !busy_; });
+  }
+
+ private:
+  void loop(Device device, int gpu) {
+    try {
+      if (device == Device::kCuda) {
+        if (gpu >= 0) device::set_current_device(gpu);
+        stream_ = device::Stream::create();
+        pool_.emplace();
+      }
+    } catch (...) {
+      start_error_ = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_ = true;
+    }
+    cv_.notify_all();
+    if (start_error_) return;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || busy_; });
+      if (stop_) return;
+      std::function<void()> job = std::move(job_);
+      lock.unlock();
+      {
+        std::optional<device::ScopedAllocPool> scope;
+        if (pool_) scope.emplace(*pool_);
+        job();  // catches its own errors
+      }
+      lock.lock();
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::function<void()> job_;
+  bool ready_ = false, busy_ = false, stop_ = false;
+  std::exception_ptr start_error_;
+  device::Stream stream_;
+  std::optional<device::AllocPool> pool_;
+};
+
+TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chrono::milliseconds timeout,
+                                         std::vector<int> devices)
+    : devices_(std::move(devices)) {
   if (ranks.empty()) invalid_input("TensorParallelModel: no ranks");
   const int n = static_cast<int>(ranks.size());
+  const Device device = ranks[0].device();
+  if (!devices_.empty() && (device != Device::kCuda || static_cast<int>(devices_.size()) != n)) {
+    invalid_input("TensorParallelModel: {} GPU(s) given for {} rank(s) on the {}", devices_.size(), n,
+                  device == Device::kCuda ? "GPU" : "CPU");
+  }
   group_ = std::make_unique<dist::HostGroup>(n, timeout);
+  const bool distinct =
+      n > 1 && !devices_.empty() && std::set<int>(devices_.begin(), devices_.end()).size() == devices_.size();
+  if (distinct) {
+#ifdef CHIMERA_HAVE_NCCL
+    device_group_ = std::make_unique<dist::DeviceGroup>(devices_);
+#else
+    invalid_input("TensorParallelModel: ranks on {} GPUs need NCCL, and this build has none", n);
+#endif
+  }
   for (int r = 0; r < n; ++r) {
     NemotronH& m = ranks[static_cast<size_t>(r)];
     if (m.tensor_parallel().rank != r || m.tensor_parallel().size != n) {
       invalid_input("TensorParallelModel: model {} was made as rank {} of {}, expected rank {} of {}", r,
                     m.tensor_parallel().rank, m.tensor_parallel().size, r, n);
     }
+    if (m.device() != device) invalid_input("TensorParallelModel: rank {} is on another device kind than rank 0", r);
     ranks_.push_back(std::make_unique<NemotronH>(std::move(m)));
-    if (n > 1) ranks_.back()->set_tensor_parallel_group(group_.get());
+    if (n > 1) ranks_.back()->set_tensor_parallel_group(group_.get(), device_group_.get());
+  }
+  for (int r = 1; r < n; ++r) {
+    workers_.push_back(std::make_unique<Worker>(device, devices_.empty() ? -1 : devices_[static_cast<size_t>(r)]));
   }
   config_ = ranks_[0]->local_config();
   config_.vocab_size = ranks_[0]->config().vocab_size;
 }
 
+TensorParallelModel::~TensorParallelModel() {
+  workers_.clear();  // the threads first: they use the models and the communicators
+  device_group_.reset();
+}
+
 std::unique_ptr<TensorParallelModel> TensorParallelModel::create(
-    int size, const ModelOptions& options, const std::function<NemotronH(const ModelOptions&)>& make) {
+    int size, const ModelOptions& options, const std::function<NemotronH(const ModelOptions&)>& make,
+    std::vector<int> devices) {
   if (size < 1) invalid_input("--tensor-parallel-size {}: must be at least 1", size);
+  if (!devices.empty() && static_cast<int>(devices.size()) != size) {
+    invalid_input("TensorParallelModel: {} GPU(s) for {} rank(s)", devices.size(), size);
+  }
   std::vector<NemotronH> ranks;
   for (int r = 0; r < size; ++r) {
     ModelOptions o = options;
     o.tp = {r, size};
+    const device::DeviceGuard on(devices.empty() ? -1 : devices[static_cast<size_t>(r)]);
     ranks.push_back(make(o));
   }
-  return std::make_unique<TensorParallelModel>(std::move(ranks));
+  return std::make_unique<TensorParallelModel>(std::move(ranks), std::chrono::seconds(60), std::move(devices));
 }
 
-Tensor TensorParallelModel::run(ModelState& state, const RankFn& fn) const {
+bool TensorParallelModel::other_gpu(int r) const {
+  return !devices_.empty() && devices_[static_cast<size_t>(r)] != devices_[0];
+}
+
+Tensor TensorParallelModel::run(const ops::Context& ctx, const StepBatch& b, ModelState& state,
+                                const RankFn& fn) const {
   const size_t n = ranks_.size();
   if (state.peers.size() + 1 != n) {
     runtime_error(
@@ -45,21 +174,44 @@ Tensor TensorParallelModel::run(ModelState& state, const RankFn& fn) const {
         "CacheSizes::tensor_parallel_size = {})",
         state.peers.size() + 1, n, n);
   }
-  if (n == 1) return fn(0, *ranks_[0], state);
+  if (n == 1) return fn(0, ctx, b, *ranks_[0], state);
+  const bool cuda = ctx.device == Device::kCuda;
+  // The ranks' streams start after what the engine queued on its own (metadata uploads, state copies).
+  if (cuda) device::synchronize_stream(ctx.stream);
+  // Ranks on another GPU read the step's metadata from the host (the device copy is on rank 0's GPU).
+  std::optional<StepBatch> host_batch;
+  for (size_t r = 1; r < n && !host_batch; ++r) {
+    if (other_gpu(static_cast<int>(r)) && b.device_meta) {
+      host_batch = b;
+      host_batch->device_meta = nullptr;
+    }
+  }
   std::vector<Tensor> out(n);
   std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (size_t r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        out[r] = fn(static_cast<int>(r), *ranks_[r], r == 0 ? state : state.peers[r - 1]);
-      } catch (const std::exception& e) {
-        errors[r] = std::current_exception();
-        group_->abort(static_cast<int>(r), e.what());
-      }
+  const auto run_rank = [&](size_t r, const ops::Context& rc) {
+    try {
+      const StepBatch& rb = host_batch && other_gpu(static_cast<int>(r)) ? *host_batch : b;
+      out[r] = fn(static_cast<int>(r), rc, rb, *ranks_[r], r == 0 ? state : state.peers[r - 1]);
+      if (cuda && r > 0) device::synchronize_stream(rc.stream);  // its caches are written before the next step
+    } catch (const std::exception& e) {
+      errors[r] = std::current_exception();
+      group_->abort(static_cast<int>(r), e.what());
+    }
+  };
+  for (size_t r = 1; r < n; ++r) {
+    Worker& w = *workers_[r - 1];
+    w.post([&, r, stream = w.stream()] {
+      ops::Context rc = ctx;
+      rc.stream = stream;
+      rc.profiler = nullptr;  // the profiler times rank 0's stream
+      run_rank(r, rc);
     });
   }
-  for (std::thread& t : threads) t.join();
+  {
+    const device::DeviceGuard on(devices_.empty() ? -1 : devices_[0]);
+    run_rank(0, ctx);
+  }
+  for (const auto& w : workers_) w->wait();
   // The error of the rank that failed first is the one without "aborted" in it; any error otherwise.
   for (size_t r = 0; r < n; ++r) {
     if (!errors[r]) continue;
@@ -76,19 +228,24 @@ Tensor TensorParallelModel::run(ModelState& state, const RankFn& fn) const {
 }
 
 Tensor TensorParallelModel::forward(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
-  return run(state, [&](int, const NemotronH& m, ModelState& s) { return m.forward(ctx, b, s); });
+  return run(ctx, b, state, [](int, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
+    return m.forward(c, rb, s);
+  });
 }
 
 Tensor TensorParallelModel::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
-  return run(state, [&](int, const NemotronH& m, ModelState& s) { return m.forward_device(ctx, b, s); });
+  return run(ctx, b, state, [](int, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
+    return m.forward_device(c, rb, s);
+  });
 }
 
 Tensor TensorParallelModel::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state,
                                            Tensor& hidden) const {
   std::vector<Tensor> hiddens(ranks_.size());
-  Tensor logits = run(state, [&](int r, const NemotronH& m, ModelState& s) {
-    return m.forward_device(ctx, b, s, hiddens[static_cast<size_t>(r)]);
-  });
+  Tensor logits =
+      run(ctx, b, state, [&](int r, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
+        return m.forward_device(c, rb, s, hiddens[static_cast<size_t>(r)]);
+      });
   hidden = hiddens[0];  // replicated: every rank's is the same
   return logits;
 }
@@ -96,9 +253,16 @@ Tensor TensorParallelModel::forward_device(const ops::Context& ctx, const StepBa
 Tensor TensorParallelModel::mtp_forward_device(const ops::Context& ctx, const StepBatch& b, const Tensor& hidden,
                                                ModelState& state, int block, Tensor* mtp_hidden) const {
   std::vector<Tensor> outs(ranks_.size());
-  Tensor logits = run(state, [&](int r, const NemotronH& m, ModelState& s) {
-    return m.mtp_forward_device(ctx, b, hidden, s, block, mtp_hidden ? &outs[static_cast<size_t>(r)] : nullptr);
-  });
+  Tensor logits =
+      run(ctx, b, state, [&](int r, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
+        // The hidden rows are rank 0's (replicated values); a rank on another GPU takes a copy on its own.
+        Tensor h = hidden;
+        if (other_gpu(r)) {
+          h = device::empty(Device::kCuda, hidden.dtype(), hidden.shape());
+          device::copy(h, hidden);
+        }
+        return m.mtp_forward_device(c, rb, h, s, block, mtp_hidden ? &outs[static_cast<size_t>(r)] : nullptr);
+      });
   if (mtp_hidden) *mtp_hidden = outs[0];
   return logits;
 }

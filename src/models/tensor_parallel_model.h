@@ -1,8 +1,13 @@
 // N tensor-parallel ranks of a Nemotron-H model behind the runtime's Model interface, so one Engine drives them
-// (docs/architecture.md "Tensor parallelism"): each step runs every rank's forward on its own thread, in lockstep
-// over one dist::HostGroup, rank r against its caches (the engine's ModelState for rank 0, state.peers[r - 1]
-// for the others: the engine's StateCache is made with CacheSizes::tensor_parallel_size), and returns rank 0's
-// logits, which are whole. CPU only in phase 1 (the ranks' models refuse CUDA).
+// (docs/architecture.md "Tensor parallelism"): each step runs every rank's forward in lockstep, rank 0 on the
+// caller's thread and rank r > 0 on a thread of its own that lives as long as the model, rank r against its caches
+// (the engine's ModelState for rank 0, state.peers[r - 1] for the others: the engine's StateCache is made with
+// CacheSizes::tensor_parallel_size), and returns rank 0's logits, which are whole.
+//
+// Communicators: one dist::HostGroup always (the CPU backend's collectives, and the CUDA ones of ranks that share
+// a GPU, staged through host memory); with CUDA ranks on distinct GPUs also a dist::DeviceGroup (NCCL and the fused
+// AllReduce + residual + RMSNorm). On CUDA each rank thread has its GPU current and its own stream; a step waits
+// for the engine's stream first (its uploads and state copies) and for every rank's stream at the end.
 #pragma once
 
 #include <chrono>
@@ -16,15 +21,24 @@
 
 namespace chimera {
 
+namespace dist {
+class DeviceGroup;
+}  // namespace dist
+
 class TensorParallelModel : public Model {
  public:
   // ranks[r]: the model made with ModelOptions::tp = {r, ranks.size()}. A rank whose step does not reach a
-  // collective within `timeout` ends every rank's step with an error naming it.
+  // collective within `timeout` ends every rank's step with an error naming it. devices (CUDA): rank r's GPU, its
+  // weights already there (create() puts them there); empty: every rank on the current GPU.
   explicit TensorParallelModel(std::vector<NemotronH> ranks,
-                               std::chrono::milliseconds timeout = std::chrono::seconds(60));
-  // Loads (or makes, synthetic) every rank of `config`: make(options) with options.tp set per rank.
+                               std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                               std::vector<int> devices = {});
+  ~TensorParallelModel() override;
+  // Loads (or makes, synthetic) every rank of `config`: make(options) with options.tp set per rank and, on CUDA,
+  // rank r's GPU devices[r] current.
   static std::unique_ptr<TensorParallelModel> create(int size, const ModelOptions& options,
-                                                     const std::function<NemotronH(const ModelOptions&)>& make);
+                                                     const std::function<NemotronH(const ModelOptions&)>& make,
+                                                     std::vector<int> devices = {});
 
   // Rank 0's local config (the caches' geometry) with the whole vocabulary (the logits' width).
   const ModelConfig& config() const override { return config_; }
@@ -34,7 +48,10 @@ class TensorParallelModel : public Model {
   DType activation_dtype() const override { return ranks_[0]->activation_dtype(); }
   int mtp_blocks() const override { return ranks_[0]->mtp_blocks(); }
   int tensor_parallel_size() const override { return static_cast<int>(ranks_.size()); }
+  std::vector<int> tensor_parallel_devices() const override { return devices_; }
   const NemotronH& rank(int r) const { return *ranks_[static_cast<size_t>(r)]; }
+  // Whether the ranks' CUDA collectives run on NCCL and the fused AllReduce (ranks on distinct GPUs).
+  bool has_device_collectives() const { return device_group_ != nullptr; }
 
   Tensor forward(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const override;
   Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state) const override;
@@ -44,13 +61,19 @@ class TensorParallelModel : public Model {
                             int block, Tensor* mtp_hidden = nullptr) const override;
 
  private:
-  // fn(rank, its model, its state, its output) on one thread per rank; rank 0's output. The first error (a rank
-  // that threw aborts the group, so the others stop waiting) is rethrown after every thread has returned.
-  using RankFn = std::function<Tensor(int, const NemotronH&, ModelState&)>;
-  Tensor run(ModelState& state, const RankFn& fn) const;
+  class Worker;
+  // fn(rank, its context, its batch, its model, its state) on every rank's thread; rank 0's output. The first error
+  // (a rank that threw aborts the group, so the others stop waiting) is rethrown after every rank has returned.
+  using RankFn = std::function<Tensor(int, const ops::Context&, const StepBatch&, const NemotronH&, ModelState&)>;
+  Tensor run(const ops::Context& ctx, const StepBatch& batch, ModelState& state, const RankFn& fn) const;
+  // Whether rank r is on another GPU than rank 0 (it cannot read rank 0's device memory).
+  bool other_gpu(int r) const;
 
   std::vector<std::unique_ptr<NemotronH>> ranks_;
+  std::vector<int> devices_;
   std::unique_ptr<dist::HostGroup> group_;
+  std::unique_ptr<dist::DeviceGroup> device_group_;
+  std::vector<std::unique_ptr<Worker>> workers_;  // ranks 1..
   ModelConfig config_;
 };
 

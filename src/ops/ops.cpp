@@ -21,6 +21,9 @@
 #endif
 #include "core/error.h"
 #include "dist/host_collectives.h"
+#ifdef CHIMERA_HAVE_NCCL
+#include "dist/device_group.h"
+#endif
 #include "runtime/profiler.h"
 
 namespace chimera::ops {
@@ -238,6 +241,24 @@ void embedding(const Context& ctx, const Tensor& out, const Tensor& table, const
              [&] { CHIMERA_CUDA_CALL(cuda::embedding(ctx, out, table, ids)); });
 }
 
+void embedding_shard(const Context& ctx, const Tensor& out, const Tensor& table, const Indices& ids, int64_t first,
+                     int64_t vocab_size) {
+  const Check c(ctx, "embedding_shard");
+  c.weight("table", table, 2);
+  c.f32("out", out, 2);
+  const int64_t V = table.dim(0), D = table.dim(1);
+  c.shape("out", out, {static_cast<int64_t>(ids.size()), D}, "table", table);
+  if (first < 0 || first + V > vocab_size) c.fail("rows [{}, {}) of a vocabulary of {}", first, first + V, vocab_size);
+  for (size_t t = 0; t < ids.size(); ++t) {
+    if (ids[t] < 0 || ids[t] >= vocab_size) {
+      invalid_input("ops::embedding: token id {} at position {} is out of range for vocab size {}", ids[t], t,
+                    vocab_size);
+    }
+  }
+  c.dispatch([&] { cpu::embedding_shard(out, table, ids.host, first); },
+             [&] { CHIMERA_CUDA_CALL(cuda::embedding(ctx, out, table, ids, first, /*shard=*/true)); });
+}
+
 void convert(const Context& ctx, const Tensor& out, const Tensor& in) {
   const Check c(ctx, "convert");
   c.f32("in", in, 2);
@@ -292,15 +313,26 @@ void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, cons
     }
     const int64_t T = y.dim(0);
     // Each rank's sum of squares in its group's column, zeros elsewhere: one all_reduce sums every group's parts.
-    const Tensor sums = device::empty(ctx.device, DType::kF32, {T, sn.n_groups});
     c.dispatch(
         [&] {
+          const Tensor sums = Tensor::empty(DType::kF32, {T, sn.n_groups});
           device::zero(sums);
           cpu::gated_square_sums(sums, y, z, sn.group);
           all_reduce(ctx, sums, sn.tp);
           cpu::gated_rms_norm_from_sums(out, y, z, weight, sums, sn.group, y.dim(1) * sn.span, eps);
         },
-        [&] { invalid_input("ops::gated_rms_norm: tensor parallelism on CUDA is not built yet (phase 1: CPU)"); });
+        [&] {
+          // Ranks outnumber the model's groups: the CPU's two halves on host copies around the host sum (no
+          // Nemotron-H model spans a group below 16 ranks, so this path is for the tests' small fixtures).
+          const Tensor hy = device::to_host_f32(y), hz = device::to_host_f32(z), hw = device::to_host_f32(weight);
+          const Tensor hsums = Tensor::empty(DType::kF32, {T, sn.n_groups});
+          const Tensor hout = Tensor::empty(DType::kF32, out.shape());
+          device::zero(hsums);
+          cpu::gated_square_sums(hsums, hy, hz, sn.group);
+          sn.tp.group->all_reduce_sum(sn.tp.rank, {hsums.f32(), static_cast<size_t>(hsums.numel())});
+          cpu::gated_rms_norm_from_sums(hout, hy, hz, hw, hsums, sn.group, y.dim(1) * sn.span, eps);
+          device::copy(out, device::to_device(hout, Device::kCuda, out.dtype()));
+        });
     return;
   }
   c.dispatch([&] { cpu::gated_rms_norm(out, y, z, weight, n_groups, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::gated_rms_norm(ctx, out, y, z, weight, n_groups, eps)); });
@@ -896,15 +928,65 @@ void write_columns(const Context& ctx, const Tensor& out, const Tensor& in, int6
 
 // ---- tensor parallelism ----------------------------------------------------------------------------
 
+namespace {
+
+// A CUDA tensor through host memory: its fp32 values (after every stream's work on it), then back in its dtype.
+// The path of CUDA ranks without device collectives (ops::TpGroup::device), e.g. several ranks on one GPU.
+template <typename Fn>
+void through_host(const Tensor& x, Fn fn) {
+  const Tensor host = device::to_host_f32(x);
+  fn(host);
+  device::copy(x, device::to_device(host, x.device(), x.dtype()));
+}
+
+#ifndef CHIMERA_HAVE_NCCL
+[[noreturn]] void no_device_collectives(const char* op) {
+  runtime_error("ops::{}: this build has no NCCL (device collectives)", op);
+}
+#endif
+
+}  // namespace
+
 void all_reduce(const Context& ctx, const Tensor& x, const TpGroup& tp) {
   const Check c(ctx, "all_reduce");
   c.f32("x", x, -1);
   if (!tp.group) c.fail("no communicator");
-  c.dispatch(
-      [&] {
-        tp.group->all_reduce_sum(tp.rank, {x.f32(), static_cast<size_t>(x.numel())});
-      },
-      [&] { invalid_input("ops::all_reduce: tensor parallelism on CUDA is not built yet (phase 1: CPU)"); });
+  const auto sum = [&](const Tensor& h) {
+    tp.group->all_reduce_sum(tp.rank, {h.f32(), static_cast<size_t>(h.numel())});
+  };
+  c.dispatch([&] { sum(x); },
+             [&] {
+               if (!tp.device) return through_host(x, sum);
+#ifdef CHIMERA_HAVE_NCCL
+               tp.device->all_reduce(tp.rank, x, ctx.stream);
+#else
+               no_device_collectives("all_reduce");
+#endif
+             });
+}
+
+void all_reduce_add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
+                             const Tensor& weight, float eps, const TpGroup& tp) {
+  const Check c(ctx, "all_reduce_add_rms_norm");
+  c.f32("x", x, 2);
+  c.like("residual", residual, "x", x);
+  c.like("out", out, "x", x);
+  c.norm_weight("weight", weight, "x", x);
+  if (!tp.group) c.fail("no communicator");
+  const auto unfused = [&] {
+    all_reduce(ctx, x, tp);
+    add_rms_norm(ctx, residual, out, x, weight, eps);
+  };
+  c.dispatch(unfused, [&] {
+    // The fused kernels take one dtype for all four tensors (the model's norm weights are in the activation dtype).
+    const bool one_dtype = residual.dtype() == x.dtype() && out.dtype() == x.dtype() && weight.dtype() == x.dtype();
+    if (!tp.device || !one_dtype) return unfused();
+#ifdef CHIMERA_HAVE_NCCL
+    tp.device->all_reduce_add_rms_norm(tp.rank, residual, out, x, weight, eps, ctx.stream);
+#else
+    no_device_collectives("all_reduce_add_rms_norm");
+#endif
+  });
 }
 
 void all_gather_columns(const Context& ctx, const Tensor& out, const Tensor& in, const TpGroup& tp) {
@@ -914,18 +996,32 @@ void all_gather_columns(const Context& ctx, const Tensor& out, const Tensor& in,
   if (!tp.group) c.fail("no communicator");
   const int64_t R = in.dim(0), C = in.dim(1), n = tp.group->size();
   c.shape("out", out, {R, n * C}, "in", in);
-  c.dispatch(
-      [&] {
-        // Gathered rank-major [n, R, C], then each rank's block written to its columns of out.
-        std::vector<float> all(static_cast<size_t>(n * R * C));
-        tp.group->all_gather(tp.rank, {in.f32(), static_cast<size_t>(R * C)}, all);
-        for (int64_t r = 0; r < n; ++r) {
-          for (int64_t i = 0; i < R; ++i) {
-            std::copy_n(all.data() + (r * R + i) * C, C, out.f32() + i * n * C + r * C);
-          }
-        }
-      },
-      [&] { invalid_input("ops::all_gather_columns: tensor parallelism on CUDA is not built yet (phase 1: CPU)"); });
+  // Gathered rank-major [n, R, C], then each rank's block written to its columns of out.
+  const auto gather_host = [&](const Tensor& h_in, const Tensor& h_out) {
+    std::vector<float> all(static_cast<size_t>(n * R * C));
+    tp.group->all_gather(tp.rank, {h_in.f32(), static_cast<size_t>(R * C)}, all);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < R; ++i) {
+        std::copy_n(all.data() + (r * R + i) * C, C, h_out.f32() + i * n * C + r * C);
+      }
+    }
+  };
+  c.dispatch([&] { gather_host(in, out); },
+             [&] {
+               if (!tp.device) {
+                 const Tensor h_out = Tensor::empty(DType::kF32, out.shape());
+                 gather_host(device::to_host_f32(in), h_out);
+                 device::copy(out, device::to_device(h_out, Device::kCuda, out.dtype()));
+                 return;
+               }
+#ifdef CHIMERA_HAVE_NCCL
+               const Tensor all = device::empty(Device::kCuda, in.dtype(), {n, R, C});
+               tp.device->all_gather(tp.rank, in, all, ctx.stream);
+               for (int64_t r = 0; r < n; ++r) CHIMERA_CUDA_CALL(cuda::write_columns(ctx, out, all.select(r), r * C));
+#else
+               no_device_collectives("all_gather_columns");
+#endif
+             });
 }
 
 }  // namespace chimera::ops

@@ -27,6 +27,7 @@ class Profiler;  // runtime/profiler.h
 
 namespace chimera::dist {
 class HostCollectives;  // dist/host_collectives.h
+class DeviceGroup;      // dist/device_group.h (CUDA + NCCL builds)
 }  // namespace chimera::dist
 
 namespace chimera::ops {
@@ -63,6 +64,11 @@ struct Indices {
 // ---- embedding, norms ------------------------------------------------------------------------------
 // out: [T, D] f32; table: [V, D]; ids: T token ids (each must be in [0, V): out of range -> kInvalidInput).
 void embedding(const Context& ctx, const Tensor& out, const Tensor& table, const Indices& ids);
+// A vocabulary-parallel rank's embedding: table [V, D] holds rows [first, first + V) of a vocabulary of
+// vocab_size; ids must be in [0, vocab_size) (else kInvalidInput); a row whose id lies outside the shard is zero,
+// so the sum over ranks is the whole lookup.
+void embedding_shard(const Context& ctx, const Tensor& out, const Tensor& table, const Indices& ids, int64_t first,
+                     int64_t vocab_size);
 // out = in converted to out's dtype (same shape [T, D]); the identity row gather.
 void convert(const Context& ctx, const Tensor& out, const Tensor& in);
 
@@ -81,15 +87,23 @@ void add2_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out
                    const Tensor& weight, float eps);
 
 // ---- tensor parallelism (docs/architecture.md "Tensor parallelism") ----------------------------------
-// A tensor-parallel rank: its group and its index in it. Phase 1: ranks are threads of one process on the CPU
-// backend (dist::HostGroup); the CUDA backend has no tensor-parallel path yet (kInvalidInput).
+// A tensor-parallel rank: its communicators and its index in them. `group` (host memory) is always set; on CUDA,
+// ranks on distinct GPUs also have `device` (NCCL and the fused AllReduce), and ranks without it (several ranks on
+// one GPU: the tests) stage their CUDA collectives through host memory over `group`.
 struct TpGroup {
   dist::HostCollectives* group = nullptr;
   int rank = 0;
+  dist::DeviceGroup* device = nullptr;
 };
-// x (F32, any shape, the same on every rank) = the sum of every rank's x, added in rank order 0..size-1, so every
-// rank holds identical bits. The row-parallel layers' partial outputs go through it before the residual add.
+// x (any shape, the same on every rank) = the sum of every rank's x. The host path adds in rank order 0..size-1 in
+// fp32 (every rank holds identical bits); the device path sums as NCCL / the fused kernels do (identical on every
+// rank too). The row-parallel layers' partial outputs go through it before the residual add.
 void all_reduce(const Context& ctx, const Tensor& x, const TpGroup& tp);
+// The row-parallel epilogue: residual += sum over ranks of x, then out = rms_norm(residual) * weight (x is
+// overwritten). One fused kernel on the device path (the cross-layer AllReduce + residual + RMSNorm fusion);
+// all_reduce then add_rms_norm elsewhere. residual, out, x: [T, D]; weight [D].
+void all_reduce_add_rms_norm(const Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,
+                             const Tensor& weight, float eps, const TpGroup& tp);
 // out [R, size * C] = every rank's in [R, C] side by side in rank order (vocabulary-parallel logits made whole).
 void all_gather_columns(const Context& ctx, const Tensor& out, const Tensor& in, const TpGroup& tp);
 // A gated norm group that spans ranks: with fewer groups than ranks each rank holds 1 / span of one group's
@@ -106,7 +120,8 @@ struct SpannedNorm {
 //   u = y * silu(z); per group of D/n_groups channels: u *= rsqrt(mean(u^2) + eps); out = weight * u
 // y, z, out: [T, D]; weight: [D]; D % n_groups == 0. With `spanned` (then n_groups must be 1): the rank's D
 // channels are one part of a group of D * span channels, mean(u^2) is taken over the whole group (one
-// all_reduce of [T, spanned->n_groups] sums). CPU only.
+// all_reduce of [T, spanned->n_groups] sums; on CUDA y and z go through host memory for it: a path only a rank
+// count above the model's n_groups takes).
 void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, const Tensor& z, const Tensor& weight,
                     int64_t n_groups, float eps, const SpannedNorm* spanned = nullptr);
 

@@ -24,13 +24,15 @@ std::span<const int32_t> generated_of(const Sequence& s) {
 }
 
 // Speculative engines run every step eagerly (the verify and draft steps are not captured yet).
-bool uses_graphs(const EngineConfig& c, Device device) {
-  return device == Device::kCuda && c.cuda_graphs && !c.speculative.enabled();
+// Not with tensor parallelism: its ranks run on their own threads and streams, and a graph of one stream would
+// hold only rank 0's work (per-rank graphs are not built yet).
+bool uses_graphs(const EngineConfig& c, Device device, const Model& model) {
+  return device == Device::kCuda && c.cuda_graphs && !c.speculative.enabled() && model.tensor_parallel_size() == 1;
 }
 
 // The graph buckets: vLLM's sizes up to the largest decode batch the scheduler can form.
-std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device) {
-  if (!uses_graphs(c, device)) return {};
+std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device, const Model& model) {
+  if (!uses_graphs(c, device, model)) return {};
   return cuda_graph_batch_sizes(std::min(c.scheduler.max_num_seqs, c.cache.max_seqs));
 }
 
@@ -39,7 +41,8 @@ std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device) {
 CacheSizes engine_cache_sizes(const EngineConfig& c, Device device, const Model& model) {
   CacheSizes sizes = c.cache;
   sizes.tensor_parallel_size = model.tensor_parallel_size();
-  sizes.num_pad = cuda_graph_pad_rows(graph_buckets(c, device));
+  sizes.rank_devices = model.tensor_parallel_devices();
+  sizes.num_pad = cuda_graph_pad_rows(graph_buckets(c, device, model));
   if (c.speculative.enabled()) {
     sizes.mtp = true;
     sizes.spare_slots = c.speculative.num_speculative_tokens + 1;
@@ -80,7 +83,7 @@ Engine::Engine(const Model& model, const ops::Context& ctx, const EngineConfig& 
     own_stream_ = device::Stream::create();
     ctx_.stream = own_stream_.get();
   }
-  if (uses_graphs(config_, ctx_.device)) capture_decode_graphs();
+  if (uses_graphs(config_, ctx_.device, model_)) capture_decode_graphs();
 }
 
 std::vector<int32_t> Engine::graph_batch_sizes() const {
@@ -138,7 +141,7 @@ void Engine::stage_decode(DecodeGraph& g, int32_t n, const StepBatch& b) const {
 
 void Engine::capture_decode_graphs() {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::vector<int32_t> buckets = graph_buckets(config_, ctx_.device);
+  const std::vector<int32_t> buckets = graph_buckets(config_, ctx_.device, model_);
   const int32_t max_blocks = cache_.blocks_per_seq();
   const int32_t total_blocks = cache_.sizes().num_blocks + cache_.sizes().num_pad;
   graph_pool_.emplace();

@@ -4,6 +4,8 @@
 // the caches see only this interface; NemotronH (src/models) implements it.
 #pragma once
 
+#include <vector>
+
 #include "core/tensor.h"
 #include "io/model_config.h"
 #include "ops/ops.h"
@@ -33,6 +35,8 @@ class Model {
   // tensor per rank (CacheSizes::tensor_parallel_size), in ModelState::peers for ranks 1.., and config() is the
   // rank-local one (the cache's geometry) with the whole vocabulary.
   virtual int tensor_parallel_size() const { return 1; }
+  // CUDA ranks on several GPUs: rank r's GPU (CacheSizes::rank_devices); empty: every rank on the current one.
+  virtual std::vector<int> tensor_parallel_devices() const { return {}; }
   // forward_device also leaving the backbone's output of every row (the final norm's, before lm_head) in `hidden`:
   // [num_tokens, hidden_size] on ctx.device in the activation dtype.
   virtual Tensor forward_device(const ops::Context& ctx, const StepBatch& batch, ModelState& state,

@@ -77,7 +77,11 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
   }
   if (sizes_.tensor_parallel_size < 1)
     runtime_error("StateCache: tensor parallel size {}", sizes_.tensor_parallel_size);
+  if (!sizes_.rank_devices.empty() && static_cast<int32_t>(sizes_.rank_devices.size()) != sizes_.tensor_parallel_size) {
+    runtime_error("StateCache: {} rank devices for {} ranks", sizes_.rank_devices.size(), sizes_.tensor_parallel_size);
+  }
   for (int32_t r = 1; r < sizes_.tensor_parallel_size; ++r) {
+    const device::DeviceGuard on(rank_device(r));
     ModelState peer;
     peer.conv.resize(n);
     peer.ssm.resize(n);
@@ -170,7 +174,10 @@ void StateCache::copy_mamba_state(int32_t dst, int32_t src, void* stream) {
     for (size_t i = 0; i < st.conv.size(); ++i) {
       if (!st.conv[i]) continue;
       for (const Tensor& t : {st.conv[i], st.ssm[i]}) {
-        if (device_ == Device::kCpu) {
+        // A rank on another GPU than the stream's: a synchronous copy on its own device.
+        const bool other_gpu =
+            &st != &state_ && !sizes_.rank_devices.empty() && sizes_.rank_devices[0] != device::current_device();
+        if (device_ == Device::kCpu || other_gpu) {
           device::copy(t.select(dst), t.select(src));
         } else {
           device::copy_async(t.select(dst), t.select(src), stream);

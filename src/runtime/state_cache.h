@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/device_api.h"
 #include "io/model_config.h"
 #include "ops/ops.h"
 #include "runtime/prefix_cache.h"
@@ -73,6 +74,9 @@ struct CacheSizes {
   // rank-local config and holds tensor_parallel_size copies of every tensor (ModelState::peers), one per rank,
   // under one set of slot and block ids; zeroing a new slot and copy_mamba_state apply to every copy.
   int32_t tensor_parallel_size = 1;
+  // CUDA ranks on several GPUs: rank r's copy lives on GPU rank_devices[r] (tensor_parallel_size entries); empty:
+  // every copy on the current GPU.
+  std::vector<int> rank_devices;
 };
 
 // The MTP head's sublayers in cache order (CacheSizes::mtp): its block's pattern, once per block.
@@ -132,11 +136,21 @@ class StateCache {
   static size_t kv_bytes_per_token(const ModelConfig& config, size_t bytes_per_element = 4);
 
  private:
-  // fn(state) for this rank's state and each peer's (CacheSizes::tensor_parallel_size).
+  // fn(state) for this rank's state and each peer's (CacheSizes::tensor_parallel_size), each with its rank's GPU
+  // current (CacheSizes::rank_devices).
   template <typename Fn>
   void for_each_rank(Fn fn) const {
-    fn(state_);
-    for (const ModelState& p : state_.peers) fn(p);
+    {
+      const device::DeviceGuard on(rank_device(0));
+      fn(state_);
+    }
+    for (size_t r = 1; r <= state_.peers.size(); ++r) {
+      const device::DeviceGuard on(rank_device(static_cast<int>(r)));
+      fn(state_.peers[r - 1]);
+    }
+  }
+  int rank_device(int r) const {
+    return sizes_.rank_devices.empty() ? -1 : sizes_.rank_devices[static_cast<size_t>(r)];
   }
   CacheSizes sizes_;
   Device device_;

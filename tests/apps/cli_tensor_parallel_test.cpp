@@ -6,9 +6,11 @@
 #include <sstream>
 #include <string>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "backends/device_api.h"
 #include "common/run_command.h"
 #include "io/model_presets.h"
 #include "models/nemotron_h.h"
@@ -128,12 +130,15 @@ TEST(CliTensorParallel, SizesThatDoNotSplitNameTheConfigField) {
   EXPECT_NE(r.out.find("--tensor-parallel-size must be >= 1, got 0"), std::string::npos) << r.out;
 }
 
-TEST(CliTensorParallel, CudaWithMoreThanOneRankIsAClearError) {
-  // Checked before the device itself, so a CPU build says the same.
+TEST(CliTensorParallel, MoreRanksThanGpusIsAClearError) {
+  // One GPU per rank; checked before the device itself, so a CPU build says the same.
+  const int gpus = device::device_count();
+  const int ranks = gpus + 1 < 2 ? 2 : gpus + 1;
   for (const char* sub : {"generate --prompt-ids 1 -n 1", "bench --input-lens 8 --batch-sizes 1", "serve --port 0"}) {
-    auto r = run_cli(std::string(sub) + " --synthetic tiny --device cuda --tensor-parallel-size 2");
+    auto r = run_cli(fmt::format("{} --synthetic tiny --device cuda --tensor-parallel-size {}", sub, ranks));
     EXPECT_EQ(r.status, 2) << sub << "\n" << r.out;
-    EXPECT_NE(r.out.find("--tensor-parallel-size 2: tensor parallelism runs on --device cpu only for now"),
+    EXPECT_NE(r.out.find(fmt::format("--tensor-parallel-size {}: needs {} GPUs (one per rank), this machine has {}",
+                                     ranks, ranks, gpus)),
               std::string::npos)
         << sub << "\n"
         << r.out;

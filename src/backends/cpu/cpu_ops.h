@@ -13,6 +13,8 @@
 namespace chimera::cpu {
 
 void embedding(const Tensor& out, const Tensor& table, std::span<const int32_t> ids);
+// ops::embedding_shard: table holds vocabulary rows [first, first + V); other ids give zero rows.
+void embedding_shard(const Tensor& out, const Tensor& table, std::span<const int32_t> ids, int64_t first);
 void convert(const Tensor& out, const Tensor& in);  // F32 copy (CPU activations are F32)
 void rms_norm(const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
 void add_rms_norm(const Tensor& residual, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);

@@ -1,4 +1,5 @@
 // Embedding lookup and the RMSNorm family (docs/model.md 2.2, 3.3 gated grouped norm).
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -24,6 +25,19 @@ void embedding(const Tensor& out, const Tensor& table, std::span<const int32_t> 
   const int64_t D = table.dim(1);
   for (size_t t = 0; t < ids.size(); ++t) {
     load_rows_f32(table, ids[t], 1, D, out.f32() + static_cast<int64_t>(t) * D);
+  }
+}
+
+void embedding_shard(const Tensor& out, const Tensor& table, std::span<const int32_t> ids, int64_t first) {
+  const int64_t V = table.dim(0), D = table.dim(1);
+  for (size_t t = 0; t < ids.size(); ++t) {
+    float* dst = out.f32() + static_cast<int64_t>(t) * D;
+    const int64_t row = ids[t] - first;
+    if (row >= 0 && row < V) {
+      load_rows_f32(table, row, 1, D, dst);
+    } else {
+      std::fill_n(dst, D, 0.0f);
+    }
   }
 }
 

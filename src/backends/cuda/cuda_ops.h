@@ -15,7 +15,9 @@
 namespace chimera::cuda {
 
 // norm/ (norm_ops.cu)
-void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, const ops::Indices& ids);
+// shard: ops::embedding_shard (table = vocabulary rows [first, first + V), other ids give zero rows).
+void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, const ops::Indices& ids,
+               int64_t first = 0, bool shard = false);
 void convert(const ops::Context& ctx, const Tensor& out, const Tensor& in);
 void rms_norm(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& weight, float eps);
 void add_rms_norm(const ops::Context& ctx, const Tensor& residual, const Tensor& out, const Tensor& x,

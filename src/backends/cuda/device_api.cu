@@ -122,8 +122,24 @@ class CachingAllocator {
   size_t in_use_ = 0, cached_ = 0;
 };
 
+// One allocator per device (tensor-parallel ranks on several GPUs): a block is handed out again only on the device
+// it was allocated on. Never destroyed: tensors may outlive static destruction order.
+constexpr int kMaxDevices = 64;
+
 CachingAllocator& allocator() {
-  static auto* a = new CachingAllocator();  // never destroyed: tensors may outlive static destruction order
+  static std::atomic<CachingAllocator*> allocators[kMaxDevices] = {};
+  static std::mutex mu;
+  int dev = 0;
+  CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), "device::empty");
+  if (dev < 0 || dev >= kMaxDevices) throw_runtime(str_cat("device::empty: device ", dev, " beyond ", kMaxDevices));
+  CachingAllocator* a = allocators[dev].load(std::memory_order_acquire);
+  if (a) return *a;
+  std::lock_guard<std::mutex> lock(mu);
+  a = allocators[dev].load(std::memory_order_relaxed);
+  if (!a) {
+    a = new CachingAllocator();
+    allocators[dev].store(a, std::memory_order_release);
+  }
   return *a;
 }
 
@@ -137,6 +153,25 @@ struct AllocPool::Impl {
 namespace {
 thread_local AllocPool::Impl* t_pool = nullptr;  // set by ScopedAllocPool
 }  // namespace
+
+int device_count() {
+  if (!cuda_available()) return 0;
+  int n = 0;
+  CHIMERA_CUDA_CHECK(cudaGetDeviceCount(&n), "device::device_count");
+  return n;
+}
+
+int current_device() {
+  int dev = 0;
+  CHIMERA_CUDA_CHECK(cudaGetDevice(&dev), "device::current_device");
+  return dev;
+}
+
+void set_current_device(int ordinal) {
+  const int n = device_count();
+  if (ordinal < 0 || ordinal >= n) throw_runtime(str_cat("device::set_current_device: GPU ", ordinal, " of ", n));
+  CHIMERA_CUDA_CHECK(cudaSetDevice(ordinal), "device::set_current_device");
+}
 
 bool cuda_available() {
   static const bool available = [] {
@@ -191,8 +226,9 @@ Tensor empty(Device device, DType dtype, Shape shape) {
     std::shared_ptr<void> owner(p, [bytes, pool](void* q) { pool->blocks.release(q, bytes); });
     return Tensor::wrap(p, dtype, std::move(shape), std::move(owner), Device::kCuda);
   }
-  void* p = allocator().allocate(bytes);
-  std::shared_ptr<void> owner(p, [bytes](void* q) { allocator().release(q, bytes); });
+  CachingAllocator& a = allocator();
+  void* p = a.allocate(bytes);
+  std::shared_ptr<void> owner(p, [bytes, &a](void* q) { a.release(q, bytes); });
   return Tensor::wrap(p, dtype, std::move(shape), std::move(owner), Device::kCuda);
 }
 
@@ -256,6 +292,10 @@ Stream Stream::create() {
   Stream s;
   s.handle_ = std::shared_ptr<void>(st, [](void* h) { cudaStreamDestroy(static_cast<cudaStream_t>(h)); });
   return s;
+}
+
+void synchronize_stream(void* stream) {
+  CHIMERA_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "device::synchronize_stream");
 }
 
 void Stream::synchronize() const {

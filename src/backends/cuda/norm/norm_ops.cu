@@ -26,6 +26,10 @@ struct EmbeddingParams {
   const int32_t* ids;  // [T] device, validated in [0, V) on the host; null: row t of the table (ops::convert)
   int64_t tokens;
   int hidden;
+  // A vocabulary shard (ops::embedding_shard): the table holds rows [first, first + rows) of the vocabulary; an id
+  // outside them gives a zero row. rows 0: every id is a row of the table.
+  int64_t first = 0;
+  int64_t rows = 0;
 };
 
 // Blocks (token, chunk of kEmbedChunk accesses of N elements, 16-byte groups when D and the pointers allow). Long
@@ -38,14 +42,16 @@ __global__ void embedding_kernel(const EmbeddingParams p) {
   const int64_t t = blockIdx.x;
   pdl_wait();  // PDL: the ids (step metadata) and, for ops::convert, the table are earlier kernels' outputs
   pdl_trigger();
-  const int64_t row = p.ids ? p.ids[t] : t;
-  const TIn* src = static_cast<const TIn*>(p.table) + static_cast<size_t>(row) * static_cast<size_t>(p.hidden);
+  const int64_t row = (p.ids ? p.ids[t] : t) - p.first;
+  const bool zero = p.rows > 0 && (row < 0 || row >= p.rows);  // another shard's token
+  const TIn* src =
+      static_cast<const TIn*>(p.table) + static_cast<size_t>(zero ? 0 : row) * static_cast<size_t>(p.hidden);
   TOut* dst = static_cast<TOut*>(p.out) + static_cast<size_t>(t) * static_cast<size_t>(p.hidden);
   const int end = min(p.hidden / N, (static_cast<int>(blockIdx.y) + 1) * kEmbedChunk);
   for (int i = static_cast<int>(blockIdx.y) * kEmbedChunk + static_cast<int>(threadIdx.x); i < end;
        i += static_cast<int>(blockDim.x)) {
-    float v[N];
-    load_f32<TIn, N>(src + static_cast<size_t>(i) * N, v);
+    float v[N] = {};
+    if (!zero) load_f32<TIn, N>(src + static_cast<size_t>(i) * N, v);
     store_f32<TOut, N>(dst + static_cast<size_t>(i) * N, v);
   }
 }
@@ -76,12 +82,17 @@ void launch_gather(const EmbeddingParams& p, DType in_dtype, DType out_dtype, cu
 
 }  // namespace
 
-void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, const ops::Indices& ids) {
+void embedding(const ops::Context& ctx, const Tensor& out, const Tensor& table, const ops::Indices& ids, int64_t first,
+               bool shard) {
   const char* op = "ops::embedding";
   if (ids.empty() || out.dim(1) == 0) return;
   const cudaStream_t stream = as_stream(ctx.stream);
   EmbeddingParams p{out.data(), table.data(), nullptr, static_cast<int64_t>(ids.size()),
                     checked_int(op, "hidden size", table.dim(1))};
+  if (shard) {
+    p.first = first;
+    p.rows = table.dim(0);
+  }
   checked_int(op, "token count", p.tokens);
   p.ids = ids.device ? ids.device
                      : static_cast<const int32_t*>(

@@ -1,0 +1,46 @@
+// The device collectives of tensor-parallel ranks on distinct GPUs of one host (ops::TpGroup::device): one NCCL
+// clique over the ranks' devices and the fused AllReduce (dist/allreduce.h, strategy AUTO: ONESHOT / TWOSHOT over
+// peer-mapped memory where every pair has peer access, NCCL + the fused norm kernel otherwise). Built with CUDA and
+// NCCL only (CHIMERA_HAVE_NCCL).
+//
+// Every call is made by every rank, from that rank's thread with its device current, on its own stream, in the
+// same order (dist/allreduce.h's contract). Tensors are contiguous CUDA tensors of the rank's device in F32, BF16
+// or F16; the calls return once the work is enqueued.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "core/tensor.h"
+#include "dist/allreduce.h"
+#include "dist/communicator.h"
+
+namespace chimera::dist {
+
+class DeviceGroup {
+ public:
+  // devices: one distinct CUDA ordinal per rank, in rank order.
+  explicit DeviceGroup(const std::vector<int>& devices, AllReduceConfig config = {});
+  ~DeviceGroup();
+  DeviceGroup(const DeviceGroup&) = delete;
+  DeviceGroup& operator=(const DeviceGroup&) = delete;
+
+  int size() const { return comm_->size(); }
+  int device(int rank) const { return comm_->device(rank); }
+  const Communicator& communicator() const { return *comm_; }
+
+  // x [rows, cols] = the sum of every rank's x (in place, through a temporary the sum lands in).
+  void all_reduce(int rank, const Tensor& x, void* stream);
+  // The row-parallel layer's epilogue in one fused call: residual += sum of every rank's x, then
+  // out = rms_norm(residual) * weight. residual, out, x: [T, D] in one dtype; weight [D] in it too.
+  void all_reduce_add_rms_norm(int rank, const Tensor& residual, const Tensor& out, const Tensor& x,
+                               const Tensor& weight, float eps, void* stream);
+  // out [size, ...in's shape] = every rank's `in` in rank order (ncclAllGather).
+  void all_gather(int rank, const Tensor& in, const Tensor& out, void* stream);
+
+ private:
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<AllReduceFusion> fusion_;
+};
+
+}  // namespace chimera::dist
