@@ -631,9 +631,10 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint, co
           for (int64_t e = 0; e < E; ++e) ex.push_back(load_linear(ck, expert_name(s.name, e), N, K, options));
           std::string name = ck.module_of(expert_name(s.name, 0));
           name.replace(name.find("experts.0."), 10, "experts.{e}.");
-          // On CUDA the experts go straight into their device buffer (quantization at load needs them on the host).
+          // On CUDA the experts go straight into their device buffer (quantization at load and a tensor-parallel
+          // rank's slicing need them on the host).
           ExpertsTarget target;
-          if (options.device == Device::kCuda && options.quantize == ops::WeightFormat::kDense) {
+          if (options.device == Device::kCuda && options.quantize == ops::WeightFormat::kDense && !options.tp.enabled()) {
             target = {Device::kCuda, options.dtype};
           }
           *s.experts = stack_experts(ex, name, target);
