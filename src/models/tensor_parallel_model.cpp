@@ -12,6 +12,11 @@
 #include "core/error.h"
 #ifdef CHIMERA_HAVE_NCCL
 #include "dist/device_group.h"
+#else
+namespace chimera::dist {
+// A build without NCCL has no device collectives (device_group_ stays null); the type only completes the pointer.
+class DeviceGroup {};
+}  // namespace chimera::dist
 #endif
 
 namespace chimera {

@@ -33,9 +33,11 @@ struct Param {
 class TensorParallelEngine : public ::testing::TestWithParam<Param> {};
 
 // The logits' bound against one rank: fp32 summation order on the CPU; on CUDA also other GEMM splits of the
-// sharded K dimensions; bf16 rounds each rank's partial sum to bf16 before the sum.
+// sharded K dimensions. bf16 rounds each rank's partial sums to bf16 before they are added: on the fixtures' small
+// random weights a row of one GPU's bf16 run already lies up to 0.56 of its largest logit from transformers', and
+// TP = 2 against TP = 1 measured up to 0.37 (H200), so the bf16 bound only catches a broken sum.
 double logits_bound(const Param& p) {
-  if (p.dtype == DType::kBF16) return 5e-2;
+  if (p.dtype == DType::kBF16) return 0.5;
   return p.device == Device::kCuda ? 1e-4 : test::kTensorParallelLogitsRelToMax;
 }
 
@@ -70,6 +72,7 @@ TEST_P(TensorParallelEngine, SameTokensAndLogitsAsOneRank) {
   const auto ref = test::run_batch(one, prompts, n_new);
   const auto got = test::run_batch(*tp, prompts, n_new);
   ASSERT_EQ(got.size(), ref.size());
+  size_t compared = 0;
   for (size_t p = 0; p < ref.size(); ++p) {
     // bf16: greedy tokens are not robust to the partial sums' rounding; the logits' bound holds them.
     if (param.dtype != DType::kBF16) {
@@ -92,7 +95,9 @@ TEST_P(TensorParallelEngine, SameTokensAndLogitsAsOneRank) {
       if (got[p].tokens != ref[p].tokens) continue;
     }
     EXPECT_LE(worst, logits_bound(param)) << "prompt " << p;
+    ++compared;
   }
+  EXPECT_GT(compared, 0u) << "no prompt kept the tokens of one rank";
 }
 
 std::vector<Param> params() {
