@@ -61,6 +61,7 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
   app.add_option("--dump-activations", o.dump_activations,
                  "Debugging: write each layer's input (and a MoE layer's experts) of the prefill to DIR as .npy");
   add_tensor_parallel_flag(app, o.tensor_parallel_size);
+  add_node_flags(app, o.nodes);
   app.add_flag("--no-special-tokens", o.no_special_tokens, "Do not add the tokenizer's special tokens (BOS)");
   app.add_flag("-q,--quiet", o.quiet, "No statistics on stderr");
 }
@@ -116,6 +117,7 @@ void flush_stdout() {
 
 int run_generate(const GenerateOptions& o) {
   check_tensor_parallel_size(o.tensor_parallel_size, o.device);
+  check_node_options(o.nodes, o.tensor_parallel_size);
   const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
   if (!o.prompt.empty() + !o.prompt_ids.empty() + !o.prompt_file.empty() != 1) {
     invalid_input("give exactly one of --prompt, --prompt-ids and --prompt-file");
@@ -147,7 +149,11 @@ int run_generate(const GenerateOptions& o) {
   if (tp_size > 1 && !o.dump_activations.empty()) {
     invalid_input("--dump-activations: not with --tensor-parallel-size {}", tp_size);
   }
-  const EngineModel em = load_engine_model(o.source, model_options, tp_size, limits);
+  if (o.nodes.node_rank > 0) {  // another node's ranks: no engine, no output
+    run_worker_node(o.source, model_options, tp_size, o.nodes, limits);
+    return 0;
+  }
+  const EngineModel em = load_engine_model(o.source, model_options, tp_size, limits, o.nodes);
   const LoadedModel& m = em.loaded;
   const Model& model = em.model();
   if (!o.dump_activations.empty()) {
