@@ -124,15 +124,19 @@ int run_generate(const GenerateOptions& o) {
   }
   o.sampling.validate();
   if (o.max_model_len < 1) invalid_input("--max-model-len must be >= 1, got {}", o.max_model_len);
+  // The other nodes of a multi-process run neither read the prompt nor write anything.
+  const bool node_zero = o.nodes.node_rank == 0;
   // Outputs are checked before the work: an unwritable --logits-out fails now, not after the generation.
-  if (!o.logits_out.empty()) {
+  if (node_zero && !o.logits_out.empty()) {
     std::error_code ec;
     if (std::filesystem::is_directory(o.logits_out, ec)) invalid_input("--logits-out: '{}' is a directory", o.logits_out);
     std::ofstream probe(o.logits_out, std::ios::binary | std::ios::trunc);
     if (!probe) invalid_input("--logits-out: cannot write '{}': {}", o.logits_out, std::strerror(errno));
   }
-  const std::string prompt_text = o.prompt_file.empty() ? o.prompt : read_prompt_file(o.prompt_file);
-  if (!o.prompt_file.empty() && prompt_text.empty()) invalid_input("--prompt-file: '{}' is empty", o.prompt_file);
+  const std::string prompt_text = o.prompt_file.empty() || !node_zero ? o.prompt : read_prompt_file(o.prompt_file);
+  if (node_zero && !o.prompt_file.empty() && prompt_text.empty()) {
+    invalid_input("--prompt-file: '{}' is empty", o.prompt_file);
+  }
 
   const auto t0 = std::chrono::steady_clock::now();
   EngineConfig ec;
@@ -149,7 +153,7 @@ int run_generate(const GenerateOptions& o) {
   if (tp_size > 1 && !o.dump_activations.empty()) {
     invalid_input("--dump-activations: not with --tensor-parallel-size {}", tp_size);
   }
-  if (o.nodes.node_rank > 0) {  // another node's ranks: no engine, no output
+  if (!node_zero) {  // another node's ranks: no engine, no output
     run_worker_node(o.source, model_options, tp_size, o.nodes, limits);
     return 0;
   }
