@@ -190,7 +190,8 @@ LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOpt
 
 void add_tensor_parallel_flag(CLI::App& app, int& size) {
   app.add_option("--tensor-parallel-size", size,
-                 "Shard the model over N ranks: threads of this process, one GPU each with --device cuda")
+                 "Shard the model over N ranks: threads of this process, one GPU each with --device cuda (or, with "
+                 "generate --nnodes, threads of several processes on the CPU)")
       ->capture_default_str();
 }
 
