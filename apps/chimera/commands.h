@@ -34,6 +34,8 @@ struct GenerateOptions {
   // --tensor-parallel-size N: the model sharded over N ranks that are threads of this process
   // (models/tensor_parallel_model.h): CPU threads, or one GPU per rank.
   int tensor_parallel_size = 1;
+  // --nnodes, --node-rank, --master-addr, --master-port, --dist-timeout: those ranks spread over processes.
+  NodeOptions nodes;
   // Tensor-parallel AllReduce strategy (--allreduce-strategy / CHIMERA_ALLREDUCE_STRATEGY, read once by CLI11
   // at parse time). Carried for the tensor-parallel engine; generate runs on one device today.
   dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;

@@ -61,6 +61,7 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
   app.add_option("--dump-activations", o.dump_activations,
                  "Debugging: write each layer's input (and a MoE layer's experts) of the prefill to DIR as .npy");
   add_tensor_parallel_flag(app, o.tensor_parallel_size);
+  add_node_flags(app, o.nodes);
   app.add_flag("--no-special-tokens", o.no_special_tokens, "Do not add the tokenizer's special tokens (BOS)");
   app.add_flag("-q,--quiet", o.quiet, "No statistics on stderr");
 }
@@ -116,21 +117,26 @@ void flush_stdout() {
 
 int run_generate(const GenerateOptions& o) {
   check_tensor_parallel_size(o.tensor_parallel_size, o.device);
+  check_node_options(o.nodes, o.tensor_parallel_size);
   const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
   if (!o.prompt.empty() + !o.prompt_ids.empty() + !o.prompt_file.empty() != 1) {
     invalid_input("give exactly one of --prompt, --prompt-ids and --prompt-file");
   }
   o.sampling.validate();
   if (o.max_model_len < 1) invalid_input("--max-model-len must be >= 1, got {}", o.max_model_len);
+  // The other nodes of a multi-process run neither read the prompt nor write anything.
+  const bool node_zero = o.nodes.node_rank == 0;
   // Outputs are checked before the work: an unwritable --logits-out fails now, not after the generation.
-  if (!o.logits_out.empty()) {
+  if (node_zero && !o.logits_out.empty()) {
     std::error_code ec;
     if (std::filesystem::is_directory(o.logits_out, ec)) invalid_input("--logits-out: '{}' is a directory", o.logits_out);
     std::ofstream probe(o.logits_out, std::ios::binary | std::ios::trunc);
     if (!probe) invalid_input("--logits-out: cannot write '{}': {}", o.logits_out, std::strerror(errno));
   }
-  const std::string prompt_text = o.prompt_file.empty() ? o.prompt : read_prompt_file(o.prompt_file);
-  if (!o.prompt_file.empty() && prompt_text.empty()) invalid_input("--prompt-file: '{}' is empty", o.prompt_file);
+  const std::string prompt_text = o.prompt_file.empty() || !node_zero ? o.prompt : read_prompt_file(o.prompt_file);
+  if (node_zero && !o.prompt_file.empty() && prompt_text.empty()) {
+    invalid_input("--prompt-file: '{}' is empty", o.prompt_file);
+  }
 
   const auto t0 = std::chrono::steady_clock::now();
   EngineConfig ec;
@@ -147,7 +153,11 @@ int run_generate(const GenerateOptions& o) {
   if (tp_size > 1 && !o.dump_activations.empty()) {
     invalid_input("--dump-activations: not with --tensor-parallel-size {}", tp_size);
   }
-  const EngineModel em = load_engine_model(o.source, model_options, tp_size, limits);
+  if (!node_zero) {  // another node's ranks: no engine, no output
+    run_worker_node(o.source, model_options, tp_size, o.nodes, limits);
+    return 0;
+  }
+  const EngineModel em = load_engine_model(o.source, model_options, tp_size, limits, o.nodes);
   const LoadedModel& m = em.loaded;
   const Model& model = em.model();
   if (!o.dump_activations.empty()) {

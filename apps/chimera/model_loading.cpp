@@ -1,5 +1,7 @@
 #include "model_loading.h"
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 
 #include <fmt/core.h>
@@ -8,6 +10,7 @@
 #include "core/error.h"
 #include "io/model_presets.h"
 #include "io/quant_config.h"
+#include "models/remote_ranks.h"
 #include "models/tensor_parallel.h"
 #include "runtime/state_cache.h"
 #include "tokenizer/synthetic_tokenizer.h"
@@ -187,7 +190,8 @@ LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOpt
 
 void add_tensor_parallel_flag(CLI::App& app, int& size) {
   app.add_option("--tensor-parallel-size", size,
-                 "Shard the model over N ranks: threads of this process, one GPU each with --device cuda")
+                 "Shard the model over N ranks: threads of this process, one GPU each with --device cuda (or, with "
+                 "generate --nnodes, threads of several processes on the CPU)")
       ->capture_default_str();
 }
 
@@ -212,10 +216,103 @@ MemoryPlan plan_rank_memory(const ModelConfig& config, int tp_size, DType weight
   return plan;
 }
 
+void add_node_flags(CLI::App& app, NodeOptions& nodes) {
+  app.add_option("--nnodes", nodes.nnodes,
+                 "Processes (nodes) the --tensor-parallel-size ranks are spread over (each holds an equal share)")
+      ->capture_default_str();
+  app.add_option("--node-rank", nodes.node_rank, "This process's node (0 runs the engine and listens)")
+      ->capture_default_str();
+  app.add_option("--master-addr", nodes.master_addr, "Node 0's address, which the other nodes connect to")
+      ->capture_default_str();
+  app.add_option("--master-port", nodes.master_port, "The port node 0 listens on")->capture_default_str();
+  app.add_option("--dist-timeout", nodes.timeout_s,
+                 "Seconds a node waits for the others to join, and in each collective")
+      ->capture_default_str();
+}
+
+void check_node_options(const NodeOptions& nodes, int tp_size) {
+  if (nodes.nnodes < 1) invalid_input("--nnodes must be >= 1, got {}", nodes.nnodes);
+  if (nodes.node_rank < 0 || nodes.node_rank >= nodes.nnodes) {
+    invalid_input("--node-rank {}: must be in 0..{} for --nnodes {}", nodes.node_rank, nodes.nnodes - 1, nodes.nnodes);
+  }
+  if (tp_size % nodes.nnodes != 0) {
+    invalid_input("--nnodes {}: --tensor-parallel-size {} (every rank) does not split over them", nodes.nnodes,
+                  tp_size);
+  }
+  if (nodes.master_port < 1 || nodes.master_port > 65535) {
+    invalid_input("--master-port {}: must be in 1..65535", nodes.master_port);
+  }
+  if (!(nodes.timeout_s > 0)) invalid_input("--dist-timeout {}: must be positive", nodes.timeout_s);
+}
+
+namespace {
+
+void check_node_device(const NodeOptions& nodes, Device device) {
+  if (nodes.remote() && device != Device::kCpu) {
+    invalid_input("--nnodes {}: ranks in several processes run on --device cpu only for now", nodes.nnodes);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// The ranks [first, first + count) of tp_size, with their memory plan checked first (as load_engine_model does).
+std::vector<NemotronH> load_ranks(const LoadedModel& loaded, const ModelSource& src, const ModelOptions& flag_options,
+                                  int tp_size, int first, int count, const std::optional<MemoryLimits>& limits) {
+  ModelOptions options = flag_options;
+  options.quantize = src.quantize();
+  const ModelConfig& c = loaded.config;
+  if (limits) {
+    const MemoryPlan rank = plan_rank_memory(c, tp_size, options.dtype, DType::kF32, *limits, options.quantize);
+    const auto n = static_cast<size_t>(count);
+    MemoryPlan all = rank;
+    all.weights *= n;
+    all.kv_cache *= n;
+    all.mamba_state *= n;
+    all.workspace *= n;
+    check_memory_plan(all, device::memory_info(Device::kCpu).free,
+                      fmt::format("host ({} ranks of {} each)", count, gib(rank.total())));
+  }
+  return TensorParallelModel::make_ranks(tp_size, first, count, options, [&](const ModelOptions& rank_options) {
+    return src.is_synthetic() ? NemotronH::synthetic(c, rank_options, src.synthetic_seed)
+                              : NemotronH::load(c, *loaded.checkpoint, rank_options);
+  });
+}
+
+std::unique_ptr<dist::TcpGroup> join_nodes(int tp_size, const NodeOptions& nodes) {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(nodes.timeout_s * 1000.0 + 0.5));
+  return std::make_unique<dist::TcpGroup>(tp_size, nodes.nnodes, nodes.node_rank, nodes.master_addr, nodes.master_port,
+                                          std::max(timeout, std::chrono::milliseconds(1)));
+}
+
+}  // namespace
+
+void run_worker_node(const ModelSource& src, const ModelOptions& options, int tp_size, const NodeOptions& nodes,
+                     const std::optional<MemoryLimits>& limits) {
+  check_tensor_parallel_size(tp_size, options.device == Device::kCpu ? "cpu" : "cuda");
+  check_node_options(nodes, tp_size);
+  check_node_device(nodes, options.device);
+  const LoadedModel loaded = load_model(src, /*with_weights=*/false, options);
+  const int local = tp_size / nodes.nnodes;
+  std::vector<NemotronH> ranks = load_ranks(loaded, src, options, tp_size, nodes.node_rank * local, local, limits);
+  const std::unique_ptr<dist::TcpGroup> group = join_nodes(tp_size, nodes);
+  run_remote_ranks(*group, ranks, ops::Context{options.device, nullptr, nullptr, {}});
+}
+
 EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_options, int tp_size,
-                              const std::optional<MemoryLimits>& limits) {
+                              const std::optional<MemoryLimits>& limits, const NodeOptions& nodes) {
   check_tensor_parallel_size(tp_size, flag_options.device == Device::kCpu ? "cpu" : "cuda");
+  check_node_options(nodes, tp_size);
+  check_node_device(nodes, flag_options.device);
   EngineModel e;
+  if (nodes.remote()) {
+    e.loaded = load_model(src, /*with_weights=*/false, flag_options);
+    const int local = tp_size / nodes.nnodes;
+    std::vector<NemotronH> ranks = load_ranks(e.loaded, src, flag_options, tp_size, 0, local, limits);
+    e.tp = std::make_unique<TensorParallelModel>(std::move(ranks), join_nodes(tp_size, nodes));
+    return e;
+  }
   if (tp_size == 1) {
     e.loaded = load_model(src, /*with_weights=*/true, flag_options, limits);
     return e;

@@ -88,6 +88,27 @@ void check_tensor_parallel_size(int size, const std::string& device);
 MemoryPlan plan_rank_memory(const ModelConfig& config, int tp_size, DType weight_dtype, DType act_dtype,
                             const MemoryLimits& limits, ops::WeightFormat linear_format = ops::WeightFormat::kDense);
 
+// Tensor parallelism over processes, possibly on several hosts (`generate`; dist::TcpGroup): --nnodes N processes
+// each hold --tensor-parallel-size / N ranks (node k: ranks [k * size / N, (k + 1) * size / N)); node 0 (listening
+// on --master-port) runs the engine, the others (connecting to --master-addr:--master-port) run their ranks' part
+// of every step until node 0 ends. Every node is started with the same flags but --node-rank.
+struct NodeOptions {
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  double timeout_s = 60;  // --dist-timeout: joining, and each collective
+  bool remote() const { return nnodes > 1; }
+};
+void add_node_flags(CLI::App& app, NodeOptions& nodes);
+// kInvalidInput naming the flag: nnodes < 1, a node rank out of range, a size that does not split over the nodes,
+// a port out of range, a timeout <= 0.
+void check_node_options(const NodeOptions& nodes, int tp_size);
+// A node other than 0: its ranks' models, joined to node 0, serving its steps until it stops (or fails:
+// kRuntime naming the node that went away). With `limits` the memory plan of its ranks is checked first.
+void run_worker_node(const ModelSource& src, const ModelOptions& options, int tp_size, const NodeOptions& nodes,
+                     const std::optional<MemoryLimits>& limits = std::nullopt);
+
 // The model an Engine runs: the loaded NemotronH, or with tensor parallelism the TensorParallelModel of its ranks
 // (each made here with its shard; `loaded` then keeps the config, checkpoint and tokenizer but no model).
 struct EngineModel {
@@ -100,7 +121,8 @@ struct EngineModel {
 // plan is checked first as load_model does: for tp_size ranks of plan_rank_memory against the host's free memory
 // on the CPU (a sharded tensor is a copy, not a view of the checkpoint's mapping, so a checkpoint's weights count
 // too), one rank's plan against each GPU's free memory on CUDA.
+// With `nodes` spanning several processes (the CPU) this is node 0's part: its ranks, joined to the other nodes.
 EngineModel load_engine_model(const ModelSource& src, const ModelOptions& options, int tp_size,
-                              const std::optional<MemoryLimits>& limits = std::nullopt);
+                              const std::optional<MemoryLimits>& limits = std::nullopt, const NodeOptions& nodes = {});
 
 }  // namespace chimera::cli

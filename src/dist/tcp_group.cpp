@@ -149,6 +149,24 @@ struct TcpGroup::Peer {
   ~Peer() {
     if (fd >= 0) ::close(fd);
   }
+  // Ends the connection so that the peer reads everything sent: a close with unread bytes here sends a reset,
+  // which can discard what the peer has not read yet (an abort frame naming why the group broke). So: done
+  // writing, then read and drop what still comes until the peer closes too, for a moment at most.
+  void finish() {
+    if (fd < 0) return;
+    ::shutdown(fd, SHUT_WR);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(200);
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      if (n > 0) continue;
+      if (n == 0) break;
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) break;
+      pollfd pfd{fd, POLLIN, 0};
+      if (::poll(&pfd, 1, remaining_ms(deadline)) <= 0) break;
+    }
+  }
   // Sends one frame; "" or why not (the connection is then dead: a partial frame cannot be followed by another).
   std::string send_frame(const FrameHeader& h, std::span<const std::byte> payload, Clock::time_point deadline) {
     std::lock_guard<std::mutex> lock(send_mu);
@@ -204,6 +222,9 @@ TcpGroup::TcpGroup(int size, int nnodes, int node_rank, const std::string& maste
 }
 
 TcpGroup::~TcpGroup() {
+  for (auto& p : peers_) {
+    if (p) p->finish();
+  }
   peers_.clear();
   for (int fd : wake_) {
     if (fd >= 0) ::close(fd);

@@ -117,6 +117,7 @@ TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chro
     invalid_input("TensorParallelModel: {} GPU(s) given for {} rank(s) on the {}", devices_.size(), n,
                   device == Device::kCuda ? "GPU" : "CPU");
   }
+  size_ = n;
   group_ = std::make_unique<dist::HostGroup>(n, timeout);
   const bool distinct =
       n > 1 && !devices_.empty() && std::set<int>(devices_.begin(), devices_.end()).size() == devices_.size();
@@ -144,9 +145,65 @@ TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chro
   config_.vocab_size = ranks_[0]->config().vocab_size;
 }
 
+TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group) {
+  if (!group) invalid_input("TensorParallelModel: no group");
+  if (group->node_rank() != 0 || static_cast<int>(ranks.size()) != group->local_size()) {
+    invalid_input("TensorParallelModel: {} models on node {} of a group of {} ranks over {} nodes (node 0's {})",
+                  ranks.size(), group->node_rank(), group->size(), group->nnodes(), group->local_size());
+  }
+  size_ = group->size();
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    NemotronH& m = ranks[r];
+    if (m.tensor_parallel().rank != static_cast<int>(r) || m.tensor_parallel().size != size_) {
+      invalid_input("TensorParallelModel: model {} was made as rank {} of {}, expected rank {} of {}", r,
+                    m.tensor_parallel().rank, m.tensor_parallel().size, r, size_);
+    }
+    if (m.device() != Device::kCpu) invalid_input("TensorParallelModel: ranks in other processes run on the CPU only");
+    ranks_.push_back(std::make_unique<NemotronH>(std::move(m)));
+    ranks_.back()->set_tensor_parallel_group(group.get(), nullptr);
+  }
+  group_ = std::move(group);
+  for (size_t r = 1; r < ranks_.size(); ++r) workers_.push_back(std::make_unique<Worker>(Device::kCpu, -1));
+  config_ = ranks_[0]->local_config();
+  config_.vocab_size = ranks_[0]->config().vocab_size;
+}
+
 TensorParallelModel::~TensorParallelModel() {
+  if (has_remote_ranks()) {
+    // The remote ranks' stop, from every local rank; a broken group has nothing to tell.
+    const std::vector<std::byte> stop = encode_remote_step(RemoteStep{}, nullptr);
+    const auto send = [&](size_t r) {
+      try {
+        broadcast_remote_step(*group_, static_cast<int>(r), stop);
+      } catch (const Error&) {
+      }
+    };
+    for (size_t r = 1; r < ranks_.size(); ++r) workers_[r - 1]->post([&, r] { send(r); });
+    send(0);
+    for (const auto& w : workers_) w->wait();
+  }
   workers_.clear();  // the threads first: they use the models and the communicators
   device_group_.reset();
+}
+
+std::vector<NemotronH> TensorParallelModel::make_ranks(int size, int first, int count, const ModelOptions& options,
+                                                       const std::function<NemotronH(const ModelOptions&)>& make) {
+  std::vector<NemotronH> ranks;
+  for (int r = first; r < first + count; ++r) {
+    ModelOptions o = options;
+    o.tp = {r, size};
+    ranks.push_back(make(o));
+  }
+  return ranks;
+}
+
+std::vector<std::byte> TensorParallelModel::message_for(RemoteStep step, ModelState& state) const {
+  if (!has_remote_ranks()) return {};
+  step.ops = std::move(state.remote_ops);
+  state.remote_ops.clear();
+  std::vector<std::byte> message = encode_remote_step(step, layout_sent_ ? nullptr : &state);
+  layout_sent_ = true;
+  return message;
 }
 
 std::unique_ptr<TensorParallelModel> TensorParallelModel::create(
@@ -170,8 +227,8 @@ bool TensorParallelModel::other_gpu(int r) const {
   return !devices_.empty() && devices_[static_cast<size_t>(r)] != devices_[0];
 }
 
-Tensor TensorParallelModel::run(const ops::Context& ctx, const StepBatch& b, ModelState& state,
-                                const RankFn& fn) const {
+Tensor TensorParallelModel::run(const ops::Context& ctx, const StepBatch& b, ModelState& state, const RankFn& fn,
+                                const std::vector<std::byte>& step) const {
   const size_t n = ranks_.size();
   if (state.peers.size() + 1 != n) {
     runtime_error(
@@ -179,7 +236,7 @@ Tensor TensorParallelModel::run(const ops::Context& ctx, const StepBatch& b, Mod
         "CacheSizes::tensor_parallel_size = {})",
         state.peers.size() + 1, n, n);
   }
-  if (n == 1) return fn(0, ctx, b, *ranks_[0], state);
+  if (size_ == 1) return fn(0, ctx, b, *ranks_[0], state);
   const bool cuda = ctx.device == Device::kCuda;
   // The ranks' streams start after what the engine queued on its own (metadata uploads, state copies).
   if (cuda) device::synchronize_stream(ctx.stream);
@@ -195,6 +252,7 @@ Tensor TensorParallelModel::run(const ops::Context& ctx, const StepBatch& b, Mod
   std::vector<std::exception_ptr> errors(n);
   const auto run_rank = [&](size_t r, const ops::Context& rc) {
     try {
+      if (has_remote_ranks()) broadcast_remote_step(*group_, static_cast<int>(r), step);
       const StepBatch& rb = host_batch && other_gpu(static_cast<int>(r)) ? *host_batch : b;
       out[r] = fn(static_cast<int>(r), rc, rb, *ranks_[r], r == 0 ? state : state.peers[r - 1]);
       if (cuda && r > 0) device::synchronize_stream(rc.stream);  // its caches are written before the next step
@@ -233,24 +291,32 @@ Tensor TensorParallelModel::run(const ops::Context& ctx, const StepBatch& b, Mod
 }
 
 Tensor TensorParallelModel::forward(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
-  return run(ctx, b, state, [](int, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
-    return m.forward(c, rb, s);
-  });
+  return run(
+      ctx, b, state,
+      [](int, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
+        return m.forward(c, rb, s);
+      },
+      message_for({RemoteCall::kForward, {}, false, {}, b}, state));
 }
 
 Tensor TensorParallelModel::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state) const {
-  return run(ctx, b, state, [](int, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
-    return m.forward_device(c, rb, s);
-  });
+  return run(
+      ctx, b, state,
+      [](int, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
+        return m.forward_device(c, rb, s);
+      },
+      message_for({RemoteCall::kForwardDevice, {}, false, {}, b}, state));
 }
 
 Tensor TensorParallelModel::forward_device(const ops::Context& ctx, const StepBatch& b, ModelState& state,
                                            Tensor& hidden) const {
   std::vector<Tensor> hiddens(ranks_.size());
-  Tensor logits =
-      run(ctx, b, state, [&](int r, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
+  Tensor logits = run(
+      ctx, b, state,
+      [&](int r, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
         return m.forward_device(c, rb, s, hiddens[static_cast<size_t>(r)]);
-      });
+      },
+      message_for({RemoteCall::kForwardDeviceHidden, {}, false, {}, b}, state));
   hidden = hiddens[0];  // replicated: every rank's is the same
   return logits;
 }
@@ -258,8 +324,9 @@ Tensor TensorParallelModel::forward_device(const ops::Context& ctx, const StepBa
 Tensor TensorParallelModel::mtp_forward_device(const ops::Context& ctx, const StepBatch& b, const Tensor& hidden,
                                                ModelState& state, int block, Tensor* mtp_hidden) const {
   std::vector<Tensor> outs(ranks_.size());
-  Tensor logits =
-      run(ctx, b, state, [&](int r, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
+  Tensor logits = run(
+      ctx, b, state,
+      [&](int r, const ops::Context& c, const StepBatch& rb, const NemotronH& m, ModelState& s) {
         // The hidden rows are rank 0's (replicated values); a rank on another GPU takes a copy on its own.
         Tensor h = hidden;
         if (other_gpu(r)) {
@@ -267,7 +334,8 @@ Tensor TensorParallelModel::mtp_forward_device(const ops::Context& ctx, const St
           device::copy(h, hidden);
         }
         return m.mtp_forward_device(c, rb, h, s, block, mtp_hidden ? &outs[static_cast<size_t>(r)] : nullptr);
-      });
+      },
+      message_for({RemoteCall::kMtpForward, {}, false, {}, b, hidden, block, mtp_hidden != nullptr}, state));
   if (mtp_hidden) *mtp_hidden = outs[0];
   return logits;
 }

@@ -8,6 +8,10 @@
 // a GPU, staged through host memory); with CUDA ranks on distinct GPUs also a dist::DeviceGroup (NCCL and the fused
 // AllReduce + residual + RMSNorm). On CUDA each rank thread has its GPU current and its own stream; a step waits
 // for the engine's stream first (its uploads and state copies) and for every rank's stream at the end.
+//
+// Over a dist::TcpGroup (the CPU) the model holds node 0's ranks only and the other nodes run theirs
+// (models/remote_ranks.h): each step is broadcast to them first, with the state operations the engine made on its
+// caches since the last step, and destruction tells them to stop.
 #pragma once
 
 #include <chrono>
@@ -16,7 +20,9 @@
 #include <vector>
 
 #include "dist/host_group.h"
+#include "dist/tcp_group.h"
 #include "models/nemotron_h.h"
+#include "models/remote_ranks.h"
 #include "runtime/model.h"
 
 namespace chimera {
@@ -33,12 +39,18 @@ class TensorParallelModel : public Model {
   explicit TensorParallelModel(std::vector<NemotronH> ranks,
                                std::chrono::milliseconds timeout = std::chrono::seconds(60),
                                std::vector<int> devices = {});
+  // Node 0 of `group`: ranks[r] is rank r of group->size() for r < group->local_size(); the other nodes run
+  // run_remote_ranks. The CPU only.
+  TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group);
   ~TensorParallelModel() override;
   // Loads (or makes, synthetic) every rank of `config`: make(options) with options.tp set per rank and, on CUDA,
   // rank r's GPU devices[r] current.
   static std::unique_ptr<TensorParallelModel> create(int size, const ModelOptions& options,
                                                      const std::function<NemotronH(const ModelOptions&)>& make,
                                                      std::vector<int> devices = {});
+  // Ranks [first, first + count) of `size` only (one node's), on the current device.
+  static std::vector<NemotronH> make_ranks(int size, int first, int count, const ModelOptions& options,
+                                           const std::function<NemotronH(const ModelOptions&)>& make);
 
   // Rank 0's local config (the caches' geometry) with the whole vocabulary (the logits' width).
   const ModelConfig& config() const override { return config_; }
@@ -47,7 +59,8 @@ class TensorParallelModel : public Model {
   Device device() const override { return ranks_[0]->device(); }
   DType activation_dtype() const override { return ranks_[0]->activation_dtype(); }
   int mtp_blocks() const override { return ranks_[0]->mtp_blocks(); }
-  int tensor_parallel_size() const override { return static_cast<int>(ranks_.size()); }
+  int tensor_parallel_size() const override { return size_; }
+  int local_tensor_parallel_size() const override { return static_cast<int>(ranks_.size()); }
   std::vector<int> tensor_parallel_devices() const override { return devices_; }
   const NemotronH& rank(int r) const { return *ranks_[static_cast<size_t>(r)]; }
   // Whether the ranks' CUDA collectives run on NCCL and the fused AllReduce (ranks on distinct GPUs).
@@ -64,17 +77,24 @@ class TensorParallelModel : public Model {
   class Worker;
   // fn(rank, its context, its batch, its model, its state) on every rank's thread; rank 0's output. The first error
   // (a rank that threw aborts the group, so the others stop waiting) is rethrown after every rank has returned.
+  // With remote ranks every local rank first broadcasts `step` (its message; message_for's) to them.
   using RankFn = std::function<Tensor(int, const ops::Context&, const StepBatch&, const NemotronH&, ModelState&)>;
-  Tensor run(const ops::Context& ctx, const StepBatch& batch, ModelState& state, const RankFn& fn) const;
+  Tensor run(const ops::Context& ctx, const StepBatch& batch, ModelState& state, const RankFn& fn,
+             const std::vector<std::byte>& step = {}) const;
+  // The remote ranks' message for one step (empty without remote ranks); takes state.remote_ops.
+  std::vector<std::byte> message_for(RemoteStep step, ModelState& state) const;
+  bool has_remote_ranks() const { return static_cast<int>(ranks_.size()) < size_; }
   // Whether rank r is on another GPU than rank 0 (it cannot read rank 0's device memory).
   bool other_gpu(int r) const;
 
   std::vector<std::unique_ptr<NemotronH>> ranks_;
+  int size_ = 1;  // every rank, local or not
   std::vector<int> devices_;
-  std::unique_ptr<dist::HostGroup> group_;
+  std::unique_ptr<dist::HostCollectives> group_;
   std::unique_ptr<dist::DeviceGroup> device_group_;
   std::vector<std::unique_ptr<Worker>> workers_;  // ranks 1..
   ModelConfig config_;
+  mutable bool layout_sent_ = false;  // the remote ranks have their caches
 };
 
 }  // namespace chimera

@@ -40,7 +40,8 @@ std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device, const M
 // decoding the draft head's KV and K + 1 spare Mamba slots per sequence.
 CacheSizes engine_cache_sizes(const EngineConfig& c, Device device, const Model& model) {
   CacheSizes sizes = c.cache;
-  sizes.tensor_parallel_size = model.tensor_parallel_size();
+  sizes.tensor_parallel_size = model.local_tensor_parallel_size();
+  sizes.log_state_ops = sizes.tensor_parallel_size != model.tensor_parallel_size();
   sizes.rank_devices = model.tensor_parallel_devices();
   sizes.num_pad = cuda_graph_pad_rows(graph_buckets(c, device, model));
   if (c.speculative.enabled()) {

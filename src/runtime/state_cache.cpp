@@ -114,13 +114,9 @@ int32_t StateCache::allocate_slot(bool zeroed) {
   const int32_t slot = free_slots_.back();
   free_slots_.pop_back();
   if (!zeroed) return slot;
-  for_each_rank([&](const ModelState& st) {
-    for (size_t i = 0; i < st.conv.size(); ++i) {
-      if (!st.conv[i]) continue;
-      device::zero(st.conv[i].select(slot));
-      device::zero(st.ssm[i].select(slot));
-    }
-  });
+  const StateOp op{StateOp::kZeroSlot, slot, 0};
+  for_each_rank([&](const ModelState& st) { apply_state_op(op, st); });
+  if (sizes_.log_state_ops) state_.remote_ops.push_back(op);
   return slot;
 }
 
@@ -170,21 +166,29 @@ bool StateCache::has_mamba() const {
 }
 
 void StateCache::copy_mamba_state(int32_t dst, int32_t src, void* stream) {
+  const StateOp op{StateOp::kCopySlot, dst, src};
   for_each_rank([&](const ModelState& st) {
-    for (size_t i = 0; i < st.conv.size(); ++i) {
-      if (!st.conv[i]) continue;
-      for (const Tensor& t : {st.conv[i], st.ssm[i]}) {
-        // A rank on another GPU than the stream's: a synchronous copy on its own device.
-        const bool other_gpu =
-            &st != &state_ && !sizes_.rank_devices.empty() && sizes_.rank_devices[0] != device::current_device();
-        if (device_ == Device::kCpu || other_gpu) {
-          device::copy(t.select(dst), t.select(src));
-        } else {
-          device::copy_async(t.select(dst), t.select(src), stream);
-        }
+    // A rank on another GPU than the stream's: a synchronous copy on its own device.
+    const bool other_gpu =
+        &st != &state_ && !sizes_.rank_devices.empty() && sizes_.rank_devices[0] != device::current_device();
+    apply_state_op(op, st, device_ == Device::kCpu || other_gpu ? nullptr : stream);
+  });
+  if (sizes_.log_state_ops) state_.remote_ops.push_back(op);
+}
+
+void apply_state_op(const StateOp& op, const ModelState& st, void* stream) {
+  for (size_t i = 0; i < st.conv.size(); ++i) {
+    if (!st.conv[i]) continue;
+    for (const Tensor& t : {st.conv[i], st.ssm[i]}) {
+      if (op.kind == StateOp::kZeroSlot) {
+        device::zero(t.select(op.dst));
+      } else if (stream == nullptr) {
+        device::copy(t.select(op.dst), t.select(op.src));
+      } else {
+        device::copy_async(t.select(op.dst), t.select(op.src), stream);
       }
     }
-  });
+  }
 }
 
 size_t StateCache::bytes() const {

@@ -28,6 +28,15 @@
 
 namespace chimera {
 
+// A state operation the runtime makes on the caches outside a forward step (StateCache::allocate_slot's zeroing,
+// copy_mamba_state), as a record for ranks in other processes (CacheSizes::log_state_ops).
+struct StateOp {
+  enum Kind : int32_t { kZeroSlot = 1, kCopySlot = 2 };
+  int32_t kind = kZeroSlot;
+  int32_t dst = 0;  // the slot zeroed, or copied to
+  int32_t src = 0;  // kCopySlot: the slot copied from
+};
+
 // What one forward step sees of the caches; indexed by layer (entries of other layer kinds are empty).
 struct ModelState {
   std::vector<Tensor> conv;             // Mamba layers: [slots, Cd, K-1], activation dtype
@@ -36,7 +45,14 @@ struct ModelState {
   // Tensor parallelism (CacheSizes::tensor_parallel_size): the other ranks' caches, peers[r - 1] rank r's, each
   // shaped like this one (every rank holds the same number of heads), with the same slot and block ids.
   std::vector<ModelState> peers;
+  // CacheSizes::log_state_ops: the state operations made since the last step, in order; the model sends them to
+  // the ranks in other processes with the next step and clears them (models/tensor_parallel_model.h).
+  std::vector<StateOp> remote_ops;
 };
+
+// Applies `op` to one rank's caches: a copy at once without a stream (the host, or a rank on another GPU than the
+// stream's), else ordered on `stream`.
+void apply_state_op(const StateOp& op, const ModelState& state, void* stream = nullptr);
 
 struct CacheSizes {
   int32_t max_seqs = 8;        // Mamba state slots
@@ -71,12 +87,15 @@ struct CacheSizes {
   int32_t checkpoint_slots = 0;
   int32_t checkpoint_interval = 2048;
   // Tensor parallelism with ranks that are threads (models/tensor_parallel_model.h): the cache is made from the
-  // rank-local config and holds tensor_parallel_size copies of every tensor (ModelState::peers), one per rank,
+  // rank-local config and holds tensor_parallel_size copies of every tensor (ModelState::peers), one per local rank,
   // under one set of slot and block ids; zeroing a new slot and copy_mamba_state apply to every copy.
   int32_t tensor_parallel_size = 1;
   // CUDA ranks on several GPUs: rank r's copy lives on GPU rank_devices[r] (tensor_parallel_size entries); empty:
   // every copy on the current GPU.
   std::vector<int> rank_devices;
+  // Ranks in other processes hold the same caches (TensorParallelModel over a dist::TcpGroup): every zeroing and
+  // copy_mamba_state is also logged in state().remote_ops for them.
+  bool log_state_ops = false;
 };
 
 // The MTP head's sublayers in cache order (CacheSizes::mtp): its block's pattern, once per block.

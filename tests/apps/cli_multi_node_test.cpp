@@ -1,0 +1,99 @@
+// `chimera generate --nnodes N --node-rank R --master-addr A --master-port P` through the real binary: the
+// tensor-parallel ranks spread over processes on 127.0.0.1 (dist::TcpGroup, models/remote_ranks.h) print what one
+// process prints, and a node that never starts ends node 0 with an error naming it.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "common/run_command.h"
+
+namespace chimera {
+namespace {
+
+// A port nothing listens on now: bound to port 0 (the kernel picks a free one), then released.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  EXPECT_TRUE(ok) << "cannot find a free port";
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+const std::string kCli = CHIMERA_CLI_PATH;
+
+test::RunOutput run_cli(const std::string& args) {
+  return test::run_shell("timeout 120 " + kCli + " " + args);
+}
+
+// Nodes 1..nnodes-1 in the background, node 0 in the foreground: the result has node 0's stdout and exit status.
+test::RunOutput run_nodes(const std::string& args, int nnodes) {
+  const std::string common = "timeout 120 " + kCli + " " + args + " --nnodes " + std::to_string(nnodes) +
+                             " --master-addr 127.0.0.1" + " --master-port " + std::to_string(free_port()) +
+                             " --dist-timeout 20";
+  std::string script = "pids=''; ";
+  for (int k = 1; k < nnodes; ++k) {
+    script += common + " --node-rank " + std::to_string(k) + " > /tmp/chimera_node_$$_" + std::to_string(k) +
+              " 2>&1 & pids=\"$pids $!\"; ";
+  }
+  // A worker that fails makes the status 99 (its output then goes to stderr, into the test's log).
+  script += common + " --node-rank 0; rc=$?; for p in $pids; do wait $p || rc=99; done; " +
+            "[ $rc = 99 ] && cat /tmp/chimera_node_$$_* >&2; rm -f /tmp/chimera_node_$$_*; exit $rc";
+  return test::run_shell("bash -c '" + script + "'");
+}
+
+TEST(CliMultiNode, TwoNodesPrintTheTokensOfOneProcess) {
+  // The bundled KJV model has every layer kind (Mamba-2, attention, MLP, MoE) and an MTP head; greedy.
+  const std::string cmd = "generate -m " + std::string(CHIMERA_SOURCE_DIR) +
+                          "/models/nemotron-h-kjv -p \"In the beginning\" -n 16 --ignore-eos --temperature 0 -q";
+  const auto one = run_cli(cmd);
+  ASSERT_EQ(one.status, 0) << one.out;
+  ASSERT_EQ(one.out.rfind("In the beginning", 0), 0u) << one.out;
+  const auto threads = run_cli(cmd + " --tensor-parallel-size 2");
+  EXPECT_EQ(threads.out, one.out);
+  for (int tp : {2, 4}) {
+    const auto nodes = run_nodes(cmd + " --tensor-parallel-size " + std::to_string(tp), 2);
+    EXPECT_EQ(nodes.status, 0) << nodes.out;
+    EXPECT_EQ(nodes.out, one.out) << "--tensor-parallel-size " << tp << " --nnodes 2";
+  }
+  // Speculative decoding runs the MTP head's steps on every node too.
+  const std::string spec = cmd + " --speculative-config '\\''{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'\\''";
+  const auto spec_nodes = run_nodes(spec + " --tensor-parallel-size 2", 2);
+  EXPECT_EQ(spec_nodes.status, 0) << spec_nodes.out;
+  EXPECT_EQ(spec_nodes.out, one.out) << "speculative, --nnodes 2";
+}
+
+TEST(CliMultiNode, ANodeThatNeverStartsEndsNodeZeroNamingIt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = run_cli(
+      "generate --synthetic tiny --prompt-ids 1,2 -n 2 --tensor-parallel-size 2 --nnodes 2 "
+      "--node-rank 0 --master-port " +
+      std::to_string(free_port()) + " --dist-timeout 0.5 2>&1");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("node 1 (rank 1) did not join within 500 ms"), std::string::npos) << r.out;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
+}
+
+TEST(CliMultiNode, BadNodeFlagsAreInvalidInput) {
+  auto r = run_cli("generate --synthetic tiny --prompt-ids 1 -n 1 --tensor-parallel-size 3 --nnodes 2 2>&1");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--nnodes 2: --tensor-parallel-size 3"), std::string::npos) << r.out;
+  r = run_cli("generate --synthetic tiny --prompt-ids 1 -n 1 --tensor-parallel-size 2 --nnodes 2 --node-rank 2 2>&1");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--node-rank 2"), std::string::npos) << r.out;
+  r = run_cli("generate --synthetic tiny --prompt-ids 1 -n 1 --tensor-parallel-size 2 --nnodes 2 --master-port 0 2>&1");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("--master-port 0"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace chimera
