@@ -135,7 +135,8 @@ int run_serve(const ServeOptions& o) {
     limits.max_num_seqs = 1;
     limits.mamba_checkpoints = 0;  // size_caches plans them
   }
-  // With --tensor-parallel-size N (CPU) the plan is N ranks', each holding its shard and its copy of the caches.
+  // With --tensor-parallel-size N the plan is N ranks', each holding its shard and its copy of the caches (on the
+  // CPU all in host memory, on CUDA each rank on its own GPU).
   const EngineModel em = load_engine_model(o.source, model_options, o.tensor_parallel_size, limits);
   const LoadedModel& m = em.loaded;
   const Model& model = em.model();
@@ -153,13 +154,20 @@ int run_serve(const ServeOptions& o) {
     req.prefix_caching = o.enable_prefix_caching;
     req.mamba_checkpoint_interval = o.mamba_checkpoint_interval;
     req.mamba_checkpoint_slots = o.mamba_checkpoint_slots;
-    req.cuda_graphs = ec.cuda_graphs && !ec.speculative.enabled();
-    const DType act = m.model->activation_dtype();
-    // The weights as the GPU holds them (quantized layers as stored).
+    req.cuda_graphs = ec.cuda_graphs && !ec.speculative.enabled() && model.tensor_parallel_size() == 1;
+    const DType act = model.activation_dtype();
+    // One rank's caches on one rank's GPU (every rank holds the same sizes: its heads, whole logits rows), after
+    // that rank's weights as the GPU holds them (quantized layers as stored), on the GPU with the least free memory.
+    const NemotronH& rank0 = em.tp ? em.tp->rank(0) : *m.model;
     int64_t weights = 0;
-    for (const auto& [kind, k] : weight_summary(m.config, m.model->weights())) weights += kind == "mtp" ? 0 : k.bytes;
-    const CacheSizingPlan plan =
-        size_caches(m.config, act, static_cast<size_t>(weights), device::memory_info(Device::kCuda), req);
+    for (const auto& [kind, k] : weight_summary(m.config, rank0.weights())) weights += kind == "mtp" ? 0 : k.bytes;
+    device::MemoryInfo memory = device::memory_info(Device::kCuda);
+    for (const int d : model.tensor_parallel_devices()) {
+      const device::DeviceGuard on(d);
+      const device::MemoryInfo rank_memory = device::memory_info(Device::kCuda);
+      if (rank_memory.free < memory.free) memory = rank_memory;
+    }
+    const CacheSizingPlan plan = size_caches(model.config(), act, static_cast<size_t>(weights), memory, req);
     ec.cache = plan.cache_sizes();
     max_num_seqs = plan.mamba_slots;
     fmt::print("chimera serve: {}\n", format_cache_sizing(plan, "GPU"));
