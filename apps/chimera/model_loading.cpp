@@ -257,6 +257,19 @@ void check_node_device(const NodeOptions& nodes, Device device) {
 
 namespace {
 
+// `count` ranks of plan `rank` each, all in this host's memory (CPU ranks: every rank holds its shard and its copy
+// of the caches).
+void check_host_ranks_plan(const MemoryPlan& rank, int count) {
+  const auto n = static_cast<size_t>(count);
+  MemoryPlan all = rank;
+  all.weights *= n;
+  all.kv_cache *= n;
+  all.mamba_state *= n;
+  all.workspace *= n;
+  check_memory_plan(all, device::memory_info(Device::kCpu).free,
+                    fmt::format("host ({} ranks of {} each)", count, gib(rank.total())));
+}
+
 // The ranks [first, first + count) of tp_size, with their memory plan checked first (as load_engine_model does).
 std::vector<NemotronH> load_ranks(const LoadedModel& loaded, const ModelSource& src, const ModelOptions& flag_options,
                                   int tp_size, int first, int count, const std::optional<MemoryLimits>& limits) {
@@ -264,15 +277,7 @@ std::vector<NemotronH> load_ranks(const LoadedModel& loaded, const ModelSource& 
   options.quantize = src.quantize();
   const ModelConfig& c = loaded.config;
   if (limits) {
-    const MemoryPlan rank = plan_rank_memory(c, tp_size, options.dtype, DType::kF32, *limits, options.quantize);
-    const auto n = static_cast<size_t>(count);
-    MemoryPlan all = rank;
-    all.weights *= n;
-    all.kv_cache *= n;
-    all.mamba_state *= n;
-    all.workspace *= n;
-    check_memory_plan(all, device::memory_info(Device::kCpu).free,
-                      fmt::format("host ({} ranks of {} each)", count, gib(rank.total())));
+    check_host_ranks_plan(plan_rank_memory(c, tp_size, options.dtype, DType::kF32, *limits, options.quantize), count);
   }
   return TensorParallelModel::make_ranks(tp_size, first, count, options, [&](const ModelOptions& rank_options) {
     return src.is_synthetic() ? NemotronH::synthetic(c, rank_options, src.synthetic_seed)
@@ -334,14 +339,7 @@ EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_o
                           fmt::format("GPU {} (rank {} of {})", d, d, tp_size));
       }
     } else {
-      const auto n = static_cast<size_t>(tp_size);
-      MemoryPlan all = rank;
-      all.weights *= n;
-      all.kv_cache *= n;
-      all.mamba_state *= n;
-      all.workspace *= n;
-      check_memory_plan(all, device::memory_info(Device::kCpu).free,
-                        fmt::format("host ({} ranks of {} each)", tp_size, gib(rank.total())));
+      check_host_ranks_plan(rank, tp_size);
     }
   }
   e.tp = TensorParallelModel::create(

@@ -40,6 +40,18 @@ struct FrameHeader {
   uint64_t bytes = 0;
 };
 static_assert(sizeof(FrameHeader) == 40, "the header is sent as its bytes");
+
+// A collective's call or result frame.
+FrameHeader collective_header(Frame type, uint32_t op, int32_t root, uint64_t count, uint64_t seq, uint64_t bytes) {
+  FrameHeader h;
+  h.type = static_cast<uint32_t>(type);
+  h.op = op;
+  h.root = root;
+  h.count = count;
+  h.seq = seq;
+  h.bytes = bytes;
+  return h;
+}
 constexpr uint64_t kMaxAbortBytes = 1 << 16;
 
 const char* op_name(uint32_t op) {
@@ -606,13 +618,8 @@ void TcpGroup::exchange_master(uint64_t seq) {
   } else if (mine.op == Op::kBroadcast && !result.empty()) {
     std::memcpy(result.data(), input(mine.root), result.size());
   }
-  FrameHeader h;
-  h.type = static_cast<uint32_t>(Frame::kResult);
-  h.op = static_cast<uint32_t>(mine.op);
-  h.root = mine.root;
-  h.count = mine.count;
-  h.seq = seq;
-  h.bytes = result.size();
+  const FrameHeader h =
+      collective_header(Frame::kResult, static_cast<uint32_t>(mine.op), mine.root, mine.count, seq, result.size());
   for (int k = 1; k < nnodes_; ++k) {
     Peer& p = *peers_[static_cast<size_t>(k)];
     p.reader.reset();
@@ -638,13 +645,8 @@ void TcpGroup::exchange_worker(uint64_t seq) {
     for (int r = 0; r < local_size_; ++r)
       std::memcpy(call.data() + static_cast<size_t>(r) * block, posts_[static_cast<size_t>(r)].in, block);
   }
-  FrameHeader h;
-  h.type = static_cast<uint32_t>(Frame::kCall);
-  h.op = static_cast<uint32_t>(mine.op);
-  h.root = mine.root;
-  h.count = mine.count;
-  h.seq = seq;
-  h.bytes = call.size();
+  const FrameHeader h =
+      collective_header(Frame::kCall, static_cast<uint32_t>(mine.op), mine.root, mine.count, seq, call.size());
   const auto deadline = Clock::now() + timeout_;
   std::string why = master.send_frame(h, call, deadline);
   if (!why.empty()) runtime_error("{} {} ({}, call {})", node_name(0), why, op, seq);

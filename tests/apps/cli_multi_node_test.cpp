@@ -1,33 +1,16 @@
 // `chimera generate --nnodes N --node-rank R --master-addr A --master-port P` through the real binary: the
 // tensor-parallel ranks spread over processes on 127.0.0.1 (dist::TcpGroup, models/remote_ranks.h) print what one
 // process prints, and a node that never starts ends node 0 with an error naming it.
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <string>
 
 #include <gtest/gtest.h>
 
+#include "common/free_port.h"
 #include "common/run_command.h"
 
 namespace chimera {
 namespace {
-
-// A port nothing listens on now: bound to port 0 (the kernel picks a free one), then released.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  EXPECT_TRUE(ok) << "cannot find a free port";
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 const std::string kCli = CHIMERA_CLI_PATH;
 
@@ -38,7 +21,7 @@ test::RunOutput run_cli(const std::string& args) {
 // Nodes 1..nnodes-1 in the background, node 0 in the foreground: the result has node 0's stdout and exit status.
 test::RunOutput run_nodes(const std::string& args, int nnodes) {
   const std::string common = "timeout 120 " + kCli + " " + args + " --nnodes " + std::to_string(nnodes) +
-                             " --master-addr 127.0.0.1" + " --master-port " + std::to_string(free_port()) +
+                             " --master-addr 127.0.0.1" + " --master-port " + std::to_string(test::free_port()) +
                              " --dist-timeout 20";
   std::string script = "pids=''; ";
   for (int k = 1; k < nnodes; ++k) {
@@ -77,7 +60,7 @@ TEST(CliMultiNode, ANodeThatNeverStartsEndsNodeZeroNamingIt) {
   const auto r = run_cli(
       "generate --synthetic tiny --prompt-ids 1,2 -n 2 --tensor-parallel-size 2 --nnodes 2 "
       "--node-rank 0 --master-port " +
-      std::to_string(free_port()) + " --dist-timeout 0.5 2>&1");
+      std::to_string(test::free_port()) + " --dist-timeout 0.5 2>&1");
   EXPECT_EQ(r.status, 1) << r.out;
   EXPECT_NE(r.out.find("node 1 (rank 1) did not join within 500 ms"), std::string::npos) << r.out;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/free_port.h"
 #include "core/counter_rng.h"
 #include "core/error.h"
 #include "dist/host_group.h"
@@ -27,22 +28,6 @@ namespace chimera::dist {
 namespace {
 
 using std::chrono::milliseconds;
-
-// A port nothing listens on now: bound to port 0 (the kernel picks a free one), then released.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ADD_FAILURE() << "cannot find a free port: " << std::strerror(errno);
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 // Runs fn(rank) on one thread per rank in [first, first + n); each rank's error message ("" when it returned).
 std::vector<std::string> run_ranks(int first, int n, const std::function<void(int)>& fn) {
@@ -152,7 +137,7 @@ TEST_P(TcpGroupTest, CollectivesGiveHostGroupsBits) {
   });
   ASSERT_EQ(join_errors(host_errors), "");
 
-  const int port = free_port();
+  const int port = test::free_port();
   const auto reports = run_nodes(nnodes, [&](int node) -> std::string {
     TcpGroup group(n, nnodes, node, "127.0.0.1", port, std::chrono::seconds(10));
     std::vector<std::string> wrong(static_cast<size_t>(n));
@@ -218,7 +203,7 @@ double since(std::chrono::steady_clock::time_point t0) {
 }
 
 TEST(TcpGroup, NodeThatNeverJoinsTimesOutNamingIt) {
-  const int port = free_port();
+  const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
     const auto t0 = std::chrono::steady_clock::now();
     const std::string e = construct(6, 3, node, port, milliseconds(300));  // node 2 never starts
@@ -228,7 +213,7 @@ TEST(TcpGroup, NodeThatNeverJoinsTimesOutNamingIt) {
 }
 
 TEST(TcpGroup, MasterThatNeverListensTimesOutNamingIt) {
-  const int port = free_port();
+  const int port = test::free_port();
   const auto t0 = std::chrono::steady_clock::now();
   const std::string e = construct(2, 2, 1, port, milliseconds(300));
   EXPECT_EQ(expect_error(
@@ -238,7 +223,7 @@ TEST(TcpGroup, MasterThatNeverListensTimesOutNamingIt) {
 }
 
 TEST(TcpGroup, NodesThatDisagreeOnTheSizeFailToJoin) {
-  const int port = free_port();
+  const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
     const std::string e = construct(node == 0 ? 2 : 4, 2, node, port, std::chrono::seconds(5));
     return expect_error(e, "node 1 was started with size 4 over 2 nodes, node 0 with size 2 over 2 nodes", 0, 1);
@@ -247,7 +232,7 @@ TEST(TcpGroup, NodesThatDisagreeOnTheSizeFailToJoin) {
 }
 
 TEST(TcpGroup, NodeThatExitsBreaksTheOthers) {
-  const int port = free_port();
+  const int port = test::free_port();
   const auto reports = run_nodes(3, [&](int node) -> std::string {
     TcpGroup group(3, 3, node, "127.0.0.1", port, std::chrono::seconds(10));
     for (int i = 0; i < 5; ++i) {
@@ -280,7 +265,7 @@ TEST(TcpGroup, NodeThatExitsBreaksTheOthers) {
 }
 
 TEST(TcpGroup, AbortReachesTheOtherNodes) {
-  const int port = free_port();
+  const int port = test::free_port();
   const auto reports = run_nodes(3, [&](int node) -> std::string {
     TcpGroup group(3, 3, node, "127.0.0.1", port, std::chrono::seconds(60));
     group.barrier(node);
@@ -301,7 +286,7 @@ TEST(TcpGroup, AbortReachesTheOtherNodes) {
 }
 
 TEST(TcpGroup, LocalRankThatNeverArrivesTimesOutOnEveryNode) {
-  const int port = free_port();
+  const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
     TcpGroup group(4, 2, node, "127.0.0.1", port, milliseconds(300));
     const auto t0 = std::chrono::steady_clock::now();
@@ -324,7 +309,7 @@ TEST(TcpGroup, LocalRankThatNeverArrivesTimesOutOnEveryNode) {
 }
 
 TEST(TcpGroup, MismatchedCollectivesAreAnError) {
-  const int port = free_port();
+  const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
     TcpGroup group(2, 2, node, "127.0.0.1", port, std::chrono::seconds(5));
     std::vector<float> v(node == 0 ? 4 : 5, 1.0f);

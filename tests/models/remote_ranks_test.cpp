@@ -6,8 +6,6 @@
 
 #include <gtest/gtest.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/free_port.h"
 #include "core/error.h"
 #include "io/model_presets.h"
 #include "models/tensor_parallel_model.h"
@@ -79,19 +78,6 @@ TEST(RemoteRanks, StepMessageRoundTrips) {
   const std::vector<std::byte> plain = encode_remote_step(step, nullptr);
   EXPECT_FALSE(decode_remote_step(plain).has_layout);
   EXPECT_THROW(decode_remote_step(std::span<const std::byte>(plain).first(plain.size() - 1)), Error);
-}
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  EXPECT_TRUE(ok) << "cannot find a free port";
-  ::close(fd);
-  return ntohs(a.sin_port);
 }
 
 Tokens random_tokens(size_t n, uint64_t seed) {
@@ -163,7 +149,7 @@ TEST(RemoteRanks, EngineOverTwoProcessesGivesTheBitsOfThreads) {
     ref = run_waves(*threads);
   }
   ASSERT_GT(ref.restores, 0);  // the run copies Mamba state between steps
-  const int port = free_port();
+  const int port = test::free_port();
   std::vector<pid_t> pids;
   for (int node = 0; node < 2; ++node) {
     const pid_t pid = ::fork();
