@@ -31,6 +31,11 @@
 #             turns, 1024-token system prompt, 512-token user turns, 128-token replies, concurrency 32); 8K in / 1 out at
 #             concurrency 1 (no shared prefix: what the cache costs a prompt it cannot help); random 1K in / 256 out at
 #             concurrency 256 (512 prompts). Every run has its own seed, so no run hits another's prompts
+#   tp        tensor parallelism on two GPUs (nvidia-h200-x2): the tensor-parallel and AllReduce tests
+#             ($OUT/tp_tests.log), then chimera bench on the Nano shape at TP = 1, TP = 2 (AllReduce AUTO) and TP = 2
+#             with --allreduce-strategy nccl (ncclAllReduce + the norm kernel), prefill 1K / 8K and decode b1 / b64 /
+#             b256 (ENGINE_BATCHES); with TP_SUPER=1 also Super at full depth in bf16 over the two GPUs (b1, b64,
+#             prefill 1K / 8K). JSON per run in $OUT
 # Every step prints a line starting with "== " and the elapsed seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,6 +110,25 @@ for step in "$@"; do
     cp "$OUT/fuzz_summary.txt" .fuzzbin/
     (cd .fuzzbin && tar czf "$OUT/fuzz.tgz" fuzz_summary.txt corpus findings fuzz_*.log)
     el "fuzz done" ;;
+  tp)
+    nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+    timeout "${TP_TESTS_TIMEOUT:-240}" ./build-dev/chimera_tests --gtest_brief=1 \
+      --gtest_filter='*TensorParallel*:*AllReduce*:*DeviceGroup*' >"$OUT/tp_tests.log" 2>&1 || rc=1
+    grep -E "^\[  FAILED  \]|^\[==========\]|^\[  PASSED  \]" "$OUT/tp_tests.log" | head -20
+    el "tensor-parallel tests"
+    args=(--synthetic "$NANO" --device cuda --input-lens 1024,8192 --batch-sizes "${ENGINE_BATCHES:-1,64,256}" --decode-context 1024)
+    ./build-dev/chimera bench "${args[@]}" --json-out "$OUT/tp1.json" 2>&1 | tail -12
+    el "Nano TP 1"
+    ./build-dev/chimera bench "${args[@]}" --tensor-parallel-size 2 --json-out "$OUT/tp2.json" 2>&1 | tail -12
+    el "Nano TP 2, AllReduce auto"
+    ./build-dev/chimera --allreduce-strategy nccl bench "${args[@]}" --tensor-parallel-size 2 \
+      --json-out "$OUT/tp2_nccl.json" 2>&1 | tail -12
+    el "Nano TP 2, AllReduce nccl + norm kernel"
+    if [ "${TP_SUPER:-0}" = 1 ]; then
+      ./build-dev/chimera bench --synthetic nemotron-3-super-120b-a12b --device cuda --tensor-parallel-size 2 \
+        --input-lens 1024,8192 --batch-sizes 1,64 --decode-context 1024 --json-out "$OUT/tp2_super.json" 2>&1 | tail -12
+      el "Super TP 2"
+    fi ;;
   serve)
     port=8731
     ./build-dev/chimera serve --synthetic "$NANO" ${SERVE_QUANT:+--quantization "$SERVE_QUANT"} --device cuda --port "$port" --max-num-seqs "${SERVE_MAX_NUM_SEQS:-1024}" \

@@ -27,6 +27,7 @@
 #include "commands.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "dist/strategy.h"
 #include "model_loading.h"
 #include "runtime/cache_sizing.h"
 #include "runtime/engine.h"
@@ -367,7 +368,7 @@ int run_bench(const BenchOptions& o) {
   load_limits.max_model_len = CacheSizes{}.block_size;
   load_limits.max_tokens_per_step = load_limits.max_model_len;
   const auto t_load = Clock::now();
-  const EngineModel em = load_engine_model(o.source, mo, o.tensor_parallel_size, load_limits);
+  const EngineModel em = load_engine_model(o.source, mo, o.tensor_parallel_size, load_limits, {}, o.allreduce_strategy);
   const double load_s = seconds_since(t_load);
   const ModelConfig& c = em.loaded.config;
   const int tp_size = em.tensor_parallel_size();
@@ -414,12 +415,18 @@ int run_bench(const BenchOptions& o) {
     for (const std::string& f : formats) wdt += " " + f;
   }
 
+  // The ranks' AllReduce: the fused kernels' strategy (forced, or the tuned table's) between GPUs; through host
+  // memory for CPU ranks and ranks that share a GPU.
+  const bool device_collectives = em.tp && em.tp->has_device_collectives();
+  const std::string allreduce =
+      device_collectives ? std::string(dist::strategy_name(o.allreduce_strategy)) : std::string("host");
+  const std::string allreduce_note = fmt::format(", AllReduce {}", allreduce);
   // PDL as the kernels will see it: on by default on sm_90+, off with --no-pdl or CHIMERA_PDL=0.
   const bool pdl = mo.device == Device::kCuda && kernels.pdl && device::pdl_enabled();
   fmt::print("chimera bench | {} | {} {} (weights {}, SSM state {}, KV cache {}){} | {} | PDL {} | commit {}\n",
              model_name, o.device, act, wdt, ssm_cache_dtype_name(run.ssm_dtype), o.kv_cache_dtype,
-             tp_size > 1 ? fmt::format(" | tensor parallel {}", tp_size) : "", device_desc, pdl ? "on" : "off",
-             CHIMERA_GIT_COMMIT);
+             tp_size > 1 ? fmt::format(" | tensor parallel {}{}", tp_size, allreduce_note) : "", device_desc,
+             pdl ? "on" : "off", CHIMERA_GIT_COMMIT);
   fmt::print(
       "roofline   batch-1 decode {:.1f} tok/s = {:.3f} GB/token at {:.0f} GB/s ({:.3f} B active params, "
       "{:.3f} B read per token)\n",
@@ -524,6 +531,7 @@ int run_bench(const BenchOptions& o) {
     j["mamba_ssm_cache_dtype"] = ssm_cache_dtype_name(run.ssm_dtype);
     j["kv_cache_dtype"] = o.kv_cache_dtype;
     j["tensor_parallel_size"] = tp_size;
+    if (tp_size > 1) j["allreduce_strategy"] = allreduce;
     j["settings"] = {{"decode_context", o.decode_context},
                      {"decode_steps", o.decode_steps},
                      {"warmup", o.warmup},

@@ -36,8 +36,8 @@ struct GenerateOptions {
   int tensor_parallel_size = 1;
   // --nnodes, --node-rank, --master-addr, --master-port, --dist-timeout: those ranks spread over processes.
   NodeOptions nodes;
-  // Tensor-parallel AllReduce strategy (--allreduce-strategy / CHIMERA_ALLREDUCE_STRATEGY, read once by CLI11
-  // at parse time). Carried for the tensor-parallel engine; generate runs on one device today.
+  // Tensor-parallel AllReduce strategy of CUDA ranks on distinct GPUs (--allreduce-strategy /
+  // CHIMERA_ALLREDUCE_STRATEGY, read once by CLI11 at parse time).
   dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;
 };
 
@@ -78,6 +78,7 @@ struct BenchOptions {
   bool profile = false;
   std::string speculative_config;  // --speculative-config JSON; "" = off (decode steps verify the head's drafts)
   int tensor_parallel_size = 1;    // --tensor-parallel-size N: the ranks of EngineModel
+  dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;  // --allreduce-strategy
 };
 
 // chimera serve (serve.cpp): the OpenAI-compatible server; flags named as vLLM's.
@@ -114,6 +115,7 @@ struct ServeOptions {
   int32_t mamba_checkpoint_interval = 2048;
   int32_t mamba_checkpoint_slots = 0;
   int tensor_parallel_size = 1;  // --tensor-parallel-size N: the ranks of EngineModel
+  dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;  // --allreduce-strategy
 };
 
 void add_generate(CLI::App& app, GenerateOptions& opt);

@@ -157,7 +157,7 @@ int run_generate(const GenerateOptions& o) {
     run_worker_node(o.source, model_options, tp_size, o.nodes, limits);
     return 0;
   }
-  const EngineModel em = load_engine_model(o.source, model_options, tp_size, limits, o.nodes);
+  const EngineModel em = load_engine_model(o.source, model_options, tp_size, limits, o.nodes, o.allreduce_strategy);
   const LoadedModel& m = em.loaded;
   const Model& model = em.model();
   if (!o.dump_activations.empty()) {

@@ -70,7 +70,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (threads > 0) set_num_threads(threads);
-  gen.allreduce_strategy = *dist::strategy_from_name(allreduce_strategy);
+  gen.allreduce_strategy = bench.allreduce_strategy = serve.allreduce_strategy =
+      *dist::strategy_from_name(allreduce_strategy);
 
   try {
     int rc = 2;

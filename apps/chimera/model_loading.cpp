@@ -306,7 +306,8 @@ void run_worker_node(const ModelSource& src, const ModelOptions& options, int tp
 }
 
 EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_options, int tp_size,
-                              const std::optional<MemoryLimits>& limits, const NodeOptions& nodes) {
+                              const std::optional<MemoryLimits>& limits, const NodeOptions& nodes,
+                              dist::AllReduceStrategy allreduce) {
   check_tensor_parallel_size(tp_size, flag_options.device == Device::kCpu ? "cpu" : "cuda");
   check_node_options(nodes, tp_size);
   check_node_device(nodes, flag_options.device);
@@ -348,7 +349,7 @@ EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_o
         return src.is_synthetic() ? NemotronH::synthetic(c, rank_options, src.synthetic_seed)
                                   : NemotronH::load(c, *e.loaded.checkpoint, rank_options);
       },
-      devices);
+      devices, allreduce);
   return e;
 }
 

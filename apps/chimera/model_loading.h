@@ -122,7 +122,9 @@ struct EngineModel {
 // on the CPU (a sharded tensor is a copy, not a view of the checkpoint's mapping, so a checkpoint's weights count
 // too), one rank's plan against each GPU's free memory on CUDA.
 // With `nodes` spanning several processes (the CPU) this is node 0's part: its ranks, joined to the other nodes.
+// `allreduce`: the strategy of CUDA ranks' fused AllReduce (--allreduce-strategy; kAuto: the tuned table).
 EngineModel load_engine_model(const ModelSource& src, const ModelOptions& options, int tp_size,
-                              const std::optional<MemoryLimits>& limits = std::nullopt, const NodeOptions& nodes = {});
+                              const std::optional<MemoryLimits>& limits = std::nullopt, const NodeOptions& nodes = {},
+                              dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
 
 }  // namespace chimera::cli

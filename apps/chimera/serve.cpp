@@ -137,7 +137,8 @@ int run_serve(const ServeOptions& o) {
   }
   // With --tensor-parallel-size N the plan is N ranks', each holding its shard and its copy of the caches (on the
   // CPU all in host memory, on CUDA each rank on its own GPU).
-  const EngineModel em = load_engine_model(o.source, model_options, o.tensor_parallel_size, limits);
+  const EngineModel em =
+      load_engine_model(o.source, model_options, o.tensor_parallel_size, limits, {}, o.allreduce_strategy);
   const LoadedModel& m = em.loaded;
   const Model& model = em.model();
   if (cuda) {

@@ -108,7 +108,7 @@ class TensorParallelModel::Worker {
 };
 
 TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chrono::milliseconds timeout,
-                                         std::vector<int> devices)
+                                         std::vector<int> devices, dist::AllReduceStrategy allreduce)
     : devices_(std::move(devices)) {
   if (ranks.empty()) invalid_input("TensorParallelModel: no ranks");
   const int n = static_cast<int>(ranks.size());
@@ -123,8 +123,11 @@ TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chro
       n > 1 && !devices_.empty() && std::set<int>(devices_.begin(), devices_.end()).size() == devices_.size();
   if (distinct) {
 #ifdef CHIMERA_HAVE_NCCL
-    device_group_ = std::make_unique<dist::DeviceGroup>(devices_);
+    dist::AllReduceConfig config;
+    config.strategy = allreduce;
+    device_group_ = std::make_unique<dist::DeviceGroup>(devices_, config);
 #else
+    (void)allreduce;
     invalid_input("TensorParallelModel: ranks on {} GPUs need NCCL, and this build has none", n);
 #endif
   }
@@ -208,7 +211,7 @@ std::vector<std::byte> TensorParallelModel::message_for(RemoteStep step, ModelSt
 
 std::unique_ptr<TensorParallelModel> TensorParallelModel::create(
     int size, const ModelOptions& options, const std::function<NemotronH(const ModelOptions&)>& make,
-    std::vector<int> devices) {
+    std::vector<int> devices, dist::AllReduceStrategy allreduce) {
   if (size < 1) invalid_input("--tensor-parallel-size {}: must be at least 1", size);
   if (!devices.empty() && static_cast<int>(devices.size()) != size) {
     invalid_input("TensorParallelModel: {} GPU(s) for {} rank(s)", devices.size(), size);
@@ -220,7 +223,8 @@ std::unique_ptr<TensorParallelModel> TensorParallelModel::create(
     const device::DeviceGuard on(devices.empty() ? -1 : devices[static_cast<size_t>(r)]);
     ranks.push_back(make(o));
   }
-  return std::make_unique<TensorParallelModel>(std::move(ranks), std::chrono::seconds(60), std::move(devices));
+  return std::make_unique<TensorParallelModel>(std::move(ranks), std::chrono::seconds(60), std::move(devices),
+                                               allreduce);
 }
 
 bool TensorParallelModel::other_gpu(int r) const {

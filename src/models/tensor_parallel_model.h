@@ -19,6 +19,7 @@
 #include <memory>
 #include <vector>
 
+#include "dist/allreduce_types.h"
 #include "dist/host_group.h"
 #include "dist/tcp_group.h"
 #include "models/nemotron_h.h"
@@ -35,19 +36,21 @@ class TensorParallelModel : public Model {
  public:
   // ranks[r]: the model made with ModelOptions::tp = {r, ranks.size()}. A rank whose step does not reach a
   // collective within `timeout` ends every rank's step with an error naming it. devices (CUDA): rank r's GPU, its
-  // weights already there (create() puts them there); empty: every rank on the current GPU.
+  // weights already there (create() puts them there); empty: every rank on the current GPU. allreduce: the
+  // device collectives' strategy (ranks on distinct GPUs; kAuto: the tuned table).
   explicit TensorParallelModel(std::vector<NemotronH> ranks,
                                std::chrono::milliseconds timeout = std::chrono::seconds(60),
-                               std::vector<int> devices = {});
+                               std::vector<int> devices = {},
+                               dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
   // Node 0 of `group`: ranks[r] is rank r of group->size() for r < group->local_size(); the other nodes run
   // run_remote_ranks. The CPU only.
   TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group);
   ~TensorParallelModel() override;
   // Loads (or makes, synthetic) every rank of `config`: make(options) with options.tp set per rank and, on CUDA,
   // rank r's GPU devices[r] current.
-  static std::unique_ptr<TensorParallelModel> create(int size, const ModelOptions& options,
-                                                     const std::function<NemotronH(const ModelOptions&)>& make,
-                                                     std::vector<int> devices = {});
+  static std::unique_ptr<TensorParallelModel> create(
+      int size, const ModelOptions& options, const std::function<NemotronH(const ModelOptions&)>& make,
+      std::vector<int> devices = {}, dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
   // Ranks [first, first + count) of `size` only (one node's), on the current device.
   static std::vector<NemotronH> make_ranks(int size, int first, int count, const ModelOptions& options,
                                            const std::function<NemotronH(const ModelOptions&)>& make);
