@@ -247,13 +247,8 @@ int run_info(const InfoOptions& o) {
   limits.kv_cache_fp8 = o.kv_cache_dtype == "fp8";
   MemoryPlan plan = plan_rank_memory(c, tp_size, dtype, dtype, limits, quantize);
   if (!o.source.is_synthetic() && load_quant_config(o.source.model_dir)) {
-    // A ModelOpt checkpoint's bytes as stored; a rank's share of them is the share its shard has of the dense
-    // weights (an estimate: the quantized and dense modules shard alike).
-    const size_t stored_bytes = quantized_checkpoint_weight_bytes(o.source.model_dir, dtype);
-    const size_t dense = plan_memory(c, dtype, dtype, limits).weights;
-    plan.weights = tp_size == 1 ? stored_bytes
-                                : static_cast<size_t>(static_cast<double>(stored_bytes) *
-                                                      static_cast<double>(plan.weights) / static_cast<double>(dense));
+    // A ModelOpt checkpoint's bytes as stored: rank 0's share of each tensor.
+    plan.weights = quantized_checkpoint_weight_bytes(o.source.model_dir, dtype, TensorParallel{0, tp_size});
   }
   fmt::print(
       "\nmemory plan{} ({}{}, {} sequences x {} tokens, {} tokens per step, SSM state {}, KV cache {})\n",

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 
 #include <fmt/core.h>
@@ -117,12 +118,13 @@ ModelOptions model_options_from_flags(const std::string& device, const std::stri
   return mo;
 }
 
-size_t quantized_checkpoint_weight_bytes(const std::string& dir, DType dtype) {
+size_t quantized_checkpoint_weight_bytes(const std::string& dir, DType dtype, const TensorParallel& tp) {
   // Quantized tensors (F8_E4M3 / U8 weights and block scales, F32 scales) go to the GPU as stored, float tensors in
   // `dtype`, the small parameters NemotronH keeps in fp32 at 4 bytes; mtp.* tensors stay on the host.
   const Checkpoint ck = Checkpoint::open(dir);
+  const auto share = rank_shares(load_model_config(dir), tp);
   const auto wsize = static_cast<int64_t>(dtype_size(dtype));
-  int64_t bytes = 0;
+  double bytes = 0;
   for (const std::string& name : ck.names()) {
     if (name.rfind("mtp.", 0) == 0) continue;
     const TensorInfo& info = ck.info(name);
@@ -131,13 +133,12 @@ size_t quantized_checkpoint_weight_bytes(const std::string& dir, DType dtype) {
     const bool scale = name.find("_scale") != std::string::npos;
     const bool f32 = name.ends_with("A_log") || name.ends_with(".D") || name.ends_with("dt_bias") ||
                      name.ends_with("e_score_correction_bias") || name.ends_with("mixer.gate.weight");
-    if (info.dtype == DType::kF8E4M3 || info.dtype == DType::kU8 || scale) {
-      bytes += n * static_cast<int64_t>(dtype_size(info.dtype));
-    } else {
-      bytes += n * (f32 ? 4 : wsize);
-    }
+    const int64_t stored = info.dtype == DType::kF8E4M3 || info.dtype == DType::kU8 || scale
+                               ? n * static_cast<int64_t>(dtype_size(info.dtype))
+                               : n * (f32 ? 4 : wsize);
+    bytes += static_cast<double>(stored) * share(name, n);
   }
-  return static_cast<size_t>(bytes);
+  return static_cast<size_t>(std::llround(bytes));
 }
 
 LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOptions& flag_options,
@@ -332,7 +333,11 @@ EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_o
   for (int r = 0; cuda && r < tp_size; ++r) devices.push_back(r);
   if (limits) {
     const DType act = cuda ? options.dtype : DType::kF32;
-    const MemoryPlan rank = plan_rank_memory(c, tp_size, options.dtype, act, *limits, options.quantize);
+    MemoryPlan rank = plan_rank_memory(c, tp_size, options.dtype, act, *limits, options.quantize);
+    // A ModelOpt checkpoint goes to the GPU as stored: rank 0's share of each tensor.
+    if (cuda && !src.is_synthetic() && load_quant_config(src.model_dir)) {
+      rank.weights = quantized_checkpoint_weight_bytes(src.model_dir, options.dtype, TensorParallel{0, tp_size});
+    }
     if (cuda) {
       for (const int d : devices) {
         const device::DeviceGuard on(d);

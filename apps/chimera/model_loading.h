@@ -65,8 +65,9 @@ void add_kv_cache_dtype_flag(CLI::App& app, std::string& value);
 // "needs X GiB (...) but the GPU has Y GiB free" before anything is allocated.
 LoadedModel load_model(const ModelSource& src, bool with_weights = true, const ModelOptions& options = {},
                        const std::optional<MemoryLimits>& limits = std::nullopt);
-// The GPU bytes of a quantized (ModelOpt) checkpoint's weights: quantized tensors as stored, float ones in `dtype`.
-size_t quantized_checkpoint_weight_bytes(const std::string& dir, DType dtype);
+// The GPU bytes of a quantized (ModelOpt) checkpoint's weights: quantized tensors as stored, float ones in `dtype`;
+// with tensor parallelism those of rank tp's shard (each tensor's share by the name table's shard column).
+size_t quantized_checkpoint_weight_bytes(const std::string& dir, DType dtype, const TensorParallel& tp = {});
 // kInvalidInput naming both files unless the tokenizer's ids are exactly the model's embedding rows.
 void check_tokenizer_fits(const Tokenizer& tok, const ModelConfig& config, const std::string& tokenizer_path,
                           const std::string& config_path);

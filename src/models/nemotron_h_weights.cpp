@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <set>
 #include <utility>
 
@@ -585,6 +587,40 @@ std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w, cons
     }
   }
   return s;
+}
+
+std::function<double(const std::string& name, int64_t numel)> rank_shares(const ModelConfig& config,
+                                                                          const TensorParallel& tp) {
+  auto shares = std::make_shared<std::map<std::string, double>>();
+  if (tp.enabled()) {
+    ModelWeights w = empty_weights(config, /*with_mtp=*/false);
+    for (const WeightSlot& s : weight_slots(config, w, tp)) {
+      double share = 1.0;
+      if (s.shard.rank0_only) {
+        share = tp.rank == 0 ? 1.0 : 0.0;
+      } else if (!s.shard.replicated()) {
+        share = static_cast<double>(shape_numel(s.shard.local_shape(s.shape))) /
+                static_cast<double>(shape_numel(s.shape));
+      }
+      (*shares)[s.name] = share;
+    }
+  }
+  return [shares](const std::string& full_name, int64_t numel) {
+    if (numel <= 1 || shares->empty()) return 1.0;  // scalar scales are replicated
+    std::string name = full_name.rfind("backbone.", 0) == 0 ? full_name.substr(9) : full_name;
+    if (auto it = shares->find(name); it != shares->end()) return it->second;
+    // A linear module's tensors (weight, weight_scale, bias): the module's share; an expert's: its slot's.
+    const size_t dot = name.rfind('.');
+    if (dot == std::string::npos) return 1.0;
+    std::string module = name.substr(0, dot);
+    if (const size_t e = module.find("experts."); e != std::string::npos) {
+      size_t end = e + 8;
+      while (end < module.size() && std::isdigit(static_cast<unsigned char>(module[end]))) ++end;
+      if (end > e + 8 && end < module.size() && module[end] == '.') module.replace(e + 8, end - (e + 8), "{e}");
+    }
+    if (auto it = shares->find(module); it != shares->end()) return it->second;
+    return 1.0;
+  };
 }
 
 int mtp_layer_count(const ModelWeights& w) {

@@ -162,6 +162,13 @@ struct WeightSlot {
 std::vector<WeightSlot> weight_slots(const ModelConfig& config, ModelWeights& w, const TensorParallel& tp = {});
 // The MTP head's sublayers in `w` (num_nextn_predict_layers x the pattern's length when it has a head, else 0).
 int mtp_layer_count(const ModelWeights& w);
+// What share of a checkpoint tensor rank tp holds (the name table's shard column, for a file's tensors without
+// loading them): name is the tensor's checkpoint name ("backbone." optional; a linear module's weight, block
+// scales and bias follow the module, one expert's tensors their experts slot); 1 for a tensor the rank holds whole
+// (replicated, scalar scales, or tp.size 1), 0 for one it does not hold (a rank-0-only bias on another rank); names
+// outside the table (MTP, unknown) count whole.
+std::function<double(const std::string& name, int64_t numel)> rank_shares(const ModelConfig& config,
+                                                                          const TensorParallel& tp);
 
 // Every weight from the checkpoint through the name table, in the format its quantization config (DIR/
 // hf_quant_config.json or config.json's quantization_config, io/quant_config.h) says: a module the config does not

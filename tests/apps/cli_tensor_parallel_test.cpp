@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -11,10 +12,14 @@
 #include <nlohmann/json.hpp>
 
 #include "backends/device_api.h"
+#include "common/compare.h"
 #include "common/run_command.h"
+#include "io/model_config.h"
 #include "io/model_presets.h"
+#include "io/safetensors.h"
 #include "models/nemotron_h.h"
 #include "models/nemotron_h_weights.h"
+#include "models/tensor_parallel.h"
 
 namespace chimera {
 namespace {
@@ -73,7 +78,7 @@ TEST(CliTensorParallel, BenchAtTwoRanksGivesTheSameTokensAndNotesTheSize) {
       "bench --synthetic tiny --input-lens 8 --batch-sizes 1 --decode-context 4 --decode-steps 1 "
       "--tensor-parallel-size 2");
   EXPECT_EQ(r.status, 0) << r.out;
-  EXPECT_NE(r.out.find("| tensor parallel 2 |"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("| tensor parallel 2, AllReduce host |"), std::string::npos) << r.out;
 }
 
 TEST(CliTensorParallel, InfoPrintsThePerRankPlanDividedWhereItShards) {
@@ -106,6 +111,41 @@ TEST(CliTensorParallel, InfoPrintsThePerRankPlanDividedWhereItShards) {
     for (const auto& [kind, k] : weight_summary(c, rank0.weights())) sharded += kind == "mtp" ? 0 : k.bytes;
     EXPECT_EQ(plan_bytes(out, "weights"), sharded) << size << "\n" << out;
     EXPECT_LT(sharded, plan_bytes(one.out, "weights"));
+  }
+}
+
+TEST(CliTensorParallel, InfoPrintsAModelOptCheckpointsPerRankBytesAsTheRankHoldsThem) {
+  // A ModelOpt checkpoint's weights are counted as stored, each tensor by rank 0's share of it (NVFP4 bytes and
+  // block scales cut with their columns, scalar scales whole): the bytes of rank 0's model loaded from the file
+  // (its dense tensors are F32 there, as info --dtype float32 counts them).
+  for (const std::string name : {"all_kinds-nvfp4", "super_like-mixed"}) {
+    const std::string dir = test::source_path("tests/fixtures/quant/models/" + name);
+    const ModelConfig c = load_model_config(dir);
+    const Checkpoint ck = Checkpoint::open(dir);
+    const std::string cmd = "info -m " + dir + " --dtype float32 --max-num-seqs 1 --max-model-len 64";
+    auto one = run_cli(cmd);
+    ASSERT_EQ(one.status, 0) << one.out;
+    for (const int size : {2, 4}) {
+      ModelOptions options{Device::kCpu, DType::kF32};
+      options.tp = {0, size};
+      try {
+        rank_config(c, options.tp);
+      } catch (const Error&) {
+        continue;  // the fixture's sizes do not split
+      }
+      std::optional<NemotronH> rank0;
+      try {
+        rank0.emplace(NemotronH::load(c, ck, options));
+      } catch (const Error&) {
+        continue;  // an NVFP4 cut inside a 16-column block: the rank cannot be made
+      }
+      int64_t held = 0;
+      for (const auto& [kind, k] : weight_summary(c, rank0->weights())) held += kind == "mtp" ? 0 : k.bytes;
+      auto r = run_cli(cmd + " --tensor-parallel-size " + std::to_string(size));
+      ASSERT_EQ(r.status, 0) << r.out;
+      EXPECT_EQ(plan_bytes(r.out, "weights"), held) << name << " at " << size << "\n" << r.out;
+      EXPECT_LT(held, plan_bytes(one.out, "weights")) << name;
+    }
   }
 }
 
