@@ -78,6 +78,8 @@ struct BenchOptions {
   bool profile = false;
   std::string speculative_config;  // --speculative-config JSON; "" = off (decode steps verify the head's drafts)
   int tensor_parallel_size = 1;    // --tensor-parallel-size N: the ranks of EngineModel
+  // --expert-parallel: the ranks split the routed experts by expert, not by intermediate column (to measure the two).
+  bool expert_parallel = false;
   dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;  // --allreduce-strategy
 };
 

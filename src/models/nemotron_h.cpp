@@ -268,6 +268,12 @@ bool NemotronH::moe_mixer(const ops::Context& ctx, size_t layer, const LayerWeig
   ops::RouterParams rp{k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor};
   ops::router_gate_topk(ctx, ids, weights, x, w.gate, w.e_score_correction_bias, rp);
   dump_activation(layer, "experts", ids);
+  if (tp_.enabled() && tp_.expert_parallel) {
+    // Expert parallelism: the rank holds experts [rank * E_r, (rank + 1) * E_r) whole and runs only their pairs;
+    // its output is its part of the sum, completed with the other row-parallel parts after the mixer.
+    const int64_t mine = w.experts_up.num_experts();
+    ops::local_expert_ids(ctx, ids, tp_.rank * mine, mine);
+  }
 
   // Routed experts, in the latent space when moe_latent_size is set (docs/model.md 6.2), and the shared expert, which
   // reads the full hidden state, never the latent one. Dense: one op, moe_experts then relu2_mlp (the CPU runs exactly

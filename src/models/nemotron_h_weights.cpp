@@ -457,9 +457,9 @@ ModelWeights empty_weights(const ModelConfig& c, bool with_mtp) {
 }
 
 // Slot `s`'s tensor cut to the model's shard (models/tensor_parallel.h), after any quantization at load so that a
-// rank's quantized weight is exactly its slice of the unsharded one (per-tensor and per-expert scales are
-// replicated; NVFP4's packed bytes and 16-column block scales are cut along with their columns). A no-op for a
-// replicated slot.
+// rank's quantized weight is exactly its slice of the unsharded one (per-tensor scales are replicated, per-expert
+// ones too unless the experts split by expert; NVFP4's packed bytes and 16-column block scales are cut along with
+// their columns). A no-op for a replicated slot.
 void apply_shard(const WeightSlot& s) {
   const Shard& sh = s.shard;
   if (sh.replicated()) return;
@@ -475,6 +475,20 @@ void apply_shard(const WeightSlot& s) {
     const bool packed = x.format == ops::WeightFormat::kNvfp4 && sh.dim == 2;
     x.weight = slice_tensor(x.weight, sh, packed ? 2 : 1);
     if (x.weight_scale) x.weight_scale = slice_tensor(x.weight_scale, sh, packed ? kNvfp4BlockSize : 1);
+    if (sh.dim == 0) {
+      // Expert parallel: the rank's experts' own scales.
+      const Shard per_expert{0, sh.ranges};
+      if (x.scale) x.scale = slice_tensor(x.scale, per_expert);
+      if (x.input_scale) x.input_scale = slice_tensor(x.input_scale, per_expert);
+      auto cut = [&](std::vector<float>& v) {
+        if (v.empty()) return;
+        std::vector<float> mine;
+        for (const auto& [b, e] : sh.ranges) mine.insert(mine.end(), v.begin() + b, v.begin() + e);
+        v = std::move(mine);
+      };
+      cut(x.host_scale);
+      cut(x.host_input_scale);
+    }
   }
 }
 
@@ -553,9 +567,12 @@ std::vector<WeightSlot> weight_slots(const ModelConfig& c, ModelWeights& w, cons
         MoeWeights& moe = L.moe;
         tensor(mx + "gate.weight", kind, li, Role::kRouterGate, {E, D}, &moe.gate);
         tensor(mx + "gate.e_score_correction_bias", kind, li, Role::kF32, {E}, &moe.e_score_correction_bias);
-        // Routed experts split by their intermediate dimension (tensor parallel): up's N, down's K.
-        experts(mx + "experts.{e}.up_proj", kind, li, {E, I, Din}, part(I, 1, 1), &moe.experts_up);
-        experts(mx + "experts.{e}.down_proj", kind, li, {E, Din, I}, part(I, 1, 2), &moe.experts_down);
+        // Routed experts split by their intermediate dimension (tensor parallel: up's N, down's K) or by expert
+        // (expert parallel: the rank's experts whole).
+        const Shard up = tp.expert_parallel ? part(E, 1, 0) : part(I, 1, 1);
+        const Shard down = tp.expert_parallel ? part(E, 1, 0) : part(I, 1, 2);
+        experts(mx + "experts.{e}.up_proj", kind, li, {E, I, Din}, up, &moe.experts_up);
+        experts(mx + "experts.{e}.down_proj", kind, li, {E, Din, I}, down, &moe.experts_down);
         const int64_t Ish = c.moe_shared_expert_intermediate_size;
         linear(mx + "shared_experts.up_proj", kind, li, Ish, D, &moe.shared_experts.up_proj, part(Ish, 1, 0));
         linear(mx + "shared_experts.down_proj", kind, li, D, Ish, &moe.shared_experts.down_proj, part(Ish, 1, 1));

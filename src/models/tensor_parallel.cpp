@@ -54,7 +54,11 @@ ModelConfig rank_config(const ModelConfig& config, const TensorParallel& tp) {
   }
   if (has_kind(config, LayerKind::kMlp)) c.intermediate_size = divide(config.intermediate_size, "intermediate_size", n);
   if (has_kind(config, LayerKind::kMoe)) {
-    c.moe_intermediate_size = divide(config.moe_intermediate_size, "moe_intermediate_size", n);
+    if (tp.expert_parallel) {
+      divide(config.n_routed_experts, "n_routed_experts", n);  // whole experts per rank; the router sees all of them
+    } else {
+      c.moe_intermediate_size = divide(config.moe_intermediate_size, "moe_intermediate_size", n);
+    }
     c.moe_shared_expert_intermediate_size =
         divide(config.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size", n);
   }

@@ -16,7 +16,13 @@ namespace chimera {
 struct TensorParallel {
   int rank = 0;
   int size = 1;
+  // How the routed experts split: false, by their intermediate dimension (tensor parallel: every rank holds a
+  // slice of every expert); true, by expert (expert parallel: rank r holds experts [r E / size, (r + 1) E / size)
+  // whole and runs only the (token, expert) pairs that fall on them). The rest of the model is the same either way.
+  bool expert_parallel = false;
   bool enabled() const { return size > 1; }
+  // Rank r of the same split.
+  TensorParallel with_rank(int r) const { return {r, size, expert_parallel}; }
 };
 
 // The config as rank tp.rank of tp.size sees it; what the forward sizes its activations by and what the rank's
@@ -24,7 +30,8 @@ struct TensorParallel {
 //   num_attention_heads / size; num_key_value_heads / size, or 1 when ranks outnumber the KV heads (each rank keeps
 //   the KV head of its query heads: replicated); mamba_num_heads / size; n_groups / size, or 1 when ranks outnumber
 //   the groups (replicated: the group of the rank's heads); intermediate_size, moe_intermediate_size and
-//   moe_shared_expert_intermediate_size / size; vocab_size / size (vocabulary-parallel embeddings and lm_head).
+//   moe_shared_expert_intermediate_size / size (moe_intermediate_size whole with expert_parallel, which needs
+//   n_routed_experts / size); vocab_size / size (vocabulary-parallel embeddings and lm_head).
 // Everything else (hidden_size, experts, router, head_dim, ...) is unchanged. Only the fields of the layer kinds
 // the model has (backbone and MTP head) are divided. A size that does not split is kInvalidInput naming the
 // config field; tp.size == 1 returns `config` unchanged.

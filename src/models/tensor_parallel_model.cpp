@@ -194,7 +194,7 @@ std::vector<NemotronH> TensorParallelModel::make_ranks(int size, int first, int 
   std::vector<NemotronH> ranks;
   for (int r = first; r < first + count; ++r) {
     ModelOptions o = options;
-    o.tp = {r, size};
+    o.tp = TensorParallel{r, size, options.tp.expert_parallel};
     ranks.push_back(make(o));
   }
   return ranks;
@@ -219,7 +219,7 @@ std::unique_ptr<TensorParallelModel> TensorParallelModel::create(
   std::vector<NemotronH> ranks;
   for (int r = 0; r < size; ++r) {
     ModelOptions o = options;
-    o.tp = {r, size};
+    o.tp = TensorParallel{r, size, options.tp.expert_parallel};
     const device::DeviceGuard on(devices.empty() ? -1 : devices[static_cast<size_t>(r)]);
     ranks.push_back(make(o));
   }

@@ -792,10 +792,19 @@ void check_moe_experts(const Check& c, const Tensor& out, const Tensor& x, const
   }
   for (int64_t i = 0; topk_ids.device() == Device::kCpu && i < topk_ids.numel(); ++i) {
     const int32_t id = topk_ids.i32()[i];
-    if (id < 0 || static_cast<size_t>(id) >= E) c.fail("topk_ids[{}] = {} is out of range for {} experts", i, id, E);
+    // -1: a pair no expert of this call runs (expert parallelism: another rank's expert).
+    if (id < -1 || id >= static_cast<int64_t>(E)) c.fail("topk_ids[{}] = {} is out of range for {} experts", i, id, E);
   }
 }
 }  // namespace
+
+void local_expert_ids(const Context& ctx, const Tensor& topk_ids, int64_t first, int64_t count) {
+  const Check c(ctx, "local_expert_ids");
+  c.i32("topk_ids", topk_ids, 2);
+  if (first < 0 || count < 1) c.fail("experts [{}, {} + {})", first, first, count);
+  c.dispatch([&] { cpu::local_expert_ids(topk_ids, first, count); },
+             [&] { CHIMERA_CUDA_CALL(cuda::local_expert_ids(ctx, topk_ids, first, count)); });
+}
 
 void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {

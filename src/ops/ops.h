@@ -333,6 +333,11 @@ void router_gate_topk(const Context& ctx, const Tensor& topk_ids, const Tensor& 
 void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 
+// Expert parallelism: topk_ids [T, k] of the whole model's experts, in place, to the rank's experts
+// [first, first + count): id - first, or -1 for a pair another rank's expert runs (the experts ops skip -1, so the
+// rank's output is its part of the sum).
+void local_expert_ids(const Context& ctx, const Tensor& topk_ids, int64_t first, int64_t count);
+
 // A MoE layer's shared expert: out = relu2_mlp(x, up_proj, down_proj). x, out: [T, H]; up: [Is, H]; down: [H, Is].
 // x is the hidden state (also when the routed experts run in a latent space).
 struct SharedExpert {

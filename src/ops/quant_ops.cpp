@@ -366,8 +366,8 @@ void moe_experts(const Context& ctx, const Tensor& out, const Tensor& x, const T
         const int32_t* ids = topk_ids.i32();
         std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(E));
         for (int64_t i = 0; i < T * k; ++i) {
-          if (ids[i] < 0 || ids[i] >= E) runtime_error("ops::moe_experts: topk_ids[{}] = {} out of range", i, ids[i]);
-          pairs[static_cast<size_t>(ids[i])].push_back(i);
+          if (ids[i] < -1 || ids[i] >= E) runtime_error("ops::moe_experts: topk_ids[{}] = {} out of range", i, ids[i]);
+          if (ids[i] >= 0) pairs[static_cast<size_t>(ids[i])].push_back(i);  // -1: another rank's expert
         }
         out.fill_f32(0.0f);
         // Experts in increasing index order, each one's contribution added as it finishes (the dense

@@ -14,6 +14,7 @@
 #include "backends/device_api.h"
 #include "common/compare.h"
 #include "common/run_command.h"
+#include "core/error.h"
 #include "io/model_config.h"
 #include "io/model_presets.h"
 #include "io/safetensors.h"
@@ -79,6 +80,25 @@ TEST(CliTensorParallel, BenchAtTwoRanksGivesTheSameTokensAndNotesTheSize) {
       "--tensor-parallel-size 2");
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("| tensor parallel 2, AllReduce host |"), std::string::npos) << r.out;
+}
+
+TEST(CliTensorParallel, BenchWithTheExpertsSplitByExpertGivesTheSameTokens) {
+  const std::string args = "--synthetic tiny --input-lens 16 --batch-sizes 1,3 --decode-context 8 --decode-steps 4";
+  const fs::path json = fs::temp_directory_path() / "chimera_cli_bench_ep.json";
+  const nlohmann::json one = bench_json(args, json);
+  const nlohmann::json ep = bench_json(args + " --tensor-parallel-size 2 --expert-parallel", json);
+  fs::remove(json);
+  EXPECT_EQ(ep["expert_parallel"], true) << ep.dump();
+  ASSERT_EQ(ep["decode"].size(), one["decode"].size());
+  ASSERT_EQ(one["decode"].size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_GT(one["decode"][i]["tokens_of_sequence_0"].size(), 2u);
+    EXPECT_EQ(ep["decode"][i]["tokens_of_sequence_0"], one["decode"][i]["tokens_of_sequence_0"]) << i;
+  }
+  EXPECT_EQ(ep["prefill"][0]["first_token"], one["prefill"][0]["first_token"]);
+  auto r = run_cli("bench " + args + " --tensor-parallel-size 2 --expert-parallel --decode-steps 1");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("| tensor parallel 2 (experts by expert), AllReduce host |"), std::string::npos) << r.out;
 }
 
 TEST(CliTensorParallel, InfoPrintsThePerRankPlanDividedWhereItShards) {

@@ -216,13 +216,13 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& ref, 
   EXPECT_LE(worst, test::kTensorParallelLogitsRelToMax) << what << ": worst row's max|TP - TP1| / max|TP1|";
 }
 
-// The ranks' models of `make(options)` for tp.size = n.
+// The ranks' models of `make(options)` for tp.size = n (ep: the routed experts split by expert).
 template <typename Make>
-Ranks make_ranks(int n, bool mtp, Make make) {
+Ranks make_ranks(int n, bool mtp, Make make, bool ep = false) {
   Ranks ranks;
   for (int r = 0; r < n; ++r) {
     ModelOptions o;
-    o.tp = {r, n};
+    o.tp = {r, n, ep};
     ranks.models.push_back(std::make_unique<NemotronH>(make(o)));
   }
   ranks.attach(n, mtp);
@@ -230,23 +230,24 @@ Ranks make_ranks(int n, bool mtp, Make make) {
 }
 
 // A config splits over n ranks, or the reason it does not.
-std::string unsplittable(const ModelConfig& c, int n) {
+std::string unsplittable(const ModelConfig& c, int n, bool ep = false) {
   try {
-    rank_config(c, {0, n});
+    rank_config(c, {0, n, ep});
     return "";
   } catch (const Error& e) {
     return e.what();
   }
 }
 
+// ep: the routed experts split by expert (expert parallel) instead of by their intermediate dimension.
 template <typename Make>
-void compare_tp(const ModelConfig& c, int n, Make make) {
-  const std::string why = unsplittable(c, n);
+void compare_tp(const ModelConfig& c, int n, Make make, bool ep = false) {
+  const std::string why = unsplittable(c, n, ep);
   if (!why.empty()) GTEST_SKIP() << "does not split over " << n << " ranks: " << why;
   Ranks one = make_ranks(1, false, make);
   Ranks many;
   try {
-    many = make_ranks(n, false, make);
+    many = make_ranks(n, false, make, ep);
   } catch (const Error& e) {
     // A quantized layout whose blocks a cut would split (NVFP4's 16 columns) is refused at load.
     if (e.kind() == ErrorKind::kInvalidInput && std::string(e.what()).find("tensor parallelism:") == 0) {
@@ -266,27 +267,35 @@ void compare_tp(const ModelConfig& c, int n, Make make) {
 struct FixtureTp {
   std::string fixture;
   int size;
+  bool ep = false;  // expert parallel
 };
+std::string tp_name(const FixtureTp& p) {
+  std::string n = p.fixture;
+  std::replace(n.begin(), n.end(), '-', '_');
+  return n + (p.ep ? "_ep" : "_tp") + std::to_string(p.size);
+}
 class TensorParallelFixture : public ::testing::TestWithParam<FixtureTp> {};
 
 TEST_P(TensorParallelFixture, SameTokensAndLogitsAsOneRank) {
   const test::Fixture f = test::load_fixture(GetParam().fixture);
   const ModelConfig c = load_model_config(f.dir);
   const Checkpoint ck = Checkpoint::open(f.dir);
-  compare_tp(c, GetParam().size, [&](const ModelOptions& o) { return NemotronH::load(c, ck, o); });
+  compare_tp(
+      c, GetParam().size, [&](const ModelOptions& o) { return NemotronH::load(c, ck, o); }, GetParam().ep);
 }
 
 std::vector<FixtureTp> fixture_params() {
   std::vector<FixtureTp> p;
   for (const std::string& name : test::fixture_names()) {
-    for (int n : {2, 4}) p.push_back({name, n});
+    for (int n : {2, 4}) {
+      p.push_back({name, n});
+      p.push_back({name, n, /*ep=*/true});
+    }
   }
   return p;
 }
 INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelFixture, ::testing::ValuesIn(fixture_params()),
-                         [](const ::testing::TestParamInfo<FixtureTp>& i) {
-                           return i.param.fixture + "_tp" + std::to_string(i.param.size);
-                         });
+                         [](const ::testing::TestParamInfo<FixtureTp>& i) { return tp_name(i.param); });
 
 // ---- ModelOpt-quantized checkpoints (FP8, NVFP4, mixed): their stored bytes and scales sliced ----
 class TensorParallelQuantized : public ::testing::TestWithParam<FixtureTp> {};
@@ -295,7 +304,8 @@ TEST_P(TensorParallelQuantized, SameTokensAndLogitsAsOneRank) {
   const fs::path dir = fs::path(test::source_path("tests/fixtures/quant/models")) / GetParam().fixture;
   const ModelConfig c = load_model_config(dir);
   const Checkpoint ck = Checkpoint::open(dir);
-  compare_tp(c, GetParam().size, [&](const ModelOptions& o) { return NemotronH::load(c, ck, o); });
+  compare_tp(
+      c, GetParam().size, [&](const ModelOptions& o) { return NemotronH::load(c, ck, o); }, GetParam().ep);
 }
 
 std::vector<FixtureTp> quant_params() {
@@ -303,15 +313,12 @@ std::vector<FixtureTp> quant_params() {
   for (const char* name : {"all_kinds-fp8", "all_kinds-nvfp4", "all_kinds-mixed", "super_like-fp8", "super_like-nvfp4",
                            "super_like-mixed"}) {
     for (int n : {2, 4}) p.push_back({name, n});
+    p.push_back({name, 2, /*ep=*/true});  // the per-expert scales cut with their experts
   }
   return p;
 }
 INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelQuantized, ::testing::ValuesIn(quant_params()),
-                         [](const ::testing::TestParamInfo<FixtureTp>& i) {
-                           std::string n = i.param.fixture;
-                           std::replace(n.begin(), n.end(), '-', '_');
-                           return n + "_tp" + std::to_string(i.param.size);
-                         });
+                         [](const ::testing::TestParamInfo<FixtureTp>& i) { return tp_name(i.param); });
 
 // ---- synthetic models: the tiny preset (latent MoE; at TP = 4 replicated KV heads and a gated norm group spread
 // over two ranks) and the same with one Mamba group (every rank's norm spans all of them at any TP) ----
@@ -349,6 +356,54 @@ TEST_P(TensorParallelSynthetic, Nvfp4QuantizedAtLoad) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, TensorParallelSynthetic, ::testing::Values(2, 4));
+
+// Expert parallelism on the tiny preset (LatentMoE: the rank's experts' part of the sum is completed in the latent
+// space) and FP8 weights (per-expert scales cut with their experts).
+class ExpertParallelSynthetic : public ::testing::TestWithParam<int> {};
+
+TEST_P(ExpertParallelSynthetic, TinyPreset) {
+  const ModelConfig c = model_preset("tiny");
+  compare_tp(
+      c, GetParam(), [&](const ModelOptions& o) { return NemotronH::synthetic(c, o, 5); }, /*ep=*/true);
+}
+
+TEST_P(ExpertParallelSynthetic, Fp8WeightOnlyQuantizedAtLoad) {
+  const ModelConfig c = model_preset("tiny");
+  compare_tp(
+      c, GetParam(),
+      [&](ModelOptions o) {
+        o.quantize = ops::WeightFormat::kFp8;
+        o.weight_only = true;
+        return NemotronH::synthetic(c, o, 7);
+      },
+      /*ep=*/true);
+}
+
+TEST_P(ExpertParallelSynthetic, RanksHoldTheirExpertsWhole) {
+  const ModelConfig c = model_preset("tiny");
+  const int n = GetParam();
+  ModelOptions whole;
+  const NemotronH one = NemotronH::synthetic(c, whole, 9);
+  for (int r = 0; r < n; ++r) {
+    ModelOptions o;
+    o.tp = {r, n, /*expert_parallel=*/true};
+    const NemotronH rank = NemotronH::synthetic(c, o, 9);
+    for (size_t i = 0; i < c.layers.size(); ++i) {
+      if (c.layers[i] != LayerKind::kMoe) continue;
+      const ops::ExpertWeights& full = one.weights().layers[i].moe.experts_up;
+      const ops::ExpertWeights& mine = rank.weights().layers[i].moe.experts_up;
+      const int64_t E = full.num_experts(), per = E / n;
+      ASSERT_EQ(mine.num_experts(), per) << "layer " << i << " rank " << r;
+      ASSERT_EQ(mine.out_features(), full.out_features()) << "whole experts: the intermediate is not cut";
+      for (int64_t e = 0; e < per; ++e) {
+        const Tensor a = mine.weight.select(e), b = full.weight.select(r * per + e);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "layer " << i << " rank " << r << " expert " << e;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ExpertParallelSynthetic, ::testing::Values(2, 4));
 
 // The MTP head (sharded like the backbone, embeddings and lm_head vocabulary-parallel): the fixture's backbone
 // over a sequence, then the head over the same rows, TP = 2 against TP = 1.

@@ -29,6 +29,7 @@ struct Param {
   Device device = Device::kCpu;
   DType dtype = DType::kF32;
   bool two_gpus = false;  // CUDA: rank r on GPU r (else every rank on GPU 0)
+  bool ep = false;        // the routed experts split by expert
 };
 class TensorParallelEngine : public ::testing::TestWithParam<Param> {};
 
@@ -52,12 +53,13 @@ TEST_P(TensorParallelEngine, SameTokensAndLogitsAsOneRank) {
   const Checkpoint ck = Checkpoint::open(f.dir);
   const int n = param.size;
   try {
-    rank_config(c, {0, n});
+    rank_config(c, {0, n, param.ep});
   } catch (const Error& e) {
     GTEST_SKIP() << e.what();
   }
-  const ModelOptions options{param.device, param.dtype};
+  ModelOptions options{param.device, param.dtype};
   const NemotronH one = NemotronH::load(c, ck, options);
+  options.tp.expert_parallel = param.ep;
   std::vector<int> devices;
   for (int r = 0; param.two_gpus && r < n; ++r) devices.push_back(r);
   const auto tp = TensorParallelModel::create(
@@ -110,6 +112,8 @@ std::vector<Param> params() {
     p.push_back({name, 2, Device::kCuda, DType::kBF16});
     p.push_back({name, 2, Device::kCuda, DType::kF32, /*two_gpus=*/true});
     p.push_back({name, 2, Device::kCuda, DType::kBF16, /*two_gpus=*/true});
+    p.push_back({name, 2, Device::kCpu, DType::kF32, false, /*ep=*/true});
+    p.push_back({name, 2, Device::kCuda, DType::kF32, false, /*ep=*/true});
   }
   return p;
 }
@@ -119,6 +123,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallelEngine, ::testing::ValuesIn(par
                            std::string name = p.fixture + "_tp" + std::to_string(p.size);
                            if (p.device == Device::kCuda) name += p.two_gpus ? "_Cuda2Gpus" : "_Cuda";
                            if (p.dtype == DType::kBF16) name += "_bf16";
+                           if (p.ep) name += "_ep";
                            return name;
                          });
 

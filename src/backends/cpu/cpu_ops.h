@@ -59,6 +59,8 @@ void router_topk(const Tensor& topk_ids, const Tensor& topk_weights, const Tenso
                  const Tensor& correction_bias, const ops::RouterParams& p);
 void router_gate_topk(const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& x, const Tensor& gate,
                       const Tensor& correction_bias, const ops::RouterParams& p);
+// ops::local_expert_ids: ids in place to the rank's experts (-1 for another rank's).
+void local_expert_ids(const Tensor& ids, int64_t first, int64_t count);
 void moe_experts(const Tensor& out, const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                  std::span<const Tensor> up_proj, std::span<const Tensor> down_proj);
 

@@ -85,9 +85,9 @@ void moe_experts_fp8(const Tensor& out, const Tensor& x, const Tensor& topk_ids,
   std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(E));
   for (int64_t i = 0; i < T * k; ++i) {
     const int32_t e = topk_ids.i32()[i];
-    if (e < 0 || e >= E)
+    if (e < -1 || e >= E)
       throw_invalid(str_cat("cpu::moe_experts_fp8: topk_ids[", i, "] = ", e, " outside [0, ", E, ")"));
-    pairs[static_cast<size_t>(e)].push_back(i);
+    if (e >= 0) pairs[static_cast<size_t>(e)].push_back(i);  // -1: another rank's expert
   }
   out.fill_f32(0.0f);
   // ActQuant::kDynamic: one per-tensor scale over the whole input of the projection: x for up_proj, every routed

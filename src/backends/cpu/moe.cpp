@@ -76,13 +76,23 @@ void router_gate_topk(const Tensor& topk_ids, const Tensor& topk_weights, const 
   router_topk(topk_ids, topk_weights, logits, correction_bias, p);
 }
 
+void local_expert_ids(const Tensor& ids, int64_t first, int64_t count) {
+  int32_t* p = ids.i32();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    const int64_t e = p[i] - first;
+    p[i] = e >= 0 && e < count ? static_cast<int32_t>(e) : -1;
+  }
+}
+
 void moe_experts(const Tensor& out, const Tensor& x, const Tensor& topk_ids, const Tensor& topk_weights,
                  std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
   const int64_t T = x.dim(0), Din = x.dim(1), k = topk_ids.dim(1);
   const int64_t E = static_cast<int64_t>(up_proj.size());
-  // Permutation: the (token, choice) pairs of each expert, tokens in increasing order.
+  // Permutation: the (token, choice) pairs of each expert, tokens in increasing order (id -1: no expert here).
   std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(E));
-  for (int64_t i = 0; i < T * k; ++i) pairs[topk_ids.i32()[i]].push_back(i);
+  for (int64_t i = 0; i < T * k; ++i) {
+    if (topk_ids.i32()[i] >= 0) pairs[static_cast<size_t>(topk_ids.i32()[i])].push_back(i);
+  }
 
   out.fill_f32(0.0f);
   std::vector<float> xs, h, ys;

@@ -60,12 +60,14 @@ void moe_experts_nvfp4(const Tensor& out, const Tensor& x, const Tensor& topk_id
                 "moe_experts_nvfp4: topk_ids {} topk_weights {}", topk_ids.describe(), topk_weights.describe());
   for (int64_t i = 0; i < topk_ids.numel(); ++i) {
     const int32_t id = topk_ids.i32()[i];
-    CHIMERA_CHECK(id >= 0 && id < E, "moe_experts_nvfp4: topk_ids[{}] = {} outside [0, {})", i, id, E);
+    CHIMERA_CHECK(id >= -1 && id < E, "moe_experts_nvfp4: topk_ids[{}] = {} outside [0, {})", i, id, E);
   }
   // Only the experts some token picked are dequantized; the others get an empty [I, D] / [D, I] placeholder that
   // cpu::moe_experts never reads.
   std::vector<bool> used(static_cast<size_t>(E), false);
-  for (int64_t i = 0; i < topk_ids.numel(); ++i) used[static_cast<size_t>(topk_ids.i32()[i])] = true;
+  for (int64_t i = 0; i < topk_ids.numel(); ++i) {
+    if (topk_ids.i32()[i] >= 0) used[static_cast<size_t>(topk_ids.i32()[i])] = true;  // -1: another rank's
+  }
   std::vector<Tensor> ups, downs;
   ups.reserve(static_cast<size_t>(E));
   downs.reserve(static_cast<size_t>(E));

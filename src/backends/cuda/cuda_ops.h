@@ -86,6 +86,7 @@ void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, co
 void moe_experts_shared(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                         const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj,
                         const ops::SharedExpert& shared);
+void local_expert_ids(const ops::Context& ctx, const Tensor& ids, int64_t first, int64_t count);
 
 // sampling/ (sampling.cu)
 void sample_tokens(const ops::Context& ctx, const ops::SamplingOutputs& out, const Tensor& logits,

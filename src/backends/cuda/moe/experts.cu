@@ -107,6 +107,11 @@ bool moe::cutlass_built() {
 #endif
 }
 
+void local_expert_ids(const ops::Context& ctx, const Tensor& ids, int64_t first, int64_t count) {
+  moe::launch_local_expert_ids(ids.data_as<int32_t>(), ids.numel(), static_cast<int32_t>(first),
+                               static_cast<int32_t>(count), as_stream(ctx.stream));
+}
+
 void moe_experts(const ops::Context& ctx, const Tensor& out, const Tensor& x, const Tensor& topk_ids,
                  const Tensor& topk_weights, std::span<const Tensor> up_proj, std::span<const Tensor> down_proj) {
   moe::moe_experts_on_path(ctx, out, x, topk_ids, topk_weights, up_proj, down_proj, moe::ExpertsPath::kAuto);

@@ -107,6 +107,8 @@ struct PermuteParams {
 };
 inline constexpr int kPermuteMaxExperts = 512;
 void launch_moe_permute(const PermuteParams& p, cudaStream_t stream);
+// ids [n] in place: id - first for an id in [first, first + count), else -1 (ops::local_expert_ids).
+void launch_local_expert_ids(int32_t* ids, int64_t n, int32_t first, int32_t count, cudaStream_t stream);
 
 // One grouped GEMM: for every work item (expert e, rows r0..r0+rows) and output tile [n0, n0 + BN):
 //   up   :  h[r, n] = relu(sum_k x[token(r), k] * W_e[n, k])^2          x: [T, K], h: [P, N]

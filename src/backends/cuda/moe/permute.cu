@@ -197,7 +197,25 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const CombineParams p)
   }
 }
 
+// One thread per (token, choice) pair: the whole model's expert id to the rank's (ops::local_expert_ids).
+__global__ void local_expert_ids_kernel(int32_t* ids, int64_t n, int32_t first, int32_t count) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  pdl_wait();  // PDL: the ids are the router's output
+  pdl_trigger();
+  if (i >= n) return;
+  const int32_t e = ids[i] - first;
+  ids[i] = e >= 0 && e < count ? e : -1;
+}
+
 }  // namespace
+
+void launch_local_expert_ids(int32_t* ids, int64_t n, int32_t first, int32_t count, cudaStream_t stream) {
+  if (n == 0) return;
+  constexpr int kThreads = 256;
+  launch(local_expert_ids_kernel, dim3(static_cast<unsigned>((n + kThreads - 1) / kThreads)), dim3(kThreads), 0, stream,
+         ids, n, first, count);
+  CHIMERA_LAUNCH_CHECK("ops::local_expert_ids");
+}
 
 void launch_moe_permute(const PermuteParams& p, cudaStream_t stream) {
   if (p.E < 1 || p.E > kPermuteMaxExperts) {
