@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 
 #include <fmt/core.h>
 
@@ -254,10 +255,6 @@ void check_node_device(const NodeOptions& nodes, Device device) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 // `count` ranks of plan `rank` each, all in this host's memory (CPU ranks: every rank holds its shard and its copy
 // of the caches).
 void check_host_ranks_plan(const MemoryPlan& rank, int count) {
@@ -271,6 +268,14 @@ void check_host_ranks_plan(const MemoryPlan& rank, int count) {
                     fmt::format("host ({} ranks of {} each)", count, gib(rank.total())));
 }
 
+// One rank's model of `src` (options.tp says which): synthetic weights, or its shard of the checkpoint.
+std::function<NemotronH(const ModelOptions&)> rank_maker(const LoadedModel& loaded, const ModelSource& src) {
+  return [&loaded, &src](const ModelOptions& rank_options) {
+    return src.is_synthetic() ? NemotronH::synthetic(loaded.config, rank_options, src.synthetic_seed)
+                              : NemotronH::load(loaded.config, *loaded.checkpoint, rank_options);
+  };
+}
+
 // The ranks [first, first + count) of tp_size, with their memory plan checked first (as load_engine_model does).
 std::vector<NemotronH> load_ranks(const LoadedModel& loaded, const ModelSource& src, const ModelOptions& flag_options,
                                   int tp_size, int first, int count, const std::optional<MemoryLimits>& limits) {
@@ -280,10 +285,7 @@ std::vector<NemotronH> load_ranks(const LoadedModel& loaded, const ModelSource& 
   if (limits) {
     check_host_ranks_plan(plan_rank_memory(c, tp_size, options.dtype, DType::kF32, *limits, options.quantize), count);
   }
-  return TensorParallelModel::make_ranks(tp_size, first, count, options, [&](const ModelOptions& rank_options) {
-    return src.is_synthetic() ? NemotronH::synthetic(c, rank_options, src.synthetic_seed)
-                              : NemotronH::load(c, *loaded.checkpoint, rank_options);
-  });
+  return TensorParallelModel::make_ranks(tp_size, first, count, options, rank_maker(loaded, src));
 }
 
 std::unique_ptr<dist::TcpGroup> join_nodes(int tp_size, const NodeOptions& nodes) {
@@ -348,13 +350,7 @@ EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_o
       check_host_ranks_plan(rank, tp_size);
     }
   }
-  e.tp = TensorParallelModel::create(
-      tp_size, options,
-      [&](const ModelOptions& rank_options) {
-        return src.is_synthetic() ? NemotronH::synthetic(c, rank_options, src.synthetic_seed)
-                                  : NemotronH::load(c, *e.loaded.checkpoint, rank_options);
-      },
-      devices, allreduce);
+  e.tp = TensorParallelModel::create(tp_size, options, rank_maker(e.loaded, src), devices, allreduce);
   return e;
 }
 

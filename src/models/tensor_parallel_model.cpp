@@ -131,21 +131,7 @@ TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chro
     invalid_input("TensorParallelModel: ranks on {} GPUs need NCCL, and this build has none", n);
 #endif
   }
-  for (int r = 0; r < n; ++r) {
-    NemotronH& m = ranks[static_cast<size_t>(r)];
-    if (m.tensor_parallel().rank != r || m.tensor_parallel().size != n) {
-      invalid_input("TensorParallelModel: model {} was made as rank {} of {}, expected rank {} of {}", r,
-                    m.tensor_parallel().rank, m.tensor_parallel().size, r, n);
-    }
-    if (m.device() != device) invalid_input("TensorParallelModel: rank {} is on another device kind than rank 0", r);
-    ranks_.push_back(std::make_unique<NemotronH>(std::move(m)));
-    if (n > 1) ranks_.back()->set_tensor_parallel_group(group_.get(), device_group_.get());
-  }
-  for (int r = 1; r < n; ++r) {
-    workers_.push_back(std::make_unique<Worker>(device, devices_.empty() ? -1 : devices_[static_cast<size_t>(r)]));
-  }
-  config_ = ranks_[0]->local_config();
-  config_.vocab_size = ranks_[0]->config().vocab_size;
+  adopt(ranks, device, n > 1 ? group_.get() : nullptr, device_group_.get());
 }
 
 TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group) {
@@ -155,18 +141,29 @@ TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::uniq
                   ranks.size(), group->node_rank(), group->size(), group->nnodes(), group->local_size());
   }
   size_ = group->size();
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    NemotronH& m = ranks[r];
-    if (m.tensor_parallel().rank != static_cast<int>(r) || m.tensor_parallel().size != size_) {
+  for (const NemotronH& m : ranks) {
+    if (m.device() != Device::kCpu) invalid_input("TensorParallelModel: ranks in other processes run on the CPU only");
+  }
+  group_ = std::move(group);
+  adopt(ranks, Device::kCpu, group_.get(), nullptr);
+}
+
+void TensorParallelModel::adopt(std::vector<NemotronH>& ranks, Device device, dist::HostCollectives* group,
+                                dist::DeviceGroup* device_group) {
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    NemotronH& m = ranks[i];
+    const int r = static_cast<int>(i);
+    if (m.tensor_parallel().rank != r || m.tensor_parallel().size != size_) {
       invalid_input("TensorParallelModel: model {} was made as rank {} of {}, expected rank {} of {}", r,
                     m.tensor_parallel().rank, m.tensor_parallel().size, r, size_);
     }
-    if (m.device() != Device::kCpu) invalid_input("TensorParallelModel: ranks in other processes run on the CPU only");
+    if (m.device() != device) invalid_input("TensorParallelModel: rank {} is on another device kind than rank 0", r);
     ranks_.push_back(std::make_unique<NemotronH>(std::move(m)));
-    ranks_.back()->set_tensor_parallel_group(group.get(), nullptr);
+    if (group) ranks_.back()->set_tensor_parallel_group(group, device_group);
   }
-  group_ = std::move(group);
-  for (size_t r = 1; r < ranks_.size(); ++r) workers_.push_back(std::make_unique<Worker>(Device::kCpu, -1));
+  for (size_t r = 1; r < ranks_.size(); ++r) {
+    workers_.push_back(std::make_unique<Worker>(device, devices_.empty() ? -1 : devices_[r]));
+  }
   config_ = ranks_[0]->local_config();
   config_.vocab_size = ranks_[0]->config().vocab_size;
 }
@@ -216,13 +213,10 @@ std::unique_ptr<TensorParallelModel> TensorParallelModel::create(
   if (!devices.empty() && static_cast<int>(devices.size()) != size) {
     invalid_input("TensorParallelModel: {} GPU(s) for {} rank(s)", devices.size(), size);
   }
-  std::vector<NemotronH> ranks;
-  for (int r = 0; r < size; ++r) {
-    ModelOptions o = options;
-    o.tp = TensorParallel{r, size, options.tp.expert_parallel};
-    const device::DeviceGuard on(devices.empty() ? -1 : devices[static_cast<size_t>(r)]);
-    ranks.push_back(make(o));
-  }
+  std::vector<NemotronH> ranks = make_ranks(size, 0, size, options, [&](const ModelOptions& o) {
+    const device::DeviceGuard on(devices.empty() ? -1 : devices[static_cast<size_t>(o.tp.rank)]);
+    return make(o);
+  });
   return std::make_unique<TensorParallelModel>(std::move(ranks), std::chrono::seconds(60), std::move(devices),
                                                allreduce);
 }

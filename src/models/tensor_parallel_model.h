@@ -89,6 +89,10 @@ class TensorParallelModel : public Model {
   bool has_remote_ranks() const { return static_cast<int>(ranks_.size()) < size_; }
   // Whether rank r is on another GPU than rank 0 (it cannot read rank 0's device memory).
   bool other_gpu(int r) const;
+  // Takes ranks[r] as rank r of size_ (checked), on `device`, joined to `group` / `device_group`; then config_,
+  // and a worker thread for every rank but 0 (devices_[r] current on CUDA).
+  void adopt(std::vector<NemotronH>& ranks, Device device, dist::HostCollectives* group,
+             dist::DeviceGroup* device_group);
 
   std::vector<std::unique_ptr<NemotronH>> ranks_;
   int size_ = 1;  // every rank, local or not

@@ -226,17 +226,24 @@ void check_conv(const Check& c, const Tensor& out, const Tensor& x, const Tensor
 
 // ---- embedding, norms ------------------------------------------------------------------------------
 
-void embedding(const Context& ctx, const Tensor& out, const Tensor& table, const Indices& ids) {
-  const Check c(ctx, "embedding");
+namespace {
+// embedding / embedding_shard: the table and out, and every token id in [0, vocab_size) (bad user input otherwise).
+void check_embedding(const Check& c, const Tensor& out, const Tensor& table, const Indices& ids, int64_t vocab_size) {
   c.weight("table", table, 2);
   c.f32("out", out, 2);
-  const int64_t V = table.dim(0), D = table.dim(1);
-  c.shape("out", out, {static_cast<int64_t>(ids.size()), D}, "table", table);
+  c.shape("out", out, {static_cast<int64_t>(ids.size()), table.dim(1)}, "table", table);
   for (size_t t = 0; t < ids.size(); ++t) {
-    if (ids[t] < 0 || ids[t] >= V) {
-      invalid_input("ops::embedding: token id {} at position {} is out of range for vocab size {}", ids[t], t, V);
+    if (ids[t] < 0 || ids[t] >= vocab_size) {
+      invalid_input("ops::embedding: token id {} at position {} is out of range for vocab size {}", ids[t], t,
+                    vocab_size);
     }
   }
+}
+}  // namespace
+
+void embedding(const Context& ctx, const Tensor& out, const Tensor& table, const Indices& ids) {
+  const Check c(ctx, "embedding");
+  check_embedding(c, out, table, ids, table.dim(0));
   c.dispatch([&] { cpu::embedding(out, table, ids.host); },
              [&] { CHIMERA_CUDA_CALL(cuda::embedding(ctx, out, table, ids)); });
 }
@@ -244,17 +251,9 @@ void embedding(const Context& ctx, const Tensor& out, const Tensor& table, const
 void embedding_shard(const Context& ctx, const Tensor& out, const Tensor& table, const Indices& ids, int64_t first,
                      int64_t vocab_size) {
   const Check c(ctx, "embedding_shard");
-  c.weight("table", table, 2);
-  c.f32("out", out, 2);
-  const int64_t V = table.dim(0), D = table.dim(1);
-  c.shape("out", out, {static_cast<int64_t>(ids.size()), D}, "table", table);
+  check_embedding(c, out, table, ids, vocab_size);
+  const int64_t V = table.dim(0);
   if (first < 0 || first + V > vocab_size) c.fail("rows [{}, {}) of a vocabulary of {}", first, first + V, vocab_size);
-  for (size_t t = 0; t < ids.size(); ++t) {
-    if (ids[t] < 0 || ids[t] >= vocab_size) {
-      invalid_input("ops::embedding: token id {} at position {} is out of range for vocab size {}", ids[t], t,
-                    vocab_size);
-    }
-  }
   c.dispatch([&] { cpu::embedding_shard(out, table, ids.host, first); },
              [&] { CHIMERA_CUDA_CALL(cuda::embedding(ctx, out, table, ids, first, /*shard=*/true)); });
 }
@@ -311,28 +310,23 @@ void gated_rms_norm(const Context& ctx, const Tensor& out, const Tensor& y, cons
       c.fail("a spanned norm needs n_groups 1 (got {}), a group in [0, {}) (got {}) and a communicator", n_groups,
              sn.n_groups, sn.group);
     }
-    const int64_t T = y.dim(0);
-    // Each rank's sum of squares in its group's column, zeros elsewhere: one all_reduce sums every group's parts.
-    c.dispatch(
-        [&] {
-          const Tensor sums = Tensor::empty(DType::kF32, {T, sn.n_groups});
-          device::zero(sums);
-          cpu::gated_square_sums(sums, y, z, sn.group);
-          all_reduce(ctx, sums, sn.tp);
-          cpu::gated_rms_norm_from_sums(out, y, z, weight, sums, sn.group, y.dim(1) * sn.span, eps);
-        },
-        [&] {
-          // Ranks outnumber the model's groups: the CPU's two halves on host copies around the host sum (no
-          // Nemotron-H model spans a group below 16 ranks, so this path is for the tests' small fixtures).
-          const Tensor hy = device::to_host_f32(y), hz = device::to_host_f32(z), hw = device::to_host_f32(weight);
-          const Tensor hsums = Tensor::empty(DType::kF32, {T, sn.n_groups});
-          const Tensor hout = Tensor::empty(DType::kF32, out.shape());
-          device::zero(hsums);
-          cpu::gated_square_sums(hsums, hy, hz, sn.group);
-          sn.tp.group->all_reduce_sum(sn.tp.rank, {hsums.f32(), static_cast<size_t>(hsums.numel())});
-          cpu::gated_rms_norm_from_sums(hout, hy, hz, hw, hsums, sn.group, y.dim(1) * sn.span, eps);
-          device::copy(out, device::to_device(hout, Device::kCuda, out.dtype()));
-        });
+    // The CPU's two halves on host tensors: each rank's sum of squares in its group's column, zeros elsewhere, so
+    // one host all_reduce sums every group's parts; then the norm.
+    const auto on_host = [&](const Tensor& o, const Tensor& hy, const Tensor& hz, const Tensor& hw) {
+      const Tensor sums = Tensor::empty(DType::kF32, {y.dim(0), sn.n_groups});
+      device::zero(sums);
+      cpu::gated_square_sums(sums, hy, hz, sn.group);
+      sn.tp.group->all_reduce_sum(sn.tp.rank, {sums.f32(), static_cast<size_t>(sums.numel())});
+      cpu::gated_rms_norm_from_sums(o, hy, hz, hw, sums, sn.group, y.dim(1) * sn.span, eps);
+    };
+    c.dispatch([&] { on_host(out, y, z, weight); },
+               [&] {
+                 // Ranks outnumber the model's groups: on host copies (no Nemotron-H model spans a group below 16
+                 // ranks, so this path is for the tests' small fixtures).
+                 const Tensor hout = Tensor::empty(DType::kF32, out.shape());
+                 on_host(hout, device::to_host_f32(y), device::to_host_f32(z), device::to_host_f32(weight));
+                 device::copy(out, device::to_device(hout, Device::kCuda, out.dtype()));
+               });
     return;
   }
   c.dispatch([&] { cpu::gated_rms_norm(out, y, z, weight, n_groups, eps); }, [&] { CHIMERA_CUDA_CALL(cuda::gated_rms_norm(ctx, out, y, z, weight, n_groups, eps)); });

@@ -115,7 +115,7 @@ int32_t StateCache::allocate_slot(bool zeroed) {
   free_slots_.pop_back();
   if (!zeroed) return slot;
   const StateOp op{StateOp::kZeroSlot, slot, 0};
-  for_each_rank([&](const ModelState& st) { apply_state_op(op, st); });
+  for_each_rank([&](int, const ModelState& st) { apply_state_op(op, st); });
   if (sizes_.log_state_ops) state_.remote_ops.push_back(op);
   return slot;
 }
@@ -167,10 +167,9 @@ bool StateCache::has_mamba() const {
 
 void StateCache::copy_mamba_state(int32_t dst, int32_t src, void* stream) {
   const StateOp op{StateOp::kCopySlot, dst, src};
-  for_each_rank([&](const ModelState& st) {
-    // A rank on another GPU than the stream's: a synchronous copy on its own device.
-    const bool other_gpu =
-        &st != &state_ && !sizes_.rank_devices.empty() && sizes_.rank_devices[0] != device::current_device();
+  for_each_rank([&](int r, const ModelState& st) {
+    // A rank on another GPU than the stream's (rank 0's): a synchronous copy on its own device.
+    const bool other_gpu = rank_device(r) != rank_device(0);
     apply_state_op(op, st, device_ == Device::kCpu || other_gpu ? nullptr : stream);
   });
   if (sizes_.log_state_ops) state_.remote_ops.push_back(op);
@@ -193,7 +192,7 @@ void apply_state_op(const StateOp& op, const ModelState& st, void* stream) {
 
 size_t StateCache::bytes() const {
   size_t b = 0;
-  for_each_rank([&](const ModelState& st) {
+  for_each_rank([&](int, const ModelState& st) {
     for (size_t i = 0; i < st.conv.size(); ++i) {
       if (st.conv[i]) b += st.conv[i].nbytes() + st.ssm[i].nbytes();
       if (st.kv[i].k) b += st.kv[i].k.nbytes() + st.kv[i].v.nbytes();

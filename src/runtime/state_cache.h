@@ -155,17 +155,13 @@ class StateCache {
   static size_t kv_bytes_per_token(const ModelConfig& config, size_t bytes_per_element = 4);
 
  private:
-  // fn(state) for this rank's state and each peer's (CacheSizes::tensor_parallel_size), each with its rank's GPU
-  // current (CacheSizes::rank_devices).
+  // fn(rank, its state) for this rank's state (rank 0) and each peer's (CacheSizes::tensor_parallel_size), each
+  // with its rank's GPU current (CacheSizes::rank_devices).
   template <typename Fn>
   void for_each_rank(Fn fn) const {
-    {
-      const device::DeviceGuard on(rank_device(0));
-      fn(state_);
-    }
-    for (size_t r = 1; r <= state_.peers.size(); ++r) {
-      const device::DeviceGuard on(rank_device(static_cast<int>(r)));
-      fn(state_.peers[r - 1]);
+    for (int r = 0; r <= static_cast<int>(state_.peers.size()); ++r) {
+      const device::DeviceGuard on(rank_device(r));
+      fn(r, r == 0 ? state_ : state_.peers[static_cast<size_t>(r - 1)]);
     }
   }
   int rank_device(int r) const {
