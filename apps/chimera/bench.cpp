@@ -81,6 +81,7 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   app.add_option("--seed", o.seed, "Seed of the random prompt ids")->capture_default_str();
   app.add_option("--json-out", o.json_out, "Write every measurement, with date, commit and device, to FILE (JSON)");
   add_tensor_parallel_flag(app, o.tensor_parallel_size);
+  add_node_flags(app, o.nodes);
   app.add_flag("--expert-parallel", o.expert_parallel,
                "With --tensor-parallel-size: split the routed experts by expert (each rank holds E / N whole "
                "experts) instead of by their intermediate dimension");
@@ -358,7 +359,8 @@ std::string cell(const nlohmann::json& r, const char* key, const char* fmt_spec)
 }  // namespace
 
 int run_bench(const BenchOptions& o) {
-  check_tensor_parallel_size(o.tensor_parallel_size, o.device);
+  check_tensor_parallel_size(o.tensor_parallel_size, o.device, o.nodes.nnodes);
+  check_node_options(o.nodes, o.tensor_parallel_size);
   ModelOptions mo = model_options_from_flags(o.device, o.dtype);
   mo.tp.expert_parallel = o.expert_parallel;
   if (o.input_lens.empty() && o.batch_sizes.empty()) invalid_input("--input-lens and --batch-sizes are both empty");
@@ -371,8 +373,13 @@ int run_bench(const BenchOptions& o) {
   load_limits.max_num_seqs = 1;
   load_limits.max_model_len = CacheSizes{}.block_size;
   load_limits.max_tokens_per_step = load_limits.max_model_len;
+  if (o.nodes.node_rank != 0) {  // another node's ranks: they follow node 0's engines, which print everything
+    run_worker_node(o.source, mo, o.tensor_parallel_size, o.nodes, load_limits, o.allreduce_strategy);
+    return 0;
+  }
   const auto t_load = Clock::now();
-  const EngineModel em = load_engine_model(o.source, mo, o.tensor_parallel_size, load_limits, {}, o.allreduce_strategy);
+  const EngineModel em =
+      load_engine_model(o.source, mo, o.tensor_parallel_size, load_limits, o.nodes, o.allreduce_strategy);
   const double load_s = seconds_since(t_load);
   const ModelConfig& c = em.loaded.config;
   const int tp_size = em.tensor_parallel_size();

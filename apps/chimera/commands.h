@@ -80,6 +80,7 @@ struct BenchOptions {
   int tensor_parallel_size = 1;    // --tensor-parallel-size N: the ranks of EngineModel
   // --expert-parallel: the ranks split the routed experts by expert, not by intermediate column (to measure the two).
   bool expert_parallel = false;
+  NodeOptions nodes;  // --nnodes, --node-rank, --master-addr, --master-port, --dist-timeout
   dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;  // --allreduce-strategy
 };
 
@@ -117,6 +118,7 @@ struct ServeOptions {
   int32_t mamba_checkpoint_interval = 2048;
   int32_t mamba_checkpoint_slots = 0;
   int tensor_parallel_size = 1;  // --tensor-parallel-size N: the ranks of EngineModel
+  NodeOptions nodes;             // --nnodes, --node-rank, --master-addr, --master-port, --dist-timeout
   dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;  // --allreduce-strategy
 };
 

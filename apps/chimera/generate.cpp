@@ -116,7 +116,7 @@ void flush_stdout() {
 }  // namespace
 
 int run_generate(const GenerateOptions& o) {
-  check_tensor_parallel_size(o.tensor_parallel_size, o.device);
+  check_tensor_parallel_size(o.tensor_parallel_size, o.device, o.nodes.nnodes);
   check_node_options(o.nodes, o.tensor_parallel_size);
   const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
   if (!o.prompt.empty() + !o.prompt_ids.empty() + !o.prompt_file.empty() != 1) {
@@ -154,7 +154,7 @@ int run_generate(const GenerateOptions& o) {
     invalid_input("--dump-activations: not with --tensor-parallel-size {}", tp_size);
   }
   if (!node_zero) {  // another node's ranks: no engine, no output
-    run_worker_node(o.source, model_options, tp_size, o.nodes, limits);
+    run_worker_node(o.source, model_options, tp_size, o.nodes, limits, o.allreduce_strategy);
     return 0;
   }
   const EngineModel em = load_engine_model(o.source, model_options, tp_size, limits, o.nodes, o.allreduce_strategy);

@@ -192,16 +192,23 @@ LoadedModel load_model(const ModelSource& src, bool with_weights, const ModelOpt
 
 void add_tensor_parallel_flag(CLI::App& app, int& size) {
   app.add_option("--tensor-parallel-size", size,
-                 "Shard the model over N ranks: threads of this process, one GPU each with --device cuda (or, with "
-                 "generate --nnodes, threads of several processes on the CPU)")
+                 "Shard the model over N ranks: threads of this process, one GPU each with --device cuda (with "
+                 "--nnodes: threads of several processes, possibly on several hosts)")
       ->capture_default_str();
 }
 
-void check_tensor_parallel_size(int size, const std::string& device) {
+void check_tensor_parallel_size(int size, const std::string& device, int nnodes) {
   if (size < 1) invalid_input("--tensor-parallel-size must be >= 1, got {}", size);
-  if (size > 1 && device != "cpu" && device::device_count() < size) {
-    invalid_input("--tensor-parallel-size {}: needs {} GPUs (one per rank), this machine has {}", size, size,
-                  device::device_count());
+  const int local = nnodes > 1 && size % nnodes == 0 ? size / nnodes : size;
+  if (size > 1 && device != "cpu" && device::device_count() < local) {
+    if (local == size) {
+      invalid_input("--tensor-parallel-size {}: needs {} GPUs (one per rank), this machine has {}", size, size,
+                    device::device_count());
+    }
+    invalid_input(
+        "--tensor-parallel-size {} over --nnodes {}: needs {} GPUs on every node (one per rank), this "
+        "machine has {}",
+        size, nnodes, local, device::device_count());
   }
 }
 
@@ -249,12 +256,6 @@ void check_node_options(const NodeOptions& nodes, int tp_size) {
 
 namespace {
 
-void check_node_device(const NodeOptions& nodes, Device device) {
-  if (nodes.remote() && device != Device::kCpu) {
-    invalid_input("--nnodes {}: ranks in several processes run on --device cpu only for now", nodes.nnodes);
-  }
-}
-
 // `count` ranks of plan `rank` each, all in this host's memory (CPU ranks: every rank holds its shard and its copy
 // of the caches).
 void check_host_ranks_plan(const MemoryPlan& rank, int count) {
@@ -276,16 +277,40 @@ std::function<NemotronH(const ModelOptions&)> rank_maker(const LoadedModel& load
   };
 }
 
-// The ranks [first, first + count) of tp_size, with their memory plan checked first (as load_engine_model does).
+// This node's GPUs for `count` CUDA ranks: 0, 1, ... (empty on the CPU).
+std::vector<int> node_devices(const ModelOptions& options, int count) {
+  std::vector<int> devices;
+  for (int i = 0; options.device == Device::kCuda && i < count; ++i) devices.push_back(i);
+  return devices;
+}
+
+// The memory plan of `devices.size()` CUDA ranks (one per GPU) or `count` CPU ranks, checked as load_engine_model
+// says; a ModelOpt checkpoint's weights count as stored, rank `first`'s share.
+void check_ranks_plan(const ModelSource& src, const ModelConfig& c, const ModelOptions& options, int tp_size, int first,
+                      int count, const std::vector<int>& devices, const MemoryLimits& limits) {
+  const bool cuda = options.device == Device::kCuda;
+  const DType act = cuda ? options.dtype : DType::kF32;
+  MemoryPlan rank = plan_rank_memory(c, tp_size, options.dtype, act, limits, options.quantize);
+  if (cuda && !src.is_synthetic() && load_quant_config(src.model_dir)) {
+    rank.weights = quantized_checkpoint_weight_bytes(src.model_dir, options.dtype, TensorParallel{first, tp_size});
+  }
+  if (!cuda) return check_host_ranks_plan(rank, count);
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const device::DeviceGuard on(devices[i]);
+    check_memory_plan(rank, device::memory_info(Device::kCuda).free,
+                      fmt::format("GPU {} (rank {} of {})", devices[i], first + static_cast<int>(i), tp_size));
+  }
+}
+
+// The ranks [first, first + count) of tp_size (rank first + i on devices[i] with CUDA), with their memory plan
+// checked first.
 std::vector<NemotronH> load_ranks(const LoadedModel& loaded, const ModelSource& src, const ModelOptions& flag_options,
-                                  int tp_size, int first, int count, const std::optional<MemoryLimits>& limits) {
+                                  int tp_size, int first, int count, const std::vector<int>& devices,
+                                  const std::optional<MemoryLimits>& limits) {
   ModelOptions options = flag_options;
   options.quantize = src.quantize();
-  const ModelConfig& c = loaded.config;
-  if (limits) {
-    check_host_ranks_plan(plan_rank_memory(c, tp_size, options.dtype, DType::kF32, *limits, options.quantize), count);
-  }
-  return TensorParallelModel::make_ranks(tp_size, first, count, options, rank_maker(loaded, src));
+  if (limits) check_ranks_plan(src, loaded.config, options, tp_size, first, count, devices, *limits);
+  return TensorParallelModel::make_ranks(tp_size, first, count, options, rank_maker(loaded, src), devices);
 }
 
 std::unique_ptr<dist::TcpGroup> join_nodes(int tp_size, const NodeOptions& nodes) {
@@ -297,60 +322,41 @@ std::unique_ptr<dist::TcpGroup> join_nodes(int tp_size, const NodeOptions& nodes
 }  // namespace
 
 void run_worker_node(const ModelSource& src, const ModelOptions& options, int tp_size, const NodeOptions& nodes,
-                     const std::optional<MemoryLimits>& limits) {
-  check_tensor_parallel_size(tp_size, options.device == Device::kCpu ? "cpu" : "cuda");
+                     const std::optional<MemoryLimits>& limits, dist::AllReduceStrategy allreduce) {
+  check_tensor_parallel_size(tp_size, options.device == Device::kCpu ? "cpu" : "cuda", nodes.nnodes);
   check_node_options(nodes, tp_size);
-  check_node_device(nodes, options.device);
   const LoadedModel loaded = load_model(src, /*with_weights=*/false, options);
   const int local = tp_size / nodes.nnodes;
-  std::vector<NemotronH> ranks = load_ranks(loaded, src, options, tp_size, nodes.node_rank * local, local, limits);
+  const std::vector<int> devices = node_devices(options, local);
+  std::vector<NemotronH> ranks =
+      load_ranks(loaded, src, options, tp_size, nodes.node_rank * local, local, devices, limits);
   const std::unique_ptr<dist::TcpGroup> group = join_nodes(tp_size, nodes);
-  run_remote_ranks(*group, ranks, ops::Context{options.device, nullptr, nullptr, {}});
+  const std::shared_ptr<dist::DeviceGroup> device_group =
+      TensorParallelModel::join_device_group(*group, devices, allreduce);
+  run_remote_ranks(*group, ranks, ops::Context{options.device, nullptr, nullptr, {}}, devices, device_group.get());
 }
 
 EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_options, int tp_size,
                               const std::optional<MemoryLimits>& limits, const NodeOptions& nodes,
                               dist::AllReduceStrategy allreduce) {
-  check_tensor_parallel_size(tp_size, flag_options.device == Device::kCpu ? "cpu" : "cuda");
+  check_tensor_parallel_size(tp_size, flag_options.device == Device::kCpu ? "cpu" : "cuda", nodes.nnodes);
   check_node_options(nodes, tp_size);
-  check_node_device(nodes, flag_options.device);
   EngineModel e;
-  if (nodes.remote()) {
-    e.loaded = load_model(src, /*with_weights=*/false, flag_options);
-    const int local = tp_size / nodes.nnodes;
-    std::vector<NemotronH> ranks = load_ranks(e.loaded, src, flag_options, tp_size, 0, local, limits);
-    e.tp = std::make_unique<TensorParallelModel>(std::move(ranks), join_nodes(tp_size, nodes));
-    return e;
-  }
   if (tp_size == 1) {
     e.loaded = load_model(src, /*with_weights=*/true, flag_options, limits);
     return e;
   }
   e.loaded = load_model(src, /*with_weights=*/false, flag_options);
-  ModelOptions options = flag_options;
-  options.quantize = src.quantize();
-  const ModelConfig& c = e.loaded.config;
-  const bool cuda = options.device == Device::kCuda;
-  std::vector<int> devices;  // CUDA: rank r on GPU r
-  for (int r = 0; cuda && r < tp_size; ++r) devices.push_back(r);
-  if (limits) {
-    const DType act = cuda ? options.dtype : DType::kF32;
-    MemoryPlan rank = plan_rank_memory(c, tp_size, options.dtype, act, *limits, options.quantize);
-    // A ModelOpt checkpoint goes to the GPU as stored: rank 0's share of each tensor.
-    if (cuda && !src.is_synthetic() && load_quant_config(src.model_dir)) {
-      rank.weights = quantized_checkpoint_weight_bytes(src.model_dir, options.dtype, TensorParallel{0, tp_size});
-    }
-    if (cuda) {
-      for (const int d : devices) {
-        const device::DeviceGuard on(d);
-        check_memory_plan(rank, device::memory_info(Device::kCuda).free,
-                          fmt::format("GPU {} (rank {} of {})", d, d, tp_size));
-      }
-    } else {
-      check_host_ranks_plan(rank, tp_size);
-    }
+  const int local = tp_size / nodes.nnodes;
+  std::vector<int> devices = node_devices(flag_options, local);  // CUDA: rank r on GPU r
+  std::vector<NemotronH> ranks = load_ranks(e.loaded, src, flag_options, tp_size, 0, local, devices, limits);
+  if (nodes.remote()) {
+    e.tp = std::make_unique<TensorParallelModel>(std::move(ranks), join_nodes(tp_size, nodes), std::move(devices),
+                                                 allreduce);
+  } else {
+    e.tp = std::make_unique<TensorParallelModel>(std::move(ranks), std::chrono::seconds(60), std::move(devices),
+                                                 allreduce);
   }
-  e.tp = TensorParallelModel::create(tp_size, options, rank_maker(e.loaded, src), devices, allreduce);
   return e;
 }
 

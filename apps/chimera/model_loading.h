@@ -78,9 +78,9 @@ LoadedModel load_model_dir(const std::string& dir, bool with_weights = true, con
 // Registers --tensor-parallel-size N.
 void add_tensor_parallel_flag(CLI::App& app, int& size);
 // kInvalidInput naming the flag: a size below 1, or above 1 with --device `device` other than cpu on a machine
-// with fewer GPUs than ranks (one GPU per rank). Checked before --device cuda is (model_options_from_flags), so a
-// build without CUDA says the same.
-void check_tensor_parallel_size(int size, const std::string& device);
+// with fewer GPUs than this node's ranks (one GPU per rank; size / nnodes ranks a node). Checked before --device
+// cuda is (model_options_from_flags), so a build without CUDA says the same.
+void check_tensor_parallel_size(int size, const std::string& device, int nnodes = 1);
 // The memory plan of one of `tp_size` ranks: its shard of the weights (weight_bytes of the rank's config,
 // models/tensor_parallel.h rank_config: the rank's heads, groups, intermediate columns and vocabulary rows), the
 // KV cache of its KV heads, the Mamba state of its heads, and a workspace with whole logits rows (every rank
@@ -89,10 +89,12 @@ void check_tensor_parallel_size(int size, const std::string& device);
 MemoryPlan plan_rank_memory(const ModelConfig& config, int tp_size, DType weight_dtype, DType act_dtype,
                             const MemoryLimits& limits, ops::WeightFormat linear_format = ops::WeightFormat::kDense);
 
-// Tensor parallelism over processes, possibly on several hosts (`generate`; dist::TcpGroup): --nnodes N processes
-// each hold --tensor-parallel-size / N ranks (node k: ranks [k * size / N, (k + 1) * size / N)); node 0 (listening
-// on --master-port) runs the engine, the others (connecting to --master-addr:--master-port) run their ranks' part
-// of every step until node 0 ends. Every node is started with the same flags but --node-rank.
+// Tensor parallelism over processes, possibly on several hosts (generate, bench and serve; dist::TcpGroup):
+// --nnodes N processes each hold --tensor-parallel-size / N ranks (node k: ranks [k * size / N, (k + 1) * size /
+// N)); node 0 (listening on --master-port) runs the engine (and the command's output, or the server), the others
+// (connecting to --master-addr:--master-port) run their ranks' part of every step until node 0 ends. Every node is
+// started with the same flags but --node-rank. With --device cuda a node's ranks take its GPUs 0, 1, ... in order
+// (CUDA_VISIBLE_DEVICES picks which, e.g. two nodes on one host).
 struct NodeOptions {
   int nnodes = 1;
   int node_rank = 0;
@@ -107,8 +109,10 @@ void add_node_flags(CLI::App& app, NodeOptions& nodes);
 void check_node_options(const NodeOptions& nodes, int tp_size);
 // A node other than 0: its ranks' models, joined to node 0, serving its steps until it stops (or fails:
 // kRuntime naming the node that went away). With `limits` the memory plan of its ranks is checked first.
+// `allreduce`: as load_engine_model's (every node must pass the same).
 void run_worker_node(const ModelSource& src, const ModelOptions& options, int tp_size, const NodeOptions& nodes,
-                     const std::optional<MemoryLimits>& limits = std::nullopt);
+                     const std::optional<MemoryLimits>& limits = std::nullopt,
+                     dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
 
 // The model an Engine runs: the loaded NemotronH, or with tensor parallelism the TensorParallelModel of its ranks
 // (each made here with its shard; `loaded` then keeps the config, checkpoint and tokenizer but no model).
@@ -122,7 +126,7 @@ struct EngineModel {
 // plan is checked first as load_model does: for tp_size ranks of plan_rank_memory against the host's free memory
 // on the CPU (a sharded tensor is a copy, not a view of the checkpoint's mapping, so a checkpoint's weights count
 // too), one rank's plan against each GPU's free memory on CUDA.
-// With `nodes` spanning several processes (the CPU) this is node 0's part: its ranks, joined to the other nodes.
+// With `nodes` spanning several processes this is node 0's part: its ranks, joined to the other nodes.
 // `allreduce`: the strategy of CUDA ranks' fused AllReduce (--allreduce-strategy; kAuto: the tuned table).
 EngineModel load_engine_model(const ModelSource& src, const ModelOptions& options, int tp_size,
                               const std::optional<MemoryLimits>& limits = std::nullopt, const NodeOptions& nodes = {},

@@ -71,6 +71,7 @@ void add_serve(CLI::App& app, ServeOptions& o) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   add_tensor_parallel_flag(app, o.tensor_parallel_size);
+  add_node_flags(app, o.nodes);
   app.add_option("--reasoning-parser", o.reasoning_parser, "Split reasoning into reasoning_content: nemotron_v3")
       ->check(CLI::IsMember({"nemotron_v3"}));
   app.add_option("--tool-call-parser", o.tool_call_parser, "Turn the model's tool calls into tool_calls")
@@ -90,16 +91,9 @@ void add_serve(CLI::App& app, ServeOptions& o) {
 }
 
 int run_serve(const ServeOptions& o) {
-  check_tensor_parallel_size(o.tensor_parallel_size, o.device);
+  check_tensor_parallel_size(o.tensor_parallel_size, o.device, o.nodes.nnodes);
+  check_node_options(o.nodes, o.tensor_parallel_size);
   const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
-
-  // Signals go to the waiting main thread only (blocked here, before any thread starts, so every thread
-  // inherits the mask).
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   // vLLM's defaults where the flags are not given: on a GPU of >= 70 GiB 8192 tokens a step and as many sequences
   // as the memory holds up to 1024; on a smaller GPU 2048 tokens; on the CPU 2048 tokens and 64 sequences.
@@ -135,10 +129,23 @@ int run_serve(const ServeOptions& o) {
     limits.max_num_seqs = 1;
     limits.mamba_checkpoints = 0;  // size_caches plans them
   }
+  // Another node's ranks serve no HTTP: they run node 0's steps until node 0 stops (or goes away: an error).
+  // SIGINT / SIGTERM end such a node at once (node 0's next step then fails naming it).
+  if (o.nodes.node_rank != 0) {
+    run_worker_node(o.source, model_options, o.tensor_parallel_size, o.nodes, limits, o.allreduce_strategy);
+    return 0;
+  }
+  // Signals go to the waiting main thread only (blocked here, before any thread starts, so every thread
+  // inherits the mask).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   // With --tensor-parallel-size N the plan is N ranks', each holding its shard and its copy of the caches (on the
   // CPU all in host memory, on CUDA each rank on its own GPU).
   const EngineModel em =
-      load_engine_model(o.source, model_options, o.tensor_parallel_size, limits, {}, o.allreduce_strategy);
+      load_engine_model(o.source, model_options, o.tensor_parallel_size, limits, o.nodes, o.allreduce_strategy);
   const LoadedModel& m = em.loaded;
   const Model& model = em.model();
   if (cuda) {

@@ -18,6 +18,9 @@ bool cuda_available();
 int device_count();
 int current_device();
 void set_current_device(int ordinal);
+// GPU `ordinal`'s UUID as text ("GPU-..." as nvidia-smi prints it): unique across hosts, so processes can tell
+// whether two of their ranks share a GPU.
+std::string device_uuid(int ordinal);
 // `ordinal` current on the calling thread for the guard's lifetime, the previous one after; ordinal < 0: no-op.
 class DeviceGuard {
  public:

@@ -16,6 +16,9 @@ int current_device() {
 void set_current_device(int ordinal) {
   if (ordinal != 0) throw_runtime("device::set_current_device: this build of chimera has no CUDA backend");
 }
+std::string device_uuid(int /*ordinal*/) {
+  throw_runtime("device::device_uuid: this build of chimera has no CUDA backend");
+}
 bool pdl_enabled() { return false; }
 LaunchScope::LaunchScope(bool /*pdl*/) : previous_(true) {}
 LaunchScope::~LaunchScope() { previous_ = true; }  // restores nothing: no kernel launches without CUDA

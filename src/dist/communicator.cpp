@@ -24,14 +24,25 @@ std::unique_ptr<Communicator> Communicator::create_local(const std::vector<int>&
   return c;
 }
 
-std::unique_ptr<Communicator> Communicator::create_rank(const ncclUniqueId& id, int n_ranks, int rank, int device) {
+std::unique_ptr<Communicator> Communicator::create_ranks(const ncclUniqueId& id, int n_ranks, int first_rank,
+                                                         const std::vector<int>& devices) {
+  const int local = static_cast<int>(devices.size());
+  if (local < 1 || first_rank < 0 || first_rank + local > n_ranks) {
+    invalid_input("dist::Communicator: ranks [{}, {}) of {}", first_rank, first_rank + local, n_ranks);
+  }
   std::unique_ptr<Communicator> c(new Communicator());
   c->n_ranks_ = n_ranks;
-  c->first_rank_ = rank;
-  c->devices_ = {device};
-  c->comms_.resize(1);
-  if (cudaSetDevice(device) != cudaSuccess) runtime_error("dist::Communicator: cudaSetDevice({}) failed", device);
-  nccl_check(ncclCommInitRank(&c->comms_[0], n_ranks, id, rank), "ncclCommInitRank");
+  c->first_rank_ = first_rank;
+  c->devices_ = devices;
+  c->comms_.assign(devices.size(), nullptr);
+  // Several ranks of one thread join inside one group call (each ncclCommInitRank alone would wait for the others).
+  nccl_check(ncclGroupStart(), "ncclGroupStart");
+  for (int i = 0; i < local; ++i) {
+    const int device = devices[static_cast<size_t>(i)];
+    if (cudaSetDevice(device) != cudaSuccess) runtime_error("dist::Communicator: cudaSetDevice({}) failed", device);
+    nccl_check(ncclCommInitRank(&c->comms_[static_cast<size_t>(i)], n_ranks, id, first_rank + i), "ncclCommInitRank");
+  }
+  nccl_check(ncclGroupEnd(), "ncclGroupEnd (ncclCommInitRank)");
   return c;
 }
 

@@ -1,7 +1,8 @@
-// Ranks and NCCL communicators. Today: one process driving the GPUs of one host, one thread per GPU, each rank
-// its own stream (create_local: ncclCommInitAll). Several hosts: one process per GPU (or per host) joins with
-// a unique id shared out of band (TCP, or MPI under mpirun) through create_rank (ncclCommInitRank); the custom
-// kernels stay inside one host (peer-mapped memory), NCCL spans hosts.
+// Ranks and NCCL communicators. One process driving the GPUs of one host, one thread per GPU, each rank its own
+// stream (create_local: ncclCommInitAll); or several processes, possibly on several hosts, each driving some of
+// the ranks, joined with a unique id shared out of band (create_ranks: the tensor-parallel launch sends it over
+// its dist::TcpGroup). The custom AllReduce kernels need every rank in one process (peer-mapped memory); NCCL
+// spans processes and hosts.
 #pragma once
 
 #include <nccl.h>
@@ -16,9 +17,12 @@ class Communicator {
  public:
   // All local `devices` (CUDA ordinals, rank order) in one communicator, built by ncclCommInitAll.
   static std::unique_ptr<Communicator> create_local(const std::vector<int>& devices);
-  // This process's rank of n_ranks, on `device`, joining the clique named by `id` (ncclGetUniqueId on rank 0,
-  // sent to the others out of band). Untested: nothing in the tree launches several processes yet.
-  static std::unique_ptr<Communicator> create_rank(const ncclUniqueId& id, int n_ranks, int rank, int device);
+  // This process's ranks [first_rank, first_rank + devices.size()) of n_ranks, rank first_rank + i on devices[i],
+  // joining the clique named by `id` (ncclGetUniqueId on rank 0, sent to the others out of band). Blocks until
+  // every rank has joined: ncclCommInitRank has no timeout, so the caller first meets the other processes in a
+  // barrier bounded by its own timeout (every rank is there and about to join).
+  static std::unique_ptr<Communicator> create_ranks(const ncclUniqueId& id, int n_ranks, int first_rank,
+                                                    const std::vector<int>& devices);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

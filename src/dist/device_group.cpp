@@ -39,7 +39,26 @@ DeviceGroup::DeviceGroup(const std::vector<int>& devices, AllReduceConfig config
   fusion_ = std::make_unique<AllReduceFusion>(*comm_, detect_topology(devices), config);
 }
 
+DeviceGroup::DeviceGroup(const ncclUniqueId& id, int n_ranks, int first_rank, const std::vector<int>& devices,
+                         AllReduceConfig config) {
+  if (n_ranks < 2) invalid_input("dist::DeviceGroup: {} rank(s); device collectives need 2 or more", n_ranks);
+  if (std::set<int>(devices.begin(), devices.end()).size() != devices.size()) {
+    invalid_input("dist::DeviceGroup: every rank needs its own GPU (NCCL refuses two ranks on one device)");
+  }
+  comm_ = Communicator::create_ranks(id, n_ranks, first_rank, devices);
+  fusion_ = std::make_unique<AllReduceFusion>(*comm_, detect_topology(devices), config);
+}
+
 DeviceGroup::~DeviceGroup() = default;
+
+int DeviceGroup::local(int rank) const {
+  const int i = rank - comm_->first_rank();
+  if (i < 0 || i >= comm_->local_ranks()) {
+    runtime_error("dist::DeviceGroup: rank {} is not one of this process's ranks {}-{}", rank, comm_->first_rank(),
+                  comm_->first_rank() + comm_->local_ranks() - 1);
+  }
+  return i;
+}
 
 void DeviceGroup::all_reduce(int rank, const Tensor& x, void* stream) {
   const auto [rows, cols] = rows_cols(x);
@@ -52,7 +71,7 @@ void DeviceGroup::all_reduce(int rank, const Tensor& x, void* stream) {
   p.hidden = cols;
   p.input = x.data();
   p.output = sum.data();
-  fusion_->run(rank, p, stream);
+  fusion_->run(local(rank), p, stream);
   const cudaError_t e =
       cudaMemcpyAsync(x.data(), sum.data(), x.nbytes(), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
   if (e != cudaSuccess) runtime_error("dist::DeviceGroup::all_reduce: cudaMemcpyAsync: {}", cudaGetErrorString(e));
@@ -77,7 +96,7 @@ void DeviceGroup::all_reduce_add_rms_norm(int rank, const Tensor& residual, cons
   p.norm_out = out.data();
   p.norm_weight = weight.data();
   p.eps = eps;
-  fusion_->run(rank, p, stream);
+  fusion_->run(local(rank), p, stream);
 }
 
 void DeviceGroup::all_gather(int rank, const Tensor& in, const Tensor& out, void* stream) {
@@ -86,7 +105,7 @@ void DeviceGroup::all_gather(int rank, const Tensor& in, const Tensor& out, void
                   in.describe());
   }
   nccl_check(ncclAllGather(in.data(), out.data(), static_cast<size_t>(in.numel()), nccl_dtype(in, "all_gather"),
-                           comm_->nccl(rank), static_cast<cudaStream_t>(stream)),
+                           comm_->nccl(local(rank)), static_cast<cudaStream_t>(stream)),
              "ncclAllGather");
 }
 

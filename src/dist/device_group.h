@@ -1,7 +1,8 @@
-// The device collectives of tensor-parallel ranks on distinct GPUs of one host (ops::TpGroup::device): one NCCL
-// clique over the ranks' devices and the fused AllReduce (dist/allreduce.h, strategy AUTO: ONESHOT / TWOSHOT over
-// peer-mapped memory where every pair has peer access, NCCL + the fused norm kernel otherwise). Built with CUDA and
-// NCCL only (CHIMERA_HAVE_NCCL).
+// The device collectives of tensor-parallel ranks on distinct GPUs (ops::TpGroup::device): one NCCL clique over
+// the ranks' devices and the fused AllReduce (dist/allreduce.h, strategy AUTO: ONESHOT / TWOSHOT over peer-mapped
+// memory where this process drives every rank and every pair has peer access, NCCL + the fused norm kernel
+// otherwise). The ranks are threads of one process, or spread over processes (each process makes the group of its
+// own ranks from one unique id). Built with CUDA and NCCL only (CHIMERA_HAVE_NCCL).
 //
 // Every call is made by every rank, from that rank's thread with its device current, on its own stream, in the
 // same order (dist/allreduce.h's contract). Tensors are contiguous CUDA tensors of the rank's device in F32, BF16
@@ -19,16 +20,22 @@ namespace chimera::dist {
 
 class DeviceGroup {
  public:
-  // devices: one distinct CUDA ordinal per rank, in rank order.
+  // devices: one distinct CUDA ordinal per rank, in rank order; every rank in this process.
   explicit DeviceGroup(const std::vector<int>& devices, AllReduceConfig config = {});
+  // This process's ranks [first_rank, first_rank + devices.size()) of n_ranks (rank first_rank + i on
+  // devices[i]), joining the clique `id` names (Communicator::create_ranks).
+  DeviceGroup(const ncclUniqueId& id, int n_ranks, int first_rank, const std::vector<int>& devices,
+              AllReduceConfig config = {});
   ~DeviceGroup();
   DeviceGroup(const DeviceGroup&) = delete;
   DeviceGroup& operator=(const DeviceGroup&) = delete;
 
   int size() const { return comm_->size(); }
-  int device(int rank) const { return comm_->device(rank); }
+  // Rank `rank`'s GPU (a rank of this process).
+  int device(int rank) const { return comm_->device(local(rank)); }
   const Communicator& communicator() const { return *comm_; }
 
+  // `rank` in every call: the rank's index in the whole group (one of this process's).
   // x [rows, cols] = the sum of every rank's x (in place, through a temporary the sum lands in).
   void all_reduce(int rank, const Tensor& x, void* stream);
   // The row-parallel layer's epilogue in one fused call: residual += sum of every rank's x, then
@@ -39,6 +46,7 @@ class DeviceGroup {
   void all_gather(int rank, const Tensor& in, const Tensor& out, void* stream);
 
  private:
+  int local(int rank) const;  // the rank's index among this process's ranks (checked)
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<AllReduceFusion> fusion_;
 };

@@ -74,6 +74,13 @@ void set_nonblocking_nodelay(int fd) {
   fcntl(fd, F_SETFL, flags | O_NONBLOCK);
   const int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // Keepalive probes find a peer host that went away without closing the connection (power, network) while a
+  // node waits without a deadline (wait_broadcast): after 5 idle seconds, a probe a second, 5 unanswered ones.
+  const int idle = 5, interval = 1, count = 5;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
 }
 
 // Writes all of `data` to a non-blocking socket by `deadline`; "" or why not.
@@ -650,16 +657,18 @@ void TcpGroup::exchange_worker(uint64_t seq) {
   const auto deadline = Clock::now() + timeout_;
   std::string why = master.send_frame(h, call, deadline);
   if (!why.empty()) runtime_error("{} {} ({}, call {})", node_name(0), why, op, seq);
-  // Node 0's answer: it may wait a whole timeout for a third node before it answers with its verdict.
+  // Node 0's answer: it may wait a whole timeout for a third node before it answers with its verdict; without a
+  // deadline for wait_broadcast (node 0 sends when it has work).
+  const bool idle = std::all_of(posts_.begin(), posts_.end(), [](const Post& p) { return p.idle; });
   const auto answer_deadline = deadline + timeout_;
   FrameReader& r = master.reader;
   r.reset();
   while (!r.done) {
     pollfd fds[2] = {{wake_[0], POLLIN, 0}, {master.fd, POLLIN, 0}};
-    const int ready = ::poll(fds, 2, remaining_ms(answer_deadline));
+    const int ready = ::poll(fds, 2, idle ? -1 : remaining_ms(answer_deadline));
     if (is_broken_) runtime_error("{}", broken_);
     if (ready < 0 && errno != EINTR) runtime_error("poll failed: {}", std::strerror(errno));
-    if (ready == 0 && Clock::now() >= answer_deadline) {
+    if (!idle && ready == 0 && Clock::now() >= answer_deadline) {
       runtime_error("{} did not answer within {} ms ({}, call {})", node_name(0), 2 * timeout_.count(), op, seq);
     }
     if (fds[1].revents == 0) continue;
@@ -696,6 +705,12 @@ void TcpGroup::all_gather(int rank, std::span<const float> in, std::span<float> 
 void TcpGroup::broadcast(int rank, std::span<std::byte> data, int root) {
   if (root < 0 || root >= size_) runtime_error("dist::TcpGroup::broadcast: root {} of a group of {}", root, size_);
   collective(rank, {Op::kBroadcast, data.data(), data.data(), data.size(), root});
+}
+
+void TcpGroup::wait_broadcast(int rank, std::span<std::byte> data) {
+  Post post{Op::kBroadcast, data.data(), data.data(), data.size(), 0};
+  post.idle = node_rank_ != 0;
+  collective(rank, post);
 }
 
 void TcpGroup::barrier(int rank) {

@@ -17,8 +17,9 @@
 // timeout, or whose connection closes (its process died), breaks the group on every node with a message naming
 // that node and its ranks; abort() breaks it on every node too. A broken group fails every later call at once.
 // A node other than 0 waits up to twice the timeout for node 0's answer, so node 0's own verdict about a third
-// node (sent within one timeout) is what it reports. Plain POSIX sockets (TCP_NODELAY); every node must have the
-// same byte order (frames are not converted). Built with and without CUDA / NCCL.
+// node (sent within one timeout) is what it reports; wait_broadcast waits without a deadline but not blindly. Plain
+// POSIX sockets (TCP_NODELAY); every node must have the same byte order (frames are not converted). Built with and
+// without CUDA / NCCL.
 #pragma once
 
 #include <atomic>
@@ -59,6 +60,11 @@ class TcpGroup final : public HostCollectives {
   void all_gather(int rank, std::span<const float> in, std::span<float> out) override;
   void broadcast(int rank, std::span<std::byte> data, int root) override;
   void barrier(int rank) override;
+  // broadcast(rank, data, 0) for nodes that wait for node 0's next command (a server's other nodes idle between
+  // requests): off node 0, node 0's answer is awaited without a deadline, but node 0's process ending (its
+  // connection closes), an abort, or its host going away (TCP keepalive: about 10 s without an answer) still ends
+  // the wait with an error naming node 0. On node 0 (and for the local rendezvous) the same as broadcast.
+  void wait_broadcast(int rank, std::span<std::byte> data);
   void abort(int rank, const std::string& why) override;
 
   enum class Op : uint32_t { kAllReduceSum = 1, kAllGather, kBroadcast, kBarrier };
@@ -70,6 +76,7 @@ class TcpGroup final : public HostCollectives {
     void* out = nullptr;
     size_t count = 0;  // elements (floats; bytes for broadcast)
     int root = 0;
+    bool idle = false;  // wait_broadcast off node 0: no deadline for node 0's answer
   };
   struct Peer;  // one connection (node 0: to every other node; the others: to node 0)
 

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -162,12 +163,54 @@ std::vector<std::byte> broadcast_remote_step(dist::HostCollectives& group, int r
   return message;
 }
 
-void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, const ops::Context& ctx) {
+namespace {
+
+// broadcast_remote_step's other side, off node 0: the next step's length is awaited without a deadline (a server
+// may idle for hours between requests; TcpGroup::wait_broadcast still notices node 0 going away), its bytes then
+// as any collective.
+std::vector<std::byte> receive_remote_step(dist::TcpGroup& group, int rank) {
+  uint64_t n = 0;
+  group.wait_broadcast(rank, std::as_writable_bytes(std::span<uint64_t>(&n, 1)));
+  std::vector<std::byte> message(n);
+  group.broadcast(rank, message, 0);
+  return message;
+}
+
+// Node 0's layout (host zeros) as this rank's caches on `device`.
+ModelState caches_like(const ModelState& layout, Device device) {
+  if (device == Device::kCpu) return layout;
+  const auto zeros = [&](const Tensor& t) {
+    if (!t) return Tensor();
+    Tensor z = device::empty(device, t.dtype(), t.shape());
+    device::zero(z);
+    return z;
+  };
+  ModelState s;
+  for (size_t i = 0; i < layout.conv.size(); ++i) {
+    s.conv.push_back(zeros(layout.conv[i]));
+    s.ssm.push_back(zeros(layout.ssm[i]));
+    ops::KvCacheView kv{zeros(layout.kv[i].k), zeros(layout.kv[i].v)};
+    kv.k_scale = layout.kv[i].k_scale;
+    kv.v_scale = layout.kv[i].v_scale;
+    s.kv.push_back(kv);
+  }
+  return s;
+}
+
+}  // namespace
+
+void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, const ops::Context& ctx,
+                      const std::vector<int>& devices, dist::DeviceGroup* device_group) {
   if (static_cast<int>(ranks.size()) != group.local_size()) {
     invalid_input("run_remote_ranks: {} models for the {} ranks of node {}", ranks.size(), group.local_size(),
                   group.node_rank());
   }
-  for (NemotronH& m : ranks) m.set_tensor_parallel_group(&group, nullptr);
+  const bool cuda = ctx.device == Device::kCuda;
+  if (cuda && devices.size() != ranks.size()) {
+    invalid_input("run_remote_ranks: {} GPU(s) for the {} ranks of node {}", devices.size(), ranks.size(),
+                  group.node_rank());
+  }
+  for (NemotronH& m : ranks) m.set_tensor_parallel_group(&group, device_group);
   std::vector<std::exception_ptr> errors(ranks.size());
   std::vector<std::thread> threads;
   for (size_t i = 0; i < ranks.size(); ++i) {
@@ -175,29 +218,44 @@ void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, cons
       const int rank = group.first_rank() + static_cast<int>(i);
       const NemotronH& m = ranks[i];
       try {
+        // CUDA: the rank's GPU, and its own stream and memory pool (as TensorParallelModel's rank threads).
+        ops::Context rc = ctx;
+        device::Stream stream;
+        std::optional<device::AllocPool> pool;
+        std::optional<device::ScopedAllocPool> scope;
+        if (cuda) {
+          device::set_current_device(devices[i]);
+          stream = device::Stream::create();
+          rc.stream = stream.get();
+          pool.emplace();
+          scope.emplace(*pool);
+        }
         ModelState state;
         bool have_state = false;
         for (;;) {
-          const std::vector<std::byte> bytes = broadcast_remote_step(group, rank, {});
+          const std::vector<std::byte> bytes = receive_remote_step(group, rank);
           RemoteStep step = decode_remote_step(bytes);
           if (step.call == RemoteCall::kStop) return;
           if (step.has_layout) {
-            state = std::move(step.layout);
+            state = caches_like(step.layout, ctx.device);
             have_state = true;
           }
           if (!have_state) runtime_error("TensorParallelModel: rank {} got a step before the caches' layout", rank);
           for (const StateOp& op : step.ops) apply_state_op(op, state);
           const StepBatch& b = step.batch;
+          if (cuda && step.hidden) step.hidden = device::to_device(step.hidden, Device::kCuda);
           Tensor out;
           switch (step.call) {
-            case RemoteCall::kForward: m.forward(ctx, b, state); break;
-            case RemoteCall::kForwardDevice: m.forward_device(ctx, b, state); break;
-            case RemoteCall::kForwardDeviceHidden: m.forward_device(ctx, b, state, out); break;
+            case RemoteCall::kForward: m.forward(rc, b, state); break;
+            case RemoteCall::kForwardDevice: m.forward_device(rc, b, state); break;
+            case RemoteCall::kForwardDeviceHidden: m.forward_device(rc, b, state, out); break;
             case RemoteCall::kMtpForward:
-              m.mtp_forward_device(ctx, b, step.hidden, state, step.block, step.want_mtp_hidden ? &out : nullptr);
+              m.mtp_forward_device(rc, b, step.hidden, state, step.block, step.want_mtp_hidden ? &out : nullptr);
               break;
             case RemoteCall::kStop: break;
           }
+          // The step's caches are written (and its temporaries free) before the next one.
+          if (cuda) device::synchronize_stream(rc.stream);
         }
       } catch (const std::exception& e) {
         errors[i] = std::current_exception();

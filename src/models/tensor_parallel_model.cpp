@@ -1,6 +1,9 @@
 #include "models/tensor_parallel_model.h"
 
+#include <algorithm>
+#include <array>
 #include <condition_variable>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -134,18 +137,106 @@ TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chro
   adopt(ranks, device, n > 1 ? group_.get() : nullptr, device_group_.get());
 }
 
-TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group) {
+TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group,
+                                         std::vector<int> devices, dist::AllReduceStrategy allreduce)
+    : devices_(std::move(devices)) {
   if (!group) invalid_input("TensorParallelModel: no group");
   if (group->node_rank() != 0 || static_cast<int>(ranks.size()) != group->local_size()) {
     invalid_input("TensorParallelModel: {} models on node {} of a group of {} ranks over {} nodes (node 0's {})",
                   ranks.size(), group->node_rank(), group->size(), group->nnodes(), group->local_size());
   }
   size_ = group->size();
-  for (const NemotronH& m : ranks) {
-    if (m.device() != Device::kCpu) invalid_input("TensorParallelModel: ranks in other processes run on the CPU only");
+  const Device device = ranks.empty() ? Device::kCpu : ranks[0].device();
+  if ((device == Device::kCuda) != !devices_.empty() ||
+      (!devices_.empty() && static_cast<int>(devices_.size()) != group->local_size())) {
+    invalid_input("TensorParallelModel: {} GPU(s) given for node 0's {} rank(s) on the {}", devices_.size(),
+                  group->local_size(), device == Device::kCuda ? "GPU" : "CPU");
   }
+  device_group_ = join_device_group(*group, devices_, allreduce);
   group_ = std::move(group);
-  adopt(ranks, Device::kCpu, group_.get(), nullptr);
+  adopt(ranks, device, group_.get(), device_group_.get());
+}
+
+std::shared_ptr<dist::DeviceGroup> TensorParallelModel::join_device_group(dist::TcpGroup& group,
+                                                                          const std::vector<int>& devices,
+                                                                          dist::AllReduceStrategy allreduce) {
+  const int local = group.local_size(), size = group.size(), first = group.first_rank();
+  if (!devices.empty() && static_cast<int>(devices.size()) != local) {
+    invalid_input("TensorParallelModel: {} GPU(s) for the {} ranks of node {}", devices.size(), local,
+                  group.node_rank());
+  }
+  // Every rank's device, by name ("cpu" or the GPU's UUID), in a fixed-size field, broadcast by each rank in turn;
+  // then, when every rank has a GPU of its own, rank 0's NCCL unique id; then a barrier. Each local rank makes the
+  // calls from its own thread (the group's contract); they all see the same bytes, so local rank 0's decide.
+  constexpr size_t kName = 64, kId = 128;  // kId: NCCL_UNIQUE_ID_BYTES
+  std::vector<std::string> names(static_cast<size_t>(size));
+  std::array<std::byte, kId> id{};
+  bool nccl = false;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(local));
+  const auto join = [&](int i) {
+    const int rank = first + i;
+    try {
+      const std::string mine = devices.empty() ? "cpu" : device::device_uuid(devices[static_cast<size_t>(i)]);
+      std::vector<std::string> seen(static_cast<size_t>(size));
+      for (int root = 0; root < size; ++root) {
+        std::array<std::byte, kName> field{};
+        if (root == rank) std::memcpy(field.data(), mine.data(), std::min(mine.size(), kName - 1));
+        group.broadcast(rank, field, root);
+        seen[static_cast<size_t>(root)] = std::string(reinterpret_cast<const char*>(field.data()));
+      }
+      const std::set<std::string> distinct(seen.begin(), seen.end());
+      const bool all_gpus = std::none_of(seen.begin(), seen.end(), [](const std::string& n) { return n == "cpu"; });
+      const bool use_nccl = all_gpus && static_cast<int>(distinct.size()) == size;
+      std::array<std::byte, kId> rank_id{};
+#ifdef CHIMERA_HAVE_NCCL
+      if (use_nccl) {
+        static_assert(sizeof(ncclUniqueId) == kId);
+        if (rank == 0) {
+          ncclUniqueId u;
+          dist::nccl_check(ncclGetUniqueId(&u), "ncclGetUniqueId");
+          std::memcpy(rank_id.data(), &u, sizeof(u));
+        }
+        group.broadcast(rank, rank_id, 0);
+      }
+#endif
+      group.barrier(rank);
+      if (i == 0) {
+        names = std::move(seen);
+        id = rank_id;
+        nccl = use_nccl;
+      }
+    } catch (const std::exception& e) {
+      errors[static_cast<size_t>(i)] = std::current_exception();
+      group.abort(rank, e.what());
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int i = 1; i < local; ++i) threads.emplace_back(join, i);
+  join(0);
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  for (int r = 0; r < size; ++r) {
+    if ((names[static_cast<size_t>(r)] == "cpu") != devices.empty()) {
+      invalid_input(
+          "tensor parallelism over nodes: rank {} is on {} but rank {} (node {}) on {}: every node needs "
+          "the same --device",
+          r, names[static_cast<size_t>(r)] == "cpu" ? "the CPU" : "a GPU", first, group.node_rank(),
+          devices.empty() ? "the CPU" : "a GPU");
+    }
+  }
+  if (!nccl) return nullptr;
+#ifdef CHIMERA_HAVE_NCCL
+  ncclUniqueId u;
+  std::memcpy(&u, id.data(), sizeof(u));
+  dist::AllReduceConfig config;
+  config.strategy = allreduce;
+  return std::make_unique<dist::DeviceGroup>(u, size, first, devices, config);
+#else
+  (void)allreduce;
+  return nullptr;
+#endif
 }
 
 void TensorParallelModel::adopt(std::vector<NemotronH>& ranks, Device device, dist::HostCollectives* group,
@@ -187,11 +278,16 @@ TensorParallelModel::~TensorParallelModel() {
 }
 
 std::vector<NemotronH> TensorParallelModel::make_ranks(int size, int first, int count, const ModelOptions& options,
-                                                       const std::function<NemotronH(const ModelOptions&)>& make) {
+                                                       const std::function<NemotronH(const ModelOptions&)>& make,
+                                                       const std::vector<int>& devices) {
+  if (!devices.empty() && static_cast<int>(devices.size()) != count) {
+    invalid_input("TensorParallelModel: {} GPU(s) for {} rank(s)", devices.size(), count);
+  }
   std::vector<NemotronH> ranks;
   for (int r = first; r < first + count; ++r) {
     ModelOptions o = options;
     o.tp = TensorParallel{r, size, options.tp.expert_parallel};
+    const device::DeviceGuard on(devices.empty() ? -1 : devices[static_cast<size_t>(r - first)]);
     ranks.push_back(make(o));
   }
   return ranks;
@@ -199,10 +295,15 @@ std::vector<NemotronH> TensorParallelModel::make_ranks(int size, int first, int 
 
 std::vector<std::byte> TensorParallelModel::message_for(RemoteStep step, ModelState& state) const {
   if (!has_remote_ranks()) return {};
+  // The other processes read the step's metadata and the MTP input rows from the host.
+  step.batch.device_meta = nullptr;
+  if (step.hidden && step.hidden.device() != Device::kCpu) step.hidden = device::to_host(step.hidden);
   step.ops = std::move(state.remote_ops);
   state.remote_ops.clear();
-  std::vector<std::byte> message = encode_remote_step(step, layout_sent_ ? nullptr : &state);
-  layout_sent_ = true;
+  // The caches' layout with the first step on them.
+  const bool send_layout = state.layout_id != layout_sent_;
+  std::vector<std::byte> message = encode_remote_step(step, send_layout ? &state : nullptr);
+  layout_sent_ = state.layout_id;
   return message;
 }
 
@@ -213,10 +314,7 @@ std::unique_ptr<TensorParallelModel> TensorParallelModel::create(
   if (!devices.empty() && static_cast<int>(devices.size()) != size) {
     invalid_input("TensorParallelModel: {} GPU(s) for {} rank(s)", devices.size(), size);
   }
-  std::vector<NemotronH> ranks = make_ranks(size, 0, size, options, [&](const ModelOptions& o) {
-    const device::DeviceGuard on(devices.empty() ? -1 : devices[static_cast<size_t>(o.tp.rank)]);
-    return make(o);
-  });
+  std::vector<NemotronH> ranks = make_ranks(size, 0, size, options, make, devices);
   return std::make_unique<TensorParallelModel>(std::move(ranks), std::chrono::seconds(60), std::move(devices),
                                                allreduce);
 }

@@ -9,9 +9,11 @@
 // AllReduce + residual + RMSNorm). On CUDA each rank thread has its GPU current and its own stream; a step waits
 // for the engine's stream first (its uploads and state copies) and for every rank's stream at the end.
 //
-// Over a dist::TcpGroup (the CPU) the model holds node 0's ranks only and the other nodes run theirs
-// (models/remote_ranks.h): each step is broadcast to them first, with the state operations the engine made on its
-// caches since the last step, and destruction tells them to stop.
+// Over a dist::TcpGroup the model holds node 0's ranks only and the other nodes run theirs (models/remote_ranks.h):
+// each step is broadcast to them first, with the state operations the engine made on its caches since the last
+// step, and destruction tells them to stop. CUDA ranks of several processes get device collectives when every rank
+// has a GPU of its own (join_device_group: one NCCL clique, its unique id sent over the TcpGroup); ranks sharing a
+// GPU (two processes on one GPU: the tests) stage their collectives through host memory over the TcpGroup.
 #pragma once
 
 #include <chrono>
@@ -43,17 +45,29 @@ class TensorParallelModel : public Model {
                                std::vector<int> devices = {},
                                dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
   // Node 0 of `group`: ranks[r] is rank r of group->size() for r < group->local_size(); the other nodes run
-  // run_remote_ranks. The CPU only.
-  TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group);
+  // run_remote_ranks. CUDA: rank r on GPU devices[r] (group->local_size() entries), its weights already there.
+  TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group,
+                      std::vector<int> devices = {},
+                      dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
   ~TensorParallelModel() override;
   // Loads (or makes, synthetic) every rank of `config`: make(options) with options.tp set per rank and, on CUDA,
   // rank r's GPU devices[r] current.
   static std::unique_ptr<TensorParallelModel> create(
       int size, const ModelOptions& options, const std::function<NemotronH(const ModelOptions&)>& make,
       std::vector<int> devices = {}, dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
-  // Ranks [first, first + count) of `size` only (one node's), on the current device.
+  // Every node of `group` calls it first thing after joining (node 0 in the constructor above, the others before
+  // run_remote_ranks): its ranks' devices (`devices`, this node's GPUs in rank order; empty: the CPU) are compared
+  // across the group. CUDA ranks that each have a GPU of their own get one NCCL clique (rank 0 makes the unique id
+  // and broadcasts it over `group`; a barrier bounded by the group's timeout makes sure every node is there before
+  // the unbounded NCCL join); ranks that share a GPU get null (their collectives go through host memory). Nodes on
+  // different device kinds are kInvalidInput naming them; a build without NCCL gives null.
+  static std::shared_ptr<dist::DeviceGroup> join_device_group(dist::TcpGroup& group, const std::vector<int>& devices,
+                                                              dist::AllReduceStrategy allreduce);
+  // Ranks [first, first + count) of `size` only (one node's): rank first + i made with GPU devices[i] current
+  // (empty: the current device).
   static std::vector<NemotronH> make_ranks(int size, int first, int count, const ModelOptions& options,
-                                           const std::function<NemotronH(const ModelOptions&)>& make);
+                                           const std::function<NemotronH(const ModelOptions&)>& make,
+                                           const std::vector<int>& devices = {});
 
   // Rank 0's local config (the caches' geometry) with the whole vocabulary (the logits' width).
   const ModelConfig& config() const override { return config_; }
@@ -98,10 +112,11 @@ class TensorParallelModel : public Model {
   int size_ = 1;  // every rank, local or not
   std::vector<int> devices_;
   std::unique_ptr<dist::HostCollectives> group_;
-  std::unique_ptr<dist::DeviceGroup> device_group_;
+  std::shared_ptr<dist::DeviceGroup> device_group_;  // shared: a complete type only where it is made
   std::vector<std::unique_ptr<Worker>> workers_;  // ranks 1..
   ModelConfig config_;
-  mutable bool layout_sent_ = false;  // the remote ranks have their caches
+  // The ModelState::layout_id of the caches the remote ranks hold (none yet: an id no state has).
+  mutable uint64_t layout_sent_ = ~uint64_t{0};
 };
 
 }  // namespace chimera

@@ -1,6 +1,7 @@
 #include "runtime/state_cache.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "backends/device_api.h"
 #include "core/error.h"
@@ -98,6 +99,8 @@ StateCache::StateCache(const ModelConfig& config, const CacheSizes& sizes, Devic
     }
     state_.peers.push_back(std::move(peer));
   }
+  static std::atomic<uint64_t> next_layout_id{1};
+  state_.layout_id = next_layout_id++;
   const int32_t spare_begin = sizes_.max_seqs + sizes_.num_pad;
   for (int32_t s = spare_begin + static_cast<int32_t>(spare_total) - 1; s >= spare_begin; --s) free_slots_.push_back(s);
   for (int32_t s = sizes_.max_seqs - 1; s >= 0; --s) free_slots_.push_back(s);

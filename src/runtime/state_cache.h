@@ -48,6 +48,9 @@ struct ModelState {
   // CacheSizes::log_state_ops: the state operations made since the last step, in order; the model sends them to
   // the ranks in other processes with the next step and clears them (models/tensor_parallel_model.h).
   std::vector<StateOp> remote_ops;
+  // Distinct for every StateCache of the process (0: none): a model whose ranks in other processes hold copies of
+  // these caches sends them the layout again when it sees another one (a command that makes several engines).
+  uint64_t layout_id = 0;
 };
 
 // Applies `op` to one rank's caches: a copy at once without a stream (the host, or a rank on another GPU than the

@@ -1,16 +1,28 @@
-// `chimera generate --nnodes N --node-rank R --master-addr A --master-port P` through the real binary: the
+// `chimera generate | bench --nnodes N --node-rank R --master-addr A --master-port P` through the real binary: the
 // tensor-parallel ranks spread over processes on 127.0.0.1 (dist::TcpGroup, models/remote_ranks.h) print what one
-// process prints, and a node that never starts ends node 0 with an error naming it.
+// process prints, on the CPU and on CUDA, and a node that never starts ends node 0 with an error naming it (serve's
+// is tests/server/test_tensor_parallel.py).
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include "backends/device_api.h"
 #include "common/free_port.h"
 #include "common/run_command.h"
+#include "io/npy.h"
 
 namespace chimera {
 namespace {
+
+namespace fs = std::filesystem;
 
 const std::string kCli = CHIMERA_CLI_PATH;
 
@@ -53,6 +65,58 @@ TEST(CliMultiNode, TwoNodesPrintTheTokensOfOneProcess) {
   const auto spec_nodes = run_nodes(spec + " --tensor-parallel-size 2", 2);
   EXPECT_EQ(spec_nodes.status, 0) << spec_nodes.out;
   EXPECT_EQ(spec_nodes.out, one.out) << "speculative, --nnodes 2";
+}
+
+TEST(CliMultiNode, BenchOverTwoNodesGivesTheTokensOfOneProcess) {
+  // bench makes one engine (and caches) per case: node 0 sends the other node each new caches' layout.
+  const fs::path json = fs::temp_directory_path() / ("chimera_bench_nodes_" + std::to_string(::getpid()) + ".json");
+  const std::string cmd =
+      "bench --synthetic tiny --input-lens 16,40 --batch-sizes 1,3 --decode-context 8 --decode-steps 4 --warmup 1 "
+      "--tensor-parallel-size 2 --json-out " +
+      json.string();
+  const auto read = [&] {
+    std::ifstream f(json);
+    return f.good() ? nlohmann::json::parse(f) : nlohmann::json::object();
+  };
+  fs::remove(json);
+  const auto threads = run_cli(cmd);
+  ASSERT_EQ(threads.status, 0) << threads.out;
+  const nlohmann::json want = read();
+  fs::remove(json);
+  const auto nodes = run_nodes(cmd, 2);
+  ASSERT_EQ(nodes.status, 0) << nodes.out;
+  const nlohmann::json got = read();
+  fs::remove(json);
+  ASSERT_EQ(got["decode"].size(), want["decode"].size()) << got.dump();
+  ASSERT_GE(want["decode"].size(), 2u) << want.dump();
+  for (size_t i = 0; i < want["decode"].size(); ++i) {
+    EXPECT_EQ(got["decode"][i]["tokens_of_sequence_0"], want["decode"][i]["tokens_of_sequence_0"]) << i;
+  }
+}
+
+// CUDA ranks in two processes, one rank each on GPU 0 (the machine may have one GPU): their collectives go through
+// host memory over the TcpGroup. fp32: the tokens of one rank, the logits within fp32 summation-order noise.
+TEST(CliMultiNode, CudaRanksInTwoProcessesGiveTheTokensOfOneRank) {
+  if (!device::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const fs::path dir = fs::temp_directory_path() / ("chimera_cuda_nodes_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string cmd = "generate -m " + std::string(CHIMERA_SOURCE_DIR) +
+                          "/models/nemotron-h-kjv -p \"In the beginning\" -n 12 --ignore-eos --temperature 0 -q "
+                          "--device cuda --dtype float32 --logits-out ";
+  const auto one = run_cli(cmd + (dir / "one.npy").string());
+  ASSERT_EQ(one.status, 0) << one.out;
+  const auto nodes = run_nodes(cmd + (dir / "nodes.npy").string() + " --tensor-parallel-size 2", 2);
+  ASSERT_EQ(nodes.status, 0) << nodes.out;
+  EXPECT_EQ(nodes.out, one.out);
+  const Tensor a = read_npy(dir / "one.npy"), b = read_npy(dir / "nodes.npy");
+  ASSERT_EQ(a.shape(), b.shape());
+  float max_diff = 0, max_abs = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    max_diff = std::max(max_diff, std::fabs(a.f32()[i] - b.f32()[i]));
+    max_abs = std::max(max_abs, std::fabs(a.f32()[i]));
+  }
+  EXPECT_LE(max_diff, 1e-3f * std::max(1.0f, max_abs)) << "max |logit| " << max_abs;
+  fs::remove_all(dir);
 }
 
 TEST(CliMultiNode, ANodeThatNeverStartsEndsNodeZeroNamingIt) {

@@ -264,6 +264,59 @@ TEST(TcpGroup, NodeThatExitsBreaksTheOthers) {
   EXPECT_EQ(reports[2], "");
 }
 
+TEST(TcpGroup, WaitBroadcastWaitsPastTheTimeoutForNodeZero) {
+  // A server's other nodes idle between requests: node 0 sends after 4 timeouts and they still get its bytes.
+  const int port = test::free_port();
+  const auto reports = run_nodes(2, [&](int node) -> std::string {
+    TcpGroup group(4, 2, node, "127.0.0.1", port, milliseconds(200));
+    std::string wrong;
+    const auto errors = run_ranks(group.first_rank(), 2, [&](int rank) {
+      // Node 0's ranks arrive together (their own rendezvous keeps its deadline).
+      std::vector<std::byte> data(5, std::byte{0});
+      if (node == 0) std::this_thread::sleep_for(milliseconds(800));
+      if (rank == 0) {
+        for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>(i + 1);
+      }
+      group.wait_broadcast(rank, data);
+      for (size_t i = 0; i < data.size(); ++i) {
+        if (data[i] != static_cast<std::byte>(i + 1)) runtime_error("rank {}: wrong bytes", rank);
+      }
+    });
+    for (const std::string& e : errors) wrong += e;
+    // An ordinary broadcast keeps its deadline: node 0 late by 4 timeouts fails it on node 1.
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto late = run_ranks(group.first_rank(), 2, [&](int rank) {
+      std::vector<std::byte> data(5);
+      if (node == 0) std::this_thread::sleep_for(milliseconds(800));
+      group.broadcast(rank, data, 0);
+    });
+    if (node == 1) wrong += expect_error(late[0], "node 0 (ranks 0-1) did not answer within 400 ms", since(t0), 3.0);
+    return wrong;
+  });
+  EXPECT_EQ(reports[0], "");
+  EXPECT_EQ(reports[1], "");
+}
+
+TEST(TcpGroup, WaitBroadcastEndsWhenNodeZeroExits) {
+  const int port = test::free_port();
+  const auto reports = run_nodes(2, [&](int node) -> std::string {
+    TcpGroup group(2, 2, node, "127.0.0.1", port, milliseconds(200));
+    if (node == 0) {
+      std::this_thread::sleep_for(milliseconds(600));
+      ::_exit(0);  // the process dies without sending: its socket closes
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      std::vector<std::byte> data(4);
+      group.wait_broadcast(node, data);
+      return "expected an error";
+    } catch (const Error& e) {
+      return expect_error(e.what(), "node 0 (rank 0) closed its connection", since(t0), 3.0);
+    }
+  });
+  EXPECT_EQ(reports[1], "");
+}
+
 TEST(TcpGroup, AbortReachesTheOtherNodes) {
   const int port = test::free_port();
   const auto reports = run_nodes(3, [&](int node) -> std::string {

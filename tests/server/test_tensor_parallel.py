@@ -75,3 +75,47 @@ def test_metrics_export_the_same_series(servers):
 
     assert names(two.base) == names(one.base)
     assert metric(two.base, "chimera:num_requests_running") == 0
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_serve_the_completions_of_one_rank(servers):
+    # --nnodes 2: rank 1 in a second process (dist::TcpGroup over loopback), which runs node 0's steps; it idles
+    # between requests for longer than twice --dist-timeout and is still there, and ends when node 0 stops.
+    import subprocess
+    import time
+
+    from conftest import MODEL, cli_path
+
+    one, _ = servers
+    port = str(free_port())
+    nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", port, "--dist-timeout", "1"]
+    worker = subprocess.Popen(
+        [cli_path(), "serve", "-m", MODEL, "--max-num-seqs", "8", *nodes, "--node-rank", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        node0 = Server("--max-num-seqs", "8", "--shutdown-timeout", "5", *nodes, "--node-rank", "0")
+        try:
+            assert any("tensor parallel 2" in line for line in node0.lines), "".join(node0.lines)
+            for i, prompt in enumerate(PROMPTS):
+                if i == 1:
+                    time.sleep(3)  # idle: > 2 x --dist-timeout
+                want = client(one).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                                      extra_body={"ignore_eos": True})
+                got = client(node0).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16,
+                                                       temperature=0, extra_body={"ignore_eos": True})
+                assert got.choices[0].text == want.choices[0].text
+            assert worker.poll() is None
+        finally:
+            assert node0.stop() == 0, "".join(node0.lines[-40:])
+        out, _ = worker.communicate(timeout=30)
+        assert worker.returncode == 0, out
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

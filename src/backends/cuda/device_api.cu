@@ -173,6 +173,20 @@ void set_current_device(int ordinal) {
   CHIMERA_CUDA_CHECK(cudaSetDevice(ordinal), "device::set_current_device");
 }
 
+std::string device_uuid(int ordinal) {
+  cudaDeviceProp prop{};
+  CHIMERA_CUDA_CHECK(cudaGetDeviceProperties(&prop, ordinal), "device::device_uuid");
+  static const char* hex = "0123456789abcdef";
+  std::string out = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    const auto b = static_cast<unsigned char>(prop.uuid.bytes[i]);
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    out += hex[b >> 4];
+    out += hex[b & 15];
+  }
+  return out;
+}
+
 bool cuda_available() {
   static const bool available = [] {
     int n = 0;
