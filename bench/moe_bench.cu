@@ -522,6 +522,63 @@ CHIMERA_BENCH(moe_experts_prefill_super) {
 }
 CHIMERA_BENCH(moe_experts_decode_nano) { bench_experts_decode(ctx, "nano", 128, 6, 2688, 1856, 2.5f); }
 CHIMERA_BENCH(moe_experts_decode_super) { bench_experts_decode(ctx, "super", 512, 22, 1024, 2688, 5.0f); }
+// One tensor-parallel rank's routed experts under the two splits over N ranks: by intermediate column ("tensor":
+// every rank holds all E experts with I / N of their columns, so every rank does the same work) and by expert
+// ("expert": rank r holds experts [r E / N, (r + 1) E / N) whole and runs only the routed pairs that land there,
+// after ops::local_expert_ids, so the ranks' work varies with the routing and the step waits for the busiest).
+// Both splits end in the same AllReduce of the [T, D] output, which is left out: what differs is the rank's experts
+// work, which one GPU measures as well as N (each rank's call timed alone, device time in a CUDA graph). One routing
+// per T (the router on random logits, as the other cases here) serves both splits. Lines: "moe_split-tensor" (rank
+// 0), "moe_split-expert-r<r>" per rank, and an INFO line with the expert split's slowest and mean rank and
+// tensor / slowest (> 1: the expert split is faster).
+void bench_split(const Context& ctx, const char* model, int64_t E, int64_t k, int64_t D, int64_t I, float scale) {
+  const ops::Context c{Device::kCuda, nullptr};
+  for (int64_t N : {2, 4}) {
+    const ExpertsCase tensor(model, E, k, D, I / N, scale);
+    const ExpertsCase expert(model, E / N, k, D, I, scale);  // one rank's experts (every rank's are alike in size)
+    for (int64_t T : {1, 8, 64, 512, 4096}) {
+      ExpertsInputs in = experts_inputs(tensor, T, DType::kBF16);
+      const std::string shape = std::string(model) + " N=" + std::to_string(N) + " T=" + std::to_string(T) +
+                                " (E=" + std::to_string(E) + " k=" + std::to_string(k) + " D=" + std::to_string(D) +
+                                " I=" + std::to_string(I) + ")";
+      const double t_tensor = ctx.run_graph("moe_split-tensor", shape, in.bytes, in.flops / static_cast<double>(N),
+                                            [&](cudaStream_t st, int) {
+                                              ops::moe_experts(ops::Context{Device::kCuda, st}, in.out, in.x, in.ids,
+                                                               in.w, tensor.up, tensor.down);
+                                            });
+      double slowest = 0, sum = 0;
+      const Tensor host_ids = device::to_host(in.ids);
+      for (int64_t r = 0; r < N; ++r) {
+        const Tensor ids = device::to_device(host_ids, Device::kCuda);
+        ops::local_expert_ids(c, ids, r * (E / N), E / N);
+        const Tensor local = device::to_host(ids);
+        std::set<int32_t> touched;
+        int64_t pairs = 0;
+        for (int64_t i = 0; i < local.numel(); ++i) {
+          if (local.i32()[i] < 0) continue;
+          touched.insert(local.i32()[i]);
+          ++pairs;
+        }
+        const double bytes = static_cast<double>(touched.size()) * 2.0 * static_cast<double>(I * D) * 2.0 +
+                             2.0 * static_cast<double>(T * D) * 2.0;
+        const double flops = 2.0 * 2.0 * static_cast<double>(pairs) * static_cast<double>(I * D);
+        const double t = ctx.run_graph("moe_split-expert-r" + std::to_string(r), shape, bytes, flops,
+                                       [&](cudaStream_t st, int) {
+                                         ops::moe_experts(ops::Context{Device::kCuda, st}, in.out, in.x, ids, in.w,
+                                                          expert.up, expert.down);
+                                       });
+        slowest = std::max(slowest, t);
+        sum += t;
+      }
+      std::printf("INFO moe_split %s tensor_us=%.2f expert_slowest_us=%.2f expert_mean_us=%.2f "
+                  "tensor_over_expert=%.3f\n",
+                  shape.c_str(), t_tensor, slowest, sum / static_cast<double>(N), t_tensor / slowest);
+    }
+  }
+}
+CHIMERA_BENCH(moe_split_nano) { bench_split(ctx, "nano", 128, 6, 2688, 1856, 2.5f); }
+CHIMERA_BENCH(moe_split_super) { bench_split(ctx, "super", 512, 22, 1024, 2688, 5.0f); }
+
 // The fp32-activation path (SIMT, bf16 weights), decode sizes only.
 CHIMERA_BENCH(moe_experts_nano_f32x) {
   bench_experts(ctx, "nano", 128, 6, 2688, 1856, 2.5f, DType::kF32, {1, 64});

@@ -638,6 +638,57 @@ test::Tolerance tolerance_for(DType x_dtype) {
 }
 double nmse_for(DType x_dtype) { return x_dtype == DType::kF32 ? test::kF32ReductionNmse : test::kBF16ReductionNmse; }
 
+// Expert parallelism: local_expert_ids maps the router's ids to a rank's experts (-1 for another rank's), and the
+// experts op on the rank's experts with those ids gives the rank's part of the sum; the parts add up to the whole.
+// T = 1 and 2 take the CUDA GEMV path, larger T the tensor-core one (bf16); ranks of 1 / 2 / 4 experts.
+TEST_P(OpsMoe, ExpertParallelRanksAddUpToTheWholeSum) {
+  auto rng = test::Rng::for_test();
+  const int64_t E = 8, k = 3, Din = 40, I = 24;
+  std::vector<DType> x_dtypes = {DType::kF32};
+  if (on_cuda()) x_dtypes.push_back(DType::kBF16);
+  for (const DType xd : x_dtypes) {
+    std::vector<Tensor> up, down;
+    for (int64_t e = 0; e < E; ++e) {
+      up.push_back(init_weight(rng, {I, Din}, xd));
+      down.push_back(init_weight(rng, {Din, I}, xd));
+    }
+    for (int64_t T : {1, 2, 19, 133}) {
+      Tensor ids, w;
+      random_routing(rng, T, E, k, 2.5f, ids, w);
+      const Tensor x = xd == DType::kF32 ? rng.normal_tensor({T, Din}) : round_to(rng.normal_tensor({T, Din}), xd);
+      const Tensor whole = cpu_reference_rows(x, ids, w, up, down, all_rows(T));
+      for (int64_t N : {2, 4, 8}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(xd) << " T=" << T << " N=" << N);
+        const int64_t count = E / N;
+        Tensor sum = Tensor::zeros(DType::kF32, {T, Din});
+        for (int64_t r = 0; r < N; ++r) {
+          const Tensor local = in(ids.clone());
+          ops::local_expert_ids(ctx(), local, r * count, count);
+          const Tensor got_ids = host(local);
+          for (int64_t i = 0; i < ids.numel(); ++i) {
+            const int32_t e = ids.i32()[i];
+            const int32_t want = e >= r * count && e < (r + 1) * count ? static_cast<int32_t>(e - r * count) : -1;
+            ASSERT_EQ(got_ids.i32()[i], want) << "pair " << i << " rank " << r;
+          }
+          const std::vector<Tensor> rank_up(up.begin() + r * count, up.begin() + (r + 1) * count);
+          const std::vector<Tensor> rank_down(down.begin() + r * count, down.begin() + (r + 1) * count);
+          Tensor o = out(xd, x.shape());
+          std::vector<Tensor> d_up, d_down;
+          for (int64_t e = 0; e < count; ++e) {
+            d_up.push_back(in(rank_up[static_cast<size_t>(e)]));
+            d_down.push_back(in(rank_down[static_cast<size_t>(e)]));
+          }
+          ops::moe_experts(ctx(), o, in(x, xd), local, in(w), d_up, d_down);
+          const Tensor part = host_f32(o);
+          for (int64_t i = 0; i < sum.numel(); ++i) sum.f32()[i] += part.f32()[i];
+        }
+        EXPECT_TRUE(test::nmse_close(sum, whole, xd == DType::kF32 ? test::kF32ReductionNmse : test::kBF16ReductionNmse,
+                                     xd == DType::kF32 ? test::kF32Reduction : test::kBF16Reduction));
+      }
+    }
+  }
+}
+
 TEST_P(OpsMoe, TensorCorePathMatchesTheCpuReference) {
   if (!on_cuda()) GTEST_SKIP() << "16-bit activations are a CUDA feature (the CPU reference is F32)";
   auto rng = test::Rng::for_test();
