@@ -33,7 +33,7 @@
 #             concurrency 256 (512 prompts). Every run has its own seed, so no run hits another's prompts
 #   tp        tensor parallelism on two GPUs (nvidia-h200-x2): the tensor-parallel and AllReduce tests
 #             ($OUT/tp_tests.log), then chimera bench on the Nano shape at TP = 1, TP = 2 (AllReduce AUTO) and TP = 2
-#             with --allreduce-strategy nccl (ncclAllReduce + the norm kernel) and with --expert-parallel (the
+#             with --allreduce-strategy nccl (ncclAllReduce + the norm kernel) and with --moe-split expert (the
 #             routed experts split by expert: the EP / TP measurement), prefill 1K / 8K and decode b1 / b64 /
 #             b256 (ENGINE_BATCHES); with TP_SUPER=1 also Super at full depth in bf16 over the two GPUs (b1, b64,
 #             prefill 1K / 8K). JSON per run in $OUT
@@ -125,7 +125,7 @@ for step in "$@"; do
     ./build-dev/chimera --allreduce-strategy nccl bench "${args[@]}" --tensor-parallel-size 2 \
       --json-out "$OUT/tp2_nccl.json" 2>&1 | tail -12
     el "Nano TP 2, AllReduce nccl + norm kernel"
-    ./build-dev/chimera bench "${args[@]}" --tensor-parallel-size 2 --expert-parallel --json-out "$OUT/tp2_ep.json" 2>&1 | tail -12
+    ./build-dev/chimera bench "${args[@]}" --tensor-parallel-size 2 --moe-split expert --json-out "$OUT/tp2_ep.json" 2>&1 | tail -12
     el "Nano TP 2, experts split by expert"
     if [ "${TP_SUPER:-0}" = 1 ]; then
       ./build-dev/chimera bench --synthetic nemotron-3-super-120b-a12b --device cuda --tensor-parallel-size 2 \

@@ -82,9 +82,7 @@ void add_bench(CLI::App& app, BenchOptions& o) {
   app.add_option("--json-out", o.json_out, "Write every measurement, with date, commit and device, to FILE (JSON)");
   add_tensor_parallel_flag(app, o.tensor_parallel_size);
   add_node_flags(app, o.nodes);
-  app.add_flag("--expert-parallel", o.expert_parallel,
-               "With --tensor-parallel-size: split the routed experts by expert (each rank holds E / N whole "
-               "experts) instead of by their intermediate dimension");
+  add_moe_split_flag(app, o.moe_split);
   app.add_flag("--profile", o.profile,
                "Also time one prefill (first --input-lens length) and one decode step per batch size per op kind "
                "(NVTX ranges + CUDA events; steady_clock on the CPU)");
@@ -362,7 +360,7 @@ int run_bench(const BenchOptions& o) {
   check_tensor_parallel_size(o.tensor_parallel_size, o.device, o.nodes.nnodes);
   check_node_options(o.nodes, o.tensor_parallel_size);
   ModelOptions mo = model_options_from_flags(o.device, o.dtype);
-  mo.tp.expert_parallel = o.expert_parallel;
+  mo.tp.expert_parallel = resolve_expert_parallel(o.moe_split, load_source_config(o.source), o.tensor_parallel_size);
   if (o.input_lens.empty() && o.batch_sizes.empty()) invalid_input("--input-lens and --batch-sizes are both empty");
   // The kernel configuration: the environment registry's overrides (runtime/kernel_env.h), then the flags.
   ops::KernelConfig kernels = kernel_config_from_env();
@@ -432,7 +430,7 @@ int run_bench(const BenchOptions& o) {
   const std::string allreduce =
       device_collectives ? std::string(dist::strategy_name(o.allreduce_strategy)) : std::string("host");
   const std::string allreduce_note =
-      fmt::format("{}, AllReduce {}", o.expert_parallel ? " (experts by expert)" : "", allreduce);
+      fmt::format("{}, AllReduce {}", mo.tp.expert_parallel ? " (experts by expert)" : "", allreduce);
   // PDL as the kernels will see it: on by default on sm_90+, off with --no-pdl or CHIMERA_PDL=0.
   const bool pdl = mo.device == Device::kCuda && kernels.pdl && device::pdl_enabled();
   fmt::print("chimera bench | {} | {} {} (weights {}, SSM state {}, KV cache {}){} | {} | PDL {} | commit {}\n",
@@ -545,7 +543,8 @@ int run_bench(const BenchOptions& o) {
     j["tensor_parallel_size"] = tp_size;
     if (tp_size > 1) {
       j["allreduce_strategy"] = allreduce;
-      j["expert_parallel"] = o.expert_parallel;
+      j["expert_parallel"] = mo.tp.expert_parallel;
+      j["moe_split"] = o.moe_split;
     }
     j["settings"] = {{"decode_context", o.decode_context},
                      {"decode_steps", o.decode_steps},

@@ -34,6 +34,7 @@ struct GenerateOptions {
   // --tensor-parallel-size N: the model sharded over N ranks that are threads of this process
   // (models/tensor_parallel_model.h): CPU threads, or one GPU per rank.
   int tensor_parallel_size = 1;
+  std::string moe_split = "auto";  // --moe-split auto | expert | intermediate (resolve_expert_parallel)
   // --nnodes, --node-rank, --master-addr, --master-port, --dist-timeout: those ranks spread over processes.
   NodeOptions nodes;
   // Tensor-parallel AllReduce strategy of CUDA ranks on distinct GPUs (--allreduce-strategy /
@@ -78,8 +79,7 @@ struct BenchOptions {
   bool profile = false;
   std::string speculative_config;  // --speculative-config JSON; "" = off (decode steps verify the head's drafts)
   int tensor_parallel_size = 1;    // --tensor-parallel-size N: the ranks of EngineModel
-  // --expert-parallel: the ranks split the routed experts by expert, not by intermediate column (to measure the two).
-  bool expert_parallel = false;
+  std::string moe_split = "auto";  // --moe-split auto | expert | intermediate (resolve_expert_parallel)
   NodeOptions nodes;  // --nnodes, --node-rank, --master-addr, --master-port, --dist-timeout
   dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;  // --allreduce-strategy
 };
@@ -118,6 +118,7 @@ struct ServeOptions {
   int32_t mamba_checkpoint_interval = 2048;
   int32_t mamba_checkpoint_slots = 0;
   int tensor_parallel_size = 1;  // --tensor-parallel-size N: the ranks of EngineModel
+  std::string moe_split = "auto";  // --moe-split auto | expert | intermediate (resolve_expert_parallel)
   NodeOptions nodes;             // --nnodes, --node-rank, --master-addr, --master-port, --dist-timeout
   dist::AllReduceStrategy allreduce_strategy = dist::AllReduceStrategy::kAuto;  // --allreduce-strategy
 };

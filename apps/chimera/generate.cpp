@@ -61,6 +61,7 @@ void add_generate(CLI::App& app, GenerateOptions& o) {
   app.add_option("--dump-activations", o.dump_activations,
                  "Debugging: write each layer's input (and a MoE layer's experts) of the prefill to DIR as .npy");
   add_tensor_parallel_flag(app, o.tensor_parallel_size);
+  add_moe_split_flag(app, o.moe_split);
   add_node_flags(app, o.nodes);
   app.add_flag("--no-special-tokens", o.no_special_tokens, "Do not add the tokenizer's special tokens (BOS)");
   app.add_flag("-q,--quiet", o.quiet, "No statistics on stderr");
@@ -118,7 +119,7 @@ void flush_stdout() {
 int run_generate(const GenerateOptions& o) {
   check_tensor_parallel_size(o.tensor_parallel_size, o.device, o.nodes.nnodes);
   check_node_options(o.nodes, o.tensor_parallel_size);
-  const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
+  ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
   if (!o.prompt.empty() + !o.prompt_ids.empty() + !o.prompt_file.empty() != 1) {
     invalid_input("give exactly one of --prompt, --prompt-ids and --prompt-file");
   }
@@ -153,6 +154,7 @@ int run_generate(const GenerateOptions& o) {
   if (tp_size > 1 && !o.dump_activations.empty()) {
     invalid_input("--dump-activations: not with --tensor-parallel-size {}", tp_size);
   }
+  model_options.tp.expert_parallel = resolve_expert_parallel(o.moe_split, load_source_config(o.source), tp_size);
   if (!node_zero) {  // another node's ranks: no engine, no output
     run_worker_node(o.source, model_options, tp_size, o.nodes, limits, o.allreduce_strategy);
     return 0;

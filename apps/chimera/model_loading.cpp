@@ -197,6 +197,22 @@ void add_tensor_parallel_flag(CLI::App& app, int& size) {
       ->capture_default_str();
 }
 
+void add_moe_split_flag(CLI::App& app, std::string& value) {
+  app.add_option("--moe-split", value,
+                 "With --tensor-parallel-size: split the routed experts by expert (each rank holds E / N whole "
+                 "experts), by their intermediate dimension, or auto (by expert where the intermediate slices would "
+                 "be narrow)")
+      ->check(CLI::IsMember({"auto", "expert", "intermediate"}))
+      ->capture_default_str();
+}
+
+bool resolve_expert_parallel(const std::string& flag, const ModelConfig& config, int tp_size) {
+  if (flag == "expert") return true;
+  if (flag == "intermediate") return false;
+  if (!flag.empty() && flag != "auto") invalid_input("--moe-split {}: expected auto, expert or intermediate", flag);
+  return expert_parallel_by_rule(config, tp_size);
+}
+
 void check_tensor_parallel_size(int size, const std::string& device, int nnodes) {
   if (size < 1) invalid_input("--tensor-parallel-size must be >= 1, got {}", size);
   const int local = nnodes > 1 && size % nnodes == 0 ? size / nnodes : size;

@@ -77,6 +77,11 @@ LoadedModel load_model_dir(const std::string& dir, bool with_weights = true, con
 // the flag, its checks, the per-rank memory plan and the model construction.
 // Registers --tensor-parallel-size N.
 void add_tensor_parallel_flag(CLI::App& app, int& size);
+// Registers --moe-split auto|expert|intermediate: how tensor-parallel ranks split the routed experts.
+void add_moe_split_flag(CLI::App& app, std::string& value);
+// Whether the ranks split the routed experts by expert (TensorParallel::expert_parallel): "expert" or
+// "intermediate" as asked, "auto" (or "") by expert_parallel_by_rule (models/tensor_parallel.h).
+bool resolve_expert_parallel(const std::string& flag, const ModelConfig& config, int tp_size);
 // kInvalidInput naming the flag: a size below 1, or above 1 with --device `device` other than cpu on a machine
 // with fewer GPUs than this node's ranks (one GPU per rank; size / nnodes ranks a node). Checked before --device
 // cuda is (model_options_from_flags), so a build without CUDA says the same.

@@ -71,6 +71,7 @@ void add_serve(CLI::App& app, ServeOptions& o) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   add_tensor_parallel_flag(app, o.tensor_parallel_size);
+  add_moe_split_flag(app, o.moe_split);
   add_node_flags(app, o.nodes);
   app.add_option("--reasoning-parser", o.reasoning_parser, "Split reasoning into reasoning_content: nemotron_v3")
       ->check(CLI::IsMember({"nemotron_v3"}));
@@ -93,7 +94,7 @@ void add_serve(CLI::App& app, ServeOptions& o) {
 int run_serve(const ServeOptions& o) {
   check_tensor_parallel_size(o.tensor_parallel_size, o.device, o.nodes.nnodes);
   check_node_options(o.nodes, o.tensor_parallel_size);
-  const ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
+  ModelOptions model_options = model_options_from_flags(o.device, o.dtype);
 
   // vLLM's defaults where the flags are not given: on a GPU of >= 70 GiB 8192 tokens a step and as many sequences
   // as the memory holds up to 1024; on a smaller GPU 2048 tokens; on the CPU 2048 tokens and 64 sequences.
@@ -129,6 +130,8 @@ int run_serve(const ServeOptions& o) {
     limits.max_num_seqs = 1;
     limits.mamba_checkpoints = 0;  // size_caches plans them
   }
+  model_options.tp.expert_parallel =
+      resolve_expert_parallel(o.moe_split, load_source_config(o.source), o.tensor_parallel_size);
   // Another node's ranks serve no HTTP: they run node 0's steps until node 0 stops (or goes away: an error).
   // SIGINT / SIGTERM end such a node at once (node 0's next step then fails naming it).
   if (o.nodes.node_rank != 0) {

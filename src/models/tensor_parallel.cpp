@@ -65,6 +65,12 @@ ModelConfig rank_config(const ModelConfig& config, const TensorParallel& tp) {
   return c;
 }
 
+bool expert_parallel_by_rule(const ModelConfig& config, int size) {
+  if (size <= 1 || !has_kind(config, LayerKind::kMoe) || config.n_routed_experts % size != 0) return false;
+  if (config.moe_intermediate_size % size != 0) return true;
+  return config.moe_intermediate_size / size < kMinExpertSliceColumns;
+}
+
 Shape Shard::local_shape(const Shape& full) const {
   if (dim < 0) return full;
   Shape s = full;

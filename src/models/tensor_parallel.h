@@ -25,6 +25,15 @@ struct TensorParallel {
   TensorParallel with_rank(int r) const { return {r, size, expert_parallel}; }
 };
 
+// How --moe-split auto splits the routed experts over `size` ranks (TensorParallel::expert_parallel): by expert
+// when splitting by intermediate column would leave every expert slice narrower than kMinExpertSliceColumns (the
+// expert GEMMs / GEMVs then lose more to their narrow width than the expert split loses to its uneven load: the
+// busiest rank runs more than its share of the routed pairs), or when n_routed_experts divides by size and
+// moe_intermediate_size does not; by intermediate column otherwise. A model without routed experts: false.
+// docs/perf.md "Tensor parallelism: splitting the routed experts" has the measurement behind the threshold.
+inline constexpr int64_t kMinExpertSliceColumns = 768;
+bool expert_parallel_by_rule(const ModelConfig& config, int size);
+
 // The config as rank tp.rank of tp.size sees it; what the forward sizes its activations by and what the rank's
 // StateCache is made from (it then holds only the rank's KV heads and Mamba heads):
 //   num_attention_heads / size; num_key_value_heads / size, or 1 when ranks outnumber the KV heads (each rank keeps

@@ -77,16 +77,19 @@ TEST(CliTensorParallel, BenchAtTwoRanksGivesTheSameTokensAndNotesTheSize) {
   }
   auto r = run_cli(
       "bench --synthetic tiny --input-lens 8 --batch-sizes 1 --decode-context 4 --decode-steps 1 "
-      "--tensor-parallel-size 2");
+      "--tensor-parallel-size 2 --moe-split intermediate");
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("| tensor parallel 2, AllReduce host |"), std::string::npos) << r.out;
+  // auto: the tiny preset's 128 expert columns over 2 ranks are narrow, so its experts split by expert.
+  EXPECT_EQ(two["expert_parallel"], true) << two.dump();
+  EXPECT_EQ(two["moe_split"], "auto") << two.dump();
 }
 
 TEST(CliTensorParallel, BenchWithTheExpertsSplitByExpertGivesTheSameTokens) {
   const std::string args = "--synthetic tiny --input-lens 16 --batch-sizes 1,3 --decode-context 8 --decode-steps 4";
   const fs::path json = fs::temp_directory_path() / "chimera_cli_bench_ep.json";
   const nlohmann::json one = bench_json(args, json);
-  const nlohmann::json ep = bench_json(args + " --tensor-parallel-size 2 --expert-parallel", json);
+  const nlohmann::json ep = bench_json(args + " --tensor-parallel-size 2 --moe-split expert", json);
   fs::remove(json);
   EXPECT_EQ(ep["expert_parallel"], true) << ep.dump();
   ASSERT_EQ(ep["decode"].size(), one["decode"].size());
@@ -97,7 +100,7 @@ TEST(CliTensorParallel, BenchWithTheExpertsSplitByExpertGivesTheSameTokens) {
   }
   EXPECT_EQ(ep["prefill"][0]["first_token"], one["prefill"][0]["first_token"]);
   auto r = run_cli("bench --synthetic tiny --input-lens 8 --batch-sizes 1 --decode-context 4 --decode-steps 1 "
-                   "--tensor-parallel-size 2 --expert-parallel");
+                   "--tensor-parallel-size 2 --moe-split expert");
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("| tensor parallel 2 (experts by expert), AllReduce host |"), std::string::npos) << r.out;
 }

@@ -529,5 +529,23 @@ TEST(TensorParallel, MissingRankTimesOut) {
                                  ErrorKind::kRuntime, "rank(s) 1 of 2 did not arrive within 300 ms"));
 }
 
+// --moe-split auto: by expert where the intermediate split leaves expert slices narrower than
+// kMinExpertSliceColumns, or where only the experts divide; never for a model without routed experts.
+TEST(ExpertParallelRule, SplitsByExpertWhereTheSlicesWouldBeNarrow) {
+  const ModelConfig nano = model_preset("nemotron-3-nano-30b-a3b");   // 128 experts, 1856 columns
+  const ModelConfig super = model_preset("nemotron-3-super-120b-a12b");  // 512 experts, 2688 columns
+  EXPECT_FALSE(expert_parallel_by_rule(nano, 1));
+  EXPECT_FALSE(expert_parallel_by_rule(nano, 2));  // 928 columns a rank
+  EXPECT_TRUE(expert_parallel_by_rule(nano, 4));   // 464
+  EXPECT_FALSE(expert_parallel_by_rule(super, 2));  // 1344
+  EXPECT_TRUE(expert_parallel_by_rule(super, 4));   // 672
+  ModelConfig c = nano;
+  c.moe_intermediate_size = 1850;  // does not divide by 4, the 128 experts do
+  EXPECT_TRUE(expert_parallel_by_rule(c, 4));
+  c.n_routed_experts = 6;  // neither divides by 4: the intermediate split's own error names the field
+  EXPECT_FALSE(expert_parallel_by_rule(c, 4));
+  EXPECT_FALSE(expert_parallel_by_rule(model_preset("nemotron-h-8b"), 4));  // no routed experts
+}
+
 }  // namespace
 }  // namespace chimera
