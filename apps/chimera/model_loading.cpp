@@ -347,9 +347,7 @@ void run_worker_node(const ModelSource& src, const ModelOptions& options, int tp
   std::vector<NemotronH> ranks =
       load_ranks(loaded, src, options, tp_size, nodes.node_rank * local, local, devices, limits);
   const std::unique_ptr<dist::TcpGroup> group = join_nodes(tp_size, nodes);
-  const std::shared_ptr<dist::DeviceGroup> device_group =
-      TensorParallelModel::join_device_group(*group, devices, allreduce);
-  run_remote_ranks(*group, ranks, ops::Context{options.device, nullptr, nullptr, {}}, devices, device_group.get());
+  run_remote_ranks(*group, ranks, ops::Context{options.device, nullptr, nullptr, {}}, devices, allreduce);
 }
 
 EngineModel load_engine_model(const ModelSource& src, const ModelOptions& flag_options, int tp_size,

@@ -9,6 +9,7 @@
 
 #include "backends/device_api.h"
 #include "core/error.h"
+#include "models/tensor_parallel_model.h"
 
 namespace chimera {
 namespace {
@@ -200,7 +201,7 @@ ModelState caches_like(const ModelState& layout, Device device) {
 }  // namespace
 
 void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, const ops::Context& ctx,
-                      const std::vector<int>& devices, dist::DeviceGroup* device_group) {
+                      const std::vector<int>& devices, dist::AllReduceStrategy allreduce) {
   if (static_cast<int>(ranks.size()) != group.local_size()) {
     invalid_input("run_remote_ranks: {} models for the {} ranks of node {}", ranks.size(), group.local_size(),
                   group.node_rank());
@@ -210,7 +211,9 @@ void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, cons
     invalid_input("run_remote_ranks: {} GPU(s) for the {} ranks of node {}", devices.size(), ranks.size(),
                   group.node_rank());
   }
-  for (NemotronH& m : ranks) m.set_tensor_parallel_group(&group, device_group);
+  const std::shared_ptr<dist::DeviceGroup> device_group =
+      TensorParallelModel::join_device_group(group, cuda ? devices : std::vector<int>{}, allreduce);
+  for (NemotronH& m : ranks) m.set_tensor_parallel_group(&group, device_group.get());
   std::vector<std::exception_ptr> errors(ranks.size());
   std::vector<std::thread> threads;
   for (size_t i = 0; i < ranks.size(); ++i) {

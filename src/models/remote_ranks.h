@@ -12,6 +12,7 @@
 #include <span>
 #include <vector>
 
+#include "dist/allreduce_types.h"
 #include "dist/tcp_group.h"
 #include "models/nemotron_h.h"
 #include "runtime/batch.h"
@@ -41,11 +42,13 @@ RemoteStep decode_remote_step(std::span<const std::byte> bytes);
 // message, the others get it back.
 std::vector<std::byte> broadcast_remote_step(dist::HostCollectives& group, int rank, std::vector<std::byte> message);
 
-// The loop of a node other than 0: its ranks (ranks[i] is rank group.first_rank() + i, joined to `group` and
-// `device_group` here), each on its own thread with its own caches, run every step node 0 sends until it says stop.
-// CUDA (ctx.device): rank first + i on GPU devices[i], with a stream and a device-memory pool of its own, its caches
-// made there from node 0's layout. A rank's error aborts the group (so node 0 fails too) and is rethrown.
+// The loop of a node other than 0: its ranks (ranks[i] is rank group.first_rank() + i) first join the group's
+// device collectives (TensorParallelModel::join_device_group, as node 0's constructor does; `allreduce` as node
+// 0's), then each on its own thread with its own caches runs every step node 0 sends until it says stop. CUDA
+// (ctx.device): rank first + i on GPU devices[i], with a stream and a device-memory pool of its own, its caches made
+// there from node 0's layout. A rank's error aborts the group (so node 0 fails too) and is rethrown.
 void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, const ops::Context& ctx,
-                      const std::vector<int>& devices = {}, dist::DeviceGroup* device_group = nullptr);
+                      const std::vector<int>& devices = {},
+                      dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
 
 }  // namespace chimera

@@ -119,6 +119,21 @@ TEST(CliMultiNode, CudaRanksInTwoProcessesGiveTheTokensOfOneRank) {
   fs::remove_all(dir);
 }
 
+// Every node must run its ranks on the same device kind: node 0 on CUDA, node 1 on the CPU is a clear error on both.
+TEST(CliMultiNode, NodesOnDifferentDevicesAreAnError) {
+  if (!device::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const std::string port = std::to_string(test::free_port());
+  const std::string common = "timeout 60 " + kCli +
+                             " generate --synthetic tiny --prompt-ids 1,2 -n 2 --tensor-parallel-size 2 --nnodes 2 "
+                             "--master-port " +
+                             port + " --dist-timeout 20";
+  const auto r = test::run_shell("bash -c '" + common + " --node-rank 1 --device cpu > /tmp/chimera_mixed_$$ 2>&1 & " +
+                                 common + " --node-rank 0 --device cuda 2>&1; rc=$?; wait; cat /tmp/chimera_mixed_$$; " +
+                                 "rm -f /tmp/chimera_mixed_$$; exit $rc'");
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.out.find("every node needs the same --device"), std::string::npos) << r.out;
+}
+
 TEST(CliMultiNode, ANodeThatNeverStartsEndsNodeZeroNamingIt) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto r = run_cli(
