@@ -47,8 +47,15 @@ std::unique_ptr<Communicator> Communicator::create_ranks(const ncclUniqueId& id,
 }
 
 Communicator::~Communicator() {
+  if (aborted_) return;  // ncclCommAbort freed them
   for (ncclComm_t comm : comms_)
     if (comm) ncclCommDestroy(comm);
+}
+
+void Communicator::abort() {
+  if (aborted_.exchange(true)) return;
+  for (ncclComm_t comm : comms_)
+    if (comm) ncclCommAbort(comm);
 }
 
 void Communicator::run_ranks(const std::function<void(int)>& fn) const {

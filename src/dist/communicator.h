@@ -7,6 +7,7 @@
 
 #include <nccl.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -34,6 +35,11 @@ class Communicator {
   const std::vector<int>& devices() const { return devices_; }
   ncclComm_t nccl(int local) const { return comms_[static_cast<size_t>(local)]; }
 
+  // ncclCommAbort on every local communicator (from any thread: it ends their uncompleted operations, kernels
+  // waiting for a dead peer included); the communicator is unusable after it.
+  void abort();
+  bool aborted() const { return aborted_; }
+
   // Runs fn(local rank) on one thread per local rank, each with its device current; rethrows the first error
   // after every thread has returned.
   void run_ranks(const std::function<void(int)>& fn) const;
@@ -44,6 +50,7 @@ class Communicator {
   int first_rank_ = 0;
   std::vector<int> devices_;
   std::vector<ncclComm_t> comms_;
+  std::atomic<bool> aborted_{false};
 };
 
 // "NCCL_CHECK" for host code: throws kRuntime naming the call and NCCL's message.

@@ -51,7 +51,10 @@ DeviceGroup::DeviceGroup(const ncclUniqueId& id, int n_ranks, int first_rank, co
 
 DeviceGroup::~DeviceGroup() = default;
 
+void DeviceGroup::abort() { comm_->abort(); }
+
 int DeviceGroup::local(int rank) const {
+  if (comm_->aborted()) runtime_error("dist::DeviceGroup: the NCCL clique was aborted (a peer failed or hung)");
   const int i = rank - comm_->first_rank();
   if (i < 0 || i >= comm_->local_ranks()) {
     runtime_error("dist::DeviceGroup: rank {} is not one of this process's ranks {}-{}", rank, comm_->first_rank(),

@@ -44,6 +44,10 @@ class DeviceGroup {
                                const Tensor& weight, float eps, void* stream);
   // out [size, ...in's shape] = every rank's `in` in rank order (ncclAllGather).
   void all_gather(int rank, const Tensor& in, const Tensor& out, void* stream);
+  // From any thread (dist::StepWatchdog): aborts the NCCL clique, ending the local ranks' waiting NCCL kernels;
+  // every later call is a kRuntime error. The peer-mapped ONESHOT / TWOSHOT kernels (every rank in this process)
+  // have no abort: a rank thread that fails before its collective leaves its peers' kernels waiting.
+  void abort();
 
  private:
   int local(int rank) const;  // the rank's index among this process's ranks (checked)

@@ -29,6 +29,9 @@ class HostCollectives {
   virtual void barrier(int rank) = 0;
   // Breaks the group: every rank waiting in (or later entering) a collective throws kRuntime with `why`.
   virtual void abort(int rank, const std::string& why) = 0;
+  // "" while the group is whole, else why it broke. Callable from any thread at any time (a watchdog asks while
+  // the ranks are inside device collectives); TcpGroup also looks for a peer whose connection closed.
+  virtual std::string health() = 0;
 };
 
 }  // namespace chimera::dist

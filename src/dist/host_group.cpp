@@ -100,6 +100,11 @@ void HostGroup::barrier(int rank) {
   rendezvous(rank, "barrier");
 }
 
+std::string HostGroup::health() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return broken_;
+}
+
 void HostGroup::abort(int rank, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (broken_.empty()) broken_ = fmt::format("rank {} aborted: {}", rank, why);

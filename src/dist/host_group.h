@@ -30,6 +30,7 @@ class HostGroup final : public HostCollectives {
   void broadcast(int rank, std::span<std::byte> data, int root) override;
   void barrier(int rank) override;
   void abort(int rank, const std::string& why) override;
+  std::string health() override;
 
  private:
   struct Post {

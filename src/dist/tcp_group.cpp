@@ -717,6 +717,23 @@ void TcpGroup::barrier(int rank) {
   collective(rank, {Op::kBarrier, nullptr, nullptr, 0, 0});
 }
 
+std::string TcpGroup::health() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.empty()) return broken_;
+  }
+  for (size_t k = 0; k < peers_.size(); ++k) {
+    if (!peers_[k] || peers_[k]->fd < 0) continue;
+    pollfd pfd{peers_[k]->fd, POLLRDHUP, 0};
+    if (::poll(&pfd, 1, 0) == 1 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+      fail(fmt::format("{} closed its connection", node_name(static_cast<int>(k))));
+      break;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return broken_;
+}
+
 void TcpGroup::abort(int rank, const std::string& why) {
   fail(fmt::format("rank {} aborted: {}", rank, why));
 }

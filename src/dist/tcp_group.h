@@ -66,6 +66,9 @@ class TcpGroup final : public HostCollectives {
   // the wait with an error naming node 0. On node 0 (and for the local rendezvous) the same as broadcast.
   void wait_broadcast(int rank, std::span<std::byte> data);
   void abort(int rank, const std::string& why) override;
+  // broken_, or, while whole, a look (without waiting or reading) at every connection: one whose peer closed it
+  // (its process died) breaks the group naming that node, as a collective would.
+  std::string health() override;
 
   enum class Op : uint32_t { kAllReduceSum = 1, kAllGather, kBroadcast, kBarrier };
 

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -9,7 +10,11 @@
 
 #include "backends/device_api.h"
 #include "core/error.h"
+#include "dist/step_watchdog.h"
 #include "models/tensor_parallel_model.h"
+#ifdef CHIMERA_HAVE_NCCL
+#include "dist/device_group.h"
+#endif
 
 namespace chimera {
 namespace {
@@ -233,10 +238,19 @@ void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, cons
           pool.emplace();
           scope.emplace(*pool);
         }
+        // With device collectives each step runs under a watchdog, as node 0's (models/tensor_parallel_model.h).
+        std::unique_ptr<dist::StepWatchdog> watchdog;
+#ifdef CHIMERA_HAVE_NCCL
+        if (device_group) {
+          watchdog = std::make_unique<dist::StepWatchdog>(
+              group.timeout(), [&] { return group.health(); }, [&](const std::string&) { device_group->abort(); });
+        }
+#endif
         ModelState state;
         bool have_state = false;
         for (;;) {
           const std::vector<std::byte> bytes = receive_remote_step(group, rank);
+          if (watchdog) watchdog->arm();
           RemoteStep step = decode_remote_step(bytes);
           if (step.call == RemoteCall::kStop) return;
           if (step.has_layout) {
@@ -259,6 +273,12 @@ void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, cons
           }
           // The step's caches are written (and its temporaries free) before the next one.
           if (cuda) device::synchronize_stream(rc.stream);
+          if (watchdog) {
+            watchdog->disarm();
+            if (const std::string why = watchdog->fired(); !why.empty()) {
+              runtime_error("rank {}: {}; the device collectives were aborted", rank, why);
+            }
+          }
         }
       } catch (const std::exception& e) {
         errors[i] = std::current_exception();

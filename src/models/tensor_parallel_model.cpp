@@ -135,6 +135,7 @@ TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chro
 #endif
   }
   adopt(ranks, device, n > 1 ? group_.get() : nullptr, device_group_.get());
+  start_watchdog(timeout);
 }
 
 TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group,
@@ -153,8 +154,20 @@ TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::uniq
                   group->local_size(), device == Device::kCuda ? "GPU" : "CPU");
   }
   device_group_ = join_device_group(*group, devices_, allreduce);
+  const std::chrono::milliseconds timeout = group->timeout();
   group_ = std::move(group);
   adopt(ranks, device, group_.get(), device_group_.get());
+  start_watchdog(timeout);
+}
+
+void TensorParallelModel::start_watchdog(std::chrono::milliseconds timeout) {
+#ifdef CHIMERA_HAVE_NCCL
+  if (!device_group_) return;
+  watchdog_ = std::make_unique<dist::StepWatchdog>(
+      timeout, [this] { return group_->health(); }, [this](const std::string&) { device_group_->abort(); });
+#else
+  (void)timeout;
+#endif
 }
 
 std::shared_ptr<dist::DeviceGroup> TensorParallelModel::join_device_group(dist::TcpGroup& group,
@@ -274,6 +287,7 @@ TensorParallelModel::~TensorParallelModel() {
     for (const auto& w : workers_) w->wait();
   }
   workers_.clear();  // the threads first: they use the models and the communicators
+  watchdog_.reset();
   device_group_.reset();
 }
 
@@ -319,6 +333,14 @@ std::unique_ptr<TensorParallelModel> TensorParallelModel::create(
                                                allreduce);
 }
 
+std::string TensorParallelModel::failure() const {
+  if (size_ == 1 || !group_) return "";
+  if (watchdog_) {
+    if (std::string why = watchdog_->fired(); !why.empty()) return why;
+  }
+  return group_->health();
+}
+
 bool TensorParallelModel::other_gpu(int r) const {
   return !devices_.empty() && devices_[static_cast<size_t>(r)] != devices_[0];
 }
@@ -334,6 +356,12 @@ Tensor TensorParallelModel::run(const ops::Context& ctx, const StepBatch& b, Mod
   }
   if (size_ == 1) return fn(0, ctx, b, *ranks_[0], state);
   const bool cuda = ctx.device == Device::kCuda;
+  if (watchdog_) {
+    if (const std::string why = watchdog_->fired(); !why.empty()) {
+      runtime_error("TensorParallelModel: the ranks' device collectives were aborted ({}); load the model again", why);
+    }
+    watchdog_->arm();
+  }
   // The ranks' streams start after what the engine queued on its own (metadata uploads, state copies).
   if (cuda) device::synchronize_stream(ctx.stream);
   // Ranks on another GPU read the step's metadata from the host (the device copy is on rank 0's GPU).
@@ -351,7 +379,9 @@ Tensor TensorParallelModel::run(const ops::Context& ctx, const StepBatch& b, Mod
       if (has_remote_ranks()) broadcast_remote_step(*group_, static_cast<int>(r), step);
       const StepBatch& rb = host_batch && other_gpu(static_cast<int>(r)) ? *host_batch : b;
       out[r] = fn(static_cast<int>(r), rc, rb, *ranks_[r], r == 0 ? state : state.peers[r - 1]);
-      if (cuda && r > 0) device::synchronize_stream(rc.stream);  // its caches are written before the next step
+      // Its caches are written before the next step; with device collectives rank 0 too, under the watchdog (a
+      // kernel waiting for a dead peer is found here, not in the engine's next copy).
+      if (cuda && (r > 0 || watchdog_)) device::synchronize_stream(rc.stream);
     } catch (const std::exception& e) {
       errors[r] = std::current_exception();
       group_->abort(static_cast<int>(r), e.what());
@@ -371,6 +401,12 @@ Tensor TensorParallelModel::run(const ops::Context& ctx, const StepBatch& b, Mod
     run_rank(0, ctx);
   }
   for (const auto& w : workers_) w->wait();
+  if (watchdog_) {
+    watchdog_->disarm();
+    if (const std::string why = watchdog_->fired(); !why.empty()) {
+      runtime_error("TensorParallelModel: {}; the ranks' device collectives were aborted", why);
+    }
+  }
   // The error of the rank that failed first is the one without "aborted" in it; any error otherwise.
   for (size_t r = 0; r < n; ++r) {
     if (!errors[r]) continue;

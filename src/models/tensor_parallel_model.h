@@ -14,6 +14,10 @@
 // step, and destruction tells them to stop. CUDA ranks of several processes get device collectives when every rank
 // has a GPU of its own (join_device_group: one NCCL clique, its unique id sent over the TcpGroup); ranks sharing a
 // GPU (two processes on one GPU: the tests) stage their collectives through host memory over the TcpGroup.
+//
+// With device collectives every step is bounded by a dist::StepWatchdog: a rank that fails, a node whose
+// connection closes, or a step that outlives the group's timeout aborts the NCCL clique (ending kernels that wait
+// for a dead peer), and that step and every later one fail with the reason: the model must be made again.
 #pragma once
 
 #include <chrono>
@@ -23,6 +27,7 @@
 
 #include "dist/allreduce_types.h"
 #include "dist/host_group.h"
+#include "dist/step_watchdog.h"
 #include "dist/tcp_group.h"
 #include "models/nemotron_h.h"
 #include "models/remote_ranks.h"
@@ -77,6 +82,8 @@ class TensorParallelModel : public Model {
   DType activation_dtype() const override { return ranks_[0]->activation_dtype(); }
   int mtp_blocks() const override { return ranks_[0]->mtp_blocks(); }
   int tensor_parallel_size() const override { return size_; }
+  // The watchdog's reason, else the host group's health; "" at size 1.
+  std::string failure() const override;
   int local_tensor_parallel_size() const override { return static_cast<int>(ranks_.size()); }
   std::vector<int> tensor_parallel_devices() const override { return devices_; }
   const NemotronH& rank(int r) const { return *ranks_[static_cast<size_t>(r)]; }
@@ -107,6 +114,8 @@ class TensorParallelModel : public Model {
   // and a worker thread for every rank but 0 (devices_[r] current on CUDA).
   void adopt(std::vector<NemotronH>& ranks, Device device, dist::HostCollectives* group,
              dist::DeviceGroup* device_group);
+  // With device collectives: the watchdog that aborts them when the host group breaks or a step outlives `timeout`.
+  void start_watchdog(std::chrono::milliseconds timeout);
 
   std::vector<std::unique_ptr<NemotronH>> ranks_;
   int size_ = 1;  // every rank, local or not
@@ -114,6 +123,7 @@ class TensorParallelModel : public Model {
   std::unique_ptr<dist::HostCollectives> group_;
   std::shared_ptr<dist::DeviceGroup> device_group_;  // shared: a complete type only where it is made
   std::vector<std::unique_ptr<Worker>> workers_;  // ranks 1..
+  std::unique_ptr<dist::StepWatchdog> watchdog_;   // with device_group_ only
   ModelConfig config_;
   // The ModelState::layout_id of the caches the remote ranks hold (none yet: an id no state has).
   mutable uint64_t layout_sent_ = ~uint64_t{0};

@@ -65,6 +65,7 @@ class Engine {
  public:
   // ctx.device must be the model's device; the caches are allocated there in the model's activation dtype.
   Engine(const Model& model, const ops::Context& ctx, const EngineConfig& config);
+  const Model& model() const { return model_; }
 
   // Queues a request; returns its sequence id. Bad prompts / parameters -> kInvalidInput; a full waiting queue
   // (SchedulerConfig::max_waiting) -> kOverloaded.

@@ -35,6 +35,9 @@ class Model {
   // tensor per rank (CacheSizes::tensor_parallel_size), in ModelState::peers for ranks 1.., and config() is the
   // rank-local one (the cache's geometry) with the whole vocabulary.
   virtual int tensor_parallel_size() const { return 1; }
+  // Why the model can run no more steps ("" while it can): a tensor-parallel group that broke (a rank failed, a
+  // node went away, its device collectives were aborted). A step failing for another reason leaves it "".
+  virtual std::string failure() const { return ""; }
   // CUDA ranks on several GPUs: rank r's GPU (CacheSizes::rank_devices); empty: every rank on the current one.
   virtual std::vector<int> tensor_parallel_devices() const { return {}; }
   // The ranks among them whose caches this process holds (the StateCache's copies); fewer when the others run in

@@ -30,6 +30,7 @@ EngineLoop::~EngineLoop() { stop(); }
 uint64_t EngineLoop::submit(std::vector<SeqRequest> seqs, std::shared_ptr<RequestSink> sink, Clock::time_point arrival) {
   std::lock_guard lock(mu_);
   if (stopping_) throw ApiError(503, "the server is shutting down");
+  if (!failure_.empty()) throw ApiError(503, fmt::format("the engine can run no more steps: {}", failure_));
   const int64_t n = static_cast<int64_t>(seqs.size());
   if (in_flight_ + n > int64_t{max_num_seqs_} + config_.max_waiting_seqs) {
     throw ApiError(503, fmt::format("the server is at capacity ({} sequences running or waiting); retry later",
@@ -47,6 +48,11 @@ void EngineLoop::abort(uint64_t handle, bool as_stop) {
   std::lock_guard lock(mu_);
   pending_aborts_.emplace_back(handle, as_stop);
   cv_.notify_one();
+}
+
+std::string EngineLoop::failure() const {
+  std::lock_guard lock(mu_);
+  return failure_;
 }
 
 int64_t EngineLoop::in_flight() const {
@@ -204,7 +210,19 @@ void EngineLoop::run() {
       events = engine_.step();
     } catch (const std::exception& e) {
       // A failed step is the server's fault: every request in it gets the error and the engine is emptied of
-      // them so that the server goes on for new requests.
+      // them so that the server goes on for new requests, unless the model can run no more steps at all.
+      if (std::string why = engine_.model().failure(); !why.empty()) {
+        std::lock_guard lock(mu_);
+        if (failure_.empty()) {
+          failure_ = std::move(why);
+          if (config_.log) {
+            config_.log("chimera serve: the engine can run no more steps: " + failure_);
+          } else {
+            fmt::print("chimera serve: the engine can run no more steps: {}\n", failure_);
+            std::fflush(stdout);
+          }
+        }
+      }
       for (auto& [sid, live] : live_) live.sink->on_error(500, fmt::format("engine step failed: {}", e.what()));
       std::vector<int32_t> ids;
       for (const auto& [sid, live] : live_) ids.push_back(sid);

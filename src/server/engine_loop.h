@@ -78,6 +78,9 @@ class EngineLoop {
   void abort(uint64_t handle, bool as_stop = false);
   // Sequences submitted and not yet finished.
   int64_t in_flight() const;
+  // Why the engine can run no more steps ("" while it can): set when a step failed and the model reports a failure
+  // (Model::failure: a broken tensor-parallel group). From then on every request gets 503 and /health says so.
+  std::string failure() const;
   // Ends the thread: every unfinished sequence is aborted (its sink sees the abort).
   void stop();
 
@@ -128,6 +131,7 @@ class EngineLoop {
   uint64_t next_handle_ = 1;
   int64_t in_flight_ = 0;  // sequences submitted and not finished
   bool stopping_ = false;
+  std::string failure_;  // Model::failure after a failed step
 
   // Engine thread only.
   std::unordered_map<int32_t, Live> live_;         // by engine sequence id

@@ -518,7 +518,12 @@ void OpenAiServer::handle(HttpRequest req, std::shared_ptr<Responder> r) {
     if (path == "/v1/chat/completions") return generate(req, r, /*chat=*/true);
     if (path == "/tokenize") return tokenize(req, r);
     if (path == "/detokenize") return detokenize(req, r);
-    if (path == "/health") return r->send(200, "text/plain", "", {});
+    if (path == "/health") {
+      // 503 once the engine can run no more steps (a broken tensor-parallel group): orchestrators restart it.
+      const std::string failure = loop_.failure();
+      if (!failure.empty()) return r->send(503, "text/plain", "the engine can run no more steps: " + failure, {});
+      return r->send(200, "text/plain", "", {});
+    }
     if (path == "/version") return send_json(*r, 200, json{{"version", config_.version}});
     if (path == "/metrics") return r->send(200, "text/plain; version=0.0.4; charset=utf-8", metrics_.render(), {});
     if (path == "/v1/models") {

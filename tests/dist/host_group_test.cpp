@@ -149,6 +149,9 @@ TEST(HostGroup, AbortEndsTheOthersWait) {
   });
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
   EXPECT_NE(errors[0].find("rank 1 aborted: its step threw"), std::string::npos) << errors[0];
+  // health() says so from any thread, as a watchdog asks it.
+  EXPECT_EQ(group.health(), "rank 1 aborted: its step threw");
+  EXPECT_EQ(HostGroup(2).health(), "");
 }
 
 TEST(HostGroup, MismatchedCollectivesAreAnError) {

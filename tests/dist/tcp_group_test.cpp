@@ -317,6 +317,32 @@ TEST(TcpGroup, WaitBroadcastEndsWhenNodeZeroExits) {
   EXPECT_EQ(reports[1], "");
 }
 
+TEST(TcpGroup, HealthFindsAClosedConnectionWithoutACollective) {
+  // What a watchdog asks while the ranks are inside device collectives: node 1 exits between collectives.
+  const int port = test::free_port();
+  const auto reports = run_nodes(2, [&](int node) -> std::string {
+    TcpGroup group(2, 2, node, "127.0.0.1", port, std::chrono::seconds(10));
+    group.barrier(node);
+    if (node == 1) ::_exit(0);
+    if (!group.health().empty()) return "unhealthy before node 1 left: " + group.health();
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string h;
+    while (h.empty() && since(t0) < 5.0) {
+      std::this_thread::sleep_for(milliseconds(10));
+      h = group.health();
+    }
+    std::string wrong = expect_error(h, "node 1 (rank 1) closed its connection", since(t0), 3.0);
+    try {
+      group.barrier(node);  // broken: at once, with the same reason
+      wrong += "; a later call succeeded";
+    } catch (const Error& e) {
+      wrong += expect_error(e.what(), "node 1 (rank 1) closed its connection", 0, 1);
+    }
+    return wrong;
+  });
+  EXPECT_EQ(reports[0], "");
+}
+
 TEST(TcpGroup, AbortReachesTheOtherNodes) {
   const int port = test::free_port();
   const auto reports = run_nodes(3, [&](int node) -> std::string {

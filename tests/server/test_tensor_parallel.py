@@ -119,3 +119,41 @@ def test_two_nodes_serve_the_completions_of_one_rank(servers):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_a_node_that_dies_makes_the_server_unhealthy(servers):
+    # Node 1 is killed: the next step fails (500, naming node 1), then /health and every request answer 503 with
+    # the reason, so an orchestrator can restart the server; the server itself keeps answering.
+    import signal
+    import subprocess
+
+    import minihttp
+    from conftest import MODEL, cli_path
+
+    port = str(free_port())
+    nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", port, "--dist-timeout", "5"]
+    worker = subprocess.Popen(
+        [cli_path(), "serve", "-m", MODEL, "--max-num-seqs", "8", *nodes, "--node-rank", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node0 = Server("--max-num-seqs", "8", "--shutdown-timeout", "5", *nodes, "--node-rank", "0")
+    try:
+        c = client(node0)
+        assert c.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0).choices
+        assert minihttp.get(node0.base + "/health", timeout=10).status_code == 200
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+        assert "node 1 (rank 1)" in str(e.value)
+        health = minihttp.get(node0.base + "/health", timeout=10)
+        assert health.status_code == 503
+        assert "node 1 (rank 1)" in health.text
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=4, temperature=0)
+        assert e.value.status_code == 503
+        assert node0.alive()
+    finally:
+        assert node0.stop() == 0, "".join(node0.lines[-40:])
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
