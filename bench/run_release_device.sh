@@ -35,7 +35,7 @@
 #             ($OUT/tp_tests.log), then chimera bench on the Nano shape at TP = 1, TP = 2 (AllReduce AUTO) and TP = 2
 #             with --allreduce-strategy nccl (ncclAllReduce + the norm kernel) and with --moe-split expert (the
 #             routed experts split by expert: the EP / TP measurement), prefill 1K / 8K and decode b1 / b64 /
-#             b256 (ENGINE_BATCHES); with TP_SUPER=1 also Super at full depth in bf16 over the two GPUs (b1, b64,
+#             b256 (ENGINE_BATCHES), and TP = 2 as two processes (--nnodes 2, one GPU each); with TP_SUPER=1 also Super at full depth in bf16 over the two GPUs (b1, b64,
 #             prefill 1K / 8K). JSON per run in $OUT
 # Every step prints a line starting with "== " and the elapsed seconds.
 set -uo pipefail
@@ -114,19 +114,25 @@ for step in "$@"; do
   tp)
     nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
     timeout "${TP_TESTS_TIMEOUT:-240}" ./build-dev/chimera_tests --gtest_brief=1 \
-      --gtest_filter='*TensorParallel*:*AllReduce*:*DeviceGroup*' >"$OUT/tp_tests.log" 2>&1 || rc=1
+      --gtest_filter='*TensorParallel*:*AllReduce*:*DeviceGroup*:CliMultiNode*:RemoteRanks*' >"$OUT/tp_tests.log" 2>&1 || rc=1
     grep -E "^\[  FAILED  \]|^\[==========\]|^\[  PASSED  \]" "$OUT/tp_tests.log" | head -20
     el "tensor-parallel tests"
     args=(--synthetic "$NANO" --device cuda --input-lens 1024,8192 --batch-sizes "${ENGINE_BATCHES:-1,64,256}" --decode-context 1024)
     ./build-dev/chimera bench "${args[@]}" --json-out "$OUT/tp1.json" 2>&1 | tail -12
     el "Nano TP 1"
-    ./build-dev/chimera bench "${args[@]}" --tensor-parallel-size 2 --json-out "$OUT/tp2.json" 2>&1 | tail -12
+    ./build-dev/chimera bench "${args[@]}" --tensor-parallel-size 2 --moe-split intermediate --json-out "$OUT/tp2.json" 2>&1 | tail -12
     el "Nano TP 2, AllReduce auto"
     ./build-dev/chimera --allreduce-strategy nccl bench "${args[@]}" --tensor-parallel-size 2 \
       --json-out "$OUT/tp2_nccl.json" 2>&1 | tail -12
     el "Nano TP 2, AllReduce nccl + norm kernel"
     ./build-dev/chimera bench "${args[@]}" --tensor-parallel-size 2 --moe-split expert --json-out "$OUT/tp2_ep.json" 2>&1 | tail -12
     el "Nano TP 2, experts split by expert"
+    # The same ranks in two processes (one GPU each: NCCL, its unique id sent over the TcpGroup).
+    mp=(--tensor-parallel-size 2 --moe-split intermediate --nnodes 2 --master-port 29611)
+    CUDA_VISIBLE_DEVICES=1 ./build-dev/chimera bench "${args[@]}" "${mp[@]}" --node-rank 1 >"$OUT/tp2_node1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 ./build-dev/chimera bench "${args[@]}" "${mp[@]}" --node-rank 0 --json-out "$OUT/tp2_nodes.json" 2>&1 | tail -12
+    wait
+    el "Nano TP 2 over two processes"
     if [ "${TP_SUPER:-0}" = 1 ]; then
       ./build-dev/chimera bench --synthetic nemotron-3-super-120b-a12b --device cuda --tensor-parallel-size 2 \
         --input-lens 1024,8192 --batch-sizes 1,64 --decode-context 1024 --json-out "$OUT/tp2_super.json" 2>&1 | tail -12

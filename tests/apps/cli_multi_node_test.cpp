@@ -119,6 +119,24 @@ TEST(CliMultiNode, CudaRanksInTwoProcessesGiveTheTokensOfOneRank) {
   fs::remove_all(dir);
 }
 
+// Two processes with a GPU each (CUDA_VISIBLE_DEVICES): the ranks find their GPUs distinct and form one NCCL clique
+// from rank 0's unique id sent over TCP. fp32: the tokens of one rank.
+TEST(CliMultiNode, CudaRanksOnTwoGpusInTwoProcessesUseNccl) {
+  if (device::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  const std::string cmd = "generate -m " + std::string(CHIMERA_SOURCE_DIR) +
+                          "/models/nemotron-h-kjv -p \"In the beginning\" -n 8 --ignore-eos --temperature 0 -q "
+                          "--device cuda --dtype float32";
+  const auto one = run_cli(cmd);
+  ASSERT_EQ(one.status, 0) << one.out;
+  const std::string common = "timeout 120 " + kCli + " " + cmd + " --tensor-parallel-size 2 --nnodes 2 --master-port " +
+                             std::to_string(test::free_port()) + " --dist-timeout 30";
+  const auto r = test::run_shell("bash -c 'CUDA_VISIBLE_DEVICES=1 " + common +
+                                 " --node-rank 1 >/dev/null 2>&1 & CUDA_VISIBLE_DEVICES=0 " + common +
+                                 " --node-rank 0; rc=$?; wait $! || rc=99; exit $rc'");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.out, one.out);
+}
+
 // Every node must run its ranks on the same device kind: node 0 on CUDA, node 1 on the CPU is a clear error on both.
 TEST(CliMultiNode, NodesOnDifferentDevicesAreAnError) {
   if (!device::cuda_available()) GTEST_SKIP() << "no CUDA device";
