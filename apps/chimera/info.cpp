@@ -268,6 +268,14 @@ int run_info(const InfoOptions& o) {
   if (tp_size > 1) {
     fmt::print("  {} ranks     {:>14}  (each rank holds its shard and its copy of the caches)\n", tp_size,
                gib(plan.total() * static_cast<size_t>(tp_size)));
+    if (std::count(c.layers.begin(), c.layers.end(), LayerKind::kMoe) > 0) {
+      // What --moe-split auto picks (the bytes a rank holds are the same either way).
+      fmt::print("  routed experts split {} (--moe-split auto)\n",
+                 expert_parallel_by_rule(c, tp_size)
+                     ? fmt::format("by expert: {} whole experts a rank", c.n_routed_experts / tp_size)
+                     : fmt::format("by intermediate column: {} of {} a rank",
+                                   c.moe_intermediate_size / tp_size, c.moe_intermediate_size));
+    }
   }
   if (device::cuda_available()) {
     const size_t free_b = device::memory_info(Device::kCuda).free;

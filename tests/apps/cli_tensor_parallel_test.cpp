@@ -117,6 +117,13 @@ TEST(CliTensorParallel, InfoPrintsThePerRankPlanDividedWhereItShards) {
   ASSERT_EQ(four.status, 0) << four.out;
   EXPECT_NE(two.out.find("memory plan per rank of --tensor-parallel-size 2 (F32"), std::string::npos) << two.out;
   EXPECT_NE(two.out.find("  2 ranks "), std::string::npos) << two.out;
+  // What --moe-split auto picks: the tiny preset's 128 expert columns are narrow at any size, its 16 experts divide.
+  EXPECT_NE(two.out.find("routed experts split by expert: 8 whole experts a rank (--moe-split auto)"),
+            std::string::npos)
+      << two.out;
+  const auto nano = run_cli("info --synthetic nemotron-3-nano-30b-a3b --tensor-parallel-size 2");
+  EXPECT_NE(nano.out.find("routed experts split by intermediate column: 928 of 1856 a rank"), std::string::npos)
+      << nano.out;
   const int64_t kv = plan_bytes(one.out, "KV cache"), mamba = plan_bytes(one.out, "Mamba state");
   ASSERT_GT(kv, 0) << one.out;
   ASSERT_GT(mamba, 0) << one.out;

@@ -74,9 +74,10 @@ TEST(StepWatchdog, NeverFiresWhileDisarmedOrWithinTheTimeout) {
   std::atomic<int> aborts{0};
   std::atomic<bool> broken{false};
   StepWatchdog w(
-      milliseconds(150), [&] { return broken ? std::string("broken") : ""; }, [&](const std::string&) { ++aborts; },
+      milliseconds(1500), [&] { return broken ? std::string("broken") : ""; }, [&](const std::string&) { ++aborts; },
       milliseconds(10));
-  for (int i = 0; i < 10; ++i) {  // steps well inside the timeout
+  // Steps well inside the timeout (50x: a loaded CI machine's late wake-ups stay far from it).
+  for (int i = 0; i < 10; ++i) {
     w.arm();
     std::this_thread::sleep_for(milliseconds(30));
     w.disarm();
