@@ -307,6 +307,39 @@ void bench_conv_update(const Context& ctx, int batch) {
   });
 }
 
+// Prefix caching's cost in the conv (ops::causal_conv1d, host plan included, as the model calls it): one
+// prompt of T tokens with a checkpoint every `spacing` tokens (none: 0), each writing the K-1 inputs before its cut
+// to a slot of its own. Bytes: the plain call's plus each checkpoint's window.
+void bench_conv_checkpoints(const Context& ctx, const char* model, int64_t C, int32_t T, int32_t spacing) {
+  const DType act = DType::kBF16;
+  std::vector<ops::StateCheckpoint> cuts;
+  for (int32_t r = spacing; spacing > 0 && r < T; r += spacing) {
+    cuts.push_back({0, r, static_cast<int32_t>(cuts.size()) + 1});
+  }
+  const int64_t n_cuts = static_cast<int64_t>(cuts.size());
+  const double window = static_cast<double>(C) * (kConvK - 1) * dtype_size(act);
+  const double bytes = 2.0 * T * C * dtype_size(act) + 2.0 * window + C * (kConvK + 1) * 2.0 + n_cuts * window;
+  const Tensor x = random_device(act, {T, C}, -1.0f, 1.0f, 41);
+  const Tensor out = device::empty(Device::kCuda, act, {T, C});
+  const Tensor w = random_device(DType::kBF16, {C, 1, kConvK}, -0.5f, 0.5f, 42);
+  const Tensor bias = random_device(DType::kBF16, {C}, -0.5f, 0.5f, 43);
+  const Tensor state = random_device(act, {1 + n_cuts, C, kConvK - 1}, -1.0f, 1.0f, 44);
+  const std::vector<int32_t> cu = {0, T}, slots = {0};
+  const ops::Context octx{Device::kCuda, nullptr};
+  const std::string shape = std::string(model) + "_C" + std::to_string(C) + "_K4_T" + std::to_string(T) +
+                            "_act-bf16_checkpoints" + std::to_string(n_cuts) +
+                            (spacing > 0 ? "_every" + std::to_string(spacing) : "");
+  ctx.run("conv1d-prefill-checkpoints", shape, bytes, 0.0,
+          [&] { ops::causal_conv1d(octx, out, x, w, bias, state, cu, slots, true, cuts); });
+}
+
+// At Nano (C = 64 x 64 + 2 x 8 x 128) and Super (C = 10240) widths, 8K tokens: none, every 2048 (the default
+// spacing), every 512.
+CHIMERA_BENCH(mamba_conv1d_checkpoints) {
+  for (int32_t spacing : {0, 2048, 512}) bench_conv_checkpoints(ctx, "nano", 6144, 8192, spacing);
+  for (int32_t spacing : {0, 2048, 512}) bench_conv_checkpoints(ctx, "super", kConvDim, 8192, spacing);
+}
+
 CHIMERA_BENCH(mamba_conv1d) {
   for (int tokens : {1024, 8192, 32768}) bench_conv_prefill(ctx, 1, tokens);
   bench_conv_prefill(ctx, 8, 1024);

@@ -37,6 +37,10 @@
 #             routed experts split by expert: the EP / TP measurement), prefill 1K / 8K and decode b1 / b64 /
 #             b256 (ENGINE_BATCHES), and TP = 2 as two processes (--nnodes 2, one GPU each); with TP_SUPER=1 also Super at full depth in bf16 over the two GPUs (b1, b64,
 #             prefill 1K / 8K). JSON per run in $OUT
+#   spec      speculative decoding under load: chimera serve with the bundled trained model (models/nemotron-h-kjv,
+#             CUDA, bf16) once per SPEC_MODES entry (default off,mtp1,mtp3: no drafts, the MTP head with 1 and 3
+#             drafts), each running chimera bench serve over random 128-token prompts, 256 tokens out, at
+#             SPEC_CONCURRENCY (default 1,16,64; 4c prompts, at least 8); logs, JSON and the servers' /metrics in $OUT
 # Every step prints a line starting with "== " and the elapsed seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -194,6 +198,34 @@ for step in "$@"; do
       bs unique8k --random-input-len 8192 --random-output-len 1 --num-prompts 8 --max-concurrency 1 --seed 14
       bs random1k --random-input-len 1024 --random-output-len 256 --num-prompts 512 --max-concurrency 256 --seed 15
       curl -s "http://127.0.0.1:$port/metrics" >"$OUT/prefix_metrics_$mode.txt"
+      kill -INT "$spid"; wait "$spid"; echo "serve exit $?"
+    done ;;
+  spec)
+    port=8733
+    for mode in $(echo "${SPEC_MODES:-off,mtp1,mtp3}" | tr , ' '); do
+      case "$mode" in
+        off) flags=() ;;
+        mtp*) flags=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": ${mode#mtp}}") ;;
+        *) echo "unknown spec mode $mode"; exit 2 ;;
+      esac
+      ./build-dev/chimera serve -m models/nemotron-h-kjv --device cuda --port "$port" --max-num-seqs 64 \
+        "${flags[@]}" >"$OUT/spec_serve_$mode.log" 2>&1 &
+      spid=$!
+      for _ in $(seq 300); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 "$spid" 2>/dev/null || { echo "chimera serve exited:"; tail -20 "$OUT/spec_serve_$mode.log"; exit 1; }
+        sleep 1
+      done
+      el "server up ($mode)"
+      for c in $(echo "${SPEC_CONCURRENCY:-1,16,64}" | tr , ' '); do
+        n=$((4 * c < 8 ? 8 : 4 * c))
+        ./build-dev/chimera bench serve --base-url "http://127.0.0.1:$port" --tokenizer models/nemotron-h-kjv \
+          --dataset-name random --random-input-len 128 --random-output-len 256 --num-prompts "$n" --max-concurrency "$c" \
+          --ignore-eos --seed 21 --save-result --result-filename "$OUT/spec_${mode}_c$c.json" 2>&1 |
+          tee "$OUT/spec_${mode}_c$c.log" | grep -E "Successful|Output token|Mean TTFT|Mean TPOT|Acceptance"
+        el "$mode concurrency $c"
+      done
+      curl -s "http://127.0.0.1:$port/metrics" >"$OUT/spec_metrics_$mode.txt"
       kill -INT "$spid"; wait "$spid"; echo "serve exit $?"
     done ;;
   *) echo "unknown step $step"; exit 2 ;;

@@ -177,6 +177,28 @@ void cross_check(const char* model, int64_t H, int32_t T, const cuda::SsdOptions
   std::fflush(stdout);
 }
 
+// Prefix caching's cost in the scan (ops::ssd_chunk_scan, host plan included): one prompt of T tokens with a state
+// checkpoint every `spacing` tokens (none: 0). Each cut restarts the chunk grid and writes a state of its own, so
+// the bytes are the plain call's plus one state per checkpoint; the FLOPs are the plain call's (the cuts fall on
+// chunk boundaries here).
+void prefill_checkpoints(const Context& ctx, const char* model, int64_t H, int32_t T, int32_t spacing) {
+  std::vector<ops::StateCheckpoint> cuts;
+  for (int32_t r = spacing; spacing > 0 && r < T; r += spacing) {
+    cuts.push_back({0, r, static_cast<int32_t>(cuts.size()) + 1});
+  }
+  const int64_t n_cuts = static_cast<int64_t>(cuts.size());
+  const Problem pr(H, {T});
+  // The problem's one slot, then one slot per checkpoint.
+  const Tensor state = uniform(DType::kF32, {1 + n_cuts, H, kP, kN}, 5, -0.5f, 0.5f);
+  const double bytes = pr.bytes + static_cast<double>(n_cuts) * H * kP * kN * 4.0;
+  const std::string shape =
+      pr.shape + " checkpoints=" + std::to_string(n_cuts) + (spacing > 0 ? " every=" + std::to_string(spacing) : "");
+  const ops::Context octx{Device::kCuda, nullptr};
+  ctx.run(std::string("ssd_chunk_scan_checkpoints-") + model, shape, bytes, pr.flops, [&] {
+    ops::ssd_chunk_scan(octx, pr.y, pr.x, pr.dt, pr.B, pr.C, pr.p, state, pr.cu, pr.slots, kChunk, cuts);
+  });
+}
+
 }  // namespace
 
 CHIMERA_BENCH(ssd_prefill_nano) {
@@ -207,6 +229,12 @@ CHIMERA_BENCH(ssd_cross_check) {
   cross_check("nano", 64, 8192, {.portable = true});  // the portable fp32 kernels
   cross_check("super", 128, 32768, {.superchunk = 16});
   cross_check("super", 128, 8192, {.superchunk = 3});
+}
+
+// 8K tokens at Nano and Super heads: none, every 2048 (the default spacing), every 512.
+CHIMERA_BENCH(ssd_prefill_checkpoints) {
+  for (int32_t spacing : {0, 2048, 512}) prefill_checkpoints(ctx, "nano", 64, 8192, spacing);
+  for (int32_t spacing : {0, 2048, 512}) prefill_checkpoints(ctx, "super", 128, 8192, spacing);
 }
 
 }  // namespace chimera::bench
