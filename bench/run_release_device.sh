@@ -131,7 +131,7 @@ for step in "$@"; do
     el "Nano TP 2, AllReduce nccl + norm kernel"
     ./build-dev/chimera bench "${args[@]}" --tensor-parallel-size 2 --moe-split expert --json-out "$OUT/tp2_ep.json" 2>&1 | tail -12
     el "Nano TP 2, experts split by expert"
-    # The same ranks in two processes (one GPU each: NCCL, its unique id sent over the TcpGroup).
+    # The same ranks in two processes (one GPU each: NCCL, its unique id sent over the HostGroup).
     mp=(--tensor-parallel-size 2 --moe-split intermediate --nnodes 2 --master-port 29611)
     CUDA_VISIBLE_DEVICES=1 ./build-dev/chimera bench "${args[@]}" "${mp[@]}" --node-rank 1 >"$OUT/tp2_node1.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=0 ./build-dev/chimera bench "${args[@]}" "${mp[@]}" --node-rank 0 --json-out "$OUT/tp2_nodes.json" 2>&1 | tail -12

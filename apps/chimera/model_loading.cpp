@@ -329,10 +329,10 @@ std::vector<NemotronH> load_ranks(const LoadedModel& loaded, const ModelSource& 
   return TensorParallelModel::make_ranks(tp_size, first, count, options, rank_maker(loaded, src), devices);
 }
 
-std::unique_ptr<dist::TcpGroup> join_nodes(int tp_size, const NodeOptions& nodes) {
+std::unique_ptr<dist::HostGroup> join_nodes(int tp_size, const NodeOptions& nodes) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(nodes.timeout_s * 1000.0 + 0.5));
-  return std::make_unique<dist::TcpGroup>(tp_size, nodes.nnodes, nodes.node_rank, nodes.master_addr, nodes.master_port,
-                                          std::max(timeout, std::chrono::milliseconds(1)));
+  return std::make_unique<dist::HostGroup>(tp_size, nodes.nnodes, nodes.node_rank, nodes.master_addr, nodes.master_port,
+                                           std::max(timeout, std::chrono::milliseconds(1)));
 }
 
 }  // namespace
@@ -346,7 +346,7 @@ void run_worker_node(const ModelSource& src, const ModelOptions& options, int tp
   const std::vector<int> devices = node_devices(options, local);
   std::vector<NemotronH> ranks =
       load_ranks(loaded, src, options, tp_size, nodes.node_rank * local, local, devices, limits);
-  const std::unique_ptr<dist::TcpGroup> group = join_nodes(tp_size, nodes);
+  const std::unique_ptr<dist::HostGroup> group = join_nodes(tp_size, nodes);
   run_remote_ranks(*group, ranks, ops::Context{options.device, nullptr, nullptr, {}}, devices, allreduce);
 }
 

@@ -94,7 +94,7 @@ void check_tensor_parallel_size(int size, const std::string& device, int nnodes 
 MemoryPlan plan_rank_memory(const ModelConfig& config, int tp_size, DType weight_dtype, DType act_dtype,
                             const MemoryLimits& limits, ops::WeightFormat linear_format = ops::WeightFormat::kDense);
 
-// Tensor parallelism over processes, possibly on several hosts (generate, bench and serve; dist::TcpGroup):
+// Tensor parallelism over processes, possibly on several hosts (generate, bench and serve; dist::HostGroup):
 // --nnodes N processes each hold --tensor-parallel-size / N ranks (node k: ranks [k * size / N, (k + 1) * size /
 // N)); node 0 (listening on --master-port) runs the engine (and the command's output, or the server), the others
 // (connecting to --master-addr:--master-port) run their ranks' part of every step until node 0 ends. Every node is

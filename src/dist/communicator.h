@@ -1,7 +1,7 @@
 // Ranks and NCCL communicators. One process driving the GPUs of one host, one thread per GPU, each rank its own
 // stream (create_local: ncclCommInitAll); or several processes, possibly on several hosts, each driving some of
 // the ranks, joined with a unique id shared out of band (create_ranks: the tensor-parallel launch sends it over
-// its dist::TcpGroup). The custom AllReduce kernels need every rank in one process (peer-mapped memory); NCCL
+// its dist::HostGroup). The custom AllReduce kernels need every rank in one process (peer-mapped memory); NCCL
 // spans processes and hosts.
 #pragma once
 

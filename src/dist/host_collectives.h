@@ -1,7 +1,7 @@
 // The host-memory collectives a tensor-parallel rank calls (ops::TpGroup): fp32 sums, gathers, byte broadcasts
-// and barriers among `size` ranks, on buffers in host memory. Implementations: dist::HostGroup (ranks that are
-// threads of one process) and dist::TcpGroup (ranks spread over processes, joined over TCP). Plain C++: built with
-// and without CUDA / NCCL.
+// and barriers among `size` ranks, on buffers in host memory. The implementation: dist::HostGroup (ranks that are
+// threads of one process, or spread over processes joined over TCP); an interface so that ops/ needs no sockets in
+// its headers. Plain C++: built with and without CUDA / NCCL.
 //
 // The contract every implementation keeps: every collective is called by all ranks with the same operation and
 // element count, each rank from its own thread, passing its rank; all_reduce_sum adds the ranks' buffers in rank
@@ -30,7 +30,7 @@ class HostCollectives {
   // Breaks the group: every rank waiting in (or later entering) a collective throws kRuntime with `why`.
   virtual void abort(int rank, const std::string& why) = 0;
   // "" while the group is whole, else why it broke. Callable from any thread at any time (a watchdog asks while
-  // the ranks are inside device collectives); TcpGroup also looks for a peer whose connection closed.
+  // the ranks are inside device collectives); HostGroup also looks for a peer whose connection closed.
   virtual std::string health() = 0;
 };
 

@@ -172,9 +172,9 @@ std::vector<std::byte> broadcast_remote_step(dist::HostCollectives& group, int r
 namespace {
 
 // broadcast_remote_step's other side, off node 0: the next step's length is awaited without a deadline (a server
-// may idle for hours between requests; TcpGroup::wait_broadcast still notices node 0 going away), its bytes then
+// may idle for hours between requests; HostGroup::wait_broadcast still notices node 0 going away), its bytes then
 // as any collective.
-std::vector<std::byte> receive_remote_step(dist::TcpGroup& group, int rank) {
+std::vector<std::byte> receive_remote_step(dist::HostGroup& group, int rank) {
   uint64_t n = 0;
   group.wait_broadcast(rank, std::as_writable_bytes(std::span<uint64_t>(&n, 1)));
   std::vector<std::byte> message(n);
@@ -205,7 +205,7 @@ ModelState caches_like(const ModelState& layout, Device device) {
 
 }  // namespace
 
-void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, const ops::Context& ctx,
+void run_remote_ranks(dist::HostGroup& group, std::vector<NemotronH>& ranks, const ops::Context& ctx,
                       const std::vector<int>& devices, dist::AllReduceStrategy allreduce) {
   if (static_cast<int>(ranks.size()) != group.local_size()) {
     invalid_input("run_remote_ranks: {} models for the {} ranks of node {}", ranks.size(), group.local_size(),

@@ -1,5 +1,5 @@
 // Tensor-parallel ranks in other processes (docs/architecture.md "Tensor parallelism"): the message node 0's
-// TensorParallelModel broadcasts to the other nodes of its dist::TcpGroup before each step, and the loop those
+// TensorParallelModel broadcasts to the other nodes of its dist::HostGroup before each step, and the loop those
 // nodes run. A message is one broadcast from rank 0 (its length, then its bytes): the call (a forward kind, or
 // stop), the state operations the engine made on its caches since the last step (ModelState::remote_ops), at the
 // first step the caches' layout (every cache tensor's dtype and shape, so every remote rank's caches start equal to
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "dist/allreduce_types.h"
-#include "dist/tcp_group.h"
+#include "dist/host_group.h"
 #include "models/nemotron_h.h"
 #include "runtime/batch.h"
 #include "runtime/state_cache.h"
@@ -47,7 +47,7 @@ std::vector<std::byte> broadcast_remote_step(dist::HostCollectives& group, int r
 // 0's), then each on its own thread with its own caches runs every step node 0 sends until it says stop. CUDA
 // (ctx.device): rank first + i on GPU devices[i], with a stream and a device-memory pool of its own, its caches made
 // there from node 0's layout. A rank's error aborts the group (so node 0 fails too) and is rethrown.
-void run_remote_ranks(dist::TcpGroup& group, std::vector<NemotronH>& ranks, const ops::Context& ctx,
+void run_remote_ranks(dist::HostGroup& group, std::vector<NemotronH>& ranks, const ops::Context& ctx,
                       const std::vector<int>& devices = {},
                       dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
 

@@ -138,7 +138,7 @@ TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::chro
   start_watchdog(timeout);
 }
 
-TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group,
+TensorParallelModel::TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::HostGroup> group,
                                          std::vector<int> devices, dist::AllReduceStrategy allreduce)
     : devices_(std::move(devices)) {
   if (!group) invalid_input("TensorParallelModel: no group");
@@ -170,7 +170,7 @@ void TensorParallelModel::start_watchdog(std::chrono::milliseconds timeout) {
 #endif
 }
 
-std::shared_ptr<dist::DeviceGroup> TensorParallelModel::join_device_group(dist::TcpGroup& group,
+std::shared_ptr<dist::DeviceGroup> TensorParallelModel::join_device_group(dist::HostGroup& group,
                                                                           const std::vector<int>& devices,
                                                                           dist::AllReduceStrategy allreduce) {
   const int local = group.local_size(), size = group.size(), first = group.first_rank();

@@ -9,11 +9,12 @@
 // AllReduce + residual + RMSNorm). On CUDA each rank thread has its GPU current and its own stream; a step waits
 // for the engine's stream first (its uploads and state copies) and for every rank's stream at the end.
 //
-// Over a dist::TcpGroup the model holds node 0's ranks only and the other nodes run theirs (models/remote_ranks.h):
-// each step is broadcast to them first, with the state operations the engine made on its caches since the last
-// step, and destruction tells them to stop. CUDA ranks of several processes get device collectives when every rank
-// has a GPU of its own (join_device_group: one NCCL clique, its unique id sent over the TcpGroup); ranks sharing a
-// GPU (two processes on one GPU: the tests) stage their collectives through host memory over the TcpGroup.
+// Over a dist::HostGroup of several nodes the model holds node 0's ranks only and the other nodes run theirs
+// (models/remote_ranks.h): each step is broadcast to them first, with the state operations the engine made on its
+// caches since the last step, and destruction tells them to stop. CUDA ranks of several processes get device
+// collectives when every rank has a GPU of its own (join_device_group: one NCCL clique, its unique id sent over the
+// HostGroup); ranks sharing a GPU (two processes on one GPU: the tests) stage their collectives through host memory
+// over the HostGroup.
 //
 // With device collectives every step is bounded by a dist::StepWatchdog: a rank that fails, a node whose
 // connection closes, or a step that outlives the group's timeout aborts the NCCL clique (ending kernels that wait
@@ -28,7 +29,6 @@
 #include "dist/allreduce_types.h"
 #include "dist/host_group.h"
 #include "dist/step_watchdog.h"
-#include "dist/tcp_group.h"
 #include "models/nemotron_h.h"
 #include "models/remote_ranks.h"
 #include "runtime/model.h"
@@ -51,7 +51,7 @@ class TensorParallelModel : public Model {
                                dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
   // Node 0 of `group`: ranks[r] is rank r of group->size() for r < group->local_size(); the other nodes run
   // run_remote_ranks. CUDA: rank r on GPU devices[r] (group->local_size() entries), its weights already there.
-  TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::TcpGroup> group,
+  TensorParallelModel(std::vector<NemotronH> ranks, std::unique_ptr<dist::HostGroup> group,
                       std::vector<int> devices = {},
                       dist::AllReduceStrategy allreduce = dist::AllReduceStrategy::kAuto);
   ~TensorParallelModel() override;
@@ -66,7 +66,7 @@ class TensorParallelModel : public Model {
   // and broadcasts it over `group`; a barrier bounded by the group's timeout makes sure every node is there before
   // the unbounded NCCL join); ranks that share a GPU get null (their collectives go through host memory). Nodes on
   // different device kinds are kInvalidInput naming them; a build without NCCL gives null.
-  static std::shared_ptr<dist::DeviceGroup> join_device_group(dist::TcpGroup& group, const std::vector<int>& devices,
+  static std::shared_ptr<dist::DeviceGroup> join_device_group(dist::HostGroup& group, const std::vector<int>& devices,
                                                               dist::AllReduceStrategy allreduce);
   // Ranks [first, first + count) of `size` only (one node's): rank first + i made with GPU devices[i] current
   // (empty: the current device).

@@ -41,8 +41,8 @@ class Model {
   // CUDA ranks on several GPUs: rank r's GPU (CacheSizes::rank_devices); empty: every rank on the current one.
   virtual std::vector<int> tensor_parallel_devices() const { return {}; }
   // The ranks among them whose caches this process holds (the StateCache's copies); fewer when the others run in
-  // other processes (TensorParallelModel over a dist::TcpGroup), and the cache then logs its state operations for
-  // them (CacheSizes::log_state_ops).
+  // other processes (TensorParallelModel over a dist::HostGroup of several nodes), and the cache then logs its state
+  // operations for them (CacheSizes::log_state_ops).
   virtual int local_tensor_parallel_size() const { return tensor_parallel_size(); }
   // forward_device also leaving the backbone's output of every row (the final norm's, before lm_head) in `hidden`:
   // [num_tokens, hidden_size] on ctx.device in the activation dtype.

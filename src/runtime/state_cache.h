@@ -96,8 +96,8 @@ struct CacheSizes {
   // CUDA ranks on several GPUs: rank r's copy lives on GPU rank_devices[r] (tensor_parallel_size entries); empty:
   // every copy on the current GPU.
   std::vector<int> rank_devices;
-  // Ranks in other processes hold the same caches (TensorParallelModel over a dist::TcpGroup): every zeroing and
-  // copy_mamba_state is also logged in state().remote_ops for them.
+  // Ranks in other processes hold the same caches (TensorParallelModel over a dist::HostGroup of several nodes): every
+  // zeroing and copy_mamba_state is also logged in state().remote_ops for them.
   bool log_state_ops = false;
 };
 

@@ -1,5 +1,5 @@
 // `chimera generate | bench --nnodes N --node-rank R --master-addr A --master-port P` through the real binary: the
-// tensor-parallel ranks spread over processes on 127.0.0.1 (dist::TcpGroup, models/remote_ranks.h) print what one
+// tensor-parallel ranks spread over processes on 127.0.0.1 (dist::HostGroup, models/remote_ranks.h) print what one
 // process prints, on the CPU and on CUDA, and a node that never starts ends node 0 with an error naming it (serve's
 // is tests/server/test_tensor_parallel.py).
 #include <unistd.h>
@@ -95,7 +95,7 @@ TEST(CliMultiNode, BenchOverTwoNodesGivesTheTokensOfOneProcess) {
 }
 
 // CUDA ranks in two processes, one rank each on GPU 0 (the machine may have one GPU): their collectives go through
-// host memory over the TcpGroup. fp32: the tokens of one rank, the logits within fp32 summation-order noise.
+// host memory over the HostGroup. fp32: the tokens of one rank, the logits within fp32 summation-order noise.
 TEST(CliMultiNode, CudaRanksInTwoProcessesGiveTheTokensOfOneRank) {
   if (!device::cuda_available()) GTEST_SKIP() << "no CUDA device";
   const fs::path dir = fs::temp_directory_path() / ("chimera_cuda_nodes_" + std::to_string(::getpid()));

@@ -1,5 +1,6 @@
-// A loopback TCP port nothing listens on now, for the tests that start a TcpGroup (or a multi-process chimera):
-// bound to port 0 so the kernel picks a free one, then released. A test failure (not an abort) when there is none.
+// A loopback TCP port nothing listens on now, for the tests that start a HostGroup of several nodes (or a multi-process
+// chimera): bound to port 0 so the kernel picks a free one, then released. A test failure (not an abort) when there is
+// none.
 #pragma once
 
 #include <gtest/gtest.h>

@@ -1,5 +1,6 @@
-// dist::HostGroup (src/dist/host_group.h): the in-process communicator of the CPU backend's tensor parallelism.
-// Ranks are threads; results must be identical on every rank, and a missing rank must end the others' wait.
+// dist::HostGroup (src/dist/host_group.h) on one node: every rank a thread of this process, as the CPU backend's
+// tensor parallelism runs it. Results must be identical on every rank, and a missing rank must end the others' wait
+// (host_group_nodes_test.cpp: the same over processes).
 #include "dist/host_group.h"
 
 #include <gtest/gtest.h>

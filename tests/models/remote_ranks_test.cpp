@@ -1,5 +1,5 @@
 // Tensor-parallel ranks in other processes (models/remote_ranks.h): the step message round-trips, and an Engine on
-// node 0 over a dist::TcpGroup, its other rank in a second process, gives the bits of the in-process
+// node 0 over a dist::HostGroup, its other rank in a second process, gives the bits of the in-process
 // TensorParallelModel (HostGroup) while prefix caching zeroes and copies Mamba slots between steps (the state
 // operations that must reach the other process's caches). Each node is a forked child that _exits with its verdict.
 #include "models/remote_ranks.h"
@@ -161,7 +161,7 @@ TEST(RemoteRanks, EngineOverTwoProcessesGivesTheBitsOfThreads) {
     int status = 0;
     try {
       std::vector<NemotronH> ranks = TensorParallelModel::make_ranks(2, node, 1, cpu, make);
-      auto group = std::make_unique<dist::TcpGroup>(2, 2, node, "127.0.0.1", port, std::chrono::seconds(20));
+      auto group = std::make_unique<dist::HostGroup>(2, 2, node, "127.0.0.1", port, std::chrono::seconds(20));
       if (node == 1) {
         run_remote_ranks(*group, ranks, ops::Context{Device::kCpu, nullptr});
       } else {

@@ -85,7 +85,7 @@ def free_port():
 
 
 def test_two_nodes_serve_the_completions_of_one_rank(servers):
-    # --nnodes 2: rank 1 in a second process (dist::TcpGroup over loopback), which runs node 0's steps; it idles
+    # --nnodes 2: rank 1 in a second process (dist::HostGroup over loopback), which runs node 0's steps; it idles
     # between requests for longer than twice --dist-timeout and is still there, and ends when node 0 stops.
     import subprocess
     import time

@@ -1,8 +1,8 @@
-// dist::TcpGroup (src/dist/tcp_group.h): tensor-parallel ranks spread over processes joined over TCP. Each test
-// forks one child process per node on 127.0.0.1; a child runs its node's ranks on threads, checks its results
-// against dist::HostGroup's (computed before the fork, so the child inherits them), writes what went wrong to a
-// pipe and _exits (0: every check passed). The parent only waits and reports.
-#include "dist/tcp_group.h"
+// dist::HostGroup (src/dist/host_group.h) over nodes: tensor-parallel ranks spread over processes joined over TCP.
+// Each test forks one child process per node on 127.0.0.1; a child runs its node's ranks on threads, checks its
+// results against the serial ones (computed before the fork, so the child inherits them), writes what went wrong
+// to a pipe and _exits (0: every check passed). The parent only waits and reports.
+#include "dist/host_group.h"
 
 #include <gtest/gtest.h>
 
@@ -22,7 +22,6 @@
 #include "common/free_port.h"
 #include "core/counter_rng.h"
 #include "core/error.h"
-#include "dist/host_group.h"
 
 namespace chimera::dist {
 namespace {
@@ -117,44 +116,39 @@ void PrintTo(const Shape& s, std::ostream* os) {
   *os << s.size << " ranks over " << s.nnodes << " nodes";
 }
 
-class TcpGroupTest : public ::testing::TestWithParam<Shape> {};
+class HostGroupNodesTest : public ::testing::TestWithParam<Shape> {};
 
-TEST_P(TcpGroupTest, CollectivesGiveHostGroupsBits) {
+TEST_P(HostGroupNodesTest, CollectivesGiveTheSerialBits) {
   const auto [n, nnodes] = GetParam();
   const size_t len = 1000, gather_len = 37;
-  // The reference: the same calls on a HostGroup of n threads, in this process before the fork.
-  std::vector<std::vector<float>> sums(static_cast<size_t>(n)), gathered(static_cast<size_t>(n));
-  std::vector<std::vector<int32_t>> bcast(static_cast<size_t>(n));
-  HostGroup host(n);
-  const auto host_errors = run_ranks(0, n, [&](int r) {
-    std::vector<float> v = values(r, len);
-    host.all_reduce_sum(r, v);
-    sums[static_cast<size_t>(r)] = v;
-    gathered[static_cast<size_t>(r)].resize(gather_len * static_cast<size_t>(n));
-    host.all_gather(r, values(r, gather_len), gathered[static_cast<size_t>(r)]);
-    bcast[static_cast<size_t>(r)].assign(5, r == n - 1 ? 7 : -r);
-    host.broadcast(r, std::as_writable_bytes(std::span<int32_t>(bcast[static_cast<size_t>(r)])), n - 1);
-  });
-  ASSERT_EQ(join_errors(host_errors), "");
+  // The reference, serial in this process before the fork: the sum in rank order 0..n-1, the ranks' values back to
+  // back, the root's bytes.
+  std::vector<float> sum(len, 0.0f), gathered;
+  for (int r = 0; r < n; ++r) {
+    const std::vector<float> v = values(r, len), g = values(r, gather_len);
+    for (size_t i = 0; i < len; ++i) sum[i] += v[i];
+    gathered.insert(gathered.end(), g.begin(), g.end());
+  }
+  const std::vector<int32_t> bcast(5, 7);
 
   const int port = test::free_port();
   const auto reports = run_nodes(nnodes, [&](int node) -> std::string {
-    TcpGroup group(n, nnodes, node, "127.0.0.1", port, std::chrono::seconds(10));
+    HostGroup group(n, nnodes, node, "127.0.0.1", port, std::chrono::seconds(10));
     std::vector<std::string> wrong(static_cast<size_t>(n));
     auto errors = run_ranks(group.first_rank(), group.local_size(), [&](int r) {
       std::string& w = wrong[static_cast<size_t>(r)];
       for (int step = 0; step < 20; ++step) {  // repeated calls reuse the group
         std::vector<float> v = values(r, len);
         group.all_reduce_sum(r, v);
-        if (std::memcmp(v.data(), sums[static_cast<size_t>(r)].data(), len * sizeof(float)) != 0)
-          w = fmt::format("rank {}: all_reduce_sum bits differ from HostGroup's", r);
+        if (std::memcmp(v.data(), sum.data(), len * sizeof(float)) != 0)
+          w = fmt::format("rank {}: all_reduce_sum bits differ from the serial sum's", r);
       }
       std::vector<float> g(gather_len * static_cast<size_t>(n));
       group.all_gather(r, values(r, gather_len), g);
-      if (g != gathered[static_cast<size_t>(r)]) w = fmt::format("rank {}: all_gather differs", r);
+      if (g != gathered) w = fmt::format("rank {}: all_gather differs", r);
       std::vector<int32_t> b(5, r == n - 1 ? 7 : -r);
       group.broadcast(r, std::as_writable_bytes(std::span<int32_t>(b)), n - 1);
-      if (b != bcast[static_cast<size_t>(r)]) w = fmt::format("rank {}: broadcast from rank {} differs", r, n - 1);
+      if (b != bcast) w = fmt::format("rank {}: broadcast from rank {} differs", r, n - 1);
       std::vector<int32_t> b0(3, r == 0 ? 11 : -1);
       group.broadcast(r, std::as_writable_bytes(std::span<int32_t>(b0)), 0);
       if (b0 != std::vector<int32_t>(3, 11)) w = fmt::format("rank {}: broadcast from rank 0 differs", r);
@@ -174,7 +168,7 @@ TEST_P(TcpGroupTest, CollectivesGiveHostGroupsBits) {
   for (int k = 0; k < nnodes; ++k) EXPECT_EQ(reports[static_cast<size_t>(k)], "") << "node " << k;
 }
 
-INSTANTIATE_TEST_SUITE_P(Nodes, TcpGroupTest,
+INSTANTIATE_TEST_SUITE_P(Nodes, HostGroupNodesTest,
                          ::testing::Values(Shape{1, 1}, Shape{2, 1}, Shape{2, 2}, Shape{3, 3}, Shape{4, 2},
                                            Shape{6, 3}),
                          [](const ::testing::TestParamInfo<Shape>& p) {
@@ -184,7 +178,7 @@ INSTANTIATE_TEST_SUITE_P(Nodes, TcpGroupTest,
 // The error message a node's constructor ends with, or "" when it returned.
 std::string construct(int size, int nnodes, int node, int port, milliseconds timeout) {
   try {
-    TcpGroup group(size, nnodes, node, "127.0.0.1", port, timeout);
+    HostGroup group(size, nnodes, node, "127.0.0.1", port, timeout);
     return "";
   } catch (const Error& e) {
     return e.kind() == ErrorKind::kRuntime ? e.what() : std::string("not kRuntime: ") + e.what();
@@ -202,7 +196,7 @@ double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-TEST(TcpGroup, NodeThatNeverJoinsTimesOutNamingIt) {
+TEST(HostGroupNodes, NodeThatNeverJoinsTimesOutNamingIt) {
   const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
     const auto t0 = std::chrono::steady_clock::now();
@@ -212,7 +206,7 @@ TEST(TcpGroup, NodeThatNeverJoinsTimesOutNamingIt) {
   for (int k = 0; k < 2; ++k) EXPECT_EQ(reports[static_cast<size_t>(k)], "") << "node " << k;
 }
 
-TEST(TcpGroup, MasterThatNeverListensTimesOutNamingIt) {
+TEST(HostGroupNodes, MasterThatNeverListensTimesOutNamingIt) {
   const int port = test::free_port();
   const auto t0 = std::chrono::steady_clock::now();
   const std::string e = construct(2, 2, 1, port, milliseconds(300));
@@ -222,7 +216,7 @@ TEST(TcpGroup, MasterThatNeverListensTimesOutNamingIt) {
             "");
 }
 
-TEST(TcpGroup, NodesThatDisagreeOnTheSizeFailToJoin) {
+TEST(HostGroupNodes, NodesThatDisagreeOnTheSizeFailToJoin) {
   const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
     const std::string e = construct(node == 0 ? 2 : 4, 2, node, port, std::chrono::seconds(5));
@@ -231,10 +225,10 @@ TEST(TcpGroup, NodesThatDisagreeOnTheSizeFailToJoin) {
   for (int k = 0; k < 2; ++k) EXPECT_EQ(reports[static_cast<size_t>(k)], "") << "node " << k;
 }
 
-TEST(TcpGroup, NodeThatExitsBreaksTheOthers) {
+TEST(HostGroupNodes, NodeThatExitsBreaksTheOthers) {
   const int port = test::free_port();
   const auto reports = run_nodes(3, [&](int node) -> std::string {
-    TcpGroup group(3, 3, node, "127.0.0.1", port, std::chrono::seconds(10));
+    HostGroup group(3, 3, node, "127.0.0.1", port, std::chrono::seconds(10));
     for (int i = 0; i < 5; ++i) {
       std::vector<float> v(8, 1.0f);
       group.all_reduce_sum(node, v);
@@ -264,11 +258,11 @@ TEST(TcpGroup, NodeThatExitsBreaksTheOthers) {
   EXPECT_EQ(reports[2], "");
 }
 
-TEST(TcpGroup, WaitBroadcastWaitsPastTheTimeoutForNodeZero) {
+TEST(HostGroupNodes, WaitBroadcastWaitsPastTheTimeoutForNodeZero) {
   // A server's other nodes idle between requests: node 0 sends after 4 timeouts and they still get its bytes.
   const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
-    TcpGroup group(4, 2, node, "127.0.0.1", port, milliseconds(200));
+    HostGroup group(4, 2, node, "127.0.0.1", port, milliseconds(200));
     std::string wrong;
     const auto errors = run_ranks(group.first_rank(), 2, [&](int rank) {
       // Node 0's ranks arrive together (their own rendezvous keeps its deadline).
@@ -297,10 +291,10 @@ TEST(TcpGroup, WaitBroadcastWaitsPastTheTimeoutForNodeZero) {
   EXPECT_EQ(reports[1], "");
 }
 
-TEST(TcpGroup, WaitBroadcastEndsWhenNodeZeroExits) {
+TEST(HostGroupNodes, WaitBroadcastEndsWhenNodeZeroExits) {
   const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
-    TcpGroup group(2, 2, node, "127.0.0.1", port, milliseconds(200));
+    HostGroup group(2, 2, node, "127.0.0.1", port, milliseconds(200));
     if (node == 0) {
       std::this_thread::sleep_for(milliseconds(600));
       ::_exit(0);  // the process dies without sending: its socket closes
@@ -317,11 +311,11 @@ TEST(TcpGroup, WaitBroadcastEndsWhenNodeZeroExits) {
   EXPECT_EQ(reports[1], "");
 }
 
-TEST(TcpGroup, HealthFindsAClosedConnectionWithoutACollective) {
+TEST(HostGroupNodes, HealthFindsAClosedConnectionWithoutACollective) {
   // What a watchdog asks while the ranks are inside device collectives: node 1 exits between collectives.
   const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
-    TcpGroup group(2, 2, node, "127.0.0.1", port, std::chrono::seconds(10));
+    HostGroup group(2, 2, node, "127.0.0.1", port, std::chrono::seconds(10));
     group.barrier(node);
     // Node 0 asks before node 1 may leave: node 1 exits only after the next barrier, which node 0 enters after
     // this check (without it, a loaded machine lets node 1 exit first and the check sees it gone).
@@ -346,10 +340,10 @@ TEST(TcpGroup, HealthFindsAClosedConnectionWithoutACollective) {
   EXPECT_EQ(reports[0], "");
 }
 
-TEST(TcpGroup, AbortReachesTheOtherNodes) {
+TEST(HostGroupNodes, AbortReachesTheOtherNodes) {
   const int port = test::free_port();
   const auto reports = run_nodes(3, [&](int node) -> std::string {
-    TcpGroup group(3, 3, node, "127.0.0.1", port, std::chrono::seconds(60));
+    HostGroup group(3, 3, node, "127.0.0.1", port, std::chrono::seconds(60));
     group.barrier(node);
     if (node == 2) {
       std::this_thread::sleep_for(milliseconds(50));
@@ -367,10 +361,10 @@ TEST(TcpGroup, AbortReachesTheOtherNodes) {
   for (int k = 0; k < 3; ++k) EXPECT_EQ(reports[static_cast<size_t>(k)], "") << "node " << k;
 }
 
-TEST(TcpGroup, LocalRankThatNeverArrivesTimesOutOnEveryNode) {
+TEST(HostGroupNodes, LocalRankThatNeverArrivesTimesOutOnEveryNode) {
   const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
-    TcpGroup group(4, 2, node, "127.0.0.1", port, milliseconds(300));
+    HostGroup group(4, 2, node, "127.0.0.1", port, milliseconds(300));
     const auto t0 = std::chrono::steady_clock::now();
     const auto errors = run_ranks(group.first_rank(), 2, [&](int r) {
       if (r == 3) return;  // never arrives
@@ -390,10 +384,10 @@ TEST(TcpGroup, LocalRankThatNeverArrivesTimesOutOnEveryNode) {
   for (int k = 0; k < 2; ++k) EXPECT_EQ(reports[static_cast<size_t>(k)], "") << "node " << k;
 }
 
-TEST(TcpGroup, MismatchedCollectivesAreAnError) {
+TEST(HostGroupNodes, MismatchedCollectivesAreAnError) {
   const int port = test::free_port();
   const auto reports = run_nodes(2, [&](int node) -> std::string {
-    TcpGroup group(2, 2, node, "127.0.0.1", port, std::chrono::seconds(5));
+    HostGroup group(2, 2, node, "127.0.0.1", port, std::chrono::seconds(5));
     std::vector<float> v(node == 0 ? 4 : 5, 1.0f);
     try {
       group.all_reduce_sum(node, v);
@@ -405,7 +399,7 @@ TEST(TcpGroup, MismatchedCollectivesAreAnError) {
   for (int k = 0; k < 2; ++k) EXPECT_EQ(reports[static_cast<size_t>(k)], "") << "node " << k;
 }
 
-TEST(TcpGroup, InvalidArgumentsAreInvalidInput) {
+TEST(HostGroupNodes, InvalidArgumentsAreInvalidInput) {
   const auto kind = [](const std::function<void()>& make) {
     try {
       make();
@@ -415,7 +409,7 @@ TEST(TcpGroup, InvalidArgumentsAreInvalidInput) {
     return ErrorKind::kOverloaded;  // "did not throw"
   };
   const auto make = [](int size, int nnodes, int node, int port) {
-    return [=] { TcpGroup group(size, nnodes, node, "127.0.0.1", port, milliseconds(100)); };
+    return [=] { HostGroup group(size, nnodes, node, "127.0.0.1", port, milliseconds(100)); };
   };
   EXPECT_EQ(kind(make(3, 2, 0, 1234)), ErrorKind::kInvalidInput);  // 3 ranks do not split over 2 nodes
   EXPECT_EQ(kind(make(2, 2, 2, 1234)), ErrorKind::kInvalidInput);  // node rank out of range
@@ -424,9 +418,9 @@ TEST(TcpGroup, InvalidArgumentsAreInvalidInput) {
   EXPECT_EQ(kind(make(2, 2, 0, 65536)), ErrorKind::kInvalidInput);
   EXPECT_EQ(kind(make(0, 1, 0, 1234)), ErrorKind::kInvalidInput);
   EXPECT_EQ(kind(make(2, 0, 0, 1234)), ErrorKind::kInvalidInput);
-  EXPECT_EQ(kind([] { TcpGroup group(2, 2, 1, "", 1234, milliseconds(100)); }), ErrorKind::kInvalidInput);
+  EXPECT_EQ(kind([] { HostGroup group(2, 2, 1, "", 1234, milliseconds(100)); }), ErrorKind::kInvalidInput);
   // A rank the node does not host.
-  TcpGroup group(2, 1, 0, "127.0.0.1", 1234, milliseconds(100));
+  HostGroup group(2, 1, 0, "127.0.0.1", 1234, milliseconds(100));
   std::vector<float> v(1);
   EXPECT_THROW(group.all_reduce_sum(2, v), Error);
 }
