@@ -299,9 +299,12 @@ struct Runner {
     int32_t partial_steps = 0;  // steps in which not every sequence decoded (should be none)
     int64_t timed_tokens = 0;   // tokens the timed steps emitted (K + 1 a sequence at most with speculation)
     const SpeculativeStats spec_before = engine.speculative_stats();
+    double verify_s = 0.0, draft_s = 0.0;  // speculation: the timed steps' two parts (Engine::StepStats)
     const auto t0 = Clock::now();
     for (int32_t s = 0; s < o.decode_steps; ++s) {
       const std::vector<TokenEvent> evs = engine.step();
+      verify_s += engine.last_step().verify_seconds;
+      draft_s += engine.last_step().draft_seconds;
       std::set<int32_t> seqs;
       for (const TokenEvent& ev : evs) {
         if (ev.token >= 0) ++timed_tokens, seqs.insert(ev.seq_id);
@@ -326,6 +329,8 @@ struct Runner {
     if (ec.speculative.enabled()) {  // the timed steps' drafts only
       const SpeculativeStats t = engine.speculative_stats().since(spec_before);
       r["speculative"] = {{"num_speculative_tokens", ec.speculative.num_speculative_tokens},
+                          {"verify_ms", verify_s / o.decode_steps * 1e3},
+                          {"draft_ms", draft_s / o.decode_steps * 1e3},
                           {"num_drafts", t.num_drafts},
                           {"num_draft_tokens", t.num_draft_tokens},
                           {"num_accepted_tokens", t.num_accepted_tokens},
@@ -501,9 +506,11 @@ int run_bench(const BenchOptions& o) {
         if (r.contains("speculative")) {
           const nlohmann::json& sp = r["speculative"];
           fmt::print(
-              "  {:>10} speculative K = {}: step {:.3f} ms, acceptance {:.1f} %, mean acceptance length {:.2f}\n", "",
-              sp["num_speculative_tokens"].get<int>(), r["step_ms"].get<double>(),
-              100 * sp["acceptance_rate"].get<double>(), sp["mean_acceptance_length"].get<double>());
+              "  {:>10} speculative K = {}: step {:.3f} ms (verify {:.3f}, drafts {:.3f}), acceptance {:.1f} %, mean "
+              "acceptance length {:.2f}\n",
+              "", sp["num_speculative_tokens"].get<int>(), r["step_ms"].get<double>(), sp["verify_ms"].get<double>(),
+              sp["draft_ms"].get<double>(), 100 * sp["acceptance_rate"].get<double>(),
+              sp["mean_acceptance_length"].get<double>());
         }
         if (r.contains("graph_capture_s")) {  // the engine's start-up capture, as `serve` prints it
           const auto sizes = r["graph_batch_sizes"].get<std::vector<int32_t>>();

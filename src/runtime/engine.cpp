@@ -393,6 +393,7 @@ std::vector<TokenEvent> Engine::step() {
 
   // ---- execute ----
   const int64_t graph_steps_before = num_graph_steps_;
+  const auto t_execute = std::chrono::steady_clock::now();
   Tensor hidden;  // speculative decoding: the backbone's output of every row, the draft head's input
   Tensor logits = speculative() ? model_.forward_device(ctx_, b, cache_.state(), hidden) : execute(b);
   last_step_.prefill_tokens = b.num_chunk_tokens();
@@ -555,9 +556,12 @@ std::vector<TokenEvent> Engine::step() {
     s.num_computed = std::min(s.num_computed, static_cast<int32_t>(s.tokens.size()));
   }
   if (speculative()) {
+    const auto t_draft = std::chrono::steady_clock::now();
+    last_step_.verify_seconds = std::chrono::duration<double>(t_draft - t_execute).count();
     std::vector<Sequence*> seqs;
     for (const ScheduledSeq& p : order) seqs.push_back(&seq(p.seq_id));
     propose_drafts(b, seqs, hidden);
+    last_step_.draft_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_draft).count();
   }
   // Prefix caching: publish the blocks the step completed and save the Mamba checkpoints it reached, before a
   // finished sequence's slot is handed on.

@@ -112,6 +112,11 @@ class Engine {
     int32_t prefill_tokens = 0;  // tokens of sequences in their prompt (or recomputing after a preemption)
     int32_t decode_tokens = 0;   // rows of sequences past their prompt (a verify step's last token and drafts)
     bool graph = false;          // ran as a CUDA graph replay
+    // Speculative engines: the backbone's part of the step (the verify forward, sampling, acceptance) and the draft
+    // head's (its K forwards and draws), host seconds; each part ends on a device-to-host copy of token ids, so its
+    // device work is inside. 0 without speculation.
+    double verify_seconds = 0.0;
+    double draft_seconds = 0.0;
   };
   const StepStats& last_step() const { return last_step_; }
   // Prefix caching's token counts so far (zero without it), and the Mamba checkpoint pool's use.

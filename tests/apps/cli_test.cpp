@@ -609,6 +609,34 @@ TEST(CliBench, TinyOnTheCpuPrintsTheTableAndWritesJson) {
   fs::remove(json);
 }
 
+// With speculation the JSON splits each timed step into the backbone's verify part and the head's drafts, both
+// inside the step; the table line says so too. The bundled trained model has an MTP head.
+TEST(CliBench, SpeculationSplitsTheStepIntoVerifyAndDrafts) {
+  const fs::path json = fs::temp_directory_path() / "chimera_cli_bench_spec.json";
+  fs::remove(json);
+  auto r = run_cli("bench -m " + test::source_path("models/nemotron-h-kjv") +
+                   " --device cpu "
+                   "--input-lens 16 --batch-sizes 1,2 --decode-context 8 --decode-steps 4 --speculative-config "
+                   "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' --json-out " +
+                   json.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("speculative K = 2: step "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" ms (verify "), std::string::npos) << r.out;
+  std::ifstream f(json);
+  ASSERT_TRUE(f.good()) << json;
+  const nlohmann::json j = nlohmann::json::parse(f);
+  ASSERT_EQ(j["decode"].size(), 2u);
+  for (const auto& d : j["decode"]) {
+    ASSERT_EQ(d["status"], "ok") << d.dump();
+    const nlohmann::json& sp = d["speculative"];
+    const double verify = sp["verify_ms"].get<double>(), drafts = sp["draft_ms"].get<double>();
+    EXPECT_GT(verify, 0) << d.dump();
+    EXPECT_GT(drafts, 0) << d.dump();
+    EXPECT_LE(verify + drafts, d["step_ms"].get<double>()) << d.dump();
+  }
+  fs::remove(json);
+}
+
 TEST(CliBench, SizesThatDoNotFitAreSkippedNotFailed) {
   // 2e9 tokens of KV cache fit on no host: reported as skipped, the run still succeeds.
   auto r = run_cli("bench --synthetic tiny --input-lens 2000000000,8 --batch-sizes 1 --decode-context 4 "
