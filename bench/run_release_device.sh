@@ -50,6 +50,18 @@ T0=$(date +%s)
 el() { echo "== [$(($(date +%s) - T0))s] $*"; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 NANO=nemotron-3-nano-30b-a3b
+# start_server PORT LOG FLAGS...: chimera serve on CUDA in the background (its pid in spid), waiting up to 600 s for
+# /health; a server that exits first ends the script with its log's tail.
+start_server() {
+  local port=$1 log=$2; shift 2
+  ./build-dev/chimera serve --device cuda --port "$port" "$@" >"$log" 2>&1 &
+  spid=$!
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && return
+    kill -0 "$spid" 2>/dev/null || { echo "chimera serve exited:"; tail -20 "$log"; exit 1; }
+    sleep 1
+  done
+}
 rc=0
 source scripts/device_env.sh  # carried .debs -> CMAKE_EXTRA
 for step in "$@"; do
@@ -144,15 +156,9 @@ for step in "$@"; do
     fi ;;
   serve)
     port=8731
-    ./build-dev/chimera serve --synthetic "$NANO" ${SERVE_QUANT:+--quantization "$SERVE_QUANT"} --device cuda --port "$port" --max-num-seqs "${SERVE_MAX_NUM_SEQS:-1024}" \
-      --max-model-len 2304 ${SERVE_MAX_NUM_BATCHED_TOKENS:+--max-num-batched-tokens "$SERVE_MAX_NUM_BATCHED_TOKENS"} \
-      >"$OUT/serve.log" 2>&1 &
-    spid=$!
-    for _ in $(seq 600); do
-      curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-      kill -0 "$spid" 2>/dev/null || { echo "chimera serve exited:"; tail -20 "$OUT/serve.log"; exit 1; }
-      sleep 1
-    done
+    start_server "$port" "$OUT/serve.log" --synthetic "$NANO" ${SERVE_QUANT:+--quantization "$SERVE_QUANT"} \
+      --max-num-seqs "${SERVE_MAX_NUM_SEQS:-1024}" --max-model-len 2304 \
+      ${SERVE_MAX_NUM_BATCHED_TOKENS:+--max-num-batched-tokens "$SERVE_MAX_NUM_BATCHED_TOKENS"}
     el "server up"; head -20 "$OUT/serve.log"
     for c in $(echo "${SERVE_CONCURRENCY:-1,64,256,1024}" | tr , ' '); do
       n=$((c < 4 ? 4 : c))
@@ -174,14 +180,8 @@ for step in "$@"; do
         on512) flags=(--enable-prefix-caching --mamba-checkpoint-interval 512) ;;
         *) echo "unknown prefix mode $mode"; exit 2 ;;
       esac
-      ./build-dev/chimera serve --synthetic "$NANO" --device cuda --port "$port" --max-num-seqs 256 --max-model-len 8448 \
-        "${flags[@]}" >"$OUT/prefix_serve_$mode.log" 2>&1 &
-      spid=$!
-      for _ in $(seq 600); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        kill -0 "$spid" 2>/dev/null || { echo "chimera serve exited:"; tail -20 "$OUT/prefix_serve_$mode.log"; exit 1; }
-        sleep 1
-      done
+      start_server "$port" "$OUT/prefix_serve_$mode.log" --synthetic "$NANO" --max-num-seqs 256 --max-model-len 8448 \
+        "${flags[@]}"
       el "server up ($mode)"; grep -E "prefix caching|KV cache|CUDA graphs" "$OUT/prefix_serve_$mode.log"
       bs() {  # name, then bench serve flags; PREFIX_LOADS (a comma list of the names) picks some
         local name=$1; shift
@@ -208,14 +208,7 @@ for step in "$@"; do
         mtp*) flags=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": ${mode#mtp}}") ;;
         *) echo "unknown spec mode $mode"; exit 2 ;;
       esac
-      ./build-dev/chimera serve -m models/nemotron-h-kjv --device cuda --port "$port" --max-num-seqs 64 \
-        "${flags[@]}" >"$OUT/spec_serve_$mode.log" 2>&1 &
-      spid=$!
-      for _ in $(seq 300); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        kill -0 "$spid" 2>/dev/null || { echo "chimera serve exited:"; tail -20 "$OUT/spec_serve_$mode.log"; exit 1; }
-        sleep 1
-      done
+      start_server "$port" "$OUT/spec_serve_$mode.log" -m models/nemotron-h-kjv --max-num-seqs 64 "${flags[@]}"
       el "server up ($mode)"
       for c in $(echo "${SPEC_CONCURRENCY:-1,16,64}" | tr , ' '); do
         n=$((4 * c < 8 ? 8 : 4 * c))
