@@ -10,9 +10,12 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
+
+#include "ops/ops.h"
 
 namespace chimera::bench {
 
@@ -40,6 +43,16 @@ struct Context {
   double run_graph(const std::string& kernel, const std::string& shape, double bytes, double flops,
                    const std::function<void(cudaStream_t, int)>& op, int launches = kGraphLaunches) const;
 };
+
+// Prefix caching's Mamba checkpoints for one T-token sequence (batch index 0): a cut every `spacing` rows before T
+// (none for 0), checkpoint i in state slot i + 1 (slot 0 is the sequence's own).
+inline std::vector<ops::StateCheckpoint> checkpoints_every(int32_t T, int32_t spacing) {
+  std::vector<ops::StateCheckpoint> cuts;
+  for (int32_t r = spacing; spacing > 0 && r < T; r += spacing) {
+    cuts.push_back({0, r, static_cast<int32_t>(cuts.size()) + 1});
+  }
+  return cuts;
+}
 
 using BenchFn = void (*)(const Context&);
 struct Registration {

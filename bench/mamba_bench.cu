@@ -312,10 +312,7 @@ void bench_conv_update(const Context& ctx, int batch) {
 // to a slot of its own. Bytes: the plain call's plus each checkpoint's window.
 void bench_conv_checkpoints(const Context& ctx, const char* model, int64_t C, int32_t T, int32_t spacing) {
   const DType act = DType::kBF16;
-  std::vector<ops::StateCheckpoint> cuts;
-  for (int32_t r = spacing; spacing > 0 && r < T; r += spacing) {
-    cuts.push_back({0, r, static_cast<int32_t>(cuts.size()) + 1});
-  }
+  const std::vector<ops::StateCheckpoint> cuts = checkpoints_every(T, spacing);
   const int64_t n_cuts = static_cast<int64_t>(cuts.size());
   const double window = static_cast<double>(C) * (kConvK - 1) * dtype_size(act);
   const double bytes = 2.0 * T * C * dtype_size(act) + 2.0 * window + C * (kConvK + 1) * 2.0 + n_cuts * window;

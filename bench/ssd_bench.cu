@@ -182,10 +182,7 @@ void cross_check(const char* model, int64_t H, int32_t T, const cuda::SsdOptions
 // the bytes are the plain call's plus one state per checkpoint; the FLOPs are the plain call's (the cuts fall on
 // chunk boundaries here).
 void prefill_checkpoints(const Context& ctx, const char* model, int64_t H, int32_t T, int32_t spacing) {
-  std::vector<ops::StateCheckpoint> cuts;
-  for (int32_t r = spacing; spacing > 0 && r < T; r += spacing) {
-    cuts.push_back({0, r, static_cast<int32_t>(cuts.size()) + 1});
-  }
+  const std::vector<ops::StateCheckpoint> cuts = checkpoints_every(T, spacing);
   const int64_t n_cuts = static_cast<int64_t>(cuts.size());
   const Problem pr(H, {T});
   // The problem's one slot, then one slot per checkpoint.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/free_port.h"
+#include "common/run_ranks.h"
 #include "core/counter_rng.h"
 #include "core/error.h"
 
@@ -28,22 +29,7 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// Runs fn(rank) on one thread per rank in [first, first + n); each rank's error message ("" when it returned).
-std::vector<std::string> run_ranks(int first, int n, const std::function<void(int)>& fn) {
-  std::vector<std::string> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int i = 0; i < n; ++i) {
-    threads.emplace_back([&, i] {
-      try {
-        fn(first + i);
-      } catch (const Error& e) {
-        errors[static_cast<size_t>(i)] = e.what();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return errors;
-}
+using test::run_ranks;
 
 // Forks one child per node; node(k) returns what went wrong on node k ("" for nothing). The parent's result:
 // per node, the child's report, with its exit status when it did not exit 0.

@@ -12,27 +12,16 @@
 #include <thread>
 #include <vector>
 
+#include "common/run_ranks.h"
 #include "core/counter_rng.h"
 #include "core/error.h"
 
 namespace chimera::dist {
 namespace {
 
-// Runs fn(rank) on one thread per rank; returns each rank's error message ("" when it returned).
+// Every rank of a one-node group, from rank 0.
 std::vector<std::string> run_ranks(int n, const std::function<void(int)>& fn) {
-  std::vector<std::string> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (const Error& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return errors;
+  return test::run_ranks(0, n, fn);
 }
 
 std::vector<float> values(int rank, size_t n) {
