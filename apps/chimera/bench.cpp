@@ -483,8 +483,9 @@ int run_bench(const BenchOptions& o) {
         "PDL {})\n"
         "  {:>10} {:>12} {:>14} {:>14}\n",
         o.decode_context, o.decode_steps,
-        mo.device == Device::kCuda && o.cuda_graphs && o.speculative_config.empty() ? "on" : "off", pdl ? "on" : "off",
-        "batch", "TPOT ms", "tok/s", "vs roofline");
+        mo.device == Device::kCuda && o.cuda_graphs ? (o.speculative_config.empty() ? "on" : "on (speculative steps)")
+                                                    : "off",
+        pdl ? "on" : "off", "batch", "TPOT ms", "tok/s", "vs roofline");
     for (int32_t b : o.batch_sizes) {
       const bool graphs = mo.device == Device::kCuda && o.cuda_graphs;
       nlohmann::json r =
@@ -514,9 +515,9 @@ int run_bench(const BenchOptions& o) {
         }
         if (r.contains("graph_capture_s")) {  // the engine's start-up capture, as `serve` prints it
           const auto sizes = r["graph_batch_sizes"].get<std::vector<int32_t>>();
-          fmt::print("  {:>10} CUDA graphs: {} decode batch sizes ({} to {}) captured in {:.2f} s, {}\n", "",
-                     sizes.size(), sizes.front(), sizes.back(), r["graph_capture_s"].get<double>(),
-                     gib(r["graph_pool_bytes"].get<size_t>()));
+          fmt::print("  {:>10} CUDA graphs: {} {} batch sizes ({} to {}) captured in {:.2f} s, {}\n", "", sizes.size(),
+                     r.contains("speculative") ? "speculative step" : "decode", sizes.front(), sizes.back(),
+                     r["graph_capture_s"].get<double>(), gib(r["graph_pool_bytes"].get<size_t>()));
         }
       } else {
         fmt::print("  {:>10} {}\n", b, r["reason"].get<std::string>());

@@ -18,7 +18,7 @@ namespace {
 
 // Rows `rows` of a [T, D] activation as a new [rows.size(), D] tensor of `dtype` on ctx.device: ops::embedding
 // is exactly a row gather with a dtype conversion, on every backend (no host loop touches device memory).
-Tensor gather_rows(const ops::Context& ctx, const Tensor& in, DType dtype, std::span<const int32_t> rows) {
+Tensor gather_rows(const ops::Context& ctx, const Tensor& in, DType dtype, const ops::Indices& rows) {
   Tensor out = device::empty(ctx.device, dtype, {static_cast<int64_t>(rows.size()), in.dim(1)});
   ops::embedding(ctx, out, in, rows);
   return out;
@@ -176,61 +176,39 @@ void NemotronH::mamba_mixer(const ops::Context& ctx, const LayerWeights& L, cons
   ops::linear(ctx, out, normed, w.out_proj, w.out_proj_bias);
 }
 
-NemotronH::SpecPlan NemotronH::spec_plan(const StepBatch& b) {
-  SpecPlan p;
-  const size_t np = static_cast<size_t>(b.num_prefill_seqs), nc = np - static_cast<size_t>(b.num_spec_seqs);
-  if (nc == np) return p;
-  const int32_t Tc = b.num_chunk_tokens();
-  // Longest sequences first, so step j's rows are the first n_j of its block.
-  std::vector<size_t> seqs(np - nc);
-  for (size_t i = 0; i < seqs.size(); ++i) seqs[i] = nc + i;
-  const auto len = [&](size_t s) { return b.cu_seqlens[s + 1] - b.cu_seqlens[s]; };
-  std::stable_sort(seqs.begin(), seqs.end(), [&](size_t x, size_t y) { return len(x) > len(y); });
-  p.scatter.resize(static_cast<size_t>(b.num_prefill_tokens() - Tc));
-  for (int32_t j = 0; j < len(seqs.front()); ++j) {
-    p.step_begin.push_back(p.gather.size());
-    for (size_t s : seqs) {
-      if (len(s) <= j) break;
-      const int32_t row = b.cu_seqlens[s] + j;
-      p.scatter[static_cast<size_t>(row - Tc)] = static_cast<int32_t>(p.gather.size());
-      p.gather.push_back(row);
-      p.src.push_back(j == 0 ? b.state_slots[s] : b.spec_slots[static_cast<size_t>(row - 1 - Tc)]);
-      p.dst.push_back(b.spec_slots[static_cast<size_t>(row - Tc)]);
-      p.pos.push_back(b.context_lens[s] + j);
-    }
-  }
-  p.step_begin.push_back(p.gather.size());
-  return p;
-}
-
 void NemotronH::spec_mamba(const ops::Context& ctx, const MambaWeights& w, const StepBatch& b, const SpecPlan& spec,
                            const Tensor& zxbcdt, const ops::SsmParams& sp, const Tensor& conv_state,
                            const Tensor& ssm_state, const Tensor& normed) const {
   const int32_t Tc = b.num_chunk_tokens(), Ts = b.num_prefill_tokens() - Tc;
-  const Tensor in = gather_rows(ctx, zxbcdt, act_dtype_, spec.gather);
+  // The plan's arrays, on the device too when the step's metadata is (a captured verify step).
+  const StepBatch::DeviceMeta::Spec* dev = b.device_meta ? &b.device_meta->spec : nullptr;
+  const auto indices = [](const std::vector<int32_t>& v, const int32_t* d) { return ops::Indices(v, d); };
+  const Tensor in = gather_rows(ctx, zxbcdt, act_dtype_, indices(spec.gather, dev ? dev->gather : nullptr));
   const Tensor out = act(ctx, {Ts, normed.dim(1)});
   const ModelConfig& c = local_;
-  const auto part = [](const std::vector<int32_t>& v, size_t r0, size_t r1) {
-    return std::span<const int32_t>(v).subspan(r0, r1 - r0);
+  const auto part = [&](const std::vector<int32_t>& v, const int32_t* d, size_t r0, size_t r1) {
+    return ops::Indices(std::span<const int32_t>(v).subspan(r0, r1 - r0), d ? d + r0 : nullptr);
   };
   for (size_t j = 0; j + 1 < spec.step_begin.size(); ++j) {
     const size_t r0 = spec.step_begin[j], r1 = spec.step_begin[j + 1];
     ops::SsmParams step = sp;
-    step.context_lens = part(spec.pos, r0, r1);
+    step.context_lens = part(spec.pos, dev ? dev->pos : nullptr, r0, r1);
     ops::mamba_decode_update(ctx, out.rows(static_cast<int64_t>(r0), static_cast<int64_t>(r1)),
                              in.rows(static_cast<int64_t>(r0), static_cast<int64_t>(r1)), w.conv1d_weight,
                              w.conv1d_bias, step, w.norm, c.n_groups, c.layer_norm_epsilon, conv_state, ssm_state,
-                             part(spec.src, r0, r1), /*prefetch_states=*/false, part(spec.dst, r0, r1), spanned_norm());
+                             part(spec.src, dev ? dev->src : nullptr, r0, r1), /*prefetch_states=*/false,
+                             part(spec.dst, dev ? dev->dst : nullptr, r0, r1), spanned_norm());
   }
-  ops::embedding(ctx, normed.rows(Tc, Tc + Ts), out, spec.scatter);  // back to the batch's row order
+  // Back to the batch's row order.
+  ops::embedding(ctx, normed.rows(Tc, Tc + Ts), out, indices(spec.scatter, dev ? dev->scatter : nullptr));
 }
 
-void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, const StepBatch& b,
-                                const Tensor& block_tables, const ops::KvCacheView& kv, const ops::ResidualNorm* pre,
-                                const Tensor& x, const Tensor& out) const {
+void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, const AttentionView& view,
+                                const ops::KvCacheView& kv, const ops::ResidualNorm* pre, const Tensor& x,
+                                const Tensor& out) const {
   const ModelConfig& c = local_;
   const AttentionWeights& w = L.attention;
-  const int64_t T = b.num_tokens(), Qh = c.num_attention_heads, KVh = c.num_key_value_heads, hd = c.head_dim;
+  const int64_t T = x.dim(0), Qh = c.num_attention_heads, KVh = c.num_key_value_heads, hd = c.head_dim;
   Tensor q = act(ctx, {T, Qh * hd});
   Tensor k = act(ctx, {T, KVh * hd}), v = act(ctx, {T, KVh * hd});
   // One op for the three projections of the same x (on CUDA at decode sizes one GEMV launch).
@@ -239,17 +217,18 @@ void NemotronH::attention_mixer(const ops::Context& ctx, const LayerWeights& L, 
   input_linear(ctx, pre, x, qkv_out, qkv_w, Tensor());
   // No positional encoding of any kind (docs/model.md 4): the Mamba layers carry position.
   Tensor o = act(ctx, {T, Qh, hd});
-  const StepBatch::DeviceMeta* dm = b.device_meta;
   // An FP8 cache stores k / k_scale and v / v_scale: the checkpoint's scales when it has them, else 1 (vLLM's rule).
   ops::KvCacheView cache = kv;
   if (kv.k.dtype() == DType::kF8E4M3) {
     if (w.k_scale > 0) cache.k_scale = w.k_scale;
     if (w.v_scale > 0) cache.v_scale = w.v_scale;
   }
-  ops::attention(ctx, o, q.reshape({T, Qh, hd}), k.reshape({T, KVh, hd}), v.reshape({T, KVh, hd}), cache,
-                 ops::Indices(b.cu_seqlens, dm ? dm->cu_seqlens : nullptr),
-                 ops::Indices(b.context_lens, dm ? dm->context_lens : nullptr), block_tables,
-                 1.0f / std::sqrt(static_cast<float>(hd)));
+  // Rows of one sequence that read each other's keys: the decode kernel's own append (each row writes its k / v as
+  // it attends) would race with them, so the op appends first (the same bits either way).
+  ops::Context actx = ctx;
+  if (view.shared_kv) actx.kernels.attention_decode_append = false;
+  ops::attention(actx, o, q.reshape({T, Qh, hd}), k.reshape({T, KVh, hd}), v.reshape({T, KVh, hd}), cache,
+                 view.cu_seqlens(), view.context_lens(), view.block_tables, 1.0f / std::sqrt(static_cast<float>(hd)));
   ops::linear(ctx, out, o.reshape({T, Qh * hd}), w.o_proj);
 }
 
@@ -341,15 +320,42 @@ Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelStat
   return ctx.device == Device::kCpu ? logits : device::to_host_f32(logits);
 }
 
-namespace {
-// The batch's block tables on ctx.device: the CUDA attention reads them from device memory, one upload per step
-// shared by all layers (none when the step's metadata is already on the device).
-Tensor step_block_tables(const ops::Context& ctx, const StepBatch& b) {
-  if (b.device_meta) return b.device_meta->block_tables;
-  if (ctx.device != Device::kCpu && b.num_seqs() > 0) return device::to_device(b.block_tables, ctx.device);
-  return b.block_tables;
+namespace {}  // namespace
+
+NemotronH::AttentionView NemotronH::attention_view(const ops::Context& ctx, const StepBatch& b) {
+  AttentionView v;
+  const StepBatch::DeviceMeta* dm = b.device_meta;
+  if (b.num_spec_seqs == 0) {  // every sequence is itself: the batch's own lists and table
+    v.host_cu = &b.cu_seqlens;
+    v.host_context = &b.context_lens;
+    v.device_cu = dm ? dm->cu_seqlens : nullptr;
+    v.device_context = dm ? dm->context_lens : nullptr;
+    // On CUDA the attention reads the tables from device memory: one upload per step shared by all layers (none when
+    // the step's metadata is already there).
+    v.block_tables = dm                                               ? dm->block_tables
+                     : ctx.device != Device::kCpu && b.num_seqs() > 0 ? device::to_device(b.block_tables, ctx.device)
+                                                                      : b.block_tables;
+    return v;
+  }
+  v.rows = attention_rows(b);
+  v.shared_kv = true;
+  v.device_cu = dm ? dm->spec.attn_cu_seqlens : nullptr;
+  v.device_context = dm ? dm->spec.attn_context_lens : nullptr;
+  if (dm) {
+    v.block_tables = dm->spec.attn_block_tables;
+    return v;
+  }
+  const int64_t max_blocks = b.block_tables.dim(1);
+  Tensor tables = Tensor::zeros(DType::kI32, {static_cast<int64_t>(v.rows.table_rows.size()), max_blocks});
+  for (size_t r = 0; r < v.rows.table_rows.size(); ++r) {
+    const int32_t* row = b.block_tables.i32() + int64_t{v.rows.table_rows[r]} * max_blocks;
+    std::copy(row, row + max_blocks, tables.i32() + static_cast<int64_t>(r) * max_blocks);
+  }
+  v.block_tables = ctx.device != Device::kCpu ? device::to_device(tables, ctx.device) : tables;
+  return v;
 }
 
+namespace {
 bool is_every_row(const StepBatch& b) {
   const int64_t R = static_cast<int64_t>(b.logit_rows.size());
   bool every_row = R == b.num_tokens();
@@ -379,8 +385,8 @@ NemotronH::Stream NemotronH::stream(const ops::Context& ctx, int64_t T, std::spa
 }
 
 bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelState& state,
-                           std::span<const LayerWeights> layers, size_t first, const Tensor& block_tables, Stream& s,
-                           const Tensor& final_norm, bool fold_final, ops::ResidualNorm& pending) const {
+                           std::span<const LayerWeights> layers, size_t first, Stream& s, const Tensor& final_norm,
+                           bool fold_final, ops::ResidualNorm& pending) const {
   const float eps = config_.layer_norm_epsilon;
   // The residual step after layer j: h = h + mixer(x) (a MoE layer's shared + routed output rounded to the
   // activation dtype first), x = the next layer's norm (or the final norm) of h. Before a Mamba or attention layer
@@ -394,7 +400,7 @@ bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelSta
     bool partial = true;  // the mixer left this rank's part of its output to sum (tensor parallelism)
     switch (L.kind) {
       case LayerKind::kMamba: mamba_mixer(ctx, L, b, s.spec, state.conv[i], state.ssm[i], pre, s.x, s.mix); break;
-      case LayerKind::kAttention: attention_mixer(ctx, L, b, block_tables, state.kv[i], pre, s.x, s.mix); break;
+      case LayerKind::kAttention: attention_mixer(ctx, L, s.attn, state.kv[i], pre, s.x, s.mix); break;
       case LayerKind::kMlp: ops::relu2_mlp(ctx, s.mix, s.x, L.mlp.up_proj, L.mlp.down_proj); break;
       case LayerKind::kMoe: partial = moe_mixer(ctx, i, L, s.x, s.mix, s.routed); break;
     }
@@ -431,7 +437,10 @@ bool NemotronH::run_layers(const ops::Context& ctx, const StepBatch& b, ModelSta
 Tensor NemotronH::head_logits(const ops::Context& ctx, const StepBatch& b, const Tensor& x) const {
   // Only the requested rows go through lm_head (all of them in a decode step: no gather).
   Tensor logits = act(ctx, {static_cast<int64_t>(b.logit_rows.size()), local_.vocab_size});
-  const Tensor rows = is_every_row(b) ? x : gather_rows(ctx, x, act_dtype_, b.logit_rows);
+  const int32_t* dev_rows = b.device_meta ? b.device_meta->logit_rows : nullptr;
+  const Tensor rows = is_every_row(b) && dev_rows == nullptr
+                          ? x
+                          : gather_rows(ctx, x, act_dtype_, ops::Indices(b.logit_rows, dev_rows));
   ops::linear(ctx, logits, rows, w_.lm_head);
   return whole_logits(ctx, logits);
 }
@@ -481,21 +490,21 @@ Tensor NemotronH::forward_impl(const ops::Context& ctx, const StepBatch& b, Mode
   // Written only while a dump is on (a debugging session: one thread), so concurrent forwards stay read-only.
   if (!dump_dir_.empty()) dump_step_ = b.num_prefill_seqs > 0 ? dumped_steps_++ : -1;
   const StepBatch::DeviceMeta* dm = b.device_meta;
-  const Tensor block_tables = step_block_tables(ctx, b);
 
   if (tp_.enabled() && !group_.group) {
     runtime_error("NemotronH::forward: rank {} of {} has no communicator (set_tensor_parallel_group)", tp_.rank,
                   tp_.size);
   }
   Stream s = stream(ctx, b.num_tokens(), w_.layers);
-  s.spec = spec_plan(b);  // once for all Mamba layers of the step
+  s.spec = spec_plan(b);  // once for all Mamba and attention layers of the step
+  s.attn = attention_view(ctx, b);
   embed(ctx, s.h, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
   ops::rms_norm(ctx, s.x, s.h, w_.layers.empty() ? w_.norm_f : w_.layers[0].norm, config_.layer_norm_epsilon);
   // The last step (norm_f) folds into the lm_head when every row's logits are wanted (a decode step) and nobody
   // needs norm_f's output itself.
   ops::ResidualNorm pending;
-  const bool folded = run_layers(ctx, b, state, w_.layers, 0, block_tables, s, w_.norm_f,
-                                 is_every_row(b) && hidden == nullptr, pending);
+  const bool folded =
+      run_layers(ctx, b, state, w_.layers, 0, s, w_.norm_f, is_every_row(b) && hidden == nullptr, pending);
   if (folded) {
     Tensor logits = act(ctx, {b.num_tokens(), local_.vocab_size});
     const ops::LinearWeight* head[] = {&w_.lm_head};
@@ -525,7 +534,6 @@ Tensor NemotronH::mtp_forward_device(const ops::Context& ctx, const StepBatch& b
     runtime_error("NemotronH::mtp_forward: the state has no MTP caches (a StateCache made with CacheSizes::mtp)");
   }
   const StepBatch::DeviceMeta* dm = b.device_meta;
-  const Tensor block_tables = step_block_tables(ctx, b);
 
   // x0 = eh_proj(concat[enorm(e_{t+1}), hnorm(h_t)]), the embedding first.
   Tensor e = act(ctx, {T, D}), en = act(ctx, {T, D}), hn = act(ctx, {T, D}), eh = act(ctx, {T, 2 * D});
@@ -536,11 +544,12 @@ Tensor NemotronH::mtp_forward_device(const ops::Context& ctx, const StepBatch& b
   ops::write_columns(ctx, eh, en, 0);
   ops::write_columns(ctx, eh, hn, D);
   Stream s = stream(ctx, T, m.layers);
+  s.attn = attention_view(ctx, b);  // the head has no Mamba layers: no spec plan
   ops::linear(ctx, s.h, eh, m.eh_proj);
   ops::rms_norm(ctx, s.x, s.h, m.layers[0].norm, eps);
   // Its sublayers as the backbone's layers, then final_layernorm (kept: it is the next draft depth's h).
   ops::ResidualNorm pending;
-  run_layers(ctx, b, state, m.layers, first, block_tables, s, m.final_layernorm, /*fold_final=*/false, pending);
+  run_layers(ctx, b, state, m.layers, first, s, m.final_layernorm, /*fold_final=*/false, pending);
   if (mtp_hidden) *mtp_hidden = s.x;
   return head_logits(ctx, b, s.x);
 }

@@ -88,23 +88,29 @@ class NemotronH : public Model {
   void set_activation_dump(std::filesystem::path dir);
 
  private:
-  // The step-major order of a step's speculative verify rows (StepBatch::num_spec_seqs), the same for every Mamba
-  // layer of the step: step j is row j of every verify sequence longer than j, its rows
-  // [step_begin[j], step_begin[j + 1]) of the gathered order, each with the slot it reads, the slot it writes and
-  // its token's position.
-  struct SpecPlan {
-    std::vector<int32_t> gather;   // step-major position -> row of the step
-    std::vector<int32_t> scatter;  // verify row (from the first one) -> its step-major position
-    std::vector<int32_t> src, dst, pos;
-    std::vector<size_t> step_begin;
+  // The step's rows as the attention layers see them (runtime/batch.h attention_rows): the host lists, the same on
+  // the device when the step's metadata is there, and one block-table row per attention row on ctx.device.
+  // shared_kv: some rows are positions of one sequence (a verify step), so the op must append every row's k / v
+  // before any row attends.
+  struct AttentionView {
+    AttentionRows rows;  // verify steps; otherwise the batch's own lists
+    const std::vector<int32_t>* host_cu = nullptr;
+    const std::vector<int32_t>* host_context = nullptr;
+    const int32_t* device_cu = nullptr;
+    const int32_t* device_context = nullptr;
+    Tensor block_tables;
+    bool shared_kv = false;
+    ops::Indices cu_seqlens() const { return {shared_kv ? rows.cu_seqlens : *host_cu, device_cu}; }
+    ops::Indices context_lens() const { return {shared_kv ? rows.context_lens : *host_context, device_context}; }
   };
-  static SpecPlan spec_plan(const StepBatch& batch);
+  static AttentionView attention_view(const ops::Context& ctx, const StepBatch& batch);
   // The residual stream of one decoder stack: h and h_next its two buffers (a residual step folded into the next
   // layer's first dense op writes the other one), x the current mixer's normed input, mix and routed the mixer's
   // outputs (routed: a MoE layer's routed experts, added in the norm kernel); spec the step's verify plan.
   struct Stream {
     Tensor h, h_next, x, mix, routed;
     SpecPlan spec;
+    AttentionView attn;
   };
 
   NemotronH() = default;
@@ -123,16 +129,16 @@ class NemotronH : public Model {
   void spec_mamba(const ops::Context& ctx, const MambaWeights& w, const StepBatch& batch, const SpecPlan& spec,
                   const Tensor& zxbcdt, const ops::SsmParams& sp, const Tensor& conv_state, const Tensor& ssm_state,
                   const Tensor& normed) const;
-  // block_tables: the batch's table on ctx.device (uploaded once per step on CUDA).
-  void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const StepBatch& batch,
-                       const Tensor& block_tables, const ops::KvCacheView& kv, const ops::ResidualNorm* pre,
-                       const Tensor& x, const Tensor& out) const;
+  // view: the step's attention rows (built once per step: the block tables go up once on CUDA).
+  void attention_mixer(const ops::Context& ctx, const LayerWeights& w, const AttentionView& view,
+                       const ops::KvCacheView& kv, const ops::ResidualNorm* pre, const Tensor& x,
+                       const Tensor& out) const;
   // Runs `layers` over s.h (x holding layers[0]'s norm of h on entry); layer j's caches and dumps are at index
   // first + j. Ends with x = final_norm(h), or with that residual step left in `pending` when fold_final (returns
   // true: the caller folds it into its lm_head).
   bool run_layers(const ops::Context& ctx, const StepBatch& batch, ModelState& state,
-                  std::span<const LayerWeights> layers, size_t first, const Tensor& block_tables, Stream& s,
-                  const Tensor& final_norm, bool fold_final, ops::ResidualNorm& pending) const;
+                  std::span<const LayerWeights> layers, size_t first, Stream& s, const Tensor& final_norm,
+                  bool fold_final, ops::ResidualNorm& pending) const;
   // forward_device with the backbone's output in *hidden when hidden is set.
   Tensor forward_impl(const ops::Context& ctx, const StepBatch& batch, ModelState& state, Tensor* hidden) const;
   // Stream buffers for T rows of `layers`.

@@ -894,6 +894,37 @@ void sample_tokens(const Context& ctx, const Tensor& out_ids, const Tensor& logi
   sample_tokens(ctx, out, logits, rows, {});
 }
 
+void accept_drafts_greedy(const Context& ctx, const Tensor& accepted, const Tensor& head_rows,
+                          const Tensor& draft_context, const Tensor& tokens, const Tensor& targets,
+                          const Tensor& context_lens) {
+  const Check c(ctx, "accept_drafts_greedy");
+  c.i32("accepted", accepted, 1);
+  c.i32("head_rows", head_rows, 1);
+  c.i32("tokens", tokens, 1);
+  c.i32("targets", targets, 1);
+  c.i32("context_lens", context_lens, 1);
+  const int64_t n = accepted.dim(0);
+  if (n == 0 || tokens.dim(0) % n != 0 || tokens.dim(0) / n < 2) {
+    c.fail("tokens {} must hold k + 1 >= 2 rows for each of the {} sequences of accepted {}", tokens.describe(), n,
+           accepted.describe());
+  }
+  const int64_t k = tokens.dim(0) / n - 1;
+  c.shape("targets", targets, tokens.shape(), "tokens", tokens);
+  c.shape("head_rows", head_rows, {n}, "accepted", accepted);
+  c.shape("context_lens", context_lens, {n}, "accepted", accepted);
+  if (k > 1) {
+    c.i32("draft_context", draft_context, 2);
+    c.shape("draft_context", draft_context, {k - 1, n}, "tokens", tokens);
+  } else if (draft_context && draft_context.numel() != 0) {
+    c.fail("draft_context {} must be empty with one draft a sequence", draft_context.describe());
+  }
+  c.dispatch([&] { cpu::accept_drafts_greedy(accepted, head_rows, draft_context, tokens, targets, context_lens); },
+             [&] {
+               CHIMERA_CUDA_CALL(
+                   cuda::accept_drafts_greedy(ctx, accepted, head_rows, draft_context, tokens, targets, context_lens));
+             });
+}
+
 // ---- small helpers ---------------------------------------------------------------------------------
 
 void add(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {

@@ -412,7 +412,22 @@ struct SamplingOutputs {
 void sample_tokens(const Context& ctx, const SamplingOutputs& out, const Tensor& logits,
                    std::span<const SamplingRow> rows, std::span<const PenaltyToken> penalty_tokens);
 // Only the ids (no penalty list).
+// Rows that are all greedy, without penalties or logprobs, need no per-row parameters on CUDA: such a call uploads
+// nothing and can be captured in a CUDA graph.
 void sample_tokens(const Context& ctx, const Tensor& out_ids, const Tensor& logits, std::span<const SamplingRow> rows);
+
+// Greedy acceptance of a speculative verify step of n sequences of k + 1 rows each (runtime/engine.h), on the device
+// so that a captured step can draft on: sequence i's row j (packed row i (k + 1) + j) carries token tokens[row]
+// (j = 0: the sequence's last token, j >= 1: draft j - 1) and the target model's greedy choice targets[row] for the
+// position after it. All I32:
+//   accepted [n]:  the number of leading drafts equal to the target before them, 0 .. k
+//   head_rows [n]: i (k + 1) + accepted[i], the row after which the draft head predicts the next first draft
+//   draft_context [k - 1, n] (or empty when k = 1): context_lens[i] + accepted[i] + d + 1 in row d, the context of
+//                  the head's step that drafts token d + 2 of the next verify
+// tokens, targets: [n (k + 1)]; context_lens: [n], the verify step's.
+void accept_drafts_greedy(const Context& ctx, const Tensor& accepted, const Tensor& head_rows,
+                          const Tensor& draft_context, const Tensor& tokens, const Tensor& targets,
+                          const Tensor& context_lens);
 
 // ---- small helpers used by the model ---------------------------------------------------------------
 // out = a + b (elementwise, same shape). out may alias a or b.

@@ -48,15 +48,29 @@ struct StepBatch {
   // generating; every row when scoring a prompt).
   std::vector<int32_t> logit_rows;
 
-  // Optional: the same metadata already in device memory (the engine's graph-captured decode steps keep it
-  // there, so the captured ops read it instead of uploading the host vectors above, which must still hold the
-  // same values). Decode-only batches; logit_rows must then be every row in order.
+  // Optional: the same metadata already in device memory (the engine's graph-captured steps keep it there, so the
+  // captured ops read it instead of uploading the host vectors above, which must still have the same sizes; their
+  // values are read only by checks). Decode-only batches, or batches of verify sequences alone (num_spec_seqs ==
+  // num_prefill_seqs, no prompt chunks) with the `spec` arrays set.
   struct DeviceMeta {
     const int32_t* token_ids = nullptr;     // [num_tokens]
     const int32_t* cu_seqlens = nullptr;    // [num_seqs + 1]
     const int32_t* context_lens = nullptr;  // [num_seqs]
     const int32_t* state_slots = nullptr;   // [num_seqs]
     Tensor block_tables;                    // [num_seqs, max_blocks] I32 on the device
+    // The verify rows' plans, in the layouts spec_plan and attention_rows (below) return.
+    struct Spec {
+      const int32_t* gather = nullptr;  // SpecPlan::gather, scatter, src, dst, pos: [verify rows] each
+      const int32_t* scatter = nullptr;
+      const int32_t* src = nullptr;
+      const int32_t* dst = nullptr;
+      const int32_t* pos = nullptr;
+      const int32_t* attn_cu_seqlens = nullptr;    // AttentionRows::cu_seqlens [attention rows + 1]
+      const int32_t* attn_context_lens = nullptr;  // AttentionRows::context_lens [attention rows]
+      Tensor attn_block_tables;                    // [attention rows, max_blocks]: row r is table_rows[r]'s
+    } spec;
+    // [logit_rows.size()]: the rows to return, when they are not every row in order (a draft head's step).
+    const int32_t* logit_rows = nullptr;
   };
   const DeviceMeta* device_meta = nullptr;
 
@@ -69,5 +83,28 @@ struct StepBatch {
   // contexts >= 0); kRuntime on error.
   void validate() const;
 };
+
+// The step-major order of a step's speculative verify rows (StepBatch::num_spec_seqs), the same for every Mamba layer
+// of the step: step j is row j of every verify sequence longer than j (longest sequences first), its rows
+// [step_begin[j], step_begin[j + 1]) of the gathered order, each with the Mamba slot it reads (row 0: the sequence's
+// state_slots entry, row i: row i - 1's spec slot), the slot it writes (its spec slot) and its token's position.
+struct SpecPlan {
+  std::vector<int32_t> gather;   // step-major position -> row of the step
+  std::vector<int32_t> scatter;  // verify row (from the first one) -> its step-major position
+  std::vector<int32_t> src, dst, pos;
+  std::vector<size_t> step_begin;
+};
+SpecPlan spec_plan(const StepBatch& batch);
+
+// The rows as attention sees them. A verify sequence's n rows are n single-token rows at positions context, ...,
+// context + n - 1 of the sequence (each its own entry, all with the sequence's block table), so a verify step is a
+// decode batch to the attention kernels; the attention op then appends every row's k / v before any row attends
+// (the rows read each other's keys). Every other sequence is itself.
+struct AttentionRows {
+  std::vector<int32_t> cu_seqlens{0};
+  std::vector<int32_t> context_lens;
+  std::vector<int32_t> table_rows;  // the batch sequence whose block-table row each entry uses
+};
+AttentionRows attention_rows(const StepBatch& batch);
 
 }  // namespace chimera

@@ -23,17 +23,27 @@ std::span<const int32_t> generated_of(const Sequence& s) {
   return std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.prompt_len));
 }
 
-// Speculative engines run every step eagerly (the verify and draft steps are not captured yet).
-// Not with tensor parallelism: its ranks run on their own threads and streams, and a graph of one stream would
-// hold only rank 0's work (per-rank graphs are not built yet).
-bool uses_graphs(const EngineConfig& c, Device device, const Model& model) {
-  return device == Device::kCuda && c.cuda_graphs && !c.speculative.enabled() && model.tensor_parallel_size() == 1;
+// CUDA graphs at all. Not with tensor parallelism: its ranks run on their own threads and streams, and a graph of one
+// stream would hold only rank 0's work (per-rank graphs are not built yet).
+bool graphs_allowed(const EngineConfig& c, Device device, const Model& model) {
+  return device == Device::kCuda && c.cuda_graphs && model.tensor_parallel_size() == 1;
 }
 
-// The graph buckets: vLLM's sizes up to the largest decode batch the scheduler can form.
+// A captured speculative step's rows at most: its logits (bf16, then fp32 for the sampler) are the largest part of
+// the graph pool, R x vocab x 6 bytes.
+constexpr int64_t kMaxSpecGraphRows = 512;
+
+// The graph buckets: vLLM's sizes up to the largest decode batch the scheduler can form. With speculative decoding,
+// buckets of verify sequences: those whose n (K + 1) rows fit kMaxSpecGraphRows, and none when a pad sequence's
+// draft steps would leave its one scratch block (they write up to position 2K - 1).
 std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device, const Model& model) {
-  if (!uses_graphs(c, device, model)) return {};
-  return cuda_graph_batch_sizes(std::min(c.scheduler.max_num_seqs, c.cache.max_seqs));
+  if (!graphs_allowed(c, device, model)) return {};
+  std::vector<int32_t> sizes = cuda_graph_batch_sizes(std::min(c.scheduler.max_num_seqs, c.cache.max_seqs));
+  if (!c.speculative.enabled()) return sizes;
+  const int32_t K = c.speculative.num_speculative_tokens;
+  if (2 * K > c.cache.block_size) return {};
+  std::erase_if(sizes, [K](int32_t n) { return int64_t{n} * (K + 1) > kMaxSpecGraphRows; });
+  return sizes;
 }
 
 // The caches as configured, plus a scratch slot and block for each pad row a bucket can carry, and with speculative
@@ -84,12 +94,19 @@ Engine::Engine(const Model& model, const ops::Context& ctx, const EngineConfig& 
     own_stream_ = device::Stream::create();
     ctx_.stream = own_stream_.get();
   }
-  if (uses_graphs(config_, ctx_.device, model_)) capture_decode_graphs();
+  if (!graph_buckets(config_, ctx_.device, model_).empty()) {
+    if (speculative()) {
+      capture_spec_graphs();
+    } else {
+      capture_decode_graphs();
+    }
+  }
 }
 
 std::vector<int32_t> Engine::graph_batch_sizes() const {
   std::vector<int32_t> sizes;
   for (const auto& [b, g] : graphs_) sizes.push_back(b);
+  for (const auto& [b, g] : spec_graphs_) sizes.push_back(b);
   return sizes;
 }
 
@@ -204,6 +221,239 @@ Tensor Engine::replay_decode(const StepBatch& b) {
   g.graph.launch(ctx_.stream);
   ++num_graph_steps_;
   return B == it->first ? g.logits : g.logits.rows(0, B);
+}
+
+// ---- captured speculative steps -------------------------------------------------------------------------------
+
+StepBatch::DeviceMeta Engine::SpecGraph::verify_meta(int32_t K) const {
+  const int64_t R = int64_t{n} * (K + 1);
+  const int32_t* d = meta_device.i32();
+  StepBatch::DeviceMeta m;
+  m.token_ids = d;
+  m.cu_seqlens = d += R;
+  m.context_lens = d += n + 1;
+  m.state_slots = d += n;
+  m.spec.gather = d += n;
+  m.spec.scatter = d += R;
+  m.spec.src = d += R;
+  m.spec.dst = d += R;
+  m.spec.pos = d += R;
+  m.spec.attn_cu_seqlens = d += R;
+  m.spec.attn_context_lens = d += R + 1;
+  m.block_tables = tables_device.rows(0, n);
+  m.spec.attn_block_tables = tables_device.rows(n, n + R);
+  return m;
+}
+
+void Engine::stage_spec(SpecGraph& g, const StepBatch& b) const {
+  const int32_t K = config_.speculative.num_speculative_tokens, w = K + 1, n = g.n, B = b.num_seqs();
+  CHIMERA_CHECK(B <= n && n - B <= cache_.sizes().num_pad,
+                "a verify step of {} sequences on the graph of {} ({} pad slots)", B, n, cache_.sizes().num_pad);
+  const int64_t max_blocks = cache_.blocks_per_seq();
+  // The batch padded to n sequences: pad sequence j is k + 1 rows of token 0 on no context, every row stepping its
+  // own scratch slot in place (source and destination alike) and writing its scratch block only (2K <= block_size).
+  StepBatch pb;
+  pb.token_ids = b.token_ids;
+  pb.cu_seqlens = b.cu_seqlens;
+  pb.context_lens = b.context_lens;
+  pb.state_slots = b.state_slots;
+  pb.spec_slots = b.spec_slots;
+  for (int32_t j = 0; j < n - B; ++j) {
+    pb.token_ids.insert(pb.token_ids.end(), static_cast<size_t>(w), 0);
+    pb.cu_seqlens.push_back(pb.cu_seqlens.back() + w);
+    pb.context_lens.push_back(0);
+    pb.state_slots.push_back(cache_.pad_slot(j));
+    pb.spec_slots.insert(pb.spec_slots.end(), static_cast<size_t>(w), cache_.pad_slot(j));
+  }
+  pb.num_prefill_seqs = pb.num_spec_seqs = n;
+  const SpecPlan plan = spec_plan(pb);
+  const AttentionRows rows = attention_rows(pb);
+  int32_t* m = g.meta_host.i32();
+  const auto put = [&m](const std::vector<int32_t>& v) { m = std::copy(v.begin(), v.end(), m); };
+  put(pb.token_ids);
+  put(pb.cu_seqlens);
+  put(pb.context_lens);
+  put(pb.state_slots);
+  for (const std::vector<int32_t>* v : {&plan.gather, &plan.scatter, &plan.src, &plan.dst, &plan.pos}) put(*v);
+  put(rows.cu_seqlens);
+  put(rows.context_lens);
+  for (int32_t i = 0; i <= n; ++i) *m++ = i;  // the draft steps: one row a sequence
+  CHIMERA_CHECK(m == g.meta_host.i32() + g.meta_host.numel(), "speculative graph staging: {} of {} entries written",
+                m - g.meta_host.i32(), g.meta_host.numel());
+  int32_t* tables = g.tables_host.i32();
+  std::copy(b.block_tables.i32(), b.block_tables.i32() + b.block_tables.numel(), tables);
+  std::fill(tables + int64_t{B} * max_blocks, tables + g.tables_host.numel(), 0);
+  for (int32_t j = 0; j < n - B; ++j) tables[int64_t{B + j} * max_blocks] = cache_.pad_block(j);
+  for (size_t r = 0; r < rows.table_rows.size(); ++r) {
+    const int32_t* row = tables + int64_t{rows.table_rows[r]} * max_blocks;
+    std::copy(row, row + max_blocks, tables + (int64_t{n} + static_cast<int64_t>(r)) * max_blocks);
+  }
+  device::copy_async(g.meta_device, g.meta_host, ctx_.stream);
+  device::copy_async(g.tables_device, g.tables_host, ctx_.stream);
+}
+
+void Engine::spec_graph_body(const SpecGraph& g, const StepBatch& vb) {
+  const int32_t K = config_.speculative.num_speculative_tokens, n = g.n;
+  const int64_t R = int64_t{n} * (K + 1);
+  const StepBatch::DeviceMeta& vm = *vb.device_meta;
+  // The sampler's greedy rows need no parameters, so these launches upload nothing (ops::sample_tokens).
+  const std::vector<ops::SamplingRow> greedy(static_cast<size_t>(R));
+  const auto argmax = [&](const Tensor& ids, const Tensor& nonfinite, const Tensor& logits) {
+    Tensor f32 = logits;
+    if (logits.dtype() != DType::kF32) {
+      f32 = device::empty(Device::kCuda, DType::kF32, logits.shape());
+      ops::convert(ctx_, f32, logits);
+    }
+    ops::SamplingOutputs out;
+    out.ids = ids;
+    out.nonfinite = nonfinite;
+    ops::sample_tokens(ctx_, out, f32, std::span(greedy).first(static_cast<size_t>(logits.dim(0))), {});
+  };
+  const Tensor& o = g.out_device;
+  const Tensor targets = o.rows(0, R), nonfinite = o.rows(R, 2 * R), accepted = o.rows(2 * R, 2 * R + n);
+  const int64_t drafts0 = 2 * R + n, head0 = drafts0 + int64_t{K} * n, context0 = head0 + n;
+  const Tensor head_rows = o.rows(head0, context0);
+  const Tensor draft_context = K > 1 ? o.rows(context0, context0 + int64_t{K - 1} * n).reshape({K - 1, n}) : Tensor();
+  const auto drafts = [&](int32_t d) { return o.rows(drafts0 + int64_t{d} * n, drafts0 + int64_t{d + 1} * n); };
+
+  // The verify forward and its greedy targets, then which drafts they accept.
+  Tensor hidden;
+  argmax(targets, nonfinite, model_.forward_device(ctx_, vb, cache_.state(), hidden));
+  const int64_t context_at = R + n + 1;  // the meta layout's context_lens
+  ops::accept_drafts_greedy(ctx_, accepted, head_rows, draft_context, g.meta_device.rows(0, R), targets,
+                            g.meta_device.rows(context_at, context_at + n));
+
+  // The head's step over the verify rows: row j carries the token after it, which is target j wherever it matters
+  // (the accepted drafts equal their targets; rows past the correction are rewritten before they are read), and
+  // its logits are each sequence's head_rows row.
+  StepBatch hb = vb;
+  hb.logit_rows.clear();
+  for (int32_t i = 0; i < n; ++i) hb.logit_rows.push_back(i * (K + 1));  // the host values are not read
+  StepBatch::DeviceMeta hm = vm;
+  hm.token_ids = targets.i32();
+  hm.logit_rows = head_rows.i32();
+  hb.device_meta = &hm;
+  Tensor mtp_hidden;
+  const Tensor none;
+  argmax(drafts(0), none,
+         model_.mtp_forward_device(ctx_, hb, hidden, cache_.state(), 0, K > 1 ? &mtp_hidden : nullptr));
+
+  // Draft d + 1 of each sequence: one row on the previous draft at context + accepted + d (draft_context row d - 1),
+  // the head applied to its own output there.
+  StepBatch db;
+  db.token_ids.assign(static_cast<size_t>(n), 0);
+  db.cu_seqlens.clear();
+  for (int32_t i = 0; i <= n; ++i) db.cu_seqlens.push_back(i);
+  db.context_lens.assign(static_cast<size_t>(n), 0);
+  db.state_slots = std::vector<int32_t>(vb.state_slots.begin(), vb.state_slots.begin() + n);
+  db.block_tables = vb.block_tables;
+  for (int32_t i = 0; i < n; ++i) db.logit_rows.push_back(i);
+  const int32_t* draft_cu = vm.spec.attn_context_lens + R;  // the meta layout's last part
+  for (int32_t d = 1; d < K; ++d) {
+    StepBatch::DeviceMeta dm;
+    dm.token_ids = drafts(d - 1).i32();
+    dm.cu_seqlens = draft_cu;
+    dm.context_lens = draft_context.i32() + int64_t{d - 1} * n;
+    dm.state_slots = vm.state_slots;
+    dm.block_tables = vm.block_tables;
+    db.device_meta = &dm;
+    Tensor h = mtp_hidden;
+    if (d == 1) {  // the rows the first drafts came from
+      h = device::empty(Device::kCuda, mtp_hidden.dtype(), {n, mtp_hidden.dim(1)});
+      ops::embedding(ctx_, h, mtp_hidden, ops::Indices(hb.logit_rows, head_rows.i32()));
+    }
+    Tensor out_hidden;
+    const Tensor logits = model_.mtp_forward_device(ctx_, db, h, cache_.state(), d % model_.mtp_blocks(),
+                                                    d + 1 < K ? &out_hidden : nullptr);
+    argmax(drafts(d), none, logits);
+    mtp_hidden = out_hidden;
+  }
+  device::copy_async(g.out_host, o.rows(0, g.out_host.numel()), ctx_.stream);
+}
+
+void Engine::capture_spec_graphs() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<int32_t> buckets = graph_buckets(config_, ctx_.device, model_);
+  const int32_t K = config_.speculative.num_speculative_tokens, w = K + 1;
+  const int32_t max_blocks = cache_.blocks_per_seq();
+  const int32_t total_blocks = cache_.sizes().num_blocks + cache_.sizes().num_pad;
+  graph_pool_.emplace();
+  for (auto it = buckets.rbegin(); it != buckets.rend(); ++it) {
+    const int32_t n = *it;
+    const int64_t R = int64_t{n} * w;
+    // The warm-up and capture batch: n verify sequences of token 0 on no context, sequence i stepping slot i in place
+    // and writing block i (as the decode graphs' capture: no sequence holds them yet).
+    StepBatch b;
+    b.token_ids.assign(static_cast<size_t>(R), 0);
+    b.block_tables = Tensor::zeros(DType::kI32, {n, max_blocks});
+    for (int32_t i = 0; i < n; ++i) {
+      b.cu_seqlens.push_back((i + 1) * w);
+      b.context_lens.push_back(0);
+      b.state_slots.push_back(i);
+      b.spec_slots.insert(b.spec_slots.end(), static_cast<size_t>(w), i);
+      b.block_tables.i32()[int64_t{i} * max_blocks] = i % total_blocks;
+    }
+    for (int64_t r = 0; r < R; ++r) b.logit_rows.push_back(static_cast<int32_t>(r));
+    b.num_prefill_seqs = b.num_spec_seqs = n;
+    SpecGraph g;
+    g.n = n;
+    const int64_t meta = 8 * R + 4 * int64_t{n} + 3;
+    g.meta_host = device::empty_pinned(DType::kI32, {meta});
+    g.meta_device = device::empty(Device::kCuda, DType::kI32, {meta});
+    g.tables_host = device::empty_pinned(DType::kI32, {n + R, max_blocks});
+    g.tables_device = device::empty(Device::kCuda, DType::kI32, {n + R, max_blocks});
+    const int64_t out = 2 * R + int64_t{n} * (K + 1);
+    g.out_device = device::empty(Device::kCuda, DType::kI32, {out + int64_t{n} * K});
+    g.out_host = device::empty_pinned(DType::kI32, {out});
+    stage_spec(g, b);
+    const StepBatch::DeviceMeta dm = g.verify_meta(K);
+    b.device_meta = &dm;
+    spec_graph_body(g, b);  // the warm-up: every per-shape cache filled outside the capture
+    {
+      const device::ScopedAllocPool scope(*graph_pool_);
+      g.graph = device::Graph::capture(ctx_.stream, [&] { spec_graph_body(g, b); });
+    }
+    spec_graphs_.emplace(n, std::move(g));
+  }
+  device::synchronize(Device::kCuda);
+  graph_capture_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+bool Engine::spec_graph_fits(const StepBatch& b, const std::vector<Sequence*>& seqs) const {
+  const int32_t S = b.num_seqs();
+  if (spec_graphs_.empty() || on_logits || S == 0 || S > spec_graphs_.rbegin()->first) return false;
+  if (b.num_spec_seqs != S || b.num_prefill_seqs != S || !b.mamba_checkpoints.empty()) return false;
+  const int32_t K = config_.speculative.num_speculative_tokens;
+  for (int32_t i = 0; i < S; ++i) {
+    const Sequence& s = *seqs[static_cast<size_t>(i)];
+    if (b.cu_seqlens[i + 1] - b.cu_seqlens[i] != K + 1) return false;  // the token budget cut its drafts
+    if (!s.sampling.greedy() || s.sampling.has_penalties() || s.sampling.logprobs >= 0) return false;
+    // The last draft step writes the head's KV at context + 2K - 1 at most.
+    if (static_cast<int64_t>(s.blocks.size()) * cache_.sizes().block_size < int64_t{b.context_lens[i]} + 2 * K) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Engine::SpecStepOut Engine::replay_spec(const StepBatch& b) {
+  const int32_t B = b.num_seqs(), K = config_.speculative.num_speculative_tokens;
+  SpecGraph& g = spec_graphs_.lower_bound(B)->second;
+  stage_spec(g, b);
+  g.graph.launch(ctx_.stream);
+  device::synchronize_stream(ctx_.stream);
+  ++num_graph_steps_;
+  const int64_t R = int64_t{g.n} * (K + 1), Rb = int64_t{B} * (K + 1);
+  const int32_t* out = g.out_host.i32();
+  SpecStepOut r;
+  r.targets.assign(out, out + Rb);
+  r.nonfinite.assign(out + R, out + R + Rb);
+  r.accepted.assign(out + 2 * R, out + 2 * R + B);
+  for (int32_t d = 0; d < K; ++d) {
+    const int32_t* row = out + 2 * R + g.n + int64_t{d} * g.n;
+    r.drafts.insert(r.drafts.end(), row, row + B);
+  }
+  return r;
 }
 
 std::vector<SampledToken> Engine::sample_on_device(const Tensor& logits, const std::vector<ops::SamplingRow>& rows,
@@ -394,8 +644,18 @@ std::vector<TokenEvent> Engine::step() {
   // ---- execute ----
   const int64_t graph_steps_before = num_graph_steps_;
   const auto t_execute = std::chrono::steady_clock::now();
+  std::vector<Sequence*> seqs;  // the batch's sequences, in batch order
+  for (const ScheduledSeq& p : order) seqs.push_back(&seq(p.seq_id));
+  // A speculative step of verify sequences alone may replay a captured one, which also drafts (spec_out).
+  const bool spec_graph = speculative() && spec_graph_fits(b, seqs);
+  SpecStepOut spec_out;
   Tensor hidden;  // speculative decoding: the backbone's output of every row, the draft head's input
-  Tensor logits = speculative() ? model_.forward_device(ctx_, b, cache_.state(), hidden) : execute(b);
+  Tensor logits;
+  if (spec_graph) {
+    spec_out = replay_spec(b);
+  } else {
+    logits = speculative() ? model_.forward_device(ctx_, b, cache_.state(), hidden) : execute(b);
+  }
   last_step_.prefill_tokens = b.num_chunk_tokens();
   last_step_.decode_tokens = b.num_tokens() - b.num_chunk_tokens();  // verify rows included
   last_step_.graph = num_graph_steps_ != graph_steps_before;
@@ -419,7 +679,14 @@ std::vector<TokenEvent> Engine::step() {
   // only the token ids come back; otherwise the rows come to the host (fp32) and are sampled there. Verify rows of a
   // sampling (temperature > 0) request need the rows: rejection sampling compares distributions.
   std::vector<SampledToken> device_tokens;
-  if (ctx_.device == Device::kCuda) {
+  if (spec_graph) {  // every row is a verify row, in order
+    for (size_t r = 0; r < spec_out.targets.size(); ++r) {
+      SampledToken t;
+      t.id = spec_out.targets[r];
+      t.nonfinite = spec_out.nonfinite[r] != 0;
+      device_tokens.push_back(std::move(t));
+    }
+  } else if (ctx_.device == Device::kCuda) {
     bool all_sample = !on_logits;
     bool want_logprobs = false;
     std::vector<ops::SamplingRow> rows;
@@ -502,6 +769,12 @@ std::vector<TokenEvent> Engine::step() {
         nonfinite = nonfinite || t.nonfinite;
       }
       emitted = accept_greedy(s.drafts, targets);
+      if (spec_graph) {  // the graph drafted on from its own acceptance, which must be this one
+        const size_t i = static_cast<size_t>(std::find(seqs.begin(), seqs.end(), &s) - seqs.begin());
+        CHIMERA_CHECK(static_cast<int32_t>(emitted.size()) - 1 == spec_out.accepted[i],
+                      "sequence {}: the captured step accepted {} drafts, the host {}", s.id, spec_out.accepted[i],
+                      emitted.size() - 1);
+      }
     } else {
       for (int32_t j = 0; j < n; ++j) {
         const std::span<const float> row = host_row(rows[static_cast<size_t>(j)]);
@@ -555,11 +828,20 @@ std::vector<TokenEvent> Engine::step() {
     }
     s.num_computed = std::min(s.num_computed, static_cast<int32_t>(s.tokens.size()));
   }
-  if (speculative()) {
+  if (spec_graph) {
+    // The drafts came with the step. A replay cannot be split in time: it all counts as the verify.
+    last_step_.verify_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_execute).count();
+    const size_t n = seqs.size();
+    for (size_t i = 0; i < n; ++i) {
+      Sequence& s = *seqs[i];
+      const int32_t len = static_cast<int32_t>(s.tokens.size());
+      if (s.finished() || s.num_computed != len - 1) continue;
+      const int32_t depth = draft_depth(s);
+      for (int32_t d = 0; d < depth; ++d) s.drafts.push_back(spec_out.drafts[static_cast<size_t>(d) * n + i]);
+    }
+  } else if (speculative()) {
     const auto t_draft = std::chrono::steady_clock::now();
     last_step_.verify_seconds = std::chrono::duration<double>(t_draft - t_execute).count();
-    std::vector<Sequence*> seqs;
-    for (const ScheduledSeq& p : order) seqs.push_back(&seq(p.seq_id));
     propose_drafts(b, seqs, hidden);
     last_step_.draft_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_draft).count();
   }
@@ -610,9 +892,7 @@ void Engine::propose_drafts(const StepBatch& b, const std::vector<Sequence*>& se
   // known (a prompt token, an accepted draft, the token just sampled), else 0 (rejected rows: the head's KV there is
   // rewritten before anything reads it). Every row runs, so the head's KV cache follows the backbone's; the logits
   // are those of each drafting sequence's last computed row, which predict the token after the one just sampled.
-  StepBatch m = b;
-  m.num_spec_seqs = 0;
-  m.spec_slots.clear();
+  StepBatch m = b;  // its verify sequences' rows stay single-token rows to the head's attention, as to the backbone's
   m.logit_rows.clear();
   m.device_meta = nullptr;
   struct Drafting {
@@ -629,9 +909,7 @@ void Engine::propose_drafts(const StepBatch& b, const std::vector<Sequence*>& se
     }
     const int32_t len = static_cast<int32_t>(s.tokens.size());
     if (s.finished() || s.in_prefill() || s.num_computed != len - 1) continue;
-    // Drafts the next verify step can use: within the model length and the tokens still to generate.
-    const int32_t depth =
-        std::min({K, cache_.sizes().max_model_len - len, s.sampling.max_new_tokens - s.num_generated() - 1});
+    const int32_t depth = draft_depth(s);
     if (depth <= 0) continue;
     m.logit_rows.push_back(begin + (s.num_computed - 1 - context));
     drafting.push_back({&s, depth});
@@ -684,6 +962,12 @@ void Engine::propose_drafts(const StepBatch& b, const std::vector<Sequence*>& se
   }
 }
 
+int32_t Engine::draft_depth(const Sequence& s) const {
+  const int32_t len = static_cast<int32_t>(s.tokens.size());
+  return std::min({config_.speculative.num_speculative_tokens, cache_.sizes().max_model_len - len,
+                   s.sampling.max_new_tokens - s.num_generated() - 1});
+}
+
 void Engine::draw_drafts(const Tensor& logits, const std::vector<Sequence*>& seqs) {
   const int64_t R = static_cast<int64_t>(seqs.size());
   bool all_greedy = true;
@@ -728,8 +1012,9 @@ std::vector<Sequence> Engine::take_finished() {
 std::string format_graph_capture(const Engine& engine) {
   const std::vector<int32_t> sizes = engine.graph_batch_sizes();
   if (sizes.empty()) return "";
-  return fmt::format("CUDA graphs: {} decode batch sizes ({} to {}) captured in {:.2f} s, {}", sizes.size(),
-                     sizes.front(), sizes.back(), engine.graph_capture_seconds(), gib(engine.graph_pool_bytes()));
+  return fmt::format("CUDA graphs: {} {} batch sizes ({} to {}) captured in {:.2f} s, {}", sizes.size(),
+                     engine.speculative_graphs() ? "speculative step" : "decode", sizes.front(), sizes.back(),
+                     engine.graph_capture_seconds(), gib(engine.graph_pool_bytes()));
 }
 
 std::vector<std::vector<int32_t>> generate_all(const Model& model, const ops::Context& ctx,

@@ -41,8 +41,13 @@ struct EngineConfig {
   // (StepBatch::num_spec_seqs). Greedy requests accept the longest prefix equal to the target's argmax, then its
   // token after it, so they emit exactly what they would without speculation; sampling requests use rejection
   // sampling (runtime/speculative.h), which leaves the output distribution the target's. The accepted row's slot
-  // becomes the sequence's Mamba state. Drafts are capped by max_model_len and max_tokens. Such engines run every step
-  // eagerly (no CUDA graphs).
+  // becomes the sequence's Mamba state. Drafts are capped by max_model_len and max_tokens.
+  // With CUDA graphs, a speculative engine captures whole speculative steps instead of decode steps, one per bucket
+  // of n sequences (the decode buckets whose n (K + 1) rows are at most 512): the verify forward, the greedy
+  // targets, the acceptance (ops::accept_drafts_greedy) and the head's K draft steps on the device, one copy of the
+  // step's token ids back. A step replays one when every sequence verifies K drafts, all greedy without penalties or
+  // logprobs, and its blocks reach K - 1 tokens past the verify; pad sequences fill the bucket as in decode graphs.
+  // Every other step (prompts, the first decode after a prompt, sampling requests) runs eagerly.
   SpeculativeConfig speculative;
 };
 
@@ -105,6 +110,8 @@ class Engine {
   std::vector<int32_t> graph_batch_sizes() const;
   size_t graph_pool_bytes() const;
   double graph_capture_seconds() const { return graph_capture_seconds_; }
+  // Whether the graphs are whole speculative steps (EngineConfig::speculative) rather than decode steps.
+  bool speculative_graphs() const { return !spec_graphs_.empty(); }
   // Steps that ran as a CUDA graph replay so far.
   int64_t num_graph_steps() const { return num_graph_steps_; }
   // What the last step() computed (zeros before the first, and for a step that found nothing to run).
@@ -136,8 +143,39 @@ class Engine {
     Tensor logits;                      // [n, vocab] in the activation dtype: a view of graph_logits_
     StepBatch::DeviceMeta device_meta() const;
   };
+  // A captured speculative step of one bucket of n verify sequences of K + 1 rows (R = n (K + 1) rows): its inputs
+  // at fixed device addresses (refilled from pinned staging before each replay), its outputs copied by the graph
+  // itself into pinned host memory.
+  struct SpecGraph {
+    device::Graph graph;
+    int32_t n = 0;
+    // I32: tokens [R] | cu_seqlens [n + 1] | context_lens [n] | slots [n] | the SpecPlan's gather, scatter, src,
+    // dst, pos [R each] | the attention rows' cu_seqlens [R + 1] and context_lens [R] | the draft steps'
+    // cu_seqlens [n + 1]
+    Tensor meta_host, meta_device;
+    Tensor tables_host, tables_device;  // I32 [n + R, max_blocks]: the sequences' rows, then the attention rows'
+    // I32 targets [R] | target non-finite flags [R] | accepted [n] | drafts [K, n], then on the device only:
+    // head_rows [n] | draft_context [K - 1, n]
+    Tensor out_device, out_host;
+    StepBatch::DeviceMeta verify_meta(int32_t K) const;
+  };
+  // What a replayed speculative step hands back, for the real (unpadded) sequences of the batch.
+  struct SpecStepOut {
+    std::vector<int32_t> targets, nonfinite;  // [R] per packed row
+    std::vector<int32_t> accepted;            // [n]
+    std::vector<int32_t> drafts;              // [K, n]: row d holds every sequence's draft d
+  };
   // The step's logits on the model's device (host fp32 on the CPU).
   Tensor execute(StepBatch& b);
+  // Start-up: a warm-up step and a capture per speculative bucket, largest first.
+  void capture_spec_graphs();
+  // Whether verify batch b (its sequences `seqs`, in batch order) can replay a speculative graph (see EngineConfig).
+  bool spec_graph_fits(const StepBatch& b, const std::vector<Sequence*>& seqs) const;
+  // Copies verify batch b into bucket g's staging (pad sequences past its real ones) and that to g's device inputs.
+  void stage_spec(SpecGraph& g, const StepBatch& b) const;
+  // The captured body over g's inputs (vb: a batch of g.n verify sequences of K + 1 rows, for the shapes).
+  void spec_graph_body(const SpecGraph& g, const StepBatch& vb);
+  SpecStepOut replay_spec(const StepBatch& b);
   // Start-up: a warm-up step and a capture per bucket, largest first.
   void capture_decode_graphs();
   // Copies the B rows of a decode-only batch into bucket g's staging, the rows past them as pad rows, and that to
@@ -160,6 +198,8 @@ class Engine {
   // After a step of batch b (seqs: its sequences in batch order, hidden: the backbone's output of every row): the
   // MTP head's step over those rows, then its further depths, leaving each decoding sequence's drafts in it.
   void propose_drafts(const StepBatch& b, const std::vector<Sequence*>& seqs, const Tensor& hidden);
+  // Drafts the next verify step of s can use: within the model length and the tokens still to generate (<= 0: none).
+  int32_t draft_depth(const Sequence& s) const;
   // One draft per sequence from row i of `logits` (the head's): the argmax, or drawn from the draft distribution.
   void draw_drafts(const Tensor& logits, const std::vector<Sequence*>& seqs);
 
@@ -176,6 +216,7 @@ class Engine {
   device::Stream own_stream_;
   std::optional<device::AllocPool> graph_pool_;  // declared before graphs_: outlives them
   std::map<int32_t, DecodeGraph> graphs_;  // by bucket size
+  std::map<int32_t, SpecGraph> spec_graphs_;  // by bucket size (sequences)
   Tensor graph_logits_;  // [largest bucket, vocab]: every graph's logits (one replay at a time)
   double graph_capture_seconds_ = 0.0;
   int64_t num_graph_steps_ = 0;
@@ -184,6 +225,7 @@ class Engine {
 
 // The start-up line of an engine's CUDA graphs, as vLLM prints it ("" when it has none):
 //   "CUDA graphs: 35 decode batch sizes (1 to 256) captured in 4.21 s, 0.62 GiB"
+// ("speculative step batch sizes" for a speculative engine's).
 std::string format_graph_capture(const Engine& engine);
 
 // Convenience: runs the engine to completion over several prompts; returns each generated token list.

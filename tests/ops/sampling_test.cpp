@@ -419,6 +419,93 @@ TEST_P(OpsSampling, RejectsBadNewParameters) {
                                  "penalty token 0 is 8, outside the vocabulary [0, 8)"));
 }
 
+// Greedy rows without penalties or logprobs need no per-row parameters, so on CUDA the call can be captured in a
+// graph at any row count (on both sides of the split path's 64 rows): replayed over new logits, the graph gives
+// their argmax. (The speculative engine captures its verify step's sampling this way.)
+TEST_P(OpsSampling, GreedyRowsCanBeCapturedInAGraph) {
+  if (!on_cuda()) GTEST_SKIP() << "CUDA graphs";
+  auto rng = test::Rng::for_test();
+  const device::Stream stream = device::Stream::create();
+  const ops::Context c{Device::kCuda, stream.get()};
+  for (int64_t R : {3, 64, 65, 300}) {
+    const int64_t V = 4099;
+    SCOPED_TRACE(::testing::Message() << "R=" << R);
+    const Tensor logits = device::empty(Device::kCuda, DType::kF32, {R, V});
+    const Tensor ids = output(DType::kI32, {R});
+    const std::vector<ops::SamplingRow> rows(static_cast<size_t>(R));
+    device::copy(logits, rng.normal_tensor({R, V}, 3.0f));
+    ops::sample_tokens(c, ids, logits, rows);  // outside the capture first, as the engine warms up
+    const device::Graph g = device::Graph::capture(stream.get(), [&] { ops::sample_tokens(c, ids, logits, rows); });
+    for (int replay = 0; replay < 2; ++replay) {
+      const Tensor host = tied_logits(rng, R, V);
+      device::copy(logits, host);
+      g.launch(stream.get());
+      stream.synchronize();
+      const Tensor got = device::to_host(ids);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* row = host.f32() + r * V;
+        ASSERT_EQ(got.i32()[r], std::max_element(row, row + V) - row) << "replay " << replay << " row " << r;
+      }
+    }
+  }
+}
+
+// The verify step's greedy acceptance: per sequence the leading drafts equal to the target before them, the row the
+// head drafts from, and the draft steps' contexts; awkward sequence counts and draft depths, against a direct count
+// and the CPU.
+TEST_P(OpsSampling, AcceptDraftsGreedyCountsTheMatchingPrefix) {
+  auto rng = test::Rng::for_test();
+  for (int64_t n : {1, 3, 130}) {
+    for (int64_t k : {1, 2, 5}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << " k=" << k);
+      const int64_t w = k + 1;
+      Tensor tokens = Tensor::empty(DType::kI32, {n * w}), targets = Tensor::empty(DType::kI32, {n * w});
+      Tensor context = Tensor::empty(DType::kI32, {n});
+      std::vector<int32_t> want(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        // Sequence i accepts a = i mod (k + 1) drafts: targets equal the next token up to there, then differ.
+        const int32_t a = static_cast<int32_t>(i % w);
+        want[static_cast<size_t>(i)] = a;
+        context.i32()[i] = static_cast<int32_t>(rng.integer(0, 1000));
+        for (int64_t j = 0; j < w; ++j) tokens.i32()[i * w + j] = static_cast<int32_t>(rng.integer(0, 50));
+        for (int64_t j = 0; j < w; ++j) {
+          const int32_t next = j + 1 < w ? tokens.i32()[i * w + j + 1] : 0;
+          // Past the first mismatch the targets may match again: that must not count.
+          targets.i32()[i * w + j] = j < a ? next : j == a ? next + 1 : (j % 2 == 0 ? next : next + 7);
+        }
+      }
+      const auto run = [&](const ops::Context& c, auto to) {
+        const Tensor accepted = to(Tensor::empty(DType::kI32, {n})), head = to(Tensor::empty(DType::kI32, {n}));
+        const Tensor dctx = k > 1 ? to(Tensor::empty(DType::kI32, {k - 1, n})) : Tensor();
+        ops::accept_drafts_greedy(c, accepted, head, dctx, to(tokens), to(targets), to(context));
+        return std::vector<Tensor>{device::to_host(accepted), device::to_host(head),
+                                   k > 1 ? device::to_host(dctx) : Tensor()};
+      };
+      const std::vector<Tensor> got = run(ctx(), [&](const Tensor& t) { return on_backend(t); });
+      const std::vector<Tensor> ref = run(ops::Context{}, [](const Tensor& t) { return t; });
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t a = want[static_cast<size_t>(i)];
+        ASSERT_EQ(got[0].i32()[i], a) << "sequence " << i;
+        ASSERT_EQ(ref[0].i32()[i], a) << "sequence " << i;
+        EXPECT_EQ(got[1].i32()[i], static_cast<int32_t>(i * w) + a);
+        for (int64_t d = 0; d + 1 < k; ++d) {
+          EXPECT_EQ(got[2].i32()[d * n + i], context.i32()[i] + a + static_cast<int32_t>(d) + 1);
+          EXPECT_EQ(ref[2].i32()[d * n + i], got[2].i32()[d * n + i]);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(OpsSampling, AcceptDraftsGreedyRejectsBadShapes) {
+  const auto t = [&](Shape s) { return on_backend(Tensor::zeros(DType::kI32, std::move(s))); };
+  // Rows that are not k + 1 >= 2 a sequence, and a draft_context of the wrong shape: clear errors.
+  EXPECT_THROW(ops::accept_drafts_greedy(ctx(), t({2}), t({2}), Tensor(), t({5}), t({5}), t({2})), Error);
+  EXPECT_THROW(ops::accept_drafts_greedy(ctx(), t({2}), t({2}), Tensor(), t({2}), t({2}), t({2})), Error);
+  EXPECT_THROW(ops::accept_drafts_greedy(ctx(), t({2}), t({2}), t({1, 2}), t({8}), t({8}), t({2})), Error);
+  EXPECT_NO_THROW(ops::accept_drafts_greedy(ctx(), t({2}), t({2}), t({2, 2}), t({8}), t({8}), t({2})));
+}
+
 CHIMERA_INSTANTIATE_BACKENDS(OpsSampling);
 
 }  // namespace

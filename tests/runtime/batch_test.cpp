@@ -149,5 +149,45 @@ TEST_P(StepBatchTest, SingleTokenGroupRejectsSeveralTokens) {
 
 CHIMERA_INSTANTIATE_BACKENDS(StepBatchTest);
 
+// A step of a prompt chunk (3 rows), two verify sequences of 3 and 2 rows, and a decode row.
+StepBatch verify_batch() {
+  StepBatch b;
+  b.token_ids = {1, 2, 3, 10, 11, 12, 20, 21, 30};
+  b.cu_seqlens = {0, 3, 6, 8, 9};
+  b.context_lens = {0, 5, 7, 4};
+  b.state_slots = {0, 1, 2, 3};
+  b.spec_slots = {11, 12, 13, 21, 22};
+  b.num_prefill_seqs = 3;
+  b.num_spec_seqs = 2;
+  b.block_tables = Tensor::zeros(DType::kI32, {4, 2});
+  return b;
+}
+
+// Step j of the verify plan is row j of every verify sequence that long, longest first; each row reads the slot the
+// row before it wrote (row 0: the sequence's own) and writes its own spec slot.
+TEST(SpecPlan, StepMajorRowsWithTheirSlotsAndPositions) {
+  const SpecPlan p = spec_plan(verify_batch());
+  EXPECT_EQ(p.gather, (std::vector<int32_t>{3, 6, 4, 7, 5}));
+  EXPECT_EQ(p.step_begin, (std::vector<size_t>{0, 2, 4, 5}));
+  EXPECT_EQ(p.src, (std::vector<int32_t>{1, 2, 11, 21, 12}));
+  EXPECT_EQ(p.dst, (std::vector<int32_t>{11, 21, 12, 22, 13}));
+  EXPECT_EQ(p.pos, (std::vector<int32_t>{5, 7, 6, 8, 7}));
+  // scatter inverts gather over the verify rows (rows 3..7, from the first one).
+  ASSERT_EQ(p.scatter.size(), 5u);
+  for (size_t k = 0; k < p.gather.size(); ++k) {
+    EXPECT_EQ(p.scatter[static_cast<size_t>(p.gather[k] - 3)], static_cast<int32_t>(k));
+  }
+  EXPECT_TRUE(spec_plan(StepBatch{}).gather.empty());
+}
+
+// The attention sees each verify row as a one-token row at its position, on its sequence's table; the others as
+// they are.
+TEST(AttentionRows, VerifyRowsBecomeSingleTokenRows) {
+  const AttentionRows a = attention_rows(verify_batch());
+  EXPECT_EQ(a.cu_seqlens, (std::vector<int32_t>{0, 3, 4, 5, 6, 7, 8, 9}));
+  EXPECT_EQ(a.context_lens, (std::vector<int32_t>{0, 5, 6, 7, 7, 8, 4}));
+  EXPECT_EQ(a.table_rows, (std::vector<int32_t>{0, 1, 1, 1, 2, 2, 3}));
+}
+
 }  // namespace
 }  // namespace chimera

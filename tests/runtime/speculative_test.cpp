@@ -204,6 +204,7 @@ struct RunResult {
   std::vector<std::vector<int32_t>> tokens;  // generated, per request in order
   SpeculativeStats stats;
   int64_t preemptions = 0;
+  int64_t graph_steps = 0;  // steps that replayed a CUDA graph
 };
 
 RunResult run(const Model& model, Device device, const EngineConfig& ec,
@@ -229,6 +230,7 @@ RunResult run(const Model& model, Device device, const EngineConfig& ec,
   }
   r.stats = engine.speculative_stats();
   r.preemptions = engine.num_preemptions();
+  r.graph_steps = engine.num_graph_steps();
   return r;
 }
 
@@ -241,6 +243,13 @@ EngineConfig config(int32_t k, int32_t max_seqs = 4, int32_t num_blocks = 0) {
   ec.scheduler.max_num_seqs = max_seqs;
   if (k > 0) ec.speculative = SpeculativeConfig{"mtp", k};
   return ec;
+}
+
+// The oracle's head computes its logits on the host, which no CUDA graph can capture: engines drafting with it run
+// eagerly (the real head's runs keep the default, captured speculative steps on CUDA).
+EngineConfig eager(EngineConfig c) {
+  c.cuda_graphs = false;
+  return c;
 }
 
 SamplingParams greedy(int32_t max_tokens) {
@@ -291,7 +300,8 @@ TEST_P(SpeculativeEngine, GreedyEqualsGreedyWithoutSpeculationInAMixedBatch) {
     for (size_t p = 0; p < 3; ++p) m.learn(reference(p));
     for (int32_t k : {1, 2, 3}) {
       SCOPED_TRACE(::testing::Message() << "K=" << k << " mode " << static_cast<int>(mode));
-      const RunResult r = run(m, GetParam(), config(k), fixture_.prompts, sampling);
+      const EngineConfig ec = mode == OracleModel::Mode::kRealHead ? config(k) : eager(config(k));
+      const RunResult r = run(m, GetParam(), ec, fixture_.prompts, sampling);
       for (size_t p = 0; p < 3; ++p) {
         const std::vector<int32_t> want(fixture_.greedy[p].begin(),
                                         fixture_.greedy[p].begin() + sampling[p].max_new_tokens);
@@ -314,7 +324,7 @@ TEST_P(SpeculativeEngine, StateRollbackUnderChosenDrafts) {
     for (size_t p = 0; p < 3; ++p) m.learn(reference(p));
     for (int32_t k : {1, 2, 3}) {
       SCOPED_TRACE(::testing::Message() << "K=" << k << " mode " << static_cast<int>(mode));
-      const RunResult r = run(m, GetParam(), config(k), fixture_.prompts, {greedy(32), greedy(32), greedy(32)});
+      const RunResult r = run(m, GetParam(), eager(config(k)), fixture_.prompts, {greedy(32), greedy(32), greedy(32)});
       for (size_t p = 0; p < 3; ++p) EXPECT_EQ(r.tokens[p], fixture_.greedy[p]) << "prompt " << p;
       const SpeculativeStats& s = r.stats;
       ASSERT_GT(s.num_draft_tokens, 0);
@@ -348,7 +358,7 @@ TEST_P(SpeculativeEngine, FinishingInsideAnAcceptedRun) {
     SamplingParams stop = greedy(32);
     stop.stop_token_ids = {fixture_.greedy[1][5]};
     const std::vector<SamplingParams> sampling = {greedy(6), stop, greedy(11)};
-    const RunResult with = run(m, GetParam(), config(k), fixture_.prompts, sampling);
+    const RunResult with = run(m, GetParam(), eager(config(k)), fixture_.prompts, sampling);
     const RunResult without = run(model(), GetParam(), config(0), fixture_.prompts, sampling);
     EXPECT_EQ(with.tokens, without.tokens);
     EXPECT_EQ(with.tokens[0].size(), 6u);
@@ -366,7 +376,8 @@ TEST_P(SpeculativeEngine, PreemptionInTheMiddleOfSpeculativeRuns) {
   for (int32_t k : {1, 3}) {
     SCOPED_TRACE(::testing::Message() << "K=" << k);
     // 128-token sequences need 8 blocks; the three together reach 6 + 6 + 6 blocks of 16 tokens.
-    const RunResult r = run(m, GetParam(), config(k, 3, 10), fixture_.prompts, {greedy(32), greedy(32), greedy(32)});
+    const RunResult r =
+        run(m, GetParam(), eager(config(k, 3, 10)), fixture_.prompts, {greedy(32), greedy(32), greedy(32)});
     EXPECT_GT(r.preemptions, 0);
     for (size_t p = 0; p < 3; ++p) EXPECT_EQ(r.tokens[p], fixture_.greedy[p]) << "prompt " << p;
   }
@@ -392,7 +403,7 @@ TEST_P(SpeculativeEngine, SamplingKeepsTheTargetDistribution) {
   // almost all on that token), which the target accepts with probability p(token).
   OracleModel oracle(model(), OracleModel::Mode::kAlwaysRight);
   oracle.learn(reference(0));
-  const RunResult with = run(oracle, GetParam(), config(2, batch), prompts, sampling);
+  const RunResult with = run(oracle, GetParam(), eager(config(2, batch)), prompts, sampling);
   const RunResult without = run(model(), GetParam(), config(0, batch), prompts, sampling);
   EXPECT_GT(with.stats.num_accepted_tokens, 0);
   EXPECT_LT(with.stats.num_accepted_tokens, with.stats.num_draft_tokens);
@@ -441,14 +452,14 @@ TEST_P(SpeculativeEngine, ChunkedPrefillModelLengthPenaltiesLogprobsAndAbort) {
   for (int32_t k : {1, 3}) {
     SCOPED_TRACE(::testing::Message() << "K=" << k);
     {  // a 16-token budget: the 37- and 53-token prompts prefill in chunks beside the others' verify steps
-      EngineConfig with = config(k), without = config(0);
+      EngineConfig with = eager(config(k)), without = config(0);
       with.scheduler.max_num_batched_tokens = without.scheduler.max_num_batched_tokens = 16;
       const std::vector<SamplingParams> sp = {greedy(32), greedy(32), greedy(32)};
       EXPECT_EQ(run(m, GetParam(), with, fixture_.prompts, sp).tokens,
                 run(model(), GetParam(), without, fixture_.prompts, sp).tokens);
     }
     {  // max_model_len 60: the 53-token prompt stops after 7 tokens, whatever its drafts
-      EngineConfig with = config(k), without = config(0);
+      EngineConfig with = eager(config(k)), without = config(0);
       with.cache.max_model_len = without.cache.max_model_len = 60;
       const std::vector<SamplingParams> sp = {greedy(32), greedy(32), greedy(32)};
       const RunResult a = run(m, GetParam(), with, fixture_.prompts, sp);
@@ -460,7 +471,7 @@ TEST_P(SpeculativeEngine, ChunkedPrefillModelLengthPenaltiesLogprobsAndAbort) {
       pen.repetition_penalty = 1.5f;
       pen.frequency_penalty = 0.3f;
       const std::vector<SamplingParams> sp = {pen, pen, pen};
-      EXPECT_EQ(run(m, GetParam(), config(k), fixture_.prompts, sp).tokens,
+      EXPECT_EQ(run(m, GetParam(), eager(config(k)), fixture_.prompts, sp).tokens,
                 run(model(), GetParam(), config(0), fixture_.prompts, sp).tokens);
     }
     {  // logprobs: the emitted tokens' log-probabilities and top 3, as without speculation
@@ -468,7 +479,8 @@ TEST_P(SpeculativeEngine, ChunkedPrefillModelLengthPenaltiesLogprobsAndAbort) {
       lp.logprobs = 3;
       std::vector<std::vector<TokenEvent>> evs(2);
       for (int32_t kk : {0, k}) {
-        Engine e(kk == 0 ? static_cast<const Model&>(model()) : m, ops::Context{GetParam(), nullptr}, config(kk));
+        Engine e(kk == 0 ? static_cast<const Model&>(model()) : m, ops::Context{GetParam(), nullptr},
+                 kk == 0 ? config(0) : eager(config(kk)));
         e.add_request(fixture_.prompts[1], lp);
         while (e.has_unfinished()) {
           for (TokenEvent& ev : e.step()) evs[kk == 0 ? 0 : 1].push_back(std::move(ev));
@@ -487,7 +499,7 @@ TEST_P(SpeculativeEngine, ChunkedPrefillModelLengthPenaltiesLogprobsAndAbort) {
       }
     }
     {  // an abort after three steps frees the sequence's slots (spare ones too); the others go on unchanged
-      Engine e(m, ops::Context{GetParam(), nullptr}, config(k));
+      Engine e(m, ops::Context{GetParam(), nullptr}, eager(config(k)));
       std::vector<int32_t> ids;
       for (size_t p = 0; p < 3; ++p) ids.push_back(e.add_request(fixture_.prompts[p], greedy(32)));
       for (int s = 0; s < 3; ++s) e.step();
@@ -499,6 +511,35 @@ TEST_P(SpeculativeEngine, ChunkedPrefillModelLengthPenaltiesLogprobsAndAbort) {
       EXPECT_EQ(by_id[ids[0]], fixture_.greedy[0]);
       EXPECT_EQ(by_id[ids[2]], fixture_.greedy[2]);
     }
+  }
+}
+
+// Captured speculative steps (CUDA graphs, the default) against eager ones, with the real head: K = 1, 2, 3, each
+// prompt alone and the three together with different max_tokens (so buckets carry pad sequences, and sequences
+// leave the batch mid-run): the reference tokens, the same acceptance counts as the eager engine, and most steps
+// replayed.
+TEST_P(SpeculativeEngine, CapturedStepsEqualEagerSteps) {
+  if (GetParam() != Device::kCuda) GTEST_SKIP() << "CUDA graphs";
+  const std::vector<SamplingParams> sampling = {greedy(32), greedy(17), greedy(25)};
+  for (int32_t k : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "K=" << k);
+    for (size_t p = 0; p < fixture_.prompts.size(); ++p) {
+      const RunResult g = run(model(), GetParam(), config(k, 1), {fixture_.prompts[p]}, {greedy(32)});
+      const RunResult e = run(model(), GetParam(), eager(config(k, 1)), {fixture_.prompts[p]}, {greedy(32)});
+      EXPECT_EQ(g.tokens[0], fixture_.greedy[p]) << "prompt " << p;
+      EXPECT_EQ(g.stats.summary(), e.stats.summary()) << "prompt " << p;
+      EXPECT_GT(g.graph_steps, 0) << "prompt " << p;
+      EXPECT_EQ(e.graph_steps, 0);
+    }
+    const RunResult g = run(model(), GetParam(), config(k), fixture_.prompts, sampling);
+    const RunResult e = run(model(), GetParam(), eager(config(k)), fixture_.prompts, sampling);
+    EXPECT_EQ(g.tokens, e.tokens);
+    for (size_t p = 0; p < 3; ++p) {
+      EXPECT_EQ(g.tokens[p], std::vector<int32_t>(fixture_.greedy[p].begin(),
+                                                  fixture_.greedy[p].begin() + sampling[p].max_new_tokens));
+    }
+    EXPECT_EQ(g.stats.summary(), e.stats.summary());
+    EXPECT_GT(g.graph_steps, 0);
   }
 }
 

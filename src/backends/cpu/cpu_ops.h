@@ -81,6 +81,8 @@ std::vector<float> sampling_probs(std::span<const float> logits, const ops::Samp
                                   std::span<const ops::PenaltyToken> penalties);
 void sample_tokens(const ops::SamplingOutputs& out, const Tensor& logits, std::span<const ops::SamplingRow> rows,
                    std::span<const ops::PenaltyToken> penalty_tokens);
+void accept_drafts_greedy(const Tensor& accepted, const Tensor& head_rows, const Tensor& draft_context,
+                          const Tensor& tokens, const Tensor& targets, const Tensor& context_lens);
 // The raw log-softmax of one given token of a row (sample_row's logprob for that token), its rank (1 + the number
 // of tokens with a larger logit) and the row's k most likely tokens with theirs (ties: lower id first).
 struct TokenLogprobs {

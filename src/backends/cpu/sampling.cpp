@@ -193,6 +193,22 @@ void sample_tokens(const ops::SamplingOutputs& out, const Tensor& logits, std::s
   }
 }
 
+void accept_drafts_greedy(const Tensor& accepted, const Tensor& head_rows, const Tensor& draft_context,
+                          const Tensor& tokens, const Tensor& targets, const Tensor& context_lens) {
+  const int64_t n = accepted.dim(0), w = tokens.dim(0) / n, k = w - 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t* tok = tokens.i32() + i * w;
+    const int32_t* tgt = targets.i32() + i * w;
+    int32_t a = 0;
+    while (a < k && tok[a + 1] == tgt[a]) ++a;  // draft a is the token after row a
+    accepted.i32()[i] = a;
+    head_rows.i32()[i] = static_cast<int32_t>(i * w) + a;
+    for (int64_t d = 0; d + 1 < k; ++d) {
+      draft_context.i32()[d * n + i] = context_lens.i32()[i] + a + static_cast<int32_t>(d) + 1;
+    }
+  }
+}
+
 TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int32_t k) {
   CHIMERA_CHECK(!logits.empty() && token >= 0 && static_cast<size_t>(token) < logits.size(),
                 "token_logprobs: token {} outside a row of {} logits", token, logits.size());

@@ -91,5 +91,8 @@ void local_expert_ids(const ops::Context& ctx, const Tensor& ids, int64_t first,
 // sampling/ (sampling.cu)
 void sample_tokens(const ops::Context& ctx, const ops::SamplingOutputs& out, const Tensor& logits,
                    std::span<const ops::SamplingRow> rows, std::span<const ops::PenaltyToken> penalty_tokens);
+void accept_drafts_greedy(const ops::Context& ctx, const Tensor& accepted, const Tensor& head_rows,
+                          const Tensor& draft_context, const Tensor& tokens, const Tensor& targets,
+                          const Tensor& context_lens);
 
 }  // namespace chimera::cuda

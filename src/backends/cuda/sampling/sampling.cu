@@ -61,7 +61,7 @@ struct SampleParams {
   int32_t* out_ids;              // [R]
   const float* logits;           // [R, V] what the sampler samples: the penalised copy, or the raw logits
   const float* raw;              // [R, V] the raw logits (logprobs, the non-finite flag)
-  const ops::SamplingRow* rows;  // [R] device copy of the host parameters
+  const ops::SamplingRow* rows;  // [R] device copy of the host parameters, or null: every row greedy
   int vocab;
   float* logprobs;               // [R] or null
   int32_t* top_ids;              // [R, top_k_stride] or null
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const SampleParams p) 
   const float* raw = p.raw + r * V;
   pdl_wait();  // PDL: the logits are the lm_head's (or the penalty kernel's) output, the rows uploaded this step
   pdl_trigger();
-  const ops::SamplingRow row = p.rows[r];
+  const ops::SamplingRow row = p.rows != nullptr ? p.rows[r] : ops::SamplingRow{};  // none: greedy
   const int tid = threadIdx.x;
 
   bool bad = false;
@@ -556,7 +556,52 @@ int greedy_splits(int64_t R, int64_t V) {
   return static_cast<int>(std::max<int64_t>(1, std::min(want, most)));
 }
 
+// ---- greedy acceptance of a verify step (ops::accept_drafts_greedy) -------------------------------------------
+struct AcceptParams {
+  int32_t* accepted;            // [n]
+  int32_t* head_rows;           // [n]
+  int32_t* draft_context;       // [k - 1, n] or null
+  const int32_t* tokens;        // [n (k + 1)]
+  const int32_t* targets;       // [n (k + 1)]
+  const int32_t* context_lens;  // [n]
+  int n, k;
+};
+
+// One thread per sequence: k is a handful of drafts, n at most a few hundred sequences.
+__global__ void accept_drafts_kernel(const AcceptParams p) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  pdl_wait();  // the targets are the previous kernel's
+  pdl_trigger();
+  if (i >= p.n) return;
+  const int w = p.k + 1;
+  const int32_t* tok = p.tokens + static_cast<int64_t>(i) * w;
+  const int32_t* tgt = p.targets + static_cast<int64_t>(i) * w;
+  int a = 0;
+  while (a < p.k && tok[a + 1] == tgt[a]) ++a;
+  p.accepted[i] = a;
+  p.head_rows[i] = i * w + a;
+  for (int d = 0; d + 1 < p.k; ++d) p.draft_context[d * p.n + i] = p.context_lens[i] + a + d + 1;
+}
+
 }  // namespace
+
+void accept_drafts_greedy(const ops::Context& ctx, const Tensor& accepted, const Tensor& head_rows,
+                          const Tensor& draft_context, const Tensor& tokens, const Tensor& targets,
+                          const Tensor& context_lens) {
+  const int n = static_cast<int>(accepted.dim(0));
+  const AcceptParams p{accepted.data_as<int32_t>(),
+                       head_rows.data_as<int32_t>(),
+                       draft_context && draft_context.numel() > 0 ? draft_context.data_as<int32_t>() : nullptr,
+                       tokens.data_as<const int32_t>(),
+                       targets.data_as<const int32_t>(),
+                       context_lens.data_as<const int32_t>(),
+                       n,
+                       static_cast<int>(tokens.dim(0) / n) - 1};
+  constexpr int kBlock = 128;
+  CHIMERA_CUDA_CHECK(launch(accept_drafts_kernel, dim3(static_cast<unsigned>(ceil_div(n, kBlock))), dim3(kBlock), 0,
+                            as_stream(ctx.stream), p),
+                     "ops::accept_drafts_greedy");
+}
 
 void sample_tokens(const ops::Context& ctx, const ops::SamplingOutputs& out, const Tensor& logits,
                    std::span<const ops::SamplingRow> rows, std::span<const ops::PenaltyToken> penalty_tokens) {
@@ -592,8 +637,12 @@ void sample_tokens(const ops::Context& ctx, const ops::SamplingOutputs& out, con
     CHIMERA_CUDA_CHECK(launch(greedy_split_kernel, grid, dim3(kThreads), 0, stream, g), op);
     return;
   }
-  const auto* rows_device =
-      static_cast<const ops::SamplingRow*>(upload_scratch(rows.data(), rows.size_bytes(), stream, kRowsScratchSlot));
+  // Greedy rows without penalties or logprobs need no parameters (the default SamplingRow): nothing is uploaded, so
+  // the launch can be graph-captured at any row count.
+  const bool plain_greedy = all_greedy && !any_penalty && !want_logprobs;
+  const auto* rows_device = plain_greedy ? nullptr
+                                         : static_cast<const ops::SamplingRow*>(upload_scratch(
+                                               rows.data(), rows.size_bytes(), stream, kRowsScratchSlot));
   // Penalties rewrite a copy of the logits (logprobs stay those of the raw rows).
   Tensor penalised;
   if (any_penalty) {
