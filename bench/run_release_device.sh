@@ -41,6 +41,10 @@
 #             CUDA, bf16) once per SPEC_MODES entry (default off,mtp1,mtp3: no drafts, the MTP head with 1 and 3
 #             drafts), each running chimera bench serve over random 128-token prompts, 256 tokens out, at
 #             SPEC_CONCURRENCY (default 1,16,64; 4c prompts, at least 8); logs, JSON and the servers' /metrics in $OUT
+#   spec-verify the verify step against the 1-token step: chimera bench on SPEC_MODEL (default the Super shape) at
+#             SPEC_LAYERS (default 40) layers with its random MTP head, eagerly so the verify is timed apart from the
+#             drafting, one process per K in SPEC_KS (default 0,1,2,3), decode at SPEC_BATCHES (default 1,64) after
+#             1K-token prompts; JSON and logs per K in $OUT
 # Every step prints a line starting with "== " and the elapsed seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -220,6 +224,18 @@ for step in "$@"; do
       done
       curl -s "http://127.0.0.1:$port/metrics" >"$OUT/spec_metrics_$mode.txt"
       kill -INT "$spid"; wait "$spid"; echo "serve exit $?"
+    done ;;
+  spec-verify)
+    # One process per K: eager (--no-cuda-graphs), so chimera bench splits each step into the verify (K + 1 tokens
+    # a sequence) and the head's drafting; with a random head nothing is accepted.
+    for k in $(echo "${SPEC_KS:-0,1,2,3}" | tr , ' '); do
+      flags=()
+      [ "$k" -gt 0 ] && flags=(--speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}")
+      timeout "${SPEC_VERIFY_TIMEOUT:-200}" ./build-dev/chimera bench --synthetic "${SPEC_MODEL:-nemotron-3-super-120b-a12b}" \
+        --num-layers "${SPEC_LAYERS:-40}" --device cuda --input-lens 128 --batch-sizes "${SPEC_BATCHES:-1,64}" \
+        --decode-context 1024 --decode-steps 8 --no-cuda-graphs "${flags[@]}" --json-out "$OUT/spec_verify_k$k.json" \
+        2>&1 | tee "$OUT/spec_verify_k$k.log" | grep -E "^ +[0-9]+ +[0-9.]+ |speculative K|fit|rror"
+      el "verify K = $k"
     done ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
