@@ -250,7 +250,7 @@ void Engine::stage_spec(SpecGraph& g, const StepBatch& b) const {
   CHIMERA_CHECK(B <= n && n - B <= cache_.sizes().num_pad,
                 "a verify step of {} sequences on the graph of {} ({} pad slots)", B, n, cache_.sizes().num_pad);
   const int64_t max_blocks = cache_.blocks_per_seq();
-  // The batch padded to n sequences: pad sequence j is k + 1 rows of token 0 on no context, every row stepping its
+  // The batch padded to n sequences: pad sequence j is K + 1 rows of token 0 on no context, every row stepping its
   // own scratch slot in place (source and destination alike) and writing its scratch block only (2K <= block_size).
   StepBatch pb;
   pb.token_ids = b.token_ids;
