@@ -163,7 +163,11 @@ struct Runner {
   // Caches and workspace of an engine for these limits (the weights are loaded already), or "" when they fit.
   std::string does_not_fit(int32_t seqs, int32_t model_len) const {
     MemoryLimits lim;
-    if (ctx.device == Device::kCuda && o.cuda_graphs) lim.graph_pad_rows = cuda_graph_pad_rows(cuda_graph_batch_sizes(seqs));
+    if (ctx.device == Device::kCuda && o.cuda_graphs) {  // the engine's buckets (runtime/engine.h)
+      const int32_t k = speculative_config_from_flag(o.speculative_config).num_speculative_tokens;
+      lim.graph_pad_rows = cuda_graph_pad_rows(k > 0 ? speculative_graph_batch_sizes(seqs, k, CacheSizes{}.block_size)
+                                                     : cuda_graph_batch_sizes(seqs));
+    }
     lim.max_num_seqs = seqs;
     lim.max_model_len = model_len;
     lim.max_tokens_per_step = std::min(sched_defaults.max_num_batched_tokens, model_len);

@@ -165,7 +165,7 @@ int run_serve(const ServeOptions& o) {
     req.prefix_caching = o.enable_prefix_caching;
     req.mamba_checkpoint_interval = o.mamba_checkpoint_interval;
     req.mamba_checkpoint_slots = o.mamba_checkpoint_slots;
-    req.cuda_graphs = ec.cuda_graphs && !ec.speculative.enabled() && model.tensor_parallel_size() == 1;
+    req.cuda_graphs = ec.cuda_graphs && model.tensor_parallel_size() == 1;  // as the engine captures them
     const DType act = model.activation_dtype();
     // One rank's caches on one rank's GPU (every rank holds the same sizes: its heads, whole logits rows), after
     // that rank's weights as the GPU holds them (quantized layers as stored), on the GPU with the least free memory.

@@ -42,6 +42,16 @@ std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_num_seqs) {
   return sizes;
 }
 
+std::vector<int32_t> speculative_graph_batch_sizes(int32_t max_num_seqs, int32_t num_speculative_tokens,
+                                                   int32_t block_size) {
+  const int32_t K = num_speculative_tokens;
+  CHIMERA_CHECK(K >= 1, "speculative graph batch sizes for {} drafts", K);
+  if (2 * int64_t{K} > block_size) return {};
+  std::vector<int32_t> sizes = cuda_graph_batch_sizes(max_num_seqs);
+  std::erase_if(sizes, [K](int32_t n) { return int64_t{n} * (K + 1) > kMaxSpeculativeGraphRows; });
+  return sizes;
+}
+
 int32_t cuda_graph_pad_rows(const std::vector<int32_t>& buckets) {
   int32_t widest = 0, previous = 0;
   for (int32_t b : buckets) {
@@ -121,10 +131,15 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
   // buffer: the pool holds about the workspace of the largest bucket. A quarter on top covers the blocks that a
   // smaller capture cannot reuse (its requests fall between two sizes the larger capture freed).
   // The step workspace grows with the batch, so the largest bucket's is the largest.
+  // A speculative engine's graphs are whole steps of n sequences of K + 1 rows each.
+  const int32_t K = r.num_speculative_tokens;
+  std::vector<int32_t> buckets;
   if (r.cuda_graphs) {
-    const std::vector<int32_t> buckets = cuda_graph_batch_sizes(want);
+    buckets = K > 0 ? speculative_graph_batch_sizes(want, K, r.block_size) : cuda_graph_batch_sizes(want);
+  }
+  if (!buckets.empty()) {
     lim.max_num_seqs = buckets.back();
-    lim.max_tokens_per_step = buckets.back();
+    lim.max_tokens_per_step = buckets.back() * (K + 1);
     const size_t largest = plan_memory(c, act_dtype, act_dtype, lim).workspace;
     p.graphs = add(largest, largest / 4, "graph allowance");
   }
@@ -140,7 +155,7 @@ CacheSizingPlan size_caches(const ModelConfig& c, DType act_dtype, size_t weight
     p.block_bytes = add(p.block_bytes, kv_block_bytes(head, act_dtype, r.block_size, r.kv_cache_fp8), "KV block");
   }
   // The graphs' pad rows each own a scratch Mamba slot and KV block (StateCache, CacheSizes::num_pad).
-  p.pad_rows = r.cuda_graphs ? cuda_graph_pad_rows(cuda_graph_batch_sizes(want)) : 0;
+  p.pad_rows = cuda_graph_pad_rows(buckets);
   const size_t pad_bytes = mul(static_cast<size_t>(p.pad_rows), add(p.slot_bytes, p.block_bytes, "pad row"),
                                "CUDA-graph pad scratch");
   const size_t overhead = add(add(p.workspace, p.graphs, "workspace + graphs"), pad_bytes, "graphs' pad scratch");

@@ -39,7 +39,9 @@ struct CacheSizingRequest {
   int32_t max_model_len = 4096;
   int32_t max_num_batched_tokens = 2048;
   int32_t block_size = 16;
-  bool cuda_graphs = true;  // reserve the graphs' allowance (decode buckets up to max_num_seqs)
+  // Reserve the graphs' allowance and pad scratch: decode buckets up to max_num_seqs, or with speculative decoding
+  // the speculative steps' buckets (speculative_graph_batch_sizes).
+  bool cuda_graphs = true;
   DType ssm_dtype = DType::kF32;  // the SSM state's dtype (--mamba-ssm-cache-dtype): its bytes per slot
   bool kv_cache_fp8 = false;      // --kv-cache-dtype fp8: one byte per K / V element
   // Speculative decoding's K (0: off): each sequence's slot_bytes include its K + 1 spare Mamba slots, and a block's
@@ -99,6 +101,14 @@ struct CacheSizingPlan {
 // The decode batch sizes the engine captures CUDA graphs for, ascending, ending at max_num_seqs:
 // 1, 2, 4, 8, then every multiple of 8 up to 256, then of 16 (vLLM's capture sizes), capped.
 std::vector<int32_t> cuda_graph_batch_sizes(int32_t max_num_seqs);
+// A captured speculative step's rows at most (runtime/engine.h): its logits, in the activation dtype and then fp32
+// for the sampler, are the largest part of the graph pool.
+inline constexpr int64_t kMaxSpeculativeGraphRows = 512;
+// The batch sizes (sequences) a speculative engine captures whole steps for, K = num_speculative_tokens >= 1 drafts
+// each: the decode buckets whose n (K + 1) rows are at most kMaxSpeculativeGraphRows; none when 2K > block_size (a
+// pad sequence's draft steps write the head's KV up to position 2K - 1 of its one scratch block).
+std::vector<int32_t> speculative_graph_batch_sizes(int32_t max_num_seqs, int32_t num_speculative_tokens,
+                                                   int32_t block_size);
 // The most pad rows a decode step of B rows carries when it replays the smallest bucket >= B: the widest gap
 // between consecutive buckets (and between 0 and the first) less one. Buckets ascending; empty -> 0.
 //   {1, 2, 4, 8, 16, 20} -> 7 (B = 9 replays 16);  vLLM's sizes past 256 -> 15

@@ -29,21 +29,13 @@ bool graphs_allowed(const EngineConfig& c, Device device, const Model& model) {
   return device == Device::kCuda && c.cuda_graphs && model.tensor_parallel_size() == 1;
 }
 
-// A captured speculative step's rows at most: its logits (bf16, then fp32 for the sampler) are the largest part of
-// the graph pool, R x vocab x 6 bytes.
-constexpr int64_t kMaxSpecGraphRows = 512;
-
-// The graph buckets: vLLM's sizes up to the largest decode batch the scheduler can form. With speculative decoding,
-// buckets of verify sequences: those whose n (K + 1) rows fit kMaxSpecGraphRows, and none when a pad sequence's
-// draft steps would leave its one scratch block (they write up to position 2K - 1).
+// The graph buckets: vLLM's sizes up to the largest decode batch the scheduler can form, or with speculative
+// decoding the speculative steps' buckets (runtime/cache_sizing.h).
 std::vector<int32_t> graph_buckets(const EngineConfig& c, Device device, const Model& model) {
   if (!graphs_allowed(c, device, model)) return {};
-  std::vector<int32_t> sizes = cuda_graph_batch_sizes(std::min(c.scheduler.max_num_seqs, c.cache.max_seqs));
-  if (!c.speculative.enabled()) return sizes;
-  const int32_t K = c.speculative.num_speculative_tokens;
-  if (2 * K > c.cache.block_size) return {};
-  std::erase_if(sizes, [K](int32_t n) { return int64_t{n} * (K + 1) > kMaxSpecGraphRows; });
-  return sizes;
+  const int32_t most = std::min(c.scheduler.max_num_seqs, c.cache.max_seqs);
+  if (!c.speculative.enabled()) return cuda_graph_batch_sizes(most);
+  return speculative_graph_batch_sizes(most, c.speculative.num_speculative_tokens, c.cache.block_size);
 }
 
 // The caches as configured, plus a scratch slot and block for each pad row a bucket can carry, and with speculative

@@ -55,6 +55,47 @@ TEST(CacheSizing, GraphPadRowsAreTheWidestGapBetweenBucketsLessOne) {
   EXPECT_THROW(cuda_graph_pad_rows({2, 1}), Error);  // not ascending
 }
 
+// A speculative engine captures whole steps of n sequences x (K + 1) rows: the decode buckets up to 512 rows, none
+// when a pad sequence's draft steps would leave its scratch block (2K > block size).
+TEST(CacheSizing, SpeculativeGraphBatchSizesKeepTheirRowsWithin512) {
+  EXPECT_EQ(speculative_graph_batch_sizes(4, 1, 16), (std::vector<int32_t>{1, 2, 4}));
+  EXPECT_EQ(speculative_graph_batch_sizes(64, 3, 16), cuda_graph_batch_sizes(64));  // 64 x 4 = 256 rows
+  const std::vector<int32_t> k3 = speculative_graph_batch_sizes(1024, 3, 16);
+  EXPECT_EQ(k3.back(), 128);  // 128 x 4 = 512 rows
+  EXPECT_EQ(k3.size(), 3u + 16u);
+  EXPECT_EQ(speculative_graph_batch_sizes(1024, 1, 16).back(), 256);
+  EXPECT_EQ(speculative_graph_batch_sizes(1024, 8, 16).back(), 56);  // 56 x 9 = 504
+  EXPECT_TRUE(speculative_graph_batch_sizes(64, 9, 16).empty());     // 18 positions > a 16-token block
+  EXPECT_EQ(speculative_graph_batch_sizes(8, 9, 32), cuda_graph_batch_sizes(8));
+  EXPECT_THROW(speculative_graph_batch_sizes(8, 0, 16), Error);
+}
+
+// The cache sizing reserves the graphs a speculative engine captures: the pool of its largest step (n sequences of
+// K + 1 rows) and the pad scratch of its buckets, each pad slot with its spare slots.
+TEST(CacheSizing, SpeculativeGraphsAreReserved) {
+  const ModelConfig c = tiny();
+  CacheSizingRequest r;
+  r.max_num_seqs = 8;
+  r.max_model_len = 1000;
+  r.max_num_batched_tokens = 512;
+  r.num_speculative_tokens = 3;
+  const CacheSizingPlan p = size_caches(c, DType::kBF16, 0, {8 * kGiB, 10 * kGiB}, r);
+  MemoryLimits largest;
+  largest.max_num_seqs = 8;
+  largest.max_model_len = 1000;
+  largest.max_tokens_per_step = 8 * 4;
+  largest.block_size = 16;
+  const size_t ws = plan_memory(c, DType::kBF16, DType::kBF16, largest).workspace;
+  EXPECT_EQ(p.graphs, ws + ws / 4);
+  EXPECT_EQ(p.pad_rows, 3);                                        // buckets 1, 2, 4, 8
+  EXPECT_EQ(p.slot_bytes, 5 * mamba_slot_bytes(c, DType::kBF16));  // the slot and its K + 1 spares
+  // Drafts that no captured step takes (2K > the block size): nothing reserved.
+  r.num_speculative_tokens = 9;
+  const CacheSizingPlan none = size_caches(c, DType::kBF16, 0, {8 * kGiB, 10 * kGiB}, r);
+  EXPECT_EQ(none.graphs, 0u);
+  EXPECT_EQ(none.pad_rows, 0);
+}
+
 TEST(CacheSizing, PerSlotAndPerBlockBytesMatchWhatStateCacheAllocates) {
   const ModelConfig c = tiny();
   // 3 slots and 5 blocks of 16, allocated for real (CPU, F32): the bytes split exactly into slots and blocks.
