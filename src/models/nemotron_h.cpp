@@ -320,8 +320,6 @@ Tensor NemotronH::forward(const ops::Context& ctx, const StepBatch& b, ModelStat
   return ctx.device == Device::kCpu ? logits : device::to_host_f32(logits);
 }
 
-namespace {}  // namespace
-
 NemotronH::AttentionView NemotronH::attention_view(const ops::Context& ctx, const StepBatch& b) {
   AttentionView v;
   const StepBatch::DeviceMeta* dm = b.device_meta;
@@ -496,7 +494,8 @@ Tensor NemotronH::forward_impl(const ops::Context& ctx, const StepBatch& b, Mode
                   tp_.size);
   }
   Stream s = stream(ctx, b.num_tokens(), w_.layers);
-  s.spec = spec_plan(b);  // once for all Mamba and attention layers of the step
+  // Once for all layers of the step: the Mamba layers' verify plan and the attention layers' rows.
+  s.spec = spec_plan(b);
   s.attn = attention_view(ctx, b);
   embed(ctx, s.h, ops::Indices(b.token_ids, dm ? dm->token_ids : nullptr));
   ops::rms_norm(ctx, s.x, s.h, w_.layers.empty() ? w_.norm_f : w_.layers[0].norm, config_.layer_norm_epsilon);

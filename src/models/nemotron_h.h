@@ -106,7 +106,8 @@ class NemotronH : public Model {
   static AttentionView attention_view(const ops::Context& ctx, const StepBatch& batch);
   // The residual stream of one decoder stack: h and h_next its two buffers (a residual step folded into the next
   // layer's first dense op writes the other one), x the current mixer's normed input, mix and routed the mixer's
-  // outputs (routed: a MoE layer's routed experts, added in the norm kernel); spec the step's verify plan.
+  // outputs (routed: a MoE layer's routed experts, added in the norm kernel); spec the step's verify plan (Mamba),
+  // attn its attention rows.
   struct Stream {
     Tensor h, h_next, x, mix, routed;
     SpecPlan spec;
