@@ -762,7 +762,8 @@ std::vector<TokenEvent> Engine::step() {
       }
       emitted = accept_greedy(s.drafts, targets);
       if (spec_graph) {  // the graph drafted on from its own acceptance, which must be this one
-        const size_t i = static_cast<size_t>(std::find(seqs.begin(), seqs.end(), &s) - seqs.begin());
+        // Every row of a captured step is a verify row, K + 1 a sequence in batch order.
+        const size_t i = rows.front() / static_cast<size_t>(config_.speculative.num_speculative_tokens + 1);
         CHIMERA_CHECK(static_cast<int32_t>(emitted.size()) - 1 == spec_out.accepted[i],
                       "sequence {}: the captured step accepted {} drafts, the host {}", s.id, spec_out.accepted[i],
                       emitted.size() - 1);

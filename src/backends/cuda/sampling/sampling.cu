@@ -620,7 +620,10 @@ void sample_tokens(const ops::Context& ctx, const ops::SamplingOutputs& out, con
     any_penalty = any_penalty || row.penalty_end > row.penalty_begin;
   }
   const bool want_logprobs = static_cast<bool>(out.logprobs) || static_cast<bool>(out.top_ids);
-  const int splits = all_greedy && !any_penalty && !want_logprobs ? greedy_splits(R, V) : 1;
+  // Greedy rows without penalties or logprobs need no parameters (the default SamplingRow): nothing is uploaded, so
+  // the launch can be graph-captured at any row count.
+  const bool plain_greedy = all_greedy && !any_penalty && !want_logprobs;
+  const int splits = plain_greedy ? greedy_splits(R, V) : 1;
   if (splits > 1) {  // no row parameters needed: nothing to upload (and the launch can be graph-captured)
     if (out.nonfinite) {
       CHIMERA_CUDA_CHECK(cudaMemsetAsync(out.nonfinite.data(), 0, out.nonfinite.nbytes(), stream), op);
@@ -637,9 +640,6 @@ void sample_tokens(const ops::Context& ctx, const ops::SamplingOutputs& out, con
     CHIMERA_CUDA_CHECK(launch(greedy_split_kernel, grid, dim3(kThreads), 0, stream, g), op);
     return;
   }
-  // Greedy rows without penalties or logprobs need no parameters (the default SamplingRow): nothing is uploaded, so
-  // the launch can be graph-captured at any row count.
-  const bool plain_greedy = all_greedy && !any_penalty && !want_logprobs;
   const auto* rows_device = plain_greedy ? nullptr
                                          : static_cast<const ops::SamplingRow*>(upload_scratch(
                                                rows.data(), rows.size_bytes(), stream, kRowsScratchSlot));
